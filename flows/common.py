@@ -1,0 +1,24 @@
+"""What every flow shares: accepting the config in any form, and writing it beside a stage's output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kdflow.config import KDFlowConfig, config_from_dict, dump_config, load_config
+from schemas.commits import CONFIG_FILE
+from schemas.storage import RunRoot
+
+
+def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:
+    """Flows take the typed config, a plain dict (deployment parameters) or a YAML path."""
+    if isinstance(config, KDFlowConfig):
+        return config
+    if isinstance(config, str):
+        return load_config(config)
+    return config_from_dict(config, source="flow parameter 'config'")
+
+
+def write_stage_config(config: KDFlowConfig, store: str) -> None:
+    """The resolved config, beside the stage's output: what made these files, readable by people."""
+    run_root = RunRoot(config.run_root)
+    run_root.write_bytes_atomic(f"{store}/{CONFIG_FILE}", dump_config(config).encode())

@@ -1,0 +1,46 @@
+"""Flow `materialise`: documents from the hub or files into committed Parquet parts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+
+from flows.common import as_config, write_stage_config
+from kdflow.config import KDFlowConfig
+from schemas.commits import stage_dir
+from schemas.storage import RunRoot
+from tasks.corpus import materialise
+from tasks.progress import Progress
+from tasks.tokenise import load_tokenizer
+
+
+@task(name="materialise-corpus", cache_policy=NONE)
+def materialise_corpus(config: KDFlowConfig) -> dict[str, Any]:
+    count_tokens = None
+    if config.dataset.max_tokens is not None:
+        tokenizer = load_tokenizer(config)
+
+        def count_tokens(texts: list[str]) -> list[int]:
+            encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            return [len(ids) + 1 for ids in encoded]  # + the EOS that joins documents
+
+    run_root = RunRoot(config.run_root)
+    run_root.ensure_writable()
+    write_stage_config(config, stage_dir(run_root, "corpus"))
+    progress = Progress("materialise", None, unit="part")
+    try:
+        summary = materialise(config, count_tokens, on_part=lambda r: progress.update(1, r.tokens))
+    finally:
+        progress.close()
+    result = asdict(summary) | {"seconds": progress.elapsed}
+    get_run_logger().info("materialise: %d parts, %d documents (%d written now, %d empty skipped) in %.1f s",
+                          summary.parts, summary.documents, summary.parts_written, summary.skipped_empty, progress.elapsed)
+    return result
+
+
+@flow(name="materialise", log_prints=True)
+def materialise_flow(config: KDFlowConfig) -> dict[str, Any]:
+    return materialise_corpus(as_config(config))

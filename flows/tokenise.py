@@ -1,0 +1,38 @@
+"""Flow `tokenise`: corpus parts into packed fixed-length token shards."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+
+from flows.common import as_config, write_stage_config
+from kdflow.config import KDFlowConfig
+from schemas.commits import stage_dir
+from schemas.storage import RunRoot
+from tasks.progress import Progress
+from tasks.tokenise import load_tokenizer, tokenise
+
+
+@task(name="tokenise-corpus", cache_policy=NONE)
+def tokenise_corpus(config: KDFlowConfig) -> dict[str, Any]:
+    tokenizer = load_tokenizer(config)
+    write_stage_config(config, stage_dir(RunRoot(config.run_root), "tokens"))
+    progress = Progress("tokenise", None, unit="shard")
+    try:
+        summary = tokenise(config, tokenizer, on_shard=lambda r: progress.update(1, r.tokens))
+    finally:
+        progress.close()
+    get_run_logger().info(
+        "tokenise: %d shards, %d sequences, %s tokens (%d written now, %d tail tokens dropped), %.0f tok/s",
+        summary.shards, summary.sequences, f"{summary.tokens:,}", summary.shards_written, summary.dropped_tokens,
+        summary.tokens / max(summary.seconds, 1e-9) if summary.shards_written else 0.0,
+    )
+    return asdict(summary)
+
+
+@flow(name="tokenise", log_prints=True)
+def tokenise_flow(config: KDFlowConfig) -> dict[str, Any]:
+    return tokenise_corpus(as_config(config))

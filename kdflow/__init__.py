@@ -1,0 +1,1 @@
+"""kdflow: offline knowledge distillation with cached teacher top-K, orchestrated by Prefect."""

@@ -1,0 +1,5 @@
+import sys
+
+from kdflow.cli import main
+
+sys.exit(main())

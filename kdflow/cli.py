@@ -1,0 +1,126 @@
+"""The `kdflow` command line. Subcommands import their code lazily so `kdflow --help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from kdflow.errors import KDFlowError
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    import yaml
+
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--set expects KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import pipeline_flow
+    from kdflow.config import load_config
+
+    config = load_config(args.config, dict(args.set or []))
+    pipeline_flow(config, stages=args.stages.split(",") if args.stages else None)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kdflow.demo import run_demo
+
+    return run_demo(run_root=args.run_root, quick=args.quick)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from kdflow.status import print_status
+
+    return print_status(args.run_root)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from kdflow.validate import validate_run_root
+
+    return validate_run_root(args.run_root)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from tasks.chat import chat_main
+
+    return chat_main(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "precompute":
+        from kdflow.bench_precompute import main
+    elif args.what == "loss":
+        from kdflow.bench_loss import main
+    else:
+        from kdflow.bench_tokenise import main
+    return main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kdflow", description="Offline knowledge distillation: cached teacher top-K, "
+                                     "fused chunked KL student training, orchestrated by Prefect.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="the whole pipeline on the embedded default (real small teacher, no server)")
+    demo.add_argument("--run-root", default="runs/demo")
+    demo.add_argument("--quick", action="store_true", help="a reduced budget (used by the tests)")
+    demo.set_defaults(func=_cmd_demo)
+
+    run = sub.add_parser("run", help="run the pipeline flow on a config file")
+    run.add_argument("config", help="YAML config (see configs/)")
+    run.add_argument("--set", action="append", type=_parse_override, metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set student.steps=50 (repeatable)")
+    run.add_argument("--stages", help="comma list of stages: materialise,tokenise,precompute,train (default: all)")
+    run.set_defaults(func=_cmd_run)
+
+    status = sub.add_parser("status", help="committed/expected shards, tokens and fingerprints per stage")
+    status.add_argument("run_root")
+    status.set_defaults(func=_cmd_status)
+
+    validate = sub.add_parser("validate", help="check manifests, re-hash every committed file, check shard contents")
+    validate.add_argument("run_root")
+    validate.set_defaults(func=_cmd_validate)
+
+    chat = sub.add_parser("chat", help="generate with a saved student (interactive without --prompt)")
+    chat.add_argument("student_dir")
+    chat.add_argument("--prompt", help="one prompt; without it, read prompts from the terminal")
+    chat.add_argument("--max-new-tokens", type=int, default=64)
+    chat.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
+    chat.add_argument("--temperature", type=float, default=0.8)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--top-k", type=int, default=50)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--device", default="auto")
+    chat.set_defaults(func=_cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
+    bench.add_argument("what", choices=["precompute", "loss", "tokenise"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.func(args) or 0)
+    except KDFlowError as error:
+        if args.verbose:
+            raise
+        print(f"kdflow: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

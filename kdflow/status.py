@@ -1,0 +1,42 @@
+"""`kdflow status RUN_ROOT`: per stage, committed/expected shards, tokens and fingerprints."""
+
+from __future__ import annotations
+
+from schemas.commits import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, list_commits, read_complete
+from schemas.storage import RunRoot
+
+
+def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None) -> tuple[str, int | None]:
+    done = read_complete(run_root, store)
+    fingerprint = done.fingerprint if done else None
+    records = list_commits(run_root, store, stage, fingerprint)
+    if expected is None and done is not None:
+        expected = done.shards
+    tokens = sum(r.tokens for r in records.values())
+    rows = sum(r.rows for r in records.values())
+    fingerprints = sorted({r.fingerprint for r in records.values()}) or ["-"]
+    state = "complete" if done is not None and len(records) == done.shards else "in progress" if records else "empty"
+    line = (f"{label:<22} {len(records):>6}/{expected if expected is not None else '?':<6} shards  {rows:>10,} rows  "
+            f"{tokens:>14,} tokens  {state:<11}  fingerprint {','.join(fingerprints)}")
+    return line, done.shards if done else None
+
+
+def print_status(url: str) -> int:
+    run_root = RunRoot(url)
+    if not run_root.exists(run_root.root):
+        print(f"run root {url} does not exist (nothing run yet)")
+        return 1
+    print(f"run root: {run_root.display(run_root.root)}")
+    line, _ = _store_line(run_root, "corpus", run_root.path(CORPUS_DIR), "corpus", None)
+    print(line)
+    line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
+    print(line)
+    for tag in run_root.listdir(run_root.path(TOPK_DIR)):
+        line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards)
+        print(line)
+    for name in run_root.listdir(run_root.path(STUDENTS_DIR)):
+        folder = run_root.path(STUDENTS_DIR, name)
+        checkpoints = [c for c in run_root.listdir(folder) if c.startswith("checkpoint-")]
+        final = "final model saved" if run_root.exists(f"{folder}/final/config.json") else "no final model yet"
+        print(f"{'students/' + name:<22} {len(checkpoints)} checkpoint(s), latest {max(checkpoints, default='-')}, {final}")
+    return 0

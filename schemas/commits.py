@@ -1,0 +1,211 @@
+"""Commit records, store layout, manifests: the protocol that makes every stage resumable and idempotent.
+
+A stage writes a shard's data under its final name, then its commit record, last. Readers trust committed
+shards only; a stage recomputes a shard iff its record is missing or invalid (unparseable, another
+fingerprint, data file missing or of another size). `kdflow validate` also re-hashes the data.
+The manifest of a store is the table of its commit records, validated with pandera.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from typing import Any, Literal
+
+import pandas as pd
+import pandera.pandas as pa
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kdflow.errors import StoreError
+from schemas.storage import RunRoot
+
+Stage = Literal["corpus", "tokens", "topk"]
+
+CORPUS_DIR, TOKENS_DIR, TOPK_DIR, STUDENTS_DIR = "corpus", "tokens", "topk", "students"
+COMMIT_SUFFIX = ".commit.json"
+COMPLETE_FILE = "_complete.json"
+CONFIG_FILE = "config.yaml"
+_DATA_NAMES = {"corpus": ("part-", ".parquet"), "tokens": ("shard-", ".arrow"), "topk": ("shard-", ".arrow")}
+_COMMIT_PATTERN = re.compile(r"^(part|shard)-(\d{5,})\.commit\.json$")
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class CommitRecord(BaseModel):
+    """Written last, after the shard's data file: its presence means the shard is done."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: Stage
+    shard_id: int = Field(ge=0)
+    data_file: str
+    rows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256_PATTERN)
+    input_sha256: str | None = Field(default=None, description="sha256 of the input shard this one was made from")
+    fingerprint: str = Field(description="The store's fingerprint: same inputs and config parts, same value")
+    created_at: float = Field(default_factory=time.time)
+    host: str = Field(default_factory=socket.gethostname)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class StageComplete(BaseModel):
+    """Written once a stage has committed every shard it will ever have: the expected count for readers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: Stage
+    shards: int = Field(ge=0)
+    rows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    fingerprint: str
+    created_at: float = Field(default_factory=time.time)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def data_file_name(stage: Stage, shard_id: int) -> str:
+    prefix, suffix = _DATA_NAMES[stage]
+    return f"{prefix}{shard_id:05d}{suffix}"
+
+
+def commit_file_name(stage: Stage, shard_id: int) -> str:
+    prefix, _ = _DATA_NAMES[stage]
+    return f"{prefix}{shard_id:05d}{COMMIT_SUFFIX}"
+
+
+def stage_dir(run_root: RunRoot, stage: Stage, tag: str | None = None) -> str:
+    if stage == "topk":
+        if not tag:
+            raise ValueError("the top-K store needs its tag")
+        return run_root.path(TOPK_DIR, tag)
+    return run_root.path(CORPUS_DIR if stage == "corpus" else TOKENS_DIR)
+
+
+def write_commit(run_root: RunRoot, store: str, record: CommitRecord) -> None:
+    run_root.write_bytes_atomic(f"{store}/{commit_file_name(record.stage, record.shard_id)}", record.model_dump_json(indent=1).encode())
+
+
+def read_commit(run_root: RunRoot, store: str, stage: Stage, shard_id: int, fingerprint: str | None = None) -> CommitRecord | None:
+    """The shard's record if it is valid for this store, else None (the shard must be recomputed)."""
+    record, _ = check_commit(run_root, store, stage, shard_id, fingerprint)
+    return record
+
+
+def check_commit(
+    run_root: RunRoot, store: str, stage: Stage, shard_id: int, fingerprint: str | None = None
+) -> tuple[CommitRecord | None, str]:
+    """-> (record, "") when valid, or (None, reason) when missing or invalid."""
+    path = f"{store}/{commit_file_name(stage, shard_id)}"
+    try:
+        record = CommitRecord.model_validate_json(run_root.read_bytes(path))
+    except FileNotFoundError:
+        return None, "no commit record"
+    except (ValidationError, ValueError) as error:
+        return None, f"unreadable commit record: {str(error).splitlines()[0]}"
+    if record.stage != stage or record.shard_id != shard_id or record.data_file != data_file_name(stage, shard_id):
+        return None, "commit record names another shard"
+    if fingerprint is not None and record.fingerprint != fingerprint:
+        return None, f"fingerprint {record.fingerprint} is not the store's {fingerprint}"
+    data = f"{store}/{record.data_file}"
+    try:
+        size = run_root.size(data)
+    except FileNotFoundError:
+        return None, "data file missing"
+    if size != record.bytes:
+        return None, f"data file has {size} bytes, its record says {record.bytes}"
+    return record, ""
+
+
+def list_commits(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None) -> dict[int, CommitRecord]:
+    """All valid commit records of a store, by shard id. Data files without a record are invisible."""
+    records: dict[int, CommitRecord] = {}
+    for name in run_root.listdir(store):
+        match = _COMMIT_PATTERN.match(name)
+        if match:
+            record = read_commit(run_root, store, stage, int(match.group(2)), fingerprint)
+            if record is not None:
+                records[record.shard_id] = record
+    return records
+
+
+def committed_prefix(records: dict[int, CommitRecord]) -> int:
+    """How many shards from 0 on are committed without a gap: a sequential stage resumes after them."""
+    count = 0
+    while count in records:
+        count += 1
+    return count
+
+
+def write_complete(run_root: RunRoot, store: str, complete: StageComplete) -> None:
+    run_root.write_bytes_atomic(f"{store}/{COMPLETE_FILE}", complete.model_dump_json(indent=1).encode())
+
+
+def read_complete(run_root: RunRoot, store: str) -> StageComplete | None:
+    try:
+        return StageComplete.model_validate_json(run_root.read_bytes(f"{store}/{COMPLETE_FILE}"))
+    except FileNotFoundError:
+        return None
+    except (ValidationError, ValueError) as error:
+        raise StoreError(f"{store}/{COMPLETE_FILE}: unreadable: {str(error).splitlines()[0]}") from None
+
+
+# --- manifests --------------------------------------------------------------------------------------------
+
+
+class ManifestModel(pa.DataFrameModel):
+    """The table of a store's commit records."""
+
+    shard_id: int = pa.Field(ge=0, unique=True)
+    data_file: str = pa.Field(unique=True)
+    rows: int = pa.Field(ge=0)
+    tokens: int = pa.Field(ge=0)
+    bytes: int = pa.Field(gt=0)
+    sha256: str = pa.Field(str_matches=SHA256_PATTERN)
+    input_sha256: str = pa.Field(nullable=True)
+    fingerprint: str
+
+    class Config:
+        strict = "filter"
+        coerce = True
+
+    @pa.dataframe_check(error="a store holds shards of exactly one fingerprint")
+    def one_fingerprint(cls, frame: pd.DataFrame) -> bool:
+        return frame["fingerprint"].nunique() <= 1
+
+
+def manifest_frame(records: dict[int, CommitRecord] | list[CommitRecord]) -> pd.DataFrame:
+    rows = [r.model_dump(exclude={"extra"}) for r in (records.values() if isinstance(records, dict) else records)]
+    columns = list(CommitRecord.model_fields)
+    columns.remove("extra")
+    return pd.DataFrame(rows, columns=columns).sort_values("shard_id", ignore_index=True)
+
+
+def validate_manifest(frame: pd.DataFrame, stage: Stage, seq_len: int | None = None, name: str = "") -> pd.DataFrame:
+    """Validate a manifest; token and top-K stores also need tokens == rows * seq_len on every shard."""
+    label = name or stage
+    try:
+        validated = ManifestModel.validate(frame, lazy=True)
+    except pa.errors.SchemaErrors as error:
+        cases = error.failure_cases
+        first = cases.iloc[0]
+        raise StoreError(
+            f"manifest of {label} is invalid: {first['check']} failed on column {first['column']} "
+            f"({len(cases)} failure(s))"
+        ) from None
+    if stage in ("tokens", "topk") and seq_len is not None and len(validated):
+        bad = validated[validated["tokens"] != validated["rows"] * seq_len]
+        if len(bad):
+            raise StoreError(f"manifest of {label} is invalid: shard {int(bad['shard_id'].iloc[0])} has tokens != rows x seq_len")
+    if stage == "topk" and validated["input_sha256"].isna().any():
+        raise StoreError(f"manifest of {label} is invalid: a top-K shard does not name its token shard")
+    return validated
+
+
+def load_manifest(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None, seq_len: int | None = None) -> pd.DataFrame:
+    return validate_manifest(manifest_frame(list_commits(run_root, store, stage, fingerprint)), stage, seq_len, name=store)
+
+
+def dump_json(data: Any) -> bytes:
+    return json.dumps(data, indent=1, sort_keys=True).encode()

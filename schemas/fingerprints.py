@@ -1,0 +1,40 @@
+"""Fingerprints: short hashes that say which inputs and config parts made a store.
+
+Two stores agree iff their fingerprints do. Each store's fingerprint folds in the one before it, so a
+top-K store is tied to the exact token store (and through it the corpus and tokenizer) it was made from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from kdflow.config import KDFlowConfig, section_hash
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of what decides token ids: the vocabulary (token -> id) and the special-token ids.
+
+    Two tokenizers with the same fingerprint map every string to the same ids for packing purposes; the
+    class (fast/slow) and the file it was loaded from (hub, local folder, GGUF) do not matter.
+    """
+    vocab = tokenizer.get_vocab()
+    specials = {
+        name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")
+    }
+    payload = json.dumps([sorted(vocab.items(), key=lambda item: item[1]), specials], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def corpus_fingerprint(config: KDFlowConfig) -> str:
+    return section_hash("corpus", config.dataset)
+
+
+def tokens_fingerprint(corpus_fp: str, tokenizer_fp: str, config: KDFlowConfig) -> str:
+    return section_hash("tokens", corpus_fp, tokenizer_fp, config.seq_len, config.precompute.sequences_per_shard)
+
+
+def topk_fingerprint(teacher_fp: str, tokens_fp: str, config: KDFlowConfig) -> str:
+    """Also the store's TAG under topk/: teacher + K + dtype + the token store it reads."""
+    return section_hash("topk", teacher_fp, tokens_fp, config.precompute.top_k, config.precompute.logprobs_dtype, length=12)

@@ -1,0 +1,164 @@
+"""The run root on fsspec: one small wrapper so every stage reads and writes the same way.
+
+Local disk: data is written to a temporary file in the destination folder and moved into place with
+`os.replace`, so a reader never sees half a file. Object stores: uploads appear whole under their final
+key, so the final key is written directly. Either way the commit record is written last (schemas.commits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import posixpath
+import re
+import uuid
+from collections.abc import Iterator
+from typing import IO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from kdflow.errors import StoreError
+
+_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class HashingWriter:
+    """A write-only file wrapper that hashes and counts every byte on its way to disk."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._sha = hashlib.sha256()
+        self.nbytes = 0
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data)
+        self._sha.update(view)
+        self.nbytes += view.nbytes
+        self._raw.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.nbytes
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+
+class RunRoot:
+    """A run root URL (`runs/demo`, `file:///data/kd`, `s3://bucket/kd`) and the file operations on it."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+
+    def __repr__(self) -> str:
+        return f"RunRoot({self.url!r})"
+
+    def path(self, *parts: str) -> str:
+        """Join path parts under the root; a part that would escape the root is an error."""
+        for part in parts:
+            for piece in part.split("/"):
+                if not _SAFE_PART.match(piece) or piece in {".", ".."}:
+                    raise StoreError(f"unsafe path component {piece!r} in {part!r}: it could escape the run root")
+        return posixpath.join(self.root, *parts) if not self.is_local else os.path.join(self.root, *parts)
+
+    def display(self, path: str) -> str:
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
+    def ensure_writable(self) -> None:
+        """Fail early, with one line, if the run root cannot be written."""
+        probe = self.path(f"write-probe-{uuid.uuid4().hex}")
+        try:
+            self.makedirs(self.root)
+            with self.fs.open(probe, "wb") as handle:
+                handle.write(b"ok")
+            self.fs.rm(probe)
+        except (OSError, PermissionError) as error:
+            raise StoreError(f"run root {self.url!r} cannot be written: {error.strerror or error}") from None
+
+    def makedirs(self, path: str) -> None:
+        if self.is_local:
+            os.makedirs(path, exist_ok=True)
+        else:
+            self.fs.makedirs(path, exist_ok=True)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def listdir(self, path: str) -> list[str]:
+        """Base names in a folder (empty if the folder does not exist)."""
+        try:
+            entries = self.fs.ls(path, detail=False, refresh=True) if not self.is_local else os.listdir(path)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open(path, "rb") as handle:
+            return handle.read()
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return self.fs.open(path, "rb")
+
+    def local_path(self, path: str) -> str | None:
+        """The OS path when the root is on local disk (for memory-mapping), else None."""
+        return path if self.is_local else None
+
+    @contextlib.contextmanager
+    def atomic_writer(self, path: str) -> Iterator[HashingWriter]:
+        """Write `path` so that it appears whole or not at all; yields a hashing file object."""
+        folder = posixpath.dirname(path) if not self.is_local else os.path.dirname(path)
+        self.makedirs(folder)
+        if self.is_local:
+            tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+            try:
+                with open(tmp, "wb") as raw:
+                    writer = HashingWriter(raw)
+                    yield writer
+                    raw.flush()
+                    os.fsync(raw.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tmp)
+                raise
+        else:
+            with self.fs.open(path, "wb") as raw:
+                writer = HashingWriter(raw)
+                yield writer
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> str:
+        with self.atomic_writer(path) as writer:
+            writer.write(data)
+        return writer.sha256
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path)
+
+
+def sha256_of(run_root: RunRoot, path: str, block: int = 8 << 20) -> str:
+    sha = hashlib.sha256()
+    with run_root.open_read(path) as handle:
+        while chunk := handle.read(block):
+            sha.update(chunk)
+    return sha.hexdigest()

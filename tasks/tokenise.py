@@ -1,0 +1,183 @@
+"""Tokenise: corpus parts -> packed fixed-length token shards.
+
+Documents are tokenised in batches with the fast tokenizer (no special tokens), each followed by EOS,
+and the stream is cut into `seq_len` sequences: a document longer than what is left of a sequence
+continues in the next one; the final remainder that does not fill a sequence is dropped and counted.
+Each shard's commit record holds the stream position after it (document index, offset into that
+document's tokens), so a rerun resumes right after the last committed shard and writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kdflow.config import KDFlowConfig
+from kdflow.errors import ConfigError, StoreError
+from schemas.commits import (CommitRecord, StageComplete, committed_prefix, data_file_name, list_commits, read_complete, stage_dir, write_commit,
+                             write_complete)
+from schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
+from schemas.shards import TEXT, read_corpus_part, token_batch, token_shard_writer
+from schemas.storage import RunRoot
+
+DOCS_PER_BATCH = 1024
+
+
+def load_tokenizer(config: KDFlowConfig) -> Any:
+    """The run's fast tokenizer: `tokenizer` if set, else the teacher's (also from a GGUF file)."""
+    from transformers import AutoTokenizer
+
+    path, gguf_file = config.tokenizer_source
+    if "://" not in path and (path.startswith((".", "/")) or os.path.sep in path) and not os.path.exists(path):
+        raise ConfigError(f"tokenizer path does not exist: {path}")
+    kwargs: dict[str, Any] = {"trust_remote_code": config.teacher.trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    if not tokenizer.is_fast:
+        raise ConfigError(f"tokenizer {path!r} has no fast (Rust) implementation; kdflow needs one for batched packing")
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {path!r} has no EOS token to separate documents")
+    return tokenizer
+
+
+@dataclass
+class TokeniseSummary:
+    shards: int
+    sequences: int
+    tokens: int
+    dropped_tokens: int
+    shards_written: int
+    fingerprint: str
+    tokenizer_fingerprint: str
+    seconds: float = 0.0
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+def iter_documents(run_root: RunRoot, corpus_store: str, parts: list[str], start_doc: int) -> Iterator[list[str]]:
+    """Batches of document texts in corpus order, from global document index `start_doc` on."""
+    seen = 0
+    for name in parts:
+        table = read_corpus_part(run_root, f"{corpus_store}/{name}")
+        if seen + table.num_rows <= start_doc:
+            seen += table.num_rows
+            continue
+        texts = table.column(TEXT).to_pylist()[max(0, start_doc - seen):]
+        seen += table.num_rows
+        for i in range(0, len(texts), DOCS_PER_BATCH):
+            yield texts[i:i + DOCS_PER_BATCH]
+
+
+class Packer:
+    """Packs a token stream into fixed-length rows and knows the stream position after each row."""
+
+    def __init__(self, seq_len: int, eos_id: int, start_doc: int, start_offset: int) -> None:
+        self.seq_len, self.eos_id = seq_len, eos_id
+        self.buffer = np.empty(0, dtype=np.int32)  # (tokens,) not yet packed into a row
+        self.docs: deque[list[int]] = deque()  # [doc index, its tokens still in the buffer, its full length]
+        self.next_doc = start_doc
+        self.skip = start_offset  # tokens of the first document already packed in an earlier shard
+
+    def add(self, encoded: list[list[int]]) -> None:
+        full_lengths = []
+        for ids in encoded:
+            ids.append(self.eos_id)
+            full_lengths.append(len(ids))
+        if self.skip:
+            del encoded[0][: self.skip]
+        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=sum(map(len, encoded)))
+        self.buffer = np.concatenate([self.buffer, flat]) if self.buffer.size else flat
+        for ids, full in zip(encoded, full_lengths):
+            self.docs.append([self.next_doc, len(ids), full])
+            self.next_doc += 1
+        self.skip = 0
+
+    def rows_ready(self) -> int:
+        return self.buffer.size // self.seq_len
+
+    def take(self, rows: int) -> tuple[np.ndarray, tuple[int, int]]:
+        """-> (rows, seq_len) ids and the stream position (doc index, offset) right after them."""
+        count = rows * self.seq_len
+        out = self.buffer[:count].reshape(rows, self.seq_len)
+        self.buffer = self.buffer[count:]
+        while count and self.docs:
+            doc = self.docs[0]
+            if doc[1] <= count:
+                count -= doc[1]
+                self.docs.popleft()
+            else:
+                doc[1] -= count
+                count = 0
+        if not self.docs:
+            return out, (self.next_doc, 0)
+        doc_index, remaining, full = self.docs[0]
+        return out, (doc_index, full - remaining)
+
+
+def tokenise(
+    config: KDFlowConfig,
+    tokenizer: Any,
+    on_shard: Callable[[CommitRecord], None] | None = None,
+) -> TokeniseSummary:
+    started = time.perf_counter()
+    run_root = RunRoot(config.run_root)
+    corpus_store, store = stage_dir(run_root, "corpus"), stage_dir(run_root, "tokens")
+    corpus_done = read_complete(run_root, corpus_store)
+    corpus_fp = corpus_fingerprint(config)
+    if corpus_done is None or corpus_done.fingerprint != corpus_fp:
+        raise StoreError(f"corpus store {run_root.display(corpus_store)} is not complete for this config; run materialise first")
+    parts = [data_file_name("corpus", i) for i in range(corpus_done.shards)]
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    fingerprint = tokens_fingerprint(corpus_fp, tok_fp, config)
+    seq_len, per_shard = config.seq_len, config.precompute.sequences_per_shard
+
+    committed = list_commits(run_root, store, "tokens", fingerprint)
+    done = read_complete(run_root, store)
+    prefix = committed_prefix(committed)
+    sequences = sum(committed[i].rows for i in range(prefix))
+    if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
+        return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.get("dropped_tokens", 0), 0, fingerprint, tok_fp)
+
+    start_doc, start_offset = (committed[prefix - 1].extra["end_doc"], committed[prefix - 1].extra["end_offset"]) if prefix else (0, 0)
+    packer = Packer(seq_len, tokenizer.eos_token_id, start_doc, start_offset)
+    written = 0
+
+    def write_shard(rows: int) -> None:
+        nonlocal prefix, written, sequences
+        input_ids, (end_doc, end_offset) = packer.take(rows)
+        path = f"{store}/{data_file_name('tokens', prefix)}"
+        with token_shard_writer(run_root, path, seq_len) as writer:
+            writer.write(token_batch(input_ids))
+        record = CommitRecord(
+            stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
+            bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
+            extra={"end_doc": end_doc, "end_offset": end_offset, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp},
+        )
+        write_commit(run_root, store, record)
+        if on_shard:
+            on_shard(record)
+        prefix, written, sequences = prefix + 1, written + 1, sequences + rows
+
+    for texts in iter_documents(run_root, corpus_store, parts, start_doc):
+        packer.add(_encode(tokenizer, texts))
+        while packer.rows_ready() >= per_shard:
+            write_shard(per_shard)
+    if packer.rows_ready():
+        write_shard(packer.rows_ready())
+    dropped = int(packer.buffer.size)
+    write_complete(run_root, store, StageComplete(
+        stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
+        extra={"dropped_tokens": dropped, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp, "corpus_fingerprint": corpus_fp},
+    ))
+    return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
+                           time.perf_counter() - started)

@@ -1,0 +1,295 @@
+"""The teacher's top-K over the full vocabulary, without ever holding (tokens, vocab) logits.
+
+The reference teacher has a 196,608-token vocabulary: `micro_batch x seq x vocab` logits were what limited
+the teacher pass. Here lm_head is applied to `chunk_tokens` rows at a time; each chunk's float32 logits
+live in one reused buffer, from which we take the top-K and the log-sum-exp over the whole vocabulary,
+so peak memory depends on the chunk, not on the micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+# Bytes per chunk row, in units of one float32 logits row: the float32 logits themselves plus as much again
+# for the compute-dtype logits (bf16 is half a row) and topk's own scratch.
+_WORKING_ROWS_PER_TOKEN = 2
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to lm_head's output before softmax: `softcap * tanh(scale * logits / softcap)`."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply_(self, logits: Tensor) -> None:
+        """Transform float32 logits in place (the chunk buffer is ours to overwrite)."""
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+
+
+def choose_chunk_tokens(
+    vocab_size: int,
+    budget_bytes: int,
+    *,
+    logits_dtype_bytes: int = 4,
+    minimum: int = 64,
+    multiple: int = 64,
+) -> int:
+    """Rows per chunk whose logits (plus ~the same again of temporaries) fit `budget_bytes`.
+
+    Rounded down to `multiple` (matmul-friendly), never below `minimum` (too few rows starve the matmul).
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
+    if logits_dtype_bytes < 1 or minimum < 1 or multiple < 1:
+        raise ValueError(
+            f"logits_dtype_bytes, minimum and multiple must be >= 1, got {logits_dtype_bytes}, {minimum}, {multiple}"
+        )
+    bytes_per_row = vocab_size * logits_dtype_bytes * _WORKING_ROWS_PER_TOKEN
+    rows = budget_bytes // bytes_per_row
+    rows = (rows // multiple) * multiple
+    return max(minimum, rows)
+
+
+def _plain_weight(lm_head: nn.Module | Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """(weight (V, H), bias (V,) or None) when we may do the matmul ourselves; None means call the module.
+
+    Only an exact `nn.Linear` qualifies: quantised layers (bitsandbytes Linear4bit, ...) subclass it but
+    store packed weights, so they must run their own forward.
+    """
+    if isinstance(lm_head, Tensor):
+        return lm_head, None
+    if type(lm_head) is nn.Linear:
+        return lm_head.weight, lm_head.bias
+    return None
+
+
+def _vocab_size(lm_head: nn.Module | Tensor, hidden: Tensor) -> int:
+    plain = _plain_weight(lm_head)
+    if plain is not None:
+        return plain[0].shape[0]
+    out_features = getattr(lm_head, "out_features", None)
+    if isinstance(out_features, int):
+        return out_features
+    if hidden.shape[0] == 0:
+        raise ValueError(f"cannot tell the vocabulary size of {type(lm_head).__name__} from an empty input")
+    # An unknown module: one row tells us its output width.
+    return lm_head(hidden[:1]).shape[-1]
+
+
+def _check_plain_weight(weight: Tensor, bias: Tensor | None, hidden: Tensor) -> None:
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"lm_head weight must be (vocab, {hidden.shape[1]}) to match hidden, got {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden dtype {hidden.dtype} does not match lm_head weight dtype {weight.dtype}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"lm_head bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+class _ChunkLogits:
+    """Float32 logits of one chunk of rows, written into buffers allocated once per call.
+
+    Reusing the buffers matters on CPU, where each fresh multi-hundred-MB tensor is new pages to fault in;
+    on CUDA the caching allocator would reuse them anyway.
+    """
+
+    def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int) -> None:
+        self.lm_head = lm_head
+        self.plain = _plain_weight(lm_head)
+        self.logits_f32 = torch.empty((rows, vocab_size), dtype=torch.float32, device=hidden.device)  # (C, V)
+        self.logits_low: Tensor | None = None
+        if self.plain is not None:
+            weight, bias = self.plain
+            _check_plain_weight(weight, bias, hidden)
+            if weight.dtype != torch.float32:
+                # bf16/fp16 matmul output, upcast below; the model's own logits are rounded the same way.
+                self.logits_low = torch.empty((rows, vocab_size), dtype=weight.dtype, device=hidden.device)
+
+    def __call__(self, hidden_chunk: Tensor) -> Tensor:
+        """hidden_chunk (c, H) -> float32 logits (c, V), a view of the reused buffer."""
+        rows = hidden_chunk.shape[0]
+        logits_f32 = self.logits_f32[:rows]
+        if self.plain is None:
+            logits_f32.copy_(self.lm_head(hidden_chunk))
+            return logits_f32
+        weight, bias = self.plain
+        target = logits_f32 if self.logits_low is None else self.logits_low[:rows]
+        if bias is None:
+            torch.mm(hidden_chunk, weight.t(), out=target)
+        else:
+            torch.addmm(bias, hidden_chunk, weight.t(), out=target)
+        if self.logits_low is not None:
+            logits_f32.copy_(target)
+        return logits_f32
+
+
+def _logsumexp_(logits: Tensor, row_max: Tensor) -> Tensor:
+    """log-sum-exp of each row of float32 logits (c, V) -> (c,), overwriting logits with exp(logits - max).
+
+    In place so the chunk needs no second (c, V) temporary; row_max comes free from the top-K.
+    """
+    logits.sub_(row_max[:, None]).exp_()
+    return row_max + logits.sum(dim=1).log()
+
+
+@torch.inference_mode()
+def chunked_topk(
+    hidden: Tensor,
+    lm_head: nn.Module | Tensor,
+    k: int,
+    chunk_tokens: int,
+    *,
+    logit_transform: LogitTransform | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Top-K token ids and log-probabilities (normalised over the full vocabulary) for each row of hidden.
+
+    hidden (N, H); lm_head a module (called as is unless it is a plain nn.Linear) or a weight (V, H).
+    Returns topk_ids (N, K) int32 and topk_logprobs (N, K) float32, sorted by descending log-probability,
+    on hidden's device. Logits are computed in the hidden/weight dtype and upcast to float32.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    n_tokens = hidden.shape[0]
+    vocab_size = _vocab_size(lm_head, hidden)
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"k must be between 1 and the vocabulary size {vocab_size}, got {k}")
+
+    topk_ids = torch.empty((n_tokens, k), dtype=torch.int32, device=hidden.device)  # (N, K)
+    topk_logprobs = torch.empty((n_tokens, k), dtype=torch.float32, device=hidden.device)  # (N, K)
+    rows = max(1, min(chunk_tokens, n_tokens))
+    chunk_logits = _ChunkLogits(lm_head, hidden, vocab_size, rows)
+    for start in range(0, n_tokens, rows):
+        stop = min(start + rows, n_tokens)
+        logits = chunk_logits(hidden[start:stop])  # (c, V) float32
+        if logit_transform is not None and not logit_transform.is_identity:
+            logit_transform.apply_(logits)
+        top_logits, top_ids = torch.topk(logits, k, dim=1, largest=True, sorted=True)  # (c, K)
+        log_normaliser = _logsumexp_(logits, top_logits[:, 0])  # (c,); logits are destroyed from here
+        torch.sub(top_logits, log_normaliser[:, None], out=topk_logprobs[start:stop])
+        topk_ids[start:stop].copy_(top_ids)
+    return topk_ids, topk_logprobs
+
+
+
+# Model types whose forward multiplies lm_head's output by a config field.
+_LOGIT_MULTIPLIER_FIELDS = {
+    "cohere": "logit_scale",
+    "cohere2": "logit_scale",
+    "cohere2_moe": "logit_scale",
+    "hyperclovax": "logits_scaling",
+}
+# Model types whose forward divides lm_head's output by a config field (Granite's muP scaling).
+_LOGIT_DIVISOR_FIELDS = {
+    name: "logits_scaling"
+    for name in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa", "granitemoe_swa")
+}
+# Fields that, set on any other model type, change its final logits in a way we do not reproduce here.
+_UNSUPPORTED_LOGIT_FIELDS = ("logit_scale", "logits_scaling", "output_multiplier", "unpadded_vocab_size")
+
+
+def _changes_logits(field: str, value: object, text_config: object) -> bool:
+    if value is None:
+        return False
+    if field == "unpadded_vocab_size":  # logits sliced to the first `value` ids
+        return value != getattr(text_config, "vocab_size", None)
+    return value != 1
+
+
+def final_logit_transform(config: object) -> LogitTransform:
+    """The scaling/softcapping a Hugging Face config declares for its final logits.
+
+    Raises NotImplementedError naming the field when the model alters its logits in a way not covered.
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text_config, "model_type", "")
+    scale = 1.0
+    if model_type in _LOGIT_MULTIPLIER_FIELDS:
+        scale = float(getattr(text_config, _LOGIT_MULTIPLIER_FIELDS[model_type]) or 1.0)
+    elif model_type in _LOGIT_DIVISOR_FIELDS:
+        scale = 1.0 / float(getattr(text_config, _LOGIT_DIVISOR_FIELDS[model_type]) or 1.0)
+    else:
+        for field in _UNSUPPORTED_LOGIT_FIELDS:
+            value = getattr(text_config, field, None)
+            if _changes_logits(field, value, text_config):
+                raise NotImplementedError(
+                    f"model type {model_type!r} sets config.{field}={value!r}, a final-logit change not supported"
+                )
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return LogitTransform(scale=scale, softcap=float(softcap) if softcap is not None else None)
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The model's lm_head (output embeddings), as a module to call."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
+    return head
+
+
+def model_body(model: nn.Module) -> nn.Module:
+    """The transformer body that returns final hidden states (after the last norm), without lm_head."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if body is None or body is model:
+        for name in ("model", "base_model", "transformer"):
+            candidate = getattr(model, name, None)
+            if isinstance(candidate, nn.Module) and candidate is not model:
+                body = candidate
+                break
+    if body is None or body is model:
+        raise ValueError(
+            f"cannot find the body of {type(model).__name__} (tried get_decoder(), .model, .base_model, "
+            ".transformer): the teacher pass needs hidden states without lm_head"
+        )
+    return body
+
+
+@torch.inference_mode()
+def body_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """input_ids (B, T) -> final hidden states (B, T, H) from the model body, never the logits."""
+    outputs = model_body(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = getattr(outputs, "last_hidden_state", None)
+    return hidden if hidden is not None else outputs[0]
+
+
+class TeacherTopkStep:
+    """One micro-batch through the teacher: body hidden states, then chunked top-K with the model's own
+    final-logit transform. Results stay on the model's device; the caller copies them to the host once."""
+
+    def __init__(self, model: nn.Module, k: int, chunk_tokens: int) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.model = model
+        self.lm_head = output_layer(model)
+        self.logit_transform = final_logit_transform(model.config)
+        vocab_size = getattr(self.lm_head, "out_features", None)
+        if k < 1 or (isinstance(vocab_size, int) and k > vocab_size):
+            raise ValueError(f"k must be between 1 and the vocabulary size {vocab_size}, got {k}")
+        self.k = k
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32."""
+        batch, seq_len = input_ids.shape
+        hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
+        topk_ids, topk_logprobs = chunked_topk(
+            hidden.flatten(0, 1), self.lm_head, self.k, self.chunk_tokens, logit_transform=self.logit_transform
+        )  # (B * T, K)
+        return topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k)

@@ -1,0 +1,128 @@
+"""Shared test fixtures: tiny real tokenizers and teachers built from configs (no hub), corpora, configs.
+
+The Prefect test harness (a temporary server on SQLite) is started once per test session, and only
+when a test asks for it (`prefect_harness`), because it costs ~10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TINY_VOCAB = 384
+
+
+def sample_documents(count: int = 60) -> list[str]:
+    """Real English text that ships with Python: its documentation topics, one paragraph a document."""
+    from pydoc_data.topics import topics
+
+    paragraphs = [p.strip() for text in topics.values() for p in text.split("\n\n") if len(p.strip()) > 40]
+    return paragraphs[:count]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE tokenizer trained on Python's docs, saved as a HF fast tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(sample_documents(400), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<pad>")
+    folder = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _save_teacher(folder: Path, model_config: Any, tokenizer_dir: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """A tiny Llama teacher (random weights) with the tiny tokenizer, as a local HF model folder."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=1)
+    return _save_teacher(tmp_path_factory.mktemp("teacher-llama"), config, tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_teacher_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """A tiny Qwen3-MoE teacher: the reference teacher's architecture family."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False,
+                            eos_token_id=0, bos_token_id=0, pad_token_id=1)
+    return _save_teacher(tmp_path_factory.mktemp("teacher-moe"), config, tiny_tokenizer_dir)
+
+
+def write_jsonl(path: Path, documents: list[Any], field: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for doc in documents:
+            handle.write(json.dumps(doc if isinstance(doc, dict) else {field: doc}) + "\n")
+    return path
+
+
+@pytest.fixture
+def corpus_file(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "data" / "docs.jsonl", sample_documents(60))
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, tiny_teacher_dir: Path, corpus_file: Path) -> Callable[..., Any]:
+    """Build a KDFlowConfig for a tiny run; keyword arguments are dotted overrides (`student__steps=3`)."""
+    from kdflow.config import config_from_dict, set_dotted
+
+    def build(**overrides: Any) -> Any:
+        data: dict[str, Any] = {
+            "run_root": str(tmp_path / "run"),
+            "dataset": {"path": str(corpus_file), "documents_per_part": 16},
+            "seq_len": 32,
+            "teacher": {"model": str(tiny_teacher_dir), "device": "cpu", "dtype": "float32"},
+            "precompute": {"top_k": 8, "micro_batch": 4, "sequences_per_shard": 8},
+            "student": {"steps": 4, "batch_size": 4, "eval_sequences": 8, "warmup_steps": 1,
+                        "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                         "num_key_value_heads": 1, "intermediate_size": 64}},
+        }
+        for key, value in overrides.items():
+            set_dotted(data, key.replace("__", "."), value)
+        return config_from_dict(data)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server on SQLite, started once for the whole test run."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

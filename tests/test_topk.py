@@ -1,0 +1,283 @@
+"""Chunked teacher top-K against a dense reference: full logits -> log_softmax -> topk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from tasks.topk import (
+    LogitTransform,
+    TeacherTopkStep,
+    body_hidden_states,
+    choose_chunk_tokens,
+    chunked_topk,
+    final_logit_transform,
+    output_layer,
+)
+
+HIDDEN, VOCAB = 48, 512
+
+
+def dense_reference(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k of the full-vocabulary log-softmax, computed in float64 from whatever precision the inputs have."""
+    logits = hidden.double() @ weight.double().T  # (N, V)
+    if bias is not None:
+        logits = logits + bias.double()
+    top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    return top.indices, top.values
+
+
+def random_head(seed: int, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(seed)
+    head = nn.Linear(HIDDEN, VOCAB, bias=bias)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 0.3)  # logits of std ~2: a peaked distribution, ties very unlikely
+        if bias:
+            head.bias.normal_(0.0, 1.0)
+    return head
+
+
+def random_hidden(n_tokens: int, seed: int = 1) -> Tensor:
+    return torch.randn(n_tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("n_tokens", "k", "chunk_tokens"),
+    [(100, 16, 7), (100, 16, 100), (100, 16, 1000), (1, 8, 4), (33, 1, 5), (64, 64, 64)],
+)
+def test_chunked_equals_dense_float32(n_tokens: int, k: int, chunk_tokens: int) -> None:
+    head = random_head(0)
+    hidden = random_hidden(n_tokens)
+    topk_ids, topk_logprobs = chunked_topk(hidden, head, k, chunk_tokens)
+    ref_ids, ref_logprobs = dense_reference(hidden, head.weight, head.bias, k)
+    assert topk_ids.shape == (n_tokens, k) and topk_ids.dtype == torch.int32
+    assert topk_logprobs.shape == (n_tokens, k) and topk_logprobs.dtype == torch.float32
+    assert topk_ids.device == hidden.device and topk_logprobs.device == hidden.device
+    assert torch.equal(topk_ids.long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
+def test_plain_weight_tensor_without_bias() -> None:
+    head = random_head(2, bias=False)
+    hidden = random_hidden(50)
+    topk_ids, topk_logprobs = chunked_topk(hidden, head.weight.detach(), 10, 16)
+    ref_ids, ref_logprobs = dense_reference(hidden, head.weight, None, 10)
+    assert torch.equal(topk_ids.long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
+def test_bias_is_applied() -> None:
+    """A biased head must not give the answer of the same head without its bias."""
+    head = random_head(3)
+    hidden = random_hidden(20)
+    _, with_bias = chunked_topk(hidden, head, 5, 8)
+    _, without_bias = chunked_topk(hidden, head.weight.detach(), 5, 8)
+    assert (with_bias - without_bias).abs().max() > 0.1
+
+
+def test_k_equal_vocab_is_the_whole_distribution() -> None:
+    head = random_head(4)
+    hidden = random_hidden(9)
+    topk_ids, topk_logprobs = chunked_topk(hidden, head, VOCAB, 4)
+    total_mass = topk_logprobs.double().exp().sum(-1)
+    torch.testing.assert_close(total_mass, torch.ones(9, dtype=torch.float64), atol=1e-6, rtol=0)  # float32 lse
+    # every id exactly once per row
+    assert torch.equal(topk_ids.sort(dim=-1).values, torch.arange(VOCAB, dtype=torch.int32).expand(9, VOCAB))
+
+
+def test_sorted_descending_and_tail_mass_in_unit_interval() -> None:
+    head = random_head(5)
+    _, topk_logprobs = chunked_topk(random_hidden(40), head, 32, 6)
+    assert (topk_logprobs[:, :-1] >= topk_logprobs[:, 1:]).all()
+    assert (topk_logprobs <= 0).all()
+    tail_mass = 1.0 - topk_logprobs.double().exp().sum(-1)
+    assert ((tail_mass >= 0) & (tail_mass <= 1)).all()
+    assert (tail_mass > 1e-3).all()  # K < V really leaves mass outside the top-K
+
+
+def test_bfloat16_agrees_with_float32_reference_within_bf16_precision() -> None:
+    head = random_head(6).to(torch.bfloat16)
+    hidden = random_hidden(70).to(torch.bfloat16)
+    topk_ids, topk_logprobs = chunked_topk(hidden, head, 20, 16)
+    assert topk_logprobs.dtype == torch.float32
+    ref_ids, ref_logprobs = dense_reference(hidden, head.weight, head.bias, 20)
+    full_ref = torch.log_softmax(hidden.double() @ head.weight.double().T + head.bias.double(), dim=-1)
+    # bf16 rounding of logits may swap near-equal neighbours: compare values, not positions of ids.
+    bf16_tolerance = dict(atol=0.05, rtol=1.6e-2)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, **bf16_tolerance)
+    torch.testing.assert_close(topk_logprobs.double(), full_ref.gather(1, topk_ids.long()), **bf16_tolerance)
+    # The top-K sets (not their order) mostly coincide; only near-ties at the K-th place may differ.
+    overlap = [len(set(row.tolist()) & set(ref_row.tolist())) / 20 for row, ref_row in zip(topk_ids, ref_ids)]
+    assert sum(overlap) / len(overlap) > 0.97
+
+
+def test_empty_input_gives_empty_outputs() -> None:
+    topk_ids, topk_logprobs = chunked_topk(random_hidden(0), random_head(7), 4, 8)
+    assert topk_ids.shape == (0, 4) and topk_logprobs.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    ("k", "chunk_tokens", "message"),
+    [(0, 8, "k must be"), (VOCAB + 1, 8, "k must be"), (4, 0, "chunk_tokens must be")],
+)
+def test_bad_arguments_are_named(k: int, chunk_tokens: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        chunked_topk(random_hidden(3), random_head(8), k, chunk_tokens)
+
+
+def test_dtype_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        chunked_topk(random_hidden(3), random_head(8).to(torch.bfloat16), 4, 8)
+
+
+def test_logit_transform_scale_then_softcap() -> None:
+    head = random_head(9)
+    hidden = random_hidden(30)
+    transform = LogitTransform(scale=0.5, softcap=1.5)
+    topk_ids, topk_logprobs = chunked_topk(hidden, head, 12, 7, logit_transform=transform)
+    logits = (hidden.double() @ head.weight.double().T + head.bias.double()) * 0.5
+    capped = torch.tanh(logits / 1.5) * 1.5
+    ref = torch.log_softmax(capped, dim=-1).topk(12, dim=-1)
+    assert torch.equal(topk_ids.long(), ref.indices)
+    torch.testing.assert_close(topk_logprobs.double(), ref.values, atol=1e-5, rtol=0)
+
+
+def test_choose_chunk_tokens_fits_budget_and_rounds() -> None:
+    vocab = 196_608
+    rows = choose_chunk_tokens(vocab, 1 << 30)
+    assert rows % 64 == 0 and rows >= 64
+    assert rows * vocab * 4 * 2 <= 1 << 30 < (rows + 64) * vocab * 4 * 2
+    assert choose_chunk_tokens(vocab, 1) == 64  # never below the minimum
+    assert choose_chunk_tokens(vocab, 4 << 30) > rows
+    with pytest.raises(ValueError, match="budget_bytes"):
+        choose_chunk_tokens(vocab, 0)
+
+
+# ---- whole (tiny) models: body hidden states + chunked top-K == the model's own logits -----------------
+
+TINY_DECODER = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=128,
+)
+
+
+def tiny_config(kind: str) -> object:
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaConfig(**TINY_DECODER)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **TINY_DECODER, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
+        )
+    if kind == "gemma2_softcap":
+        return transformers.Gemma2Config(**TINY_DECODER, head_dim=16, final_logit_softcapping=1.5)
+    if kind == "cohere_scale":
+        return transformers.CohereConfig(**TINY_DECODER, logit_scale=0.5)
+    if kind == "granite_scaling":
+        return transformers.GraniteConfig(**TINY_DECODER, logits_scaling=2.0)
+    raise AssertionError(kind)
+
+
+def tiny_model(kind: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    with torch.no_grad():
+        # Random init gives near-uniform logits; sharpen them so top-K order and transforms really matter.
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+def model_reference(model: nn.Module, input_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        logits = model(input_ids).logits  # (B, T, V)
+    top = torch.log_softmax(logits.double(), dim=-1).topk(k, dim=-1)
+    return top.indices, top.values
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma2_softcap", "cohere_scale", "granite_scaling"])
+def test_tiny_model_teacher_step_equals_full_logits(kind: str) -> None:
+    model = tiny_model(kind)
+    input_ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(1))
+    topk_ids, topk_logprobs = TeacherTopkStep(model, k=16, chunk_tokens=7)(input_ids)
+    ref_ids, ref_logprobs = model_reference(model, input_ids, 16)
+    assert topk_ids.shape == (3, 11, 16)
+    assert torch.equal(topk_ids.long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_body_hidden_states_then_chunked_topk(kind: str) -> None:
+    """The call the precompute worker makes, spelled out."""
+    model = tiny_model(kind)
+    input_ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(2))
+    hidden = body_hidden_states(model, input_ids)  # (B, T, H)
+    assert hidden.shape == (2, 9, 64)
+    topk_ids, topk_logprobs = chunked_topk(hidden.flatten(0, 1), output_layer(model), 8, 5)
+    ref_ids, ref_logprobs = model_reference(model, input_ids, 8)
+    assert torch.equal(topk_ids.view(2, 9, 8).long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.view(2, 9, 8).double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
+def test_final_logit_transform_reads_config() -> None:
+    assert final_logit_transform(tiny_config("llama")) == LogitTransform()
+    assert final_logit_transform(tiny_config("gemma2_softcap")) == LogitTransform(softcap=1.5)
+    assert final_logit_transform(tiny_config("cohere_scale")) == LogitTransform(scale=0.5)
+    assert final_logit_transform(tiny_config("granite_scaling")) == LogitTransform(scale=0.5)
+
+
+def test_unsupported_final_logit_change_is_named() -> None:
+    from transformers import MptConfig
+
+    with pytest.raises(NotImplementedError, match="logit_scale"):
+        final_logit_transform(MptConfig(logit_scale=2.0))
+
+
+def test_model_without_body_or_head_is_a_clear_error() -> None:
+    body_only = tiny_model("llama").model  # LlamaModel: no lm_head, and no body below it
+    with pytest.raises(ValueError, match="output embeddings"):
+        output_layer(body_only)
+    with pytest.raises(ValueError, match="cannot find the body"):
+        body_hidden_states(nn.Linear(2, 2), torch.zeros(1, 1, dtype=torch.long))
+
+
+# ---- bitsandbytes 4-bit (runs on CPU) ------------------------------------------------------------------
+
+
+def test_quantised_linear4bit_head_is_called_as_a_module() -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    head = random_head(10, bias=False)
+    quantised = bnb.nn.Linear4bit(HIDDEN, VOCAB, bias=False, quant_type="nf4", compute_dtype=torch.float32)
+    quantised.weight = bnb.nn.Params4bit(head.weight.detach().clone(), requires_grad=False, quant_type="nf4")
+    quantised = quantised.to("cpu")  # quantises the weight
+    assert quantised.weight.dtype == torch.uint8
+    hidden = random_hidden(25)
+    topk_ids, topk_logprobs = chunked_topk(hidden, quantised, 10, 6)
+    with torch.no_grad():
+        logits = quantised(hidden)  # (N, V): the dequantised weight, as the module computes it
+    ref = torch.log_softmax(logits.double(), dim=-1).topk(10, dim=-1)
+    assert torch.equal(topk_ids.long(), ref.indices)
+    torch.testing.assert_close(topk_logprobs.double(), ref.values, atol=1e-5, rtol=0)
+
+
+def test_bitsandbytes_4bit_tiny_llama(tmp_path: Path) -> None:
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+        device_map={"": "cpu"},
+    ).eval()
+    assert any(type(module).__name__ == "Linear4bit" for module in model.modules())
+    input_ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
+    topk_ids, topk_logprobs = TeacherTopkStep(model, k=12, chunk_tokens=5)(input_ids)
+    ref_ids, ref_logprobs = model_reference(model, input_ids, 12)
+    assert torch.equal(topk_ids.long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
