@@ -71,6 +71,7 @@ class PrecomputeConfig(_Section):
     shards_per_flow_run: PositiveInt | None = Field(
         default=None, description="Fan out shard ranges of this size to the per-shard deployment (scale-out)"
     )
+    fanout_deployment: str = Field(default="precompute-shards/gpu", description="FLOW/DEPLOYMENT that computes a shard range")
 
 
 class StudentArchitecture(_Section):
