@@ -10,7 +10,6 @@ document's tokens), so a rerun resumes right after the last committed shard and 
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ import numpy as np
 
 from kdflow.config import KDFlowConfig
 from kdflow.errors import ConfigError, StoreError
+from kdflow.models import resolve_model_source
 from schemas.commits import (CommitRecord, StageComplete, committed_prefix, data_file_name, list_commits, read_complete, stage_dir, write_commit,
                              write_complete)
 from schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
@@ -35,8 +35,7 @@ def load_tokenizer(config: KDFlowConfig) -> Any:
     from transformers import AutoTokenizer
 
     path, gguf_file = config.tokenizer_source
-    if "://" not in path and (path.startswith((".", "/")) or os.path.sep in path) and not os.path.exists(path):
-        raise ConfigError(f"tokenizer path does not exist: {path}")
+    path = resolve_model_source(path, gguf_file)
     kwargs: dict[str, Any] = {"trust_remote_code": config.teacher.trust_remote_code}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
