@@ -350,20 +350,24 @@ def _check_inputs(
         raise ValueError(f"hidden must be a float (N, H) tensor, got {hidden.dtype} {tuple(hidden.shape)}")
     rows, width = hidden.shape
     if weight.ndim != 2 or weight.shape[1] != width or not weight.is_floating_point():
-        raise ValueError(f"weight must be a float (V, {width}) tensor, got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(f"weight must be a float (V, {width}) tensor, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != rows or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must be (N={rows}, K >= 1), got {tuple(topk_ids.shape)}")
     if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
         raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if topk_logprobs.shape != topk_ids.shape or not topk_logprobs.is_floating_point():
-        raise ValueError(f"topk_logprobs must be a float tensor shaped like topk_ids {tuple(topk_ids.shape)}, "
-                         f"got {topk_logprobs.dtype} {tuple(topk_logprobs.shape)}")
+        raise ValueError(f"topk_logprobs must be a float tensor shaped like topk_ids "
+                         f"{tuple(topk_ids.shape)}, got {topk_logprobs.dtype} {tuple(topk_logprobs.shape)}")
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float ({weight.shape[0]},) tensor, got {bias.dtype} {tuple(bias.shape)}")
+        raise ValueError(f"bias must be a float ({weight.shape[0]},) tensor, "
+                         f"got {bias.dtype} {tuple(bias.shape)}")
     if mask is not None and (mask.shape != (rows,) or mask.dtype != torch.bool):
         raise ValueError(f"mask must be a bool ({rows},) tensor, got {mask.dtype} {tuple(mask.shape)}")
-    if labels is not None and (labels.shape != (rows,) or labels.is_floating_point() or labels.dtype == torch.bool):
-        raise ValueError(f"labels must be an integer ({rows},) tensor, got {labels.dtype} {tuple(labels.shape)}")
+    if labels is not None and (labels.shape != (rows,) or labels.is_floating_point()
+                               or labels.dtype == torch.bool):
+        raise ValueError(f"labels must be an integer ({rows},) tensor, "
+                         f"got {labels.dtype} {tuple(labels.shape)}")
     named = {"weight": weight, "topk_ids": topk_ids, "topk_logprobs": topk_logprobs,
              "bias": bias, "mask": mask, "labels": labels}
     for name, tensor in named.items():

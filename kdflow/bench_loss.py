@@ -1,0 +1,213 @@
+"""`kdflow bench loss`: time and peak memory of the fused top-K KL loss against a dense one.
+
+For every (vocab, hidden, tokens, mode) it prints one JSON object per line. Each measurement runs in a
+fresh Python process, so that one measurement's allocations cannot hide in another's peak:
+on CPU the peak is the growth of resident memory (VmHWM, reset before the step) over the resident
+memory after the inputs were built; on CUDA it is torch.cuda.max_memory_allocated over the baseline.
+"Dense" materialises the (N, V) logits and applies the same K+1 bucket KL with plain autograd; where it
+runs, the same process also runs the fused loss on the same inputs and reports the agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GIB = 2**30
+# Dense peak over its (N, V) float32 logits, measured on CPU with this script (logits, log-softmax,
+# the scattered copy for the tail, and their gradients): used to skip runs that would not fit.
+DENSE_PEAK_PER_LOGITS = 5.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.modes or set(args.modes) - {"fused", "dense"}:
+        parser.error(f"--modes must be a comma list of fused, dense; got {','.join(args.modes)}")
+    if args.measure:
+        print(json.dumps(_measure(json.loads(args.measure))), flush=True)
+        return 0
+    dense_limit = min(args.dense_max_gib * GIB, 0.6 * _available_memory_bytes(args.device))
+    for vocab, width, tokens in itertools.product(args.vocab, args.hidden, args.tokens):
+        spec = {"tokens": tokens, "vocab": vocab, "hidden": width, "top_k": args.top_k,
+                "chunk_tokens": args.chunk_tokens, "device": args.device, "repeats": args.repeats}
+        dense = None
+        if "dense" in args.modes:
+            estimate = DENSE_PEAK_PER_LOGITS * tokens * vocab * 4
+            if estimate > dense_limit:
+                dense = spec | {"mode": "dense", "error": "out of memory", "skipped": True,
+                                "estimated_peak_gib": round(estimate / GIB, 2)}
+            else:
+                dense = _run_child(spec | {"mode": "dense", "compare_fused": "fused" in args.modes})
+            print(json.dumps(dense), flush=True)
+        if "fused" in args.modes:
+            fused = _run_child(spec | {"mode": "fused"})
+            if dense is not None and "loss_abs_diff" in dense:
+                fused |= {key: dense[key] for key in ("loss_abs_diff", "grad_max_rel_diff")}
+                peak_ratio = dense["peak_bytes"] / max(fused["peak_bytes"], 1)
+                fused["peak_ratio_dense_over_fused"] = round(peak_ratio, 2)
+                fused["time_ratio_fused_over_dense"] = round(fused["seconds"] / dense["seconds"], 3)
+            print(json.dumps(fused), flush=True)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    def int_list(text: str) -> list[int]:
+        return [int(part) for part in text.split(",") if part]
+
+    parser = argparse.ArgumentParser(prog="kdflow bench loss", description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int_list, default=[2048, 8192, 32768], help="comma list of N")
+    parser.add_argument("--vocab", type=int_list, default=[49152], help="comma list of V")
+    parser.add_argument("--hidden", type=int_list, default=[576], help="comma list of H")
+    parser.add_argument("--top-k", type=int, default=128)
+    parser.add_argument("--modes", type=lambda text: text.split(","), default=["fused", "dense"])
+    parser.add_argument("--chunk-tokens", type=int, default=4096)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed steps per measurement (min is reported)")
+    parser.add_argument("--dense-max-gib", type=float, default=12.0,
+                        help="skip dense above this estimated peak")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one measurement, in a child process
+    return parser
+
+
+def _run_child(spec: dict) -> dict:
+    command = [sys.executable, "-m", "kdflow.bench_loss", "--measure", json.dumps(spec)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    if done.returncode in (-9, 137):  # the kernel's OOM killer
+        return spec | {"error": "out of memory", "killed": True}
+    last_line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+    return spec | {"error": last_line}
+
+
+def _measure(spec: dict) -> dict:
+    """One measurement in this (fresh) process; returns the JSON record."""
+    import torch
+
+    from tasks.losses import fused_topk_kl
+
+    device = torch.device(spec["device"])
+    inputs = _make_inputs(spec, device)
+    record = {key: spec[key] for key in ("mode", "tokens", "vocab", "hidden", "top_k", "device")}
+    if spec["mode"] == "fused":
+        record["chunk_tokens"] = spec["chunk_tokens"]
+
+    def step() -> torch.Tensor:
+        if spec["mode"] == "dense":
+            return _dense_topk_kl(*inputs)
+        return fused_topk_kl(*inputs, chunk_tokens=spec["chunk_tokens"])
+
+    try:
+        seconds, peak = [], 0
+        for _ in range(spec["repeats"]):
+            inputs[0].grad = inputs[1].grad = None
+            baseline = _reset_peak(device)
+            start = time.perf_counter()
+            loss = step()
+            loss.backward()
+            _synchronise(device)
+            seconds.append(time.perf_counter() - start)
+            peak = max(peak, _peak_bytes(device) - baseline)
+    except torch.OutOfMemoryError:
+        return record | {"error": "out of memory"}
+    record |= {"seconds": round(min(seconds), 3), "seconds_all": [round(s, 3) for s in seconds],
+               "peak_bytes": int(peak), "peak_gib": round(peak / GIB, 3), "loss": float(loss)}
+    if spec.get("compare_fused"):
+        record |= _agreement(inputs, loss, spec["chunk_tokens"])
+    return record
+
+
+def _agreement(inputs: list, dense_loss, chunk_tokens: int) -> dict:
+    """Abs diff of the loss and max |grad diff| / max |dense grad| over hidden and weight."""
+    from tasks.losses import fused_topk_kl
+
+    dense_grads = [inputs[0].grad.clone(), inputs[1].grad.clone()]
+    inputs[0].grad = inputs[1].grad = None
+    fused_loss = fused_topk_kl(*inputs, chunk_tokens=chunk_tokens)
+    fused_loss.backward()
+    relative = [float((f.grad - d).abs().max() / d.abs().max()) for f, d in zip(inputs[:2], dense_grads)]
+    return {"loss_abs_diff": abs(float(fused_loss) - float(dense_loss)), "grad_max_rel_diff": max(relative)}
+
+
+def _make_inputs(spec: dict, device) -> list:
+    """Student hidden/weight and a synthetic teacher top-K (int32 ids, float16 log-probs, tail 10%)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab, width, top_k = spec["tokens"], spec["vocab"], spec["hidden"], spec["top_k"]
+    hidden = torch.randn(rows, width, generator=gen).to(device).requires_grad_()
+    weight = (torch.randn(vocab, width, generator=gen) / width**0.5).to(device).requires_grad_()
+    # Distinct ids per row without an (N, V) tensor: a random start and a stride of V // K.
+    start = torch.randint(0, vocab, (rows, 1), generator=gen)
+    topk_ids = ((start + torch.arange(top_k) * (vocab // top_k)) % vocab).to(torch.int32)
+    logprobs = torch.log_softmax(torch.randn(rows, top_k, generator=gen) * 2, dim=1) + math.log(0.9)
+    topk_logprobs = logprobs.sort(dim=1, descending=True).values.half()
+    return [hidden, weight, topk_ids.to(device), topk_logprobs.to(device)]
+
+
+def _dense_topk_kl(hidden, weight, topk_ids, topk_logprobs):
+    """The same K+1 bucket KL with the (N, V) logits materialised; plain autograd."""
+    import torch
+
+    ids, teacher_log_p = topk_ids.long(), topk_logprobs.float()
+    log_q = torch.log_softmax(hidden @ weight.T, dim=1)  # (N, V)
+    log_q_top = log_q.gather(1, ids)  # (N, K)
+    log_q_tail = log_q.scatter(1, ids, float("-inf")).logsumexp(1)  # (N,)
+    p = teacher_log_p.exp()
+    p_tail = (1 - p.sum(1)).clamp_min(0)
+    kd = (p * (teacher_log_p - log_q_top)).sum(1) + torch.xlogy(p_tail, p_tail) - p_tail * log_q_tail
+    return kd.mean()
+
+
+def _reset_peak(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    return _proc_status_bytes("VmRSS")
+
+
+def _peak_bytes(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return _proc_status_bytes("VmHWM")
+
+
+def _synchronise(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _proc_status_bytes(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    return int(match.group(1)) * 1024
+
+
+def _available_memory_bytes(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return float(free)
+    match = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+    return float(match.group(1)) * 1024
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
