@@ -21,4 +21,6 @@ def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:
 def write_stage_config(config: KDFlowConfig, store: str) -> None:
     """The resolved config, beside the stage's output: what made these files, readable by people."""
     run_root = RunRoot(config.run_root)
-    run_root.write_bytes_atomic(f"{store}/{CONFIG_FILE}", dump_config(config).encode())
+    path, text = f"{store}/{CONFIG_FILE}", dump_config(config).encode()
+    if not run_root.exists(path) or run_root.read_bytes(path) != text:  # a rerun touches no file
+        run_root.write_bytes_atomic(path, text)

@@ -72,6 +72,9 @@ class PrecomputeConfig(_Section):
         default=None, description="Fan out shard ranges of this size to the per-shard deployment (scale-out)"
     )
     fanout_deployment: str = Field(default="precompute-shards/gpu", description="FLOW/DEPLOYMENT that computes a shard range")
+    lease_ttl_s: float = Field(
+        default=900.0, gt=0, description="A shard's claim expires this long after its owner last renewed it (owner died)"
+    )
 
 
 class StudentArchitecture(_Section):
@@ -128,6 +131,8 @@ class StudentConfig(_Section):
     eval_sequences: PositiveInt = 64
     eval_every: int = Field(default=0, ge=0, description="0: evaluate at the start and the end only")
     save_every: PositiveInt = 100
+    keep_checkpoints: PositiveInt = Field(default=2, description="Complete checkpoints kept in students/NAME (newest)")
+    topk_tag: str | None = Field(default=None, description="Train on topk/TAG; default: the store made for this config")
     seed: int = 0
     device: str = "auto"
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
@@ -175,9 +180,26 @@ def section_hash(*parts: BaseModel | dict | str | int | None, length: int = 16) 
     return hashlib.sha256(blob).hexdigest()[:length]
 
 
+def _config_key(loc: tuple[int | str, ...]) -> str:
+    """The dotted config key of an error location, without pydantic's union-member tags ('str', 'list[str]')."""
+    parts: list[str] = []
+    model: type[BaseModel] | None = KDFlowConfig
+    for item in loc:
+        if model is not None and isinstance(item, str):
+            parts.append(item)  # a field of this section, or the unknown key itself
+            field = model.model_fields.get(item)
+            annotation = field.annotation if field is not None else None
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        elif isinstance(item, int):
+            parts.append(str(item))  # an index into a list or tuple value
+        else:
+            break  # a union member tag below a plain field
+    return ".".join(parts)
+
+
 def _format_validation_error(error: ValidationError, source: str) -> str:
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "<root>"
+    where = _config_key(first["loc"]) or "<root>"
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown config key '{where}'"
     if first["type"] == "missing":
@@ -203,6 +225,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> KD
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     for dotted, value in (overrides or {}).items():
         set_dotted(data, dotted, value)
     return config_from_dict(data, source=str(path))

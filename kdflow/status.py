@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from schemas.commits import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, list_commits, read_complete
 from schemas.storage import RunRoot
 
@@ -31,12 +33,13 @@ def print_status(url: str) -> int:
     print(line)
     line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
     print(line)
-    for tag in run_root.listdir(run_root.path(TOPK_DIR)):
+    for tag in [t for t in run_root.listdir(run_root.path(TOPK_DIR)) if not t.startswith((".", "_"))]:  # stores only
         line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards)
         print(line)
-    for name in run_root.listdir(run_root.path(STUDENTS_DIR)):
+    for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if not n.startswith((".", "_"))]:
         folder = run_root.path(STUDENTS_DIR, name)
-        checkpoints = [c for c in run_root.listdir(folder) if c.startswith("checkpoint-")]
+        steps = sorted(int(c.split("-", 1)[1]) for c in run_root.listdir(folder) if re.fullmatch(r"checkpoint-\d+", c))
         final = "final model saved" if run_root.exists(f"{folder}/final/config.json") else "no final model yet"
-        print(f"{'students/' + name:<22} {len(checkpoints)} checkpoint(s), latest {max(checkpoints, default='-')}, {final}")
+        latest = f"checkpoint-{steps[-1]}" if steps else "-"
+        print(f"{'students/' + name:<22} {len(steps)} checkpoint(s), latest {latest}, {final}")
     return 0

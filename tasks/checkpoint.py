@@ -1,0 +1,238 @@
+"""Checkpoints of a student: HF model + tokenizer + training state, whole or not at all.
+
+`students/NAME/checkpoint-STEP/` holds `save_pretrained` output (safetensors), the tokenizer,
+`training_state.pt` (optimiser, scheduler, RNG states; loadable with `weights_only=True`) and
+`checkpoint.json` (step, global data position, fingerprint), written last. On local disk the folder is
+filled under a hidden temporary name and renamed into place; on object stores the files are uploaded
+and `checkpoint.json` goes last. Either way a checkpoint without `checkpoint.json` is never resumed from.
+`students/NAME/final/` holds the final model and tokenizer only: what `kdflow chat` loads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kdflow.errors import StoreError
+from schemas.storage import RunRoot
+from tasks.student import load_causal_lm
+
+CHECKPOINT_PREFIX = "checkpoint-"
+FINAL_DIR = "final"
+STATE_FILE = "training_state.pt"
+MARKER_FILE = "checkpoint.json"
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Where training stands after `step` optimiser steps."""
+
+    step: int
+    position: int  # global data position: training rows consumed by all ranks together
+    elapsed_s: float  # training seconds over all runs so far
+    fingerprint: str  # what must not change for a resume to continue the same run (tasks.train)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: str
+    state: TrainingState
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step}"
+
+
+# --- RNG states -------------------------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """RNG states as plain containers and tensors, so `torch.load(weights_only=True)` accepts them."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- writing folders whole --------------------------------------------------------------------------------
+
+
+def _remove_tree(run_root: RunRoot, path: str) -> None:
+    if run_root.is_local:
+        shutil.rmtree(path, ignore_errors=True)
+    elif run_root.exists(path):
+        run_root.fs.rm(path, recursive=True)
+
+
+def _seal(folder: str) -> None:
+    """Before the rename: files on disk (a crash after it must not find empty files), and the modes of
+    any new file (mkdtemp and safetensors create owner-only ones)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        os.chmod(path, 0o666 & ~umask)
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    os.chmod(folder, 0o777 & ~umask)
+
+
+@contextmanager
+def _folder_writer(run_root: RunRoot, path: str) -> Iterator[str]:
+    """Yields a local folder to fill; afterwards its files appear at `path` (replacing it), MARKER_FILE last."""
+    if run_root.is_local:
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+        try:
+            yield staging
+            _seal(staging)
+            if os.path.exists(path):  # same step written again: move the old one aside first
+                aside = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(path, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            os.replace(staging, path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="kdflow-upload-") as staging:
+        yield staging
+        _remove_tree(run_root, path)
+        names = sorted(os.listdir(staging), key=lambda name: name == MARKER_FILE)  # the marker last
+        run_root.makedirs(path)
+        for name in names:
+            run_root.fs.put_file(os.path.join(staging, name), f"{path}/{name}")
+
+
+@contextmanager
+def _local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
+    """A local folder with the files of `path` (the folder itself on local disk)."""
+    if run_root.is_local:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="kdflow-download-") as local:
+        for name in run_root.listdir(path):
+            run_root.fs.get_file(f"{path}/{name}", os.path.join(local, name))
+        yield local
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainingState) -> str:
+    path = f"{student_dir}/{checkpoint_name(state.step)}"
+    with _folder_writer(run_root, path) as folder:
+        model.save_pretrained(folder)  # safetensors: the only format transformers 5 writes
+        tokenizer.save_pretrained(folder)
+        training = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": capture_rng(),
+                    "state": asdict(state)}
+        torch.save(training, os.path.join(folder, STATE_FILE))
+        with open(os.path.join(folder, MARKER_FILE), "w", encoding="utf-8") as handle:
+            json.dump(asdict(state) | {"created_at": time.time()}, handle, indent=1)
+    return path
+
+
+def _read_marker(run_root: RunRoot, path: str, step: int) -> TrainingState | None:
+    try:
+        data = json.loads(run_root.read_bytes(f"{path}/{MARKER_FILE}"))
+        state = TrainingState(step=int(data["step"]), position=int(data["position"]),
+                              elapsed_s=float(data["elapsed_s"]), fingerprint=str(data["fingerprint"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return state if state.step == step else None
+
+
+def list_checkpoints(run_root: RunRoot, student_dir: str) -> list[Checkpoint]:
+    """Complete checkpoints (their marker is there and names their step), oldest first."""
+    found = []
+    for name in run_root.listdir(student_dir):
+        match = _CHECKPOINT_NAME.match(name)
+        if match:
+            path = f"{student_dir}/{name}"
+            state = _read_marker(run_root, path, int(match.group(1)))
+            if state is not None:
+                found.append(Checkpoint(path, state))
+    return sorted(found, key=lambda checkpoint: checkpoint.state.step)
+
+
+def latest_checkpoint(run_root: RunRoot, student_dir: str) -> Checkpoint | None:
+    complete = list_checkpoints(run_root, student_dir)
+    return complete[-1] if complete else None
+
+
+def prune_checkpoints(run_root: RunRoot, student_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted writes."""
+    checkpoints = list_checkpoints(run_root, student_dir)
+    removed = [checkpoint.path for checkpoint in checkpoints[:-keep]]
+    complete = {checkpoint.path for checkpoint in checkpoints}
+    for name in run_root.listdir(student_dir):
+        path = f"{student_dir}/{name}"
+        interrupted_local = name.startswith(".") and (".tmp-" in name or ".old-" in name)
+        interrupted_upload = _CHECKPOINT_NAME.match(name) is not None and path not in complete
+        if interrupted_local or interrupted_upload:
+            removed.append(path)
+    for path in removed:
+        _remove_tree(run_root, path)
+    return removed
+
+
+def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: torch.optim.Optimizer,
+                        scheduler: Any) -> TrainingState:
+    """Restore optimiser, scheduler and RNG states in place; -> the training state."""
+    path = f"{checkpoint.path}/{STATE_FILE}"
+    try:
+        training = torch.load(io.BytesIO(run_root.read_bytes(path)), map_location="cpu", weights_only=True)
+    except (FileNotFoundError, RuntimeError, ValueError, EOFError) as error:
+        raise StoreError(f"{run_root.display(path)}: unreadable training state: {str(error).splitlines()[0]}") from None
+    optimizer.load_state_dict(training["optimizer"])
+    scheduler.load_state_dict(training["scheduler"])
+    restore_rng(training["rng"])
+    return TrainingState(**training["state"])
+
+
+def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch.device | str) -> nn.Module:
+    with _local_copy(run_root, checkpoint_path) as folder:
+        model = load_causal_lm(folder, what="checkpoint", dtype=torch.float32)
+    return model.to(device)
+
+
+def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any) -> str:
+    """students/NAME/final/: the model and tokenizer that `kdflow chat` loads."""
+    path = f"{student_dir}/{FINAL_DIR}"
+    with _folder_writer(run_root, path) as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return path
+

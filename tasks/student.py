@@ -1,0 +1,153 @@
+"""The student model: built from `student.architecture` or loaded from `student.init_from`.
+
+The student always speaks the run's tokenizer (`tasks.tokenise.load_tokenizer`): its vocabulary is the
+tokenizer's, and the token store it trains on must have been made with that same tokenizer (equal
+fingerprints). Teacher ids beyond the student's vocabulary are the loss's business (folded into the
+tail bucket with a warning); input ids beyond it would be out of range, so that is an error here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdflow.config import KDFlowConfig
+from kdflow.errors import FingerprintMismatch, KDFlowError
+from schemas.fingerprints import tokenizer_fingerprint
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class StudentError(KDFlowError):
+    """A student folder or model that cannot be used (not a model, wrong vocabulary, unsupported head)."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def model_folder_problem(folder: str) -> str | None:
+    """Why `folder` is not a Hugging Face model folder, or None when it looks like one."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return "no config.json in it"
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
+        return "no model weights in it (model.safetensors or pytorch_model.bin)"
+    return None
+
+
+def load_causal_lm(folder: str, *, what: str, dtype: torch.dtype | None = None, device: str | None = None) -> nn.Module:
+    """AutoModelForCausalLM.from_pretrained(folder) with one-line errors that say what `folder` was for."""
+    from transformers import AutoModelForCausalLM
+
+    problem = model_folder_problem(folder)
+    if problem is not None:
+        raise StudentError(f"{what} {folder!r} is not a model: {problem}")
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise StudentError(f"{what} {folder!r} is not a loadable causal LM: {_first_line(error)}") from None
+    return model.to(device) if device is not None else model
+
+
+def build_student(config: KDFlowConfig, tokenizer: Any) -> nn.Module:
+    """A fresh float32 student: `init_from` if set, else a Llama of `student.architecture`, seeded."""
+    student = config.student
+    if student.init_from is not None:
+        model = load_causal_lm(student.init_from, what="student.init_from", dtype=torch.float32)
+        check_init_tokenizer(student.init_from, tokenizer)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(student.seed)  # the initial weights depend on the seed only
+        model = AutoModelForCausalLM.from_config(llama_config(config, tokenizer), dtype=torch.float32)
+    check_student(model, tokenizer)
+    return model
+
+
+def llama_config(config: KDFlowConfig, tokenizer: Any) -> Any:
+    from transformers import LlamaConfig
+
+    arch = config.student.architecture
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return LlamaConfig(
+        vocab_size=len(tokenizer),  # includes added special tokens, so every input id has an embedding
+        hidden_size=arch.hidden_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        intermediate_size=arch.intermediate_size,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        rope_theta=arch.rope_theta,
+        max_position_embeddings=config.seq_len,  # the length it is trained at; RoPE extrapolates beyond
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad_id,
+    )
+
+
+def check_student(model: nn.Module, tokenizer: Any) -> None:
+    """The fused loss needs a plain lm_head (no logit scaling or softcapping) and every token id embedded."""
+    from tasks.topk import final_logit_transform, output_layer
+
+    try:
+        head = output_layer(model)
+        transform = final_logit_transform(model.config)
+    except (ValueError, NotImplementedError) as error:
+        raise StudentError(f"student {type(model).__name__}: {_first_line(error)}") from None
+    if not transform.is_identity:
+        raise StudentError(f"student {type(model).__name__} scales or softcaps its logits ({transform}); "
+                           "the fused top-K loss supports plain lm_head logits only")
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise StudentError(f"student {type(model).__name__}: lm_head has no (vocab, hidden) weight")
+    if weight.shape[0] < len(tokenizer):
+        raise StudentError(f"student vocabulary {weight.shape[0]} is smaller than the tokenizer's {len(tokenizer)}: "
+                           "input ids would be out of range")
+
+
+def check_init_tokenizer(folder: str, tokenizer: Any) -> None:
+    """An init_from checkpoint that ships its own tokenizer must ship the run's tokenizer."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    own = AutoTokenizer.from_pretrained(folder)
+    own_fp, run_fp = tokenizer_fingerprint(own), tokenizer_fingerprint(tokenizer)
+    if own_fp != run_fp:
+        raise FingerprintMismatch(f"student.init_from {folder!r} has tokenizer fingerprint {own_fp}, "
+                                  f"the run's tokenizer has {run_fp}")
+
+
+def check_token_store_tokenizer(tokenizer: Any, store_fingerprint: str | None, store: str) -> str:
+    """-> the tokenizer's fingerprint; an error unless it is the one the token store was made with."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if store_fingerprint is None:
+        raise FingerprintMismatch(f"token store {store} does not record its tokenizer fingerprint")
+    if fingerprint != store_fingerprint:
+        raise FingerprintMismatch(f"the student's tokenizer (fingerprint {fingerprint}) is not the one token store "
+                                  f"{store} was made with ({store_fingerprint})")
+    return fingerprint
+
+
+def student_tokenizer(config: KDFlowConfig, tokenizer: Any) -> Any:
+    """The tokenizer saved with the student. A base student (built from `architecture`) gets no chat
+    template, so `kdflow chat` continues text; an `init_from` student keeps its own template, if any."""
+    from transformers import AutoTokenizer
+
+    template = None
+    if config.student.init_from is not None:
+        try:
+            template = AutoTokenizer.from_pretrained(config.student.init_from).chat_template
+        except (OSError, ValueError):
+            template = None
+    tokenizer.chat_template = template
+    return tokenizer

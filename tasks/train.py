@@ -1,0 +1,360 @@
+"""Train a student against the cached teacher top-K: a pure-torch loop (no Prefect here).
+
+One optimiser step: the global batch at the current data position (tasks.data), this rank's rows of
+it, `grad_accum` micro-batches; per micro-batch the student body's final hidden states go into the fused
+top-K loss with the lm_head weight (logits never exist beyond one chunk). Every micro-batch loss is
+divided by the GLOBAL count of counted positions of the whole optimiser step, so accumulation and ranks
+sum to exactly the gradient of one big batch. Then clipping, AdamW, the LR schedule (linear warmup,
+cosine to min_lr_ratio * lr). Metrics per step go to metrics.jsonl, evaluations to eval.jsonl.
+
+Written for data parallelism to be added by wrapping: `rank`/`world_size` pick the rows, counts and
+logged sums are all-reduced when torch.distributed is initialised, only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kdflow.config import KDFlowConfig, KDConfig, StudentConfig, section_hash
+from kdflow.errors import ConfigError, StoreError
+from schemas.commits import STUDENTS_DIR
+from schemas.storage import RunRoot
+from tasks.checkpoint import (FINAL_DIR, TrainingState, latest_checkpoint, load_checkpoint_model, load_training_state,
+                              prune_checkpoints, save_checkpoint, save_final)
+from tasks.data import DistillBatch, DistillData, DistillStores, open_distill_data
+from tasks.progress import Progress
+from tasks.student import build_student, check_student, student_tokenizer
+from tasks.tokenise import load_tokenizer
+from tasks.topk import model_body, output_layer
+
+IGNORE_INDEX = -100
+METRICS_FILE, EVAL_FILE = "metrics.jsonl", "eval.jsonl"
+OnStep = Callable[[dict[str, Any]], bool | None]
+
+
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_for(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA devices that support it; on CPU bf16 is slower than fp32, so never there."""
+    if enabled and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lr_factor(step: int, student: StudentConfig) -> float:
+    """Multiplier of `lr` for optimiser step `step` (0-based): linear warmup, then cosine to min_lr_ratio."""
+    if step < student.warmup_steps:
+        return (step + 1) / student.warmup_steps
+    decay_steps = max(1, student.steps - student.warmup_steps - 1)
+    progress = min(1.0, (step - student.warmup_steps) / decay_steps)
+    return student.min_lr_ratio + (1 - student.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, student: StudentConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW with decoupled weight decay on matrices only (not on norms, biases or embeddings)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for param in model.parameters():  # deduplicated: a tied lm_head appears once, as the embedding
+        if param.requires_grad:
+            (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": student.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=student.lr, betas=student.betas)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, student))
+    return optimizer, scheduler
+
+
+def training_fingerprint(config: KDFlowConfig, stores: DistillStores) -> str:
+    """What a checkpoint must share with this config to be resumed: data, model and optimisation settings.
+    Steps, saving, evaluation and device settings may change between runs."""
+    student = config.student
+    fields = student.model_dump(mode="json", include={"init_from": True, "architecture": True, "batch_size": True, "lr": True,
+                                                      "min_lr_ratio": True, "warmup_steps": True, "weight_decay": True,
+                                                      "betas": True, "grad_clip": True, "eval_shards": True, "seed": True,
+                                                      "kd": {"kd_weight", "temperature"}})
+    return section_hash("student", stores.topk_fingerprint, stores.tokens_fingerprint, fields)
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """(n, T) -> (n, T): the token after each position; the last position's is unknown (IGNORE_INDEX)."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels
+
+
+def distill_loss(model: nn.Module, batch: DistillBatch, kd: KDConfig, global_counts: tuple[float, float],
+                 autocast: contextlib.AbstractContextManager, *, kd_weight: float | None = None,
+                 temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (loss, kd, ce, hidden (n*T, H)) for one micro-batch; never materialises (n, T, vocab) logits."""
+    from tasks.losses import fused_topk_kl
+
+    head = output_layer(model)
+    with autocast:
+        outputs = model_body(model)(input_ids=batch.input_ids, use_cache=False)
+        hidden = outputs.last_hidden_state.flatten(0, 1)  # (n * T, H)
+        loss, kd_part, ce_part = fused_topk_kl(
+            hidden, head.weight, batch.topk_ids.flatten(0, 1), batch.topk_logprobs.flatten(0, 1),
+            bias=getattr(head, "bias", None), labels=next_token_labels(batch.input_ids).flatten(),
+            kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
+            temperature=kd.temperature if temperature is None else temperature,
+            chunk_tokens=kd.chunk_tokens, global_counts=global_counts, return_parts=True)
+    return loss, kd_part, ce_part, hidden
+
+
+def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
+    """(KD positions, CE positions): every position has a teacher distribution, all but the last a label."""
+    rows = sum(batch.input_ids.shape[0] for batch in batches)
+    seq_len = batches[0].input_ids.shape[1]
+    return rows * seq_len, rows * (seq_len - 1)
+
+
+def optimiser_step(model: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
+                   config: KDFlowConfig, rank: int, world_size: int, device: torch.device,
+                   autocast: contextlib.AbstractContextManager) -> dict[str, float]:
+    """This rank's share of one optimiser step; -> global loss, kd, ce (sums of normalised parts), grad norm."""
+    student = config.student
+    rows = data.rank_rows(position, student.batch_size, rank, world_size)  # this rank's rows of the global batch
+    batches = [data.train_batch(micro) for micro in np.split(rows, student.grad_accum)]
+    global_counts = tuple(_all_reduce_sum([float(c) for c in _counts(batches)], device))
+    sums = [0.0, 0.0, 0.0]
+    for batch in batches:
+        loss, kd_part, ce_part, _ = distill_loss(model, batch.to(device), student.kd, global_counts, autocast)
+        # Data-parallel wrappers average gradients over ranks; the global-count loss wants their sum.
+        (loss * world_size).backward()
+        for i, value in enumerate((loss.detach(), kd_part, ce_part)):
+            sums[i] += float(value)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), student.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss, kd_sum, ce_sum = _all_reduce_sum(sums, device)
+    return {"loss": loss, "kd": kd_sum, "ce": ce_sum, "grad_norm": float(grad_norm)}
+
+
+@torch.no_grad()
+def _chunked_argmax(hidden: torch.Tensor, head: nn.Module, chunk: int) -> torch.Tensor:
+    """(N, H) -> (N,) the student's most likely next token, one chunk of logits at a time."""
+    return torch.cat([head(hidden[i:i + chunk]).argmax(-1) for i in range(0, hidden.shape[0], chunk)])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: DistillData, config: KDFlowConfig, device: torch.device, *, rank: int = 0,
+             world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None) -> dict[str, float] | None:
+    """Held-out KL to the teacher's top-K (T = 1, mean per position), perplexity, top-1 agreement."""
+    if not data.eval_rows:
+        return None
+    autocast = autocast if autocast is not None else contextlib.nullcontext()
+    seq_len = data.stores.seq_len
+    total_rows = len(data.eval_rows)
+    global_counts = (float(total_rows * seq_len), float(total_rows * (seq_len - 1)))
+    micro = max(1, config.student.batch_size // (world_size * config.student.grad_accum))
+    was_training = model.training
+    model.eval()
+    sums = [0.0, 0.0, 0.0]  # kd, ce, top-1 matches
+    for rows in data.eval_batches(micro, rank, world_size):
+        batch = data.load(rows).to(device)
+        _, kd_part, ce_part, hidden = distill_loss(model, batch, config.student.kd, global_counts, autocast,
+                                                   kd_weight=1.0, temperature=1.0)
+        with autocast:
+            predicted = _chunked_argmax(hidden, output_layer(model), config.student.kd.chunk_tokens)  # (n*T,)
+        matches = (predicted == batch.topk_ids[..., 0].flatten().long()).sum()
+        sums = [sums[0] + float(kd_part), sums[1] + float(ce_part), sums[2] + float(matches)]
+    model.train(was_training)
+    kl, ce, matches = _all_reduce_sum(sums, device)
+    return {"kl": kl, "ce": ce, "perplexity": math.exp(min(ce, 700.0)), "top1_agreement": matches / global_counts[0],
+            "sequences": total_rows}
+
+
+class JsonlLog:
+    """A jsonl file of records with a `step`; on resume, records after the resumed step are dropped.
+    Local files are appended line by line; on object stores the file is rewritten on `flush()`. A file
+    that needs no change is never rewritten (a rerun of a finished run touches nothing)."""
+
+    def __init__(self, run_root: RunRoot, path: str, keep_through_step: int, enabled: bool = True) -> None:
+        self.run_root, self.path, self.enabled = run_root, path, enabled
+        on_disk = read_jsonl(run_root, path)
+        self.records = [r for r in on_disk if r.get("step", 0) <= keep_through_step]
+        self._persisted = len(on_disk)  # records the file holds, in order
+        if len(self.records) != len(on_disk):
+            self._persisted = -1
+            self.flush()
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.enabled and self.run_root.is_local and self._persisted == len(self.records) - 1:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+            self._persisted += 1
+
+    def flush(self) -> None:
+        if self.enabled and self._persisted != len(self.records):
+            text = "".join(json.dumps(record) + "\n" for record in self.records)
+            self.run_root.write_bytes_atomic(self.path, text.encode())
+            self._persisted = len(self.records)
+
+
+def read_jsonl(run_root: RunRoot, path: str) -> list[dict[str, Any]]:
+    try:
+        text = run_root.read_bytes(path).decode("utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _check_layout(student: StudentConfig, world_size: int) -> None:
+    if student.batch_size % (world_size * student.grad_accum):
+        raise ConfigError(f"student.batch_size={student.batch_size} must be divisible by ranks x grad_accum = "
+                          f"{world_size} x {student.grad_accum}")
+
+
+class StudentRun:
+    """One process's view of a training run: model, optimiser, data, position, logs; resumed if possible."""
+
+    def __init__(self, config: KDFlowConfig, rank: int, world_size: int) -> None:
+        student = config.student
+        _check_layout(student, world_size)
+        self.config, self.rank, self.world_size, self.is_main = config, rank, world_size, rank == 0
+        self.run_root = RunRoot(config.run_root)
+        self.student_dir = self.run_root.path(STUDENTS_DIR, student.name)
+        self.device = resolve_device(student.device, rank)
+        self.autocast = autocast_for(self.device, student.autocast_bf16)
+        self.tokenizer = student_tokenizer(config, load_tokenizer(config))
+        self.data = open_distill_data(config, self.tokenizer)
+        fingerprint = training_fingerprint(config, self.data.stores)
+        if self.is_main:
+            self.run_root.makedirs(self.student_dir)
+            prune_checkpoints(self.run_root, self.student_dir, student.keep_checkpoints)
+        torch.manual_seed(student.seed)
+        self.checkpoint = latest_checkpoint(self.run_root, self.student_dir)
+        if self.checkpoint is not None and self.checkpoint.state.fingerprint != fingerprint:
+            raise StoreError(f"{self.run_root.display(self.checkpoint.path)} was trained with other data or settings "
+                             f"(fingerprint {self.checkpoint.state.fingerprint}, this config {fingerprint}); "
+                             "choose another student.name or delete that folder")
+        if self.checkpoint is not None:
+            self.model = load_checkpoint_model(self.run_root, self.checkpoint.path, self.device)
+            check_student(self.model, self.tokenizer)
+        else:
+            self.model = build_student(config, self.tokenizer).to(self.device)
+        self.model.train()
+        self.optimizer, self.scheduler = build_optimizer(self.model, student)
+        self.state = TrainingState(0, 0, 0.0, fingerprint)
+        if self.checkpoint is not None:  # also restores the RNG states
+            self.state = load_training_state(self.run_root, self.checkpoint, self.optimizer, self.scheduler)
+        self.start_step = self.state.step
+        self.saved_step = self.state.step if self.checkpoint is not None else -1
+        self.metrics = JsonlLog(self.run_root, f"{self.student_dir}/{METRICS_FILE}", self.state.step, self.is_main)
+        self.evals = JsonlLog(self.run_root, f"{self.student_dir}/{EVAL_FILE}", self.state.step, self.is_main)
+        self.tokens_per_step = student.batch_size * self.data.stores.seq_len
+
+    def step(self) -> dict[str, Any]:
+        """One optimiser step at the current data position; -> its metrics record (also logged)."""
+        started = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        result = optimiser_step(self.model, self.optimizer, self.data, self.state.position, self.config, self.rank,
+                                self.world_size, self.device, self.autocast)
+        self.scheduler.step()
+        seconds = time.perf_counter() - started
+        state = self.state
+        self.state = TrainingState(state.step + 1, state.position + self.config.student.batch_size,
+                                   state.elapsed_s + seconds, state.fingerprint)
+        record = {"step": self.state.step, **result, "lr": lr, "tokens": self.tokens_per_step,
+                  "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "elapsed": self.state.elapsed_s,
+                  "epoch": self.state.position / self.data.train_rows}
+        self.metrics.append(record)
+        return record
+
+    def evaluate(self) -> None:
+        result = evaluate(self.model, self.data, self.config, self.device, rank=self.rank, world_size=self.world_size,
+                          autocast=self.autocast)
+        if result is not None:
+            self.evals.append({"step": self.state.step} | result)
+
+    def save(self) -> None:
+        """checkpoint-STEP (rank 0), unless this step is already saved; older checkpoints pruned."""
+        if self.is_main and self.saved_step != self.state.step:
+            save_checkpoint(self.run_root, self.student_dir, self.model, self.tokenizer, self.optimizer, self.scheduler,
+                            self.state)
+            prune_checkpoints(self.run_root, self.student_dir, self.config.student.keep_checkpoints)
+            self.flush_logs()
+        self.saved_step = self.state.step
+
+    def finish(self) -> None:
+        """The closing evaluation, checkpoint and final/ model; each skipped when already there."""
+        if not self.evals.records or self.evals.records[-1]["step"] != self.state.step:
+            self.evaluate()
+        final_missing = not self.run_root.exists(f"{self.student_dir}/{FINAL_DIR}/config.json")
+        self.save()
+        if self.is_main and (self.state.step > self.start_step or final_missing):
+            save_final(self.run_root, self.student_dir, self.model, self.tokenizer)
+
+    def flush_logs(self) -> None:
+        self.metrics.flush()
+        self.evals.flush()
+
+    def summary(self, stopped: bool) -> dict[str, Any]:
+        display, records, evals = self.run_root.display, self.metrics.records, self.evals.records
+        return {
+            "student": self.config.student.name,
+            "student_dir": display(self.student_dir),
+            "final_dir": None if stopped else display(f"{self.student_dir}/{FINAL_DIR}"),
+            "steps": self.state.step,
+            "start_step": self.start_step,
+            "resumed_from": None if self.checkpoint is None else display(self.checkpoint.path),
+            "stopped": stopped,
+            "final_loss": records[-1]["loss"] if records else None,
+            "eval_before": evals[0] if evals else None,
+            "eval_after": evals[-1] if evals and not stopped else None,
+            "tokens": (self.state.step - self.start_step) * self.tokens_per_step,
+            "seconds": self.state.elapsed_s,
+            "topk_store": display(self.data.stores.topk_store),
+            "train_rows": self.data.train_rows,
+        }
+
+
+def train(config: KDFlowConfig, *, rank: int = 0, world_size: int = 1, on_step: OnStep | None = None) -> dict[str, Any]:
+    """Train (or resume) students/NAME to `student.steps`; -> a small summary dict.
+
+    `on_step(record)` is called after every optimiser step with its metrics; returning True stops the
+    run there after saving a checkpoint (a resumed run continues exactly from it).
+    """
+    run = StudentRun(config, rank, world_size)
+    student = config.student
+    progress = Progress(f"train {student.name}", max(student.steps - run.state.step, 0), unit="step")
+    stopped = False
+    try:
+        if run.state.step == 0 and not run.evals.records:
+            run.evaluate()
+        while run.state.step < student.steps and not stopped:
+            record = run.step()
+            progress.update(1, run.tokens_per_step, loss=record["loss"], lr=record["lr"])
+            stopped = bool(on_step(record)) if on_step is not None else False
+            if student.eval_every and run.state.step % student.eval_every == 0:
+                run.evaluate()
+            if run.state.step % student.save_every == 0 or stopped:
+                run.save()
+        if not stopped:
+            run.finish()
+    finally:
+        progress.close()
+        run.flush_logs()
+    return run.summary(stopped)
