@@ -21,10 +21,12 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from flows.pipeline import pipeline_flow
     from kdflow.config import load_config
 
+    # Check the config before importing Prefect (seconds), so a typo is reported at once.
     config = load_config(args.config, dict(args.set or []))
+    from flows.pipeline import pipeline_flow
+
     pipeline_flow(config, stages=args.stages.split(",") if args.stages else None)
     return 0
 
@@ -44,7 +46,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from kdflow.validate import validate_run_root
 
-    return validate_run_root(args.run_root)
+    return validate_run_root(args.run_root, fix=args.fix)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -87,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check manifests, re-hash every committed file, check shard contents")
     validate.add_argument("run_root")
+    validate.add_argument("--fix", action="store_true",
+                          help="remove the commit records of shards that fail a check, so the next run recomputes them")
     validate.set_defaults(func=_cmd_validate)
 
     chat = sub.add_parser("chat", help="generate with a saved student (interactive without --prompt)")
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)

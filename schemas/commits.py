@@ -190,10 +190,9 @@ def validate_manifest(frame: pd.DataFrame, stage: Stage, seq_len: int | None = N
     except pa.errors.SchemaErrors as error:
         cases = error.failure_cases
         first = cases.iloc[0]
-        raise StoreError(
-            f"manifest of {label} is invalid: {first['check']} failed on column {first['column']} "
-            f"({len(cases)} failure(s))"
-        ) from None
+        # Frame-wide checks report the model's name as their column: name a column only when there is one.
+        where = f" on column {first['column']}" if first["column"] in frame.columns else ""
+        raise StoreError(f"manifest of {label} is invalid: {first['check']} failed{where} ({len(cases)} failure(s))") from None
     if stage in ("tokens", "topk") and seq_len is not None and len(validated):
         bad = validated[validated["tokens"] != validated["rows"] * seq_len]
         if len(bad):

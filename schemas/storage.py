@@ -21,7 +21,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from kdflow.errors import StoreError
 
-_SAFE_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# No leading dot (hidden, `.`, `..`) and no separators; a leading underscore is fine (`_complete.json`).
+_SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
 class HashingWriter:

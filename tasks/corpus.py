@@ -109,13 +109,25 @@ def _first_invalid_utf8(files: list[str]) -> str | None:
     return None
 
 
+def _caused_by_invalid_utf8(error: BaseException | None) -> bool:
+    """`datasets` wraps decoding errors of file builders (e.g. DatasetGenerationError): look down the chain."""
+    while error is not None:
+        if isinstance(error, UnicodeDecodeError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]]:
     """(source index, text) from record `start` on, in source order; errors name the problem in one line."""
-    source, local_files = open_source(dataset)
-    if start:
-        source = source.skip(start)
+    files = _file_builder(dataset)
+    local_files = [f for f in files[1] if "://" not in f] if files is not None else []
     index = start
     try:
+        # Inside the try: a non-streaming load decodes the files here, not while iterating.
+        source, _ = open_source(dataset)
+        if start:
+            source = source.skip(start)
         for record in source:
             if dataset.text_field not in record:
                 raise DataError(f"dataset has no text field {dataset.text_field!r} (fields: {', '.join(sorted(record))})")
@@ -124,7 +136,9 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
                 raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text (record {index})")
             yield index, text or ""
             index += 1
-    except UnicodeDecodeError:
+    except Exception as error:
+        if not _caused_by_invalid_utf8(error):
+            raise
         raise DataError(_first_invalid_utf8(local_files) or "dataset: invalid UTF-8 in the source") from None
 
 
@@ -192,12 +206,22 @@ def materialise(
     pending: list[tuple[int, str]] = []  # texts waiting for a token count (only with a token budget)
 
     def take(items: list[tuple[int, str]]) -> int:
-        """Add documents to the part until a budget is hit; -> the source index after the last one taken."""
-        counts = count_tokens([t for _, t in items]) if budget_tokens is not None else [0] * len(items)
+        """Add documents to the part until a budget is hit; -> the source index after the last one taken.
+
+        Empty documents among `items` are counted in source order, so each lands in the part whose source
+        range holds it (a resume re-reads exactly the source after the last committed part).
+        """
+        texts = [t for _, t in items if t.strip()]
+        counts = iter(count_tokens(texts) if budget_tokens is not None and texts else [0] * len(texts))
         end = items[0][0]
-        for (index, text), n_tokens in zip(items, counts):
+        for index, text in items:
             if not budget_left():
                 break
+            if not text.strip():
+                part.skipped_empty += 1
+                end = index + 1
+                continue
+            n_tokens = next(counts)
             part.doc_ids.append(totals["documents"] + len(part.texts))
             part.texts.append(text)
             part.tokens += n_tokens
@@ -212,11 +236,11 @@ def materialise(
         if not budget_left():
             exhausted = False
             break
-        if not text.strip():
+        if not text.strip() and not pending:
             part.skipped_empty += 1
             next_index = index + 1
             continue
-        pending.append((index, text))
+        pending.append((index, text))  # empty ones too while others wait: take() counts them in order
         if len(pending) >= (256 if budget_tokens is not None else 1):
             next_index = take(pending)
             pending = []

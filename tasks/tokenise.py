@@ -135,10 +135,15 @@ def tokenise(
     corpus_fp = corpus_fingerprint(config)
     if corpus_done is None or corpus_done.fingerprint != corpus_fp:
         raise StoreError(f"corpus store {run_root.display(corpus_store)} is not complete for this config; run materialise first")
+    corpus_parts = list_commits(run_root, corpus_store, "corpus", corpus_fp)
+    if committed_prefix(corpus_parts) < corpus_done.shards:
+        missing = committed_prefix(corpus_parts)
+        raise StoreError(f"corpus store {run_root.display(corpus_store)} has no valid commit for part {missing}; run materialise again")
     parts = [data_file_name("corpus", i) for i in range(corpus_done.shards)]
     tok_fp = tokenizer_fingerprint(tokenizer)
     fingerprint = tokens_fingerprint(corpus_fp, tok_fp, config)
     seq_len, per_shard = config.seq_len, config.precompute.sequences_per_shard
+    vocab_size = len(tokenizer)  # every id is below it (added tokens included): `kdflow validate` checks this
 
     committed = list_commits(run_root, store, "tokens", fingerprint)
     done = read_complete(run_root, store)
@@ -160,7 +165,8 @@ def tokenise(
         record = CommitRecord(
             stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
             bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
-            extra={"end_doc": end_doc, "end_offset": end_offset, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp},
+            extra={"end_doc": end_doc, "end_offset": end_offset, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp,
+                   "vocab_size": vocab_size},
         )
         write_commit(run_root, store, record)
         if on_shard:
@@ -176,7 +182,8 @@ def tokenise(
     dropped = int(packer.buffer.size)
     write_complete(run_root, store, StageComplete(
         stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
-        extra={"dropped_tokens": dropped, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp, "corpus_fingerprint": corpus_fp},
+        extra={"dropped_tokens": dropped, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp, "corpus_fingerprint": corpus_fp,
+               "vocab_size": vocab_size},
     ))
     return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
                            time.perf_counter() - started)

@@ -1,0 +1,130 @@
+"""`kdflow bench tokenise`: the raw tokenizer's batch speed against the tokenise stage end to end.
+
+Both measure the same corpus on the same cores, in one process: the raw side is
+`tokenizer(texts, add_special_tokens=False)` in the stage's batch size; the stage side is `tasks.tokenise`
+(read the corpus parts, encode, pack into rows, write Arrow shards, hash, fsync, commit). Rates count the
+documents' own tokens (no EOS) on both sides, so their ratio is the fraction of raw speed the stage keeps.
+Prints one JSON object per line. Default corpus: Python's documentation paragraphs (`pydoc_data.topics`),
+repeated to `--documents`; default tokenizer: a byte-level BPE trained here on the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def pydoc_paragraphs(count: int) -> list[str]:
+    """`count` documents: the paragraphs of Python's shipped documentation, repeated in order."""
+    from pydoc_data.topics import topics
+
+    paragraphs = [p.strip() for text in topics.values() for p in text.split("\n\n") if len(p.strip()) > 40]
+    return [paragraphs[i % len(paragraphs)] for i in range(count)]
+
+
+def train_tiny_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> Path:
+    """A byte-level BPE like the tests' one, saved as a HF fast-tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<pad>").save_pretrained(folder)
+    return folder
+
+
+def _config(work: Path, corpus: Path, model: str, gguf_file: str | None, args: argparse.Namespace) -> Any:
+    from kdflow.config import config_from_dict
+
+    return config_from_dict({
+        "run_root": str(work / "run"),
+        "dataset": {"path": str(corpus), "documents_per_part": 10_000},
+        "seq_len": args.seq_len,
+        "teacher": {"model": model, "gguf_file": gguf_file},
+        "precompute": {"sequences_per_shard": args.sequences_per_shard},
+    }, source="bench")
+
+
+def time_raw_tokenizer(tokenizer: Any, texts: list[str], batch: int) -> tuple[float, int]:
+    """-> (seconds, tokens) of batched encoding, in the stage's batch size."""
+    started, tokens = time.perf_counter(), 0
+    for i in range(0, len(texts), batch):
+        encoded = tokenizer(texts[i:i + batch], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        tokens += sum(map(len, encoded))
+    return time.perf_counter() - started, tokens
+
+
+def time_stage(config: Any, tokenizer: Any) -> tuple[float, Any]:
+    """-> (seconds, summary) of the tokenise stage from scratch (an earlier token store is removed first)."""
+    from schemas.commits import TOKENS_DIR
+    from tasks.tokenise import tokenise
+
+    shutil.rmtree(Path(config.run_root) / TOKENS_DIR, ignore_errors=True)
+    started = time.perf_counter()
+    summary = tokenise(config, tokenizer)
+    return time.perf_counter() - started, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kdflow bench tokenise", description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", help="a local tokenizer folder (default: train a tiny byte-level BPE)")
+    parser.add_argument("--gguf-file", help="a GGUF file inside --tokenizer to read the tokenizer from")
+    parser.add_argument("--documents", type=int, default=20_000)
+    parser.add_argument("--vocab-size", type=int, default=384, help="vocabulary of the tokenizer trained when none is given")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--sequences-per-shard", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many timings per side")
+    parser.add_argument("--parallelism", default="false,true", help="TOKENIZERS_PARALLELISM values to measure, comma list")
+    args = parser.parse_args(argv)
+    if args.gguf_file and not args.tokenizer:
+        parser.error("--gguf-file needs --tokenizer (the folder that holds it)")
+
+    from schemas.commits import CORPUS_DIR
+    from tasks.corpus import materialise
+    from tasks.tokenise import DOCS_PER_BATCH, load_tokenizer
+
+    texts = pydoc_paragraphs(args.documents)
+    parallelism_before = os.environ.get("TOKENIZERS_PARALLELISM")
+    with tempfile.TemporaryDirectory(prefix="kdflow-bench-tokenise-") as tmp:
+        work = Path(tmp)
+        corpus = work / "docs.jsonl"
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+        model = args.tokenizer or str(train_tiny_tokenizer(work / "tokenizer", pydoc_paragraphs(400), args.vocab_size))
+        config = _config(work, corpus, model, args.gguf_file, args)
+        tokenizer = load_tokenizer(config)
+        materialise(config)  # not timed: the corpus parts are the stage's input
+        corpus_bytes = sum(p.stat().st_size for p in (work / "run" / CORPUS_DIR).glob("*.parquet"))
+        common = {"bench": "tokenise", "documents": len(texts), "chars": sum(map(len, texts)), "vocab": len(tokenizer),
+                  "tokenizer": args.tokenizer or f"trained byte-level BPE {args.vocab_size}", "cpus": os.cpu_count(),
+                  "seq_len": args.seq_len, "corpus_parquet_bytes": corpus_bytes}
+        for parallel in [p.strip() for p in args.parallelism.split(",") if p.strip()]:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallel  # read by the Rust side on each batch call
+            raw_seconds, doc_tokens = min(time_raw_tokenizer(tokenizer, texts, DOCS_PER_BATCH) for _ in range(args.repeats))
+            stage_seconds, summary = min((time_stage(config, tokenizer) for _ in range(args.repeats)), key=lambda r: r[0])
+            side = common | {"tokenizers_parallelism": parallel, "doc_tokens": doc_tokens}
+            print(json.dumps(side | {"what": "raw_tokenizer", "seconds": round(raw_seconds, 4),
+                                     "tokens_per_s": round(doc_tokens / raw_seconds)}), flush=True)
+            print(json.dumps(side | {"what": "tokenise_stage", "seconds": round(stage_seconds, 4),
+                                     "tokens_per_s": round(doc_tokens / stage_seconds), "shards": summary.shards,
+                                     "sequences": summary.sequences, "dropped_tokens": summary.dropped_tokens}), flush=True)
+            print(json.dumps({"bench": "tokenise", "what": "ratio", "tokenizers_parallelism": parallel,
+                              "stage_over_raw": round(raw_seconds / stage_seconds, 3)}), flush=True)
+    if parallelism_before is None:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = parallelism_before
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,355 @@
+"""`kdflow validate RUN_ROOT [--fix]`: check every store of a run root, deeper than a stage's own checks.
+
+A stage trusts a commit record when its data file exists with the recorded size (cheap, done on every
+run). This goes further: each store's manifest through pandera, every committed data file re-hashed
+against its record, and the contents checked (token ids within the vocabulary; top-K ids unique per
+position, log-probs finite, <= 0, sorted descending, tail mass in [0, 1]; top-K shards aligned 1:1 with
+the token shards they were made from). It writes nothing, unless `--fix`: then the commit records of
+the shards that fail are removed, so that the next run of their stage recomputes exactly those shards.
+Output: one line per store, one line per problem; exit code 0 when nothing is wrong, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import yaml
+
+from kdflow.errors import KDFlowError, StoreError
+from schemas.commits import (CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, CommitRecord, Stage, StageComplete, check_commit,
+                             commit_file_name, load_manifest, read_complete)
+from schemas.shards import DOC_ID, read_corpus_part, read_token_shard, read_topk_shard
+from schemas.storage import RunRoot, sha256_of
+
+_COMMIT_FILE = re.compile(r"^(?:part|shard)-(\d{5,})\.commit\.json$")
+STAGE_COMMAND = {"corpus": "materialise", "tokens": "tokenise", "topk": "precompute"}
+# Log-probs may exceed 0 by rounding only; the tail mass 1 - sum(exp) may dip below 0 by the rounding of K
+# values (float16 keeps 11 bits: the error of sum p_i * l_i stays under ~1e-2 even at high entropy).
+LOGPROB_SLACK = {"float16": 1e-3, "float32": 1e-5}
+TAIL_SLACK = {"float16": 1e-2, "float32": 1e-4}
+ROWS_PER_CHECK = 16  # bounds the temporaries of the content checks on large shards
+
+
+@dataclass
+class StoreReport:
+    """What validate found in one store; `broken` maps shard ids to the commit record `--fix` removes."""
+
+    label: str
+    stage: Stage
+    store: str
+    problems: list[tuple[str, int | None]] = field(default_factory=list)  # (message, shard id or None)
+    notes: list[str] = field(default_factory=list)
+    broken: dict[int, str] = field(default_factory=dict)
+    records: dict[int, CommitRecord] = field(default_factory=dict)
+    expected: int | None = None  # shards of the finished store (_complete.json), None while unfinished
+    fingerprint: str | None = None
+
+    def store_problem(self, message: str) -> None:
+        self.problems.append((f"{self.label}: {message}", None))
+
+    def shard_problem(self, shard_id: int, message: str) -> None:
+        """A shard whose commit record must go (the next run of the stage recomputes the shard)."""
+        self.problems.append((f"{self.label} shard {shard_id}: {message}", shard_id))
+        self.broken[shard_id] = f"{self.store}/{commit_file_name(self.stage, shard_id)}"
+        self.records.pop(shard_id, None)
+
+
+# --- content checks (pure numpy) --------------------------------------------------------------------------
+
+
+def _where(mask: np.ndarray, row_offset: int = 0) -> str:
+    """'row r, position t' of the first True in a (rows, T) mask."""
+    row, position = np.argwhere(mask)[0][:2]
+    return f"row {row_offset + row}, position {position}"
+
+
+def token_id_problems(input_ids: np.ndarray, vocab: int | None) -> list[str]:
+    """input_ids (rows, T): every id within [0, vocab)."""
+    problems = []
+    if (input_ids < 0).any():
+        problems.append(f"negative token id at {_where(input_ids < 0)}")
+    if vocab is not None and (input_ids >= vocab).any():
+        problems.append(f"token id {int(input_ids.max())} >= vocabulary {vocab} at {_where(input_ids >= vocab)}")
+    return problems
+
+
+def topk_problems(topk_ids: np.ndarray, topk_logprobs: np.ndarray, vocab: int | None, row_offset: int = 0) -> list[str]:
+    """topk_ids (rows, T, K) int32, topk_logprobs (rows, T, K) float16|float32: the top-K contract, one line per failed check."""
+    dtype = "float16" if topk_logprobs.dtype == np.float16 else "float32"
+    logprobs = topk_logprobs.astype(np.float32)  # (rows, T, K)
+
+    def at(mask: np.ndarray) -> str:  # mask (rows, T)
+        return _where(mask, row_offset)
+
+    problems = []
+    if (topk_ids < 0).any():
+        problems.append(f"negative top-K id at {at((topk_ids < 0).any(-1))}")
+    if vocab is not None and (topk_ids >= vocab).any():
+        problems.append(f"top-K id {int(topk_ids.max())} >= vocabulary {vocab} at {at((topk_ids >= vocab).any(-1))}")
+    sorted_ids = np.sort(topk_ids, axis=-1)  # (rows, T, K)
+    duplicate = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any(-1)  # (rows, T)
+    if duplicate.any():
+        problems.append(f"a top-K id appears twice at {at(duplicate)}")
+    finite = np.isfinite(logprobs).all(-1)  # (rows, T)
+    if not finite.all():
+        problems.append(f"non-finite log-prob at {at(~finite)}")
+        # Such positions get a harmless stand-in (sorted, <= 0, tiny mass) so the checks below report other problems only.
+        logprobs = np.where(finite[..., None], logprobs, np.float32(-30.0))
+    positive = (logprobs > LOGPROB_SLACK[dtype]).any(-1)  # (rows, T)
+    if positive.any():
+        problems.append(f"positive log-prob {float(logprobs.max()):.4g} at {at(positive)}")
+    unsorted = (np.diff(logprobs, axis=-1) > 0).any(-1)  # (rows, T): ties are fine
+    if unsorted.any():
+        problems.append(f"log-probs not sorted descending along K at {at(unsorted)}")
+    tail_mass = 1.0 - np.exp(logprobs.astype(np.float64)).sum(-1)  # (rows, T)
+    negative_tail = tail_mass < -TAIL_SLACK[dtype]
+    if negative_tail.any():
+        problems.append(f"tail mass 1 - sum(exp(log-probs)) = {float(tail_mass.min()):.4g} < 0 at {at(negative_tail)}")
+    return problems
+
+
+# --- one store --------------------------------------------------------------------------------------------
+
+
+def _commit_ids(run_root: RunRoot, store: str) -> list[int]:
+    return sorted(int(m.group(1)) for name in run_root.listdir(store) if (m := _COMMIT_FILE.match(name)))
+
+
+def _read_done(run_root: RunRoot, report: StoreReport) -> StageComplete | None:
+    """The store's _complete.json; an unreadable one is a problem of the store, not a crash of validate."""
+    try:
+        return read_complete(run_root, report.store)
+    except StoreError as error:
+        report.store_problem(str(error))
+        return None
+
+
+def _check_records(run_root: RunRoot, report: StoreReport, done: StageComplete | None, fingerprint: str | None) -> None:
+    """Every commit record through `check_commit` (size, fingerprint, names), then the expected count."""
+    for shard_id in _commit_ids(run_root, report.store):
+        record, reason = check_commit(run_root, report.store, report.stage, shard_id, fingerprint)
+        if record is None:
+            report.shard_problem(shard_id, f"invalid commit record: {reason}")
+        else:
+            report.records[shard_id] = record
+    if done is not None:
+        report.expected = done.shards
+        present = set(report.records) | set(report.broken)
+        for shard_id in range(done.shards):
+            if shard_id not in present:
+                report.problems.append((f"{report.label} shard {shard_id}: no commit record (the next run of "
+                                        f"{STAGE_COMMAND[report.stage]} recomputes it)", None))
+        for shard_id in sorted(set(report.records) - set(range(done.shards))):
+            report.shard_problem(shard_id, f"beyond the {done.shards} shards of the finished store")
+    else:
+        report.notes.append(f"no _complete.json: {STAGE_COMMAND[report.stage]} has not finished this store")
+
+
+def _check_manifest(run_root: RunRoot, report: StoreReport, fingerprint: str | None, seq_len: int | None) -> None:
+    try:
+        load_manifest(run_root, report.store, report.stage, fingerprint, seq_len)
+    except StoreError as error:
+        report.store_problem(str(error))
+
+
+def _check_hashes(run_root: RunRoot, report: StoreReport) -> None:
+    for shard_id, record in sorted(report.records.items()):
+        actual = sha256_of(run_root, f"{report.store}/{record.data_file}")
+        if actual != record.sha256:
+            report.shard_problem(shard_id, f"{record.data_file} has sha256 {actual[:12]}..., its record says {record.sha256[:12]}... "
+                                 "(changed after it was committed)")
+
+
+def _check_contents(run_root: RunRoot, report: StoreReport, check_shard: Callable[[int, CommitRecord], list[str]]) -> None:
+    for shard_id, record in sorted(report.records.items()):
+        try:
+            problems = check_shard(shard_id, record)
+        except KDFlowError as error:
+            problems = [str(error)]
+        except Exception as error:  # noqa: BLE001 - a file that passed its hash but does not parse is a finding
+            problems = [f"unreadable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"]
+        if problems:
+            report.shard_problem(shard_id, "; ".join(problems))
+
+
+def validate_corpus(run_root: RunRoot) -> StoreReport:
+    report = StoreReport("corpus", "corpus", run_root.path(CORPUS_DIR))
+    done = _read_done(run_root, report)
+    fingerprint = done.fingerprint if done else None
+    _check_records(run_root, report, done, fingerprint)
+    _check_manifest(run_root, report, fingerprint, None)
+    _check_hashes(run_root, report)
+    first_doc: dict[int, int] = {}  # part id -> its first doc_id, over the gap-free prefix of valid parts
+    while len(first_doc) in report.records:
+        previous = len(first_doc) - 1
+        first_doc[len(first_doc)] = first_doc[previous] + report.records[previous].rows if previous >= 0 else 0
+
+    def check_part(shard_id: int, record: CommitRecord) -> list[str]:
+        doc_ids = read_corpus_part(run_root, f"{report.store}/{record.data_file}").column(DOC_ID).to_numpy()
+        if len(doc_ids) != record.rows:
+            return [f"{len(doc_ids)} documents, its record says {record.rows}"]
+        start = first_doc.get(shard_id, int(doc_ids[0]) if len(doc_ids) else 0)
+        if len(doc_ids) and not np.array_equal(doc_ids, np.arange(start, start + len(doc_ids))):
+            return [f"doc_id does not run {start}..{start + len(doc_ids) - 1}"]
+        return []
+
+    _check_contents(run_root, report, check_part)
+    return report
+
+
+def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None, records: dict[int, CommitRecord]) -> tuple[int | None, str]:
+    """-> (vocabulary size of the token store's tokenizer, where it came from) or (None, why not)."""
+    for extra in ([done.extra] if done else []) + [r.extra for r in records.values()]:
+        if extra.get("vocab_size"):
+            return int(extra["vocab_size"]), "recorded by tokenise"
+    try:  # older stores: load the tokenizer named by the config written beside the store
+        from kdflow.config import config_from_dict
+        from schemas.fingerprints import tokenizer_fingerprint
+        from tasks.tokenise import load_tokenizer
+
+        config = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")))
+        tokenizer = load_tokenizer(config)
+    except Exception as error:  # noqa: BLE001 - any failure only means the upper bound is not checked
+        return None, f"the tokenizer could not be loaded ({type(error).__name__})"
+    wanted = (done.extra if done else {}).get("tokenizer_fingerprint")
+    if wanted and tokenizer_fingerprint(tokenizer) != wanted:
+        return None, "the tokenizer in its config.yaml is not the one that made the store"
+    return len(tokenizer), f"from the tokenizer {config.tokenizer_source[0]}"
+
+
+def validate_tokens(run_root: RunRoot) -> tuple[StoreReport, int | None, int | None]:
+    """-> (report, seq_len, vocabulary size) of the token store."""
+    report = StoreReport("tokens", "tokens", run_root.path(TOKENS_DIR))
+    done = _read_done(run_root, report)
+    fingerprint = report.fingerprint = done.fingerprint if done else None
+    _check_records(run_root, report, done, fingerprint)
+    seq_len = next((int(e["seq_len"]) for e in ([done.extra] if done else []) + [r.extra for r in report.records.values()]
+                    if e.get("seq_len")), None)
+    _check_manifest(run_root, report, fingerprint, seq_len)
+    _check_hashes(run_root, report)
+    vocab, source = _token_vocab(run_root, report.store, done, report.records) if report.records else (None, "")
+    if report.records and vocab is None:
+        report.notes.append(f"vocabulary size unknown ({source}): token ids checked for >= 0 only")
+
+    def check_shard(shard_id: int, record: CommitRecord) -> list[str]:
+        input_ids = read_token_shard(run_root, f"{report.store}/{record.data_file}", seq_len)  # (rows, T)
+        if len(input_ids) != record.rows:
+            return [f"{len(input_ids)} rows, its record says {record.rows}"]
+        return token_id_problems(input_ids, vocab)
+
+    _check_contents(run_root, report, check_shard)
+    return report, seq_len, vocab
+
+
+def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int | None, token_vocab: int | None) -> StoreReport:
+    report = StoreReport(f"topk/{tag}", "topk", run_root.path(TOPK_DIR, tag))
+    done = _read_done(run_root, report)
+    fingerprint = done.fingerprint if done else tag  # a top-K store's fingerprint is its tag
+    if done is not None and done.fingerprint != tag:
+        report.store_problem(f"_complete.json has fingerprint {done.fingerprint}, not the store's tag")
+    _check_records(run_root, report, done, fingerprint)
+    _check_manifest(run_root, report, fingerprint, seq_len)
+    _check_hashes(run_root, report)
+    made_from = {r.extra.get("tokens_fingerprint") for r in report.records.values()} - {None}
+    aligned = not made_from or tokens.fingerprint in made_from
+    if not aligned:
+        report.notes.append(f"made from another token store ({', '.join(sorted(made_from))}, not {tokens.fingerprint}): "
+                            "alignment not checked")
+    if done is not None and aligned and tokens.expected is not None and done.shards != tokens.expected:
+        report.store_problem(f"{done.shards} shards, the token store has {tokens.expected}")
+    recorded = [r.extra.get("vocab_size") or r.extra.get("teacher_vocab_size") for r in report.records.values()]
+    vocab = next((int(v) for v in recorded if v), None)
+    if vocab is None and report.records:
+        vocab = token_vocab
+        report.notes.append("no teacher vocabulary size recorded: top-K ids checked against the token store's vocabulary"
+                            if vocab is not None else "vocabulary size unknown: top-K ids checked for >= 0 only")
+
+    def check_shard(shard_id: int, record: CommitRecord) -> list[str]:
+        problems = []
+        if aligned and shard_id not in tokens.broken:  # a broken token shard is recomputed identically: no blame here
+            token_record = tokens.records.get(shard_id)
+            if token_record is None:
+                problems.append(f"no valid token shard {shard_id} to align with")
+            elif record.rows != token_record.rows or record.input_sha256 != token_record.sha256:
+                problems.append(f"not aligned with token shard {shard_id} ({record.rows} vs {token_record.rows} rows, "
+                                f"input_sha256 {str(record.input_sha256)[:12]} vs {token_record.sha256[:12]})")
+        topk_ids, topk_logprobs = read_topk_shard(run_root, f"{report.store}/{record.data_file}", seq_len)  # (rows, T, K)
+        if len(topk_ids) != record.rows:
+            return problems + [f"{len(topk_ids)} rows, its record says {record.rows}"]
+        for start in range(0, len(topk_ids), ROWS_PER_CHECK):
+            stop = start + ROWS_PER_CHECK
+            problems += topk_problems(topk_ids[start:stop], topk_logprobs[start:stop], vocab, row_offset=start)
+            if problems:
+                break  # the first failing rows name the problem well enough
+        return problems
+
+    _check_contents(run_root, report, check_shard)
+    return report
+
+
+# --- the whole run root -----------------------------------------------------------------------------------
+
+
+def _store_line(report: StoreReport) -> str:
+    expected = report.expected if report.expected is not None else "?"
+    rows = sum(r.rows for r in report.records.values())
+    state = "ok" if not report.problems else f"{len(report.problems)} problem(s)"
+    return f"{report.label:<20} {len(report.records):>6}/{expected:<6} shards valid  {rows:>10,} rows  {state}"
+
+
+def _print_report(report: StoreReport, run_root: RunRoot, fix: bool) -> int:
+    """Print the store's lines; with `fix`, remove the commit records of its broken shards. -> records removed."""
+    print(_store_line(report))
+    for note in report.notes:
+        print(f"  note: {note}")
+    removed = 0
+    for message, shard_id in report.problems:
+        commit_path = report.broken.get(shard_id) if shard_id is not None else None
+        if commit_path is None:
+            print(f"  PROBLEM {message}")
+        elif fix:
+            run_root.remove(commit_path)
+            removed += 1
+            print(f"  PROBLEM {message}; removed {run_root.display(commit_path)}")
+        else:
+            print(f"  PROBLEM {message}; to recompute it, delete {run_root.display(commit_path)}")
+    return removed
+
+
+def validate_run_root(url: str, fix: bool = False) -> int:
+    """Check every store under the run root; print one line per store and per problem. -> exit code (0: all good)."""
+    run_root = RunRoot(url)
+    if not run_root.exists(run_root.root):
+        print(f"run root {url} does not exist")
+        return 1
+    print(f"validating {run_root.display(run_root.root)}")
+    reports: list[StoreReport] = []
+    removed = 0
+    if run_root.listdir(run_root.path(CORPUS_DIR)):
+        reports.append(validate_corpus(run_root))
+        removed += _print_report(reports[-1], run_root, fix)
+    tokens, seq_len, vocab = validate_tokens(run_root)
+    if run_root.listdir(tokens.store):
+        reports.append(tokens)
+        removed += _print_report(tokens, run_root, fix)
+    for tag in run_root.listdir(run_root.path(TOPK_DIR)):
+        if tag.startswith((".", "_")):  # not a store: hidden or bookkeeping entries
+            continue
+        reports.append(validate_topk(run_root, tag, tokens, seq_len, vocab))
+        removed += _print_report(reports[-1], run_root, fix)
+    if not reports:
+        print("no stores found (corpus/, tokens/, topk/TAG/): nothing to validate")
+        return 1
+    problems = sum(len(r.problems) for r in reports)
+    shards = sum(len(r.records) for r in reports)
+    if not problems:
+        print(f"validate: OK, {len(reports)} store(s), {shards} shard(s) re-hashed and checked")
+        return 0
+    action = (f"removed {removed} commit record(s): rerun the stage(s) to recompute those shards" if fix
+              else "delete the commit records named above (or run validate --fix), then rerun the stage(s)")
+    print(f"validate: {problems} problem(s) in {sum(bool(r.problems) for r in reports)} store(s); {action}")
+    return 1
+

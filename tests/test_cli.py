@@ -1,0 +1,108 @@
+"""The `kdflow` command line and the materialise/tokenise flows under Prefect."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kdflow.config import dump_config
+from schemas.commits import CONFIG_FILE
+
+COMMANDS = ("demo", "run", "status", "validate", "chat", "bench")
+
+
+def kdflow(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kdflow", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=Path(__file__).parent.parent)
+
+
+def store_mtimes(run_root: Path) -> dict[str, int]:
+    """Every data file and record of the corpus and token stores (config.yaml is rewritten by each run on purpose)."""
+    return {str(p.relative_to(run_root)): p.stat().st_mtime_ns for p in sorted(run_root.rglob("*"))
+            if p.is_file() and p.name != CONFIG_FILE}
+
+
+def test_help_lists_the_commands() -> None:
+    result = kdflow("--help")
+    assert result.returncode == 0
+    for command in COMMANDS:
+        assert f"    {command} " in result.stdout
+
+
+def test_unknown_config_key_is_one_line_without_traceback(tmp_path: Path) -> None:
+    valid = "run_root: runs/x\ndataset: {path: docs.jsonl}\nteacher: {model: m}\n"
+    config = tmp_path / "typo.yaml"
+    config.write_text(valid + "student: {stpes: 3}\n", encoding="utf-8")
+    result = kdflow("run", str(config), "--stages", "materialise")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [f"kdflow: error: {config}: unknown config key 'student.stpes'"]
+    config.write_text(valid, encoding="utf-8")
+    result = kdflow("run", str(config), "--set", "seq_len=0")
+    assert result.returncode != 0 and result.stderr.strip().splitlines() == [
+        f"kdflow: error: {config}: invalid value for 'seq_len': Input should be greater than 0"]
+
+
+def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    config = make_config(tokenizer=str(tiny_tokenizer_dir))
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(config), encoding="utf-8")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    # No server given: Prefect starts a temporary one, with its database under this PREFECT_HOME.
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+    first = kdflow("run", str(path), "--stages", "materialise,tokenise", env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_root = Path(config.run_root)
+    before = store_mtimes(run_root)
+    assert "corpus/part-00003.commit.json" in before and "tokens/_complete.json" in before
+
+    second = kdflow("run", str(path), "--stages", "materialise,tokenise", env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = second.stdout + second.stderr
+    assert "materialise: 4 parts, 60 documents (0 written now" in log and "(0 written now, " in log.split("tokenise:")[-1]
+    assert store_mtimes(run_root) == before
+
+    (run_root / "topk" / ".partial-copy").mkdir(parents=True)  # not a store: status and validate pass over it
+    status = kdflow("status", str(run_root))
+    assert status.returncode == 0
+    lines = {line.split()[0]: line for line in status.stdout.splitlines()}
+    assert "4/4" in lines["corpus"] and "complete" in lines["corpus"]
+    assert "27/27" in lines["tokens"] and "6,720 tokens" in lines["tokens"] and "complete" in lines["tokens"]
+
+    validate = kdflow("validate", str(run_root))
+    assert validate.returncode == 0 and "validate: OK, 2 store(s), 31 shard(s)" in validate.stdout
+
+
+def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., Any]) -> None:
+    from flows.materialise import materialise_flow
+    from flows.tokenise import tokenise_flow
+
+    config = make_config()
+    corpus = materialise_flow(config)
+    assert (corpus["parts"], corpus["documents"], corpus["parts_written"]) == (4, 60, 4)
+    tokens = tokenise_flow(config.model_dump(mode="json"))  # deployment parameters arrive as a plain dict
+    assert (tokens["shards"], tokens["shards_written"]) == (27, 27)
+    assert materialise_flow(config)["parts_written"] == 0
+    assert tokenise_flow(config)["shards_written"] == 0
+    assert (Path(config.run_root) / "tokens" / CONFIG_FILE).read_text(encoding="utf-8") == dump_config(config)
+
+
+def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kdflow.bench_tokenise import main
+
+    assert main(["--documents", "40", "--repeats", "1", "--parallelism", "false", "--seq-len", "32", "--sequences-per-shard", "4"]) == 0
+    raw, stage, ratio = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (raw["what"], stage["what"], ratio["what"]) == ("raw_tokenizer", "tokenise_stage", "ratio")
+    assert raw["doc_tokens"] == stage["doc_tokens"] > 0 and raw["documents"] == 40
+    # Every document's tokens plus one EOS each end up in a row or in the dropped tail.
+    assert stage["sequences"] * 32 + stage["dropped_tokens"] == stage["doc_tokens"] + 40
+    assert ratio["stage_over_raw"] == pytest.approx(raw["seconds"] / stage["seconds"], abs=2e-3)  # rounded to 3 places

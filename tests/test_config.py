@@ -1,0 +1,175 @@
+"""The config: strict keys, typed values, clear one-line errors, overrides, frozen, stable hashes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+import yaml
+
+from kdflow.config import KDFlowConfig, config_from_dict, dump_config, load_config, section_hash
+from kdflow.errors import ConfigError
+
+EXAMPLE: dict[str, Any] = {
+    "run_root": "runs/example",
+    "dataset": {"path": "uonlp/CulturaX", "name": "ja", "streaming": True, "max_documents": 1000},
+    "seq_len": 256,
+    "teacher": {"model": "org/teacher", "load_in_4bit": True, "device": "cuda:1"},
+    "precompute": {"top_k": 64, "micro_batch": 4, "sequences_per_shard": 128},
+    "student": {"name": "tiny-1", "steps": 50, "kd": {"kd_weight": 0.5, "temperature": 2.0},
+                "architecture": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}},
+}
+
+
+def with_changes(**changes: Any) -> dict[str, Any]:
+    """A deep copy of EXAMPLE with dotted keys (`student__steps`) set."""
+    data = copy.deepcopy(EXAMPLE)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return data
+
+
+def write_yaml(path: Path, data: Any) -> Path:
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def config_error(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict(data)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_example_loads_with_values_and_defaults(tmp_path: Path) -> None:
+    config = load_config(write_yaml(tmp_path / "c.yaml", EXAMPLE))
+    assert config.dataset.name == "ja" and config.dataset.streaming and config.dataset.max_documents == 1000
+    assert config.teacher.device == "cuda:1" and config.teacher.load_in_4bit
+    assert config.precompute.top_k == 64 and config.precompute.logprobs_dtype == "float16"
+    assert config.student.kd.temperature == 2.0 and config.student.architecture.hidden_size == 64
+    assert config.student.lr == 1e-3  # a default from the field definition
+    assert config.tokenizer_source == ("org/teacher", None)
+    assert config_from_dict(with_changes(tokenizer="tok/dir")).tokenizer_source == ("tok/dir", None)
+    gguf = config_from_dict(with_changes(teacher__gguf_file="m.gguf"))
+    assert gguf.tokenizer_source == ("org/teacher", "m.gguf")
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"bogus": 1}, "bogus"),
+    ({"student__stpes": 3}, "student.stpes"),
+    ({"student__kd__tempreature": 2.0}, "student.kd.tempreature"),
+    ({"precompute__topk": 8}, "precompute.topk"),
+])
+def test_unknown_key_is_named(changes: dict[str, Any], key: str) -> None:
+    assert config_error(with_changes(**changes)).endswith(f"unknown config key '{key}'")
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"seq_len": 0}, "seq_len"),
+    ({"precompute__top_k": 0}, "precompute.top_k"),
+    ({"precompute__micro_batch": -1}, "precompute.micro_batch"),
+    ({"seq_len": "long"}, "seq_len"),
+    ({"seq_len": 3.5}, "seq_len"),
+    ({"dataset__streaming": "maybe"}, "dataset.streaming"),
+    ({"dataset__data_files": 3}, "dataset.data_files"),  # a union: no 'str' member tag in the key
+    ({"precompute__logprobs_dtype": "bf16"}, "precompute.logprobs_dtype"),
+    ({"student__kd__kd_weight": 1.5}, "student.kd.kd_weight"),
+    ({"teacher": "org/teacher"}, "teacher"),
+])
+def test_wrong_values_name_the_key(changes: dict[str, Any], key: str) -> None:
+    assert f"invalid value for '{key}':" in config_error(with_changes(**changes))
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "CPU", "cuda 0"])
+def test_bad_device_string(device: str) -> None:
+    assert "teacher.device" in config_error(with_changes(teacher__device=device))
+    assert "student.device" in config_error(with_changes(student__device=device))
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12"])
+def test_good_device_strings(device: str) -> None:
+    assert config_from_dict(with_changes(teacher__device=device)).teacher.device == device
+
+
+@pytest.mark.parametrize("name", ["../x", "..", ".", "a/b", "/abs", ".hidden", ""])
+def test_student_name_that_could_escape(name: str) -> None:
+    assert "student.name" in config_error(with_changes(student__name=name))
+
+
+def test_missing_required_key() -> None:
+    data = with_changes()
+    del data["teacher"]
+    assert config_error(data).endswith("missing required config key 'teacher'")
+
+
+def test_architecture_heads_must_divide() -> None:
+    assert "divisible" in config_error(with_changes(student__architecture__num_attention_heads=3))
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_root: [unclosed\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid YAML") as caught:
+        load_config(bad)
+    assert "\n" not in str(caught.value)
+    listed = write_yaml(tmp_path / "list.yaml", [1, 2])
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(listed, {"seq_len": 8})
+    typo = write_yaml(tmp_path / "typo.yaml", with_changes(student__stpes=3))
+    with pytest.raises(ConfigError, match=r"typo\.yaml: unknown config key 'student\.stpes'"):
+        load_config(typo)
+
+
+def test_overrides_with_dotted_keys(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "c.yaml", EXAMPLE)
+    config = load_config(path, {"student.steps": 7, "student.kd.temperature": 3.0, "seq_len": 64,
+                                "precompute.chunk_tokens": 512})
+    assert config.student.steps == 7 and config.student.kd.temperature == 3.0
+    assert config.seq_len == 64 and config.precompute.chunk_tokens == 512
+    assert config.student.name == "tiny-1"  # untouched keys keep the file's value
+    with pytest.raises(ConfigError, match="unknown config key 'student.stesp'"):
+        load_config(path, {"student.stesp": 1})
+    with pytest.raises(ConfigError, match="'seq_len' is not a section"):
+        load_config(path, {"seq_len.x": 1})
+
+
+def test_config_is_frozen() -> None:
+    config = config_from_dict(with_changes())
+    with pytest.raises(pydantic.ValidationError):
+        config.seq_len = 8  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError):
+        config.student.kd.temperature = 9.0  # type: ignore[misc]
+
+
+def test_dump_config_round_trips(tmp_path: Path) -> None:
+    config = config_from_dict(with_changes())
+    path = tmp_path / "dumped.yaml"
+    path.write_text(dump_config(config), encoding="utf-8")
+    again = load_config(path)
+    assert again == config
+    assert isinstance(again, KDFlowConfig) and dump_config(again) == dump_config(config)
+
+
+def test_section_hash_is_stable_and_sensitive() -> None:
+    config = config_from_dict(with_changes())
+    same = config_from_dict(with_changes())
+    assert section_hash("tokens", config.dataset, 5) == section_hash("tokens", same.dataset, 5)
+    assert len(section_hash(config.dataset)) == 16 and len(section_hash(config.dataset, length=12)) == 12
+    # Key order of a plain dict does not matter; every value does.
+    assert section_hash({"a": 1, "b": 2}) == section_hash({"b": 2, "a": 1})
+    changed = config_from_dict(with_changes(dataset__max_documents=1001))
+    assert section_hash(config.dataset) != section_hash(changed.dataset)
+    assert section_hash("tokens", config.dataset) != section_hash("topk", config.dataset)
+    assert section_hash(config.dataset, 5) != section_hash(config.dataset, 6)
+    # Pinned to sha256 of the canonical JSON '["x",1,null]': a drift would silently recompute every store.
+    assert section_hash("x", 1, None) == "ab34dabd09fbd5b7"

@@ -1,0 +1,204 @@
+"""Materialise on small local files: formats, order, budgets, empty documents, errors, reruns, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import sample_documents, write_jsonl
+from kdflow.errors import KDFlowError
+from schemas.commits import CORPUS_DIR, list_commits, read_complete
+from schemas.fingerprints import corpus_fingerprint
+from schemas.shards import read_corpus_part
+from schemas.storage import RunRoot, sha256_of
+from tasks.corpus import DataError, materialise
+
+DOCS = [f"document number {i}: " + "word " * (i % 7) for i in range(11)]
+
+
+def committed_documents(config: Any) -> list[tuple[int, str]]:
+    """(doc_id, text) of every committed part, in part order."""
+    run_root = RunRoot(config.run_root)
+    store = run_root.path(CORPUS_DIR)
+    records = list_commits(run_root, store, "corpus", corpus_fingerprint(config))
+    assert sorted(records) == list(range(len(records)))
+    rows: list[tuple[int, str]] = []
+    for shard_id in sorted(records):
+        table = read_corpus_part(run_root, f"{store}/{records[shard_id].data_file}")
+        assert table.num_rows == records[shard_id].rows
+        rows.extend(zip(table.column("doc_id").to_pylist(), table.column("text").to_pylist()))
+    return rows
+
+
+def store_files(config: Any) -> dict[str, tuple[int, str]]:
+    """name -> (mtime_ns, sha256) of every file in the corpus store."""
+    run_root = RunRoot(config.run_root)
+    store = run_root.path(CORPUS_DIR)
+    return {name: (os.stat(f"{store}/{name}").st_mtime_ns, sha256_of(run_root, f"{store}/{name}")) for name in run_root.listdir(store)}
+
+
+def write_source(folder: Path, kind: str, docs: list[str]) -> str:
+    """The same documents in one of the supported layouts; -> the dataset path to configure."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "jsonl":
+        return str(write_jsonl(folder / "docs.jsonl", docs))
+    if kind == "json":
+        (folder / "docs.json").write_text(json.dumps([{"text": d, "source": "x"} for d in docs]), encoding="utf-8")
+        return str(folder / "docs.json")
+    if kind == "parquet":
+        pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), folder / "docs.parquet")
+        return str(folder / "docs.parquet")
+    if kind == "txt":
+        (folder / "docs.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+        return str(folder / "docs.txt")
+    # A folder (and a glob over it) of three files whose sorted names give the document order.
+    for index, start in enumerate((0, 4, 8)):
+        write_jsonl(folder / "files" / f"{index:02d}" / "docs.jsonl", docs[start:start + 4])
+    return str(folder / "files") if kind == "folder" else str(folder / "files" / "*" / "*.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "txt", "folder", "glob"])
+def test_formats_give_the_documents_in_order(make_config: Callable[..., Any], tmp_path: Path, kind: str) -> None:
+    config = make_config(dataset__path=write_source(tmp_path / "src", kind, DOCS), dataset__documents_per_part=4)
+    summary = materialise(config)
+    assert (summary.parts, summary.documents, summary.parts_written, summary.skipped_empty) == (3, 11, 3, 0)
+    assert committed_documents(config) == list(enumerate(DOCS))
+    done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
+    assert done is not None and (done.shards, done.rows, done.fingerprint) == (3, 11, summary.fingerprint)
+    assert done.extra["source_exhausted"] is True
+
+
+def test_streaming_reads_the_same_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    config = make_config(dataset__path=write_source(tmp_path / "src", "jsonl", DOCS), dataset__streaming=True,
+                         dataset__documents_per_part=5)
+    assert materialise(config).parts == 3
+    assert committed_documents(config) == list(enumerate(DOCS))
+
+
+def test_empty_documents_are_skipped_and_counted(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    docs = ["", "first", "   ", "second", "\n\t", "third", ""]
+    config = make_config(dataset__path=str(write_jsonl(tmp_path / "e.jsonl", docs)), dataset__documents_per_part=2)
+    summary = materialise(config)
+    assert (summary.documents, summary.skipped_empty) == (3, 4)
+    assert committed_documents(config) == [(0, "first"), (1, "second"), (2, "third")]
+    done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
+    assert done.extra["skipped_empty"] == 4
+
+
+def test_max_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    config = make_config(dataset__path=write_source(tmp_path / "src", "jsonl", DOCS), dataset__max_documents=6,
+                         dataset__documents_per_part=4)
+    summary = materialise(config)
+    assert (summary.parts, summary.documents) == (2, 6)
+    assert committed_documents(config) == list(enumerate(DOCS[:6]))
+    done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
+    assert done.extra["source_exhausted"] is False
+
+
+def test_max_tokens_stops_once_the_budget_is_reached(make_config: Callable[..., Any], tiny_tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+    def count_tokens(texts: list[str]) -> list[int]:
+        return [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]  # + EOS
+
+    counts = count_tokens(sample_documents(60))
+    budget = sum(counts[:20]) - 3  # reached inside document 19: it is the last one taken
+    config = make_config(dataset__max_tokens=budget)
+    with pytest.raises(KDFlowError, match="max_tokens needs a tokenizer"):
+        materialise(config)
+    summary = materialise(config, count_tokens)
+    assert (summary.documents, summary.tokens) == (20, sum(counts[:20]))
+    assert [text for _, text in committed_documents(config)] == sample_documents(20)
+
+
+def test_missing_text_field_is_one_line_error(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "bodies.jsonl", [{"body": "hello", "id": 1}])
+    config = make_config(dataset__path=str(path))
+    with pytest.raises(DataError) as caught:
+        materialise(config)
+    assert str(caught.value) == "dataset has no text field 'text' (fields: body, id)"
+    assert list_commits(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR), "corpus") == {}
+
+
+@pytest.mark.parametrize("suffix, content, line", [
+    (".jsonl", b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "bad \xff byte"}\n', 3),
+    (".txt", b"fine\nalso fine\nbad \xfe byte\nfine again\n", 3),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_invalid_utf8_names_file_and_line(make_config: Callable[..., Any], tmp_path: Path, suffix: str, content: bytes, line: int,
+                                          streaming: bool) -> None:
+    path = tmp_path / f"broken{suffix}"
+    path.write_bytes(content)
+    config = make_config(dataset__path=str(path), dataset__streaming=streaming)
+    with pytest.raises(DataError) as caught:
+        materialise(config)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: invalid UTF-8 at line {line}") and "\n" not in message
+    run_root = RunRoot(config.run_root)
+    assert list_commits(run_root, run_root.path(CORPUS_DIR), "corpus") == {}
+    assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
+
+
+def test_rerun_does_no_work(make_config: Callable[..., Any]) -> None:
+    config = make_config()
+    first = materialise(config)
+    assert (first.parts, first.documents, first.parts_written) == (4, 60, 4)
+    before = store_files(config)
+    again = materialise(config)
+    assert again.parts_written == 0 and (again.parts, again.documents, again.fingerprint) == (4, 60, first.fingerprint)
+    assert store_files(config) == before
+
+
+@pytest.mark.parametrize("budget", ["max_documents", "max_tokens"])
+def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path,
+                                                    budget: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+    def count_tokens(texts: list[str]) -> list[int]:
+        return [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    docs = sample_documents(40)
+    for index in (3, 9, 10, 17, 30):
+        docs.insert(index, "   ")  # empty documents on both sides of the interruption
+    path = str(write_jsonl(tmp_path / "docs.jsonl", docs))
+    limit = 33 if budget == "max_documents" else sum(count_tokens(sample_documents(33))) - 5
+
+    def config_at(name: str) -> Any:
+        return make_config(run_root=str(tmp_path / name), dataset__path=path, dataset__documents_per_part=6,
+                           **{f"dataset__{budget}": limit})
+
+    reference, interrupted = config_at("reference"), config_at("interrupted")
+    expected = materialise(reference, count_tokens)
+    seen: list[int] = []
+
+    def stop_after_two(record: Any) -> None:
+        seen.append(record.shard_id)
+        if len(seen) == 2:
+            raise KeyboardInterrupt("stopped after part 1")
+
+    with pytest.raises(KeyboardInterrupt):
+        materialise(interrupted, count_tokens, on_part=stop_after_two)
+    run_root = RunRoot(interrupted.run_root)
+    assert sorted(list_commits(run_root, run_root.path(CORPUS_DIR), "corpus")) == [0, 1]
+    assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
+
+    resumed = materialise(interrupted, count_tokens)
+    assert resumed.parts_written == expected.parts - 2
+    assert (resumed.parts, resumed.documents, resumed.tokens) == (expected.parts, 33, expected.tokens)
+    assert resumed.skipped_empty == expected.skipped_empty == 5
+    assert committed_documents(interrupted) == committed_documents(reference)
+    assert {n: sha for n, (_, sha) in store_files(interrupted).items() if n.endswith(".parquet")} == \
+        {n: sha for n, (_, sha) in store_files(reference).items() if n.endswith(".parquet")}
+    records = [list_commits(RunRoot(c.run_root), RunRoot(c.run_root).path(CORPUS_DIR), "corpus") for c in (reference, interrupted)]
+    assert [r.extra for _, r in sorted(records[0].items())] == [r.extra for _, r in sorted(records[1].items())]

@@ -1,0 +1,162 @@
+"""Tokenise: packing is exact against a separately written reference; reruns skip; resumes are byte-identical."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tasks.tokenise as tokenise_module
+from conftest import sample_documents
+from kdflow.errors import StoreError
+from schemas.commits import CORPUS_DIR, TOKENS_DIR, commit_file_name, data_file_name, list_commits, read_complete
+from schemas.shards import read_token_shard
+from schemas.storage import RunRoot, sha256_of
+from tasks.corpus import materialise
+from tasks.tokenise import load_tokenizer, tokenise
+
+SEQ_LEN, PER_SHARD = 32, 8
+
+
+def reference_rows(tokenizer: Any, documents: list[str], seq_len: int) -> tuple[np.ndarray, int]:
+    """Every document's tokens followed by one EOS, concatenated, cut into rows: -> (rows, seq_len), dropped tail."""
+    stream: list[int] = []
+    for text in documents:
+        stream.extend(tokenizer.encode(text, add_special_tokens=False))
+        stream.append(tokenizer.eos_token_id)
+    rows = len(stream) // seq_len
+    return np.array(stream[:rows * seq_len], dtype=np.int32).reshape(rows, seq_len), len(stream) - rows * seq_len
+
+
+def token_store(config: Any) -> tuple[RunRoot, str]:
+    run_root = RunRoot(config.run_root)
+    return run_root, run_root.path(TOKENS_DIR)
+
+
+def all_rows(config: Any) -> np.ndarray:
+    run_root, store = token_store(config)
+    records = list_commits(run_root, store, "tokens")
+    assert sorted(records) == list(range(len(records)))
+    return np.concatenate([read_token_shard(run_root, f"{store}/{records[i].data_file}", SEQ_LEN) for i in sorted(records)])
+
+
+def shard_hashes(config: Any) -> dict[str, str]:
+    run_root, store = token_store(config)
+    return {name: sha256_of(run_root, f"{store}/{name}") for name in run_root.listdir(store) if name.endswith(".arrow")}
+
+
+@pytest.fixture
+def tokenised(make_config: Callable[..., Any]) -> Callable[..., tuple[Any, Any, Any]]:
+    """-> build(**overrides): a materialised config, its tokenizer, and the first tokenise summary."""
+    def build(**overrides: Any) -> tuple[Any, Any, Any]:
+        config = make_config(**overrides)
+        materialise(config)
+        tokenizer = load_tokenizer(config)
+        return config, tokenizer, tokenise(config, tokenizer)
+
+    return build
+
+
+@pytest.mark.parametrize("docs_per_batch", [1024, 7])
+def test_packing_is_exact(tokenised: Callable[..., tuple[Any, Any, Any]], monkeypatch: pytest.MonkeyPatch, docs_per_batch: int) -> None:
+    monkeypatch.setattr(tokenise_module, "DOCS_PER_BATCH", docs_per_batch)  # documents also cross batch boundaries
+    config, tokenizer, summary = tokenised()
+    expected, dropped = reference_rows(tokenizer, sample_documents(60), SEQ_LEN)
+    lengths = [len(tokenizer.encode(d, add_special_tokens=False)) for d in sample_documents(60)]
+    assert max(lengths) > 2 * SEQ_LEN  # some documents continue over several rows
+    np.testing.assert_array_equal(all_rows(config), expected)
+    assert (summary.sequences, summary.dropped_tokens) == (len(expected), dropped) and 0 < dropped < SEQ_LEN
+    assert summary.shards == -(-len(expected) // PER_SHARD) and summary.shards_written == summary.shards
+    run_root, store = token_store(config)
+    records = list_commits(run_root, store, "tokens", summary.fingerprint)
+    last_rows = len(expected) - PER_SHARD * (summary.shards - 1)
+    assert [records[i].rows for i in sorted(records)] == [PER_SHARD] * (summary.shards - 1) + [last_rows]
+    for record in records.values():
+        assert record.tokens == record.rows * SEQ_LEN
+        assert record.extra["tokenizer_fingerprint"] == summary.tokenizer_fingerprint
+    done = read_complete(run_root, store)
+    assert (done.shards, done.rows, done.extra["dropped_tokens"]) == (summary.shards, len(expected), dropped)
+    assert (done.extra["seq_len"], done.extra["vocab_size"]) == (SEQ_LEN, len(tokenizer))
+
+
+def test_rerun_does_no_work(tokenised: Callable[..., tuple[Any, Any, Any]]) -> None:
+    config, tokenizer, first = tokenised()
+    run_root, store = token_store(config)
+    before = {name: os.stat(f"{store}/{name}").st_mtime_ns for name in run_root.listdir(store)}
+    hashes = shard_hashes(config)
+    again = tokenise(config, tokenizer)
+    assert again.shards_written == 0
+    assert (again.shards, again.sequences, again.dropped_tokens, again.fingerprint) == (first.shards, first.sequences,
+                                                                                        first.dropped_tokens, first.fingerprint)
+    assert {name: os.stat(f"{store}/{name}").st_mtime_ns for name in run_root.listdir(store)} == before
+    assert shard_hashes(config) == hashes
+
+
+@pytest.mark.parametrize("which", ["last", "middle", "first"])
+def test_lost_commit_record_is_recomputed_identically(tokenised: Callable[..., tuple[Any, Any, Any]], which: str) -> None:
+    config, tokenizer, first = tokenised()
+    run_root, store = token_store(config)
+    hashes = shard_hashes(config)
+    shard = {"last": first.shards - 1, "middle": first.shards // 2, "first": 0}[which]
+    os.remove(f"{store}/{commit_file_name('tokens', shard)}")  # the data file stays, but is no longer trusted
+    assert shard not in list_commits(run_root, store, "tokens", first.fingerprint)
+    again = tokenise(config, tokenizer)
+    # A sequential stage resumes after the committed prefix: it rewrites the lost shard and the ones after it.
+    assert again.shards_written == first.shards - shard
+    assert sorted(list_commits(run_root, store, "tokens", first.fingerprint)) == list(range(first.shards))
+    assert shard_hashes(config) == hashes
+    assert (again.sequences, again.dropped_tokens) == (first.sequences, first.dropped_tokens)
+
+
+def test_truncated_shard_is_recomputed(tokenised: Callable[..., tuple[Any, Any, Any]]) -> None:
+    config, tokenizer, first = tokenised()
+    run_root, store = token_store(config)
+    hashes = shard_hashes(config)
+    path = f"{store}/{data_file_name('tokens', 3)}"
+    os.truncate(path, os.path.getsize(path) - 10)
+    assert 3 not in list_commits(run_root, store, "tokens", first.fingerprint)
+    assert tokenise(config, tokenizer).shards_written == first.shards - 3
+    assert shard_hashes(config) == hashes
+
+
+def test_interrupted_run_resumes_to_identical_shards(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    reference = make_config(run_root=str(tmp_path / "reference"))
+    interrupted = make_config(run_root=str(tmp_path / "interrupted"))
+    materialise(reference)
+    materialise(interrupted)
+    tokenizer = load_tokenizer(reference)
+    expected = tokenise(reference, tokenizer)
+
+    def stop_at_five(record: Any) -> None:
+        if record.shard_id == 5:
+            raise KeyboardInterrupt("stopped after shard 5")
+
+    with pytest.raises(KeyboardInterrupt):
+        tokenise(interrupted, tokenizer, on_shard=stop_at_five)
+    run_root, store = token_store(interrupted)
+    records = list_commits(run_root, store, "tokens")
+    assert sorted(records) == list(range(6)) and read_complete(run_root, store) is None
+    assert records[5].extra["end_offset"] > 0  # the resume point lies inside a document
+    resumed = tokenise(interrupted, tokenizer)
+    assert resumed.shards_written == expected.shards - 6
+    assert (resumed.shards, resumed.sequences, resumed.dropped_tokens) == (expected.shards, expected.sequences, expected.dropped_tokens)
+    assert shard_hashes(interrupted) == shard_hashes(reference)
+
+
+def test_tokenise_needs_a_complete_corpus(make_config: Callable[..., Any]) -> None:
+    config = make_config()
+    tokenizer = load_tokenizer(config)
+    with pytest.raises(StoreError, match="run materialise first"):
+        tokenise(config, tokenizer)
+    materialise(config)
+    run_root = RunRoot(config.run_root)
+    os.remove(run_root.path(CORPUS_DIR, commit_file_name("corpus", 1)))
+    with pytest.raises(StoreError, match="no valid commit for part 1; run materialise again"):
+        tokenise(config, tokenizer)
+    # Another corpus config (a different fingerprint) is not this corpus either.
+    with pytest.raises(StoreError, match="run materialise first"):
+        tokenise(make_config(dataset__max_documents=10), tokenizer)
