@@ -8,7 +8,6 @@ so peak memory depends on the chunk, not on the micro-batch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -102,31 +101,32 @@ def _check_plain_weight(weight: Tensor, bias: Tensor | None, hidden: Tensor) -> 
 
 
 class _ChunkLogits:
-    """Float32 logits of one chunk of rows, written into buffers allocated once per call.
+    """Float32 logits of one chunk of rows; for a plain weight, written into buffers allocated once per call.
 
     Reusing the buffers matters on CPU, where each fresh multi-hundred-MB tensor is new pages to fault in;
-    on CUDA the caching allocator would reuse them anyway.
+    on CUDA the caching allocator would reuse them anyway. A module (quantised, ...) allocates its own output.
     """
 
     def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int) -> None:
         self.lm_head = lm_head
         self.plain = _plain_weight(lm_head)
+        if self.plain is None:
+            return
+        weight, bias = self.plain
+        _check_plain_weight(weight, bias, hidden)
         self.logits_f32 = torch.empty((rows, vocab_size), dtype=torch.float32, device=hidden.device)  # (C, V)
         self.logits_low: Tensor | None = None
-        if self.plain is not None:
-            weight, bias = self.plain
-            _check_plain_weight(weight, bias, hidden)
-            if weight.dtype != torch.float32:
-                # bf16/fp16 matmul output, upcast below; the model's own logits are rounded the same way.
-                self.logits_low = torch.empty((rows, vocab_size), dtype=weight.dtype, device=hidden.device)
+        if weight.dtype != torch.float32:
+            # bf16/fp16 matmul output, upcast below; the model's own logits are rounded the same way.
+            self.logits_low = torch.empty((rows, vocab_size), dtype=weight.dtype, device=hidden.device)
 
     def __call__(self, hidden_chunk: Tensor) -> Tensor:
-        """hidden_chunk (c, H) -> float32 logits (c, V), a view of the reused buffer."""
+        """hidden_chunk (c, H) -> float32 logits (c, V) that we may overwrite."""
+        if self.plain is None:
+            logits = self.lm_head(hidden_chunk)  # a fresh tensor: safe to transform in place
+            return logits if logits.dtype == torch.float32 else logits.float()
         rows = hidden_chunk.shape[0]
         logits_f32 = self.logits_f32[:rows]
-        if self.plain is None:
-            logits_f32.copy_(self.lm_head(hidden_chunk))
-            return logits_f32
         weight, bias = self.plain
         target = logits_f32 if self.logits_low is None else self.logits_low[:rows]
         if bias is None:
@@ -185,7 +185,6 @@ def chunked_topk(
         torch.sub(top_logits, log_normaliser[:, None], out=topk_logprobs[start:stop])
         topk_ids[start:stop].copy_(top_ids)
     return topk_ids, topk_logprobs
-
 
 
 # Model types whose forward multiplies lm_head's output by a config field.

@@ -1,0 +1,292 @@
+"""Flow `precompute`: the teacher's top-K over every token shard, one fresh worker process per attempt.
+
+This process never initialises CUDA: the teacher runs in `python -m tasks.precompute_worker`, in its own
+process group. A CUDA driver error ends the worker with a retryable exit code and the task retries it,
+with backoff, in a new process that resumes at the first uncommitted shard; a user error (exit code 2)
+fails at once with the worker's one-line message. With `precompute.shards_per_flow_run` set, shard ranges
+fan out as flow runs of the per-range deployment instead (DESIGN.md, "Growing past one machine").
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+from prefect.runtime import task_run as current_task_run
+from prefect.tasks import exponential_backoff
+
+from flows.common import as_config
+from kdflow.config import KDFlowConfig, dump_config
+from kdflow.errors import ConfigError, KDFlowError, StoreError
+from schemas.commits import list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
+from schemas.storage import RunRoot
+from tasks.gpu_errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, describe_exit_code, is_retryable, normalise_returncode
+from tasks.precompute_worker import (ERROR_PREFIX, LEASE_OWNER_ENV, PARENT_PID_ENV, PROGRESS_PREFIX, RESULT_PREFIX,
+                                     format_shard_ids, parse_shard_ids)
+
+_LIVE_WORKERS: set[int] = set()  # process-group ids of running workers, killed if this process exits
+
+
+class WorkerFailed(RuntimeError):
+    """The teacher worker exited with a non-zero code; retried iff the code is in RETRYABLE_EXIT_CODES."""
+
+    def __init__(self, exit_code: int, message: str = "") -> None:
+        self.exit_code, self.message = exit_code, message
+        super().__init__(f"teacher worker failed with exit code {exit_code} ({describe_exit_code(exit_code)})"
+                         + (f": {message}" if message else ""))
+
+
+class WorkerUserError(WorkerFailed, KDFlowError):
+    """Exit code 2: bad config or input. The message is the worker's own one-line error."""
+
+    def __str__(self) -> str:
+        return self.message or super().__str__()
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+atexit.register(lambda: [_kill_group(pid) for pid in list(_LIVE_WORKERS)])
+
+
+@contextlib.contextmanager
+def _sigterm_kills_worker(pid: int) -> Iterator[None]:
+    """While the worker runs, SIGTERM to this process (a cancelled flow run) first kills the worker's group."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; atexit and the worker's PDEATHSIG still cover us
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _kill_group(pid)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class ProgressArtifact:
+    """The worker's progress as a Prefect progress artifact, updated every few seconds; quietly off when no API
+    takes artifacts (the flow must not fail for a progress bar)."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.artifact_id: Any = None
+        self.every_s, self.last, self.enabled = every_s, 0.0, True
+
+    def update(self, progress: dict[str, Any]) -> None:
+        total, done = progress.get("total") or 0, progress.get("done", 0)
+        now = time.monotonic()
+        if not self.enabled or not total or (now - self.last < self.every_s and done < total):
+            return
+        self.last = now
+        percent = min(100.0, 100.0 * done / total)
+        eta = progress.get("eta_s")
+        description = (f"{done}/{total} shards, {progress.get('tokens', 0):,} tokens, {progress.get('tokens_per_s', 0):,.0f} tok/s"
+                       + (f", ETA {eta:,.0f} s" if eta is not None else ""))
+        try:
+            from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+            if self.artifact_id is None:
+                self.artifact_id = create_progress_artifact(percent, description=description)
+            else:
+                update_progress_artifact(self.artifact_id, percent, description=description)
+        except Exception as error:  # noqa: BLE001 - no API, or an old server: progress stays in the log
+            self.enabled = False
+            get_run_logger().debug("progress artifact disabled: %s", error)
+
+
+def _follow(process: subprocess.Popen, artifact: ProgressArtifact) -> tuple[dict | None, dict | None]:
+    """Forward the worker's lines to the run log until it closes stdout; -> (result, error) payloads."""
+    logger = get_run_logger()
+    result = error = None
+    for line in process.stdout:
+        line = line.rstrip("\n")
+        if line.startswith(PROGRESS_PREFIX):
+            artifact.update(json.loads(line[len(PROGRESS_PREFIX):]))
+        elif line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+        elif line.startswith(ERROR_PREFIX):
+            error = json.loads(line[len(ERROR_PREFIX):])
+        elif line.strip():
+            logger.info("worker %d: %s", process.pid, line)
+    return result, error
+
+
+def _retry_if_retryable(task: Any, task_run: Any, state: Any) -> bool:
+    error = state.result(raise_on_failure=False)
+    return isinstance(error, WorkerFailed) and is_retryable(error.exit_code)
+
+
+@task(name="teacher-worker", cache_policy=NONE, retry_condition_fn=_retry_if_retryable)
+def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None) -> dict[str, Any]:
+    """One attempt: the teacher in a fresh process over `shard_ids` (default all); -> the worker's summary."""
+    logger = get_run_logger()
+    attempt = current_task_run.run_count
+    with tempfile.TemporaryDirectory(prefix="kdflow-worker-") as folder:
+        config_path = os.path.join(folder, "config.yaml")
+        with open(config_path, "w", encoding="utf-8") as handle:
+            handle.write(dump_config(config))
+        command = [sys.executable, "-m", "tasks.precompute_worker", "--config", config_path]
+        if shard_ids:
+            command += ["--shards", format_shard_ids(shard_ids)]
+        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), LEASE_OWNER_ENV: f"task-run-{current_task_run.id}",
+                            "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                   start_new_session=True, env=env)
+        _LIVE_WORKERS.add(process.pid)
+        logger.info("attempt %d: teacher worker pid %d on shards %s", attempt, process.pid,
+                    format_shard_ids(shard_ids) if shard_ids else "all")
+        try:
+            with _sigterm_kills_worker(process.pid):
+                result, error = _follow(process, ProgressArtifact())
+                code = normalise_returncode(process.wait())
+        finally:
+            if process.poll() is None:  # cancelled, interrupted or failed while following: take the worker down
+                _kill_group(process.pid)
+                process.wait()
+            _LIVE_WORKERS.discard(process.pid)
+    if code == 0 and result is None:
+        code, error = EXIT_UNEXPECTED, {"message": "the worker exited without reporting a result"}
+    if code != 0:
+        message = (error or {}).get("message", "")
+        failure = WorkerUserError if code == EXIT_USER_ERROR else WorkerFailed
+        logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, process.pid, code,
+                     describe_exit_code(code), ", retryable in a new process" if is_retryable(code) else ", not retryable")
+        raise failure(code, message)
+    return result | {"attempt": attempt, "worker_pid": process.pid}
+
+
+def _run_worker_with_retries(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
+    pre = config.precompute
+    retries = pre.max_attempts - 1
+    worker = run_teacher_worker.with_options(
+        retries=retries, retry_delay_seconds=exponential_backoff(pre.retry_delay_s)(retries) if retries else 0,
+        retry_jitter_factor=0.5,
+    )
+    return worker(config, shard_ids)
+
+
+def _fan_out(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
+    """Shard ranges as flow runs of the per-range deployment; waits for all of them; -> the store's tag."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from tasks.precompute import complete_if_done, find_topk_stores
+
+    logger = get_run_logger()
+    run_root = RunRoot(config.run_root)
+    tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
+    if tokens_done is None:
+        raise StoreError(f"token store in {config.run_root} is not complete; run tokenise first")
+    ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards))
+    size = config.precompute.shards_per_flow_run
+    ranges = [ids[i:i + size] for i in range(0, len(ids), size)]
+    runs = [run_deployment(config.precompute.fanout_deployment, parameters={"config": config.model_dump(mode="json"),
+                                                                             "shard_ids": part},
+                           flow_run_name=f"precompute-shards-{format_shard_ids(part)}", timeout=0) for part in ranges]
+    logger.info("fanned %d shards out as %d flow runs of %s", len(ids), len(runs), config.precompute.fanout_deployment)
+    with get_client(sync_client=True) as client:
+        pending = {run.id for run in runs}
+        failed = []
+        while pending:
+            time.sleep(5)
+            for run_id in list(pending):
+                state = client.read_flow_run(run_id).state
+                if state is not None and state.is_final():
+                    pending.discard(run_id)
+                    if not state.is_completed():
+                        failed.append(f"{run_id} ({state.type.value})")
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(runs)} shard-range flow runs did not complete: {', '.join(failed[:5])}")
+    tags = find_topk_stores(config)
+    if len(tags) != 1:
+        raise StoreError(f"expected one top-K store for this config after the fan-out, found {len(tags)} ({', '.join(tags) or 'none'}); "
+                         "with teacher.dtype auto, hosts with and without a GPU make different stores: set teacher.dtype")
+    complete_if_done(run_root, stage_dir(run_root, "topk", tags[0]), tags[0], tokens_done)
+    return {"tag": tags[0]}
+
+
+def _verify(config: KDFlowConfig, tag: str, shard_ids: list[int] | None) -> dict[str, Any]:
+    """Every asked-for shard committed and aligned with its token shard; the manifest validates."""
+    run_root = RunRoot(config.run_root)
+    store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
+    tokens_done = read_complete(run_root, tokens_store)
+    ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards if tokens_done else 0))
+    records = list_commits(run_root, store, "topk", tag)
+    token_records = list_commits(run_root, tokens_store, "tokens", tokens_done.fingerprint if tokens_done else None)
+    missing = [i for i in ids if i not in records]
+    if missing:
+        raise StoreError(f"top-K store {run_root.display(store)} lacks committed shards {format_shard_ids(missing)} after the pass")
+    unaligned = [i for i in ids if i not in token_records or records[i].input_sha256 != token_records[i].sha256
+                 or records[i].rows != token_records[i].rows]
+    if unaligned:
+        raise StoreError(f"top-K shards {format_shard_ids(unaligned)} do not match their token shards; rerun precompute")
+    frame = validate_manifest(manifest_frame(records), "topk", config.seq_len, name=run_root.display(store))
+    if not shard_ids and read_complete(run_root, store) is None:
+        raise StoreError(f"top-K store {run_root.display(store)} has every shard but no _complete.json")
+    _manifest_artifact(frame, tag)
+    return {"tag": tag, "store": run_root.display(store), "shards": len(ids), "tokens": int(sum(records[i].tokens for i in ids))}
+
+
+def _manifest_artifact(frame: Any, tag: str) -> None:
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        rows = json.loads(frame.to_json(orient="records"))
+        create_table_artifact(rows, key=f"topk-manifest-{tag}", description=f"top-K store {tag}: {len(rows)} committed shards")
+    except Exception as error:  # noqa: BLE001 - an artifact is a convenience, the manifest file is the truth
+        get_run_logger().debug("manifest artifact not created: %s", error)
+
+
+def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -> dict[str, Any]:
+    seconds = time.perf_counter() - started
+    return verified | {"written": worker.get("written"), "attempt": worker.get("attempt"), "worker_pid": worker.get("worker_pid"),
+                       "seconds": round(seconds, 3),
+                       "tokens_per_s": worker.get("tokens_per_s", round(verified["tokens"] / max(seconds, 1e-9), 1))}
+
+
+@flow(name="precompute", log_prints=True)
+def precompute_flow(config: KDFlowConfig, shard_ids: list[int] | None = None) -> dict[str, Any]:
+    """The teacher's top-K for every token shard (or `shard_ids`), then the manifest checked."""
+    started = time.perf_counter()
+    config = as_config(config)
+    if config.precompute.shards_per_flow_run:
+        worker = _fan_out(config, shard_ids)
+    else:
+        worker = _run_worker_with_retries(config, shard_ids)
+    return _summary(_verify(config, worker["tag"], shard_ids), worker, started)
+
+
+@flow(name="precompute-shards", log_prints=True)
+def precompute_shards_flow(config: KDFlowConfig, shard_ids: list[int] | str) -> dict[str, Any]:
+    """One shard range (a list, or '0,3,5-9') in one worker process: what the fan-out's deployment runs."""
+    started = time.perf_counter()
+    config = as_config(config)
+    try:
+        ids = parse_shard_ids(shard_ids) if isinstance(shard_ids, str) else list(shard_ids)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not ids:
+        raise ConfigError("precompute-shards needs at least one shard id")
+    worker = _run_worker_with_retries(config, ids)
+    return _summary(_verify(config, worker["tag"], ids), worker, started)

@@ -1,0 +1,110 @@
+"""Fault injection for the teacher pass: off unless the environment variable KDFLOW_FAULT asks for it.
+
+Syntax: one or more faults separated by ';', each `KIND@KEY=VALUE,KEY=VALUE` (the `@...` part optional):
+
+    KDFLOW_FAULT=cuda_error@shard=1,micro_batch=2
+    KDFLOW_FAULT="kill@shard=1,micro_batch=1;enospc@shard=2"
+
+Kinds:
+- `cuda_error`: raise a RuntimeError with a real-looking "CUDA driver error: device not ready" message
+  just after the micro-batch's forward pass (the worker exits with a retryable code).
+- `kill`: SIGKILL this process at the micro-batch, after the earlier micro-batches of the shard were
+  written to its temporary file (no Python cleanup runs: the temp file and the lease stay behind).
+- `enospc`: raise OSError(ENOSPC) while writing that micro-batch's arrays into the shard file.
+Keys: `shard` (token shard id) and `micro_batch` (index within the shard); a key left out matches any
+value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1.
+
+Each fault fires once per run root: before firing it writes the marker `RUN_ROOT/_faults/NAME.fired`
+(JSON: pid, host, where), and a marker that exists switches the fault off, so the retry in a new process
+proceeds. NAME is the kind and its keys, e.g. `cuda_error.shard-1.micro_batch-2`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+from kdflow.errors import ConfigError
+from schemas.storage import RunRoot
+
+ENV_VAR = "KDFLOW_FAULT"
+FAULTS_DIR = "_faults"
+_KINDS = {"cuda_error": "micro_batch", "kill": "micro_batch", "enospc": "write"}  # kind -> the site it fires at
+_KEYS = ("shard", "micro_batch")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    where: tuple[tuple[str, int], ...]  # (key, value) pairs that must all match
+
+    @property
+    def name(self) -> str:
+        return self.kind + "".join(f".{key}-{value}" for key, value in self.where)
+
+    def matches(self, site: str, position: dict[str, int]) -> bool:
+        return _KINDS[self.kind] == site and all(position.get(key) == value for key, value in self.where)
+
+
+def _parse_one(text: str) -> Fault:
+    kind, _, params = text.strip().partition("@")
+    if kind not in _KINDS:
+        raise ConfigError(f"{ENV_VAR}: unknown fault kind {kind!r} (known: {', '.join(_KINDS)})")
+    where: list[tuple[str, int]] = []
+    for item in filter(None, (p.strip() for p in params.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in _KEYS or not value.strip().isdigit():
+            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N or micro_batch=N)")
+        where.append((key, int(value)))
+    return Fault(kind, tuple(sorted(where)))
+
+
+@lru_cache(maxsize=8)
+def parse_faults(spec: str) -> tuple[Fault, ...]:
+    """KDFLOW_FAULT's value -> the faults it asks for (empty when unset)."""
+    return tuple(_parse_one(part) for part in spec.split(";") if part.strip())
+
+
+def active_faults() -> tuple[Fault, ...]:
+    return parse_faults(os.environ.get(ENV_VAR, ""))
+
+
+def _claim(run_root: RunRoot, fault: Fault, position: dict[str, int]) -> bool:
+    """Record the firing; False if this run root already saw this fault fire."""
+    marker = f"{run_root.root}/{FAULTS_DIR}/{fault.name}.fired"  # the name is made of safe characters only
+    if run_root.exists(marker):
+        return False
+    record = {"fault": fault.name, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), **position}
+    run_root.write_bytes_atomic(marker, json.dumps(record).encode())
+    return True
+
+
+def maybe_fire(site: str, run_root: RunRoot, **position: int) -> None:
+    """Fire the first fault that matches this site and position and has not fired in this run root yet."""
+    faults = active_faults()
+    if not faults:
+        return
+    for fault in faults:
+        if fault.matches(site, position) and _claim(run_root, fault, position):
+            _fire(fault, position)
+
+
+def _fire(fault: Fault, position: dict[str, int]) -> None:
+    where = ", ".join(f"{key} {value}" for key, value in position.items())
+    if fault.kind == "cuda_error":
+        raise RuntimeError(
+            "CUDA driver error: device not ready\n"
+            f"(injected by {ENV_VAR}={fault.name} at {where})"
+        )
+    if fault.kind == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV_VAR} at {where})")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,123 @@
+"""Which failures of a teacher worker are worth a retry in a fresh process, as process exit codes.
+
+A CUDA driver error ("device not ready", "unspecified launch failure", an ECC error...) leaves the CUDA
+context of the process unusable, so the only retry that can work is a new process. The worker exits with
+one code per kind of failure; the flow retries exactly the codes in `RETRYABLE_EXIT_CODES` and fails at
+once on a user error (bad config or input: the same input would fail the same way). Pure functions on the
+exception's type and message: testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+
+from kdflow.errors import KDFlowError
+
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1  # a bug or an unknown failure: retrying would hide it
+EXIT_USER_ERROR = 2  # KDFlowError: bad config or input, never retried
+EXIT_NO_SPACE = 3  # disk or object store full: retrying cannot help until someone frees space
+EXIT_CUDA_ERROR = 70  # any other CUDA / driver / cuBLAS / NCCL error
+EXIT_CUDA_NOT_READY = 71
+EXIT_CUDA_LAUNCH_FAILURE = 72
+EXIT_CUDA_ILLEGAL_ADDRESS = 73
+EXIT_CUDA_ECC = 74
+EXIT_CUDA_OOM = 75
+
+# A worker killed by one of these signals (the kernel's OOM killer, a driver crash) is retried too.
+RETRYABLE_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
+
+RETRYABLE_EXIT_CODES: frozenset[int] = frozenset(
+    {EXIT_CUDA_ERROR, EXIT_CUDA_NOT_READY, EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_ECC,
+     EXIT_CUDA_OOM}
+    | {128 + int(s) for s in RETRYABLE_SIGNALS}
+)
+
+EXIT_CODE_NAMES = {
+    EXIT_OK: "done",
+    EXIT_UNEXPECTED: "unexpected error",
+    EXIT_USER_ERROR: "user error",
+    EXIT_NO_SPACE: "no space left on device",
+    EXIT_CUDA_ERROR: "CUDA error",
+    EXIT_CUDA_NOT_READY: "CUDA device not ready",
+    EXIT_CUDA_LAUNCH_FAILURE: "CUDA launch failure",
+    EXIT_CUDA_ILLEGAL_ADDRESS: "CUDA illegal memory access",
+    EXIT_CUDA_ECC: "CUDA ECC error",
+    EXIT_CUDA_OOM: "CUDA out of memory",
+}
+
+# Most specific first: a message is matched against these in order (lower-cased).
+_CUDA_PATTERNS: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("device not ready", "cudaerrornotready", "cuda_error_not_ready"), EXIT_CUDA_NOT_READY),
+    (("illegal memory access", "illegal address", "cudaerrorillegaladdress", "cuda_error_illegal_address"),
+     EXIT_CUDA_ILLEGAL_ADDRESS),
+    (("ecc error", "cudaerrorecc", "cuda_error_ecc"), EXIT_CUDA_ECC),
+    (("launch failure", "cudaerrorlaunchfailure", "cuda_error_launch_failed"), EXIT_CUDA_LAUNCH_FAILURE),
+    (("cuda out of memory", "cuda error: out of memory", "cudaerrormemoryallocation", "cuda_error_out_of_memory", "cublas_status_alloc_failed"),
+     EXIT_CUDA_OOM),
+)
+_GENERIC_CUDA_MARKERS = ("cuda error", "cuda driver error", "cuda runtime error", "cudaerror", "cuda_error",
+                         "cublas_status", "cudnn_status", "cudnn error", "nccl error", "cuda failure",
+                         "nvml", "gpu is lost")
+# Deterministic failures that merely surface as CUDA errors: the same input fails the same way again.
+_NOT_RETRYABLE_CUDA = ("device-side assert",)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The exception and its causes/contexts, outermost first (a driver error is often wrapped)."""
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen and len(seen) < 16:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def classify_message(message: str, type_name: str = "") -> int | None:
+    """The CUDA exit code a message (and exception type name) points to, or None if it is not a CUDA error."""
+    text = f"{type_name}: {message}".lower()
+    if any(marker in text for marker in _NOT_RETRYABLE_CUDA):
+        return None
+    if "outofmemoryerror" in type_name.lower() and "cuda" in text:
+        return EXIT_CUDA_OOM
+    for markers, code in _CUDA_PATTERNS:
+        if any(marker in text for marker in markers):
+            return code
+    if any(marker in text for marker in _GENERIC_CUDA_MARKERS):
+        return EXIT_CUDA_ERROR
+    return None
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The worker's exit code for an exception that ended it."""
+    chain = _chain(error)
+    if any(isinstance(e, KDFlowError) for e in chain):
+        return EXIT_USER_ERROR
+    for item in chain:
+        code = classify_message(str(item), type(item).__name__)
+        if code is not None:
+            return code
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
+        return EXIT_NO_SPACE
+    return EXIT_UNEXPECTED
+
+
+def normalise_returncode(returncode: int) -> int:
+    """subprocess returncode -> exit code: a death by signal N (returncode -N) becomes 128 + N, as shells do."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def is_retryable(exit_code: int) -> bool:
+    return exit_code in RETRYABLE_EXIT_CODES
+
+
+def describe_exit_code(exit_code: int) -> str:
+    if exit_code in EXIT_CODE_NAMES:
+        return EXIT_CODE_NAMES[exit_code]
+    if exit_code > 128:
+        try:
+            return f"killed by {signal.Signals(exit_code - 128).name}"
+        except ValueError:
+            pass
+    return f"exit code {exit_code}"

@@ -1,0 +1,480 @@
+"""The teacher pass: every token shard -> an aligned top-K shard in topk/TAG/ (no Prefect here).
+
+Per micro-batch of exactly `micro_batch` sequences (the last one of a shard is padded, so the batch shape
+on the device never changes): hidden states from the model body, top-K and the full-vocabulary
+log-sum-exp chunk by chunk (`tasks.topk`), one copy to the host, and the Arrow write handed to a
+background thread so that it overlaps the next forward. Each shard is committed (data file, then its
+commit record) and a rerun skips committed shards. Before computing a shard a process takes a lease file,
+so that two processes on one run root do not compute the same shard; a lost race would still be harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdflow.config import KDFlowConfig, dump_config
+from kdflow.errors import ConfigError, StoreError
+from schemas.commits import (CONFIG_FILE, CommitRecord, StageComplete, check_commit, data_file_name, read_complete, stage_dir,
+                             write_commit, write_complete)
+from schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
+from schemas.shards import StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer
+from schemas.storage import RunRoot
+from tasks import faults
+from tasks.precompute_worker import LEASE_OWNER_ENV
+from tasks.progress import Progress
+from tasks.teacher import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config,
+                           resolve_device, teacher_fingerprint, teacher_identity, vocab_rows)
+from tasks.tokenise import load_tokenizer
+from tasks.topk import TeacherTopkStep, choose_chunk_tokens, output_layer
+
+STORE_FILE = "_store.json"  # what made this top-K store: lets a reader find it without loading the teacher
+WRITE_QUEUE_DEPTH = 2
+
+
+# --- leases -----------------------------------------------------------------------------------------------
+
+
+class ShardLeases:
+    """`shard-NNNNN.lease` files (owner, host, pid, expiry) in a store: claims on shards being computed.
+
+    A lease is live while unexpired and, on this host, while its process exists. Local disk: created
+    whole with os.link (fails if the file exists); a stale one is renamed away first, so of two processes
+    taking it over only one wins. Object stores have no exclusive create: write, then read back.
+    """
+
+    def __init__(self, run_root: RunRoot, store: str, ttl_s: float, owner: str | None = None) -> None:
+        self.run_root, self.store, self.ttl_s = run_root, store, ttl_s
+        self.owner = owner or os.environ.get(LEASE_OWNER_ENV) or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._renewed: dict[int, float] = {}
+
+    def path(self, shard_id: int) -> str:
+        return f"{self.store}/shard-{shard_id:05d}.lease"
+
+    def _payload(self) -> bytes:
+        return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+                           "expires_at": time.time() + self.ttl_s}).encode()
+
+    def read(self, shard_id: int) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.run_root.read_bytes(self.path(shard_id)))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}  # unreadable: treated as expired
+
+    def held_by_other(self, lease: dict[str, Any] | None) -> bool:
+        if not lease or lease.get("owner") == self.owner or lease.get("expires_at", 0) < time.time():
+            return False
+        if lease.get("host") == socket.gethostname():
+            try:
+                os.kill(int(lease["pid"]), 0)
+            except ProcessLookupError:
+                return False  # its process died on this host: no need to wait for the expiry
+            except (PermissionError, KeyError, ValueError, TypeError):
+                pass
+        return True
+
+    def acquire(self, shard_id: int) -> bool:
+        path = self.path(shard_id)
+        if not self.run_root.is_local:
+            if self.held_by_other(self.read(shard_id)):
+                return False
+            self.run_root.fs.pipe_file(path, self._payload())
+            won = (self.read(shard_id) or {}).get("owner") == self.owner
+        else:
+            won = self._acquire_local(path, shard_id)
+        if won:
+            self._renewed[shard_id] = time.monotonic()
+        return won
+
+    def _acquire_local(self, path: str, shard_id: int) -> bool:
+        self.run_root.makedirs(self.store)
+        for _ in range(3):
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+            with open(tmp, "wb") as handle:
+                handle.write(self._payload())
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                if self.held_by_other(self.read(shard_id)):
+                    return False
+                stale = f"{path}.stale-{uuid.uuid4().hex[:12]}"
+                with contextlib.suppress(FileNotFoundError):  # FileNotFoundError: another process moved it first
+                    os.rename(path, stale)
+                    os.remove(stale)
+            finally:
+                os.remove(tmp)
+        return False
+
+    def renew(self, shard_id: int) -> None:
+        """Push the expiry out, at most every ttl/3 seconds (called once per micro-batch)."""
+        if time.monotonic() - self._renewed.get(shard_id, 0.0) >= self.ttl_s / 3:
+            self.run_root.write_bytes_atomic(self.path(shard_id), self._payload())
+            self._renewed[shard_id] = time.monotonic()
+
+    def release(self, shard_id: int) -> None:
+        if (self.read(shard_id) or {}).get("owner") == self.owner:
+            self.run_root.remove(self.path(shard_id))
+        self._renewed.pop(shard_id, None)
+
+
+# --- one shard: device -> host -> Arrow, overlapped -------------------------------------------------------
+
+
+class HostCopies:
+    """Copies a micro-batch's results to the host once: on CUDA into a ring of pinned buffers, without blocking
+    (an event tells the writer when the copy landed); on the CPU the results already are host tensors."""
+
+    def __init__(self, device: torch.device, shape: tuple[int, int, int], logprobs_dtype: torch.dtype, slots: int) -> None:
+        self.on_cuda = device.type == "cuda"
+        self.logprobs_dtype = logprobs_dtype
+        self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor]] = queue.Queue()
+        for _ in range(slots if self.on_cuda else 0):
+            self.free.put((torch.empty(shape, dtype=torch.int32, pin_memory=True),
+                           torch.empty(shape, dtype=logprobs_dtype, pin_memory=True)))
+
+    def copy(self, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, Any, Callable[[], None]]:
+        """(rows, T, K) device tensors -> host arrays, a CUDA event (or None) and a release callback."""
+        topk_logprobs = topk_logprobs.to(self.logprobs_dtype)  # on the device: halves the transfer for float16
+        if not self.on_cuda:
+            return topk_ids.numpy(), topk_logprobs.numpy(), None, lambda: None
+        slot = self.free.get()
+        rows = topk_ids.shape[0]
+        host_ids, host_logprobs = slot[0][:rows], slot[1][:rows]
+        host_ids.copy_(topk_ids, non_blocking=True)
+        host_logprobs.copy_(topk_logprobs, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host_ids.numpy(), host_logprobs.numpy(), event, lambda: self.free.put(slot)
+
+
+class BackgroundWriter:
+    """One thread writing queued micro-batches into an open shard file while the next forward runs."""
+
+    def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int) -> None:
+        self.writer, self.logprobs_dtype, self.run_root, self.shard_id = writer, logprobs_dtype, run_root, shard_id
+        self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"topk-writer-{shard_id}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            topk_ids, topk_logprobs, ready, release, micro_batch = item
+            try:
+                if self.error is None:
+                    if ready is not None:
+                        ready.synchronize()
+                    faults.maybe_fire("write", self.run_root, shard=self.shard_id, micro_batch=micro_batch)
+                    self.writer.write(*topk_batch(topk_ids, topk_logprobs, self.logprobs_dtype))
+            except BaseException as error:  # handed to the producer, which raises it
+                self.error = error
+            finally:
+                release()
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def put(self, topk_ids: np.ndarray, topk_logprobs: np.ndarray, ready: Any, release: Callable[[], None], micro_batch: int) -> None:
+        self._raise()
+        self.queue.put((topk_ids, topk_logprobs, ready, release, micro_batch))
+
+    def drain(self, flush: bool = False) -> None:
+        """Wait until every queued micro-batch is in the file (flushed to the OS if asked); raise its error."""
+        self.queue.join()
+        self._raise()
+        if flush:
+            self.writer.sink.flush()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the thread. Bounded: after a driver failure a CUDA call in it may never return, and the worker
+        must still exit (the daemon thread dies with the process)."""
+        with contextlib.suppress(queue.Full):
+            self.queue.put(None, timeout=timeout_s)
+        self.thread.join(timeout_s)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class ShardComputer:
+    """Everything fixed for one pass: the teacher step, the store, the batch shape."""
+
+    def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str, tag: str,
+                 extra: dict[str, Any]) -> None:
+        pre = cfg.precompute
+        self.cfg, self.run_root, self.store, self.tag, self.extra = cfg, run_root, store, tag, extra
+        self.device = next(model.parameters()).device
+        self.vocab_rows = vocab_rows(model)
+        vocab = getattr(output_layer(model), "out_features", None) or self.vocab_rows
+        chunk_tokens = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
+        try:
+            self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens)
+        except NotImplementedError as error:
+            raise ConfigError(f"teacher not supported: {error}") from None
+        self.extra["chunk_tokens"] = chunk_tokens
+        storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
+        self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, WRITE_QUEUE_DEPTH + 2)
+
+    def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases) -> CommitRecord:
+        cfg, pre = self.cfg, self.cfg.precompute
+        tokens_store = stage_dir(self.run_root, "tokens")
+        input_ids = read_token_shard(self.run_root, f"{tokens_store}/{token_record.data_file}", cfg.seq_len)  # (rows, T)
+        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= self.vocab_rows):
+            raise StoreError(f"token shard {shard_id} holds id {int(input_ids.max())}, outside the teacher's "
+                             f"embedding of {self.vocab_rows} rows")
+        started = time.perf_counter()
+        name = data_file_name("topk", shard_id)
+        with topk_shard_writer(self.run_root, f"{self.store}/{name}", cfg.seq_len, pre.top_k, pre.logprobs_dtype) as writer:
+            background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id)
+            try:
+                for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
+                    self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
+                    leases.renew(shard_id)
+                background.drain()
+            finally:
+                background.close()
+        seconds = time.perf_counter() - started
+        rows = len(input_ids)
+        return CommitRecord(
+            stage="topk", shard_id=shard_id, data_file=name, rows=rows, tokens=rows * cfg.seq_len, bytes=writer.sink.nbytes,
+            sha256=writer.sink.sha256, input_sha256=token_record.sha256, fingerprint=self.tag,
+            extra=self.extra | {"seconds": round(seconds, 3), "tokens_per_s": round(rows * cfg.seq_len / max(seconds, 1e-9), 1)},
+        )
+
+    def _micro_batch(self, batch: np.ndarray, background: BackgroundWriter, shard_id: int, micro_batch: int) -> None:
+        rows = len(batch)  # (rows, T); padded to the fixed micro-batch so the device never sees a new shape
+        padded = np.zeros((self.cfg.precompute.micro_batch, batch.shape[1]), dtype=np.int64)
+        padded[:rows] = batch
+        input_ids = torch.from_numpy(padded).to(self.device, non_blocking=True)  # (B, T)
+        topk_ids, topk_logprobs = self.step(input_ids)  # (B, T, K) on the device
+        if faults.active_faults():
+            background.drain(flush=True)  # a `kill` fault must find the earlier micro-batches in the file
+            faults.maybe_fire("micro_batch", self.run_root, shard=shard_id, micro_batch=micro_batch)
+        host_ids, host_logprobs, ready, release = self.host.copy(topk_ids[:rows], topk_logprobs[:rows])
+        background.put(host_ids, host_logprobs, ready, release, micro_batch)
+
+
+# --- the pass ---------------------------------------------------------------------------------------------
+
+
+def _token_store(run_root: RunRoot, cfg: KDFlowConfig, tokenizer_fp: str) -> tuple[str, StageComplete]:
+    store = stage_dir(run_root, "tokens")
+    done = read_complete(run_root, store)
+    if done is None:
+        raise StoreError(f"token store {run_root.display(store)} is not complete; run tokenise first")
+    check_store_tokenizer(done.extra.get("tokenizer_fingerprint"), tokenizer_fp, run_root.display(store))
+    expected = tokens_fingerprint(corpus_fingerprint(cfg), tokenizer_fp, cfg)
+    if done.fingerprint != expected:
+        raise StoreError(f"token store {run_root.display(store)} was made from other inputs (fingerprint {done.fingerprint}, "
+                         f"this config gives {expected}); run tokenise first")
+    return store, done
+
+
+def _requested(shard_ids: list[int] | None, count: int) -> list[int]:
+    if shard_ids is None:
+        return list(range(count))
+    outside = [i for i in shard_ids if not 0 <= i < count]
+    if outside:
+        raise ConfigError(f"shard {outside[0]} does not exist: the token store has shards 0-{count - 1}")
+    return sorted(set(shard_ids))
+
+
+def _stale_temp_files(run_root: RunRoot, store: str, shard_id: int) -> None:
+    """Remove temp files a killed writer left for this shard (RunRoot.atomic_writer's `.NAME.tmp-*`)."""
+    if run_root.is_local:
+        prefix = f".{data_file_name('topk', shard_id)}.tmp-"
+        for name in run_root.listdir(store):
+            if name.startswith(prefix):
+                run_root.remove(f"{store}/{name}")
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """Deterministic kernels for the pass (warn-only where an op has none), restored afterwards."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def find_topk_stores(cfg: KDFlowConfig) -> list[str]:
+    """Tags of the top-K stores made for this config's teacher, K and token store, read from their _store.json
+    (no teacher loaded; with teacher.dtype auto, a CPU and a GPU host make two)."""
+    run_root = RunRoot(cfg.run_root)
+    tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
+    teacher = cfg.teacher.model_dump(mode="json", exclude={"device"})
+    tags = []
+    for tag in run_root.listdir(run_root.path("topk")):
+        try:
+            made = json.loads(run_root.read_bytes(f"{run_root.path('topk', tag)}/{STORE_FILE}"))
+        except (FileNotFoundError, ValueError):
+            continue
+        if (tokens_done is not None and made.get("tokens_fingerprint") == tokens_done.fingerprint
+                and made.get("teacher") == teacher and made.get("top_k") == cfg.precompute.top_k
+                and made.get("logprobs_dtype") == cfg.precompute.logprobs_dtype):
+            tags.append(tag)
+    return tags
+
+
+@dataclass
+class PassPlan:
+    """What a pass was asked for and what is left, worked out before any weights load."""
+
+    run_root: RunRoot
+    device: torch.device
+    tokenizer: Any
+    tokens_store: str
+    tokens_done: StageComplete
+    wanted: list[int]
+    teacher_fp: str
+    tag: str
+    store: str
+    todo: list[int]
+
+
+def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.device) -> PassPlan:
+    """The cheap checks first (teacher config, tokenizer, token store), then the shards still to compute."""
+    run_root = RunRoot(cfg.run_root)
+    check_teacher_limits(load_teacher_config(cfg.teacher), top_k=cfg.precompute.top_k, seq_len=cfg.seq_len)
+    tokenizer = load_tokenizer(cfg)
+    tokens_store, tokens_done = _token_store(run_root, cfg, tokenizer_fingerprint(tokenizer))
+    wanted = _requested(shard_ids, tokens_done.shards)
+    teacher_fp = teacher_fingerprint(cfg.teacher, device=device)
+    tag = topk_fingerprint(teacher_fp, tokens_done.fingerprint, cfg)
+    store = stage_dir(run_root, "topk", tag)
+    todo = [i for i in wanted if check_commit(run_root, store, "topk", i, tag)[0] is None]
+    return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo)
+
+
+def precompute_shards(
+    cfg: KDFlowConfig,
+    shard_ids: list[int] | None = None,
+    *,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    device: torch.device | str | None = None,
+    model: torch.nn.Module | None = None,
+    wait_for_others: bool = True,
+) -> dict[str, Any]:
+    """Compute and commit the top-K shards of `shard_ids` (default: all) that are not committed yet.
+
+    `model`: an already loaded teacher (else loaded here, only if there is work). With `wait_for_others`,
+    shards leased by another live process are waited for (taken over if their lease expires).
+    """
+    started = time.perf_counter()
+    target = next(model.parameters()).device if model is not None else resolve_device(str(device or cfg.teacher.device))
+    plan = plan_pass(cfg, shard_ids, target)
+    run_root, store, tag = plan.run_root, plan.store, plan.tag
+    written, tokens_written, compute_seconds, leased_elsewhere = 0, 0, 0.0, []
+    if plan.todo:
+        token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, plan.tokens_done.fingerprint) for i in plan.todo}
+        run_root.ensure_writable()
+        model = model if model is not None else load_teacher(cfg.teacher, device=target)
+        check_tokenizer_fits(plan.tokenizer, model)
+        extra = {"teacher_fingerprint": plan.teacher_fp, "tokens_fingerprint": plan.tokens_done.fingerprint, "top_k": cfg.precompute.top_k,
+                 "seq_len": cfg.seq_len, "logprobs_dtype": cfg.precompute.logprobs_dtype, "micro_batch": cfg.precompute.micro_batch}
+        computer = ShardComputer(cfg, model, run_root, store, tag, extra)
+        _write_store_files(cfg, plan)
+        leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
+        progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
+        try:
+            with deterministic_algorithms():
+                written, tokens_written, compute_seconds, leased_elsewhere = _run(
+                    computer, leases, plan.todo, token_records, progress, wait_for_others)
+        finally:
+            progress.close()
+    complete_if_done(run_root, store, tag, plan.tokens_done)
+    committed = [r for r in (check_commit(run_root, store, "topk", i, tag)[0] for i in plan.wanted) if r is not None]
+    return {
+        "tag": tag, "store": run_root.display(store), "shards": len(plan.wanted), "written": written,
+        "skipped": len(plan.wanted) - len(plan.todo), "leased_elsewhere": leased_elsewhere, "committed": len(committed),
+        "tokens": sum(r.tokens for r in committed), "seconds": round(time.perf_counter() - started, 3),
+        "tokens_per_s": round(tokens_written / max(compute_seconds, 1e-9), 1), "peak_device_memory_mib": _peak_device_memory_mib(target),
+        "teacher_fingerprint": plan.teacher_fp, "device": str(target), "complete": read_complete(run_root, store) is not None,
+    }
+
+
+def _valid_token_record(run_root: RunRoot, store: str, shard_id: int, fingerprint: str) -> CommitRecord:
+    record, reason = check_commit(run_root, store, "tokens", shard_id, fingerprint)
+    if record is None:
+        raise StoreError(f"token shard {shard_id} in {run_root.display(store)} is not committed ({reason}); run tokenise again")
+    return record
+
+
+def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_records: dict[int, CommitRecord],
+         progress: Progress, wait_for_others: bool) -> tuple[int, int, float, list[int]]:
+    """Compute every shard in `todo`; -> (shards written, their tokens, seconds computing, shards leased elsewhere)."""
+    run_root, store, tag = computer.run_root, computer.store, computer.tag
+    written, tokens, seconds, pending = 0, 0, 0.0, list(todo)
+    while pending:
+        waiting = []
+        for shard_id in pending:
+            if check_commit(run_root, store, "topk", shard_id, tag)[0] is not None:
+                progress.update(1, 0)  # another process committed it meanwhile
+                continue
+            if not leases.acquire(shard_id):
+                waiting.append(shard_id)
+                continue
+            try:
+                if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:  # it may have landed before our lease
+                    _stale_temp_files(run_root, store, shard_id)
+                    record = computer.compute(shard_id, token_records[shard_id], leases)
+                    write_commit(run_root, store, record)
+                    written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra["seconds"]
+                    peak = _peak_device_memory_mib(computer.device)
+                    progress.update(1, record.tokens, **({"peak_device_memory_mib": peak} if peak is not None else {}))
+            finally:
+                leases.release(shard_id)
+        if not waiting or not wait_for_others:
+            return written, tokens, seconds, waiting
+        time.sleep(min(10.0, leases.ttl_s / 10))
+        pending = waiting
+    return written, tokens, seconds, []
+
+
+def _write_store_files(cfg: KDFlowConfig, plan: PassPlan) -> None:
+    """The resolved config, and _store.json: what made this store, for readers that do not load the teacher."""
+    plan.run_root.write_bytes_atomic(f"{plan.store}/{CONFIG_FILE}", dump_config(cfg).encode())
+    made = {"tag": plan.tag, "teacher_fingerprint": plan.teacher_fp, "tokens_fingerprint": plan.tokens_done.fingerprint,
+            "teacher": cfg.teacher.model_dump(mode="json", exclude={"device"}),
+            "teacher_identity": teacher_identity(cfg.teacher, device=plan.device),
+            "top_k": cfg.precompute.top_k, "logprobs_dtype": cfg.precompute.logprobs_dtype, "seq_len": cfg.seq_len}
+    plan.run_root.write_bytes_atomic(f"{plan.store}/{STORE_FILE}", json.dumps(made, indent=1, sort_keys=True).encode())
+
+
+def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: StageComplete) -> None:
+    """Write _complete.json once every token shard has its top-K shard (and not again on a rerun).
+
+    Also called by the fan-out flow: two range runs finishing at once may each miss the other's last shard."""
+    existing = read_complete(run_root, store)
+    if existing is not None and existing.fingerprint == tag and existing.shards == tokens_done.shards:
+        return
+    records = [check_commit(run_root, store, "topk", i, tag)[0] for i in range(tokens_done.shards)]
+    if any(r is None for r in records):
+        return
+    extra = {"tokens_fingerprint": tokens_done.fingerprint, "teacher_fingerprint": records[0].extra.get("teacher_fingerprint"),
+             "seq_len": records[0].extra.get("seq_len"), "top_k": records[0].extra.get("top_k")} if records else {}
+    write_complete(run_root, store, StageComplete(stage="topk", shards=len(records), rows=sum(r.rows for r in records),
+                                                  tokens=sum(r.tokens for r in records), fingerprint=tag, extra=extra))
+
+
+def _peak_device_memory_mib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)

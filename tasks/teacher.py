@@ -1,0 +1,221 @@
+"""Loading the teacher: whole-model placement, its fingerprint, and the checks that fail fast with one line.
+
+The reference teacher (a 32B MoE in 4-bit on a 24 GB GPU) taught us two things. `device_map="auto"` may
+silently offload layers to CPU or disk (9 MoE layers ran from disk in fp16, hours slower), so we place the
+whole model on one device and treat anything left elsewhere as an error that names the modules. And the
+cheap checks (paths, vocabulary, context length, tokenizer) run before the weights load, not after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdflow.config import TeacherConfig, section_hash
+from kdflow.errors import ConfigError, FingerprintMismatch, KDFlowError
+from kdflow.models import resolve_model_source
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+_SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})/")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TeacherPlacementError(KDFlowError):
+    """Part of the teacher is not on the target device (offloaded to CPU/disk, or never loaded)."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """auto -> the first CUDA device if there is one, else the CPU; `cuda` means `cuda:0`."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
+def resolve_dtype(teacher: TeacherConfig, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on a CUDA device that supports it, else float32 (bf16 matmuls are slower on CPUs)."""
+    if teacher.dtype != "auto":
+        return _DTYPES[teacher.dtype]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def check_teacher_source(teacher: TeacherConfig) -> str | None:
+    """The teacher's local folder (None for a hub id); one-line errors when it is not a usable model folder."""
+    try:
+        path = resolve_model_source(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
+    except ConfigError as error:
+        raise ConfigError(f"teacher {error}") from None
+    if not os.path.exists(path):
+        return None  # a hub id
+    if not os.path.isdir(path):
+        raise ConfigError(f"teacher path is not a model folder: {teacher.model}")
+    if teacher.gguf_file:
+        if not os.path.isfile(os.path.join(path, teacher.gguf_file)):
+            raise ConfigError(f"teacher GGUF file not found: {os.path.join(teacher.model, teacher.gguf_file)}")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"teacher path is not a model folder (no config.json): {teacher.model}")
+    return path
+
+
+def _source_kwargs(teacher: TeacherConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": teacher.trust_remote_code}
+    if teacher.revision:
+        kwargs["revision"] = teacher.revision
+    if teacher.gguf_file:
+        kwargs["gguf_file"] = teacher.gguf_file
+    return kwargs
+
+
+def load_teacher_config(teacher: TeacherConfig) -> Any:
+    """The teacher's Hugging Face config, without its weights (for the checks that come first)."""
+    from transformers import AutoConfig
+
+    local = check_teacher_source(teacher)
+    return AutoConfig.from_pretrained(local or teacher.model, **_source_kwargs(teacher))
+
+
+def check_teacher_limits(model_config: Any, *, top_k: int, seq_len: int) -> None:
+    """top_k within the vocabulary, seq_len within the context the teacher was trained for."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    vocab = getattr(text_config, "vocab_size", None)
+    if vocab is not None and not 1 <= top_k <= vocab:
+        raise ConfigError(f"precompute.top_k={top_k} must be between 1 and the teacher's vocabulary size {vocab}")
+    context = getattr(text_config, "max_position_embeddings", None)
+    if context is not None and seq_len > context:
+        raise ConfigError(f"seq_len={seq_len} exceeds the teacher's context length (max_position_embeddings={context})")
+
+
+def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = None) -> nn.Module:
+    """The teacher on one device, in eval mode with gradients off; raises if any part was placed elsewhere."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    local = check_teacher_source(teacher)
+    target = resolve_device(str(device) if device is not None else teacher.device)
+    dtype = resolve_dtype(teacher, target)
+    kwargs = _source_kwargs(teacher) | {"dtype": dtype, "device_map": {"": str(target)}}
+    if local is not None and not teacher.gguf_file and any(n.endswith(".safetensors") for n in os.listdir(local)):
+        # Prefer safetensors (hub ids prefer them by default); transformers reads .bin files only with
+        # torch.load(weights_only=True), never unpickling arbitrary objects.
+        kwargs["use_safetensors"] = True
+    if teacher.load_in_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(local or teacher.model, **kwargs)
+    model.eval()
+    model.requires_grad_(False)
+    check_placement(model, target)
+    return model
+
+
+def misplaced_modules(model: nn.Module, target: torch.device) -> dict[str, str]:
+    """Module name -> where its tensors are, for every module not wholly on `target` (meta is never fine)."""
+    misplaced: dict[str, str] = {}
+    for name, tensor in chain(model.named_parameters(), model.named_buffers()):
+        where = tensor.device
+        wrong_type = where.type != target.type
+        wrong_index = target.index is not None and where.index is not None and where.index != target.index
+        if where.type == "meta" or wrong_type or wrong_index:
+            misplaced.setdefault(name.rpartition(".")[0] or name, str(where))
+    for module, where in (getattr(model, "hf_device_map", None) or {}).items():
+        if str(where) == "disk" or (target.type != "cpu" and str(where) == "cpu"):
+            misplaced.setdefault(module or "<whole model>", str(where))
+    return misplaced
+
+
+def check_placement(model: nn.Module, target: torch.device) -> None:
+    misplaced = misplaced_modules(model, target)
+    if misplaced:
+        names = sorted(misplaced)
+        listed = ", ".join(f"{n} ({misplaced[n]})" for n in names[:8])
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise TeacherPlacementError(
+            f"teacher is not wholly on {target}: {len(names)} module(s) left elsewhere: {listed}{more} "
+            "(not enough device memory? try teacher.load_in_4bit)"
+        )
+
+
+def vocab_rows(model: nn.Module) -> int:
+    """Rows of the teacher's input embedding: every token id fed to it must be below this."""
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+def check_tokenizer_fits(tokenizer: Any, model: nn.Module) -> None:
+    largest = max(max(tokenizer.get_vocab().values(), default=0), len(tokenizer) - 1)
+    rows = vocab_rows(model)
+    if largest >= rows:
+        raise ConfigError(f"the tokenizer has ids up to {largest} but the teacher's embedding has only {rows} rows")
+
+
+def check_store_tokenizer(store_tokenizer_fp: str | None, tokenizer_fp: str, store: str) -> None:
+    """The token store must have been made with the tokenizer this config names (the teacher's by default)."""
+    if store_tokenizer_fp != tokenizer_fp:
+        raise FingerprintMismatch(
+            f"token store {store} was made with tokenizer {store_tokenizer_fp}, but this config's tokenizer is "
+            f"{tokenizer_fp}; rerun tokenise with the teacher's tokenizer"
+        )
+
+
+# --- fingerprint ------------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: str, limit: int | None = None) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        sha.update(handle.read(limit) if limit is not None else handle.read())
+    return sha.hexdigest()
+
+
+def _local_weights_hash(folder: str, gguf_file: str | None) -> str:
+    """Cheap stand-in for hashing tens of GB: the config's bytes and the weight files' names and sizes."""
+    if gguf_file:
+        path = os.path.join(folder, gguf_file)
+        return section_hash("gguf", gguf_file, os.path.getsize(path), _file_sha256(path, 1 << 20), length=32)
+    weights = sorted((n, os.path.getsize(os.path.join(folder, n))) for n in os.listdir(folder) if n.endswith(WEIGHT_SUFFIXES))
+    return section_hash("folder", _file_sha256(os.path.join(folder, "config.json")), json.dumps(weights), length=32)
+
+
+def _hub_revision(teacher: TeacherConfig) -> str | None:
+    """The pinned revision, else the commit of the cached snapshot the weights load from."""
+    if teacher.revision:
+        return teacher.revision
+    try:
+        from transformers.utils import cached_file
+
+        resolved = cached_file(teacher.model, "config.json", _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):
+        return None
+    match = _SNAPSHOT.search(str(resolved or "").replace(os.sep, "/"))
+    return match.group(1) if match else None
+
+
+def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> dict[str, Any]:
+    """What decides the teacher's numbers: its weights, dtype and quantisation (not where the folder lies)."""
+    if device is None:
+        device = next(model.parameters()).device if model is not None else resolve_device(teacher.device)
+    local = check_teacher_source(teacher)
+    identity: dict[str, Any] = {"dtype": str(resolve_dtype(teacher, device)).removeprefix("torch."),
+                                "quantisation": "bnb-nf4" if teacher.load_in_4bit else None,
+                                "gguf_file": teacher.gguf_file}
+    if local is not None:
+        identity["weights"] = _local_weights_hash(local, teacher.gguf_file)
+    else:
+        identity |= {"model": teacher.model, "revision": _hub_revision(teacher)}
+    # A checkpoint that ships quantised says so in its config.json, which the weights hash (local) or the
+    # revision (hub) already covers: the identity is the same before and after loading.
+    return identity
+
+
+def teacher_fingerprint(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> str:
+    """16 hex characters; the same weights, dtype and quantisation give the same value on any host."""
+    return section_hash("teacher", teacher_identity(teacher, model, device=device))

@@ -1,0 +1,330 @@
+"""The teacher pass without Prefect: top-K shards against a dense reference, commits, reruns, leases, errors,
+the worker process, exit-code classification and fault specs."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kdflow.errors import ConfigError, FingerprintMismatch, KDFlowError
+from schemas.commits import commit_file_name, list_commits, load_manifest, read_complete, stage_dir
+from schemas.shards import read_token_shard, read_topk_shard
+from schemas.storage import RunRoot, sha256_of
+from tasks import faults
+from tasks.corpus import materialise
+from tasks.gpu_errors import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY,
+                              EXIT_CUDA_OOM, EXIT_NO_SPACE, EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES, exit_code_for,
+                              normalise_returncode)
+from tasks.precompute import ShardLeases, find_topk_stores, precompute_shards
+from tasks.precompute_worker import format_shard_ids, parse_shard_ids
+from tasks.teacher import TeacherPlacementError, check_placement, load_teacher, teacher_fingerprint
+from tasks.tokenise import load_tokenizer, tokenise
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def prepare(config: Any) -> Any:
+    """materialise + tokenise: the token store the teacher pass reads."""
+    materialise(config, None)
+    tokenise(config, load_tokenizer(config))
+    return config
+
+
+def store_files(config: Any, tag: str) -> dict[str, bytes]:
+    run_root = RunRoot(config.run_root)
+    store = stage_dir(run_root, "topk", tag)
+    return {name: run_root.read_bytes(f"{store}/{name}") for name in run_root.listdir(store)}
+
+
+def dense_logprobs(model: torch.nn.Module, input_ids: np.ndarray) -> torch.Tensor:
+    """Reference: the full logits of the whole model -> log_softmax over the vocabulary, float64. (rows, T, V)"""
+    with torch.no_grad():
+        logits = model(torch.tensor(input_ids, dtype=torch.long)).logits
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def assert_matches_dense(config: Any, tag: str, model: torch.nn.Module) -> None:
+    run_root = RunRoot(config.run_root)
+    tokens, store = stage_dir(run_root, "tokens"), stage_dir(run_root, "topk", tag)
+    token_records = list_commits(run_root, tokens, "tokens")
+    topk_records = list_commits(run_root, store, "topk", tag)
+    assert sorted(topk_records) == sorted(token_records)
+    k, seq_len = config.precompute.top_k, config.seq_len
+    for shard_id, token_record in token_records.items():
+        input_ids = read_token_shard(run_root, f"{tokens}/{token_record.data_file}", seq_len)  # (rows, T)
+        topk_ids, topk_logprobs = read_topk_shard(run_root, f"{store}/{topk_records[shard_id].data_file}", seq_len, k)
+        assert topk_ids.shape == topk_logprobs.shape == (len(input_ids), seq_len, k)
+        assert topk_logprobs.dtype == np.float16
+        assert topk_records[shard_id].input_sha256 == token_record.sha256
+        reference = dense_logprobs(model, input_ids)  # (rows, T, V)
+        stored = torch.from_numpy(topk_logprobs.astype(np.float64))
+        # The stored ids carry the reference's log-probs, and those are the K largest (ties may swap ids).
+        at_ids = reference.gather(-1, torch.tensor(topk_ids, dtype=torch.long))
+        torch.testing.assert_close(stored, at_ids, rtol=1e-3, atol=1e-4)  # float16 storage: 2^-11 relative
+        torch.testing.assert_close(stored, reference.topk(k, dim=-1).values, rtol=1e-3, atol=1e-4)
+        assert (np.diff(topk_logprobs.astype(np.float32), axis=-1) <= 0).all()  # sorted descending along K
+        tail = 1.0 - np.exp(topk_logprobs.astype(np.float64)).sum(-1)
+        assert ((tail >= 0.0) & (tail <= 1.0)).all()
+
+
+@pytest.mark.parametrize("teacher", ["tiny_teacher_dir", "tiny_moe_teacher_dir"])
+def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config, request, teacher) -> None:
+    # micro_batch 3 over 8-row shards: the last micro-batch of each shard is padded and its padding dropped.
+    config = prepare(make_config(teacher__model=str(request.getfixturevalue(teacher)), precompute__micro_batch=3,
+                                 dataset__max_documents=24))
+    summary = precompute_shards(config)
+    run_root = RunRoot(config.run_root)
+    tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
+    assert summary["written"] == summary["shards"] == tokens_done.shards >= 3
+    assert summary["tokens"] == tokens_done.tokens and summary["complete"]
+    assert_matches_dense(config, summary["tag"], load_teacher(config.teacher))
+    manifest = load_manifest(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"], config.seq_len)
+    assert len(manifest) == tokens_done.shards
+    done = read_complete(run_root, stage_dir(run_root, "topk", summary["tag"]))
+    assert done.shards == tokens_done.shards and done.fingerprint == summary["tag"]
+    assert find_topk_stores(config) == [summary["tag"]]
+
+
+def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config) -> None:
+    config = prepare(make_config(dataset__max_documents=24))
+    first = precompute_shards(config)
+    before = store_files(config, first["tag"])
+    again = precompute_shards(config)
+    assert (again["written"], again["skipped"]) == (0, first["shards"])
+    assert store_files(config, first["tag"]) == before  # not even _complete.json or config.yaml rewritten
+
+    run_root = RunRoot(config.run_root)
+    store = stage_dir(run_root, "topk", first["tag"])
+    run_root.remove(f"{store}/{commit_file_name('topk', 1)}")
+    third = precompute_shards(config)
+    assert third["written"] == 1
+    after = store_files(config, first["tag"])
+    assert after["shard-00001.arrow"] == before["shard-00001.arrow"]
+    assert json.loads(after["shard-00001.commit.json"])["sha256"] == json.loads(before["shard-00001.commit.json"])["sha256"]
+    assert {n for n in after if n.endswith(".lease") or ".tmp-" in n} == set()
+
+
+def test_two_run_roots_give_identical_shards(make_config, tmp_path) -> None:
+    configs = [prepare(make_config(run_root=str(tmp_path / name), dataset__max_documents=16)) for name in ("a", "b")]
+    tags = [precompute_shards(c)["tag"] for c in configs]
+    assert tags[0] == tags[1]  # the teacher's fingerprint does not depend on where a run root lies
+    hashes = [{i: r.sha256 for i, r in list_commits(RunRoot(c.run_root), stage_dir(RunRoot(c.run_root), "topk", t), "topk").items()}
+              for c, t in zip(configs, tags)]
+    assert hashes[0] == hashes[1] and len(hashes[0]) >= 2
+
+
+def test_shard_subset_and_a_live_foreign_lease(make_config) -> None:
+    config = prepare(make_config(dataset__max_documents=24))
+    subset = precompute_shards(config, [0, 2])
+    run_root = RunRoot(config.run_root)
+    store = stage_dir(run_root, "topk", subset["tag"])
+    assert sorted(list_commits(run_root, store, "topk")) == [0, 2] and not subset["complete"]
+
+    # A live lease held by another owner (this very process stands in for it): shard 1 is left to it.
+    other = ShardLeases(run_root, store, ttl_s=600, owner="someone-else")
+    assert other.acquire(1)
+    skipping = precompute_shards(config, wait_for_others=False)
+    assert skipping["leased_elsewhere"] == [1] and 1 not in list_commits(run_root, store, "topk")
+    assert read_complete(run_root, store) is None
+    # Its owner dies: an expired lease is taken over and the store completes.
+    lease = json.loads(run_root.read_bytes(other.path(1))) | {"expires_at": 0}
+    run_root.write_bytes_atomic(other.path(1), json.dumps(lease).encode())
+    finished = precompute_shards(config, wait_for_others=False)
+    assert finished["written"] == 1 and finished["complete"] and not run_root.exists(other.path(1))
+
+
+def test_a_failed_write_leaves_no_half_shard_and_a_rerun_finishes(make_config, monkeypatch) -> None:
+    config = prepare(make_config(dataset__max_documents=16))
+    monkeypatch.setenv("KDFLOW_FAULT", "enospc@shard=1,micro_batch=1")
+    with pytest.raises(OSError) as caught:
+        precompute_shards(config)
+    assert exit_code_for(caught.value) == EXIT_NO_SPACE
+    [store] = Path(config.run_root).glob("topk/*")
+    names = sorted(p.name for p in store.iterdir())
+    assert "shard-00000.commit.json" in names and "shard-00001.arrow" not in names
+    assert not [n for n in names if ".tmp-" in n or n.endswith(".lease")]  # temp file and lease cleaned up
+    rerun = precompute_shards(config)  # the fault fired once in this run root
+    assert rerun["complete"] and rerun["written"] == rerun["shards"] - 1
+
+
+def _other_tokenizer(tiny_tokenizer_dir: Path, folder: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.add_tokens(["<extra-token>"])  # one id past the teacher's 384-row embedding
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bad_inputs_give_one_line_errors_and_commit_nothing(make_config, tmp_path, tiny_tokenizer_dir) -> None:
+    other = str(_other_tokenizer(tiny_tokenizer_dir, tmp_path / "other-tokenizer"))
+    empty = tmp_path / "empty-folder"
+    empty.mkdir()
+    cases: list[tuple[dict[str, Any], bool, type, str]] = [
+        ({}, False, KDFlowError, "is not complete; run tokenise first"),
+        ({"precompute__top_k": 500}, False, ConfigError, "top_k=500 must be between 1 and the teacher's vocabulary size 384"),
+        ({"teacher__model": str(tmp_path / "missing")}, False, ConfigError, "teacher model path does not exist"),
+        ({"teacher__model": str(empty)}, False, ConfigError, "not a model folder (no config.json)"),
+        ({"seq_len": 300}, False, ConfigError, "seq_len=300 exceeds the teacher's context length (max_position_embeddings=256)"),
+        ({"tokenizer": other}, True, ConfigError, "the tokenizer has ids up to 384 but the teacher's embedding has only 384 rows"),
+    ]
+    for number, (overrides, tokenise_first, error_type, message) in enumerate(cases):
+        config = make_config(run_root=str(tmp_path / f"case-{number}"), dataset__max_documents=8, **overrides)
+        if tokenise_first:
+            prepare(config)
+        with pytest.raises(error_type, match=re.escape(message)) as caught:
+            precompute_shards(config)
+        assert "\n" not in str(caught.value)
+        assert not list(Path(config.run_root).glob("topk/*/*.commit.json")), overrides
+
+    # A token store made with another tokenizer than this config's (the teacher's).
+    made_with_other = prepare(make_config(tokenizer=other, dataset__max_documents=8))
+    config = make_config(dataset__max_documents=8)
+    assert config.run_root == made_with_other.run_root
+    with pytest.raises(FingerprintMismatch, match="was made with tokenizer .* but this config's tokenizer is") as caught:
+        precompute_shards(config)
+    assert "\n" not in str(caught.value) and not list(Path(config.run_root).glob("topk/*/*.commit.json"))
+
+
+def test_teacher_fingerprint_ignores_the_folder_location_but_not_dtype(tiny_teacher_dir, tmp_path, make_config) -> None:
+    copy = shutil.copytree(tiny_teacher_dir, tmp_path / "moved-teacher")
+    here, there = make_config().teacher, make_config(teacher__model=str(copy)).teacher
+    assert teacher_fingerprint(here) == teacher_fingerprint(there)
+    assert teacher_fingerprint(here) != teacher_fingerprint(make_config(teacher__dtype="bfloat16").teacher)
+    assert teacher_fingerprint(here) != teacher_fingerprint(make_config(teacher__load_in_4bit=True).teacher)
+    # GGUF: name, size and the first MiB identify the file (hashing all of a 20 GB file would take minutes).
+    (tmp_path / "gguf").mkdir()
+    gguf = tmp_path / "gguf" / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(3 << 20))
+    gguf_teacher = make_config(teacher__model=str(gguf.parent), teacher__gguf_file="model.gguf").teacher
+    first = teacher_fingerprint(gguf_teacher)
+    gguf.write_bytes(b"GGUF" + bytes(2 << 20) + b"x" + bytes((1 << 20) - 1))  # same size, change past the first MiB
+    assert teacher_fingerprint(gguf_teacher) == first
+    gguf.write_bytes(b"GGUF" + b"x" + bytes((3 << 20) - 1))  # same size, change in the first MiB
+    assert teacher_fingerprint(gguf_teacher) != first
+
+
+def test_placement_check_names_the_modules_left_behind(make_config) -> None:
+    model = load_teacher(make_config().teacher)
+    check_placement(model, torch.device("cpu"))
+    with pytest.raises(TeacherPlacementError, match=r"not wholly on cuda:0: \d+ module\(s\) left elsewhere: lm_head \(cpu\)"):
+        check_placement(model, torch.device("cuda", 0))  # a pure check of tensor devices: no GPU needed
+    model.model.layers[1].mlp.to("meta")  # never loaded (what an offload to disk leaves on the model)
+    with pytest.raises(TeacherPlacementError, match=r"model\.layers\.1\.mlp\.down_proj \(meta\)"):
+        check_placement(model, torch.device("cpu"))
+
+
+def test_four_bit_teacher_runs_on_cpu(make_config) -> None:
+    pytest.importorskip("bitsandbytes")
+    config = prepare(make_config(teacher__load_in_4bit=True, dataset__max_documents=8))
+    try:
+        model = load_teacher(config.teacher)
+    except Exception as error:  # noqa: BLE001 - a build of bitsandbytes without CPU 4-bit support
+        pytest.skip(f"bitsandbytes 4-bit does not load on this CPU: {str(error).splitlines()[0]}")
+    assert any("4bit" in type(m).__name__ for m in model.modules())
+    summary = precompute_shards(config, model=model)
+    assert summary["complete"] and summary["written"] >= 1
+    assert_matches_dense(config, summary["tag"], model)  # against the same quantised model's full logits
+
+
+def _worker(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tasks.precompute_worker", "--config", str(config_path)], cwd=REPO,
+                          env=os.environ | env, capture_output=True, text=True, timeout=300)
+
+
+def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path) -> None:
+    from kdflow.config import dump_config
+
+    config = prepare(make_config(dataset__max_documents=16))
+    config_path = tmp_path / "resolved.yaml"
+    config_path.write_text(dump_config(config))
+    killed = _worker(config_path, {"KDFLOW_FAULT": "kill@shard=1,micro_batch=1"})
+    assert normalise_returncode(killed.returncode) == 137 and 137 in RETRYABLE_EXIT_CODES
+    run_root = RunRoot(config.run_root)
+    [tag] = run_root.listdir(run_root.path("topk"))
+    store = stage_dir(run_root, "topk", tag)
+    names = run_root.listdir(store)
+    assert "shard-00000.commit.json" in names and "shard-00001.commit.json" not in names
+    [temp] = [n for n in names if n.startswith(".shard-00001.arrow.tmp-")]
+    assert os.path.getsize(f"{store}/{temp}") > 0 and "shard-00001.lease" in names  # what a SIGKILL leaves
+
+    resumed = _worker(config_path, {"KDFLOW_FAULT": "kill@shard=1,micro_batch=1"})  # fired once: off now
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    [result] = [json.loads(line.split(" ", 1)[1]) for line in resumed.stdout.splitlines() if line.startswith("KDFLOW_RESULT ")]
+    assert result["complete"] and result["written"] == result["shards"] - 1
+    names = run_root.listdir(store)
+    assert not [n for n in names if ".tmp-" in n or n.endswith(".lease")]
+    reference = prepare(make_config(run_root=str(tmp_path / "reference"), dataset__max_documents=16))
+    precompute_shards(reference)
+    reference_root = RunRoot(reference.run_root)
+    for shard_id, record in list_commits(run_root, store, "topk", tag).items():
+        assert record.sha256 == sha256_of(reference_root, f"{stage_dir(reference_root, 'topk', tag)}/{record.data_file}")
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (RuntimeError("CUDA driver error: device not ready"), EXIT_CUDA_NOT_READY),
+    (RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be asynchronously reported"),
+     EXIT_CUDA_LAUNCH_FAILURE),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), EXIT_CUDA_ILLEGAL_ADDRESS),
+    (RuntimeError("CUDA error: uncorrectable ECC error encountered"), EXIT_CUDA_ECC),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), EXIT_CUDA_OOM),
+    (RuntimeError("CUDA error: out of memory"), EXIT_CUDA_OOM),
+    (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx"), EXIT_CUDA_ERROR),
+    (RuntimeError("NCCL error: unhandled cuda error"), EXIT_CUDA_ERROR),
+    (RuntimeError("CUDA error: device-side assert triggered"), EXIT_UNEXPECTED),  # the same input fails again
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory"), EXIT_UNEXPECTED),
+    (ConfigError("precompute.top_k=500 is too large"), EXIT_USER_ERROR),
+    (OSError(errno.ENOSPC, "No space left on device"), EXIT_NO_SPACE),
+    (ValueError("a bug"), EXIT_UNEXPECTED),
+])
+def test_exit_code_classification(error: BaseException, code: int) -> None:
+    assert exit_code_for(error) == code
+    assert (code in RETRYABLE_EXIT_CODES) == (code >= 70)
+
+
+def test_a_wrapped_driver_error_is_still_retryable() -> None:
+    try:
+        try:
+            raise RuntimeError("CUDA driver error: device not ready")
+        except RuntimeError as inner:
+            raise ValueError("the forward pass failed") from inner
+    except ValueError as outer:
+        assert exit_code_for(outer) == EXIT_CUDA_NOT_READY
+
+
+def test_fault_specs_and_fire_once(tmp_path, monkeypatch) -> None:
+    parsed = faults.parse_faults("cuda_error@shard=1,micro_batch=2; kill@micro_batch=0;enospc")
+    assert [f.name for f in parsed] == ["cuda_error.micro_batch-2.shard-1", "kill.micro_batch-0", "enospc"]
+    for bad in ("explode@shard=1", "kill@shard=x", "kill@row=1"):
+        with pytest.raises(ConfigError, match="KDFLOW_FAULT"):
+            faults.parse_faults(bad)
+    run_root = RunRoot(str(tmp_path))
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_error@shard=1")
+    faults.maybe_fire("micro_batch", run_root, shard=0, micro_batch=0)  # another shard: nothing
+    with pytest.raises(RuntimeError, match="CUDA driver error: device not ready"):
+        faults.maybe_fire("micro_batch", run_root, shard=1, micro_batch=0)
+    faults.maybe_fire("micro_batch", run_root, shard=1, micro_batch=0)  # fired once in this run root
+    assert json.loads((tmp_path / "_faults" / "cuda_error.shard-1.fired").read_text())["pid"] == os.getpid()
+    monkeypatch.setenv("KDFLOW_FAULT", "enospc@shard=2")
+    with pytest.raises(OSError) as caught:
+        faults.maybe_fire("write", run_root, shard=2, micro_batch=0)
+    assert caught.value.errno == errno.ENOSPC
+
+
+def test_shard_id_lists_round_trip() -> None:
+    assert parse_shard_ids("0,3,5") == [0, 3, 5] and parse_shard_ids("3-6") == [3, 4, 5, 6] and parse_shard_ids(None) is None
+    assert format_shard_ids([5, 0, 1, 2, 9, 10]) == "0-2,5,9-10"
+    assert parse_shard_ids(format_shard_ids([0, 1, 2, 7])) == [0, 1, 2, 7]
+    with pytest.raises(ValueError, match="--shards"):
+        parse_shard_ids("3-x")

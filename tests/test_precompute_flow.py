@@ -1,0 +1,79 @@
+"""The `precompute` flow: the teacher in a fresh worker process per attempt, retried on CUDA driver errors only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.commits import list_commits, stage_dir
+from schemas.storage import RunRoot
+from tasks.gpu_errors import EXIT_USER_ERROR
+from test_precompute import prepare
+
+
+def shard_hashes(config: Any, tag: str) -> dict[int, str]:
+    run_root = RunRoot(config.run_root)
+    return {i: r.sha256 for i, r in list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag).items()}
+
+
+def test_a_cuda_driver_error_is_retried_in_a_new_process(prefect_harness, make_config, tmp_path, monkeypatch) -> None:
+    from flows.precompute import precompute_flow
+
+    overrides = {"dataset__max_documents": 12, "precompute__max_attempts": 3, "precompute__retry_delay_s": 0}
+    clean = prepare(make_config(run_root=str(tmp_path / "clean"), **overrides))
+    faulty = prepare(make_config(run_root=str(tmp_path / "faulty"), **overrides))
+
+    uninterrupted = precompute_flow(clean)
+    assert uninterrupted["attempt"] == 1 and uninterrupted["shards"] >= 2
+
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_error@shard=1,micro_batch=1")
+    retried = precompute_flow(faulty.model_dump(mode="json"))  # deployment parameters arrive as plain dicts
+    fired = json.loads((Path(faulty.run_root) / "_faults" / "cuda_error.micro_batch-1.shard-1.fired").read_text())
+    assert retried["attempt"] == 2 and fired["pid"] != retried["worker_pid"]  # a second, fresh process finished
+    assert retried["written"] == retried["shards"] - 1  # it resumed after shard 0, committed by the first process
+    assert retried["tag"] == uninterrupted["tag"] and retried["tokens"] == uninterrupted["tokens"]
+    assert shard_hashes(faulty, retried["tag"]) == shard_hashes(clean, uninterrupted["tag"])  # byte-identical output
+
+
+def test_a_user_error_fails_at_once_with_the_workers_message(prefect_harness, make_config) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.precompute import WorkerUserError, precompute_flow
+    from kdflow.errors import KDFlowError
+
+    # The teacher's limits are checked before the token store is even read: no need to tokenise here.
+    config = make_config(precompute__max_attempts=3, precompute__retry_delay_s=0, precompute__top_k=1000)
+    state = precompute_flow(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(WorkerUserError) as caught:
+        state.result()
+    error = caught.value
+    assert isinstance(error, KDFlowError) and error.exit_code == EXIT_USER_ERROR
+    assert str(error) == "precompute.top_k=1000 must be between 1 and the teacher's vocabulary size 384"
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    [worker_run] = [r for r in runs if r.task_key.startswith("teacher-worker") or r.name.startswith("teacher-worker")]
+    assert worker_run.run_count == 1  # not retried
+
+
+def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect_harness, make_config) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.precompute import precompute_shards_flow
+
+    config = prepare(make_config(dataset__max_documents=12))
+    state = precompute_shards_flow(config, "0,2", return_state=True)
+    result = state.result()
+    assert result["shards"] == 2 and sorted(shard_hashes(config, result["tag"])) == [0, 2]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    kinds = {(a.type, a.key) for a in artifacts}
+    assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress", None) in kinds
+    [progress] = [a for a in artifacts if a.type == "progress"]
+    assert progress.data == 100.0  # the last update of the worker's progress reached the artifact
