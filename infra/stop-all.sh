@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Stop what the infra scripts started on this machine: workers, the Prefect server, PostgreSQL.
+# Flow runs in progress are not stopped by stopping their worker (Prefect runs each in its own session):
+# cancel them first in the UI or with `prefect flow-run cancel ID`. Data stays (the cluster in
+# $KDFLOW_PGDATA, logs in $KDFLOW_STATE_DIR); rerunning is safe.
+#
+#   infra/stop-all.sh             # everything
+#   infra/stop-all.sh workers     # only the workers (e.g. before restarting them with other settings)
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+
+WHAT=${1:-all}
+case "$WHAT" in all | workers) ;; *) die "usage: infra/stop-all.sh [all|workers], got '$WHAT'" ;; esac
+
+shopt -s nullglob
+workers=("$STATE_DIR"/worker-*.pid)
+for pid_file in "${workers[@]}"; do term_pidfile "$pid_file" "worker start"; done
+# A worker's graceful shutdown may hang: give them all 5 s together, then KILL whatever is left.
+for _ in $(seq 1 25); do
+  alive=0
+  for pid_file in "${workers[@]}"; do pid_alive "$pid_file" "worker start" && alive=1; done
+  [ "$alive" = 0 ] && break
+  sleep 0.2
+done
+for pid_file in "${workers[@]}"; do reap_pidfile "$pid_file" "worker start" "$(basename "$pid_file" .pid)" 0; done
+[ "$WHAT" = workers ] && exit 0
+
+stop_pidfile "$STATE_DIR/server.pid" "server start" "Prefect server"
+
+if [ -f "$PGDATA_DIR/postmaster.pid" ] && as_pg_owner pg_ctl -D "$PGDATA_DIR" status >/dev/null 2>&1; then
+  as_pg_owner pg_ctl -D "$PGDATA_DIR" -m fast -w stop >/dev/null
+  note "stopped PostgreSQL ($PGDATA_DIR)"
+fi

@@ -1,0 +1,322 @@
+"""prefect.yaml against a real Prefect server with real process workers, the way users run it.
+
+One server (SQLite, its own PREFECT_HOME) and the workers infra/start-workers.sh starts (two on pool `gpu`,
+one on `cpu`) run for the whole module, on loopback. `prefect --no-prompt deploy --all` deploys the
+repository's prefect.yaml unchanged; then `prefect deployment run precompute/llmjp` runs it with a tiny
+config (tiny teacher on CPU, shard ranges of half the shards), so the coordinator on `cpu` fans out two
+`precompute-shards/gpu` runs, one per GPU worker. The test checks through the API and the run root that
+the runs completed, both GPU workers took part, every shard was computed exactly once and committed, and
+that the deployment trigger started `train-student/llmjp` with the same config. Everything started here
+is stopped at the end (process groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+INFRA = REPO / "infra"
+PREFECT = str(Path(sys.executable).parent / "prefect")
+FLOWS = {"materialise", "tokenise", "precompute", "precompute-shards", "train-student", "pipeline"}
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class PrefectStack:
+    api_url: str
+    env: dict[str, str]  # what every prefect command here runs with
+    root: Path
+    timings: dict[str, float]
+
+    def run(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        result = subprocess.run(args, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+        assert result.returncode == 0, f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        return result
+
+    def client_call(self, make_coroutine: Callable[[Any], Any]) -> Any:
+        """Run `make_coroutine(client)` against this server (the test process has no API URL of its own)."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        async def call() -> Any:
+            async with get_client() as client:
+                return await make_coroutine(client)
+
+        with temporary_settings({PREFECT_API_URL: self.api_url}):
+            return asyncio.run(call())
+
+
+def _wait_healthy(api_url: str, server: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the Prefect server exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if json.load(urllib.request.urlopen(f"{api_url}/health", timeout=2)) is True:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the Prefect server was not healthy after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _kill_flow_run_processes(stack: PrefectStack) -> None:
+    """Flow runs still going: process workers start each in its own session and leave it running when they stop,
+    so kill their process groups by the pid the server recorded (only processes of this server, by environment)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    live = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+        any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])))
+
+    async def read(client: Any) -> list[Any]:
+        return await client.read_flow_runs(flow_run_filter=live)
+
+    for flow_run in stack.client_call(read):
+        host, _, pid = (flow_run.infrastructure_pid or "").rpartition(":")
+        if host != socket.gethostname() or not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"PREFECT_API_URL={stack.api_url}".encode() in environ:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid), signal.SIGKILL)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def prefect_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
+    root = tmp_path_factory.mktemp("prefect-stack")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KDFLOW_"))}
+    env.update(
+        PREFECT_HOME=str(root / "prefect-home"), PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # Workers poll every second instead of ten; flow results are kept so the test can read what each run did.
+        PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RESULTS_PERSIST_BY_DEFAULT="true",
+        PREFECT_LOCAL_STORAGE_PATH=str(root / "results"),
+        KDFLOW_STATE_DIR=str(root / "state"), KDFLOW_PYTHON=sys.executable, KDFLOW_WORKER_PREFIX="test",
+        TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+    )
+    log = root / "server.log"
+    started = time.perf_counter()
+    with open(log, "w") as sink:
+        server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+                                  env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    stack = PrefectStack(api_url, env, root, {})
+    try:
+        _wait_healthy(api_url, server, log, timeout=150)
+        stack.timings["server_start_s"] = time.perf_counter() - started
+        stack.run("bash", str(INFRA / "create-pools.sh"))
+        stack.run("bash", str(INFRA / "start-workers.sh"), "2")
+        yield stack
+    finally:
+        subprocess.run(["bash", str(INFRA / "stop-all.sh"), "workers"], env=env, capture_output=True, timeout=120)
+        with contextlib.suppress(Exception):  # the server may be the thing that failed
+            _kill_flow_run_processes(stack)
+        _stop_group(server)
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_stack: PrefectStack) -> dict[str, Any]:
+    """`prefect --no-prompt deploy --all` from the repository root; -> deployments by 'flow/name'."""
+    started = time.perf_counter()
+    prefect_stack.run(PREFECT, "--no-prompt", "deploy", "--all", timeout=300)
+    prefect_stack.timings["deploy_s"] = time.perf_counter() - started
+
+    async def read(client: Any) -> dict[str, Any]:
+        flows = {flow.id: flow.name for flow in await client.read_flows()}
+        return {f"{flows[d.flow_id]}/{d.name}": d for d in await client.read_deployments()}
+
+    return prefect_stack.client_call(read)
+
+
+def test_deploy_all_creates_every_deployment(prefect_stack: PrefectStack, deployed: dict[str, Any]) -> None:
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    assert {d.split("/")[0] for d in deployed} == FLOWS
+    assert len(deployed) == len(spec["deployments"])
+    assert deployed["precompute/llmjp"].work_pool_name == "cpu"
+    assert deployed["precompute-shards/gpu"].work_pool_name == "gpu"
+    assert deployed["train-student/llmjp"].work_pool_name == "gpu"
+    teacher = deployed["precompute/llmjp"].parameters["config"]["teacher"]
+    assert teacher == {"model": "llm-jp/llm-jp-4-32b-a3b-base", "load_in_4bit": True, "dtype": "bfloat16", "device": "cuda"}
+    # Schedules are written down but off; the pull step runs flows from this repository.
+    schedules = [s for d in deployed.values() for s in d.schedules]
+    assert schedules and not any(s.active for s in schedules)
+    for deployment in deployed.values():
+        assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+
+    async def automations(client: Any) -> list[Any]:
+        return await client.read_automations()
+
+    owned = [a for a in prefect_stack.client_call(automations)
+             if any(getattr(action, "deployment_id", None) == deployed["train-student/llmjp"].id for action in a.actions)]
+    assert len(owned) == 1 and owned[0].trigger.expect == {"prefect.flow-run.Completed"}
+    print(json.dumps({k: round(v, 1) for k, v in prefect_stack.timings.items()}))
+
+
+def _tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, int]:
+    """Materialise and tokenise in this process (the pure functions); -> (config, token shards)."""
+    from tasks.corpus import materialise
+    from tasks.tokenise import load_tokenizer, tokenise
+
+    config = make_config(dataset__max_documents=16)
+    materialise(config)
+    shards = tokenise(config, load_tokenizer(config)).shards
+    assert shards >= 2
+    # Two ranges, so the fan-out makes exactly two flow runs: one for each GPU worker.
+    return make_config(dataset__max_documents=16, precompute__shards_per_flow_run=math.ceil(shards / 2)), shards
+
+
+def _wait_final(stack: PrefectStack, flow_run_id: Any, timeout: float) -> Any:
+    async def read(client: Any) -> Any:
+        return await client.read_flow_run(flow_run_id)
+
+    deadline = time.monotonic() + timeout
+    while True:
+        flow_run = stack.client_call(read)
+        if flow_run.state is not None and flow_run.state.is_final():
+            return flow_run
+        if time.monotonic() > deadline:
+            pytest.fail(f"flow run {flow_run.name} still {flow_run.state.type.value} after {timeout:.0f} s")
+        time.sleep(2)
+
+
+def _wait_workers_online(stack: PrefectStack, expected: dict[str, str], timeout: float = 90) -> None:
+    """Wait until every worker (name -> pool) polls, so that both GPU workers are there for the fan-out."""
+    from prefect.client.schemas.objects import WorkerStatus
+
+    async def online(client: Any) -> set[str]:
+        names = set()
+        for pool in set(expected.values()):
+            names |= {w.name for w in await client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE}
+        return names
+
+    deadline = time.monotonic() + timeout
+    while not set(expected) <= (names := stack.client_call(online)):
+        assert time.monotonic() < deadline, f"workers not online after {timeout:.0f} s: {sorted(set(expected) - names)}"
+        time.sleep(1)
+
+
+def _pause_queue(stack: PrefectStack, pool: str, queue: str) -> None:
+    async def pause(client: Any) -> None:
+        work_queue = await client.read_work_queue_by_name(queue, work_pool_name=pool)
+        await client.update_work_queue(work_queue.id, is_paused=True)
+
+    stack.client_call(pause)
+
+
+def _runs_of(stack: PrefectStack, deployment_id: Any) -> list[Any]:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    async def read(client: Any) -> list[Any]:
+        return await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+
+    return stack.client_call(read)
+
+
+def _workers_that_ran(stack: PrefectStack, flow_run_ids: set[str], timeout: float = 30) -> dict[str, str]:
+    """flow run id -> name of the worker that took it, from the workers' `submitted-flow-run` events (the
+    server stores events asynchronously, so wait until every run has one)."""
+    query = {"filter": {"event": {"name": ["prefect.worker.submitted-flow-run"]},
+                        "related": {"id": [f"prefect.flow-run.{run_id}" for run_id in flow_run_ids]}}, "limit": 50}
+    deadline = time.monotonic() + timeout
+    while True:
+        request = urllib.request.Request(f"{stack.api_url}/events/filter", data=json.dumps(query).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        ran = {}
+        for event in json.load(urllib.request.urlopen(request, timeout=10))["events"]:
+            for related in event["related"]:
+                run_id = related["prefect.resource.id"].removeprefix("prefect.flow-run.")
+                if run_id in flow_run_ids:
+                    ran[run_id] = event["resource"]["prefect.resource.name"]
+        if set(ran) == flow_run_ids or time.monotonic() > deadline:
+            return ran
+        time.sleep(1)
+
+
+def _assert_store_complete(config: Any, tag: str, shards: int) -> None:
+    """Top-K shards 0..shards-1 committed, the store marked complete, its manifest valid with unique ids."""
+    from schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+    from schemas.storage import RunRoot
+
+    run_root = RunRoot(config.run_root)
+    store = stage_dir(run_root, "topk", tag)
+    assert sorted(list_commits(run_root, store, "topk", tag)) == list(range(shards))
+    assert read_complete(run_root, store).shards == shards
+    manifest = load_manifest(run_root, store, "topk", tag, seq_len=config.seq_len)
+    assert manifest["shard_id"].is_unique and len(manifest) == shards
+
+
+def test_precompute_deployment_fans_out_over_both_gpu_workers(
+    prefect_stack: PrefectStack, deployed: dict[str, Any], make_config: Callable[..., Any]
+) -> None:
+    config, shards = _tokenised_run(make_config)
+    parameters = {"config": config.model_dump(mode="json")}
+    _pause_queue(prefect_stack, "gpu", "student")  # the triggered training run is checked, not run
+    _wait_workers_online(prefect_stack, {"test-gpu-0": "gpu", "test-gpu-1": "gpu", "test-cpu": "cpu"})
+    started = time.perf_counter()
+    output = prefect_stack.run(PREFECT, "deployment", "run", "precompute/llmjp", "--params", json.dumps(parameters)).stdout
+    parent_id = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
+    parent = _wait_final(prefect_stack, parent_id, timeout=240)
+    timings = prefect_stack.timings | {"precompute_run_s": time.perf_counter() - started}
+    assert parent.state.is_completed(), f"precompute ended {parent.state.type.value}: {parent.state.message}"
+
+    # The coordinator made two range runs; both completed, on two different GPU workers.
+    children = _runs_of(prefect_stack, deployed["precompute-shards/gpu"].id)
+    assert len(children) == 2 and all(run.state.is_completed() for run in children)
+    ranges = [sorted(run.parameters["shard_ids"]) for run in children]
+    assert sorted(i for shard_ids in ranges for i in shard_ids) == list(range(shards))  # disjoint, and every shard
+    workers = _workers_that_ran(prefect_stack, {str(run.id) for run in children})
+    assert sorted(workers.values()) == ["test-gpu-0", "test-gpu-1"]
+    assert _workers_that_ran(prefect_stack, {parent_id}) == {parent_id: "test-cpu"}
+
+    # Exactly once: each range run computed all of its shards itself (nothing overlapped or was skipped).
+    results = [run.state.result() for run in children]
+    assert sorted(result["written"] for result in results) == sorted(len(r) for r in ranges)
+    _assert_store_complete(config, parent.state.result()["tag"], shards)
+
+    # The trigger on train-student/llmjp started training with the precompute run's config.
+    deadline = time.monotonic() + 60
+    while not (trained := _runs_of(prefect_stack, deployed["train-student/llmjp"].id)):
+        assert time.monotonic() < deadline, "no train-student run after the precompute run completed"
+        time.sleep(2)
+    assert len(trained) == 1 and trained[0].parameters["config"] == parameters["config"]
+    assert trained[0].work_queue_name == "student"
+    print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
