@@ -1,12 +1,26 @@
 """Flow `train-student`: train (or resume) a student against the cached teacher top-K.
 
-One process for now: the task calls `tasks.train.train` in the flow's worker. Several GPUs will be
-launched from here through torchrun (student.distributed), each rank calling the same `train(rank=...)`.
+One process (student.distributed: nproc_per_node * nnodes == 1): the task calls `tasks.train.train` in the
+flow's worker. More: the task launches torchrun for this node (`python -m torch.distributed.run ... -m
+tasks.train_worker --config FILE`) in its own process group, which dies with the flow, forwards its lines to
+the run log and fails with its exit code. Several nodes: the same flow runs on every node, each with its
+`student.distributed.node_rank` (tasks.distributed, README "Training on several GPUs").
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -14,10 +28,14 @@ from prefect.cache_policies import NONE
 
 from flows.common import as_config, write_stage_config
 from kdflow.config import KDFlowConfig, dump_config
-from kdflow.errors import ConfigError
+from kdflow.errors import ConfigError, KDFlowError
 from schemas.commits import CONFIG_FILE, STUDENTS_DIR
 from schemas.storage import RunRoot
-from tasks.train import METRICS_FILE, read_jsonl, train
+from tasks.distributed import torchrun_arguments, torchrun_command, world_size_of
+from tasks.gpu_errors import EXIT_USER_ERROR, describe_exit_code, normalise_returncode
+from tasks.precompute_worker import ERROR_PREFIX, PARENT_PID_ENV, RESULT_PREFIX
+from tasks.train import METRICS_FILE, check_layout, read_jsonl, train
+from tasks.train_worker import EXEC_TORCHRUN
 
 _SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -80,12 +98,106 @@ def _write_config_if_changed(config: KDFlowConfig, folder: str) -> None:
         write_stage_config(config, folder)
 
 
+class TrainingFailed(RuntimeError):
+    """torchrun ended with a non-zero exit code."""
+
+
+class TrainingUserError(TrainingFailed, KDFlowError):
+    """A rank failed on bad config or input (exit code 2): its own one-line message."""
+
+
+_LIVE_LAUNCHES: set[int] = set()  # process groups of running torchrun launches, killed if this process exits
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+atexit.register(lambda: [_kill_group(pid) for pid in list(_LIVE_LAUNCHES)])
+
+
+@contextlib.contextmanager
+def _sigterm_kills(pid: int) -> Iterator[None]:
+    """While torchrun runs, SIGTERM to this process (a cancelled flow run) first kills its process group."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread sets handlers; atexit and the parent-death signal still cover us
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _kill_group(pid)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_torchrun(config: KDFlowConfig) -> dict[str, Any] | None:
+    """torchrun for this node, its lines forwarded to the run log; -> rank 0's summary (None when rank 0
+    ran on another node). Raises TrainingUserError / TrainingFailed on a non-zero exit code."""
+    logger = get_run_logger()
+    distributed = config.student.distributed
+    with tempfile.TemporaryDirectory(prefix="kdflow-train-") as folder:
+        config_path = os.path.join(folder, "config.yaml")
+        with open(config_path, "w", encoding="utf-8") as handle:
+            handle.write(dump_config(config))
+        logger.info("node %d of %d: %s", distributed.node_rank, distributed.nnodes,
+                    shlex.join(torchrun_command(distributed, config_path)))
+        command = [sys.executable, "-m", "tasks.train_worker", EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)]
+        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                   start_new_session=True, env=env)
+        _LIVE_LAUNCHES.add(process.pid)
+        result, errors = None, []
+        try:
+            with _sigterm_kills(process.pid):
+                for line in process.stdout:
+                    line = line.rstrip("\n")
+                    if line.startswith(RESULT_PREFIX):
+                        result = json.loads(line[len(RESULT_PREFIX):])
+                    elif line.startswith(ERROR_PREFIX):
+                        errors.append(json.loads(line[len(ERROR_PREFIX):]))
+                    elif line.strip():
+                        logger.info("torchrun: %s", line)
+                code = normalise_returncode(process.wait())
+        finally:
+            if process.poll() is None:  # cancelled or interrupted while following: take the job down
+                _kill_group(process.pid)
+                process.wait()
+            _LIVE_LAUNCHES.discard(process.pid)
+    if code != 0:
+        user = next((e for e in errors if e.get("exit_code") == EXIT_USER_ERROR), None)
+        if user is not None:
+            raise TrainingUserError(user["message"])
+        first = f": rank {errors[0].get('rank')}: {errors[0].get('message')}" if errors else ""
+        raise TrainingFailed(f"torchrun failed with exit code {code} ({describe_exit_code(code)}){first}")
+    return result
+
+
 @task(name="train-student", cache_policy=NONE)
 def train_student(config: KDFlowConfig) -> dict[str, Any]:
     run_root = RunRoot(config.run_root)
     run_root.ensure_writable()
-    _write_config_if_changed(config, run_root.path(STUDENTS_DIR, config.student.name))
-    summary = train(config)
+    distributed = config.student.distributed
+    world_size = world_size_of(distributed)
+    if distributed.node_rank == 0:  # one writer: the configs of other nodes differ in node_rank only
+        _write_config_if_changed(config, run_root.path(STUDENTS_DIR, config.student.name))
+    if world_size == 1:
+        summary = train(config)
+    else:
+        check_layout(config.student, world_size)  # a one-line error here, before any process starts
+        summary = run_torchrun(config)
+        if summary is None:
+            get_run_logger().info("train-student %s: node %d done; rank 0 ran on another node and reports there",
+                                  config.student.name, distributed.node_rank)
+            return {"student": config.student.name, "node_rank": distributed.node_rank, "world_size": world_size}
     _publish_report(config, summary)
     before, after = summary["eval_before"] or {}, summary["eval_after"] or {}
     get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, held-out KL %s -> %s, model in %s",
@@ -98,7 +210,6 @@ def train_student(config: KDFlowConfig) -> dict[str, Any]:
 def train_student_flow(config: KDFlowConfig) -> dict[str, Any]:
     config = as_config(config)
     distributed = config.student.distributed
-    if distributed.nproc_per_node * distributed.nnodes > 1:
-        raise ConfigError("student.distributed asks for several processes; multi-process training is not "
-                          "available yet: set nproc_per_node and nnodes to 1")
+    if distributed.node_rank >= distributed.nnodes:
+        raise ConfigError(f"student.distributed.node_rank={distributed.node_rank} must be below nnodes={distributed.nnodes}")
     return train_student(config)

@@ -112,6 +112,9 @@ class DistributedConfig(_Section):
     rdzv_endpoint: str = "127.0.0.1:29500"
     rdzv_id: str = "kdflow"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    sharding: Literal["auto", "fsdp", "ddp"] = Field(
+        default="auto", description="fsdp: parameters, gradients and optimizer state sharded over ranks; ddp: replicated; "
+                                    "auto: fsdp on CUDA, ddp on CPU")
 
 
 class StudentConfig(_Section):

@@ -6,6 +6,12 @@
 filled under a hidden temporary name and renamed into place; on object stores the files are uploaded
 and `checkpoint.json` goes last. Either way a checkpoint without `checkpoint.json` is never resumed from.
 `students/NAME/final/` holds the final model and tokenizer only: what `kdflow chat` loads.
+
+Several ranks (tasks.distributed): rank 0 alone writes, from full states (gathered first under FSDP), so a
+checkpoint is the same whatever the number of ranks and resumes on any number. The optimizer state is always
+an unsharded optimizer's `state_dict()`. The RNG states are rank 0's (CPU and its current GPU); on resume
+every rank restores them. The student has no dropout and the data order is a function of (seed, epoch,
+position), so nothing else in a checkpoint depends on the number of ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -71,7 +77,8 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # The current device's only: another run may have another number of GPUs (or ranks per GPU).
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -81,8 +88,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda_device" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_device"])
 
 
 # --- writing folders whole --------------------------------------------------------------------------------
@@ -151,13 +158,16 @@ def _local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
 
 
 def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainingState) -> str:
+                    optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainingState, *,
+                    model_state: dict[str, torch.Tensor] | None = None, optimizer_state: dict[str, Any] | None = None) -> str:
+    """checkpoint-STEP. `model_state`/`optimizer_state`: full states gathered from sharded ranks, written
+    instead of `model`'s and `optimizer`'s own."""
     path = f"{student_dir}/{checkpoint_name(state.step)}"
     with _folder_writer(run_root, path) as folder:
-        model.save_pretrained(folder)  # safetensors: the only format transformers 5 writes
+        model.save_pretrained(folder, state_dict=model_state)  # safetensors: the only format transformers 5 writes
         tokenizer.save_pretrained(folder)
-        training = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": capture_rng(),
-                    "state": asdict(state)}
+        training = {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                    "scheduler": scheduler.state_dict(), "rng": capture_rng(), "state": asdict(state)}
         torch.save(training, os.path.join(folder, STATE_FILE))
         with open(os.path.join(folder, MARKER_FILE), "w", encoding="utf-8") as handle:
             json.dump(asdict(state) | {"created_at": time.time()}, handle, indent=1)
@@ -208,15 +218,16 @@ def prune_checkpoints(run_root: RunRoot, student_dir: str, keep: int) -> list[st
     return removed
 
 
-def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: torch.optim.Optimizer,
-                        scheduler: Any) -> TrainingState:
-    """Restore optimiser, scheduler and RNG states in place; -> the training state."""
+def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: torch.optim.Optimizer, scheduler: Any, *,
+                        load_optimizer: Callable[[dict[str, Any]], None] | None = None) -> TrainingState:
+    """Restore optimiser, scheduler and RNG states in place; -> the training state. `load_optimizer` takes
+    the full optimizer state instead of `optimizer.load_state_dict` (a sharded optimizer keeps its shard)."""
     path = f"{checkpoint.path}/{STATE_FILE}"
     try:
         training = torch.load(io.BytesIO(run_root.read_bytes(path)), map_location="cpu", weights_only=True)
     except (FileNotFoundError, RuntimeError, ValueError, EOFError) as error:
         raise StoreError(f"{run_root.display(path)}: unreadable training state: {str(error).splitlines()[0]}") from None
-    optimizer.load_state_dict(training["optimizer"])
+    (load_optimizer or optimizer.load_state_dict)(training["optimizer"])
     scheduler.load_state_dict(training["scheduler"])
     restore_rng(training["rng"])
     return TrainingState(**training["state"])
@@ -228,11 +239,12 @@ def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch
     return model.to(device)
 
 
-def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any) -> str:
-    """students/NAME/final/: the model and tokenizer that `kdflow chat` loads."""
+def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any, *,
+               model_state: dict[str, torch.Tensor] | None = None) -> str:
+    """students/NAME/final/: the model and tokenizer that `kdflow chat` loads (`model_state`: see save_checkpoint)."""
     path = f"{student_dir}/{FINAL_DIR}"
     with _folder_writer(run_root, path) as folder:
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=model_state)
         tokenizer.save_pretrained(folder)
     return path
 

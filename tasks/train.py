@@ -7,8 +7,9 @@ divided by the GLOBAL count of counted positions of the whole optimiser step, so
 sum to exactly the gradient of one big batch. Then clipping, AdamW, the LR schedule (linear warmup,
 cosine to min_lr_ratio * lr). Metrics per step go to metrics.jsonl, evaluations to eval.jsonl.
 
-Written for data parallelism to be added by wrapping: `rank`/`world_size` pick the rows, counts and
-logged sums are all-reduced when torch.distributed is initialised, only rank 0 writes files.
+Data parallel (tasks.distributed, processes started by torchrun through tasks.train_worker): `rank` and
+`world_size` pick the rows of each global batch, counts and logged sums are all-reduced, the student and its
+loss run as ONE module (DistillLoss) wrapped by FSDP or DDP, and only rank 0 writes files.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from kdflow.config import KDFlowConfig, KDConfig, StudentConfig, section_hash
+from kdflow.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
 from kdflow.errors import ConfigError, StoreError
 from schemas.commits import STUDENTS_DIR
 from schemas.storage import RunRoot
 from tasks.checkpoint import (FINAL_DIR, TrainingState, latest_checkpoint, load_checkpoint_model, load_training_state,
                               prune_checkpoints, save_checkpoint, save_final)
 from tasks.data import DistillBatch, DistillData, DistillStores, open_distill_data
+from tasks.distributed import (all_reduce_sum, any_rank, barrier, choose_sharding, clip_grad_norm,
+                               full_model_state, full_optimizer_state, gradient_sync, load_full_optimizer_state,
+                               rank_device, torchrun_rank, wrap_for_training)
 from tasks.progress import Progress
 from tasks.student import build_student, check_student, student_tokenizer
 from tasks.tokenise import load_tokenizer
@@ -40,12 +43,6 @@ from tasks.topk import model_body, output_layer
 IGNORE_INDEX = -100
 METRICS_FILE, EVAL_FILE = "metrics.jsonl", "eval.jsonl"
 OnStep = Callable[[dict[str, Any]], bool | None]
-
-
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    if name == "auto":
-        return torch.device(f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def autocast_for(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
@@ -88,14 +85,6 @@ def training_fingerprint(config: KDFlowConfig, stores: DistillStores) -> str:
     return section_hash("student", stores.topk_fingerprint, stores.tokens_fingerprint, fields)
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
-
-
 def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
     """(n, T) -> (n, T): the token after each position; the last position's is unknown (IGNORE_INDEX)."""
     labels = torch.full_like(input_ids, IGNORE_INDEX)
@@ -103,23 +92,42 @@ def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def distill_loss(model: nn.Module, batch: DistillBatch, kd: KDConfig, global_counts: tuple[float, float],
-                 autocast: contextlib.AbstractContextManager, *, kd_weight: float | None = None,
-                 temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss, kd, ce, hidden (n*T, H)) for one micro-batch; never materialises (n, T, vocab) logits."""
-    from tasks.losses import fused_topk_kl
+class DistillLoss(nn.Module):
+    """The student's body and the fused top-K loss in one forward, so that a data-parallel wrapper sees one
+    module: FSDP gathers the root's weights (embeddings, norm, lm_head) for this forward, so the loss reads
+    the full `lm_head.weight`, and DDP's gradient hooks fire. Never materialises (n, T, vocab) logits."""
 
-    head = output_layer(model)
-    with autocast:
-        outputs = model_body(model)(input_ids=batch.input_ids, use_cache=False)
+    def __init__(self, student: nn.Module) -> None:
+        super().__init__()
+        self.student = student
+
+    def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, *,
+                global_counts: tuple[float, float], kd_weight: float, temperature: float, chunk_tokens: int,
+                predict: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(n, T), (n, T, K), (n, T, K) -> loss, kd, ce, and with `predict` the student's argmax (n*T,)."""
+        from tasks.losses import fused_topk_kl
+
+        head = output_layer(self.student)
+        outputs = model_body(self.student)(input_ids=input_ids, use_cache=False)
         hidden = outputs.last_hidden_state.flatten(0, 1)  # (n * T, H)
         loss, kd_part, ce_part = fused_topk_kl(
-            hidden, head.weight, batch.topk_ids.flatten(0, 1), batch.topk_logprobs.flatten(0, 1),
-            bias=getattr(head, "bias", None), labels=next_token_labels(batch.input_ids).flatten(),
-            kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
-            temperature=kd.temperature if temperature is None else temperature,
-            chunk_tokens=kd.chunk_tokens, global_counts=global_counts, return_parts=True)
-    return loss, kd_part, ce_part, hidden
+            hidden, head.weight, topk_ids.flatten(0, 1), topk_logprobs.flatten(0, 1), bias=getattr(head, "bias", None),
+            labels=next_token_labels(input_ids).flatten(), kd_weight=kd_weight, temperature=temperature,
+            chunk_tokens=chunk_tokens, global_counts=global_counts, return_parts=True)
+        predicted = _chunked_argmax(hidden.detach(), head, chunk_tokens) if predict else None
+        return loss, kd_part, ce_part, predicted
+
+
+def distill_loss(module: nn.Module, batch: DistillBatch, kd: KDConfig, global_counts: tuple[float, float],
+                 autocast: contextlib.AbstractContextManager, *, kd_weight: float | None = None,
+                 temperature: float | None = None, predict: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One micro-batch through `module` (a DistillLoss, wrapped or not) -> (loss, kd, ce, predicted | None)."""
+    with autocast:
+        return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, global_counts=global_counts,
+                      kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
+                      temperature=kd.temperature if temperature is None else temperature,
+                      chunk_tokens=kd.chunk_tokens, predict=predict)
 
 
 def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
@@ -129,26 +137,28 @@ def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
     return rows * seq_len, rows * (seq_len - 1)
 
 
-def optimiser_step(model: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
+def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
                    config: KDFlowConfig, rank: int, world_size: int, device: torch.device,
                    autocast: contextlib.AbstractContextManager) -> dict[str, float]:
-    """This rank's share of one optimiser step; -> global loss, kd, ce (sums of normalised parts), grad norm."""
+    """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not);
+    -> global loss, kd, ce (sums of normalised parts), grad norm."""
     student = config.student
     rows = data.rank_rows(position, student.batch_size, rank, world_size)  # this rank's rows of the global batch
     batches = [data.train_batch(micro) for micro in np.split(rows, student.grad_accum)]
-    global_counts = tuple(_all_reduce_sum([float(c) for c in _counts(batches)], device))
+    global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
     sums = [0.0, 0.0, 0.0]
-    for batch in batches:
-        loss, kd_part, ce_part, _ = distill_loss(model, batch.to(device), student.kd, global_counts, autocast)
-        # Data-parallel wrappers average gradients over ranks; the global-count loss wants their sum.
-        (loss * world_size).backward()
-        for i, value in enumerate((loss.detach(), kd_part, ce_part)):
-            sums[i] += float(value)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), student.grad_clip)
+    for i, batch in enumerate(batches):
+        with gradient_sync(module, enabled=i == len(batches) - 1):
+            loss, kd_part, ce_part, _ = distill_loss(module, batch.to(device), student.kd, global_counts, autocast)
+            # Data-parallel wrappers average gradients over ranks; the global-count loss wants their sum.
+            (loss * world_size).backward()
+        for j, value in enumerate((loss.detach(), kd_part, ce_part)):
+            sums[j] += float(value)
+    grad_norm = clip_grad_norm(list(module.parameters()), student.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss, kd_sum, ce_sum = _all_reduce_sum(sums, device)
-    return {"loss": loss, "kd": kd_sum, "ce": ce_sum, "grad_norm": float(grad_norm)}
+    loss, kd_sum, ce_sum = all_reduce_sum(sums, device)
+    return {"loss": loss, "kd": kd_sum, "ce": ce_sum, "grad_norm": grad_norm}
 
 
 @torch.no_grad()
@@ -158,9 +168,10 @@ def _chunked_argmax(hidden: torch.Tensor, head: nn.Module, chunk: int) -> torch.
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DistillData, config: KDFlowConfig, device: torch.device, *, rank: int = 0,
+def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device: torch.device, *, rank: int = 0,
              world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None) -> dict[str, float] | None:
-    """Held-out KL to the teacher's top-K (T = 1, mean per position), perplexity, top-1 agreement."""
+    """Held-out KL to the teacher's top-K (T = 1, mean per position), perplexity, top-1 agreement, through
+    `module` (a DistillLoss, wrapped or not)."""
     if not data.eval_rows:
         return None
     autocast = autocast if autocast is not None else contextlib.nullcontext()
@@ -168,19 +179,24 @@ def evaluate(model: nn.Module, data: DistillData, config: KDFlowConfig, device: 
     total_rows = len(data.eval_rows)
     global_counts = (float(total_rows * seq_len), float(total_rows * (seq_len - 1)))
     micro = max(1, config.student.batch_size // (world_size * config.student.grad_accum))
-    was_training = model.training
-    model.eval()
+    mine = data.eval_batches(micro, rank, world_size)
+    # Every rank runs the same number of forwards (FSDP gathers weights in each): rank 0 holds the most rows;
+    # a rank out of rows runs a spare batch whose results it drops.
+    rounds = math.ceil(math.ceil(total_rows / world_size) / micro)
+    was_training = module.training
+    module.eval()
     sums = [0.0, 0.0, 0.0]  # kd, ce, top-1 matches
-    for rows in data.eval_batches(micro, rank, world_size):
-        batch = data.load(rows).to(device)
-        _, kd_part, ce_part, hidden = distill_loss(model, batch, config.student.kd, global_counts, autocast,
-                                                   kd_weight=1.0, temperature=1.0)
-        with autocast:
-            predicted = _chunked_argmax(hidden, output_layer(model), config.student.kd.chunk_tokens)  # (n*T,)
+    for i in range(rounds):
+        spare = i >= len(mine)
+        batch = data.load(data.eval_rows[:1] if spare else mine[i]).to(device)
+        _, kd_part, ce_part, predicted = distill_loss(module, batch, config.student.kd, global_counts, autocast,
+                                                      kd_weight=1.0, temperature=1.0, predict=True)  # predicted (n*T,)
+        if spare:
+            continue
         matches = (predicted == batch.topk_ids[..., 0].flatten().long()).sum()
         sums = [sums[0] + float(kd_part), sums[1] + float(ce_part), sums[2] + float(matches)]
-    model.train(was_training)
-    kl, ce, matches = _all_reduce_sum(sums, device)
+    module.train(was_training)
+    kl, ce, matches = all_reduce_sum(sums, device)
     return {"kl": kl, "ce": ce, "perplexity": math.exp(min(ce, 700.0)), "top1_agreement": matches / global_counts[0],
             "sequences": total_rows}
 
@@ -221,7 +237,7 @@ def read_jsonl(run_root: RunRoot, path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _check_layout(student: StudentConfig, world_size: int) -> None:
+def check_layout(student: StudentConfig, world_size: int) -> None:
     if student.batch_size % (world_size * student.grad_accum):
         raise ConfigError(f"student.batch_size={student.batch_size} must be divisible by ranks x grad_accum = "
                           f"{world_size} x {student.grad_accum}")
@@ -232,11 +248,12 @@ class StudentRun:
 
     def __init__(self, config: KDFlowConfig, rank: int, world_size: int) -> None:
         student = config.student
-        _check_layout(student, world_size)
+        check_layout(student, world_size)
         self.config, self.rank, self.world_size, self.is_main = config, rank, world_size, rank == 0
         self.run_root = RunRoot(config.run_root)
         self.student_dir = self.run_root.path(STUDENTS_DIR, student.name)
-        self.device = resolve_device(student.device, rank)
+        self.device = rank_device(student.device, torchrun_rank().local_rank if world_size > 1 else 0, world_size)
+        self.sharding = choose_sharding(student.distributed.sharding, self.device, world_size)
         self.autocast = autocast_for(self.device, student.autocast_bf16)
         self.tokenizer = student_tokenizer(config, load_tokenizer(config))
         self.data = open_distill_data(config, self.tokenizer)
@@ -244,6 +261,7 @@ class StudentRun:
         if self.is_main:
             self.run_root.makedirs(self.student_dir)
             prune_checkpoints(self.run_root, self.student_dir, student.keep_checkpoints)
+        barrier()  # nobody looks for a checkpoint while rank 0 prunes
         torch.manual_seed(student.seed)
         self.checkpoint = latest_checkpoint(self.run_root, self.student_dir)
         if self.checkpoint is not None and self.checkpoint.state.fingerprint != fingerprint:
@@ -253,24 +271,30 @@ class StudentRun:
         if self.checkpoint is not None:
             self.model = load_checkpoint_model(self.run_root, self.checkpoint.path, self.device)
             check_student(self.model, self.tokenizer)
-        else:
+        else:  # seeded: every rank builds the same weights
             self.model = build_student(config, self.tokenizer).to(self.device)
         self.model.train()
-        self.optimizer, self.scheduler = build_optimizer(self.model, student)
+        # self.model stays the HF student (its parameters may be shards); self.module runs it with the loss.
+        self.module = wrap_for_training(DistillLoss(self.model), self.model, self.sharding, self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, student)  # after wrapping: FSDP swaps parameters
         self.state = TrainingState(0, 0, 0.0, fingerprint)
-        if self.checkpoint is not None:  # also restores the RNG states
-            self.state = load_training_state(self.run_root, self.checkpoint, self.optimizer, self.scheduler)
+        if self.checkpoint is not None:  # also restores the RNG states (rank 0's, on every rank)
+            self.state = load_training_state(
+                self.run_root, self.checkpoint, self.optimizer, self.scheduler,
+                load_optimizer=lambda saved: load_full_optimizer_state(self.module, self.optimizer, saved, self.sharding))
         self.start_step = self.state.step
         self.saved_step = self.state.step if self.checkpoint is not None else -1
         self.metrics = JsonlLog(self.run_root, f"{self.student_dir}/{METRICS_FILE}", self.state.step, self.is_main)
         self.evals = JsonlLog(self.run_root, f"{self.student_dir}/{EVAL_FILE}", self.state.step, self.is_main)
         self.tokens_per_step = student.batch_size * self.data.stores.seq_len
+        self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
 
     def step(self) -> dict[str, Any]:
         """One optimiser step at the current data position; -> its metrics record (also logged)."""
         started = time.perf_counter()
+        self._gathered = (-1, None)  # a full copy of old weights is no use any more
         lr = self.scheduler.get_last_lr()[0]
-        result = optimiser_step(self.model, self.optimizer, self.data, self.state.position, self.config, self.rank,
+        result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, self.config, self.rank,
                                 self.world_size, self.device, self.autocast)
         self.scheduler.step()
         seconds = time.perf_counter() - started
@@ -284,16 +308,29 @@ class StudentRun:
         return record
 
     def evaluate(self) -> None:
-        result = evaluate(self.model, self.data, self.config, self.device, rank=self.rank, world_size=self.world_size,
+        result = evaluate(self.module, self.data, self.config, self.device, rank=self.rank, world_size=self.world_size,
                           autocast=self.autocast)
         if result is not None:
             self.evals.append({"step": self.state.step} | result)
 
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """FSDP: the full weights on rank 0 (every rank takes part; gathered once per step); else None."""
+        if self.sharding != "fsdp":
+            return None
+        if self._gathered[0] != self.state.step:
+            self._gathered = (self.state.step, full_model_state(self.model, self.sharding))
+        return self._gathered[1]
+
     def save(self) -> None:
-        """checkpoint-STEP (rank 0), unless this step is already saved; older checkpoints pruned."""
-        if self.is_main and self.saved_step != self.state.step:
+        """checkpoint-STEP (written by rank 0, from full states), unless this step is already saved; older
+        checkpoints pruned."""
+        if self.saved_step == self.state.step:
+            return
+        model_state = self.full_model_state()
+        optimizer_state = full_optimizer_state(self.module, self.optimizer, self.sharding)
+        if self.is_main:
             save_checkpoint(self.run_root, self.student_dir, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                            self.state)
+                            self.state, model_state=model_state, optimizer_state=optimizer_state)
             prune_checkpoints(self.run_root, self.student_dir, self.config.student.keep_checkpoints)
             self.flush_logs()
         self.saved_step = self.state.step
@@ -303,9 +340,12 @@ class StudentRun:
         if not self.evals.records or self.evals.records[-1]["step"] != self.state.step:
             self.evaluate()
         final_missing = not self.run_root.exists(f"{self.student_dir}/{FINAL_DIR}/config.json")
+        final_missing = any_rank(final_missing, self.device)  # the gather below is a collective: all agree
         self.save()
-        if self.is_main and (self.state.step > self.start_step or final_missing):
-            save_final(self.run_root, self.student_dir, self.model, self.tokenizer)
+        if self.state.step > self.start_step or final_missing:
+            model_state = self.full_model_state()
+            if self.is_main:
+                save_final(self.run_root, self.student_dir, self.model, self.tokenizer, model_state=model_state)
 
     def flush_logs(self) -> None:
         self.metrics.flush()
