@@ -125,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kdflow: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kdflow: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except Exception as error:  # a failed stage after its retries: one line here, the traceback is in the run log
+        if args.verbose:
+            raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        print(f"kdflow: error: {type(error).__name__}: {first_line} (rerun to resume; -v for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -89,9 +89,11 @@ class RunRoot:
             self.makedirs(self.root)
             with self.fs.open(probe, "wb") as handle:
                 handle.write(b"ok")
-            self.fs.rm(probe)
         except (OSError, PermissionError) as error:
             raise StoreError(f"run root {self.url!r} cannot be written: {error.strerror or error}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                self.fs.rm(probe)
 
     def makedirs(self, path: str) -> None:
         if self.is_local:

@@ -92,14 +92,16 @@ def classify_message(message: str, type_name: str = "") -> int | None:
 def exit_code_for(error: BaseException) -> int:
     """The worker's exit code for an exception that ended it."""
     chain = _chain(error)
+    # First: a full disk is often reported as a user error ("run root cannot be written") with the OSError as
+    # its context, and it is no fault of the config: freeing space and rerunning works.
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
+        return EXIT_NO_SPACE
     if any(isinstance(e, KDFlowError) for e in chain):
         return EXIT_USER_ERROR
     for item in chain:
         code = classify_message(str(item), type(item).__name__)
         if code is not None:
             return code
-    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
-        return EXIT_NO_SPACE
     return EXIT_UNEXPECTED
 
 

@@ -104,9 +104,9 @@ class ShardLeases:
         self.run_root.makedirs(self.store)
         for _ in range(3):
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-            with open(tmp, "wb") as handle:
-                handle.write(self._payload())
             try:
+                with open(tmp, "wb") as handle:  # inside the try: on a full disk the failed temp file goes too
+                    handle.write(self._payload())
                 os.link(tmp, path)
                 return True
             except FileExistsError:
@@ -117,7 +117,8 @@ class ShardLeases:
                     os.rename(path, stale)
                     os.remove(stale)
             finally:
-                os.remove(tmp)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tmp)
         return False
 
     def renew(self, shard_id: int) -> None:
@@ -435,7 +436,7 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:  # it may have landed before our lease
                     _stale_temp_files(run_root, store, shard_id)
                     record = computer.compute(shard_id, token_records[shard_id], leases)
-                    write_commit(run_root, store, record)
+                    _commit_or_remove(run_root, store, record)
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra["seconds"]
                     peak = _peak_device_memory_mib(computer.device)
                     progress.update(1, record.tokens, **({"peak_device_memory_mib": peak} if peak is not None else {}))
@@ -446,6 +447,16 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
         time.sleep(min(10.0, leases.ttl_s / 10))
         pending = waiting
     return written, tokens, seconds, []
+
+
+def _commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> None:
+    """Write the shard's commit record; if that fails (a full disk), remove its data file too: an uncommitted
+    file is never read, and the disk wants its space back."""
+    try:
+        write_commit(run_root, store, record)
+    except BaseException:
+        run_root.remove(f"{store}/{record.data_file}")
+        raise
 
 
 def _write_store_files(cfg: KDFlowConfig, plan: PassPlan) -> None:

@@ -82,7 +82,7 @@ def emit(prefix: str, payload: dict[str, Any]) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     """Everything the worker does; returns its exit code (never raises)."""
-    from tasks.gpu_errors import EXIT_CODE_NAMES, EXIT_OK, EXIT_USER_ERROR, exit_code_for
+    from tasks.gpu_errors import EXIT_CODE_NAMES, EXIT_NO_SPACE, EXIT_OK, EXIT_USER_ERROR, exit_code_for
 
     parser = argparse.ArgumentParser(prog="python -m tasks.precompute_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved config (YAML)")
@@ -93,6 +93,7 @@ def run(argv: list[str] | None = None) -> int:
     # cuBLAS needs this before its first call to be deterministic.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_root = None
     try:
         from transformers.utils import logging as transformers_logging
 
@@ -103,6 +104,7 @@ def run(argv: list[str] | None = None) -> int:
         transformers_logging.disable_progress_bar()  # weight-loading bars are noise in the flow's run log
 
         config = load_config(args.config)
+        run_root = config.run_root
         try:
             shard_ids = parse_shard_ids(args.shards)
         except ValueError as error:
@@ -113,6 +115,9 @@ def run(argv: list[str] | None = None) -> int:
     except BaseException as error:  # noqa: BLE001 - every failure must become an exit code
         code = exit_code_for(error)
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if code == EXIT_NO_SPACE and run_root:  # a failed write() names no file: say where, and what to do
+            where = "" if run_root in message else f" (writing under {run_root})"
+            message += f"{where}; free space there and run again: committed shards are kept"
         if code != EXIT_USER_ERROR:
             traceback.print_exc(file=sys.stderr)
         print(f"kdflow worker: {EXIT_CODE_NAMES.get(code, 'error')}: {message}", file=sys.stderr, flush=True)

@@ -39,7 +39,11 @@ def load_tokenizer(config: KDFlowConfig) -> Any:
     kwargs: dict[str, Any] = {"trust_remote_code": config.teacher.trust_remote_code}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"cannot load a tokenizer from {path!r}: {first_line}") from None
     if not tokenizer.is_fast:
         raise ConfigError(f"tokenizer {path!r} has no fast (Rust) implementation; kdflow needs one for batched packing")
     if tokenizer.eos_token_id is None:
