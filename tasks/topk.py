@@ -3,19 +3,21 @@
 The reference teacher has a 196,608-token vocabulary: `micro_batch x seq x vocab` logits were what limited
 the teacher pass. Here lm_head is applied to `chunk_tokens` rows at a time; each chunk's float32 logits
 live in one reused buffer, from which we take the top-K and the log-sum-exp over the whole vocabulary,
-so peak memory depends on the chunk, not on the micro-batch.
+so peak memory depends on the chunk, not on the micro-batch. Optionally the vocabulary is cut into slabs
+too (`vocab_chunk`), whose top-Ks and log-sum-exps are merged: the same result in less memory per row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-# Bytes per chunk row, in units of one float32 logits row: the float32 logits themselves plus as much again
-# for the compute-dtype logits (bf16 is half a row) and topk's own scratch.
-_WORKING_ROWS_PER_TOKEN = 2
+# Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
+# compute-dtype logits (bf16 is half a row) and the scratch of topk.
+_WORKING_LOGITS_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ def choose_chunk_tokens(
 ) -> int:
     """Rows per chunk whose logits (plus ~the same again of temporaries) fit `budget_bytes`.
 
+    vocab_size: logits per row of one chunk (the vocabulary, or chunked_topk's vocab_chunk).
     Rounded down to `multiple` (matmul-friendly), never below `minimum` (too few rows starve the matmul).
     """
     if vocab_size < 1:
@@ -57,7 +60,7 @@ def choose_chunk_tokens(
         raise ValueError(
             f"logits_dtype_bytes, minimum and multiple must be >= 1, got {logits_dtype_bytes}, {minimum}, {multiple}"
         )
-    bytes_per_row = vocab_size * logits_dtype_bytes * _WORKING_ROWS_PER_TOKEN
+    bytes_per_row = vocab_size * logits_dtype_bytes * _WORKING_LOGITS_COPIES
     rows = budget_bytes // bytes_per_row
     rows = (rows // multiple) * multiple
     return max(minimum, rows)
@@ -100,51 +103,86 @@ def _check_plain_weight(weight: Tensor, bias: Tensor | None, hidden: Tensor) -> 
         raise ValueError(f"lm_head bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
 
 
-class _ChunkLogits:
-    """Float32 logits of one chunk of rows; for a plain weight, written into buffers allocated once per call.
+class _SlabLogits:
+    """Float32 logits of one block of rows over one vocabulary slab, in buffers allocated once per call.
 
     Reusing the buffers matters on CPU, where each fresh multi-hundred-MB tensor is new pages to fault in;
-    on CUDA the caching allocator would reuse them anyway. A module (quantised, ...) allocates its own output.
+    on CUDA the caching allocator would reuse them anyway. A module (quantised, ...) is called whole: it
+    allocates its own output and cannot be cut into slabs.
     """
 
-    def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int) -> None:
+    def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int, cols: int) -> None:
         self.lm_head = lm_head
         self.plain = _plain_weight(lm_head)
+        self.vocab_size = vocab_size
+        self.cols = cols
         if self.plain is None:
+            if cols < vocab_size:
+                raise ValueError(f"vocab_chunk needs a plain weight or nn.Linear lm_head, not {type(lm_head).__name__}")
             return
         weight, bias = self.plain
         _check_plain_weight(weight, bias, hidden)
-        self.logits_f32 = torch.empty((rows, vocab_size), dtype=torch.float32, device=hidden.device)  # (C, V)
+        # Flat storage, so that a smaller last block or slab is still a contiguous (c, s) view.
+        self.logits_f32 = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)  # (C * S,)
         self.logits_low: Tensor | None = None
         if weight.dtype != torch.float32:
             # bf16/fp16 matmul output, upcast below; the model's own logits are rounded the same way.
-            self.logits_low = torch.empty((rows, vocab_size), dtype=weight.dtype, device=hidden.device)
+            self.logits_low = torch.empty(rows * cols, dtype=weight.dtype, device=hidden.device)
 
-    def __call__(self, hidden_chunk: Tensor) -> Tensor:
-        """hidden_chunk (c, H) -> float32 logits (c, V) that we may overwrite."""
+    def slabs(self, hidden_rows: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """hidden_rows (c, H) -> (first vocabulary id, float32 logits (c, s) that we may overwrite) per slab."""
         if self.plain is None:
-            logits = self.lm_head(hidden_chunk)  # a fresh tensor: safe to transform in place
-            return logits if logits.dtype == torch.float32 else logits.float()
-        rows = hidden_chunk.shape[0]
-        logits_f32 = self.logits_f32[:rows]
+            logits = self.lm_head(hidden_rows)  # a fresh tensor: safe to transform in place
+            yield 0, logits if logits.dtype == torch.float32 else logits.float()
+            return
         weight, bias = self.plain
-        target = logits_f32 if self.logits_low is None else self.logits_low[:rows]
-        if bias is None:
-            torch.mm(hidden_chunk, weight.t(), out=target)
-        else:
-            torch.addmm(bias, hidden_chunk, weight.t(), out=target)
-        if self.logits_low is not None:
-            logits_f32.copy_(target)
-        return logits_f32
+        rows = hidden_rows.shape[0]
+        for first_id in range(0, self.vocab_size, self.cols):
+            width = min(self.cols, self.vocab_size - first_id)
+            logits_f32 = self.logits_f32[: rows * width].view(rows, width)
+            target = logits_f32 if self.logits_low is None else self.logits_low[: rows * width].view(rows, width)
+            weight_slab = weight[first_id : first_id + width]  # (s, H), contiguous rows of the weight
+            if bias is None:
+                torch.mm(hidden_rows, weight_slab.t(), out=target)
+            else:
+                torch.addmm(bias[first_id : first_id + width], hidden_rows, weight_slab.t(), out=target)
+            if self.logits_low is not None:
+                logits_f32.copy_(target)
+            yield first_id, logits_f32
 
 
 def _logsumexp_(logits: Tensor, row_max: Tensor) -> Tensor:
-    """log-sum-exp of each row of float32 logits (c, V) -> (c,), overwriting logits with exp(logits - max).
+    """log-sum-exp of each row of float32 logits (c, s) -> (c,), overwriting logits with exp(logits - max).
 
     In place so the chunk needs no second (c, V) temporary; row_max comes free from the top-K.
     """
     logits.sub_(row_max[:, None]).exp_()
     return row_max + logits.sum(dim=1).log()
+
+
+class _RunningTopk:
+    """Top-K logits, their ids and the log-sum-exp of a block of rows, accumulated over vocabulary slabs."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.top_logits: Tensor | None = None  # (c, <=K)
+        self.top_ids: Tensor | None = None  # (c, <=K) int64
+        self.log_normaliser: Tensor | None = None  # (c,)
+
+    def add(self, logits: Tensor, first_id: int) -> None:
+        """Fold in one slab's float32 logits (c, s); the slab's logits are destroyed."""
+        slab_logits, slab_ids = torch.topk(logits, min(self.k, logits.shape[1]), dim=1, sorted=True)  # (c, k')
+        slab_log_normaliser = _logsumexp_(logits, slab_logits[:, 0])  # (c,)
+        if first_id:
+            slab_ids += first_id
+        if self.top_logits is None:  # the first (with the default, the only) slab: nothing to merge
+            self.top_logits, self.top_ids, self.log_normaliser = slab_logits, slab_ids, slab_log_normaliser
+            return
+        # The top-K of a union is the top-K of the parts' top-Ks.
+        candidates = torch.cat([self.top_logits, slab_logits], dim=1)  # (c, <=2K)
+        self.top_logits, positions = torch.topk(candidates, min(self.k, candidates.shape[1]), dim=1, sorted=True)
+        self.top_ids = torch.cat([self.top_ids, slab_ids], dim=1).gather(1, positions)
+        self.log_normaliser = torch.logaddexp(self.log_normaliser, slab_log_normaliser)
 
 
 @torch.inference_mode()
@@ -154,6 +192,7 @@ def chunked_topk(
     k: int,
     chunk_tokens: int,
     *,
+    vocab_chunk: int | None = None,
     logit_transform: LogitTransform | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Top-K token ids and log-probabilities (normalised over the full vocabulary) for each row of hidden.
@@ -161,11 +200,16 @@ def chunked_topk(
     hidden (N, H); lm_head a module (called as is unless it is a plain nn.Linear) or a weight (V, H).
     Returns topk_ids (N, K) int32 and topk_logprobs (N, K) float32, sorted by descending log-probability,
     on hidden's device. Logits are computed in the hidden/weight dtype and upcast to float32.
+    vocab_chunk (plain weights only): also cut the vocabulary into slabs of this many ids and merge their
+    top-K and log-sum-exp. It lets a CPU take many rows per chunk (each chunk streams the whole weight from
+    memory once) in the same memory; on a GPU the default, the whole vocabulary at once, is the fast choice.
     """
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if vocab_chunk is not None and vocab_chunk < 1:
+        raise ValueError(f"vocab_chunk must be >= 1 or None, got {vocab_chunk}")
     n_tokens = hidden.shape[0]
     vocab_size = _vocab_size(lm_head, hidden)
     if not 1 <= k <= vocab_size:
@@ -174,16 +218,17 @@ def chunked_topk(
     topk_ids = torch.empty((n_tokens, k), dtype=torch.int32, device=hidden.device)  # (N, K)
     topk_logprobs = torch.empty((n_tokens, k), dtype=torch.float32, device=hidden.device)  # (N, K)
     rows = max(1, min(chunk_tokens, n_tokens))
-    chunk_logits = _ChunkLogits(lm_head, hidden, vocab_size, rows)
+    cols = min(vocab_chunk or vocab_size, vocab_size)
+    slab_logits = _SlabLogits(lm_head, hidden, vocab_size, rows, cols)
     for start in range(0, n_tokens, rows):
         stop = min(start + rows, n_tokens)
-        logits = chunk_logits(hidden[start:stop])  # (c, V) float32
-        if logit_transform is not None and not logit_transform.is_identity:
-            logit_transform.apply_(logits)
-        top_logits, top_ids = torch.topk(logits, k, dim=1, largest=True, sorted=True)  # (c, K)
-        log_normaliser = _logsumexp_(logits, top_logits[:, 0])  # (c,); logits are destroyed from here
-        torch.sub(top_logits, log_normaliser[:, None], out=topk_logprobs[start:stop])
-        topk_ids[start:stop].copy_(top_ids)
+        running = _RunningTopk(k)
+        for first_id, logits in slab_logits.slabs(hidden[start:stop]):  # (c, s) float32
+            if logit_transform is not None and not logit_transform.is_identity:
+                logit_transform.apply_(logits)
+            running.add(logits, first_id)
+        torch.sub(running.top_logits, running.log_normaliser[:, None], out=topk_logprobs[start:stop])
+        topk_ids[start:stop].copy_(running.top_ids)
     return topk_ids, topk_logprobs
 
 
@@ -272,7 +317,7 @@ class TeacherTopkStep:
     """One micro-batch through the teacher: body hidden states, then chunked top-K with the model's own
     final-logit transform. Results stay on the model's device; the caller copies them to the host once."""
 
-    def __init__(self, model: nn.Module, k: int, chunk_tokens: int) -> None:
+    def __init__(self, model: nn.Module, k: int, chunk_tokens: int, *, vocab_chunk: int | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model = model
@@ -283,12 +328,18 @@ class TeacherTopkStep:
             raise ValueError(f"k must be between 1 and the vocabulary size {vocab_size}, got {k}")
         self.k = k
         self.chunk_tokens = chunk_tokens
+        self.vocab_chunk = vocab_chunk
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32."""
         batch, seq_len = input_ids.shape
         hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
         topk_ids, topk_logprobs = chunked_topk(
-            hidden.flatten(0, 1), self.lm_head, self.k, self.chunk_tokens, logit_transform=self.logit_transform
+            hidden.flatten(0, 1),
+            self.lm_head,
+            self.k,
+            self.chunk_tokens,
+            vocab_chunk=self.vocab_chunk,
+            logit_transform=self.logit_transform,
         )  # (B * T, K)
         return topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k)

@@ -60,6 +60,55 @@ def test_chunked_equals_dense_float32(n_tokens: int, k: int, chunk_tokens: int) 
     torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("vocab_chunk", "k"), [(100, 16), (10, 16), (VOCAB, 16), (128, 1), (64, VOCAB)])
+def test_vocabulary_slabs_merge_to_the_dense_answer(vocab_chunk: int, k: int) -> None:
+    """Slabs that do not divide V, slabs narrower than K, one slab, K = 1, K = V."""
+    head = random_head(11)
+    hidden = random_hidden(45)
+    topk_ids, topk_logprobs = chunked_topk(hidden, head, k, 16, vocab_chunk=vocab_chunk)
+    ref_ids, ref_logprobs = dense_reference(hidden, head.weight, head.bias, k)
+    assert torch.equal(topk_ids.long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
+def test_vocabulary_slabs_with_bf16_and_transform() -> None:
+    head = random_head(12).to(torch.bfloat16)
+    hidden = random_hidden(30).to(torch.bfloat16)
+    transform = LogitTransform(scale=2.0, softcap=3.0)
+    topk_ids, topk_logprobs = chunked_topk(hidden, head, 8, 7, vocab_chunk=77, logit_transform=transform)
+    with torch.no_grad():
+        logits = head(hidden).double() * 2.0  # (N, V) rounded to bf16 by the matmul, as in the chunks
+    full_logprobs = torch.log_softmax(torch.tanh(logits / 3.0) * 3.0, dim=-1)
+    # bf16 logits tie often, and tied ids may come in any order: check values, and that each id carries its value.
+    torch.testing.assert_close(topk_logprobs.double(), full_logprobs.topk(8, dim=-1).values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(topk_logprobs.double(), full_logprobs.gather(1, topk_ids.long()), atol=1e-5, rtol=0)
+
+
+def test_vocabulary_slabs_need_a_plain_weight() -> None:
+    class ScaledHead(nn.Module):  # any module that is not exactly nn.Linear
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = random_head(13)
+
+        def forward(self, hidden: Tensor) -> Tensor:
+            return self.inner(hidden) * 2.0
+
+    with pytest.raises(ValueError, match="vocab_chunk needs a plain weight"):
+        chunked_topk(random_hidden(4), ScaledHead(), 4, 8, vocab_chunk=100)
+    with pytest.raises(ValueError, match="vocab_chunk must be"):
+        chunked_topk(random_hidden(4), random_head(13), 4, 8, vocab_chunk=0)
+
+
+def test_module_without_out_features_is_called_whole() -> None:
+    head = random_head(14)
+    scaled = nn.Sequential(head)  # not an nn.Linear: called as a module, vocabulary found by one probe row
+    hidden = random_hidden(20)
+    topk_ids, topk_logprobs = chunked_topk(hidden, scaled, 6, 7)
+    ref_ids, ref_logprobs = dense_reference(hidden, head.weight, head.bias, 6)
+    assert torch.equal(topk_ids.long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
 def test_plain_weight_tensor_without_bias() -> None:
     head = random_head(2, bias=False)
     hidden = random_hidden(50)
@@ -204,7 +253,8 @@ def model_reference(model: nn.Module, input_ids: Tensor, k: int) -> tuple[Tensor
 def test_tiny_model_teacher_step_equals_full_logits(kind: str) -> None:
     model = tiny_model(kind)
     input_ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(1))
-    topk_ids, topk_logprobs = TeacherTopkStep(model, k=16, chunk_tokens=7)(input_ids)
+    vocab_chunk = 200 if kind == "llama" else None  # slabs through the whole-model path too
+    topk_ids, topk_logprobs = TeacherTopkStep(model, k=16, chunk_tokens=7, vocab_chunk=vocab_chunk)(input_ids)
     ref_ids, ref_logprobs = model_reference(model, input_ids, 16)
     assert topk_ids.shape == (3, 11, 16)
     assert torch.equal(topk_ids.long(), ref_ids)
@@ -281,3 +331,22 @@ def test_bitsandbytes_4bit_tiny_llama(tmp_path: Path) -> None:
     ref_ids, ref_logprobs = model_reference(model, input_ids, 12)
     assert torch.equal(topk_ids.long(), ref_ids)
     torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
+# ---- the benchmark runs end to end (numbers are its output, not asserted here) --------------------------
+
+
+def test_bench_precompute_prints_one_json_line_per_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kdflow.bench_precompute import main
+
+    argv = ["--device=cpu", "--vocab=1024", "--hidden=32", "--seq-len=4", "--micro-batches=1,3", "--top-k=8"]
+    assert main([*argv, "--repeats=1", "--chunk-tokens=5", "--dense-limit-gib=0.00006"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    runs = [(record["micro_batch"], record["mode"]) for record in records]
+    assert runs == [(1, "chunked"), (1, "dense"), (3, "chunked"), (3, "dense")]
+    assert all(r["status"] == "ok" for r in records[:3])
+    assert records[3]["status"].startswith("skipped: would need")  # 12 tokens x 1024 x 8 bytes > the limit
+    assert records[0]["ids_agreement"] == 1.0 and records[0]["max_abs_logprob_diff"] < 1e-5
+    assert records[0]["peak_memory_gib"] >= 0 and records[0]["tokens_per_s"] > 0
