@@ -9,17 +9,12 @@ fan out as flow runs of the per-range deployment instead (DESIGN.md, "Growing pa
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -28,6 +23,7 @@ from prefect.runtime import task_run as current_task_run
 from prefect.tasks import exponential_backoff
 
 from flows.common import as_config
+from flows.supervise import supervised
 from kdflow.config import KDFlowConfig, dump_config
 from kdflow.errors import ConfigError, KDFlowError, StoreError
 from schemas.commits import list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
@@ -35,9 +31,6 @@ from schemas.storage import RunRoot
 from tasks.gpu_errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, describe_exit_code, is_retryable, normalise_returncode
 from tasks.precompute_worker import (ERROR_PREFIX, LEASE_OWNER_ENV, PARENT_PID_ENV, PROGRESS_PREFIX, RESULT_PREFIX,
                                      format_shard_ids, parse_shard_ids)
-
-_LIVE_WORKERS: set[int] = set()  # process-group ids of running workers, killed if this process exits
-
 
 class WorkerFailed(RuntimeError):
     """The teacher worker exited with a non-zero code; retried iff the code is in RETRYABLE_EXIT_CODES."""
@@ -53,36 +46,6 @@ class WorkerUserError(WorkerFailed, KDFlowError):
 
     def __str__(self) -> str:
         return self.message or super().__str__()
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-atexit.register(lambda: [_kill_group(pid) for pid in list(_LIVE_WORKERS)])
-
-
-@contextlib.contextmanager
-def _sigterm_kills_worker(pid: int) -> Iterator[None]:
-    """While the worker runs, SIGTERM to this process (a cancelled flow run) first kills the worker's group."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may set handlers; atexit and the worker's PDEATHSIG still cover us
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        _kill_group(pid)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class ProgressArtifact:
@@ -153,18 +116,11 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
                             "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                    start_new_session=True, env=env)
-        _LIVE_WORKERS.add(process.pid)
         logger.info("attempt %d: teacher worker pid %d on shards %s", attempt, process.pid,
                     format_shard_ids(shard_ids) if shard_ids else "all")
-        try:
-            with _sigterm_kills_worker(process.pid):
-                result, error = _follow(process, ProgressArtifact())
-                code = normalise_returncode(process.wait())
-        finally:
-            if process.poll() is None:  # cancelled, interrupted or failed while following: take the worker down
-                _kill_group(process.pid)
-                process.wait()
-            _LIVE_WORKERS.discard(process.pid)
+        with supervised(process):
+            result, error = _follow(process, ProgressArtifact())
+            code = normalise_returncode(process.wait())
     if code == 0 and result is None:
         code, error = EXIT_UNEXPECTED, {"message": "the worker exited without reporting a result"}
     if code != 0:

@@ -9,24 +9,20 @@ the run log and fails with its exit code. Several nodes: the same flow runs on e
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import math
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from flows.common import as_config, write_stage_config
+from flows.supervise import supervised
 from kdflow.config import KDFlowConfig, dump_config
 from kdflow.errors import ConfigError, KDFlowError
 from schemas.commits import CONFIG_FILE, STUDENTS_DIR
@@ -106,39 +102,6 @@ class TrainingUserError(TrainingFailed, KDFlowError):
     """A rank failed on bad config or input (exit code 2): its own one-line message."""
 
 
-_LIVE_LAUNCHES: set[int] = set()  # process groups of running torchrun launches, killed if this process exits
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-atexit.register(lambda: [_kill_group(pid) for pid in list(_LIVE_LAUNCHES)])
-
-
-@contextlib.contextmanager
-def _sigterm_kills(pid: int) -> Iterator[None]:
-    """While torchrun runs, SIGTERM to this process (a cancelled flow run) first kills its process group."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread sets handlers; atexit and the parent-death signal still cover us
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        _kill_group(pid)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_torchrun(config: KDFlowConfig) -> dict[str, Any] | None:
     """torchrun for this node, its lines forwarded to the run log; -> rank 0's summary (None when rank 0
     ran on another node). Raises TrainingUserError / TrainingFailed on a non-zero exit code."""
@@ -154,24 +117,17 @@ def run_torchrun(config: KDFlowConfig) -> dict[str, Any] | None:
         env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                    start_new_session=True, env=env)
-        _LIVE_LAUNCHES.add(process.pid)
         result, errors = None, []
-        try:
-            with _sigterm_kills(process.pid):
-                for line in process.stdout:
-                    line = line.rstrip("\n")
-                    if line.startswith(RESULT_PREFIX):
-                        result = json.loads(line[len(RESULT_PREFIX):])
-                    elif line.startswith(ERROR_PREFIX):
-                        errors.append(json.loads(line[len(ERROR_PREFIX):]))
-                    elif line.strip():
-                        logger.info("torchrun: %s", line)
-                code = normalise_returncode(process.wait())
-        finally:
-            if process.poll() is None:  # cancelled or interrupted while following: take the job down
-                _kill_group(process.pid)
-                process.wait()
-            _LIVE_LAUNCHES.discard(process.pid)
+        with supervised(process):
+            for line in process.stdout:
+                line = line.rstrip("\n")
+                if line.startswith(RESULT_PREFIX):
+                    result = json.loads(line[len(RESULT_PREFIX):])
+                elif line.startswith(ERROR_PREFIX):
+                    errors.append(json.loads(line[len(ERROR_PREFIX):]))
+                elif line.strip():
+                    logger.info("torchrun: %s", line)
+            code = normalise_returncode(process.wait())
     if code != 0:
         user = next((e for e in errors if e.get("exit_code") == EXIT_USER_ERROR), None)
         if user is not None:
