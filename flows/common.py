@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kdflow.config import KDFlowConfig, config_from_dict, dump_config, load_config
-from schemas.commits import CONFIG_FILE
-from schemas.storage import RunRoot
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, load_config
+from kdflow.schemas.layout import CONFIG_FILE
+from kdflow.schemas.storage import RunRoot
 
 
 def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:

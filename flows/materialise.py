@@ -8,13 +8,13 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from flows.common import as_config, write_stage_config
-from kdflow.config import KDFlowConfig
-from schemas.commits import stage_dir
-from schemas.storage import RunRoot
-from tasks.corpus import materialise
-from tasks.progress import Progress
-from tasks.tokenise import load_tokenizer
+from kdflow.flows.common import as_config, write_stage_config
+from kdflow.schemas.commits import stage_dir
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.common.progress import Progress
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.corpus.materialise import materialise
 
 
 @task(name="materialise-corpus", cache_policy=NONE)

@@ -6,11 +6,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import as_config
-from flows.materialise import materialise_flow
-from flows.tokenise import tokenise_flow
-from kdflow.config import KDFlowConfig
-from kdflow.errors import ConfigError
+from kdflow.flows.common import as_config
+from kdflow.flows.materialise import materialise_flow
+from kdflow.flows.tokenise import tokenise_flow
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError
 
 STAGES = ("materialise", "tokenise", "precompute", "train")
 
@@ -28,11 +28,11 @@ def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict
     if "tokenise" in chosen:
         results["tokenise"] = tokenise_flow(config)
     if "precompute" in chosen:
-        from flows.precompute import precompute_flow
+        from kdflow.flows.precompute import precompute_flow
 
         results["precompute"] = precompute_flow(config)
     if "train" in chosen:
-        from flows.train import train_student_flow
+        from kdflow.flows.train import train_student_flow
 
         results["train"] = train_student_flow(config)
     return results

@@ -1,6 +1,6 @@
 """Flow `precompute`: the teacher's top-K over every token shard, one fresh worker process per attempt.
 
-This process never initialises CUDA: the teacher runs in `python -m tasks.precompute_worker`, in its own
+This process never initialises CUDA: the teacher runs in `python -m kdflow.tasks.teacher.precompute_worker`, in its own
 process group. A CUDA driver error ends the worker with a retryable exit code and the task retries it,
 with backoff, in a new process that resumes at the first uncommitted shard; a user error (exit code 2)
 fails at once with the worker's one-line message. With `precompute.shards_per_flow_run` set, shard ranges
@@ -10,10 +10,6 @@ fan out as flow runs of the per-range deployment instead (DESIGN.md, "Growing pa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any
 
@@ -22,15 +18,17 @@ from prefect.cache_policies import NONE
 from prefect.runtime import task_run as current_task_run
 from prefect.tasks import exponential_backoff
 
-from flows.common import as_config
-from flows.supervise import supervised
-from kdflow.config import KDFlowConfig, dump_config
-from kdflow.errors import ConfigError, KDFlowError, StoreError
-from schemas.commits import list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
-from schemas.storage import RunRoot
-from tasks.gpu_errors import EXIT_UNEXPECTED, EXIT_USER_ERROR, describe_exit_code, is_retryable, normalise_returncode
-from tasks.precompute_worker import (ERROR_PREFIX, LEASE_OWNER_ENV, PARENT_PID_ENV, PROGRESS_PREFIX, RESULT_PREFIX,
-                                     format_shard_ids, parse_shard_ids)
+from kdflow.flows.common import as_config
+from kdflow.flows.launch import config_file, run_child
+from kdflow.schemas.commits import list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
+from kdflow.schemas.protocol import (EXIT_UNEXPECTED, EXIT_USER_ERROR, LEASE_OWNER_ENV, describe_exit_code,
+                                     format_shard_ids, is_retryable, parse_shard_ids)
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import alignment_problem, find_topk_stores
+from kdflow.tasks.teacher.precompute_worker import MODULE as WORKER_MODULE
+
 
 class WorkerFailed(RuntimeError):
     """The teacher worker exited with a non-zero code; retried iff the code is in RETRYABLE_EXIT_CODES."""
@@ -78,23 +76,6 @@ class ProgressArtifact:
             get_run_logger().debug("progress artifact disabled: %s", error)
 
 
-def _follow(process: subprocess.Popen, artifact: ProgressArtifact) -> tuple[dict | None, dict | None]:
-    """Forward the worker's lines to the run log until it closes stdout; -> (result, error) payloads."""
-    logger = get_run_logger()
-    result = error = None
-    for line in process.stdout:
-        line = line.rstrip("\n")
-        if line.startswith(PROGRESS_PREFIX):
-            artifact.update(json.loads(line[len(PROGRESS_PREFIX):]))
-        elif line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-        elif line.startswith(ERROR_PREFIX):
-            error = json.loads(line[len(ERROR_PREFIX):])
-        elif line.strip():
-            logger.info("worker %d: %s", process.pid, line)
-    return result, error
-
-
 def _retry_if_retryable(task: Any, task_run: Any, state: Any) -> bool:
     error = state.result(raise_on_failure=False)
     return isinstance(error, WorkerFailed) and is_retryable(error.exit_code)
@@ -105,31 +86,24 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
     """One attempt: the teacher in a fresh process over `shard_ids` (default all); -> the worker's summary."""
     logger = get_run_logger()
     attempt = current_task_run.run_count
-    with tempfile.TemporaryDirectory(prefix="kdflow-worker-") as folder:
-        config_path = os.path.join(folder, "config.yaml")
-        with open(config_path, "w", encoding="utf-8") as handle:
-            handle.write(dump_config(config))
-        command = [sys.executable, "-m", "tasks.precompute_worker", "--config", config_path]
-        if shard_ids:
-            command += ["--shards", format_shard_ids(shard_ids)]
-        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), LEASE_OWNER_ENV: f"task-run-{current_task_run.id}",
-                            "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                   start_new_session=True, env=env)
-        logger.info("attempt %d: teacher worker pid %d on shards %s", attempt, process.pid,
-                    format_shard_ids(shard_ids) if shard_ids else "all")
-        with supervised(process):
-            result, error = _follow(process, ProgressArtifact())
-            code = normalise_returncode(process.wait())
-    if code == 0 and result is None:
+    artifact = ProgressArtifact()
+    with config_file(config, "kdflow-worker-") as config_path:
+        args = ["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
+        outcome = run_child(
+            WORKER_MODULE, args, env={LEASE_OWNER_ENV: f"task-run-{current_task_run.id}"},
+            on_started=lambda pid: logger.info("attempt %d: teacher worker pid %d on shards %s", attempt, pid,
+                                               format_shard_ids(shard_ids) if shard_ids else "all"),
+            on_progress=artifact.update, on_log=lambda pid, line: logger.info("worker %d: %s", pid, line))
+    code, error = outcome.exit_code, (outcome.errors or [None])[-1]
+    if code == 0 and outcome.result is None:
         code, error = EXIT_UNEXPECTED, {"message": "the worker exited without reporting a result"}
     if code != 0:
         message = (error or {}).get("message", "")
         failure = WorkerUserError if code == EXIT_USER_ERROR else WorkerFailed
-        logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, process.pid, code,
+        logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, outcome.pid, code,
                      describe_exit_code(code), ", retryable in a new process" if is_retryable(code) else ", not retryable")
         raise failure(code, message)
-    return result | {"attempt": attempt, "worker_pid": process.pid}
+    return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid}
 
 
 def _run_worker_with_retries(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
@@ -147,7 +121,7 @@ def _fan_out(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from tasks.precompute import complete_if_done, find_topk_stores
+    from kdflow.tasks.teacher.precompute import complete_if_done
 
     logger = get_run_logger()
     run_root = RunRoot(config.run_root)
@@ -174,7 +148,7 @@ def _fan_out(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any
                         failed.append(f"{run_id} ({state.type.value})")
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(runs)} shard-range flow runs did not complete: {', '.join(failed[:5])}")
-    tags = find_topk_stores(config)
+    tags = find_topk_stores(run_root, config)
     if len(tags) != 1:
         raise StoreError(f"expected one top-K store for this config after the fan-out, found {len(tags)} ({', '.join(tags) or 'none'}); "
                          "with teacher.dtype auto, hosts with and without a GPU make different stores: set teacher.dtype")
@@ -193,8 +167,7 @@ def _verify(config: KDFlowConfig, tag: str, shard_ids: list[int] | None) -> dict
     missing = [i for i in ids if i not in records]
     if missing:
         raise StoreError(f"top-K store {run_root.display(store)} lacks committed shards {format_shard_ids(missing)} after the pass")
-    unaligned = [i for i in ids if i not in token_records or records[i].input_sha256 != token_records[i].sha256
-                 or records[i].rows != token_records[i].rows]
+    unaligned = [i for i in ids if alignment_problem(token_records.get(i), records[i]) is not None]
     if unaligned:
         raise StoreError(f"top-K shards {format_shard_ids(unaligned)} do not match their token shards; rerun precompute")
     frame = validate_manifest(manifest_frame(records), "topk", config.seq_len, name=run_root.display(store))

@@ -1,37 +1,32 @@
 """Flow `train-student`: train (or resume) a student against the cached teacher top-K.
 
-One process (student.distributed: nproc_per_node * nnodes == 1): the task calls `tasks.train.train` in the
+One process (student.distributed: nproc_per_node * nnodes == 1): the task calls `kdflow.tasks.student.train.train` in the
 flow's worker. More: the task launches torchrun for this node (`python -m torch.distributed.run ... -m
-tasks.train_worker --config FILE`) in its own process group, which dies with the flow, forwards its lines to
+kdflow.tasks.student.train_worker --config FILE`) in its own process group, which dies with the flow, forwards its lines to
 the run log and fails with its exit code. Several nodes: the same flow runs on every node, each with its
-`student.distributed.node_rank` (tasks.distributed, README "Training on several GPUs").
+`student.distributed.node_rank` (kdflow.tasks.student.distributed, README "Training on several GPUs").
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shlex
-import subprocess
-import sys
-import tempfile
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from flows.common import as_config, write_stage_config
-from flows.supervise import supervised
-from kdflow.config import KDFlowConfig, dump_config
-from kdflow.errors import ConfigError, KDFlowError
-from schemas.commits import CONFIG_FILE, STUDENTS_DIR
-from schemas.storage import RunRoot
-from tasks.distributed import torchrun_arguments, torchrun_command, world_size_of
-from tasks.gpu_errors import EXIT_USER_ERROR, describe_exit_code, normalise_returncode
-from tasks.precompute_worker import ERROR_PREFIX, PARENT_PID_ENV, RESULT_PREFIX
-from tasks.train import METRICS_FILE, check_layout, read_jsonl, train
-from tasks.train_worker import EXEC_TORCHRUN
+from kdflow.flows.common import as_config, write_stage_config
+from kdflow.flows.launch import config_file, run_child
+from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR
+from kdflow.schemas.protocol import EXIT_USER_ERROR, describe_exit_code
+from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.student import train_worker
+from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
+from kdflow.tasks.student.train import check_layout, read_jsonl, train
+from kdflow.tasks.student.train_worker import EXEC_TORCHRUN
 
 _SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -107,34 +102,19 @@ def run_torchrun(config: KDFlowConfig) -> dict[str, Any] | None:
     ran on another node). Raises TrainingUserError / TrainingFailed on a non-zero exit code."""
     logger = get_run_logger()
     distributed = config.student.distributed
-    with tempfile.TemporaryDirectory(prefix="kdflow-train-") as folder:
-        config_path = os.path.join(folder, "config.yaml")
-        with open(config_path, "w", encoding="utf-8") as handle:
-            handle.write(dump_config(config))
+    with config_file(config, "kdflow-train-") as config_path:
         logger.info("node %d of %d: %s", distributed.node_rank, distributed.nnodes,
                     shlex.join(torchrun_command(distributed, config_path)))
-        command = [sys.executable, "-m", "tasks.train_worker", EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)]
-        env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                   start_new_session=True, env=env)
-        result, errors = None, []
-        with supervised(process):
-            for line in process.stdout:
-                line = line.rstrip("\n")
-                if line.startswith(RESULT_PREFIX):
-                    result = json.loads(line[len(RESULT_PREFIX):])
-                elif line.startswith(ERROR_PREFIX):
-                    errors.append(json.loads(line[len(ERROR_PREFIX):]))
-                elif line.strip():
-                    logger.info("torchrun: %s", line)
-            code = normalise_returncode(process.wait())
+        outcome = run_child(train_worker.MODULE, [EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)],
+                            on_log=lambda pid, line: logger.info("torchrun: %s", line))
+    code, errors = outcome.exit_code, outcome.errors
     if code != 0:
         user = next((e for e in errors if e.get("exit_code") == EXIT_USER_ERROR), None)
         if user is not None:
             raise TrainingUserError(user["message"])
         first = f": rank {errors[0].get('rank')}: {errors[0].get('message')}" if errors else ""
         raise TrainingFailed(f"torchrun failed with exit code {code} ({describe_exit_code(code)}){first}")
-    return result
+    return outcome.result
 
 
 @task(name="train-student", cache_policy=NONE)

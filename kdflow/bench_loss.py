@@ -93,7 +93,7 @@ def _measure(spec: dict) -> dict:
     """One measurement in this (fresh) process; returns the JSON record."""
     import torch
 
-    from tasks.losses import fused_topk_kl
+    from kdflow.tasks.student.losses import fused_topk_kl
 
     device = torch.device(spec["device"])
     inputs = _make_inputs(spec, device)
@@ -128,7 +128,7 @@ def _measure(spec: dict) -> dict:
 
 def _agreement(inputs: list, dense_loss, chunk_tokens: int) -> dict:
     """Abs diff of the loss and max |grad diff| / max |dense grad| over hidden and weight."""
-    from tasks.losses import fused_topk_kl
+    from kdflow.tasks.student.losses import fused_topk_kl
 
     dense_grads = [inputs[0].grad.clone(), inputs[1].grad.clone()]
     inputs[0].grad = inputs[1].grad = None

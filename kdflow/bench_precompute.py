@@ -3,7 +3,7 @@
 Measures only the top-K step (lm_head matmul, log-sum-exp over the full vocabulary, top-K): both modes
 get the same random lm_head weight and the same random hidden states, and the model body is not run.
 Dense materialises `(micro_batch * seq_len, vocab)` logits, then log_softmax and topk; chunked is
-`tasks.topk.chunked_topk` (on CPU by default with vocabulary slabs, see `resolve_defaults`).
+`kdflow.tasks.teacher.topk.chunked_topk` (on CPU by default with vocabulary slabs, see `resolve_defaults`).
 Prints one JSON object per line per (micro-batch, mode).
 
 On CPU each measurement runs in a fresh subprocess, so its peak RSS growth belongs to that measurement
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tasks.topk import choose_chunk_tokens, chunked_topk
+from kdflow.tasks.teacher.topk import choose_chunk_tokens, chunked_topk
 
 MEASURED = (
     "top-K step only (lm_head matmul + full-vocabulary log-sum-exp + top-K); both modes get the same random "

@@ -1,7 +1,7 @@
 """`kdflow bench tokenise`: the raw tokenizer's batch speed against the tokenise stage end to end.
 
 Both measure the same corpus on the same cores, in one process: the raw side is
-`tokenizer(texts, add_special_tokens=False)` in the stage's batch size; the stage side is `tasks.tokenise`
+`tokenizer(texts, add_special_tokens=False)` in the stage's batch size; the stage side is `kdflow.tasks.corpus.tokenise`
 (read the corpus parts, encode, pack into rows, write Arrow shards, hash, fsync, commit). Rates count the
 documents' own tokens (no EOS) on both sides, so their ratio is the fraction of raw speed the stage keeps.
 Prints one JSON object per line. Default corpus: Python's documentation paragraphs (`pydoc_data.topics`),
@@ -44,7 +44,7 @@ def train_tiny_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> Pat
 
 
 def _config(work: Path, corpus: Path, model: str, gguf_file: str | None, args: argparse.Namespace) -> Any:
-    from kdflow.config import config_from_dict
+    from kdflow.schemas.config import config_from_dict
 
     return config_from_dict({
         "run_root": str(work / "run"),
@@ -66,8 +66,8 @@ def time_raw_tokenizer(tokenizer: Any, texts: list[str], batch: int) -> tuple[fl
 
 def time_stage(config: Any, tokenizer: Any) -> tuple[float, Any]:
     """-> (seconds, summary) of the tokenise stage from scratch (an earlier token store is removed first)."""
-    from schemas.commits import TOKENS_DIR
-    from tasks.tokenise import tokenise
+    from kdflow.schemas.layout import TOKENS_DIR
+    from kdflow.tasks.corpus.tokenise import tokenise
 
     shutil.rmtree(Path(config.run_root) / TOKENS_DIR, ignore_errors=True)
     started = time.perf_counter()
@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf_file and not args.tokenizer:
         parser.error("--gguf-file needs --tokenizer (the folder that holds it)")
 
-    from schemas.commits import CORPUS_DIR
-    from tasks.corpus import materialise
-    from tasks.tokenise import DOCS_PER_BATCH, load_tokenizer
+    from kdflow.schemas.layout import CORPUS_DIR
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import DOCS_PER_BATCH
 
     texts = pydoc_paragraphs(args.documents)
     parallelism_before = os.environ.get("TOKENIZERS_PARALLELISM")

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from kdflow.errors import KDFlowError
+from kdflow.schemas.errors import KDFlowError
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
@@ -21,11 +21,11 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from kdflow.config import load_config
+    from kdflow.schemas.config import load_config
 
     # Check the config before importing Prefect (seconds), so a typo is reported at once.
     config = load_config(args.config, dict(args.set or []))
-    from flows.pipeline import pipeline_flow
+    from kdflow.flows.pipeline import pipeline_flow
 
     pipeline_flow(config, stages=args.stages.split(",") if args.stages else None)
     return 0
@@ -50,7 +50,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from tasks.chat import chat_main
+    from kdflow.tasks.student.chat import chat_main
 
     return chat_main(args)
 

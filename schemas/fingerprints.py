@@ -10,7 +10,7 @@ import hashlib
 import json
 from typing import Any
 
-from kdflow.config import KDFlowConfig, section_hash
+from kdflow.schemas.config import KDFlowConfig, section_hash
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

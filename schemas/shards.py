@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from kdflow.errors import StoreError
-from schemas.storage import HashingWriter, RunRoot
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.storage import HashingWriter, RunRoot
 
 DOC_ID, TEXT = "doc_id", "text"
 INPUT_IDS = "input_ids"
@@ -164,6 +164,14 @@ def _schema_int(schema: pa.Schema, key: bytes, path: str) -> int:
     if value is None:
         raise StoreError(f"{path}: shard has no {key.decode()} in its schema metadata")
     return int(value)
+
+
+def stream_schema_ints(run_root: RunRoot, path: str) -> dict[str, int]:
+    """seq_len and top_k (where present) from a shard's schema metadata; reads only the stream header."""
+    with run_root.open_read(path) as handle:
+        metadata = ipc.open_stream(handle).schema.metadata or {}
+    return {key.decode().removeprefix("kdflow."): int(value) for key, value in metadata.items()
+            if key in (b"kdflow.seq_len", b"kdflow.top_k")}
 
 
 def read_token_shard(run_root: RunRoot, path: str, seq_len: int | None = None) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Local disk: data is written to a temporary file in the destination folder and moved into place with
 `os.replace`, so a reader never sees half a file. Object stores: uploads appear whole under their final
-key, so the final key is written directly. Either way the commit record is written last (schemas.commits).
+key, so the final key is written directly. Either way the commit record is written last (kdflow.schemas.commits).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import IO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kdflow.errors import StoreError
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.layout import temp_prefix
 
 # No leading dot (hidden, `.`, `..`) and no separators; a leading underscore is fine (`_complete.json`).
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
@@ -132,7 +133,7 @@ class RunRoot:
         folder = posixpath.dirname(path) if not self.is_local else os.path.dirname(path)
         self.makedirs(folder)
         if self.is_local:
-            tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+            tmp = os.path.join(folder, f"{temp_prefix(os.path.basename(path))}{uuid.uuid4().hex[:12]}")
             try:
                 with open(tmp, "wb") as raw:
                     writer = HashingWriter(raw)

@@ -1,4 +1,4 @@
-"""`kdflow chat` and `tasks.chat.generate` on a student that `tasks.train` trained and saved: the saved
+"""`kdflow chat` and `kdflow.tasks.student.chat.generate` on a student that `kdflow.tasks.student.train` trained and saved: the saved
 `final/` loads in a fresh process and generates; prompts, the interactive loop, templates, bad folders."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import sample_documents, write_jsonl
-from kdflow.errors import KDFlowError
 from test_train import make_tokens, run_config, write_dense_topk
+
+from kdflow.schemas.errors import KDFlowError
 
 PROMPT = "The object"
 
@@ -21,7 +21,7 @@ PROMPT = "The object"
 @pytest.fixture(scope="module")
 def student_dir(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> Path:
     """students/student of a 3-step run: tokenise -> dense top-K -> train -> final/."""
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     base = tmp_path_factory.mktemp("chat")
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(20))
@@ -38,7 +38,7 @@ def kdflow_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedPro
 
 
 def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:
-    from tasks.chat import generate
+    from kdflow.tasks.student.chat import generate
 
     final = student_dir / "final"
     expected = generate(str(final), PROMPT, max_new_tokens=8, greedy=True, device="cpu")
@@ -50,7 +50,7 @@ def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:
 def test_prompts_from_stdin_until_an_empty_line(student_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.cli import main
-    from tasks.chat import generate
+    from kdflow.tasks.student.chat import generate
 
     prompts = ["The class", "A module"]
     expected = "".join(generate(str(student_dir), p, max_new_tokens=5, greedy=True) + "\n" for p in prompts)
@@ -66,7 +66,7 @@ def test_prompts_from_stdin_until_an_empty_line(student_dir: Path, monkeypatch: 
 
 def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.cli import main
-    from tasks.chat import generate
+    from kdflow.tasks.student.chat import generate
 
     with pytest.raises(KDFlowError, match="is not a model: no config.json in it"):
         generate(str(tmp_path), PROMPT)
@@ -77,7 +77,7 @@ def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys
 
 
 def test_sampling_is_reproducible_with_a_seed(student_dir: Path) -> None:
-    from tasks.chat import continue_text, load_student
+    from kdflow.tasks.student.chat import continue_text, load_student
 
     student = load_student(str(student_dir), "cpu")
     first = continue_text(student, PROMPT, max_new_tokens=12, seed=3)
@@ -89,7 +89,7 @@ def test_sampling_is_reproducible_with_a_seed(student_dir: Path) -> None:
 def test_base_student_continues_text_and_a_chat_template_is_used_when_present(student_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from tasks.chat import encode_prompt, load_student
+    from kdflow.tasks.student.chat import encode_prompt, load_student
 
     base = load_student(str(student_dir), "cpu").tokenizer
     assert not base.chat_template
@@ -109,7 +109,7 @@ def test_base_student_continues_text_and_a_chat_template_is_used_when_present(st
 def test_only_an_init_from_student_keeps_a_chat_template(tmp_path: Path, tiny_teacher_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from tasks.student import student_tokenizer
+    from kdflow.tasks.student.model import student_tokenizer
 
     corpus = tmp_path / "docs.jsonl"
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kdflow.config import dump_config
-from schemas.commits import CONFIG_FILE
+from kdflow.schemas.config import dump_config
+from kdflow.schemas.layout import CONFIG_FILE
 
 COMMANDS = ("demo", "run", "status", "validate", "chat", "bench")
 
@@ -81,8 +81,8 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
 
 
 def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., Any]) -> None:
-    from flows.materialise import materialise_flow
-    from flows.tokenise import tokenise_flow
+    from kdflow.flows.materialise import materialise_flow
+    from kdflow.flows.tokenise import tokenise_flow
 
     config = make_config()
     corpus = materialise_flow(config)

@@ -9,10 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kdflow.errors import StoreError
-from schemas.commits import (CommitRecord, StageComplete, check_commit, commit_file_name, committed_prefix, data_file_name, list_commits,
-                             load_manifest, manifest_frame, read_complete, stage_dir, validate_manifest, write_commit, write_complete)
-from schemas.storage import RunRoot, sha256_of
+from kdflow.schemas.commits import (CommitRecord, StageComplete, check_commit, committed_prefix, list_commits,
+                                    load_manifest, manifest_frame, read_complete, stage_dir, validate_manifest,
+                                    write_commit, write_complete)
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.layout import commit_file_name, data_file_name
+from kdflow.schemas.storage import RunRoot, sha256_of
 
 SEQ_LEN = 4
 FINGERPRINT = "f" * 16

@@ -10,8 +10,8 @@ import pydantic
 import pytest
 import yaml
 
-from kdflow.config import KDFlowConfig, config_from_dict, dump_config, load_config, section_hash
-from kdflow.errors import ConfigError
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, load_config, section_hash
+from kdflow.schemas.errors import ConfigError
 
 EXAMPLE: dict[str, Any] = {
     "run_root": "runs/example",

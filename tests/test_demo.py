@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from kdflow import demo
-from kdflow.config import KDFlowConfig
-from kdflow.errors import ConfigError, KDFlowError
-
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError, KDFlowError
 
 # Files a rerun writes again with the same bytes (each stage's resolved config, the training logs).
 REWRITTEN = {"config.yaml", "metrics.jsonl", "eval.jsonl"}
@@ -87,10 +86,10 @@ def test_write_corpus_keeps_every_paragraph_in_order_and_is_idempotent(tmp_path:
 
 @pytest.mark.slow
 def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness: None, capsys: pytest.CaptureFixture[str]) -> None:
-    from schemas.commits import list_commits, load_manifest, read_complete
-    from schemas.storage import RunRoot
-    from tasks.chat import generate
-    from tasks.teacher import teacher_fingerprint
+    from kdflow.schemas.commits import list_commits, load_manifest, read_complete
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.common.models import teacher_fingerprint
+    from kdflow.tasks.student.chat import generate
 
     root = tmp_path / "demo"
     assert demo.run_demo(str(root), quick=True) == 0

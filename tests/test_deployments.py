@@ -193,8 +193,9 @@ def test_deploy_all_creates_every_deployment(prefect_stack: PrefectStack, deploy
 
 def _tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, int]:
     """Materialise and tokenise in this process (the pure functions); -> (config, token shards)."""
-    from tasks.corpus import materialise
-    from tasks.tokenise import load_tokenizer, tokenise
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
 
     config = make_config(dataset__max_documents=16)
     materialise(config)
@@ -273,8 +274,8 @@ def _workers_that_ran(stack: PrefectStack, flow_run_ids: set[str], timeout: floa
 
 def _assert_store_complete(config: Any, tag: str, shards: int) -> None:
     """Top-K shards 0..shards-1 committed, the store marked complete, its manifest valid with unique ids."""
-    from schemas.commits import list_commits, load_manifest, read_complete, stage_dir
-    from schemas.storage import RunRoot
+    from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+    from kdflow.schemas.storage import RunRoot
 
     run_root = RunRoot(config.run_root)
     store = stage_dir(run_root, "topk", tag)

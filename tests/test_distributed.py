@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import sample_documents, write_jsonl
-from kdflow.config import KDFlowConfig, config_from_dict, dump_config
-from kdflow.errors import ConfigError, KDFlowError
+from safetensors.torch import load_file
 from test_train import make_tokens, run_config, write_dense_topk
+
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
+from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.schemas.layout import CHECKPOINT_MARKER, checkpoint_step
 
 STEPS = 6
 # batch 4 over 2 ranks x grad_accum 2: one row per micro-batch. 9 held-out rows, evaluated one row at a time:
@@ -73,7 +74,7 @@ def fresh_run(prepared_run: tuple[Path, Path], tiny_teacher_dir: Path, tmp_path:
 def one_rank(prepared_run: tuple[Path, Path], tiny_teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> dict[str, Any]:
     """The uninterrupted 1-process run everything is compared with: metrics, evaluations, final weights."""
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     run_root, corpus = prepared_run
     copy = tmp_path_factory.mktemp("one-rank") / "run"
@@ -108,8 +109,8 @@ def write_config(config: KDFlowConfig) -> str:
 
 def torchrun(config: KDFlowConfig, *worker_args: str) -> dict[str, Any]:
     """The real launcher, as a user would type it; -> rank 0's summary line."""
-    from tasks.distributed import torchrun_command
-    from tasks.precompute_worker import RESULT_PREFIX
+    from kdflow.schemas.protocol import RESULT_PREFIX
+    from kdflow.tasks.student.distributed import torchrun_command
 
     command = torchrun_command(config.student.distributed, write_config(config), *worker_args)
     done = subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, check=False)
@@ -145,7 +146,7 @@ EVAL_KEYS = ("kl", "ce", "top1_agreement")
 def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, one_rank) -> None:
     from transformers import AutoModelForCausalLM
 
-    from tasks.chat import generate
+    from kdflow.tasks.student.chat import generate
 
     config = fresh_run(student__name="ddp")
     summary = torchrun(config)
@@ -168,7 +169,7 @@ def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, o
 
 
 def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(fresh_run, one_rank) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     # 2 ranks (FSDP on CPU) stopped after step 3, finished on 1 rank.
     two_then_one = fresh_run(student__name="two-then-one", student__distributed__sharding="fsdp")
@@ -199,6 +200,15 @@ def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(f
               f"max |w - w1| {max_difference(weights, one_rank['weights']):.3g}")
 
 
+def newest_checkpoint_step(config: KDFlowConfig) -> int:
+    """The step of the newest complete checkpoint of the student (-1 if none); folders come and go meanwhile."""
+    folder = student_path(config)
+    names = os.listdir(folder) if folder.is_dir() else []
+    steps = [step for name in names if (step := checkpoint_step(name)) is not None
+             and (folder / name / CHECKPOINT_MARKER).exists()]
+    return max(steps, default=-1)
+
+
 def _pids_running(marker: str) -> list[int]:
     """Processes whose command line contains `marker` (the ranks of one launch)."""
     pids = []
@@ -215,19 +225,22 @@ def _pids_running(marker: str) -> list[int]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
 def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fresh_run) -> None:
-    from tasks.distributed import torchrun_arguments
-    from tasks.train import train
-    from tasks.train_worker import EXEC_TORCHRUN
+    from kdflow.tasks.student.distributed import torchrun_arguments
+    from kdflow.tasks.student.train import train
+    from kdflow.tasks.student.train_worker import EXEC_TORCHRUN
 
     config = fresh_run(student__name="killed", student__steps=10_000, student__save_every=1)
     config_path = write_config(config)
-    command = [sys.executable, "-m", "tasks.train_worker", EXEC_TORCHRUN,
+    command = [sys.executable, "-m", "kdflow.tasks.student.train_worker", EXEC_TORCHRUN,
                *torchrun_arguments(config.student.distributed, config_path)]
     launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        # Every step saves and only the newest 2 checkpoints are kept, so any one of them lives for about a step:
+        # wait for a complete checkpoint at step >= 2, whichever it is, not for one that may already be gone.
         deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
-        while not student_path(config, "checkpoint-2", "checkpoint.json").exists():
-            assert launcher.poll() is None and time.monotonic() < deadline, "no checkpoint-2 from the 2-rank run"
+        while newest_checkpoint_step(config) < 2:
+            assert launcher.poll() is None, f"the 2-rank run exited ({launcher.returncode}) before a checkpoint at step >= 2"
+            assert time.monotonic() < deadline, f"no checkpoint at step >= 2 from the 2-rank run in {TORCHRUN_TIMEOUT_S} s"
             time.sleep(0.2)
         assert len(_pids_running(config_path)) >= 3  # the launcher (now torchrun) and two ranks
     finally:
@@ -243,7 +256,7 @@ def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fres
 
 
 def test_flow_launches_torchrun_and_reports(fresh_run, one_rank, prefect_harness) -> None:
-    from flows.train import train_student_flow
+    from kdflow.flows.train import train_student_flow
 
     with pytest.raises(KDFlowError) as caught:  # every rank fails on the config: the rank's own one-line message
         train_student_flow(fresh_run(student__name="bad", student__eval_shards=99).model_dump(mode="json"))
@@ -259,7 +272,7 @@ def test_flow_launches_torchrun_and_reports(fresh_run, one_rank, prefect_harness
 
 
 def test_launch_command_backend_and_sharding_choices() -> None:
-    from tasks.distributed import choose_backend, choose_sharding, torchrun_command
+    from kdflow.tasks.student.distributed import choose_backend, choose_sharding, torchrun_command
 
     distributed = config_from_dict({"run_root": "runs/x", "dataset": {"path": "x"}, "teacher": {"model": "x"}, "student": {"distributed": {
         "nproc_per_node": 8, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "10.0.0.1:29400", "rdzv_id": "job7"}}}
@@ -267,7 +280,7 @@ def test_launch_command_backend_and_sharding_choices() -> None:
     command = torchrun_command(distributed, "/shared/run.yaml", "--stop-at-step", "5")
     assert command[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1",
                            "--rdzv_backend", "c10d", "--rdzv_endpoint", "10.0.0.1:29400", "--rdzv_id", "job7",
-                           "-m", "tasks.train_worker", "--config", "/shared/run.yaml", "--stop-at-step", "5"]
+                           "-m", "kdflow.tasks.student.train_worker", "--config", "/shared/run.yaml", "--stop-at-step", "5"]
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert (choose_backend("auto", cpu), choose_backend("auto", gpu), choose_backend("gloo", gpu)) == ("gloo", "nccl", "gloo")
     with pytest.raises(ConfigError, match="backend=nccl needs CUDA devices"):

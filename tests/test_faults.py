@@ -24,20 +24,21 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import sample_documents, write_jsonl
-from kdflow.config import KDFlowConfig, config_from_dict, dump_config, set_dotted
-from kdflow.errors import StoreError
-from kdflow.validate import validate_run_root
-from schemas.commits import commit_file_name, data_file_name, list_commits, load_manifest
-from schemas.storage import RunRoot, sha256_of
-from tasks.gpu_errors import EXIT_NO_SPACE, EXIT_USER_ERROR
-from tasks.precompute import ShardLeases, precompute_shards
-from tasks.precompute_worker import ERROR_PREFIX, PROGRESS_PREFIX, RESULT_PREFIX
-from tasks.precompute_worker import run as run_worker_here
+from safetensors.torch import load_file
 from test_precompute import prepare
 from test_validate import flip_byte
+
+from kdflow.schemas.commits import list_commits, load_manifest
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, set_dotted
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.layout import commit_file_name, data_file_name
+from kdflow.schemas.protocol import ERROR_PREFIX, EXIT_NO_SPACE, EXIT_USER_ERROR, PROGRESS_PREFIX, RESULT_PREFIX
+from kdflow.schemas.storage import RunRoot, sha256_of
+from kdflow.tasks.teacher.leases import ShardLeases
+from kdflow.tasks.teacher.precompute import precompute_shards
+from kdflow.tasks.teacher.precompute_worker import run as run_worker_here
+from kdflow.validate import validate_run_root
 
 REPO = Path(__file__).resolve().parents[1]
 STORE_FILES = {"_complete.json", "_store.json", "config.yaml"}  # besides shard-N.arrow / shard-N.commit.json
@@ -129,7 +130,7 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def start_worker(config_path: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tasks.precompute_worker", "--config", str(config_path)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config", str(config_path)], cwd=REPO,
                             env=worker_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -143,7 +144,7 @@ def write_config(config: KDFlowConfig, path: Path) -> Path:
 
 def test_worker_killed_mid_shard_is_retried_by_the_flow_with_identical_output(prefect_harness, run_copy, prepared,
                                                                                monkeypatch) -> None:
-    from flows.precompute import precompute_flow
+    from kdflow.flows.precompute import precompute_flow
 
     config = run_copy()
     monkeypatch.setenv("KDFLOW_FAULT", "kill@shard=1,micro_batch=1")  # SIGKILL: no Python cleanup at all
@@ -189,8 +190,8 @@ def test_validate_fix_makes_the_next_run_recompute_exactly_the_damaged_shards(ru
 
 
 def test_a_data_file_without_its_commit_record_is_never_read_and_is_recomputed(run_copy, prepared, capsys) -> None:
-    from tasks.data import open_stores
-    from tasks.tokenise import load_tokenizer
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.data import open_stores
 
     config = run_copy("reference")
     store = topk_store(config, prepared)
@@ -356,13 +357,13 @@ def test_two_workers_racing_on_one_run_root_compute_each_shard_once(run_copy, pr
 # --- the student ------------------------------------------------------------------------------------------
 
 TRAIN_SLOWLY = ("import sys, time\n"
-                "from kdflow.config import load_config\n"
-                "from tasks.train import train\n"
+                "from kdflow.schemas.config import load_config\n"
+                "from kdflow.tasks.student.train import train\n"
                 "train(load_config(sys.argv[1]), on_step=lambda record: time.sleep(0.25))\n")
 
 
 def test_student_killed_mid_run_resumes_to_the_same_weights(run_copy, prepared, tmp_path) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     whole = run_copy("reference", student__name="whole")
     train(whole)

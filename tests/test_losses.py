@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tasks.losses import fused_topk_kl
+from kdflow.tasks.student.losses import fused_topk_kl
 
 
 def dense_reference(

@@ -11,14 +11,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import sample_documents, write_jsonl
-from kdflow.errors import KDFlowError
-from schemas.commits import CORPUS_DIR, list_commits, read_complete
-from schemas.fingerprints import corpus_fingerprint
-from schemas.shards import read_corpus_part
-from schemas.storage import RunRoot, sha256_of
-from tasks.corpus import DataError, materialise
+
+from kdflow.schemas.commits import list_commits, read_complete
+from kdflow.schemas.errors import KDFlowError
+from kdflow.schemas.fingerprints import corpus_fingerprint
+from kdflow.schemas.layout import CORPUS_DIR
+from kdflow.schemas.shards import read_corpus_part
+from kdflow.schemas.storage import RunRoot, sha256_of
+from kdflow.tasks.corpus.materialise import DataError, materialise
 
 DOCS = [f"document number {i}: " + "word " * (i % 7) for i in range(11)]
 
@@ -72,7 +73,7 @@ def test_formats_give_the_documents_in_order(make_config: Callable[..., Any], tm
     assert committed_documents(config) == list(enumerate(DOCS))
     done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
     assert done is not None and (done.shards, done.rows, done.fingerprint) == (3, 11, summary.fingerprint)
-    assert done.extra["source_exhausted"] is True
+    assert done.extra.source_exhausted is True
 
 
 def test_streaming_reads_the_same_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_empty_documents_are_skipped_and_counted(make_config: Callable[..., Any]
     assert (summary.documents, summary.skipped_empty) == (3, 4)
     assert committed_documents(config) == [(0, "first"), (1, "second"), (2, "third")]
     done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
-    assert done.extra["skipped_empty"] == 4
+    assert done.extra.skipped_empty == 4
 
 
 def test_max_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:
@@ -99,7 +100,7 @@ def test_max_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:
     assert (summary.parts, summary.documents) == (2, 6)
     assert committed_documents(config) == list(enumerate(DOCS[:6]))
     done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
-    assert done.extra["source_exhausted"] is False
+    assert done.extra.source_exhausted is False
 
 
 def test_max_tokens_stops_once_the_budget_is_reached(make_config: Callable[..., Any], tiny_tokenizer_dir: Path) -> None:

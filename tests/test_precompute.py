@@ -17,19 +17,25 @@ import numpy as np
 import pytest
 import torch
 
-from kdflow.errors import ConfigError, FingerprintMismatch, KDFlowError
-from schemas.commits import commit_file_name, list_commits, load_manifest, read_complete, stage_dir
-from schemas.shards import read_token_shard, read_topk_shard
-from schemas.storage import RunRoot, sha256_of
-from tasks import faults
-from tasks.corpus import materialise
-from tasks.gpu_errors import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY,
-                              EXIT_CUDA_OOM, EXIT_NO_SPACE, EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES, exit_code_for,
-                              normalise_returncode)
-from tasks.precompute import ShardLeases, find_topk_stores, precompute_shards
-from tasks.precompute_worker import format_shard_ids, parse_shard_ids
-from tasks.teacher import TeacherPlacementError, check_placement, load_teacher, teacher_fingerprint
-from tasks.tokenise import load_tokenizer, tokenise
+from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
+from kdflow.schemas.layout import commit_file_name
+from kdflow.schemas.protocol import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_ILLEGAL_ADDRESS,
+                                     EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY, EXIT_CUDA_OOM, EXIT_NO_SPACE,
+                                     EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES, format_shard_ids,
+                                     normalise_returncode, parse_shard_ids)
+from kdflow.schemas.shards import read_token_shard, read_topk_shard
+from kdflow.schemas.storage import RunRoot, sha256_of
+from kdflow.schemas.stores import find_topk_stores
+from kdflow.tasks.common.failures import exit_code_for
+from kdflow.tasks.common.models import teacher_fingerprint
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.tokenise import tokenise
+from kdflow.tasks.teacher import faults
+from kdflow.tasks.teacher.leases import ShardLeases
+from kdflow.tasks.teacher.loading import TeacherPlacementError, check_placement, load_teacher
+from kdflow.tasks.teacher.precompute import precompute_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,7 +99,7 @@ def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config
     assert len(manifest) == tokens_done.shards
     done = read_complete(run_root, stage_dir(run_root, "topk", summary["tag"]))
     assert done.shards == tokens_done.shards and done.fingerprint == summary["tag"]
-    assert find_topk_stores(config) == [summary["tag"]]
+    assert find_topk_stores(RunRoot(config.run_root), config) == [summary["tag"]]
 
 
 def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config) -> None:
@@ -239,12 +245,12 @@ def test_four_bit_teacher_runs_on_cpu(make_config) -> None:
 
 
 def _worker(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tasks.precompute_worker", "--config", str(config_path)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config", str(config_path)], cwd=REPO,
                           env=os.environ | env, capture_output=True, text=True, timeout=300)
 
 
 def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path) -> None:
-    from kdflow.config import dump_config
+    from kdflow.schemas.config import dump_config
 
     config = prepare(make_config(dataset__max_documents=16))
     config_path = tmp_path / "resolved.yaml"

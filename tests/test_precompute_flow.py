@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from schemas.commits import list_commits, stage_dir
-from schemas.storage import RunRoot
-from tasks.gpu_errors import EXIT_USER_ERROR
 from test_precompute import prepare
+
+from kdflow.schemas.commits import list_commits, stage_dir
+from kdflow.schemas.protocol import EXIT_USER_ERROR
+from kdflow.schemas.storage import RunRoot
 
 
 def shard_hashes(config: Any, tag: str) -> dict[int, str]:
@@ -20,7 +20,7 @@ def shard_hashes(config: Any, tag: str) -> dict[int, str]:
 
 
 def test_a_cuda_driver_error_is_retried_in_a_new_process(prefect_harness, make_config, tmp_path, monkeypatch) -> None:
-    from flows.precompute import precompute_flow
+    from kdflow.flows.precompute import precompute_flow
 
     overrides = {"dataset__max_documents": 12, "precompute__max_attempts": 3, "precompute__retry_delay_s": 0}
     clean = prepare(make_config(run_root=str(tmp_path / "clean"), **overrides))
@@ -42,8 +42,8 @@ def test_a_user_error_fails_at_once_with_the_workers_message(prefect_harness, ma
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from flows.precompute import WorkerUserError, precompute_flow
-    from kdflow.errors import KDFlowError
+    from kdflow.flows.precompute import WorkerUserError, precompute_flow
+    from kdflow.schemas.errors import KDFlowError
 
     # The teacher's limits are checked before the token store is even read: no need to tokenise here.
     config = make_config(precompute__max_attempts=3, precompute__retry_delay_s=0, precompute__top_k=1000)
@@ -64,7 +64,7 @@ def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from flows.precompute import precompute_shards_flow
+    from kdflow.flows.precompute import precompute_shards_flow
 
     config = prepare(make_config(dataset__max_documents=12))
     state = precompute_shards_flow(config, "0,2", return_state=True)

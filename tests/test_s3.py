@@ -68,11 +68,12 @@ def _s3_keys(endpoint: str, run_root: str, under: str) -> list[str]:
 
 
 def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_config: Callable[..., Any]) -> None:
-    from schemas.commits import list_commits, load_manifest, read_complete, stage_dir
-    from schemas.storage import RunRoot
-    from tasks.corpus import materialise
-    from tasks.precompute import precompute_shards
-    from tasks.tokenise import load_tokenizer, tokenise
+    from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
+    from kdflow.tasks.teacher.precompute import precompute_shards
 
     config = make_config(run_root=s3_run_root, dataset__max_documents=14)
     run_root = RunRoot(config.run_root)

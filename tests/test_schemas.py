@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from kdflow.errors import StoreError
-from schemas.shards import (CORPUS_SCHEMA, INPUT_IDS, TOPK_IDS, TOPK_LOGPROBS, corpus_table, read_corpus_part, read_stream_table,
-                            read_token_shard, read_topk_shard, token_batch, token_shard_writer, topk_batch, topk_shard_writer,
-                            write_corpus_part)
-from schemas.storage import RunRoot, sha256_of
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.shards import (CORPUS_SCHEMA, INPUT_IDS, TOPK_IDS, TOPK_LOGPROBS, corpus_table, read_corpus_part,
+                                   read_stream_table, read_token_shard, read_topk_shard, token_batch,
+                                   token_shard_writer, topk_batch, topk_shard_writer, write_corpus_part)
+from kdflow.schemas.storage import RunRoot, sha256_of
 
 SEQ_LEN, TOP_K = 16, 4
 

@@ -9,15 +9,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import tasks.tokenise as tokenise_module
 from conftest import sample_documents
-from kdflow.errors import StoreError
-from schemas.commits import CORPUS_DIR, TOKENS_DIR, commit_file_name, data_file_name, list_commits, read_complete
-from schemas.shards import read_token_shard
-from schemas.storage import RunRoot, sha256_of
-from tasks.corpus import materialise
-from tasks.tokenise import load_tokenizer, tokenise
+
+import kdflow.tasks.corpus.tokenise as tokenise_module
+from kdflow.schemas.commits import list_commits, read_complete
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.layout import CORPUS_DIR, TOKENS_DIR, commit_file_name, data_file_name
+from kdflow.schemas.shards import read_token_shard
+from kdflow.schemas.storage import RunRoot, sha256_of
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.tokenise import tokenise
 
 SEQ_LEN, PER_SHARD = 32, 8
 
@@ -77,10 +79,10 @@ def test_packing_is_exact(tokenised: Callable[..., tuple[Any, Any, Any]], monkey
     assert [records[i].rows for i in sorted(records)] == [PER_SHARD] * (summary.shards - 1) + [last_rows]
     for record in records.values():
         assert record.tokens == record.rows * SEQ_LEN
-        assert record.extra["tokenizer_fingerprint"] == summary.tokenizer_fingerprint
+        assert record.extra.tokenizer_fingerprint == summary.tokenizer_fingerprint
     done = read_complete(run_root, store)
-    assert (done.shards, done.rows, done.extra["dropped_tokens"]) == (summary.shards, len(expected), dropped)
-    assert (done.extra["seq_len"], done.extra["vocab_size"]) == (SEQ_LEN, len(tokenizer))
+    assert (done.shards, done.rows, done.extra.dropped_tokens) == (summary.shards, len(expected), dropped)
+    assert (done.extra.seq_len, done.extra.vocab_size) == (SEQ_LEN, len(tokenizer))
 
 
 def test_rerun_does_no_work(tokenised: Callable[..., tuple[Any, Any, Any]]) -> None:
@@ -140,7 +142,7 @@ def test_interrupted_run_resumes_to_identical_shards(make_config: Callable[..., 
     run_root, store = token_store(interrupted)
     records = list_commits(run_root, store, "tokens")
     assert sorted(records) == list(range(6)) and read_complete(run_root, store) is None
-    assert records[5].extra["end_offset"] > 0  # the resume point lies inside a document
+    assert records[5].extra.end_offset > 0  # the resume point lies inside a document
     resumed = tokenise(interrupted, tokenizer)
     assert resumed.shards_written == expected.shards - 6
     assert (resumed.shards, resumed.sequences, resumed.dropped_tokens) == (expected.shards, expected.sequences, expected.dropped_tokens)

@@ -8,15 +8,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from tasks.topk import (
-    LogitTransform,
-    TeacherTopkStep,
-    body_hidden_states,
-    choose_chunk_tokens,
-    chunked_topk,
-    final_logit_transform,
-    output_layer,
-)
+from kdflow.tasks.common.models import body_hidden_states, output_layer
+from kdflow.tasks.common.models import LogitTransform, final_logit_transform
+from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens, chunked_topk
 
 HIDDEN, VOCAB = 48, 512
 

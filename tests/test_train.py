@@ -18,17 +18,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
 
-from conftest import sample_documents, write_jsonl
-from kdflow.config import KDFlowConfig, config_from_dict, set_dotted
-from kdflow.errors import FingerprintMismatch, KDFlowError, StoreError
-from schemas.commits import (CommitRecord, StageComplete, data_file_name, list_commits, read_commit, read_complete, stage_dir,
-                             write_commit, write_complete)
-from schemas.shards import read_token_shard, read_topk_shard, topk_batch, topk_shard_writer
-from schemas.storage import RunRoot
-from tasks.corpus import materialise
-from tasks.tokenise import load_tokenizer, tokenise
+from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_commit, read_complete, stage_dir,
+                                    write_commit, write_complete)
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.errors import FingerprintMismatch, KDFlowError, StoreError
+from kdflow.schemas.layout import data_file_name
+from kdflow.schemas.shards import read_token_shard, read_topk_shard, topk_batch, topk_shard_writer
+from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.tokenise import tokenise
 
 SHARPEN = 40.0  # lm_head scale of the test teacher: peaked distributions, a clear signal in a few steps
 DENSE_TAG = "dense"
@@ -140,7 +142,7 @@ def assert_one_line(error: BaseException, *phrases: str) -> None:
 
 
 def test_training_reduces_heldout_kl_logs_every_step_and_keeps_two_checkpoints(fresh_run) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     config = fresh_run(student__steps=16, student__save_every=3, student__eval_every=8, student__kd__kd_weight=0.8)
     summary = train(config)
@@ -177,7 +179,7 @@ def test_training_reduces_heldout_kl_logs_every_step_and_keeps_two_checkpoints(f
 
 
 def test_interrupted_and_resumed_runs_end_with_the_same_weights(fresh_run) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     def stop_at(step: int, *, crash: bool) -> Callable[[dict[str, Any]], bool]:
         def on_step(record: dict[str, Any]) -> bool:
@@ -214,7 +216,7 @@ def test_interrupted_and_resumed_runs_end_with_the_same_weights(fresh_run) -> No
 
 
 def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     # lr 1e-3: Adam divides by |g| + 1e-8, so where a gradient is ~1e-8 its rounding shows in the step;
     # loss and gradient norm per step show any normalisation error directly (Adam alone would hide a scale).
@@ -232,7 +234,7 @@ def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:
 
 
 def test_a_checkpoint_of_other_settings_is_not_resumed(fresh_run) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     train(fresh_run(student__steps=2))
     with pytest.raises(StoreError) as caught:
@@ -244,7 +246,7 @@ def test_a_checkpoint_of_other_settings_is_not_resumed(fresh_run) -> None:
 
 
 def test_order_covers_every_training_row_once_per_epoch_and_ranks_split_batches(fresh_run) -> None:
-    from tasks.data import epoch_permutation, open_distill_data
+    from kdflow.tasks.student.data import epoch_permutation, open_distill_data
 
     config = fresh_run(student__eval_shards=2, student__eval_sequences=10)
     data = open_distill_data(config, load_tokenizer(config))
@@ -284,7 +286,7 @@ def test_order_covers_every_training_row_once_per_epoch_and_ranks_split_batches(
 
 
 def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Path) -> None:
-    from tasks.data import open_stores
+    from kdflow.tasks.student.data import open_stores
 
     config = fresh_run()
     run_root = RunRoot(config.run_root)
@@ -307,7 +309,7 @@ def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Pat
 
 @pytest.mark.parametrize("what", ["top_k", "seq_len"])
 def test_topk_store_with_other_k_or_seq_len_is_an_error(fresh_run, sharp_teacher_dir: Path, what: str) -> None:
-    from tasks.data import open_stores
+    from kdflow.tasks.student.data import open_stores
 
     config = fresh_run()
     shutil.rmtree(stage_dir(RunRoot(config.run_root), "topk", DENSE_TAG))
@@ -320,7 +322,7 @@ def test_topk_store_with_other_k_or_seq_len_is_an_error(fresh_run, sharp_teacher
 def test_tokenizer_other_than_the_token_stores_is_an_error(fresh_run, tmp_path: Path, sharp_teacher_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     tokenizer = AutoTokenizer.from_pretrained(sharp_teacher_dir)
     tokenizer.add_tokens(["<extra>"])
@@ -331,7 +333,7 @@ def test_tokenizer_other_than_the_token_stores_is_an_error(fresh_run, tmp_path: 
 
 
 def test_init_from_that_is_not_a_model_is_an_error(fresh_run, tmp_path: Path) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "config-only").mkdir()
@@ -343,7 +345,7 @@ def test_init_from_that_is_not_a_model_is_an_error(fresh_run, tmp_path: Path) ->
 
 
 def test_init_from_a_saved_student_continues_from_its_weights(fresh_run) -> None:
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
 
     first = fresh_run(student__name="first", student__steps=2)
     train(first)
@@ -359,10 +361,10 @@ def test_init_from_a_saved_student_continues_from_its_weights(fresh_run) -> None
 def test_checkpoints_on_an_object_store_roundtrip_and_half_written_ones_are_ignored(fresh_run) -> None:
     import fsspec
 
-    from tasks.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model, load_training_state,
-                                  prune_checkpoints, save_checkpoint)
-    from tasks.student import build_student
-    from tasks.train import build_optimizer
+    from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
+                                                 load_training_state, prune_checkpoints, save_checkpoint)
+    from kdflow.tasks.student.model import build_student
+    from kdflow.tasks.student.train import build_optimizer
 
     config = fresh_run()
     tokenizer = load_tokenizer(config)
@@ -399,7 +401,7 @@ def test_checkpoints_on_an_object_store_roundtrip_and_half_written_ones_are_igno
 
 
 def test_flow_trains_writes_its_config_and_returns_a_small_summary(fresh_run, prefect_harness) -> None:
-    from flows.train import train_student_flow
+    from kdflow.flows.train import train_student_flow
 
     config = fresh_run(student__steps=3)
     result = train_student_flow(config.model_dump(mode="json"))
@@ -414,7 +416,7 @@ def test_flow_trains_writes_its_config_and_returns_a_small_summary(fresh_run, pr
 
 
 def test_training_report_shows_the_curve_and_evaluation() -> None:
-    from flows.train import sparkline, training_report
+    from kdflow.flows.train import sparkline, training_report
 
     assert sparkline([8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]) == "█▇▆▅▄▃▂▁"
     assert sparkline([1.0] * 200, width=50) == "▁" * 50
@@ -429,8 +431,8 @@ def test_training_report_shows_the_curve_and_evaluation() -> None:
 
 
 def test_training_on_the_real_precompute_output(tmp_path: Path, sharp_teacher_dir: Path) -> None:
-    from tasks.precompute import precompute_shards
-    from tasks.train import train
+    from kdflow.tasks.student.train import train
+    from kdflow.tasks.teacher.precompute import precompute_shards
 
     corpus = write_jsonl(tmp_path / "docs.jsonl", sample_documents(16))
     config = run_config(tmp_path / "run", sharp_teacher_dir, corpus, student__steps=2, student__eval_shards=1)

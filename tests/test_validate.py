@@ -9,16 +9,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import TINY_VOCAB
+
 from kdflow.cli import main as cli_main
+from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_complete, stage_dir, write_commit,
+                                    write_complete)
+from kdflow.schemas.layout import TOKENS_DIR, commit_file_name, data_file_name
+from kdflow.schemas.shards import topk_batch, topk_shard_writer
+from kdflow.schemas.storage import RunRoot, sha256_of
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.validate import topk_problems, validate_run_root
-from schemas.commits import (TOKENS_DIR, CommitRecord, StageComplete, commit_file_name, data_file_name, list_commits, read_complete,
-                             stage_dir, write_commit, write_complete)
-from schemas.shards import topk_batch, topk_shard_writer
-from schemas.storage import RunRoot, sha256_of
-from tasks.corpus import materialise
-from tasks.tokenise import load_tokenizer, tokenise
 
 TAG, TOP_K = "abcdef012345", 8
 Corruption = Callable[[np.ndarray, np.ndarray], None]
@@ -212,7 +214,7 @@ def test_topk_vocabulary_falls_back_to_the_token_store(tokenised_run: tuple[Any,
 
 def test_token_ids_beyond_the_vocabulary(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
     """A token shard rewritten with a bad id and a matching record: only the content check can catch it."""
-    from schemas.shards import read_token_shard, token_batch, token_shard_writer
+    from kdflow.schemas.shards import read_token_shard, token_batch, token_shard_writer
 
     config, _ = tokenised_run
     run_root = RunRoot(config.run_root)
@@ -249,15 +251,15 @@ def test_missing_run_root_and_empty_run_root(tmp_path: Path, capsys: pytest.Capt
 
 def test_older_token_store_without_vocab_size(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
     """Stores written before tokenise recorded `vocab_size`: the tokenizer named by config.yaml gives it, if present."""
-    from flows.common import write_stage_config
+    from kdflow.flows.common import write_stage_config
 
     config, _ = tokenised_run
     run_root = RunRoot(config.run_root)
     store = run_root.path(TOKENS_DIR)
     done = read_complete(run_root, store)
-    write_complete(run_root, store, done.model_copy(update={"extra": {k: v for k, v in done.extra.items() if k != "vocab_size"}}))
+    write_complete(run_root, store, done.model_copy(update={"extra": done.extra.model_copy(update={"vocab_size": None})}))
     for record in list_commits(run_root, store, "tokens").values():
-        write_commit(run_root, store, record.model_copy(update={"extra": {k: v for k, v in record.extra.items() if k != "vocab_size"}}))
+        write_commit(run_root, store, record.model_copy(update={"extra": record.extra.model_copy(update={"vocab_size": None})}))
     code, out = run_validate(capsys, config.run_root)
     assert code == 0 and "note: vocabulary size unknown" in out  # no config.yaml: the upper bound is skipped, with a note
     write_stage_config(config, store)

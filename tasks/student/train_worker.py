@@ -1,18 +1,18 @@
 """One rank of a multi-process student training run: what torchrun starts on every rank.
 
     python -m torch.distributed.run --nproc_per_node N --nnodes M --node_rank R --rdzv_backend c10d \\
-        --rdzv_endpoint HOST:PORT --rdzv_id ID -m tasks.train_worker --config RESOLVED.yaml [--stop-at-step S]
+        --rdzv_endpoint HOST:PORT --rdzv_id ID -m kdflow.tasks.student.train_worker --config RESOLVED.yaml [--stop-at-step S]
 
 Each rank joins the process group (backend from `student.distributed.backend`), then calls
-`tasks.train.train(config, rank=RANK, world_size=WORLD_SIZE)`. `--stop-at-step S` ends the run after step S
-with a checkpoint (a run handed to another job, or to another number of ranks, resumes from it). Lines for
-the flow on stdout (the prefixes of tasks.precompute_worker): `KDFLOW_RESULT {...}` the summary, from rank 0;
-`KDFLOW_ERROR {...}` from a rank that failed (exit codes of tasks.gpu_errors: 2 is a user error). Rank 0 logs
-at INFO, the others at WARNING, each line tagged with its rank.
+`kdflow.tasks.student.train.train(config, rank=RANK, world_size=WORLD_SIZE)`. `--stop-at-step S` ends the run
+after step S with a checkpoint (a run handed to another job, or to another number of ranks, resumes from
+it). Lines for the flow on stdout follow the worker protocol (`kdflow.schemas.protocol`): the result from
+rank 0, an error line from a rank that failed (exit code 2 is a user error). Rank 0 logs at INFO, the
+others at WARNING, each line tagged with its rank.
 
-`python -m tasks.train_worker --exec-torchrun TORCHRUN_ARGS...` is how the flow starts torchrun: the process
-asks to die with its parent (the flow) and then becomes torchrun, so killing the flow takes the whole job
-down; every rank in turn dies with torchrun.
+`python -m kdflow.tasks.student.train_worker --exec-torchrun TORCHRUN_ARGS...` is how the flow starts torchrun:
+the process asks to die with its parent (the flow) and then becomes torchrun, so killing the flow takes the
+whole job down; every rank in turn dies with torchrun.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from tasks.precompute_worker import ERROR_PREFIX, PARENT_PID_ENV, RESULT_PREFIX, emit, set_parent_death_signal
+from kdflow.schemas.protocol import PARENT_PID_ENV
+from kdflow.tasks.common.worker import exit_now, run_worker, set_parent_death_signal
 
+MODULE = "kdflow.tasks.student.train_worker"
 EXEC_TORCHRUN = "--exec-torchrun"
 
 
@@ -45,7 +46,7 @@ def _stop_at(step: int | None) -> Callable[[dict[str, Any]], bool] | None:
 
 def run(argv: list[str] | None = None) -> int:
     """Everything one rank does; -> its exit code (never raises)."""
-    parser = argparse.ArgumentParser(prog="python -m tasks.train_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved config (YAML)")
     parser.add_argument("--stop-at-step", type=int, default=None, help="stop after this step, with a checkpoint")
     args = parser.parse_args(argv)
@@ -53,14 +54,13 @@ def run(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from tasks.gpu_errors import EXIT_CODE_NAMES, EXIT_OK, EXIT_USER_ERROR, exit_code_for
 
-    try:
+    def body() -> dict[str, Any] | None:
         from transformers.utils import logging as transformers_logging
 
-        from kdflow.config import load_config
-        from tasks.distributed import barrier, init_process_group, rank_device, shutdown, torchrun_rank
-        from tasks.train import train
+        from kdflow.schemas.config import load_config
+        from kdflow.tasks.student.distributed import barrier, init_process_group, rank_device, shutdown, torchrun_rank
+        from kdflow.tasks.student.train import train
 
         transformers_logging.disable_progress_bar()
         config = load_config(args.config)
@@ -70,31 +70,17 @@ def run(argv: list[str] | None = None) -> int:
         logging.getLogger("kdflow").info("rank %d of %d on %s (%s)", ranks.rank, ranks.world_size, device, backend)
         summary = train(config, rank=ranks.rank, world_size=ranks.world_size, on_step=_stop_at(args.stop_at_step))
         barrier()  # rank 0 has written everything when any rank reports success
-        if ranks.rank == 0:
-            emit(RESULT_PREFIX, summary | {"world_size": ranks.world_size, "backend": backend})
         shutdown()
-        return EXIT_OK
-    except BaseException as error:  # noqa: BLE001 - every failure must become an exit code
-        code = exit_code_for(error)
-        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        if code != EXIT_USER_ERROR:
-            traceback.print_exc(file=sys.stderr)
-        print(f"kdflow train worker rank {rank}: {EXIT_CODE_NAMES.get(code, 'error')}: {message}", file=sys.stderr,
-              flush=True)
-        emit(ERROR_PREFIX, {"exit_code": code, "kind": EXIT_CODE_NAMES.get(code, "error"), "type": type(error).__name__,
-                            "message": message, "rank": int(rank), "pid": os.getpid()})
-        return code
+        return summary | {"world_size": ranks.world_size, "backend": backend} if ranks.rank == 0 else None
+
+    return run_worker(body, label=f"kdflow train worker rank {rank}", error_fields={"rank": int(rank)})
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == EXEC_TORCHRUN:
         exec_torchrun(sys.argv[2:])
     set_parent_death_signal()  # torchrun is the parent: a killed launcher leaves no rank behind
-    code = run()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # No interpreter teardown: a rank whose peers died can hang in the process group's destructor.
-    os._exit(code)
+    exit_now(run())
 
 
 if __name__ == "__main__":

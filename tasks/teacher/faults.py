@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-from kdflow.errors import ConfigError
-from schemas.storage import RunRoot
+from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.layout import FAULTS_DIR
+from kdflow.schemas.storage import RunRoot
 
 ENV_VAR = "KDFLOW_FAULT"
-FAULTS_DIR = "_faults"
 _KINDS = {"cuda_error": "micro_batch", "kill": "micro_batch", "enospc": "write"}  # kind -> the site it fires at
 _KEYS = ("shard", "micro_batch")
 

@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdflow.config import DatasetConfig, KDFlowConfig
-from kdflow.errors import ConfigError, KDFlowError
-from schemas.commits import CommitRecord, StageComplete, committed_prefix, data_file_name, list_commits, read_complete, stage_dir, write_commit, write_complete
-from schemas.fingerprints import corpus_fingerprint
-from schemas.shards import corpus_table, write_corpus_part
-from schemas.storage import RunRoot
+from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPartInfo, StageComplete, committed_prefix,
+                                    list_commits, read_complete, stage_dir, write_commit, write_complete)
+from kdflow.schemas.config import DatasetConfig, KDFlowConfig
+from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.schemas.fingerprints import corpus_fingerprint
+from kdflow.schemas.layout import data_file_name
+from kdflow.schemas.shards import corpus_table, write_corpus_part
+from kdflow.schemas.storage import RunRoot
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 CountTokens = Callable[[list[str]], list[int]]
@@ -168,11 +170,11 @@ def materialise(
     done = read_complete(run_root, store)
     prefix = committed_prefix(committed)
     totals = dict(documents=sum(committed[i].rows for i in range(prefix)), tokens=sum(committed[i].tokens for i in range(prefix)),
-                  skipped=sum(committed[i].extra.get("skipped_empty", 0) for i in range(prefix)))
+                  skipped=sum(committed[i].extra.skipped_empty or 0 for i in range(prefix)))
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
         return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], 0, fingerprint)
 
-    source_index = committed[prefix - 1].extra["source_end"] if prefix else 0
+    source_index = committed[prefix - 1].extra.source_end if prefix else 0
     part, written = _Part(source_start=source_index), 0
     budget_docs = dataset.max_documents
     budget_tokens = dataset.max_tokens
@@ -186,8 +188,8 @@ def materialise(
         record = CommitRecord(
             stage="corpus", shard_id=prefix, data_file=data_file_name("corpus", prefix), rows=len(part.texts),
             tokens=part.tokens, bytes=writer.nbytes, sha256=writer.sha256, fingerprint=fingerprint,
-            extra={"source_start": part.source_start, "source_end": source_end, "skipped_empty": part.skipped_empty,
-                   "chars": sum(map(len, part.texts))},
+            extra=CorpusPartInfo(source_start=part.source_start, source_end=source_end, skipped_empty=part.skipped_empty,
+                                 chars=sum(map(len, part.texts))),
         )
         write_commit(run_root, store, record)
         if on_part:
@@ -251,6 +253,6 @@ def materialise(
     flush(next_index)
     write_complete(run_root, store, StageComplete(
         stage="corpus", shards=prefix, rows=totals["documents"], tokens=totals["tokens"], fingerprint=fingerprint,
-        extra={"skipped_empty": totals["skipped"], "source_exhausted": exhausted},
+        extra=CorpusCompleteInfo(skipped_empty=totals["skipped"], source_exhausted=exhausted),
     ))
     return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], written, fingerprint)

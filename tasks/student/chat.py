@@ -1,9 +1,9 @@
 """Generate with a saved student: `kdflow chat STUDENT_DIR` and the `generate()` the demo calls.
 
-A student folder is what `tasks.train` writes to `students/NAME/final/` (HF model + tokenizer); the
+A student folder is what `kdflow.tasks.student.train` writes to `students/NAME/final/` (HF model + tokenizer); the
 `students/NAME` folder itself is accepted too. A tokenizer with a chat template means an instruction-tuned
 student (an `init_from` chat model): prompts go through the template. A base student is saved without
-one (tasks.student.student_tokenizer), so its prompts are plain text to continue.
+one (kdflow.tasks.student.model.student_tokenizer), so its prompts are plain text to continue.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tasks.student import StudentError, load_causal_lm
-
-FINAL_DIR = "final"  # tasks.checkpoint.FINAL_DIR, without importing the training code
+from kdflow.schemas.errors import first_line
+from kdflow.schemas.layout import FINAL_DIR
+from kdflow.tasks.student.model import StudentError, load_causal_lm
 
 
 @dataclass
@@ -58,8 +58,7 @@ def load_student(path: str, device: str = "auto") -> LoadedStudent:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise StudentError(f"student {folder!r} has no usable tokenizer: {message}") from None
+        raise StudentError(f"student {folder!r} has no usable tokenizer: {first_line(error)}") from None
     model.eval()
     return LoadedStudent(model, tokenizer, target, folder)
 

@@ -1,4 +1,4 @@
-"""Loading the teacher: whole-model placement, its fingerprint, and the checks that fail fast with one line.
+"""Loading the teacher: whole-model placement and the checks that fail fast with one line.
 
 The reference teacher (a 32B MoE in 4-bit on a 24 GB GPU) taught us two things. `device_map="auto"` may
 silently offload layers to CPU or disk (9 MoE layers ran from disk in fp16, hours slower), so we place the
@@ -8,64 +8,20 @@ cheap checks (paths, vocabulary, context length, tokenizer) run before the weigh
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
-from kdflow.config import TeacherConfig, section_hash
-from kdflow.errors import ConfigError, FingerprintMismatch, KDFlowError
-from kdflow.models import resolve_model_source
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
-_SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})/")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kdflow.schemas.config import TeacherConfig
+from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
+from kdflow.tasks.common.models import check_teacher_source, resolve_device, resolve_dtype
 
 
 class TeacherPlacementError(KDFlowError):
     """Part of the teacher is not on the target device (offloaded to CPU/disk, or never loaded)."""
-
-
-def resolve_device(spec: str) -> torch.device:
-    """auto -> the first CUDA device if there is one, else the CPU; `cuda` means `cuda:0`."""
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(spec)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
-    return device
-
-
-def resolve_dtype(teacher: TeacherConfig, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on a CUDA device that supports it, else float32 (bf16 matmuls are slower on CPUs)."""
-    if teacher.dtype != "auto":
-        return _DTYPES[teacher.dtype]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
-def check_teacher_source(teacher: TeacherConfig) -> str | None:
-    """The teacher's local folder (None for a hub id); one-line errors when it is not a usable model folder."""
-    try:
-        path = resolve_model_source(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
-    except ConfigError as error:
-        raise ConfigError(f"teacher {error}") from None
-    if not os.path.exists(path):
-        return None  # a hub id
-    if not os.path.isdir(path):
-        raise ConfigError(f"teacher path is not a model folder: {teacher.model}")
-    if teacher.gguf_file:
-        if not os.path.isfile(os.path.join(path, teacher.gguf_file)):
-            raise ConfigError(f"teacher GGUF file not found: {os.path.join(teacher.model, teacher.gguf_file)}")
-    elif not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"teacher path is not a model folder (no config.json): {teacher.model}")
-    return path
 
 
 def _source_kwargs(teacher: TeacherConfig) -> dict[str, Any]:
@@ -164,58 +120,3 @@ def check_store_tokenizer(store_tokenizer_fp: str | None, tokenizer_fp: str, sto
             f"token store {store} was made with tokenizer {store_tokenizer_fp}, but this config's tokenizer is "
             f"{tokenizer_fp}; rerun tokenise with the teacher's tokenizer"
         )
-
-
-# --- fingerprint ------------------------------------------------------------------------------------------
-
-
-def _file_sha256(path: str, limit: int | None = None) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as handle:
-        sha.update(handle.read(limit) if limit is not None else handle.read())
-    return sha.hexdigest()
-
-
-def _local_weights_hash(folder: str, gguf_file: str | None) -> str:
-    """Cheap stand-in for hashing tens of GB: the config's bytes and the weight files' names and sizes."""
-    if gguf_file:
-        path = os.path.join(folder, gguf_file)
-        return section_hash("gguf", gguf_file, os.path.getsize(path), _file_sha256(path, 1 << 20), length=32)
-    weights = sorted((n, os.path.getsize(os.path.join(folder, n))) for n in os.listdir(folder) if n.endswith(WEIGHT_SUFFIXES))
-    return section_hash("folder", _file_sha256(os.path.join(folder, "config.json")), json.dumps(weights), length=32)
-
-
-def _hub_revision(teacher: TeacherConfig) -> str | None:
-    """The pinned revision, else the commit of the cached snapshot the weights load from."""
-    if teacher.revision:
-        return teacher.revision
-    try:
-        from transformers.utils import cached_file
-
-        resolved = cached_file(teacher.model, "config.json", _raise_exceptions_for_missing_entries=False)
-    except (OSError, ValueError):
-        return None
-    match = _SNAPSHOT.search(str(resolved or "").replace(os.sep, "/"))
-    return match.group(1) if match else None
-
-
-def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> dict[str, Any]:
-    """What decides the teacher's numbers: its weights, dtype and quantisation (not where the folder lies)."""
-    if device is None:
-        device = next(model.parameters()).device if model is not None else resolve_device(teacher.device)
-    local = check_teacher_source(teacher)
-    identity: dict[str, Any] = {"dtype": str(resolve_dtype(teacher, device)).removeprefix("torch."),
-                                "quantisation": "bnb-nf4" if teacher.load_in_4bit else None,
-                                "gguf_file": teacher.gguf_file}
-    if local is not None:
-        identity["weights"] = _local_weights_hash(local, teacher.gguf_file)
-    else:
-        identity |= {"model": teacher.model, "revision": _hub_revision(teacher)}
-    # A checkpoint that ships quantised says so in its config.json, which the weights hash (local) or the
-    # revision (hub) already covers: the identity is the same before and after loading.
-    return identity
-
-
-def teacher_fingerprint(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> str:
-    """16 hex characters; the same weights, dtype and quantisation give the same value on any host."""
-    return section_hash("teacher", teacher_identity(teacher, model, device=device))

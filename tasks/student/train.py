@@ -1,13 +1,13 @@
 """Train a student against the cached teacher top-K: a pure-torch loop (no Prefect here).
 
-One optimiser step: the global batch at the current data position (tasks.data), this rank's rows of
+One optimiser step: the global batch at the current data position (kdflow.tasks.student.data), this rank's rows of
 it, `grad_accum` micro-batches; per micro-batch the student body's final hidden states go into the fused
 top-K loss with the lm_head weight (logits never exist beyond one chunk). Every micro-batch loss is
 divided by the GLOBAL count of counted positions of the whole optimiser step, so accumulation and ranks
 sum to exactly the gradient of one big batch. Then clipping, AdamW, the LR schedule (linear warmup,
 cosine to min_lr_ratio * lr). Metrics per step go to metrics.jsonl, evaluations to eval.jsonl.
 
-Data parallel (tasks.distributed, processes started by torchrun through tasks.train_worker): `rank` and
+Data parallel (kdflow.tasks.student.distributed, processes started by torchrun through kdflow.tasks.student.train_worker): `rank` and
 `world_size` pick the rows of each global batch, counts and logged sums are all-reduced, the student and its
 loss run as ONE module (DistillLoss) wrapped by FSDP or DDP, and only rank 0 writes files.
 """
@@ -25,23 +25,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from kdflow.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
-from kdflow.errors import ConfigError, StoreError
-from schemas.commits import STUDENTS_DIR
-from schemas.storage import RunRoot
-from tasks.checkpoint import (FINAL_DIR, TrainingState, latest_checkpoint, load_checkpoint_model, load_training_state,
-                              prune_checkpoints, save_checkpoint, save_final)
-from tasks.data import DistillBatch, DistillData, DistillStores, open_distill_data
-from tasks.distributed import (all_reduce_sum, any_rank, barrier, choose_sharding, clip_grad_norm,
-                               full_model_state, full_optimizer_state, gradient_sync, load_full_optimizer_state,
-                               rank_device, torchrun_rank, wrap_for_training)
-from tasks.progress import Progress
-from tasks.student import build_student, check_student, student_tokenizer
-from tasks.tokenise import load_tokenizer
-from tasks.topk import model_body, output_layer
+from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
+from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
+from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.common.models import model_body, output_layer
+from kdflow.tasks.common.progress import Progress
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
+                                             load_training_state, prune_checkpoints, save_checkpoint, save_final)
+from kdflow.tasks.student.data import DistillBatch, DistillData, DistillStores, open_distill_data
+from kdflow.tasks.student.distributed import (all_reduce_sum, any_rank, barrier, choose_sharding, clip_grad_norm,
+                                              full_model_state, full_optimizer_state, gradient_sync,
+                                              load_full_optimizer_state, rank_device, torchrun_rank, wrap_for_training)
+from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
 
 IGNORE_INDEX = -100
-METRICS_FILE, EVAL_FILE = "metrics.jsonl", "eval.jsonl"
 OnStep = Callable[[dict[str, Any]], bool | None]
 
 
@@ -105,7 +104,7 @@ class DistillLoss(nn.Module):
                 global_counts: tuple[float, float], kd_weight: float, temperature: float, chunk_tokens: int,
                 predict: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(n, T), (n, T, K), (n, T, K) -> loss, kd, ce, and with `predict` the student's argmax (n*T,)."""
-        from tasks.losses import fused_topk_kl
+        from kdflow.tasks.student.losses import fused_topk_kl
 
         head = output_layer(self.student)
         outputs = model_body(self.student)(input_ids=input_ids, use_cache=False)

@@ -7,7 +7,7 @@ filled under a hidden temporary name and renamed into place; on object stores th
 and `checkpoint.json` goes last. Either way a checkpoint without `checkpoint.json` is never resumed from.
 `students/NAME/final/` holds the final model and tokenizer only: what `kdflow chat` loads.
 
-Several ranks (tasks.distributed): rank 0 alone writes, from full states (gathered first under FSDP), so a
+Several ranks (kdflow.tasks.student.distributed): rank 0 alone writes, from full states (gathered first under FSDP), so a
 checkpoint is the same whatever the number of ranks and resumes on any number. The optimizer state is always
 an unsharded optimizer's `state_dict()`. The RNG states are rank 0's (CPU and its current GPU); on resume
 every rank restores them. The student has no dropout and the data order is a function of (seed, epoch,
@@ -20,7 +20,6 @@ import io
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 import time
@@ -34,15 +33,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from kdflow.errors import StoreError
-from schemas.storage import RunRoot
-from tasks.student import load_causal_lm
-
-CHECKPOINT_PREFIX = "checkpoint-"
-FINAL_DIR = "final"
-STATE_FILE = "training_state.pt"
-MARKER_FILE = "checkpoint.json"
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, TRAINING_STATE_FILE, checkpoint_name, checkpoint_step
+from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.student.model import load_causal_lm
 
 
 @dataclass(frozen=True)
@@ -52,17 +46,13 @@ class TrainingState:
     step: int
     position: int  # global data position: training rows consumed by all ranks together
     elapsed_s: float  # training seconds over all runs so far
-    fingerprint: str  # what must not change for a resume to continue the same run (tasks.train)
+    fingerprint: str  # what must not change for a resume to continue the same run (kdflow.tasks.student.train)
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     path: str
     state: TrainingState
-
-
-def checkpoint_name(step: int) -> str:
-    return f"{CHECKPOINT_PREFIX}{step}"
 
 
 # --- RNG states -------------------------------------------------------------------------------------------
@@ -117,7 +107,7 @@ def _seal(folder: str) -> None:
 
 @contextmanager
 def _folder_writer(run_root: RunRoot, path: str) -> Iterator[str]:
-    """Yields a local folder to fill; afterwards its files appear at `path` (replacing it), MARKER_FILE last."""
+    """Yields a local folder to fill; afterwards its files appear at `path` (replacing it), CHECKPOINT_MARKER last."""
     if run_root.is_local:
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
@@ -136,7 +126,7 @@ def _folder_writer(run_root: RunRoot, path: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="kdflow-upload-") as staging:
         yield staging
         _remove_tree(run_root, path)
-        names = sorted(os.listdir(staging), key=lambda name: name == MARKER_FILE)  # the marker last
+        names = sorted(os.listdir(staging), key=lambda name: name == CHECKPOINT_MARKER)  # the marker last
         run_root.makedirs(path)
         for name in names:
             run_root.fs.put_file(os.path.join(staging, name), f"{path}/{name}")
@@ -168,15 +158,15 @@ def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, token
         tokenizer.save_pretrained(folder)
         training = {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
                     "scheduler": scheduler.state_dict(), "rng": capture_rng(), "state": asdict(state)}
-        torch.save(training, os.path.join(folder, STATE_FILE))
-        with open(os.path.join(folder, MARKER_FILE), "w", encoding="utf-8") as handle:
+        torch.save(training, os.path.join(folder, TRAINING_STATE_FILE))
+        with open(os.path.join(folder, CHECKPOINT_MARKER), "w", encoding="utf-8") as handle:
             json.dump(asdict(state) | {"created_at": time.time()}, handle, indent=1)
     return path
 
 
 def _read_marker(run_root: RunRoot, path: str, step: int) -> TrainingState | None:
     try:
-        data = json.loads(run_root.read_bytes(f"{path}/{MARKER_FILE}"))
+        data = json.loads(run_root.read_bytes(f"{path}/{CHECKPOINT_MARKER}"))
         state = TrainingState(step=int(data["step"]), position=int(data["position"]),
                               elapsed_s=float(data["elapsed_s"]), fingerprint=str(data["fingerprint"]))
     except (FileNotFoundError, ValueError, KeyError, TypeError):
@@ -188,10 +178,10 @@ def list_checkpoints(run_root: RunRoot, student_dir: str) -> list[Checkpoint]:
     """Complete checkpoints (their marker is there and names their step), oldest first."""
     found = []
     for name in run_root.listdir(student_dir):
-        match = _CHECKPOINT_NAME.match(name)
-        if match:
+        step = checkpoint_step(name)
+        if step is not None:
             path = f"{student_dir}/{name}"
-            state = _read_marker(run_root, path, int(match.group(1)))
+            state = _read_marker(run_root, path, step)
             if state is not None:
                 found.append(Checkpoint(path, state))
     return sorted(found, key=lambda checkpoint: checkpoint.state.step)
@@ -210,7 +200,7 @@ def prune_checkpoints(run_root: RunRoot, student_dir: str, keep: int) -> list[st
     for name in run_root.listdir(student_dir):
         path = f"{student_dir}/{name}"
         interrupted_local = name.startswith(".") and (".tmp-" in name or ".old-" in name)
-        interrupted_upload = _CHECKPOINT_NAME.match(name) is not None and path not in complete
+        interrupted_upload = checkpoint_step(name) is not None and path not in complete
         if interrupted_local or interrupted_upload:
             removed.append(path)
     for path in removed:
@@ -222,7 +212,7 @@ def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: to
                         load_optimizer: Callable[[dict[str, Any]], None] | None = None) -> TrainingState:
     """Restore optimiser, scheduler and RNG states in place; -> the training state. `load_optimizer` takes
     the full optimizer state instead of `optimizer.load_state_dict` (a sharded optimizer keeps its shard)."""
-    path = f"{checkpoint.path}/{STATE_FILE}"
+    path = f"{checkpoint.path}/{TRAINING_STATE_FILE}"
     try:
         training = torch.load(io.BytesIO(run_root.read_bytes(path)), map_location="cpu", weights_only=True)
     except (FileNotFoundError, RuntimeError, ValueError, EOFError) as error:

@@ -2,7 +2,7 @@
 
 Per micro-batch of exactly `micro_batch` sequences (the last one of a shard is padded, so the batch shape
 on the device never changes): hidden states from the model body, top-K and the full-vocabulary
-log-sum-exp chunk by chunk (`tasks.topk`), one copy to the host, and the Arrow write handed to a
+log-sum-exp chunk by chunk (`kdflow.tasks.teacher.topk`), one copy to the host, and the Arrow write handed to a
 background thread so that it overlaps the next forward. Each shard is committed (data file, then its
 commit record) and a rerun skips committed shards. Before computing a shard a process takes a lease file,
 so that two processes on one run root do not compute the same shard; a lost race would still be harmless.
@@ -11,13 +11,9 @@ so that two processes on one run root do not compute the same shard; a lost race
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import queue
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,112 +21,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdflow.config import KDFlowConfig, dump_config
-from kdflow.errors import ConfigError, StoreError
-from schemas.commits import (CONFIG_FILE, CommitRecord, StageComplete, check_commit, data_file_name, read_complete, stage_dir,
-                             write_commit, write_complete)
-from schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
-from schemas.shards import StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer
-from schemas.storage import RunRoot
-from tasks import faults
-from tasks.precompute_worker import LEASE_OWNER_ENV
-from tasks.progress import Progress
-from tasks.teacher import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config,
-                           resolve_device, teacher_fingerprint, teacher_identity, vocab_rows)
-from tasks.tokenise import load_tokenizer
-from tasks.topk import TeacherTopkStep, choose_chunk_tokens, output_layer
+from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
+                                    read_complete, stage_dir, write_commit, write_complete)
+from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
+from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
+from kdflow.schemas.shards import StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import TopkStoreInfo, teacher_section, write_store_info
+from kdflow.tasks.common.models import output_layer, resolve_device, teacher_fingerprint, teacher_identity
+from kdflow.tasks.common.progress import Progress
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.teacher import faults
+from kdflow.tasks.teacher.leases import ShardLeases
+from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits,
+                                          load_teacher, load_teacher_config, vocab_rows)
+from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
-STORE_FILE = "_store.json"  # what made this top-K store: lets a reader find it without loading the teacher
 WRITE_QUEUE_DEPTH = 2
-
-
-# --- leases -----------------------------------------------------------------------------------------------
-
-
-class ShardLeases:
-    """`shard-NNNNN.lease` files (owner, host, pid, expiry) in a store: claims on shards being computed.
-
-    A lease is live while unexpired and, on this host, while its process exists. Local disk: created
-    whole with os.link (fails if the file exists); a stale one is renamed away first, so of two processes
-    taking it over only one wins. Object stores have no exclusive create: write, then read back.
-    """
-
-    def __init__(self, run_root: RunRoot, store: str, ttl_s: float, owner: str | None = None) -> None:
-        self.run_root, self.store, self.ttl_s = run_root, store, ttl_s
-        self.owner = owner or os.environ.get(LEASE_OWNER_ENV) or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._renewed: dict[int, float] = {}
-
-    def path(self, shard_id: int) -> str:
-        return f"{self.store}/shard-{shard_id:05d}.lease"
-
-    def _payload(self) -> bytes:
-        return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-                           "expires_at": time.time() + self.ttl_s}).encode()
-
-    def read(self, shard_id: int) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.run_root.read_bytes(self.path(shard_id)))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {}  # unreadable: treated as expired
-
-    def held_by_other(self, lease: dict[str, Any] | None) -> bool:
-        if not lease or lease.get("owner") == self.owner or lease.get("expires_at", 0) < time.time():
-            return False
-        if lease.get("host") == socket.gethostname():
-            try:
-                os.kill(int(lease["pid"]), 0)
-            except ProcessLookupError:
-                return False  # its process died on this host: no need to wait for the expiry
-            except (PermissionError, KeyError, ValueError, TypeError):
-                pass
-        return True
-
-    def acquire(self, shard_id: int) -> bool:
-        path = self.path(shard_id)
-        if not self.run_root.is_local:
-            if self.held_by_other(self.read(shard_id)):
-                return False
-            self.run_root.fs.pipe_file(path, self._payload())
-            won = (self.read(shard_id) or {}).get("owner") == self.owner
-        else:
-            won = self._acquire_local(path, shard_id)
-        if won:
-            self._renewed[shard_id] = time.monotonic()
-        return won
-
-    def _acquire_local(self, path: str, shard_id: int) -> bool:
-        self.run_root.makedirs(self.store)
-        for _ in range(3):
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-            try:
-                with open(tmp, "wb") as handle:  # inside the try: on a full disk the failed temp file goes too
-                    handle.write(self._payload())
-                os.link(tmp, path)
-                return True
-            except FileExistsError:
-                if self.held_by_other(self.read(shard_id)):
-                    return False
-                stale = f"{path}.stale-{uuid.uuid4().hex[:12]}"
-                with contextlib.suppress(FileNotFoundError):  # FileNotFoundError: another process moved it first
-                    os.rename(path, stale)
-                    os.remove(stale)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(tmp)
-        return False
-
-    def renew(self, shard_id: int) -> None:
-        """Push the expiry out, at most every ttl/3 seconds (called once per micro-batch)."""
-        if time.monotonic() - self._renewed.get(shard_id, 0.0) >= self.ttl_s / 3:
-            self.run_root.write_bytes_atomic(self.path(shard_id), self._payload())
-            self._renewed[shard_id] = time.monotonic()
-
-    def release(self, shard_id: int) -> None:
-        if (self.read(shard_id) or {}).get("owner") == self.owner:
-            self.run_root.remove(self.path(shard_id))
-        self._renewed.pop(shard_id, None)
 
 
 # --- one shard: device -> host -> Arrow, overlapped -------------------------------------------------------
@@ -216,9 +125,9 @@ class ShardComputer:
     """Everything fixed for one pass: the teacher step, the store, the batch shape."""
 
     def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str, tag: str,
-                 extra: dict[str, Any]) -> None:
+                 info: TopkShardInfo) -> None:
         pre = cfg.precompute
-        self.cfg, self.run_root, self.store, self.tag, self.extra = cfg, run_root, store, tag, extra
+        self.cfg, self.run_root, self.store, self.tag = cfg, run_root, store, tag
         self.device = next(model.parameters()).device
         self.vocab_rows = vocab_rows(model)
         vocab = getattr(output_layer(model), "out_features", None) or self.vocab_rows
@@ -227,8 +136,8 @@ class ShardComputer:
             self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens)
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
-        self.extra["chunk_tokens"] = chunk_tokens
-        self.extra["vocab_size"] = int(vocab)  # the teacher's output rows: `kdflow validate` bounds top-K ids by it
+        # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.
+        self.info = info.model_copy(update={"chunk_tokens": chunk_tokens, "vocab_size": int(vocab)})
         storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
         self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, WRITE_QUEUE_DEPTH + 2)
 
@@ -255,7 +164,8 @@ class ShardComputer:
         return CommitRecord(
             stage="topk", shard_id=shard_id, data_file=name, rows=rows, tokens=rows * cfg.seq_len, bytes=writer.sink.nbytes,
             sha256=writer.sink.sha256, input_sha256=token_record.sha256, fingerprint=self.tag,
-            extra=self.extra | {"seconds": round(seconds, 3), "tokens_per_s": round(rows * cfg.seq_len / max(seconds, 1e-9), 1)},
+            extra=self.info.model_copy(update={"seconds": round(seconds, 3),
+                                               "tokens_per_s": round(rows * cfg.seq_len / max(seconds, 1e-9), 1)}),
         )
 
     def _micro_batch(self, batch: np.ndarray, background: BackgroundWriter, shard_id: int, micro_batch: int) -> None:
@@ -279,7 +189,7 @@ def _token_store(run_root: RunRoot, cfg: KDFlowConfig, tokenizer_fp: str) -> tup
     done = read_complete(run_root, store)
     if done is None:
         raise StoreError(f"token store {run_root.display(store)} is not complete; run tokenise first")
-    check_store_tokenizer(done.extra.get("tokenizer_fingerprint"), tokenizer_fp, run_root.display(store))
+    check_store_tokenizer(done.extra.tokenizer_fingerprint, tokenizer_fp, run_root.display(store))
     expected = tokens_fingerprint(corpus_fingerprint(cfg), tokenizer_fp, cfg)
     if done.fingerprint != expected:
         raise StoreError(f"token store {run_root.display(store)} was made from other inputs (fingerprint {done.fingerprint}, "
@@ -299,7 +209,7 @@ def _requested(shard_ids: list[int] | None, count: int) -> list[int]:
 def _stale_temp_files(run_root: RunRoot, store: str, shard_id: int) -> None:
     """Remove temp files a killed writer left for this shard (RunRoot.atomic_writer's `.NAME.tmp-*`)."""
     if run_root.is_local:
-        prefix = f".{data_file_name('topk', shard_id)}.tmp-"
+        prefix = temp_prefix(data_file_name('topk', shard_id))
         for name in run_root.listdir(store):
             if name.startswith(prefix):
                 run_root.remove(f"{store}/{name}")
@@ -314,25 +224,6 @@ def deterministic_algorithms() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
-
-def find_topk_stores(cfg: KDFlowConfig) -> list[str]:
-    """Tags of the top-K stores made for this config's teacher, K and token store, read from their _store.json
-    (no teacher loaded; with teacher.dtype auto, a CPU and a GPU host make two)."""
-    run_root = RunRoot(cfg.run_root)
-    tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
-    teacher = cfg.teacher.model_dump(mode="json", exclude={"device"})
-    tags = []
-    for tag in run_root.listdir(run_root.path("topk")):
-        try:
-            made = json.loads(run_root.read_bytes(f"{run_root.path('topk', tag)}/{STORE_FILE}"))
-        except (FileNotFoundError, ValueError):
-            continue
-        if (tokens_done is not None and made.get("tokens_fingerprint") == tokens_done.fingerprint
-                and made.get("teacher") == teacher and made.get("top_k") == cfg.precompute.top_k
-                and made.get("logprobs_dtype") == cfg.precompute.logprobs_dtype):
-            tags.append(tag)
-    return tags
 
 
 @dataclass
@@ -389,9 +280,10 @@ def precompute_shards(
         run_root.ensure_writable()
         model = model if model is not None else load_teacher(cfg.teacher, device=target)
         check_tokenizer_fits(plan.tokenizer, model)
-        extra = {"teacher_fingerprint": plan.teacher_fp, "tokens_fingerprint": plan.tokens_done.fingerprint, "top_k": cfg.precompute.top_k,
-                 "seq_len": cfg.seq_len, "logprobs_dtype": cfg.precompute.logprobs_dtype, "micro_batch": cfg.precompute.micro_batch}
-        computer = ShardComputer(cfg, model, run_root, store, tag, extra)
+        info = TopkShardInfo(teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
+                             top_k=cfg.precompute.top_k, seq_len=cfg.seq_len, logprobs_dtype=cfg.precompute.logprobs_dtype,
+                             micro_batch=cfg.precompute.micro_batch)
+        computer = ShardComputer(cfg, model, run_root, store, tag, info)
         _write_store_files(cfg, plan)
         leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
         progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
@@ -438,7 +330,7 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                     _stale_temp_files(run_root, store, shard_id)
                     record = computer.compute(shard_id, token_records[shard_id], leases)
                     _commit_or_remove(run_root, store, record)
-                    written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra["seconds"]
+                    written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)
                     progress.update(1, record.tokens, **({"peak_device_memory_mib": peak} if peak is not None else {}))
             finally:
@@ -463,11 +355,10 @@ def _commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> No
 def _write_store_files(cfg: KDFlowConfig, plan: PassPlan) -> None:
     """The resolved config, and _store.json: what made this store, for readers that do not load the teacher."""
     plan.run_root.write_bytes_atomic(f"{plan.store}/{CONFIG_FILE}", dump_config(cfg).encode())
-    made = {"tag": plan.tag, "teacher_fingerprint": plan.teacher_fp, "tokens_fingerprint": plan.tokens_done.fingerprint,
-            "teacher": cfg.teacher.model_dump(mode="json", exclude={"device"}),
-            "teacher_identity": teacher_identity(cfg.teacher, device=plan.device),
-            "top_k": cfg.precompute.top_k, "logprobs_dtype": cfg.precompute.logprobs_dtype, "seq_len": cfg.seq_len}
-    plan.run_root.write_bytes_atomic(f"{plan.store}/{STORE_FILE}", json.dumps(made, indent=1, sort_keys=True).encode())
+    write_store_info(plan.run_root, plan.store, TopkStoreInfo(
+        tag=plan.tag, teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
+        teacher=teacher_section(cfg), teacher_identity=teacher_identity(cfg.teacher, device=plan.device),
+        top_k=cfg.precompute.top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=cfg.seq_len))
 
 
 def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: StageComplete) -> None:
@@ -480,8 +371,9 @@ def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: Stage
     records = [check_commit(run_root, store, "topk", i, tag)[0] for i in range(tokens_done.shards)]
     if any(r is None for r in records):
         return
-    extra = {"tokens_fingerprint": tokens_done.fingerprint, "teacher_fingerprint": records[0].extra.get("teacher_fingerprint"),
-             "seq_len": records[0].extra.get("seq_len"), "top_k": records[0].extra.get("top_k")} if records else {}
+    first = records[0].extra if records else TopkShardInfo()
+    extra = TopkCompleteInfo(tokens_fingerprint=tokens_done.fingerprint, teacher_fingerprint=first.teacher_fingerprint,
+                             seq_len=first.seq_len, top_k=first.top_k)
     write_complete(run_root, store, StageComplete(stage="topk", shards=len(records), rows=sum(r.rows for r in records),
                                                   tokens=sum(r.tokens for r in records), fingerprint=tag, extra=extra))
 

@@ -3,13 +3,13 @@ and the full state dicts a checkpoint holds. No Prefect here.
 
 Sharding (`student.distributed.sharding`):
 - fsdp (auto on CUDA): FSDP2 `fully_shard`. Every decoder layer is one unit and the module that runs the
-  student AND its loss (tasks.train.DistillLoss) is the root unit, holding the embeddings, the final norm and
+  student AND its loss (kdflow.tasks.student.train.DistillLoss) is the root unit, holding the embeddings, the final norm and
   lm_head. Parameters, gradients and AdamW state live as 1/W shards; a unit's weights are all-gathered for its
   forward and backward only. Because the loss runs inside the root's forward, the `lm_head.weight` it reads is
   the gathered full weight, never a shard, and its gradient is reduce-scattered like any other.
 - ddp (auto on CPU, the gloo backend): the model is replicated and gradients are all-reduced.
 Both average gradients over ranks; the loss is normalised by the global count of positions and multiplied by
-the world size before backward (tasks.train), so the result is the gradient of the one global batch.
+the world size before backward (kdflow.tasks.student.train), so the result is the gradient of the one global batch.
 
 On disk a checkpoint looks the same whoever wrote it, so it resumes on any number of ranks with either
 strategy: the model is a normal HF folder and the optimizer state is what `state_dict()` of an unsharded
@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kdflow.config import DistributedConfig
-from kdflow.errors import ConfigError
+from kdflow.schemas.config import DistributedConfig
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.student import train_worker
 
 NO_SHARDING = "none"  # one process: the module is used as it is
 COLLECTIVE_TIMEOUT_MIN = 30
@@ -128,7 +129,7 @@ def wrap_for_training(module: nn.Module, student: nn.Module, sharding: str, devi
         return module
     if not is_distributed():
         raise ConfigError(f"{sharding} training needs the process group of a torchrun job: start it through "
-                          "the train-student flow or `torchrun ... -m tasks.train_worker`")
+                          "the train-student flow or `torchrun ... -m kdflow.tasks.student.train_worker`")
     if sharding == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -246,11 +247,11 @@ def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimize
 
 def torchrun_arguments(distributed: DistributedConfig, config_path: str, *worker_args: str) -> list[str]:
     """torchrun's arguments for this node: the rendezvous from the config, then every rank runs
-    `python -m tasks.train_worker --config FILE`."""
+    `python -m kdflow.tasks.student.train_worker --config FILE`."""
     return ["--nproc_per_node", str(distributed.nproc_per_node), "--nnodes", str(distributed.nnodes),
             "--node_rank", str(distributed.node_rank), "--rdzv_backend", "c10d",
             "--rdzv_endpoint", distributed.rdzv_endpoint, "--rdzv_id", distributed.rdzv_id,
-            "-m", "tasks.train_worker", "--config", config_path, *worker_args]
+            "-m", train_worker.MODULE, "--config", config_path, *worker_args]
 
 
 def torchrun_command(distributed: DistributedConfig, config_path: str, *worker_args: str) -> list[str]:

@@ -18,37 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from kdflow.config import KDFlowConfig
-from kdflow.errors import ConfigError, StoreError
-from kdflow.models import resolve_model_source
-from schemas.commits import (CommitRecord, StageComplete, committed_prefix, data_file_name, list_commits, read_complete, stage_dir, write_commit,
-                             write_complete)
-from schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
-from schemas.shards import TEXT, read_corpus_part, token_batch, token_shard_writer
-from schemas.storage import RunRoot
+from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, committed_prefix,
+                                    list_commits, read_complete, stage_dir, write_commit, write_complete)
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
+from kdflow.schemas.layout import data_file_name
+from kdflow.schemas.shards import TEXT, read_corpus_part, token_batch, token_shard_writer
+from kdflow.schemas.storage import RunRoot
 
 DOCS_PER_BATCH = 1024
-
-
-def load_tokenizer(config: KDFlowConfig) -> Any:
-    """The run's fast tokenizer: `tokenizer` if set, else the teacher's (also from a GGUF file)."""
-    from transformers import AutoTokenizer
-
-    path, gguf_file = config.tokenizer_source
-    path = resolve_model_source(path, gguf_file)
-    kwargs: dict[str, Any] = {"trust_remote_code": config.teacher.trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"cannot load a tokenizer from {path!r}: {first_line}") from None
-    if not tokenizer.is_fast:
-        raise ConfigError(f"tokenizer {path!r} has no fast (Rust) implementation; kdflow needs one for batched packing")
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"tokenizer {path!r} has no EOS token to separate documents")
-    return tokenizer
 
 
 @dataclass
@@ -154,9 +133,9 @@ def tokenise(
     prefix = committed_prefix(committed)
     sequences = sum(committed[i].rows for i in range(prefix))
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
-        return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.get("dropped_tokens", 0), 0, fingerprint, tok_fp)
+        return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0, fingerprint, tok_fp)
 
-    start_doc, start_offset = (committed[prefix - 1].extra["end_doc"], committed[prefix - 1].extra["end_offset"]) if prefix else (0, 0)
+    start_doc, start_offset = (committed[prefix - 1].extra.end_doc, committed[prefix - 1].extra.end_offset) if prefix else (0, 0)
     packer = Packer(seq_len, tokenizer.eos_token_id, start_doc, start_offset)
     written = 0
 
@@ -169,8 +148,8 @@ def tokenise(
         record = CommitRecord(
             stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
             bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
-            extra={"end_doc": end_doc, "end_offset": end_offset, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp,
-                   "vocab_size": vocab_size},
+            extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
+                                 vocab_size=vocab_size),
         )
         write_commit(run_root, store, record)
         if on_shard:
@@ -186,8 +165,8 @@ def tokenise(
     dropped = int(packer.buffer.size)
     write_complete(run_root, store, StageComplete(
         stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
-        extra={"dropped_tokens": dropped, "seq_len": seq_len, "tokenizer_fingerprint": tok_fp, "corpus_fingerprint": corpus_fp,
-               "vocab_size": vocab_size},
+        extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp, corpus_fingerprint=corpus_fp,
+                                 vocab_size=vocab_size),
     ))
     return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
                            time.perf_counter() - started)

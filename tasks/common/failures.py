@@ -1,51 +1,20 @@
-"""Which failures of a teacher worker are worth a retry in a fresh process, as process exit codes.
+"""Which failures of a worker process are worth a retry in a fresh process: an exception -> its exit code.
 
 A CUDA driver error ("device not ready", "unspecified launch failure", an ECC error...) leaves the CUDA
 context of the process unusable, so the only retry that can work is a new process. The worker exits with
-one code per kind of failure; the flow retries exactly the codes in `RETRYABLE_EXIT_CODES` and fails at
-once on a user error (bad config or input: the same input would fail the same way). Pure functions on the
-exception's type and message: testable without a GPU.
+one code per kind of failure (the codes are the worker protocol's, `kdflow.schemas.protocol`); the flow
+retries exactly the retryable ones and fails at once on a user error (bad config or input: the same input
+would fail the same way). Pure functions on the exception's type and message: testable without a GPU.
 """
 
 from __future__ import annotations
 
 import errno
-import signal
 
-from kdflow.errors import KDFlowError
-
-EXIT_OK = 0
-EXIT_UNEXPECTED = 1  # a bug or an unknown failure: retrying would hide it
-EXIT_USER_ERROR = 2  # KDFlowError: bad config or input, never retried
-EXIT_NO_SPACE = 3  # disk or object store full: retrying cannot help until someone frees space
-EXIT_CUDA_ERROR = 70  # any other CUDA / driver / cuBLAS / NCCL error
-EXIT_CUDA_NOT_READY = 71
-EXIT_CUDA_LAUNCH_FAILURE = 72
-EXIT_CUDA_ILLEGAL_ADDRESS = 73
-EXIT_CUDA_ECC = 74
-EXIT_CUDA_OOM = 75
-
-# A worker killed by one of these signals (the kernel's OOM killer, a driver crash) is retried too.
-RETRYABLE_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
-
-RETRYABLE_EXIT_CODES: frozenset[int] = frozenset(
-    {EXIT_CUDA_ERROR, EXIT_CUDA_NOT_READY, EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_ECC,
-     EXIT_CUDA_OOM}
-    | {128 + int(s) for s in RETRYABLE_SIGNALS}
-)
-
-EXIT_CODE_NAMES = {
-    EXIT_OK: "done",
-    EXIT_UNEXPECTED: "unexpected error",
-    EXIT_USER_ERROR: "user error",
-    EXIT_NO_SPACE: "no space left on device",
-    EXIT_CUDA_ERROR: "CUDA error",
-    EXIT_CUDA_NOT_READY: "CUDA device not ready",
-    EXIT_CUDA_LAUNCH_FAILURE: "CUDA launch failure",
-    EXIT_CUDA_ILLEGAL_ADDRESS: "CUDA illegal memory access",
-    EXIT_CUDA_ECC: "CUDA ECC error",
-    EXIT_CUDA_OOM: "CUDA out of memory",
-}
+from kdflow.schemas.errors import KDFlowError
+from kdflow.schemas.protocol import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_ILLEGAL_ADDRESS,
+                                     EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY, EXIT_CUDA_OOM, EXIT_NO_SPACE,
+                                     EXIT_UNEXPECTED, EXIT_USER_ERROR)
 
 # Most specific first: a message is matched against these in order (lower-cased).
 _CUDA_PATTERNS: tuple[tuple[tuple[str, ...], int], ...] = (
@@ -104,22 +73,3 @@ def exit_code_for(error: BaseException) -> int:
             return code
     return EXIT_UNEXPECTED
 
-
-def normalise_returncode(returncode: int) -> int:
-    """subprocess returncode -> exit code: a death by signal N (returncode -N) becomes 128 + N, as shells do."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def is_retryable(exit_code: int) -> bool:
-    return exit_code in RETRYABLE_EXIT_CODES
-
-
-def describe_exit_code(exit_code: int) -> str:
-    if exit_code in EXIT_CODE_NAMES:
-        return EXIT_CODE_NAMES[exit_code]
-    if exit_code > 128:
-        try:
-            return f"killed by {signal.Signals(exit_code - 128).name}"
-        except ValueError:
-            pass
-    return f"exit code {exit_code}"

@@ -1,6 +1,6 @@
 """The student model: built from `student.architecture` or loaded from `student.init_from`.
 
-The student always speaks the run's tokenizer (`tasks.tokenise.load_tokenizer`): its vocabulary is the
+The student always speaks the run's tokenizer (`kdflow.tasks.corpus.tokenise.load_tokenizer`): its vocabulary is the
 tokenizer's, and the token store it trains on must have been made with that same tokenizer (equal
 fingerprints). Teacher ids beyond the student's vocabulary are the loss's business (folded into the
 tail bucket with a warning); input ids beyond it would be out of range, so that is an error here.
@@ -14,20 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdflow.config import KDFlowConfig
-from kdflow.errors import FingerprintMismatch, KDFlowError
-from schemas.fingerprints import tokenizer_fingerprint
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import FingerprintMismatch, KDFlowError, first_line
+from kdflow.schemas.fingerprints import tokenizer_fingerprint
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 class StudentError(KDFlowError):
     """A student folder or model that cannot be used (not a model, wrong vocabulary, unsupported head)."""
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def model_folder_problem(folder: str) -> str | None:
@@ -54,7 +49,7 @@ def load_causal_lm(folder: str, *, what: str, dtype: torch.dtype | None = None, 
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise StudentError(f"{what} {folder!r} is not a loadable causal LM: {_first_line(error)}") from None
+        raise StudentError(f"{what} {folder!r} is not a loadable causal LM: {first_line(error)}") from None
     return model.to(device) if device is not None else model
 
 
@@ -96,13 +91,13 @@ def llama_config(config: KDFlowConfig, tokenizer: Any) -> Any:
 
 def check_student(model: nn.Module, tokenizer: Any) -> None:
     """The fused loss needs a plain lm_head (no logit scaling or softcapping) and every token id embedded."""
-    from tasks.topk import final_logit_transform, output_layer
+    from kdflow.tasks.common.models import final_logit_transform, output_layer
 
     try:
         head = output_layer(model)
         transform = final_logit_transform(model.config)
     except (ValueError, NotImplementedError) as error:
-        raise StudentError(f"student {type(model).__name__}: {_first_line(error)}") from None
+        raise StudentError(f"student {type(model).__name__}: {first_line(error)}") from None
     if not transform.is_identity:
         raise StudentError(f"student {type(model).__name__} scales or softcaps its logits ({transform}); "
                            "the fused top-K loss supports plain lm_head logits only")

@@ -10,33 +10,15 @@ too (`vocab_chunk`), whose top-Ks and log-sum-exps are merged: the same result i
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
+
 # Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
 # compute-dtype logits (bf16 is half a row) and the scratch of topk.
 _WORKING_LOGITS_COPIES = 2
-
-
-@dataclass(frozen=True)
-class LogitTransform:
-    """What a model does to lm_head's output before softmax: `softcap * tanh(scale * logits / softcap)`."""
-
-    scale: float = 1.0
-    softcap: float | None = None
-
-    @property
-    def is_identity(self) -> bool:
-        return self.scale == 1.0 and self.softcap is None
-
-    def apply_(self, logits: Tensor) -> None:
-        """Transform float32 logits in place (the chunk buffer is ours to overwrite)."""
-        if self.scale != 1.0:
-            logits.mul_(self.scale)
-        if self.softcap is not None:
-            logits.div_(self.softcap).tanh_().mul_(self.softcap)
 
 
 def choose_chunk_tokens(
@@ -230,87 +212,6 @@ def chunked_topk(
         torch.sub(running.top_logits, running.log_normaliser[:, None], out=topk_logprobs[start:stop])
         topk_ids[start:stop].copy_(running.top_ids)
     return topk_ids, topk_logprobs
-
-
-# Model types whose forward multiplies lm_head's output by a config field.
-_LOGIT_MULTIPLIER_FIELDS = {
-    "cohere": "logit_scale",
-    "cohere2": "logit_scale",
-    "cohere2_moe": "logit_scale",
-    "hyperclovax": "logits_scaling",
-}
-# Model types whose forward divides lm_head's output by a config field (Granite's muP scaling).
-_LOGIT_DIVISOR_FIELDS = {
-    name: "logits_scaling"
-    for name in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa", "granitemoe_swa")
-}
-# Fields that, set on any other model type, change its final logits in a way we do not reproduce here.
-_UNSUPPORTED_LOGIT_FIELDS = ("logit_scale", "logits_scaling", "output_multiplier", "unpadded_vocab_size")
-
-
-def _changes_logits(field: str, value: object, text_config: object) -> bool:
-    if value is None:
-        return False
-    if field == "unpadded_vocab_size":  # logits sliced to the first `value` ids
-        return value != getattr(text_config, "vocab_size", None)
-    return value != 1
-
-
-def final_logit_transform(config: object) -> LogitTransform:
-    """The scaling/softcapping a Hugging Face config declares for its final logits.
-
-    Raises NotImplementedError naming the field when the model alters its logits in a way not covered.
-    """
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model_type = getattr(text_config, "model_type", "")
-    scale = 1.0
-    if model_type in _LOGIT_MULTIPLIER_FIELDS:
-        scale = float(getattr(text_config, _LOGIT_MULTIPLIER_FIELDS[model_type]) or 1.0)
-    elif model_type in _LOGIT_DIVISOR_FIELDS:
-        scale = 1.0 / float(getattr(text_config, _LOGIT_DIVISOR_FIELDS[model_type]) or 1.0)
-    else:
-        for field in _UNSUPPORTED_LOGIT_FIELDS:
-            value = getattr(text_config, field, None)
-            if _changes_logits(field, value, text_config):
-                raise NotImplementedError(
-                    f"model type {model_type!r} sets config.{field}={value!r}, a final-logit change not supported"
-                )
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    return LogitTransform(scale=scale, softcap=float(softcap) if softcap is not None else None)
-
-
-def output_layer(model: nn.Module) -> nn.Module:
-    """The model's lm_head (output embeddings), as a module to call."""
-    get_output_embeddings = getattr(model, "get_output_embeddings", None)
-    head = get_output_embeddings() if get_output_embeddings is not None else None
-    if not isinstance(head, nn.Module):
-        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
-    return head
-
-
-def model_body(model: nn.Module) -> nn.Module:
-    """The transformer body that returns final hidden states (after the last norm), without lm_head."""
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if body is None or body is model:
-        for name in ("model", "base_model", "transformer"):
-            candidate = getattr(model, name, None)
-            if isinstance(candidate, nn.Module) and candidate is not model:
-                body = candidate
-                break
-    if body is None or body is model:
-        raise ValueError(
-            f"cannot find the body of {type(model).__name__} (tried get_decoder(), .model, .base_model, "
-            ".transformer): the teacher pass needs hidden states without lm_head"
-        )
-    return body
-
-
-@torch.inference_mode()
-def body_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-    """input_ids (B, T) -> final hidden states (B, T, H) from the model body, never the logits."""
-    outputs = model_body(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = getattr(outputs, "last_hidden_state", None)
-    return hidden if hidden is not None else outputs[0]
 
 
 class TeacherTopkStep:

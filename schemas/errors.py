@@ -15,3 +15,8 @@ class StoreError(KDFlowError):
 
 class FingerprintMismatch(StoreError):
     """Two stages were made from different inputs (tokenizer, token store, teacher)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

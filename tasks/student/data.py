@@ -11,21 +11,22 @@ resumed on another number of ranks continues exactly where the last one stopped.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow.ipc as ipc
 import torch
 
-from kdflow.config import KDFlowConfig
-from kdflow.errors import ConfigError, StoreError
-from schemas.commits import TOPK_DIR, CommitRecord, data_file_name, list_commits, read_commit, read_complete, stage_dir
-from schemas.fingerprints import corpus_fingerprint, tokens_fingerprint, topk_fingerprint
-from schemas.shards import read_token_shard, read_topk_shard
-from schemas.storage import RunRoot
-from tasks.student import check_token_store_tokenizer
+from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, read_complete, stage_dir
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint, topk_fingerprint
+from kdflow.schemas.layout import TOPK_DIR, data_file_name
+from kdflow.schemas.shards import read_token_shard, read_topk_shard, stream_schema_ints
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import alignment_problem, find_topk_stores, read_store_info, topk_tags
+from kdflow.tasks.common.models import teacher_fingerprint
+from kdflow.tasks.student.model import check_token_store_tokenizer
 
 
 @dataclass(frozen=True)
@@ -63,24 +64,6 @@ class DistillBatch:
 # --- locating and verifying the stores --------------------------------------------------------------------
 
 
-def _store_file(run_root: RunRoot, tag: str) -> dict[str, Any] | None:
-    """What precompute wrote about how it made topk/TAG (its `_store.json`), or None for other stores."""
-    from tasks.precompute import STORE_FILE
-
-    try:
-        return json.loads(run_root.read_bytes(f"{stage_dir(run_root, 'topk', tag)}/{STORE_FILE}"))
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _shard_schema_ints(run_root: RunRoot, path: str) -> dict[str, int]:
-    """seq_len and top_k from a shard's schema metadata; reads only the stream header."""
-    with run_root.open_read(path) as handle:
-        metadata = ipc.open_stream(handle).schema.metadata or {}
-    return {key.decode().removeprefix("kdflow."): int(value) for key, value in metadata.items()
-            if key in (b"kdflow.seq_len", b"kdflow.top_k")}
-
-
 def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, first_token: CommitRecord) -> str:
     """The top-K store to train on: `student.topk_tag`; else the store precompute made for this config's
     teacher, K and token store (found through its `_store.json`; of several, e.g. a CPU and a GPU pass
@@ -88,10 +71,7 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
     shard was made from this token store (written by other tools)."""
     if config.student.topk_tag is not None:
         return stage_dir(run_root, "topk", config.student.topk_tag)
-    from tasks.precompute import find_topk_stores
-    from tasks.teacher import teacher_fingerprint
-
-    made_for_config = find_topk_stores(config)
+    made_for_config = find_topk_stores(run_root, config)
     if len(made_for_config) > 1:
         here = topk_fingerprint(teacher_fingerprint(config.teacher), tokens_fp, config)
         made_for_config = [tag for tag in made_for_config if tag == here] or made_for_config
@@ -102,10 +82,8 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
         raise StoreError(f"several top-K stores under {topk_root} fit this config ({', '.join(made_for_config)}): "
                          "choose one with student.topk_tag")
     ours, others = [], []
-    for tag in run_root.listdir(run_root.path(TOPK_DIR)):
-        if tag.startswith("."):
-            continue
-        if _store_file(run_root, tag) is not None:
+    for tag in topk_tags(run_root):
+        if read_store_info(run_root, stage_dir(run_root, "topk", tag)) is not None:
             others.append(tag)  # made by precompute, for another teacher, K or token store
             continue
         record = read_commit(run_root, stage_dir(run_root, "topk", tag), "topk", 0)
@@ -129,7 +107,7 @@ def open_stores(config: KDFlowConfig, tokenizer: Any) -> DistillStores:
     complete = read_complete(run_root, tokens_store)
     if complete is None:
         raise StoreError(f"token store {shown} is not complete; run tokenise first")
-    tok_fp = check_token_store_tokenizer(tokenizer, complete.extra.get("tokenizer_fingerprint"), shown)
+    tok_fp = check_token_store_tokenizer(tokenizer, complete.extra.tokenizer_fingerprint, shown)
     tokens_fp = tokens_fingerprint(corpus_fingerprint(config), tok_fp, config)
     if complete.fingerprint != tokens_fp:
         raise StoreError(f"token store {shown} (fingerprint {complete.fingerprint}) was made from another dataset, "
@@ -158,14 +136,12 @@ def _verify_pair(run_root: RunRoot, config: KDFlowConfig, token: CommitRecord, t
     shown = run_root.display(topk_path)
     if topk is None:
         raise StoreError(f"top-K shard {shown} is not committed; run precompute first")
-    if topk.input_sha256 != token.sha256:
-        raise StoreError(f"top-K shard {shown} was made from another token shard (input sha256 "
-                         f"{str(topk.input_sha256)[:12]}, token shard {token.shard_id} has {token.sha256[:12]})")
-    if topk.rows != token.rows:
-        raise StoreError(f"top-K shard {shown} has {topk.rows} rows, token shard {token.shard_id} has {token.rows}")
-    stored = {key: topk.extra[key] for key in ("top_k", "seq_len") if key in topk.extra}
-    if len(stored) < 2:  # not recorded by the writer: read the shard's stream header (one small read)
-        stored = _shard_schema_ints(run_root, topk_path)
+    problem = alignment_problem(token, topk)
+    if problem is not None:
+        raise StoreError(f"top-K shard {shown} {problem}")
+    stored = {"top_k": topk.extra.top_k, "seq_len": topk.extra.seq_len}
+    if None in stored.values():  # not recorded by the writer: read the shard's stream header (one small read)
+        stored = stream_schema_ints(run_root, topk_path)
     if stored.get("top_k") != config.precompute.top_k:
         raise StoreError(f"top-K shard {shown} has K={stored.get('top_k')}, precompute.top_k is {config.precompute.top_k}")
     if stored.get("seq_len") != config.seq_len:

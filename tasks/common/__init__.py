@@ -1,0 +1,1 @@
+"""What every stage shares: model sources and identities, tokenizer loading, progress, worker processes."""

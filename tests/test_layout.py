@@ -1,0 +1,179 @@
+"""The package layout: one installed namespace, layers that import one way, and kdflow beside a user's project.
+
+kdflow keeps the design card's folders (`schemas/`, `tasks/`, `flows/`) but installs them as `kdflow.schemas`,
+`kdflow.tasks` and `kdflow.flows`; a user's own `tasks.py`, `flows/` or `schemas/` in the working folder must
+never be imported by kdflow, its teacher worker or its torchrun ranks.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kdflow.schemas.config import config_from_dict, dump_config, load_config
+
+REPO = Path(__file__).parent.parent
+FOLDERS = {"kdflow": "kdflow", "schemas": "kdflow.schemas", "tasks": "kdflow.tasks", "flows": "kdflow.flows"}
+
+# What each layer may import from kdflow (besides itself): contracts at the bottom, apps at the top.
+ALLOWED = {
+    "kdflow.schemas": ("kdflow.schemas",),
+    "kdflow.tasks.common": ("kdflow.schemas", "kdflow.tasks.common"),
+    "kdflow.tasks.corpus": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.corpus"),
+    "kdflow.tasks.teacher": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.teacher"),
+    "kdflow.tasks.student": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.student"),
+    "kdflow.flows": ("kdflow.schemas", "kdflow.tasks", "kdflow.flows"),
+    "kdflow": ("kdflow",),
+}
+
+
+def source_modules() -> dict[str, Path]:
+    """Installed module name -> file, for every Python file of the four package folders."""
+    modules = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            modules[name] = path
+    return modules
+
+
+def kdflow_imports(path: Path, module: str) -> set[str]:
+    """Every kdflow module `path` imports, at the top or inside functions (relative imports resolved)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.rsplit(".", node.level - (path.name == "__init__.py"))[0]
+                base = f"{package}.{base}".rstrip(".")
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return {name for name in found if name == "kdflow" or name.startswith("kdflow.")}
+
+
+def layer_of(module: str) -> str:
+    return max((layer for layer in ALLOWED if module == layer or module.startswith(layer + ".")), key=len)
+
+
+def test_imports_run_one_way() -> None:
+    wrong = []
+    for module, path in source_modules().items():
+        allowed = ALLOWED[layer_of(module)]
+        for imported in kdflow_imports(path, module):
+            if imported in source_modules() or imported.rsplit(".", 1)[0] in source_modules():
+                target = imported if imported in source_modules() else imported.rsplit(".", 1)[0]
+                if not any(target == a or target.startswith(a + ".") for a in allowed) and target != "kdflow":
+                    wrong.append(f"{module} imports {target}")
+    assert wrong == []
+
+
+def test_no_stage_code_imports_prefect() -> None:
+    """Every module of kdflow.schemas and kdflow.tasks imports without pulling Prefect in."""
+    names = [name for name in source_modules() if name.startswith(("kdflow.schemas", "kdflow.tasks"))]
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_no_source_file_is_long() -> None:
+    long = {str(path.relative_to(REPO)): n for path in source_modules().values()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > 420}
+    assert long == {}
+
+
+def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -> None:
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                            "--wheel-dir", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    wheel = next(tmp_path.glob("kdflow-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        files = {name for name in archive.namelist() if name.endswith(".py")}
+    top_level = {name.split("/")[0] for name in files}
+    assert top_level == {"kdflow"}  # no `tasks`, `flows` or `schemas` of its own
+    packages = [name for name, path in source_modules().items() if path.name == "__init__.py"]  # every package folder
+    missing = [package for package in packages if f"{package.replace('.', '/')}/__init__.py" not in files]
+    assert missing == []
+    assert len(files) == len(source_modules())  # every module, no stray file
+
+
+def test_top_level_names_are_not_importable_from_a_clean_folder(tmp_path: Path) -> None:
+    code = ("import importlib.util as u\n"
+            "print([n for n in ('tasks', 'flows', 'schemas') if u.find_spec(n) is not None])\n"
+            "import kdflow.tasks.teacher.topk, kdflow.flows, kdflow.schemas.commits\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_prefect_yaml_carries_the_values_of_the_configs() -> None:
+    """prefect.yaml cannot include a file, so the reference and example values are written there again."""
+    project = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
+    llmjp = load_config(REPO / "configs" / "llmjp.yaml").model_dump(mode="json")
+    example = load_config(REPO / "configs" / "example.yaml").model_dump(mode="json")
+    fan_out_only = {"shards_per_flow_run", "fanout_deployment"}
+    checked = 0
+    for deployment in project["deployments"]:
+        parameters = deployment.get("parameters") or {}
+        if "config" not in parameters:
+            continue
+        config = config_from_dict(parameters["config"], source=deployment["name"]).model_dump(mode="json")
+        expected = llmjp if deployment["name"] == "llmjp" else example
+        assert deployment["name"] in ("llmjp", "example")
+        differs = {key for key in expected["precompute"] if config["precompute"][key] != expected["precompute"][key]}
+        assert differs <= fan_out_only, deployment["entrypoint"]
+        config["precompute"] = {k: v for k, v in config["precompute"].items() if k not in fan_out_only}
+        expected = expected | {"precompute": {k: v for k, v in expected["precompute"].items() if k not in fan_out_only}}
+        assert config == expected, deployment["entrypoint"]
+        checked += 1
+    assert checked == 6
+
+
+@pytest.mark.slow
+def test_kdflow_runs_from_a_folder_with_its_own_tasks_flows_and_schemas(
+        make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A user's Prefect project beside kdflow: the teacher worker and both torchrun ranks import kdflow's code."""
+    project = tmp_path / "user-project"
+    for name in ("tasks.py", "flows/__init__.py", "schemas/__init__.py"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(f"raise SystemExit('the user module {name} was imported by kdflow')\n")
+    config = make_config(tokenizer=str(tiny_tokenizer_dir), **{
+        "student__steps": 2, "student__save_every": 2, "student__distributed__nproc_per_node": 2,
+        "student__distributed__rdzv_endpoint": f"127.0.0.1:{_free_port()}"})
+    path = project / "config.yaml"
+    path.write_text(dump_config(config), encoding="utf-8")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    result = subprocess.run([sys.executable, "-m", "kdflow", "run", str(path)], capture_output=True, text=True,
+                            timeout=900, env=env, cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "was imported by kdflow" not in result.stdout + result.stderr
+    student = Path(config.run_root) / "students" / config.student.name
+    assert (student / "final" / "config.json").is_file()
+    output = result.stdout + result.stderr
+    assert "teacher worker pid" in output  # the top-K pass ran in the worker process
+    assert "rank 0 of 2" in output  # and the student in two torchrun ranks
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
