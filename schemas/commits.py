@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 import pandera.pandas as pa
@@ -87,19 +87,30 @@ _SHARD_INFO: dict[str, type[_Info]] = {"corpus": CorpusPartInfo, "tokens": Token
 _COMPLETE_INFO: dict[str, type[_Info]] = {"corpus": CorpusCompleteInfo, "tokens": TokensCompleteInfo, "topk": TopkCompleteInfo}
 
 
-def _typed_extra(data: Any, kinds: dict[str, type[_Info]]) -> Any:
-    """Before validation: the record's `extra` dict as its stage's info model."""
-    if isinstance(data, dict) and data.get("stage") in kinds:
-        extra = data.get("extra")
-        if extra is None or isinstance(extra, dict):
-            data = {**data, "extra": kinds[data["stage"]].model_validate(extra or {})}
-    return data
-
-
-class CommitRecord(BaseModel):
-    """Written last, after the shard's data file: its presence means the shard is done."""
+class _StageRecord(BaseModel):
+    """A record whose `extra` is the typed info of its stage: a dict in JSON becomes that stage's info model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    _infos: ClassVar[dict[str, type[_Info]]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_extra(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stage") in cls._infos:
+            extra = data.get("extra")
+            if extra is None or isinstance(extra, dict):
+                data = {**data, "extra": cls._infos[data["stage"]].model_validate(extra or {})}
+        return data
+
+    @field_serializer("extra", check_fields=False)
+    def _extra_json(self, info: _Info) -> dict[str, Any]:
+        return info.model_dump(exclude_none=True)
+
+
+class CommitRecord(_StageRecord):
+    """Written last, after the shard's data file: its presence means the shard is done."""
+
+    _infos = _SHARD_INFO
 
     stage: Stage
     shard_id: int = Field(ge=0)
@@ -114,20 +125,11 @@ class CommitRecord(BaseModel):
     host: str = Field(default_factory=socket.gethostname)
     extra: CorpusPartInfo | TokenShardInfo | TopkShardInfo = Field(default_factory=CorpusPartInfo)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _typed(cls, data: Any) -> Any:
-        return _typed_extra(data, _SHARD_INFO)
 
-    @field_serializer("extra")
-    def _extra_json(self, info: _Info) -> dict[str, Any]:
-        return info.model_dump(exclude_none=True)
-
-
-class StageComplete(BaseModel):
+class StageComplete(_StageRecord):
     """Written once a stage has committed every shard it will ever have: the expected count for readers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    _infos = _COMPLETE_INFO
 
     stage: Stage
     shards: int = Field(ge=0)
@@ -136,15 +138,6 @@ class StageComplete(BaseModel):
     fingerprint: str
     created_at: float = Field(default_factory=time.time)
     extra: CorpusCompleteInfo | TokensCompleteInfo | TopkCompleteInfo = Field(default_factory=CorpusCompleteInfo)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _typed(cls, data: Any) -> Any:
-        return _typed_extra(data, _COMPLETE_INFO)
-
-    @field_serializer("extra")
-    def _extra_json(self, info: _Info) -> dict[str, Any]:
-        return info.model_dump(exclude_none=True)
 
 
 def stage_dir(run_root: RunRoot, stage: Stage, tag: str | None = None) -> str:
