@@ -22,8 +22,45 @@ _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+# Words of field names as a person reads them in the form; the rest are capitalised as they are.
+_TITLE_WORDS = {"id": "ID", "ttl": "TTL", "kd": "KD", "ce": "CE", "lr": "LR", "gguf": "GGUF", "rdzv": "rendezvous",
+                "bf16": "bf16", "4bit": "4-bit", "num": "number of", "seq": "sequence", "len": "length",
+                "grad": "gradient", "accum": "accumulation", "rope": "RoPE", "fanout": "fan-out", "topk": "top-K",
+                "logprobs": "log-prob", "nproc": "processes", "nnodes": "nodes", "dtype": "dtype", "mib": "MiB"}
+_TITLE_UNITS = {"s": "(s)", "mib": "(MiB)"}  # a last word that is a unit: "lease_ttl_s" -> "Lease TTL (s)"
+
+
+def form_title(name: str) -> str:
+    """A field name as a form label: 'lease_ttl_s' -> 'Lease TTL (s)', 'rdzv_id' -> 'Rendezvous ID'."""
+    words = name.split("_")
+    unit = _TITLE_UNITS.get(words[-1]) if len(words) > 1 else None
+    text = " ".join(_TITLE_WORDS.get(word, word) for word in (words[:-1] if unit else words))
+    text = text.replace("top k", "top-K")
+    return text[:1].upper() + text[1:] + (f" {unit}" if unit else "")
+
+
+def _form_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """How the config reads as Prefect's parameter form, whatever fields a section has.
+
+    `position` (the key Prefect's UI sorts a form's fields by) follows the fields' definition order: a server
+    on PostgreSQL stores the schema as `jsonb`, which reorders object keys, so without it nested sections
+    come back scrambled. Each field gets a readable title (its own `title=`, else `form_title` of its name);
+    a section field (a `$ref`) gets its section's title and description beside the reference."""
+    properties = schema.get("properties", {})
+    for position, (name, field) in enumerate(model.model_fields.items()):
+        entry = properties.get(name)
+        if entry is None:
+            continue
+        entry["position"] = position
+        entry["title"] = field.title or form_title(name)
+        annotation = field.annotation
+        if field.description is None and isinstance(annotation, type) and issubclass(annotation, BaseModel) \
+                and annotation.__doc__:
+            entry["description"] = " ".join(annotation.__doc__.split())
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, json_schema_extra=_form_schema)
 
 
 class DatasetConfig(_Section):
@@ -31,24 +68,28 @@ class DatasetConfig(_Section):
 
     path: str = Field(description="Hub dataset id (e.g. uonlp/CulturaX), or a file, folder, glob or fsspec URL")
     name: str | None = Field(default=None, description="Hub dataset config name, e.g. 'ja'")
-    data_files: str | list[str] | None = None
-    split: str = "train"
-    text_field: str = "text"
+    data_files: str | list[str] | None = Field(default=None, description="Files (paths, globs or URLs) within `path`; "
+                                                "leave empty to read `path` itself")
+    split: str = Field(default="train", description="Dataset split to read")
+    text_field: str = Field(default="text", description="Column holding each document's text")
     streaming: bool = Field(default=False, description="Stream instead of downloading the whole set")
-    revision: str | None = None
+    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit) of the dataset")
     max_documents: PositiveInt | None = Field(default=None, description="Stop after this many non-empty documents")
     max_tokens: PositiveInt | None = Field(default=None, description="Token budget: stop once this many are reached")
-    documents_per_part: PositiveInt = 10_000
+    documents_per_part: PositiveInt = Field(default=10_000, description="Documents per committed corpus part")
 
 
 class TeacherConfig(_Section):
-    model: str = Field(description="Hub model id or a local folder")
+    """The model whose top-K log-probabilities the student learns from."""
+
+    model: str = Field(description="Hub model id, a local folder, or package:NAME (a folder inside an installed package)")
     gguf_file: str | None = Field(default=None, description="GGUF file name inside `model` (dequantised on load)")
-    revision: str | None = None
-    load_in_4bit: bool = Field(default=False, description="bitsandbytes nf4 quantisation")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
-    trust_remote_code: bool = False
+    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit) of the model")
+    load_in_4bit: bool = Field(default=False, description="Quantise the weights to 4 bits on load (bitsandbytes nf4)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weight dtype; auto: bfloat16 on a GPU that supports it, else float32")
+    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    trust_remote_code: bool = Field(default=False, description="Run the model repository's own code (trusted models only)")
 
     @field_validator("device")
     @classmethod
@@ -59,34 +100,37 @@ class TeacherConfig(_Section):
 
 
 class PrecomputeConfig(_Section):
-    top_k: PositiveInt = 128
-    micro_batch: PositiveInt = Field(default=8, description="Fixed for the whole run; never adapted at run time")
-    chunk_tokens: PositiveInt | None = Field(default=None, description="lm_head rows per chunk; None: from chunk_memory_mib")
-    chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits")
+    """The teacher pass: how many log-probabilities to keep per position, batch shapes, retries and fan-out."""
+
+    top_k: PositiveInt = Field(default=128, description="Teacher log-probabilities kept per position (K)")
+    micro_batch: PositiveInt = Field(default=8, description="Sequences per teacher forward; fixed for the whole run")
+    chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per chunk of logits; empty: from the memory budget")
+    chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
-    sequences_per_shard: PositiveInt = 1024
-    logprobs_dtype: Literal["float16", "float32"] = "float16"
-    max_attempts: PositiveInt = Field(default=4, description="Worker processes tried before giving up")
-    retry_delay_s: float = Field(default=10.0, ge=0)
+    sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K shards alike)")
+    logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How the log-probabilities are stored")
+    max_attempts: PositiveInt = Field(default=4, description="Teacher processes tried (after CUDA errors, crashes) before failing")
+    retry_delay_s: float = Field(default=10.0, ge=0, description="Wait before the first retry; doubles with each further one")
     shards_per_flow_run: PositiveInt | None = Field(
-        default=None, description="Fan out shard ranges of this size to the per-shard deployment (scale-out)"
+        default=None, description="Fan out ranges of this many shards as runs of the fan-out deployment; empty: one process"
     )
-    fanout_deployment: str = Field(default="precompute-shards/gpu", description="FLOW/DEPLOYMENT that computes a shard range")
+    fanout_deployment: str = Field(default="precompute-shards/gpu", description="FLOW/DEPLOYMENT that computes one shard range")
     lease_ttl_s: float = Field(
-        default=900.0, gt=0, description="A shard's claim expires this long after its owner last renewed it (owner died)"
+        default=900.0, gt=0, description="A shard's claim expires this long after its owner last renewed it (the owner died)"
     )
 
 
 class StudentArchitecture(_Section):
     """A small Llama-style student; the vocabulary is always the tokenizer's."""
 
-    hidden_size: PositiveInt = 256
-    num_hidden_layers: PositiveInt = 4
-    num_attention_heads: PositiveInt = 4
-    num_key_value_heads: PositiveInt = 2
-    intermediate_size: PositiveInt = 688
-    tie_word_embeddings: bool = True
-    rope_theta: float = 10_000.0
+    hidden_size: PositiveInt = Field(default=256, description="Width of the residual stream")
+    num_hidden_layers: PositiveInt = Field(default=4, description="Decoder layers")
+    num_attention_heads: PositiveInt = Field(default=4, description="Query heads per layer")
+    num_key_value_heads: PositiveInt = Field(default=2, title="Number of key/value heads",
+                                             description="Key/value heads per layer (grouped-query attention)")
+    intermediate_size: PositiveInt = Field(default=688, description="Width of each layer's MLP")
+    tie_word_embeddings: bool = Field(default=True, description="Share the input embedding with the output layer")
+    rope_theta: float = Field(default=10_000.0, description="Base of the rotary position embedding")
 
     @model_validator(mode="after")
     def _heads(self) -> StudentArchitecture:
@@ -98,46 +142,51 @@ class StudentArchitecture(_Section):
 
 
 class KDConfig(_Section):
+    """The loss: KL to the teacher's top-K, optionally mixed with next-token cross-entropy."""
+
     kd_weight: float = Field(default=1.0, ge=0.0, le=1.0, description="1.0: pure KD; 0.0: pure cross-entropy")
-    temperature: float = Field(default=1.0, gt=0.0)
-    chunk_tokens: PositiveInt = 4096
+    temperature: float = Field(default=1.0, gt=0.0, description="Softens teacher and student alike; 1.0: none")
+    chunk_tokens: PositiveInt = Field(default=4096, description="Positions per chunk of student logits in the loss")
 
 
 class DistributedConfig(_Section):
-    """torchrun settings; nproc_per_node=1 and nnodes=1 trains in the flow's own worker process."""
+    """Several GPUs or machines for the student, through torchrun; one process on one node trains in the flow's own process."""
 
-    nproc_per_node: PositiveInt = 1
-    nnodes: PositiveInt = 1
-    node_rank: int = Field(default=0, ge=0)
-    rdzv_endpoint: str = "127.0.0.1:29500"
-    rdzv_id: str = "kdflow"
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    nproc_per_node: PositiveInt = Field(default=1, title="Processes per node", description="Ranks (GPUs) on each machine")
+    nnodes: PositiveInt = Field(default=1, title="Nodes", description="Machines taking part")
+    node_rank: int = Field(default=0, ge=0, description="This machine's number, 0 to nodes - 1")
+    rdzv_endpoint: str = Field(default="127.0.0.1:29500", description="HOST:PORT where the ranks meet; node 0's address")
+    rdzv_id: str = Field(default="kdflow", description="The job's name at the rendezvous; new for each job sharing an endpoint")
+    backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl for GPUs, gloo for CPUs")
     sharding: Literal["auto", "fsdp", "ddp"] = Field(
         default="auto", description="fsdp: parameters, gradients and optimizer state sharded over ranks; ddp: replicated; "
                                     "auto: fsdp on CUDA, ddp on CPU")
 
 
 class StudentConfig(_Section):
-    name: str = "student"
-    init_from: str | None = Field(default=None, description="Local HF checkpoint to start from instead of `architecture`")
+    """The student: its architecture, optimiser and schedule, evaluation, checkpoints, loss and ranks."""
+
+    name: str = Field(default="student", description="Folder under students/ (a new name starts a new student)")
+    init_from: str | None = Field(default=None, title="Initialise from",
+                                  description="Local HF checkpoint to start from instead of `architecture`")
     architecture: StudentArchitecture = StudentArchitecture()
-    steps: PositiveInt = 200
+    steps: PositiveInt = Field(default=200, description="Optimiser steps in total (a resumed run continues to this)")
     batch_size: PositiveInt = Field(default=8, description="Sequences per optimiser step (global, all ranks)")
-    grad_accum: PositiveInt = 1
-    lr: float = Field(default=1e-3, gt=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    warmup_steps: int = Field(default=20, ge=0)
-    weight_decay: float = Field(default=0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(default=1.0, gt=0)
+    grad_accum: PositiveInt = Field(default=1, description="Micro-batches per optimiser step on each rank")
+    lr: float = Field(default=1e-3, gt=0, title="Learning rate", description="Peak learning rate (AdamW)")
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Final learning rate / peak (cosine decay)")
+    warmup_steps: int = Field(default=20, ge=0, description="Steps of linear warmup")
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay (matrices only)")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), title="Adam betas", description="AdamW beta1 and beta2")
+    grad_clip: float = Field(default=1.0, gt=0, description="Clip the gradient norm to this")
     eval_shards: int = Field(default=1, ge=0, description="Last N token shards held out for evaluation")
-    eval_sequences: PositiveInt = 64
+    eval_sequences: PositiveInt = Field(default=64, description="Held-out sequences per evaluation")
     eval_every: int = Field(default=0, ge=0, description="0: evaluate at the start and the end only")
-    save_every: PositiveInt = 100
+    save_every: PositiveInt = Field(default=100, description="Steps between checkpoints")
     keep_checkpoints: PositiveInt = Field(default=2, description="Complete checkpoints kept in students/NAME (newest)")
     topk_tag: str | None = Field(default=None, description="Train on topk/TAG; default: the store made for this config")
-    seed: int = 0
-    device: str = "auto"
+    seed: int = Field(default=0, description="Seeds the initial weights and the data order")
+    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
@@ -158,12 +207,12 @@ class StudentConfig(_Section):
 
 
 class KDFlowConfig(_Section):
-    """Everything a run needs. Sections map 1:1 to stages; see DESIGN.md, 'One config'."""
+    """Everything a run needs, section by section in pipeline order: the data, the teacher pass, the student."""
 
     run_root: str = Field(description="Any fsspec URL: runs/demo, file:///data/kd, s3://bucket/kd")
     dataset: DatasetConfig
     tokenizer: str | None = Field(default=None, description="Tokenizer path or id; defaults to the teacher's")
-    seq_len: PositiveInt = 512
+    seq_len: PositiveInt = Field(default=512, title="Sequence length", description="Tokens per training sequence")
     teacher: TeacherConfig
     precompute: PrecomputeConfig = PrecomputeConfig()
     student: StudentConfig = StudentConfig()

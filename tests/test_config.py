@@ -173,3 +173,48 @@ def test_section_hash_is_stable_and_sensitive() -> None:
     assert section_hash(config.dataset, 5) != section_hash(config.dataset, 6)
     # Pinned to sha256 of the canonical JSON '["x",1,null]': a drift would silently recompute every store.
     assert section_hash("x", 1, None) == "ab34dabd09fbd5b7"
+
+
+def _sections(schema: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {"KDFlowConfig": schema, **schema["$defs"]}
+
+
+def _as_jsonb(value: Any) -> Any:
+    """What PostgreSQL's jsonb gives back: object keys ordered by length, then bytes (values unchanged)."""
+    if isinstance(value, dict):
+        return {key: _as_jsonb(value[key]) for key in sorted(value, key=lambda k: (len(k.encode()), k.encode()))}
+    if isinstance(value, list):
+        return [_as_jsonb(item) for item in value]
+    return value
+
+
+def test_form_schema_keeps_field_order_titles_and_descriptions_through_jsonb() -> None:
+    from kdflow.schemas import config as config_module
+
+    schema = _as_jsonb(KDFlowConfig.model_json_schema())
+    models = {name: getattr(config_module, name) for name in _sections(schema)}
+    for name, section in _sections(schema).items():
+        fields = list(models[name].model_fields)
+        # Prefect's UI sorts a form's fields by `position` (stable): that must give the definition order back.
+        shown = sorted(section["properties"], key=lambda key: section["properties"][key].get("position", 0))
+        assert shown == fields, name
+        for key, entry in section["properties"].items():
+            assert entry.get("description"), f"{name}.{key} has no description"
+            assert entry["title"] and "_" not in entry["title"], f"{name}.{key}: title {entry['title']!r}"
+    assert list(schema["properties"]) != list(models["KDFlowConfig"].model_fields)  # the scramble is real
+    titles = {key: entry["title"] for section in _sections(schema).values() for key, entry in section["properties"].items()}
+    assert titles["lease_ttl_s"] == "Lease TTL (s)" and titles["rdzv_id"] == "Rendezvous ID"
+    assert titles["seq_len"] == "Sequence length" and titles["top_k"] == "Top-K" and titles["lr"] == "Learning rate"
+    assert titles["chunk_memory_mib"] == "Chunk memory (MiB)" and titles["student"] == "Student"
+    # A section's own description reaches the field that holds it, and no description points at a file.
+    assert schema["properties"]["teacher"]["description"].startswith("The model whose top-K")
+    assert not any(".md" in (section.get("description") or "") for section in _sections(schema).values())
+
+
+def test_form_title_reads_like_a_label() -> None:
+    from kdflow.schemas.config import form_title
+
+    assert form_title("retry_delay_s") == "Retry delay (s)"
+    assert form_title("num_key_value_heads") == "Number of key value heads"
+    assert form_title("load_in_4bit") == "Load in 4-bit"
+    assert form_title("steps") == "Steps" and form_title("s") == "S"
