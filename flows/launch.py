@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.protocol import PARENT_PID_ENV, normalise_returncode, parse_line
+from kdflow.tasks.common.scratch import scratch_dir
 
 _LIVE_GROUPS: set[int] = set()  # process groups of running children, killed if this process exits
 
@@ -72,9 +72,10 @@ def supervised(process: subprocess.Popen) -> Iterator[subprocess.Popen]:
 
 
 @contextlib.contextmanager
-def config_file(config: KDFlowConfig, prefix: str) -> Iterator[str]:
-    """The resolved config in a temporary file that the child reads; removed when the child is done."""
-    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+def config_file(config: KDFlowConfig, kind: str) -> Iterator[str]:
+    """The resolved config in a scratch folder that the child reads; removed when the child is done, and by
+    the next flow if this one is killed (kdflow.tasks.common.scratch)."""
+    with scratch_dir(kind) as folder:
         path = os.path.join(folder, "config.yaml")
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(dump_config(config))

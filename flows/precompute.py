@@ -23,7 +23,7 @@ from kdflow.flows.launch import config_file, run_child
 from kdflow.schemas.commits import list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
-from kdflow.schemas.protocol import (EXIT_UNEXPECTED, EXIT_USER_ERROR, LEASE_OWNER_ENV, describe_exit_code,
+from kdflow.schemas.protocol import (EXIT_NO_SPACE, EXIT_UNEXPECTED, EXIT_USER_ERROR, LEASE_OWNER_ENV, describe_exit_code,
                                      format_shard_ids, is_retryable, parse_shard_ids)
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import alignment_problem, find_topk_stores
@@ -35,6 +35,7 @@ class WorkerFailed(RuntimeError):
 
     def __init__(self, exit_code: int, message: str = "") -> None:
         self.exit_code, self.message = exit_code, message
+        self.rerun_resumes = is_retryable(exit_code)  # a rerun starts a fresh worker at the first uncommitted shard
         super().__init__(f"teacher worker failed with exit code {exit_code} ({describe_exit_code(exit_code)})"
                          + (f": {message}" if message else ""))
 
@@ -44,6 +45,10 @@ class WorkerUserError(WorkerFailed, KDFlowError):
 
     def __str__(self) -> str:
         return self.message or super().__str__()
+
+
+class WorkerNoSpace(WorkerUserError):
+    """Exit code 3: the disk (or bucket) is full. The worker's message names where, and what it needed."""
 
 
 class ProgressArtifact:
@@ -87,7 +92,7 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
     logger = get_run_logger()
     attempt = current_task_run.run_count
     artifact = ProgressArtifact()
-    with config_file(config, "kdflow-worker-") as config_path:
+    with config_file(config, "kdflow-worker") as config_path:
         args = ["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
         outcome = run_child(
             WORKER_MODULE, args, env={LEASE_OWNER_ENV: f"task-run-{current_task_run.id}"},
@@ -99,7 +104,7 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
         code, error = EXIT_UNEXPECTED, {"message": "the worker exited without reporting a result"}
     if code != 0:
         message = (error or {}).get("message", "")
-        failure = WorkerUserError if code == EXIT_USER_ERROR else WorkerFailed
+        failure = {EXIT_USER_ERROR: WorkerUserError, EXIT_NO_SPACE: WorkerNoSpace}.get(code, WorkerFailed)
         logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, outcome.pid, code,
                      describe_exit_code(code), ", retryable in a new process" if is_retryable(code) else ", not retryable")
         raise failure(code, message)

@@ -21,7 +21,7 @@ from kdflow.flows.launch import config_file, run_child
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR
-from kdflow.schemas.protocol import EXIT_USER_ERROR, describe_exit_code
+from kdflow.schemas.protocol import EXIT_NO_SPACE, EXIT_USER_ERROR, describe_exit_code, is_retryable
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.student import train_worker
 from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
@@ -92,6 +92,10 @@ def _write_config_if_changed(config: KDFlowConfig, folder: str) -> None:
 class TrainingFailed(RuntimeError):
     """torchrun ended with a non-zero exit code."""
 
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.rerun_resumes = is_retryable(exit_code)  # killed or a CUDA failure: a rerun resumes from the checkpoint
+
 
 class TrainingUserError(TrainingFailed, KDFlowError):
     """A rank failed on bad config or input (exit code 2): its own one-line message."""
@@ -102,18 +106,18 @@ def run_torchrun(config: KDFlowConfig) -> dict[str, Any] | None:
     ran on another node). Raises TrainingUserError / TrainingFailed on a non-zero exit code."""
     logger = get_run_logger()
     distributed = config.student.distributed
-    with config_file(config, "kdflow-train-") as config_path:
+    with config_file(config, "kdflow-train") as config_path:
         logger.info("node %d of %d: %s", distributed.node_rank, distributed.nnodes,
                     shlex.join(torchrun_command(distributed, config_path)))
         outcome = run_child(train_worker.MODULE, [EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)],
                             on_log=lambda pid, line: logger.info("torchrun: %s", line))
     code, errors = outcome.exit_code, outcome.errors
     if code != 0:
-        user = next((e for e in errors if e.get("exit_code") == EXIT_USER_ERROR), None)
+        user = next((e for e in errors if e.get("exit_code") in (EXIT_USER_ERROR, EXIT_NO_SPACE)), None)
         if user is not None:
             raise TrainingUserError(user["message"])
         first = f": rank {errors[0].get('rank')}: {errors[0].get('message')}" if errors else ""
-        raise TrainingFailed(f"torchrun failed with exit code {code} ({describe_exit_code(code)}){first}")
+        raise TrainingFailed(f"torchrun failed with exit code {code} ({describe_exit_code(code)}){first}", code)
     return outcome.result
 
 

@@ -152,6 +152,16 @@ def write_commit(run_root: RunRoot, store: str, record: CommitRecord) -> None:
     run_root.write_bytes_atomic(f"{store}/{commit_file_name(record.stage, record.shard_id)}", record.model_dump_json(indent=1).encode())
 
 
+def commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> None:
+    """Write the shard's commit record; if that fails (a full disk), remove its data file too: an uncommitted
+    file is never read, and the disk wants its space back."""
+    try:
+        write_commit(run_root, store, record)
+    except BaseException:
+        run_root.remove(f"{store}/{record.data_file}")
+        raise
+
+
 def read_commit(run_root: RunRoot, store: str, stage: Stage, shard_id: int, fingerprint: str | None = None) -> CommitRecord | None:
     """The shard's record if it is valid for this store, else None (the shard must be recomputed)."""
     record, _ = check_commit(run_root, store, stage, shard_id, fingerprint)

@@ -5,10 +5,12 @@ RUN_ROOT/
   corpus/          part-NNNNN.parquet + part-NNNNN.commit.json, _complete.json, config.yaml
   tokens/          shard-NNNNN.arrow + shard-NNNNN.commit.json, _complete.json, config.yaml
   topk/TAG/        shard-NNNNN.arrow + .commit.json (+ .lease while computed), _complete.json, _store.json, config.yaml
-  students/NAME/   checkpoint-STEP/ (checkpoint.json last), final/, metrics.jsonl, eval.jsonl, config.yaml
+  students/NAME/   checkpoint-STEP/ (checkpoint.json last), final/, metrics.jsonl, eval.jsonl, config.yaml,
+                   trainer.lease (while trained)
   _faults/         markers of injected faults that fired (KDFLOW_FAULT)
 ```
-Names only (no I/O): `kdflow.schemas.commits` and `kdflow.schemas.storage` do the reading and writing.
+Temporary files are `.NAME.tmp-PID-HOSTTAG-TOKEN` beside NAME (`temp_name`); the next run of the stage
+that writes a folder removes those whose writer is gone. Names only (no I/O): `kdflow.schemas.commits` and `kdflow.schemas.storage` do the reading and writing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ COMPLETE_FILE = "_complete.json"  # written once a stage has committed every sha
 CONFIG_FILE = "config.yaml"  # the resolved config that made the folder's files
 STORE_FILE = "_store.json"  # topk/TAG only: what made the store (teacher, K, token store), for readers
 LEASE_SUFFIX = ".lease"  # topk/TAG only: a process's claim on a shard it is computing
+TRAINER_LEASE = "trainer.lease"  # students/NAME: the claim of the one process (rank 0) training this student
 
 # In students/NAME.
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -73,6 +76,19 @@ def checkpoint_step(name: str) -> int | None:
 def temp_prefix(name: str) -> str:
     """The prefix of the temporary files `RunRoot.atomic_writer` fills before they become `name`."""
     return f".{name}.tmp-"
+
+
+def temp_name(name: str, owner: str, token: str) -> str:
+    """`.NAME.tmp-OWNER-TOKEN`: a temporary file (or folder) that becomes `name`; OWNER is the writer's
+    `PID-HOSTTAG` (kdflow.schemas.owners), so that a leftover of a dead writer can be told from a live one."""
+    return f"{temp_prefix(name)}{owner}-{token}"
+
+
+def temp_owner(name: str) -> str | None:
+    """The text after `.tmp-` of a temporary name (it starts with the owner tag), None for other names."""
+    if not name.startswith(".") or ".tmp-" not in name:
+        return None
+    return name.split(".tmp-", 1)[1]
 
 
 def is_store_name(name: str) -> bool:

@@ -8,10 +8,13 @@ key, so the final key is written directly. Either way the commit record is writt
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import posixpath
 import re
+import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from typing import IO
@@ -20,10 +23,56 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.layout import temp_prefix
+from kdflow.schemas.layout import temp_name, temp_owner
+from kdflow.schemas.owners import is_stale, owner_tag
 
 # No leading dot (hidden, `.`, `..`) and no separators; a leading underscore is fine (`_complete.json`).
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+
+
+def is_no_space(error: BaseException | None) -> bool:
+    """Whether a full disk (or quota) is behind an error, looking down its causes and contexts."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def free_bytes(path: str) -> int | None:
+    """Free space of the local filesystem that holds `path` (or would: its nearest existing folder)."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.0f}" if nbytes >= 10e6 else f"{max(nbytes / 1e6, 0.1):.1f}"
+
+
+class DiskFull(StoreError, OSError):
+    """No space left where a stage writes: names the place, what it needed and what was free. What was being
+    written is removed, committed work is kept, so freeing space and rerunning resumes. An OSError with errno
+    ENOSPC too, so whatever handles a full disk (the worker's exit code 3) handles this one."""
+
+    def __init__(self, path: str, needed_bytes: int | None = None, free: int | None = None, hint: str = "") -> None:
+        self.path, self.needed_bytes = path, needed_bytes
+        room = [f"needs about {_megabytes(needed_bytes)} MB"] if needed_bytes else []
+        if free is not None:
+            room.append(f"{_megabytes(free) if free else 0} MB free")
+        self.free, self.hint = free, hint
+        super().__init__(f"disk full at {path}" + (f" ({', '.join(room)})" if room else "") + hint
+                         + "; free space there and rerun to resume: committed work is kept")
+        self.errno = errno.ENOSPC
+
+    def needing(self, nbytes: int | None, hint: str = "") -> DiskFull:
+        """The same error with a better estimate of what the whole write needs (and a hint), for `raise ... from`."""
+        return DiskFull(self.path, max(nbytes or 0, self.needed_bytes or 0) or None, self.free, hint or self.hint)
 
 
 class HashingWriter:
@@ -85,12 +134,16 @@ class RunRoot:
 
     def ensure_writable(self) -> None:
         """Fail early, with one line, if the run root cannot be written."""
-        probe = self.path(f"write-probe-{uuid.uuid4().hex}")
+        name = temp_name("write-probe", owner_tag(), uuid.uuid4().hex[:8])  # hidden: not a `path()` part
+        probe = os.path.join(self.root, name) if self.is_local else posixpath.join(self.root, name)
         try:
             self.makedirs(self.root)
+            remove_stale_temp_files(self, self.root)  # probes of killed processes
             with self.fs.open(probe, "wb") as handle:
                 handle.write(b"ok")
         except (OSError, PermissionError) as error:
+            if is_no_space(error):
+                raise DiskFull(self.display(self.root), free=free_bytes(self.root) if self.is_local else None) from error
             raise StoreError(f"run root {self.url!r} cannot be written: {error.strerror or error}") from None
         finally:
             with contextlib.suppress(OSError):
@@ -128,36 +181,71 @@ class RunRoot:
         return path if self.is_local else None
 
     @contextlib.contextmanager
-    def atomic_writer(self, path: str) -> Iterator[HashingWriter]:
-        """Write `path` so that it appears whole or not at all; yields a hashing file object."""
+    def atomic_writer(self, path: str, expected_bytes: int | None = None) -> Iterator[HashingWriter]:
+        """Write `path` so that it appears whole or not at all; yields a hashing file object.
+
+        A full disk raises DiskFull naming `path` and about what it needs (`expected_bytes`, when the caller
+        knows the size, else at least what was written), after the partial file is removed."""
         folder = posixpath.dirname(path) if not self.is_local else os.path.dirname(path)
-        self.makedirs(folder)
         if self.is_local:
-            tmp = os.path.join(folder, f"{temp_prefix(os.path.basename(path))}{uuid.uuid4().hex[:12]}")
+            writer: HashingWriter | None = None
+            tmp = os.path.join(folder, temp_name(os.path.basename(path), owner_tag(), uuid.uuid4().hex[:8]))
             try:
+                self.makedirs(folder)
                 with open(tmp, "wb") as raw:
                     writer = HashingWriter(raw)
                     yield writer
                     raw.flush()
                     os.fsync(raw.fileno())
                 os.replace(tmp, path)
-            except BaseException:
+            except BaseException as error:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(tmp)
+                if is_no_space(error) and not isinstance(error, DiskFull):
+                    needed = max(expected_bytes or 0, writer.nbytes if writer is not None else 0)
+                    raise DiskFull(path, needed or None, free_bytes(folder)) from error
                 raise
         else:
+            self.makedirs(folder)
             with self.fs.open(path, "wb") as raw:
                 writer = HashingWriter(raw)
                 yield writer
 
     def write_bytes_atomic(self, path: str, data: bytes) -> str:
-        with self.atomic_writer(path) as writer:
+        with self.atomic_writer(path, expected_bytes=len(data)) as writer:
             writer.write(data)
         return writer.sha256
 
     def remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path)
+
+
+def remove_stale_temp_files(run_root: RunRoot, folder: str) -> list[str]:
+    """Remove the temporary files (and folders) in `folder` whose writer is gone (kdflow.schemas.owners);
+    a live writer's are never touched. Local disk only: object stores get whole uploads, no temp files.
+    -> the names removed."""
+    if not run_root.is_local:
+        return []
+    removed = []
+    now = time.time()
+    for name in run_root.listdir(folder):
+        owner = temp_owner(name)
+        if owner is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            mtime = os.lstat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if is_stale(owner, mtime, now):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            removed.append(name)
+    return removed
 
 
 def sha256_of(run_root: RunRoot, path: str, block: int = 8 << 20) -> str:

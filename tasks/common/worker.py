@@ -54,7 +54,7 @@ def run_worker(body: Callable[[], dict[str, Any] | None], *, label: str, error_f
         code = exit_code_for(error)
         message = first_line(error)
         run_root = writes_under()
-        if code == EXIT_NO_SPACE and run_root:
+        if code == EXIT_NO_SPACE and run_root and "disk full at " not in message:  # DiskFull says it all itself
             where = "" if run_root in message else f" (writing under {run_root})"
             message += f"{where}; free space there and run again: committed shards are kept"
         if code != EXIT_USER_ERROR:

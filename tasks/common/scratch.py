@@ -1,0 +1,50 @@
+"""Scratch folders on local disk (a config file for a child process, a staging copy for an upload) that never
+outlive the run that made them, even when that run is killed with SIGKILL and runs no cleanup at all.
+
+They live in one folder per user, `$TMPDIR/kdflow-UID/`, named `KIND-PID-HOSTTAG-RANDOM`; a folder is
+removed when its `with` block ends, and the next `scratch_dir` call of any kdflow process removes those
+whose process is gone (kdflow.schemas.owners).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+
+from kdflow.schemas.owners import is_stale, owner_tag
+
+
+def scratch_root() -> str:
+    return os.path.join(tempfile.gettempdir(), f"kdflow-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+
+
+def remove_stale_scratch(root: str | None = None) -> list[str]:
+    """Remove scratch folders of processes that are gone; -> their names."""
+    root = root or scratch_root()
+    removed = []
+    now = time.time()
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        _, _, tag = name.partition("-")  # KIND-PID-HOSTTAG-RANDOM: the owner tag follows the kind
+        path = os.path.join(root, name)
+        with contextlib.suppress(FileNotFoundError):
+            if is_stale(tag, os.lstat(path).st_mtime, now):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(name)
+    return removed
+
+
+@contextlib.contextmanager
+def scratch_dir(kind: str) -> Iterator[str]:
+    """A fresh private folder `KIND-OWNER-RANDOM` for the duration of the block (KIND: letters and digits)."""
+    root = scratch_root()
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    remove_stale_scratch(root)
+    folder = tempfile.mkdtemp(prefix=f"{kind}-{owner_tag()}-", dir=root)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
