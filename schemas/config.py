@@ -190,6 +190,9 @@ class StudentConfig(_Section):
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
+    lease_ttl_s: float = Field(
+        default=900.0, gt=0, description="One trainer per student: another run waits while the trainer's lease is "
+                                         "renewed; a trainer on another host that stops renewing it for this long is taken over")
 
     @field_validator("name")
     @classmethod
@@ -223,6 +226,10 @@ class KDFlowConfig(_Section):
         if self.tokenizer is not None:
             return self.tokenizer, None
         return self.teacher.model, self.teacher.gguf_file
+
+
+# The pipeline's stages, in order: what `kdflow run --stages` and the `pipeline` flow take.
+STAGES = ("materialise", "tokenise", "precompute", "train")
 
 
 def section_hash(*parts: BaseModel | dict | str | int | None, length: int = 16) -> str:

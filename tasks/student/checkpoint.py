@@ -34,8 +34,12 @@ import torch
 from torch import nn
 
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, TRAINING_STATE_FILE, checkpoint_name, checkpoint_step
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.layout import (CHECKPOINT_MARKER, FINAL_DIR, TRAINING_STATE_FILE, checkpoint_name, checkpoint_step,
+                                   temp_prefix)
+from kdflow.schemas.owners import owner_tag
+from kdflow.schemas.storage import DiskFull, RunRoot, free_bytes, is_no_space
+from kdflow.tasks.common import faults
+from kdflow.tasks.common.scratch import scratch_dir
 from kdflow.tasks.student.model import load_causal_lm
 
 
@@ -105,26 +109,71 @@ def _seal(folder: str) -> None:
     os.chmod(folder, 0o777 & ~umask)
 
 
+def _tensor_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state: about what writing it takes on disk."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in state)
+    return 0
+
+
+def _full_disk(error: BaseException, folder: str) -> bool:
+    """Whether a failed save ran out of space. torch.save reports a full disk as a RuntimeError of its zip
+    writer ("unexpected pos ..."), not as an OSError: then the free space left (before cleaning up) decides."""
+    if is_no_space(error):
+        return True
+    free = free_bytes(folder)
+    return isinstance(error, (RuntimeError, OSError)) and free is not None and free < (1 << 20)
+
+
 @contextmanager
-def _folder_writer(run_root: RunRoot, path: str) -> Iterator[str]:
-    """Yields a local folder to fill; afterwards its files appear at `path` (replacing it), CHECKPOINT_MARKER last."""
+def _folder_writer(run_root: RunRoot, path: str, *, needed_bytes: int = 0, hint: str = "",
+                   site: str = "save", step: int | None = None) -> Iterator[str]:
+    """Yields a local folder to fill; afterwards its files appear at `path` (replacing it), CHECKPOINT_MARKER last.
+    A full disk raises DiskFull naming `path` and about what the folder needs (`needed_bytes`), the staging
+    folder removed. `site` and `step` place the fault-injection point (kdflow.tasks.common.faults)."""
+    position = {"stage": "train"} | ({"step": step} if step is not None else {})
+    try:
+        with _staged(run_root, path, site, position) as staging:
+            yield staging
+    except DiskFull as error:
+        raise error.needing(needed_bytes, hint) from error.__cause__
+    except BaseException as error:
+        if not is_no_space(error):
+            raise
+        raise DiskFull(run_root.display(path), needed_bytes or None, None, hint) from error
+
+
+@contextmanager
+def _staged(run_root: RunRoot, path: str, site: str, position: dict[str, Any]) -> Iterator[str]:
     if run_root.is_local:
         parent = os.path.dirname(path)
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+        # Named with this process's owner tag: the next run removes it if this one is killed while it fills.
+        staging = tempfile.mkdtemp(prefix=f"{temp_prefix(os.path.basename(path))}{owner_tag()}-", dir=parent)
         try:
             yield staging
             _seal(staging)
+            faults.maybe_fire(site, run_root, **position)
             if os.path.exists(path):  # same step written again: move the old one aside first
                 aside = os.path.join(parent, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:8]}")
                 os.replace(path, aside)
                 shutil.rmtree(aside, ignore_errors=True)
             os.replace(staging, path)
+        except BaseException as error:
+            if _full_disk(error, staging):  # measured before the staging folder goes
+                shutil.rmtree(staging, ignore_errors=True)
+                raise DiskFull(path, None, free_bytes(parent)) from error
+            raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return
-    with tempfile.TemporaryDirectory(prefix="kdflow-upload-") as staging:
+    with scratch_dir("kdflow-upload") as staging:
         yield staging
+        faults.maybe_fire(site, run_root, **position)
         _remove_tree(run_root, path)
         names = sorted(os.listdir(staging), key=lambda name: name == CHECKPOINT_MARKER)  # the marker last
         run_root.makedirs(path)
@@ -138,7 +187,7 @@ def _local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
     if run_root.is_local:
         yield path
         return
-    with tempfile.TemporaryDirectory(prefix="kdflow-download-") as local:
+    with scratch_dir("kdflow-download") as local:
         for name in run_root.listdir(path):
             run_root.fs.get_file(f"{path}/{name}", os.path.join(local, name))
         yield local
@@ -149,15 +198,17 @@ def _local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
 
 def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainingState, *,
-                    model_state: dict[str, torch.Tensor] | None = None, optimizer_state: dict[str, Any] | None = None) -> str:
+                    model_state: dict[str, torch.Tensor] | None = None, optimizer_state: dict[str, Any] | None = None,
+                    keep_hint: str = "") -> str:
     """checkpoint-STEP. `model_state`/`optimizer_state`: full states gathered from sharded ranks, written
-    instead of `model`'s and `optimizer`'s own."""
+    instead of `model`'s and `optimizer`'s own. `keep_hint`: added to a full disk's message."""
     path = f"{student_dir}/{checkpoint_name(state.step)}"
-    with _folder_writer(run_root, path) as folder:
+    training = {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                "scheduler": scheduler.state_dict(), "rng": capture_rng(), "state": asdict(state)}
+    needed = _tensor_bytes(model_state if model_state is not None else model.state_dict()) + _tensor_bytes(training)
+    with _folder_writer(run_root, path, needed_bytes=needed, hint=keep_hint, step=state.step) as folder:
         model.save_pretrained(folder, state_dict=model_state)  # safetensors: the only format transformers 5 writes
         tokenizer.save_pretrained(folder)
-        training = {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
-                    "scheduler": scheduler.state_dict(), "rng": capture_rng(), "state": asdict(state)}
         torch.save(training, os.path.join(folder, TRAINING_STATE_FILE))
         with open(os.path.join(folder, CHECKPOINT_MARKER), "w", encoding="utf-8") as handle:
             json.dump(asdict(state) | {"created_at": time.time()}, handle, indent=1)
@@ -233,7 +284,8 @@ def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer:
                model_state: dict[str, torch.Tensor] | None = None) -> str:
     """students/NAME/final/: the model and tokenizer that `kdflow chat` loads (`model_state`: see save_checkpoint)."""
     path = f"{student_dir}/{FINAL_DIR}"
-    with _folder_writer(run_root, path) as folder:
+    needed = _tensor_bytes(model_state if model_state is not None else model.state_dict())
+    with _folder_writer(run_root, path, needed_bytes=needed, site="final") as folder:
         model.save_pretrained(folder, state_dict=model_state)
         tokenizer.save_pretrained(folder)
     return path

@@ -15,8 +15,10 @@ loss run as ONE module (DistillLoss) wrapped by FSDP or DDP, and only rank 0 wri
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +30,8 @@ from torch import nn
 from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
+from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import model_body, output_layer
 from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -39,6 +42,7 @@ from kdflow.tasks.student.distributed import (all_reduce_sum, any_rank, barrier,
                                               full_model_state, full_optimizer_state, gradient_sync,
                                               load_full_optimizer_state, rank_device, torchrun_rank, wrap_for_training)
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
+from kdflow.tasks.student.trainer_lease import hold_student
 
 IGNORE_INDEX = -100
 OnStep = Callable[[dict[str, Any]], bool | None]
@@ -217,8 +221,16 @@ class JsonlLog:
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self.enabled and self.run_root.is_local and self._persisted == len(self.records) - 1:
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
+            size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+            try:
+                with open(self.path, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            except OSError as error:  # a full disk: no half line stays behind for the resume to trip on
+                with open(self.path, "r+b") as handle:
+                    handle.truncate(size)
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull(self.path, 4096) from error
+                raise
             self._persisted += 1
 
     def flush(self) -> None:
@@ -259,6 +271,7 @@ class StudentRun:
         fingerprint = training_fingerprint(config, self.data.stores)
         if self.is_main:
             self.run_root.makedirs(self.student_dir)
+            remove_stale_temp_files(self.run_root, self.student_dir)  # of killed runs (this one holds the lease)
             prune_checkpoints(self.run_root, self.student_dir, student.keep_checkpoints)
         barrier()  # nobody looks for a checkpoint while rank 0 prunes
         torch.manual_seed(student.seed)
@@ -328,8 +341,11 @@ class StudentRun:
         model_state = self.full_model_state()
         optimizer_state = full_optimizer_state(self.module, self.optimizer, self.sharding)
         if self.is_main:
+            keep = self.config.student.keep_checkpoints
             save_checkpoint(self.run_root, self.student_dir, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                            self.state, model_state=model_state, optimizer_state=optimizer_state)
+                            self.state, model_state=model_state, optimizer_state=optimizer_state,
+                            keep_hint=f"; student.keep_checkpoints={keep} needs room for {keep + 1} checkpoints while "
+                                      "the next one is written (free space, or lower it)")
             prune_checkpoints(self.run_root, self.student_dir, self.config.student.keep_checkpoints)
             self.flush_logs()
         self.saved_step = self.state.step
@@ -376,24 +392,27 @@ def train(config: KDFlowConfig, *, rank: int = 0, world_size: int = 1, on_step: 
     `on_step(record)` is called after every optimiser step with its metrics; returning True stops the
     run there after saving a checkpoint (a resumed run continues exactly from it).
     """
-    run = StudentRun(config, rank, world_size)
-    student = config.student
-    progress = Progress(f"train {student.name}", max(student.steps - run.state.step, 0), unit="step")
-    stopped = False
-    try:
-        if run.state.step == 0 and not run.evals.records:
-            run.evaluate()
-        while run.state.step < student.steps and not stopped:
-            record = run.step()
-            progress.update(1, run.tokens_per_step, loss=record["loss"], lr=record["lr"])
-            stopped = bool(on_step(record)) if on_step is not None else False
-            if student.eval_every and run.state.step % student.eval_every == 0:
+    with hold_student(config, rank) as lease:  # one trainer per student: a second run waits here, then resumes
+        run = StudentRun(config, rank, world_size)
+        student = config.student
+        progress = Progress(f"train {student.name}", max(student.steps - run.state.step, 0), unit="step")
+        stopped = False
+        try:
+            if run.state.step == 0 and not run.evals.records:
                 run.evaluate()
-            if run.state.step % student.save_every == 0 or stopped:
-                run.save()
-        if not stopped:
-            run.finish()
-    finally:
-        progress.close()
-        run.flush_logs()
-    return run.summary(stopped)
+            while run.state.step < student.steps and not stopped:
+                record = run.step()
+                lease.renew()
+                progress.update(1, run.tokens_per_step, loss=record["loss"], lr=record["lr"])
+                faults.maybe_fire("step", run.run_root, stage="train", step=run.state.step)
+                stopped = bool(on_step(record)) if on_step is not None else False
+                if student.eval_every and run.state.step % student.eval_every == 0:
+                    run.evaluate()
+                if run.state.step % student.save_every == 0 or stopped:
+                    run.save()
+            if not stopped:
+                run.finish()
+        finally:
+            progress.close()
+            run.flush_logs()
+        return run.summary(stopped)
