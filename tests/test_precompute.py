@@ -32,7 +32,7 @@ from kdflow.tasks.common.models import teacher_fingerprint
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
-from kdflow.tasks.teacher import faults
+from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import TeacherPlacementError, check_placement, load_teacher
 from kdflow.tasks.teacher.precompute import precompute_shards
@@ -183,7 +183,8 @@ def test_bad_inputs_give_one_line_errors_and_commit_nothing(make_config, tmp_pat
         ({"teacher__model": str(tmp_path / "missing")}, False, ConfigError, "teacher model path does not exist"),
         ({"teacher__model": str(empty)}, False, ConfigError, "not a model folder (no config.json)"),
         ({"seq_len": 300}, False, ConfigError, "seq_len=300 exceeds the teacher's context length (max_position_embeddings=256)"),
-        ({"tokenizer": other}, True, ConfigError, "the tokenizer has ids up to 384 but the teacher's embedding has only 384 rows"),
+        # Another vocabulary than the teacher's (here one token more): refused before any weight loads.
+        ({"tokenizer": other}, True, ConfigError, "is not the teacher's own: 1 of its 385 tokens have another id (or none)"),
     ]
     for number, (overrides, tokenise_first, error_type, message) in enumerate(cases):
         config = make_config(run_root=str(tmp_path / f"case-{number}"), dataset__max_documents=8, **overrides)

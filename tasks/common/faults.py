@@ -1,9 +1,10 @@
-"""Fault injection for the teacher pass: off unless the environment variable KDFLOW_FAULT asks for it.
+"""Fault injection for every stage: off unless the environment variable KDFLOW_FAULT asks for it.
 
 Syntax: one or more faults separated by ';', each `KIND@KEY=VALUE,KEY=VALUE` (the `@...` part optional):
 
     KDFLOW_FAULT=cuda_error@shard=1,micro_batch=2
     KDFLOW_FAULT="kill@shard=1,micro_batch=1;enospc@shard=2"
+    KDFLOW_FAULT="pause@at=commit,stage=tokenise,shard=2;pause@at=save,step=4"
 
 Kinds:
 - `cuda_error`: raise a RuntimeError with a real-looking "CUDA driver error: device not ready" message
@@ -11,7 +12,14 @@ Kinds:
 - `kill`: SIGKILL this process at the micro-batch, after the earlier micro-batches of the shard were
   written to its temporary file (no Python cleanup runs: the temp file and the lease stay behind).
 - `enospc`: raise OSError(ENOSPC) while writing that micro-batch's arrays into the shard file.
-Keys: `shard` (token shard id) and `micro_batch` (index within the shard); a key left out matches any
+- `pause`: stop where it fires (sleep) until killed from outside: how tests kill a whole run at a chosen
+  moment, without a race against it (`at=` names the site; the marker below says it has arrived).
+Keys: `shard` (shard or part id), `micro_batch` (index within a top-K shard), `step` (optimiser step),
+`stage` (materialise, tokenise, precompute, train) and `at`, the site: `micro_batch` (teacher, after the
+forward), `write` (teacher, writing a micro-batch), `commit` (materialise and tokenise: the data file is
+written, its commit record not yet), `step` (train: after the step, before its checkpoint), `save` (train:
+the checkpoint folder filled, not yet renamed into place), `final` (the final model likewise). `at`
+defaults to `micro_batch` for cuda_error and kill and to `write` for enospc. A key left out matches any
 value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1.
 
 Each fault fires once per run root: before firing it writes the marker `RUN_ROOT/_faults/NAME.fired`
@@ -36,34 +44,48 @@ from kdflow.schemas.layout import FAULTS_DIR
 from kdflow.schemas.storage import RunRoot
 
 ENV_VAR = "KDFLOW_FAULT"
-_KINDS = {"cuda_error": "micro_batch", "kill": "micro_batch", "enospc": "write"}  # kind -> the site it fires at
-_KEYS = ("shard", "micro_batch")
+_KINDS = {"cuda_error": "micro_batch", "kill": "micro_batch", "enospc": "write", "pause": None}  # kind -> default site
+_INT_KEYS = ("shard", "micro_batch", "step")
+_WORD_KEYS = {"stage": ("materialise", "tokenise", "precompute", "train"),
+              "at": ("micro_batch", "write", "commit", "step", "save", "final")}
+PAUSE_LIMIT_S = 600.0  # a paused process nobody kills ends itself (SIGKILL) after this long
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    where: tuple[tuple[str, int], ...]  # (key, value) pairs that must all match
+    where: tuple[tuple[str, int | str], ...]  # (key, value) pairs that must all match; `at` is the site
 
     @property
     def name(self) -> str:
         return self.kind + "".join(f".{key}-{value}" for key, value in self.where)
 
-    def matches(self, site: str, position: dict[str, int]) -> bool:
-        return _KINDS[self.kind] == site and all(position.get(key) == value for key, value in self.where)
+    @property
+    def site(self) -> str | None:
+        return next((value for key, value in self.where if key == "at"), _KINDS[self.kind])
+
+    def matches(self, site: str, position: dict[str, int | str]) -> bool:
+        return self.site == site and all(position.get(key) == value for key, value in self.where if key != "at")
 
 
 def _parse_one(text: str) -> Fault:
     kind, _, params = text.strip().partition("@")
     if kind not in _KINDS:
         raise ConfigError(f"{ENV_VAR}: unknown fault kind {kind!r} (known: {', '.join(_KINDS)})")
-    where: list[tuple[str, int]] = []
+    where: list[tuple[str, int | str]] = []
     for item in filter(None, (p.strip() for p in params.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in _KEYS or not value.strip().isdigit():
-            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N or micro_batch=N)")
-        where.append((key, int(value)))
-    return Fault(kind, tuple(sorted(where)))
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if sep and key in _INT_KEYS and value.isdigit():
+            where.append((key, int(value)))
+        elif sep and value in _WORD_KEYS.get(key, ()):
+            where.append((key, value))
+        else:
+            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N, micro_batch=N, step=N, "
+                              f"stage=NAME or at=SITE)")
+    fault = Fault(kind, tuple(sorted(where)))
+    if fault.site is None:
+        raise ConfigError(f"{ENV_VAR}: {text!r} needs at=SITE (one of {', '.join(_WORD_KEYS['at'])})")
+    return fault
 
 
 @lru_cache(maxsize=8)
@@ -76,7 +98,7 @@ def active_faults() -> tuple[Fault, ...]:
     return parse_faults(os.environ.get(ENV_VAR, ""))
 
 
-def _claim(run_root: RunRoot, fault: Fault, position: dict[str, int]) -> bool:
+def _claim(run_root: RunRoot, fault: Fault, position: dict[str, int | str]) -> bool:
     """Record the firing; False if this run root already saw this fault fire."""
     marker = f"{run_root.root}/{FAULTS_DIR}/{fault.name}.fired"  # the name is made of safe characters only
     if run_root.exists(marker):
@@ -86,7 +108,7 @@ def _claim(run_root: RunRoot, fault: Fault, position: dict[str, int]) -> bool:
     return True
 
 
-def maybe_fire(site: str, run_root: RunRoot, **position: int) -> None:
+def maybe_fire(site: str, run_root: RunRoot, **position: int | str) -> None:
     """Fire the first fault that matches this site and position and has not fired in this run root yet."""
     faults = active_faults()
     if not faults:
@@ -96,7 +118,7 @@ def maybe_fire(site: str, run_root: RunRoot, **position: int) -> None:
             _fire(fault, position)
 
 
-def _fire(fault: Fault, position: dict[str, int]) -> None:
+def _fire(fault: Fault, position: dict[str, int | str]) -> None:
     where = ", ".join(f"{key} {value}" for key, value in position.items())
     if fault.kind == "cuda_error":
         raise RuntimeError(
@@ -107,4 +129,6 @@ def _fire(fault: Fault, position: dict[str, int]) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV_VAR} at {where})")
     sys.stdout.flush()
     sys.stderr.flush()
+    if fault.kind == "pause":
+        time.sleep(PAUSE_LIMIT_S)
     os.kill(os.getpid(), signal.SIGKILL)

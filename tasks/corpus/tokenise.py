@@ -18,14 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, committed_prefix,
-                                    list_commits, read_complete, stage_dir, write_commit, write_complete)
+from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, commit_or_remove,
+                                    committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import TEXT, read_corpus_part, token_batch, token_shard_writer
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
+from kdflow.tasks.common import faults
 
 DOCS_PER_BATCH = 1024
 
@@ -128,6 +129,7 @@ def tokenise(
     seq_len, per_shard = config.seq_len, config.precompute.sequences_per_shard
     vocab_size = len(tokenizer)  # every id is below it (added tokens included): `kdflow validate` checks this
 
+    remove_stale_temp_files(run_root, store)  # what a killed run of this stage left
     committed = list_commits(run_root, store, "tokens", fingerprint)
     done = read_complete(run_root, store)
     prefix = committed_prefix(committed)
@@ -143,15 +145,19 @@ def tokenise(
         nonlocal prefix, written, sequences
         input_ids, (end_doc, end_offset) = packer.take(rows)
         path = f"{store}/{data_file_name('tokens', prefix)}"
-        with token_shard_writer(run_root, path, seq_len) as writer:
-            writer.write(token_batch(input_ids))
+        try:
+            with token_shard_writer(run_root, path, seq_len) as writer:
+                writer.write(token_batch(input_ids))
+        except DiskFull as error:
+            raise error.needing(input_ids.nbytes) from error.__cause__
+        faults.maybe_fire("commit", run_root, stage="tokenise", shard=prefix)
         record = CommitRecord(
             stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
             bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
             extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
                                  vocab_size=vocab_size),
         )
-        write_commit(run_root, store, record)
+        commit_or_remove(run_root, store, record)
         if on_shard:
             on_shard(record)
         prefix, written, sequences = prefix + 1, written + 1, sequences + rows

@@ -22,18 +22,19 @@ import numpy as np
 import torch
 
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
-                                    read_complete, stage_dir, write_commit, write_complete)
+                                    commit_or_remove, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
 from kdflow.schemas.shards import StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
 from kdflow.schemas.stores import TopkStoreInfo, teacher_section, write_store_info
+from kdflow.tasks.common.model_configs import tokenizer_mismatch
 from kdflow.tasks.common.models import output_layer, resolve_device, teacher_fingerprint, teacher_identity
 from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.teacher import faults
+from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits,
                                           load_teacher, load_teacher_config, vocab_rows)
@@ -89,7 +90,7 @@ class BackgroundWriter:
                 if self.error is None:
                     if ready is not None:
                         ready.synchronize()
-                    faults.maybe_fire("write", self.run_root, shard=self.shard_id, micro_batch=micro_batch)
+                    faults.maybe_fire("write", self.run_root, stage="precompute", shard=self.shard_id, micro_batch=micro_batch)
                     self.writer.write(*topk_batch(topk_ids, topk_logprobs, self.logprobs_dtype))
             except BaseException as error:  # handed to the producer, which raises it
                 self.error = error
@@ -150,15 +151,19 @@ class ShardComputer:
                              f"embedding of {self.vocab_rows} rows")
         started = time.perf_counter()
         name = data_file_name("topk", shard_id)
-        with topk_shard_writer(self.run_root, f"{self.store}/{name}", cfg.seq_len, pre.top_k, pre.logprobs_dtype) as writer:
-            background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id)
-            try:
-                for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
-                    self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
-                    leases.renew(shard_id)
-                background.drain()
-            finally:
-                background.close()
+        try:
+            with topk_shard_writer(self.run_root, f"{self.store}/{name}", cfg.seq_len, pre.top_k, pre.logprobs_dtype) as writer:
+                background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id)
+                try:
+                    for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
+                        self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
+                        leases.renew(shard_id)
+                    background.drain()
+                finally:
+                    background.close()
+        except DiskFull as error:  # what the whole shard needs: ids and log-probs of every position
+            itemsize = 2 if pre.logprobs_dtype == "float16" else 4
+            raise error.needing(input_ids.size * pre.top_k * (4 + itemsize)) from error.__cause__
         seconds = time.perf_counter() - started
         rows = len(input_ids)
         return CommitRecord(
@@ -176,7 +181,7 @@ class ShardComputer:
         topk_ids, topk_logprobs = self.step(input_ids)  # (B, T, K) on the device
         if faults.active_faults():
             background.drain(flush=True)  # a `kill` fault must find the earlier micro-batches in the file
-            faults.maybe_fire("micro_batch", self.run_root, shard=shard_id, micro_batch=micro_batch)
+            faults.maybe_fire("micro_batch", self.run_root, stage="precompute", shard=shard_id, micro_batch=micro_batch)
         host_ids, host_logprobs, ready, release = self.host.copy(topk_ids[:rows], topk_logprobs[:rows])
         background.put(host_ids, host_logprobs, ready, release, micro_batch)
 
@@ -207,7 +212,8 @@ def _requested(shard_ids: list[int] | None, count: int) -> list[int]:
 
 
 def _stale_temp_files(run_root: RunRoot, store: str, shard_id: int) -> None:
-    """Remove temp files a killed writer left for this shard (RunRoot.atomic_writer's `.NAME.tmp-*`)."""
+    """Remove temp files a killed writer left for this shard (RunRoot.atomic_writer's `.NAME.tmp-*`), whoever
+    wrote them: the caller holds the shard's lease, so no live writer fills them."""
     if run_root.is_local:
         prefix = temp_prefix(data_file_name('topk', shard_id))
         for name in run_root.listdir(store):
@@ -246,6 +252,9 @@ def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.devi
     """The cheap checks first (teacher config, tokenizer, token store), then the shards still to compute."""
     run_root = RunRoot(cfg.run_root)
     check_teacher_limits(load_teacher_config(cfg.teacher), top_k=cfg.precompute.top_k, seq_len=cfg.seq_len)
+    mismatch = tokenizer_mismatch(cfg.tokenizer, cfg.teacher)  # ids of another vocabulary would be silent garbage
+    if mismatch is not None:
+        raise ConfigError(mismatch)
     tokenizer = load_tokenizer(cfg)
     tokens_store, tokens_done = _token_store(run_root, cfg, tokenizer_fingerprint(tokenizer))
     wanted = _requested(shard_ids, tokens_done.shards)
@@ -284,6 +293,7 @@ def precompute_shards(
                              top_k=cfg.precompute.top_k, seq_len=cfg.seq_len, logprobs_dtype=cfg.precompute.logprobs_dtype,
                              micro_batch=cfg.precompute.micro_batch)
         computer = ShardComputer(cfg, model, run_root, store, tag, info)
+        remove_stale_temp_files(run_root, store)  # what killed writers left (live writers' files are kept)
         _write_store_files(cfg, plan)
         leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
         progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
@@ -329,7 +339,7 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:  # it may have landed before our lease
                     _stale_temp_files(run_root, store, shard_id)
                     record = computer.compute(shard_id, token_records[shard_id], leases)
-                    _commit_or_remove(run_root, store, record)
+                    commit_or_remove(run_root, store, record)
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)
                     progress.update(1, record.tokens, **({"peak_device_memory_mib": peak} if peak is not None else {}))
@@ -340,16 +350,6 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
         time.sleep(min(10.0, leases.ttl_s / 10))
         pending = waiting
     return written, tokens, seconds, []
-
-
-def _commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> None:
-    """Write the shard's commit record; if that fails (a full disk), remove its data file too: an uncommitted
-    file is never read, and the disk wants its space back."""
-    try:
-        write_commit(run_root, store, record)
-    except BaseException:
-        run_root.remove(f"{store}/{record.data_file}")
-        raise
 
 
 def _write_store_files(cfg: KDFlowConfig, plan: PassPlan) -> None:
