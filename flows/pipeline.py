@@ -9,10 +9,8 @@ from prefect import flow
 from kdflow.flows.common import as_config
 from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import STAGES, KDFlowConfig
 from kdflow.schemas.errors import ConfigError
-
-STAGES = ("materialise", "tokenise", "precompute", "train")
 
 
 @flow(name="pipeline", log_prints=True)

@@ -20,14 +20,25 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value)
 
 
+def _warn(warnings: list[str]) -> None:
+    for warning in warnings:
+        print(f"kdflow: warning: {warning}", file=sys.stderr, flush=True)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    from kdflow.preflight import run_preflight
     from kdflow.schemas.config import load_config
 
-    # Check the config before importing Prefect (seconds), so a typo is reported at once.
+    # The config and every check of it before Prefect is imported (a second or two): bad input fails at once.
     config = load_config(args.config, dict(args.set or []))
-    from kdflow.flows.pipeline import pipeline_flow
+    stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+    _warn(run_preflight(config, stages))
+    from kdflow.serverless import serverless_settings
 
-    pipeline_flow(config, stages=args.stages.split(",") if args.stages else None)
+    with serverless_settings():
+        from kdflow.flows.pipeline import pipeline_flow
+
+        pipeline_flow(config, stages=stages)
     return 0
 
 
@@ -50,6 +61,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from kdflow.schemas.layout import FINAL_DIR
+    from kdflow.tasks.common.sources import model_folder_problem
+
+    # Before torch is imported (a minute on a busy machine): a folder that is no model is one line at once.
+    folder = args.student_dir
+    if not os.path.isfile(os.path.join(folder, "config.json")) and os.path.isfile(os.path.join(folder, FINAL_DIR, "config.json")):
+        folder = os.path.join(folder, FINAL_DIR)
+    problem = model_folder_problem(folder)
+    if problem is not None:
+        raise KDFlowError(f"student {folder!r} is not a model: {problem}")
     from kdflow.tasks.student.chat import chat_main
 
     return chat_main(args)
@@ -114,8 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    existing = list(logging.getLogger().handlers)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
+    from kdflow.serverless import install_terminal_logging
+
+    for handler in logging.getLogger().handlers:  # ours: kdflow's own errors in one line each, tracebacks with -v
+        if handler not in existing:
+            install_terminal_logging(handler, args.verbose)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -128,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kdflow: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
-    except Exception as error:  # a failed stage after its retries: one line here, the traceback is in the run log
+    except Exception as error:  # a failed stage after its retries, or a bug: one line here, the traceback in the run log
         if args.verbose:
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
-        print(f"kdflow: error: {type(error).__name__}: {first_line} (rerun to resume; -v for the traceback)", file=sys.stderr)
+        # Only failures a rerun gets past (a killed or crashed worker, a CUDA error) say "rerun to resume".
+        hint = "rerun to resume; " if getattr(error, "rerun_resumes", False) else ""
+        print(f"kdflow: error: {type(error).__name__}: {first_line} ({hint}-v for the traceback)", file=sys.stderr)
         return 1
 
 

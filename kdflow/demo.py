@@ -288,9 +288,6 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
     """Prepare the teacher and the text, run the pipeline flow, print where everything is and what it learnt."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never wait on a hub that cannot be reached
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Prefect's temporary server gets 20 s to start by default; on 2 busy cores that is not always enough.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: its telemetry only logs an error
     started = time.perf_counter()
     root = local_run_root(run_root)
     gguf = locate_teacher_gguf()
@@ -306,10 +303,17 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
     for name in ("httpx", "httpcore"):  # one line per API call to Prefect's server would bury the progress lines
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from kdflow.flows.pipeline import pipeline_flow
+    from kdflow.preflight import run_preflight
+    from kdflow.serverless import serverless_settings
+
+    for warning in run_preflight(config):  # every check before Prefect starts its temporary server
+        print(f"kdflow: warning: {warning}", flush=True)
+    with serverless_settings():  # its start-up limit for busy machines, no telemetry
+        from kdflow.flows.pipeline import pipeline_flow
+
+        results = pipeline_flow(config)
     from kdflow.tasks.student.chat import generate
 
-    results = pipeline_flow(config)
     student_dir = os.path.join(root, "students", config.student.name)
     stages = stage_records(results, teacher, student_dir)
     config_hash = section_hash(config)

@@ -5,7 +5,8 @@ run). This goes further: each store's manifest through pandera, every committed 
 against its record, and the contents checked (token ids within the vocabulary; top-K ids unique per
 position, log-probs finite, <= 0, sorted descending, tail mass in [0, 1]; top-K shards aligned 1:1 with
 the token shards they were made from). It writes nothing, unless `--fix`: then the commit records of
-the shards that fail are removed, so that the next run of their stage recomputes exactly those shards.
+the shards that fail are removed (with their data files and the store's _complete.json), so that the next run
+of their stage recomputes exactly those shards; a validate right after says so in notes, and exits 0.
 Output: one line per store, one line per problem; exit code 0 when nothing is wrong, 1 otherwise.
 """
 
@@ -19,7 +20,9 @@ import yaml
 
 from kdflow.schemas.commits import CommitRecord, StageComplete, check_commit, load_manifest, read_complete
 from kdflow.schemas.errors import KDFlowError, StoreError
-from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name, commit_shard_id
+from kdflow.schemas.layout import (COMPLETE_FILE, CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name,
+                                   commit_shard_id, data_file_name)
+from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard, read_topk_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import alignment_problem, topk_tags
@@ -45,6 +48,7 @@ class StoreReport:
     records: dict[int, CommitRecord] = field(default_factory=dict)
     expected: int | None = None  # shards of the finished store (_complete.json), None while unfinished
     fingerprint: str | None = None
+    pending: list[int] = field(default_factory=list)  # top-K shards whose token shard is to be recomputed
 
     def store_problem(self, message: str) -> None:
         self.problems.append((f"{self.label}: {message}", None))
@@ -144,7 +148,11 @@ def _check_records(run_root: RunRoot, report: StoreReport, done: StageComplete |
         for shard_id in sorted(set(report.records) - set(range(done.shards))):
             report.shard_problem(shard_id, f"beyond the {done.shards} shards of the finished store")
     else:
-        report.notes.append(f"no _complete.json: {STAGE_COMMAND[report.stage]} has not finished this store")
+        top = max(report.records, default=-1)
+        gaps = [i for i in range(top + 1) if i not in report.records and i not in report.broken]
+        missing = f"; shard(s) {format_shard_ids(gaps)} have no commit record" if gaps else ""
+        report.notes.append(f"not complete (no _complete.json){missing}: the next run of {STAGE_COMMAND[report.stage]} "
+                            "computes what is missing")
 
 
 def _check_manifest(run_root: RunRoot, report: StoreReport, fingerprint: str | None, seq_len: int | None) -> None:
@@ -225,6 +233,9 @@ def validate_tokens(run_root: RunRoot) -> tuple[StoreReport, int | None, int | N
     done = _read_done(run_root, report)
     fingerprint = report.fingerprint = done.fingerprint if done else None
     _check_records(run_root, report, done, fingerprint)
+    recorded = {r.fingerprint for r in report.records.values()}
+    if report.fingerprint is None and len(recorded) == 1:  # an unfinished store (e.g. after --fix): its shards say it
+        report.fingerprint = recorded.pop()
     seq_len = next((int(e.seq_len) for e in ([done.extra] if done else []) + [r.extra for r in report.records.values()]
                     if e.seq_len), None)
     _check_manifest(run_root, report, fingerprint, seq_len)
@@ -271,7 +282,9 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
         if aligned and shard_id not in tokens.broken:  # a broken token shard is recomputed identically: no blame here
             token_record = tokens.records.get(shard_id)
             problem = alignment_problem(token_record, record)
-            if token_record is None:
+            if token_record is None and tokens.expected is None:  # tokenise has yet to (re)compute it
+                report.pending.append(shard_id)
+            elif token_record is None:
                 problems.append(f"no valid token shard {shard_id} to align with")
             elif problem is not None:
                 problems.append(f"not aligned with token shard {shard_id}: the top-K shard {problem}")
@@ -286,6 +299,9 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
         return problems
 
     _check_contents(run_root, report, check_shard)
+    if report.pending:
+        report.notes.append(f"shard(s) {format_shard_ids(report.pending)}: their token shards are not committed yet; "
+                            "alignment is checked once tokenise has recomputed them")
     return report
 
 
@@ -300,7 +316,9 @@ def _store_line(report: StoreReport) -> str:
 
 
 def _print_report(report: StoreReport, run_root: RunRoot, fix: bool) -> int:
-    """Print the store's lines; with `fix`, remove the commit records of its broken shards. -> records removed."""
+    """Print the store's lines. With `fix`, remove the commit records (and data files) of its broken shards and
+    the store's _complete.json, which no longer holds: the store reads as unfinished, and the next run of its
+    stage computes the missing shards. -> records removed."""
     print(_store_line(report))
     for note in report.notes:
         print(f"  note: {note}")
@@ -311,10 +329,13 @@ def _print_report(report: StoreReport, run_root: RunRoot, fix: bool) -> int:
             print(f"  PROBLEM {message}")
         elif fix:
             run_root.remove(commit_path)
+            run_root.remove(f"{report.store}/{data_file_name(report.stage, shard_id)}")
             removed += 1
-            print(f"  PROBLEM {message}; removed {run_root.display(commit_path)}")
+            print(f"  PROBLEM {message}; removed {run_root.display(commit_path)} and its data file")
         else:
             print(f"  PROBLEM {message}; to recompute it, delete {run_root.display(commit_path)}")
+    if removed:
+        run_root.remove(f"{report.store}/{COMPLETE_FILE}")
     return removed
 
 
@@ -345,7 +366,7 @@ def validate_run_root(url: str, fix: bool = False) -> int:
     if not problems:
         print(f"validate: OK, {len(reports)} store(s), {shards} shard(s) re-hashed and checked")
         return 0
-    action = (f"removed {removed} commit record(s): rerun the stage(s) to recompute those shards" if fix
+    action = (f"removed {removed} commit record(s): the next run of the stage(s) recomputes those shards" if fix
               else "delete the commit records named above (or run validate --fix), then rerun the stage(s)")
     print(f"validate: {problems} problem(s) in {sum(bool(r.problems) for r in reports)} store(s); {action}")
     return 1

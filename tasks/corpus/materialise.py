@@ -7,22 +7,22 @@ resumes after the last committed part, also in the middle of a stream.
 
 from __future__ import annotations
 
-import glob
-import os
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPartInfo, StageComplete, committed_prefix,
-                                    list_commits, read_complete, stage_dir, write_commit, write_complete)
+from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPartInfo, StageComplete, commit_or_remove,
+                                    committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import DatasetConfig, KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import corpus_table, write_corpus_part
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
+from kdflow.tasks.common import faults
+from kdflow.tasks.corpus.source_files import file_builder as _file_builder
 
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 CountTokens = Callable[[list[str]], list[int]]
 
 
@@ -39,43 +39,6 @@ class MaterialiseSummary:
     parts_written: int
     fingerprint: str
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
-    """(builder, data_files) when the dataset is given as files, else None (a hub id)."""
-    candidates = dataset.data_files if dataset.data_files is not None else dataset.path
-    files = [candidates] if isinstance(candidates, str) else list(candidates)
-    builders = set()
-    expanded: list[str] = []
-    for name in files:
-        lowered = name.lower()
-        builder = next((b for ext, b in FILE_BUILDERS.items() if lowered.endswith(ext)), None)
-        is_local_dir = "://" not in name and os.path.isdir(name)
-        if builder is None and not is_local_dir:
-            if dataset.data_files is not None:
-                raise ConfigError(f"dataset.data_files: cannot tell the format of {name!r} (use .jsonl, .json, .parquet or .txt)")
-            return None
-        if is_local_dir:
-            for ext, b in FILE_BUILDERS.items():
-                found = sorted(glob.glob(os.path.join(name, f"**/*{ext}"), recursive=True))
-                if found:
-                    builders.add(b)
-                    expanded.extend(found)
-            continue
-        builders.add(builder)
-        if "://" in name:
-            expanded.append(name)
-            continue
-        matches = sorted(glob.glob(name, recursive=True))
-        if not matches:
-            raise ConfigError(f"dataset: no file matches {name!r}")
-        expanded.extend(matches)
-    if len(builders) != 1:
-        raise ConfigError(f"dataset: files must share one format, found {sorted(builders) or 'none'}")
-    if dataset.data_files is not None and dataset.path not in ("json", "parquet", "text", "csv"):
-        # `path` names a hub dataset with explicit data files: keep the hub path.
-        return None
-    return builders.pop(), expanded
 
 
 def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
@@ -111,13 +74,69 @@ def _first_invalid_utf8(files: list[str]) -> str | None:
     return None
 
 
-def _caused_by_invalid_utf8(error: BaseException | None) -> bool:
-    """`datasets` wraps decoding errors of file builders (e.g. DatasetGenerationError): look down the chain."""
-    while error is not None:
-        if isinstance(error, UnicodeDecodeError):
+def _first_malformed_json(files: list[str]) -> str | None:
+    """'FILE: line N is not valid JSON (why)' for the first JSON (lines) file with a line that does not parse."""
+    for name in files:
+        if not name.lower().endswith((".jsonl", ".json")):
+            continue
+        with open(name, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+        if name.lower().endswith(".json"):
+            try:
+                json.loads(text)
+                continue  # one JSON document
+            except ValueError as error:
+                whole = error
+            first = text.lstrip().split("\n", 1)[0]
+            try:  # JSON lines in a .json file: report the line; else the document's own position
+                json.loads(first)
+            except ValueError:
+                return f"{name}: not valid JSON at line {getattr(whole, 'lineno', '?')}, column {getattr(whole, 'colno', '?')} ({whole.msg if hasattr(whole, 'msg') else whole})"
+        for line_no, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as error:
+                return f"{name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)}, column {getattr(error, 'colno', '?')})"
+    return None
+
+
+def _caused_by(error: BaseException | None, matches: Callable[[BaseException], bool]) -> bool:
+    """`datasets` wraps errors of file builders (e.g. DatasetGenerationError): look down the chain."""
+    seen = 0
+    while error is not None and seen < 16:
+        if matches(error):
             return True
-        error = error.__cause__ or error.__context__
+        error, seen = error.__cause__ or error.__context__, seen + 1
     return False
+
+
+def _caused_by_invalid_utf8(error: BaseException | None) -> bool:
+    return _caused_by(error, lambda e: isinstance(e, UnicodeDecodeError))
+
+
+def _caused_by_bad_json(error: BaseException | None) -> bool:
+    return _caused_by(error, lambda e: "JSON parse error" in str(e) or isinstance(e, json.JSONDecodeError))
+
+
+def _caused_by_no_data(error: BaseException | None) -> bool:
+    """What `datasets` raises for files without a single record: StopIteration inside its generator, or
+    'Instruction "train" corresponds to no data!'."""
+    return _caused_by(error, lambda e: isinstance(e, StopIteration) or "corresponds to no data" in str(e))
+
+
+def _describe(dataset: DatasetConfig, files: list[str]) -> str:
+    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    return f"dataset {dataset.path!r}" + (f" ({shown})" if files and shown != dataset.path else "")
+
+
+def _local_files(dataset: DatasetConfig) -> list[str]:
+    try:
+        files = _file_builder(dataset)
+    except ConfigError:
+        return []
+    return [f for f in files[1] if "://" not in f] if files is not None else []
 
 
 def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]]:
@@ -138,10 +157,19 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
                 raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text (record {index})")
             yield index, text or ""
             index += 1
+    except KDFlowError:
+        raise
     except Exception as error:
-        if not _caused_by_invalid_utf8(error):
-            raise
-        raise DataError(_first_invalid_utf8(local_files) or "dataset: invalid UTF-8 in the source") from None
+        if _caused_by_invalid_utf8(error):
+            raise DataError(_first_invalid_utf8(local_files) or "dataset: invalid UTF-8 in the source") from None
+        if _caused_by_bad_json(error):
+            where = _first_malformed_json(local_files)
+            raise DataError(f"dataset file {where}" if where else f"{_describe(dataset, local_files)}: not valid JSON: "
+                            f"{str(error).splitlines()[0]}") from None
+        if _caused_by_no_data(error) and index == start:
+            raise DataError(f"{_describe(dataset, local_files)} holds no records{' after record ' + str(start) if start else ''} "
+                            f"(split {dataset.split!r})") from None
+        raise
 
 
 @dataclass
@@ -165,6 +193,7 @@ def materialise(
     run_root = RunRoot(config.run_root)
     run_root.ensure_writable()
     store = stage_dir(run_root, "corpus")
+    remove_stale_temp_files(run_root, store)  # what a killed run of this stage left
     fingerprint = corpus_fingerprint(config)
     committed = list_commits(run_root, store, "corpus", fingerprint)
     done = read_complete(run_root, store)
@@ -185,13 +214,14 @@ def materialise(
             return
         path = f"{store}/{data_file_name('corpus', prefix)}"
         writer = write_corpus_part(run_root, path, corpus_table(part.doc_ids, part.texts))
+        faults.maybe_fire("commit", run_root, stage="materialise", shard=prefix)
         record = CommitRecord(
             stage="corpus", shard_id=prefix, data_file=data_file_name("corpus", prefix), rows=len(part.texts),
             tokens=part.tokens, bytes=writer.nbytes, sha256=writer.sha256, fingerprint=fingerprint,
             extra=CorpusPartInfo(source_start=part.source_start, source_end=source_end, skipped_empty=part.skipped_empty,
                                  chars=sum(map(len, part.texts))),
         )
-        write_commit(run_root, store, record)
+        commit_or_remove(run_root, store, record)
         if on_part:
             on_part(record)
         totals["documents"] += record.rows
@@ -251,6 +281,9 @@ def materialise(
     if not part.texts:
         totals["skipped"] += part.skipped_empty  # trailing empty documents belong to no part
     flush(next_index)
+    if not totals["documents"]:
+        raise DataError(f"{_describe(config.dataset, _local_files(config.dataset))} holds no documents: "
+                        f"{totals['skipped']} record(s), all with an empty {config.dataset.text_field!r}")
     write_complete(run_root, store, StageComplete(
         stage="corpus", shards=prefix, rows=totals["documents"], tokens=totals["tokens"], fingerprint=fingerprint,
         extra=CorpusCompleteInfo(skipped_empty=totals["skipped"], source_exhausted=exhausted),

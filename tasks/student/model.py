@@ -17,23 +17,11 @@ from torch import nn
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import FingerprintMismatch, KDFlowError, first_line
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+from kdflow.tasks.common.sources import model_folder_problem
 
 
 class StudentError(KDFlowError):
     """A student folder or model that cannot be used (not a model, wrong vocabulary, unsupported head)."""
-
-
-def model_folder_problem(folder: str) -> str | None:
-    """Why `folder` is not a Hugging Face model folder, or None when it looks like one."""
-    if not os.path.isdir(folder):
-        return "no such folder"
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        return "no config.json in it"
-    if not any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
-        return "no model weights in it (model.safetensors or pytorch_model.bin)"
-    return None
 
 
 def load_causal_lm(folder: str, *, what: str, dtype: torch.dtype | None = None, device: str | None = None) -> nn.Module:

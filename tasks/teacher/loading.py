@@ -17,6 +17,7 @@ from torch import nn
 
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
+from kdflow.tasks.common.model_configs import teacher_limits_problem
 from kdflow.tasks.common.models import check_teacher_source, resolve_device, resolve_dtype
 
 
@@ -44,12 +45,10 @@ def load_teacher_config(teacher: TeacherConfig) -> Any:
 def check_teacher_limits(model_config: Any, *, top_k: int, seq_len: int) -> None:
     """top_k within the vocabulary, seq_len within the context the teacher was trained for."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    vocab = getattr(text_config, "vocab_size", None)
-    if vocab is not None and not 1 <= top_k <= vocab:
-        raise ConfigError(f"precompute.top_k={top_k} must be between 1 and the teacher's vocabulary size {vocab}")
-    context = getattr(text_config, "max_position_embeddings", None)
-    if context is not None and seq_len > context:
-        raise ConfigError(f"seq_len={seq_len} exceeds the teacher's context length (max_position_embeddings={context})")
+    problem = teacher_limits_problem(getattr(text_config, "vocab_size", None),
+                                     getattr(text_config, "max_position_embeddings", None), top_k=top_k, seq_len=seq_len)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = None) -> nn.Module:

@@ -1,0 +1,277 @@
+"""Pre-flight: the whole config checked before any Prefect server or stage starts, for the stages being run.
+
+`kdflow run` and `kdflow demo` call `run_preflight` right after the config loads and before Prefect is
+imported. Each check fails with one `ConfigError` line naming the setting and its value, and writes
+nothing; the whole list takes a second or two, because nothing heavy is loaded: no torch, no
+transformers, no Prefect, no weights (configs are read as JSON, GGUF headers and tokenizer.json directly).
+What cannot be told that cheaply (a hub model not cached yet, an object store's credentials) is left to
+the stage, which checks it again when it loads the real thing.
+
+The checks are one list, `CHECKS`, run in order; each names the stages it applies to. Other features add
+theirs with the `@check(...)` decorator in this module (or by appending a `Check` to `CHECKS`).
+Warnings (free disk against an estimate of what the run writes) are returned, printed by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from kdflow.schemas.config import STAGES, KDFlowConfig
+from kdflow.schemas.errors import ConfigError, KDFlowError, first_line
+from kdflow.schemas.layout import COMPLETE_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR
+
+ALL_STAGES = frozenset(STAGES)
+
+
+@dataclass
+class Preflight:
+    """What the checks share: the config, the stages being run, warnings, and things read once."""
+
+    config: KDFlowConfig
+    stages: frozenset[str]
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+    @cached_property
+    def run_root(self) -> Any:
+        from kdflow.schemas.storage import RunRoot
+
+        url = self.config.run_root
+        try:
+            return RunRoot(url)
+        except ImportError as error:
+            raise ConfigError(f"run_root={url!r} needs the package {error.name or 'for its protocol'}: "
+                              "pip install 'kdflow[s3]' (or the fsspec filesystem for that URL)") from None
+        except (ValueError, OSError) as error:
+            raise ConfigError(f"run_root={url!r} cannot be opened: {first_line(error)}") from None
+
+    def complete(self, *parts: str) -> dict[str, Any] | None:
+        """A store's `_complete.json` (read as JSON: no pandera import), None if missing or unreadable."""
+        run_root = self.run_root
+        try:
+            return json.loads(run_root.read_bytes(run_root.path(*parts, COMPLETE_FILE)))
+        except (OSError, ValueError, KDFlowError):
+            return None
+
+    @cached_property
+    def teacher_shape(self) -> Any:
+        from kdflow.tasks.common.model_configs import teacher_shape
+
+        return teacher_shape(self.config.teacher)
+
+    @property
+    def tokenizer_from_teacher(self) -> bool:
+        return self.config.tokenizer is None
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    stages: frozenset[str]  # the check runs when any of these stages is being run
+    run: Callable[[Preflight], None]
+
+
+CHECKS: list[Check] = []
+
+
+def check(name: str, *stages: str) -> Callable[[Callable[[Preflight], None]], Callable[[Preflight], None]]:
+    """Register a check for `stages` (default: every stage), after the ones already registered."""
+
+    def register(run: Callable[[Preflight], None]) -> Callable[[Preflight], None]:
+        CHECKS.append(Check(name, frozenset(stages) if stages else ALL_STAGES, run))
+        return run
+
+    return register
+
+
+def chosen_stages(stages: list[str] | str | None) -> frozenset[str]:
+    """`--stages` (a list or 'a,b') -> the stages; an unknown name is an error naming it."""
+    names = [s.strip() for s in stages.split(",")] if isinstance(stages, str) else list(stages or STAGES)
+    unknown = [s for s in names if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"--stages: unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
+    return frozenset(names)
+
+
+def run_preflight(config: KDFlowConfig, stages: list[str] | str | None = None) -> list[str]:
+    """Every check that applies to `stages`, in order; the first failure raises ConfigError. -> warnings."""
+    context = Preflight(config, chosen_stages(stages))
+    for item in CHECKS:
+        if item.stages & context.stages:
+            item.run(context)
+    return context.warnings
+
+
+# --- the checks -------------------------------------------------------------------------------------------
+
+
+@check("run_root")
+def check_run_root(context: Preflight) -> None:
+    """A local run root must be a folder (or creatable) that this process may write; nothing is written here."""
+    run_root = context.run_root
+    if not run_root.is_local:
+        return  # an object store: its credentials and bucket show with the first write
+    url, path = context.config.run_root, run_root.root
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"run_root={url!r} is a file, not a folder")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"run_root={url!r} cannot be created: {existing} is a file")
+    folders = [existing] + [os.path.join(path, name) for name in (CORPUS_DIR, TOKENS_DIR, TOPK_DIR, STUDENTS_DIR)
+                            if os.path.isdir(os.path.join(path, name))]
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):  # also false on a read-only filesystem, even for root
+            raise ConfigError(f"run_root={url!r} cannot be written: {folder} is read-only for this user")
+
+
+@check("dataset", "materialise")
+def check_dataset(context: Preflight) -> None:
+    """The source exists and its first record holds `dataset.text_field` (skipped when the corpus is done)."""
+    from kdflow.schemas.fingerprints import corpus_fingerprint
+    from kdflow.tasks.corpus.probe import probe_dataset
+
+    done = context.complete(CORPUS_DIR)
+    if done is not None and done.get("fingerprint") == corpus_fingerprint(context.config):
+        return  # materialise will skip everything: the source need not be reachable
+    warning = probe_dataset(context.config.dataset)
+    if warning:
+        context.warn(warning)
+
+
+@check("teacher", "materialise", "tokenise", "precompute", "train")
+def check_teacher(context: Preflight) -> None:
+    """The teacher's files are there (its weights only by name), and top_k and seq_len fit its config."""
+    from kdflow.tasks.common.model_configs import teacher_limits_problem
+    from kdflow.tasks.common.sources import check_teacher_source
+
+    stages, config = context.stages, context.config
+    needs_teacher = "precompute" in stages or (context.tokenizer_from_teacher and (
+        stages & {"tokenise", "train"} or ("materialise" in stages and config.dataset.max_tokens)))
+    if not needs_teacher:
+        return
+    check_teacher_source(config.teacher)
+    if "precompute" in stages:
+        shape = context.teacher_shape
+        problem = teacher_limits_problem(shape.vocab_size, shape.context_length, top_k=config.precompute.top_k,
+                                         seq_len=config.seq_len)
+        if problem:
+            raise ConfigError(f"{problem} (read from {shape.source})")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+@check("tokenizer", "materialise", "tokenise", "precompute", "train")
+def check_tokenizer(context: Preflight) -> None:
+    """The run's tokenizer can be read, and an explicit `tokenizer:` is the teacher's own vocabulary."""
+    from kdflow.tasks.common.model_configs import tokenizer_mismatch, tokenizer_vocab
+    from kdflow.tasks.common.sources import resolve_model_source
+
+    config, stages = context.config, context.stages
+    if not (stages & {"tokenise", "precompute", "train"} or config.dataset.max_tokens):
+        return
+    if context.tokenizer_from_teacher:
+        source = resolve_model_source(config.teacher.model, config.teacher.gguf_file)
+        if os.path.isdir(source) and not config.teacher.gguf_file and not any(
+                os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
+            raise ConfigError(f"teacher.model {config.teacher.model!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, "
+                              "...): set `tokenizer:` to the teacher's tokenizer")
+        return
+    try:
+        source = resolve_model_source(config.tokenizer)
+    except ConfigError as error:
+        raise ConfigError(f"tokenizer: {error}") from None
+    if os.path.isdir(source) and not any(os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
+        raise ConfigError(f"tokenizer={config.tokenizer!r} is not a tokenizer folder (no {', '.join(_TOKENIZER_FILES[:3])}, ...)")
+    vocab = tokenizer_vocab(config.tokenizer)
+    if vocab is not None and not vocab:
+        raise ConfigError(f"tokenizer={config.tokenizer!r} has an empty vocabulary")
+    mismatch = tokenizer_mismatch(config.tokenizer, config.teacher)
+    if mismatch:
+        raise ConfigError(mismatch)
+
+
+@check("distributed", "train")
+def check_distributed(context: Preflight) -> None:
+    """Ranks, nodes and the global batch fit together; the rendezvous endpoint is HOST:PORT."""
+    student = context.config.student
+    distributed = student.distributed
+    if distributed.node_rank >= distributed.nnodes:
+        raise ConfigError(f"student.distributed.node_rank={distributed.node_rank} must be below nnodes={distributed.nnodes}")
+    world_size = distributed.nproc_per_node * distributed.nnodes
+    if student.batch_size % (world_size * student.grad_accum):
+        raise ConfigError(f"student.batch_size={student.batch_size} must be divisible by ranks x grad_accum = "
+                          f"{world_size} x {student.grad_accum}")
+    host, _, port = distributed.rdzv_endpoint.rpartition(":")
+    if world_size > 1 and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+        raise ConfigError(f"student.distributed.rdzv_endpoint={distributed.rdzv_endpoint!r} must be HOST:PORT")
+
+
+@check("student", "train")
+def check_student(context: Preflight) -> None:
+    from kdflow.tasks.common.sources import model_folder_problem
+
+    init_from = context.config.student.init_from
+    if init_from is not None:
+        problem = model_folder_problem(os.path.expanduser(init_from))
+        if problem:
+            raise ConfigError(f"student.init_from={init_from!r} is not a model: {problem}")
+
+
+@check("disk")
+def check_disk(context: Preflight) -> None:
+    """A warning, with the numbers, when the run may write more than the run root's disk has free."""
+    from kdflow.tasks.corpus.source_files import file_builder
+
+    from kdflow.schemas.storage import free_bytes
+
+    if not context.run_root.is_local:
+        return
+    config, stages = context.config, context.stages
+    tokens_done = context.complete(TOKENS_DIR)
+    tokens = tokens_done.get("tokens") if tokens_done else None
+    source_bytes = None
+    try:
+        files = file_builder(config.dataset)
+        if files is not None:
+            source_bytes = sum(os.path.getsize(f) for f in files[1] if "://" not in f and os.path.isfile(f))
+    except ConfigError:
+        pass
+    if tokens is None:
+        tokens = config.dataset.max_tokens or (source_bytes // 4 if source_bytes else None)  # ~4 bytes a token
+    parts: dict[str, int] = {}
+    if "materialise" in stages and source_bytes and context.complete(CORPUS_DIR) is None:
+        parts["corpus"] = source_bytes // 2  # zstd Parquet
+    if tokens and "tokenise" in stages and tokens_done is None:
+        parts["tokens"] = tokens * 4
+    if tokens and "precompute" in stages:
+        parts["top-K"] = tokens * config.precompute.top_k * (4 + (2 if config.precompute.logprobs_dtype == "float16" else 4))
+    if "train" in stages:
+        parts["student"] = _student_bytes(context)
+    needed, free = sum(parts.values()), free_bytes(context.run_root.root)
+    if free is not None and needed > free:
+        listed = ", ".join(f"{name} {size / 1e9:.2f}" for name, size in parts.items())
+        context.warn(f"the run may write about {needed / 1e9:.2f} GB under run_root={config.run_root!r} ({listed} GB) "
+                     f"but only {free / 1e9:.2f} GB are free there")
+
+
+def _student_bytes(context: Preflight) -> int:
+    """fp32 weights + AdamW moments per checkpoint, keep_checkpoints + 1 of them at once, plus final/."""
+    student = context.config.student
+    arch = student.architecture
+    vocab = (context.teacher_shape.vocab_size if context.tokenizer_from_teacher and "precompute" in context.stages
+             else None) or 50_000
+    head_dim = arch.hidden_size // arch.num_attention_heads
+    per_layer = (2 * arch.hidden_size * arch.hidden_size + 2 * arch.hidden_size * arch.num_key_value_heads * head_dim
+                 + 3 * arch.hidden_size * arch.intermediate_size)
+    params = arch.num_hidden_layers * per_layer + vocab * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    return params * 4 * (3 * (student.keep_checkpoints + 1) + 1)

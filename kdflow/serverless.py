@@ -1,0 +1,79 @@
+"""Prefect without a server, as `kdflow run` and `kdflow demo` use it: the temporary server's settings, and
+terminal output where kdflow's own errors are one line.
+
+Without `PREFECT_API_URL`, Prefect starts a temporary server (a uvicorn subprocess on SQLite) and waits for
+it `PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS` (Prefect's default: 20 s). On two busy cores, or with
+two runs starting at once on one `PREFECT_HOME`, that start took 40-80 s, so kdflow waits up to
+`STARTUP_TIMEOUT_S`. The server also sends a telemetry heartbeat, which logs an ERROR with a traceback
+when there is no internet; kdflow turns server analytics off (and sets `DO_NOT_TRACK`, which Prefect's
+client-side telemetry reads). A setting the user gave (environment or Prefect profile) is never changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections.abc import Iterator
+
+from kdflow.schemas.errors import KDFlowError
+
+STARTUP_TIMEOUT_S = 300
+_DEFAULTS = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": STARTUP_TIMEOUT_S, "PREFECT_SERVER_ANALYTICS_ENABLED": False}
+
+
+@contextlib.contextmanager
+def serverless_settings() -> Iterator[dict[str, object]]:
+    """Prefect settings for the temporary server, for the duration of the block; -> the ones applied."""
+    os.environ.setdefault("DO_NOT_TRACK", "1")  # read from the environment by Prefect's client telemetry
+    import prefect.settings as settings
+
+    explicit = set(os.environ)
+    with contextlib.suppress(Exception):  # no profiles file, or an unreadable one: only the environment counts
+        explicit |= {setting.name for setting in settings.load_current_profile().settings}
+    updates = {getattr(settings, name): value for name, value in _DEFAULTS.items() if name not in explicit}
+    with settings.temporary_settings(updates=updates):
+        yield {setting.name: value for setting, value in updates.items()}
+
+
+def _kdflow_error_in(exc_info: object) -> bool:
+    if not isinstance(exc_info, tuple) or len(exc_info) < 2:
+        return False
+    error, seen = exc_info[1], 0
+    while error is not None and seen < 16:
+        if isinstance(error, KDFlowError):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+class OneLineErrors(logging.Formatter):
+    """A terminal formatter for kdflow's commands: a record that carries a kdflow error (bad input or state,
+    KDFlowError) shows its message without the traceback (Prefect logs the same error with a traceback at the
+    task, at each subflow and at the flow). Other errors keep theirs. Records are copied, never changed,
+    so other handlers (Prefect's API log handler: the run logs in the UI) still get the traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and _kdflow_error_in(record.exc_info):
+            record = copy.copy(record)
+            record.exc_info, record.exc_text = None, None
+        return super().format(record)
+
+
+class DropRepeatedErrors(logging.Filter):
+    """Drop Prefect's "Encountered exception during execution" records of a kdflow error: the same run's
+    "Finished in state Failed(...)" line right after says it again, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("prefect") and record.exc_info and _kdflow_error_in(record.exc_info)
+                    and str(record.msg).startswith("Encountered exception during execution"))
+
+
+def install_terminal_logging(handler: logging.Handler, verbose: bool) -> None:
+    """kdflow's terminal handler: one-line kdflow errors, unless `-v` asks for every traceback."""
+    if verbose:
+        return
+    handler.setFormatter(OneLineErrors(handler.formatter._fmt if handler.formatter else None,  # noqa: SLF001
+                                       handler.formatter.datefmt if handler.formatter else None))
+    handler.addFilter(DropRepeatedErrors())

@@ -1,0 +1,136 @@
+"""What a model's config files say, read without weights, transformers or torch: the vocabulary size and the
+context length of the teacher, and the vocabulary of a tokenizer (token -> id).
+
+Pre-flight checks use these to fail in a second on a `top_k` or `seq_len` the teacher cannot take, or on a
+`tokenizer:` whose ids mean other tokens to the teacher. Sources: a local Hugging Face folder (config.json,
+tokenizer.json), a GGUF file (its metadata; kdflow.tasks.common.gguf_header), a hub id already in the local
+Hugging Face cache. What cannot be read cheaply is None: the stage checks it again when it loads the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kdflow.schemas.config import TeacherConfig
+from kdflow.schemas.errors import ConfigError, first_line
+from kdflow.tasks.common.gguf_header import GGUFError, gguf_summary, read_gguf_metadata
+from kdflow.tasks.common.sources import check_teacher_source, resolve_model_source
+
+_VOCAB_KEYS = ("vocab_size", "n_vocab", "padded_vocab_size")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int | None
+    context_length: int | None
+    source: str  # where the numbers were read, for messages
+
+
+def teacher_limits_problem(vocab: int | None, context: int | None, *, top_k: int, seq_len: int) -> str | None:
+    """top_k within the vocabulary, seq_len within the context the teacher was trained for; -> why not, or None."""
+    if vocab is not None and not 1 <= top_k <= vocab:
+        return f"precompute.top_k={top_k} must be between 1 and the teacher's vocabulary size {vocab}"
+    if context is not None and seq_len > context:
+        return f"seq_len={seq_len} exceeds the teacher's context length (max_position_embeddings={context})"
+    return None
+
+
+def _cached_hub_file(repo: str, name: str, revision: str | None) -> str | None:
+    """A file of a hub repository from the local Hugging Face cache (never the network), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo, name, revision=revision)
+    return found if isinstance(found, str) else None
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
+def _first(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
+    return next((int(config[key]) for key in keys if isinstance(config.get(key), int)), None)
+
+
+def read_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{what}: cannot read {path}: {first_line(error)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {path} does not hold a JSON object")
+    return data
+
+
+def _gguf(path: str, what: str) -> dict[str, Any]:
+    try:
+        return gguf_summary(read_gguf_metadata(path))
+    except (OSError, GGUFError) as error:
+        raise ConfigError(f"{what}: cannot read the GGUF file {path}: {first_line(error)}") from None
+
+
+def teacher_shape(teacher: TeacherConfig) -> ModelShape:
+    """The teacher's vocabulary size and context length from its config (no weights); None where unknown."""
+    local = check_teacher_source(teacher)
+    if local is not None and teacher.gguf_file:
+        path = os.path.join(local, teacher.gguf_file)
+        summary = _gguf(path, "teacher.gguf_file")
+        return ModelShape(summary["vocab_size"], summary["context_length"], path)
+    path = os.path.join(local, "config.json") if local is not None else _cached_hub_file(teacher.model, "config.json",
+                                                                                        teacher.revision)
+    if path is None or teacher.gguf_file:
+        return ModelShape(None, None, teacher.model)  # not cached yet (or a GGUF on the hub): checked at load time
+    config = read_json(path, "teacher.model")
+    if "model_type" not in config and local is not None:
+        raise ConfigError(f"teacher.model {teacher.model!r}: its config.json names no model_type: not a transformers model")
+    text = _text_config(config)
+    return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), path)
+
+
+def tokenizer_vocab(source: str, gguf_file: str | None = None, revision: str | None = None) -> dict[str, int] | None:
+    """token -> id of the tokenizer at `source` (a folder with tokenizer.json, a GGUF file in a folder, a cached
+    hub id), read with the `tokenizers` library or from the GGUF metadata; None when it cannot be read cheaply."""
+    path = resolve_model_source(source, gguf_file)
+    if gguf_file:
+        file = os.path.join(path, gguf_file)
+        if not os.path.isfile(file):
+            return None
+        tokens = _gguf(file, "tokenizer").get("tokens")
+        return {token: index for index, token in enumerate(tokens)} if tokens else None
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else _cached_hub_file(source, "tokenizer.json", revision)
+    if file is None or not os.path.isfile(file):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(file).get_vocab(with_added_tokens=True)
+    except Exception as error:  # noqa: BLE001 - the Rust library raises its own exception type
+        raise ConfigError(f"tokenizer {source!r}: cannot read {file}: {first_line(error)}") from None
+
+
+def tokenizer_mismatch(tokenizer: str | None, teacher: TeacherConfig, load_vocab: Any = None) -> str | None:
+    """Why an explicit `tokenizer:` cannot be used with this teacher (its ids would name other tokens), or None.
+
+    Only the vocabularies (token -> id) are compared: they decide what an id means to the teacher; special-token
+    settings differ harmlessly between saved copies of one tokenizer. `load_vocab(source, gguf_file)` is the
+    fallback for a tokenizer without a tokenizer.json (loaded with transformers: slower)."""
+    if tokenizer is None:
+        return None
+    mine = tokenizer_vocab(tokenizer)
+    theirs = tokenizer_vocab(teacher.model, teacher.gguf_file, teacher.revision)
+    if load_vocab is not None:
+        mine = mine if mine is not None else load_vocab(tokenizer, None)
+        theirs = theirs if theirs is not None else load_vocab(teacher.model, teacher.gguf_file)
+    if mine is None or theirs is None or mine == theirs:
+        return None
+    moved = sum(1 for token, index in mine.items() if theirs.get(token) != index)
+    return (f"tokenizer {tokenizer!r} is not the teacher's own: {moved} of its {len(mine)} tokens have another id (or none) "
+            f"in teacher.model {teacher.model!r} ({len(theirs)} tokens), so the teacher would read ids of another "
+            "vocabulary; remove `tokenizer:` to use the teacher's tokenizer")

