@@ -88,3 +88,16 @@ def processes_with_env(marker: str) -> list[int]:
         if state != b"Z":
             found.append(int(entry))
     return found
+
+
+def finish(process: subprocess.Popen, *, what: str, timeout: float) -> tuple[Any, Any]:
+    """`process.communicate()` within `timeout`; on overrun the group is killed and the test fails naming `what`.
+    The group is killed afterwards either way. -> (stdout, stderr)."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{what} did not finish within {timeout:.0f} s (killed); its last output:\n{_tail(stdout)}\n{_tail(stderr)}")
+    finally:
+        kill_group(process)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from children import run
 from conftest import sample_documents, write_jsonl
 from test_train import make_tokens, run_config, write_dense_topk
 
@@ -33,8 +34,7 @@ def student_dir(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path
 
 
 def kdflow_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kdflow", "chat", *args], input=stdin, capture_output=True, text=True,
-                          timeout=300, check=False)
+    return run([sys.executable, "-m", "kdflow", "chat", *args], what="kdflow chat", input=stdin, timeout=300)
 
 
 def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:

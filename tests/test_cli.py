@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from children import run
 
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.layout import CONFIG_FILE
@@ -18,8 +19,8 @@ COMMANDS = ("demo", "run", "status", "validate", "chat", "bench")
 
 
 def kdflow(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kdflow", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=Path(__file__).parent.parent)
+    return run([sys.executable, "-m", "kdflow", *args], what=f"kdflow {' '.join(args)}", timeout=timeout, env=env,
+               cwd=Path(__file__).parent.parent)
 
 
 def store_mtimes(run_root: Path) -> dict[str, int]:

@@ -10,6 +10,7 @@ KL within ~7e-7, weights after 6 AdamW steps at lr 1e-3 within ~1.2e-7 absolute;
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from children import run
 from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
 from test_train import make_tokens, run_config, write_dense_topk
@@ -113,7 +115,7 @@ def torchrun(config: KDFlowConfig, *worker_args: str) -> dict[str, Any]:
     from kdflow.tasks.student.distributed import torchrun_command
 
     command = torchrun_command(config.student.distributed, write_config(config), *worker_args)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, check=False)
+    done = run(command, what="the 2-rank torchrun", timeout=TORCHRUN_TIMEOUT_S)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     results = [json.loads(line[len(RESULT_PREFIX):]) for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
@@ -249,7 +251,11 @@ def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fres
     deadline = time.monotonic() + 30
     while _pids_running(config_path) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _pids_running(config_path) == []  # the ranks died with their parent
+    leftovers = _pids_running(config_path)
+    for pid in leftovers:  # a failure here must not leave ranks behind for the rest of the suite
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert leftovers == []  # the ranks died with their parent
 
     resumed = train(config, on_step=lambda record: True)  # on one rank, from the newest complete checkpoint
     assert resumed["start_step"] >= 2 and resumed["steps"] == resumed["start_step"] + 1

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from children import finish, kill_group, run
 from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
 from test_precompute import prepare
@@ -130,8 +131,10 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def start_worker(config_path: Path, **env: str) -> subprocess.Popen:
+    """A teacher worker in its own process group (finish() waits for it and kills the group afterwards)."""
     return subprocess.Popen([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config", str(config_path)], cwd=REPO,
-                            env=worker_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=worker_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def write_config(config: KDFlowConfig, path: Path) -> Path:
@@ -181,6 +184,10 @@ def test_validate_fix_makes_the_next_run_recompute_exactly_the_damaged_shards(ru
     assert "removed 2 commit record(s)" in capsys.readouterr().out
     commits = sorted(p.name for p in store.glob("*.commit.json"))
     assert commits == [commit_file_name("topk", i) for i in range(prepared.shards) if i not in (1, 3)]
+
+    capsys.readouterr()
+    assert validate_run_root(config.run_root) == 0  # right after --fix: what the next run recomputes, as a note
+    assert "shard(s) 1,3 have no commit record: the next run of precompute computes what is missing" in capsys.readouterr().out
 
     summary = precompute_shards(config)
     assert (summary["written"], summary["skipped"]) == (2, prepared.shards - 2)
@@ -274,14 +281,17 @@ def test_disk_full_mid_pass_fails_with_exit_code_3_and_a_rerun_after_freeing_spa
         config = run_copy()
         env = {"KDFLOW_FAULT": "enospc@shard=1,micro_batch=1"}
     worker = start_worker(write_config(config, tmp_path / "config.yaml"), **env)
-    stdout, stderr = worker.communicate(timeout=300)
+    stdout, stderr = finish(worker, what="the teacher worker on a full disk", timeout=300)
 
     assert worker.returncode == EXIT_NO_SPACE, why + stderr[-3000:]
     [error] = lines_with(ERROR_PREFIX, stdout)
-    assert error["exit_code"] == EXIT_NO_SPACE and "No space left on device" in error["message"]
+    assert error["exit_code"] == EXIT_NO_SPACE
     last_line = stderr.strip().splitlines()[-1]
     assert last_line == f"kdflow worker: no space left on device: {error['message']}"
-    assert f"under {config.run_root}); free space there and run again" in last_line
+    # Where, about how much the shard needs, and what to do, in one line.
+    shard = topk_store(config, prepared) / data_file_name("topk", 1)
+    assert error["message"].startswith(f"disk full at {shard} (needs about ") and " MB free)" in error["message"]
+    assert error["message"].endswith("; free space there and rerun to resume: committed work is kept")
     store = topk_store(config, prepared)
     committed = set(list_commits(RunRoot(config.run_root), str(store), "topk", prepared.tag))
     assert 0 in committed and 1 not in committed  # shard 0 is kept, shard 1 was under way
@@ -311,8 +321,8 @@ def test_disk_already_full_is_exit_code_3_and_a_lease_leaves_no_temp_file(full_d
     # The worker's own code path, in this process (its exit code is returned, not exited with).
     assert run_worker_here(["--config", str(write_config(config, tmp_path / "config.yaml"))]) == EXIT_NO_SPACE
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last_line.startswith("kdflow worker: no space left on device: run root ")
-    assert "cannot be written: No space left on device; free space there and run again" in last_line
+    assert last_line == (f"kdflow worker: no space left on device: disk full at {config.run_root} (0 MB free); free space "
+                         "there and rerun to resume: committed work is kept")
     assert not (Path(config.run_root) / "topk").exists()
 
     store = Path(config.run_root, "lease-store")
@@ -323,9 +333,30 @@ def test_disk_already_full_is_exit_code_3_and_a_lease_leaves_no_temp_file(full_d
 
 
 def test_a_failed_write_probe_leaves_nothing_behind(full_disk_run) -> None:
-    with pytest.raises(StoreError, match="cannot be written"):
+    with pytest.raises(StoreError, match="disk full at "):
         RunRoot(full_disk_run.run_root).ensure_writable()
-    assert not list(Path(full_disk_run.run_root).glob("write-probe-*"))
+    assert not list(Path(full_disk_run.run_root).glob("*write-probe*"))
+
+
+def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpoint(small_disk, run_copy, tmp_path) -> None:
+    from kdflow.tasks.student.train import train
+
+    disk, why = small_disk
+    if disk is None:
+        pytest.skip(why)
+    config = run_copy("reference", run_root=disk.path / "run")
+    disk.resize(disk.used_pages() + 24)  # room for the logs, not for a checkpoint (weights and optimizer: ~300 KB)
+    with pytest.raises(StoreError) as caught:
+        train(config)
+    student = Path(config.run_root) / "students" / config.student.name
+    message = str(caught.value)
+    assert message.startswith(f"disk full at {student / 'checkpoint-2'} (needs about ") and "\n" not in message
+    assert "student.keep_checkpoints=2 needs room for 3 checkpoints while the next one is written" in message
+    assert [p.name for p in student.iterdir() if "checkpoint" in p.name] == []  # no half checkpoint, no staging folder
+    steps = [json.loads(line)["step"] for line in (student / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    disk.resize(disk.pages(16 << 20))  # someone frees space: the rerun trains from the start (nothing was saved)
+    assert train(config)["steps"] == config.student.steps
 
 
 # --- two workers on one run root --------------------------------------------------------------------------
@@ -335,7 +366,11 @@ def test_two_workers_racing_on_one_run_root_compute_each_shard_once(run_copy, pr
     config = run_copy(precompute__lease_ttl_s=10)  # a worker waiting on the other's lease polls every ttl/10 s
     config_path = write_config(config, tmp_path / "config.yaml")
     workers = [start_worker(config_path) for _ in range(2)]  # started together, no lease seeded: a real race
-    outputs = [worker.communicate(timeout=300) for worker in workers]
+    try:
+        outputs = [finish(worker, what="two racing teacher workers", timeout=300) for worker in workers]
+    finally:
+        for worker in workers:  # the other one too, if the first did not finish
+            kill_group(worker)
     assert [w.returncode for w in workers] == [0, 0], [err[-2000:] for _, err in outputs]
 
     results = [lines_with(RESULT_PREFIX, out)[0] for out, _ in outputs]
@@ -416,27 +451,32 @@ def cli(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProc
     """`python -m kdflow ARGS` with a private Prefect home and no server: a temporary one is started if needed."""
     clean = {k: v for k, v in worker_env().items() if not k.startswith("PREFECT_")}
     clean |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
-    return subprocess.run([sys.executable, "-m", "kdflow", *args], cwd=REPO, env=clean | env, capture_output=True,
-                          text=True, timeout=420)
+    return run([sys.executable, "-m", "kdflow", *args], what=f"kdflow {args[0]}", timeout=420, cwd=REPO, env=clean | env)
 
 
 def files_containing(folder: Path, needle: bytes) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
-def test_cli_bad_top_k_is_one_line_commits_no_topk_and_leaks_no_secret(prepared, tmp_path) -> None:
-    config = fault_config(tmp_path / "run", prepared.teacher, prepared.corpus)
+def test_cli_error_inside_a_stage_is_one_line_without_traceback_and_leaks_no_secret(prepared, tmp_path) -> None:
+    """A malformed line deep in the source passes the pre-flight look at the first record; materialise finds it
+    under Prefect: the run ends Failed with that line as its message, and the terminal shows no traceback."""
+    lines = [json.dumps({"text": text}) for text in sample_documents(12)]
+    lines[6] = '{"text": "an unterminated string'
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    config = fault_config(tmp_path / "run", prepared.teacher, corpus)
     config_path = write_config(config, tmp_path / "config.yaml")
-    done = cli(["run", str(config_path), "--stages", "materialise,tokenise,precompute", "--set", "precompute.top_k=500"],
-               tmp_path, AWS_SECRET_ACCESS_KEY=SECRET)
+    done = cli(["run", str(config_path)], tmp_path, AWS_SECRET_ACCESS_KEY=SECRET)
     assert done.returncode == EXIT_USER_ERROR, done.stderr[-3000:]
-    # Prefect's own log lines (the failed runs, the temporary server stopping) surround it; ours is one line.
-    assert [line for line in done.stderr.splitlines() if line.startswith("kdflow: error:")] == [
-        "kdflow: error: precompute.top_k=500 must be between 1 and the teacher's vocabulary size 384"]
-    run_root = Path(config.run_root)
-    assert list(run_root.glob("tokens/*.commit.json"))  # the stages before it did their work
-    assert not list(run_root.glob("topk/*/*"))
-    for folder in (run_root, tmp_path / "prefect-home"):  # the run's files, and Prefect's database with the run logs
+    message = f"dataset file {corpus}: line 7 is not valid JSON"
+    # Prefect's own one-line log lines (the failed runs, the temporary server stopping) surround it; ours is one line.
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("kdflow: error:")]
+    assert error.startswith(f"kdflow: error: {message}") and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not list(Path(config.run_root).glob("corpus/*.commit.json"))
+    home = tmp_path / "prefect-home"  # Prefect's database: the run's state message and logs, as the UI shows them
+    assert files_containing(home, message.encode())
+    for folder in (Path(config.run_root), home):
         assert files_containing(folder, SECRET.encode()) == []
     assert SECRET not in done.stdout + done.stderr
 

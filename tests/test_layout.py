@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from children import run
 
 from kdflow.schemas.config import config_from_dict, dump_config, load_config
 
@@ -86,7 +86,7 @@ def test_no_stage_code_imports_prefect() -> None:
             f"for name in {names!r}:\n"
             "    importlib.import_module(name)\n"
             "print(sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.')))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = run([sys.executable, "-c", code], what="importing every stage module", timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -98,8 +98,8 @@ def test_no_source_file_is_long() -> None:
 
 
 def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -> None:
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                            "--wheel-dir", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                 "--wheel-dir", str(tmp_path), str(REPO)], what="pip wheel", timeout=300)
     assert built.returncode == 0, built.stderr
     wheel = next(tmp_path.glob("kdflow-*.whl"))
     with zipfile.ZipFile(wheel) as archive:
@@ -116,7 +116,7 @@ def test_top_level_names_are_not_importable_from_a_clean_folder(tmp_path: Path) 
     code = ("import importlib.util as u\n"
             "print([n for n in ('tasks', 'flows', 'schemas') if u.find_spec(n) is not None])\n"
             "import kdflow.tasks.teacher.topk, kdflow.flows, kdflow.schemas.commits\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    result = run([sys.executable, "-c", code], what="imports from a clean folder", timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -160,8 +160,8 @@ def test_kdflow_runs_from_a_folder_with_its_own_tasks_flows_and_schemas(
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
     env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    result = subprocess.run([sys.executable, "-m", "kdflow", "run", str(path)], capture_output=True, text=True,
-                            timeout=900, env=env, cwd=project)
+    result = run([sys.executable, "-m", "kdflow", "run", str(path)], what="kdflow run from the user's project", timeout=900,
+                 env=env, cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "was imported by kdflow" not in result.stdout + result.stderr
     student = Path(config.run_root) / "students" / config.student.name

@@ -149,6 +149,37 @@ def test_invalid_utf8_names_file_and_line(make_config: Callable[..., Any], tmp_p
     assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_malformed_json_line_names_its_file_and_line(make_config: Callable[..., Any], tmp_path: Path,
+                                                      streaming: bool) -> None:
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(40)]
+    lines[29] = '{"text": "no closing quote}'
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    config = make_config(dataset__path=str(path), dataset__streaming=streaming, dataset__documents_per_part=8)
+    with pytest.raises(DataError) as caught:
+        materialise(config)
+    assert str(caught.value).startswith(f"dataset file {path}: line 30 is not valid JSON (") and "\n" not in str(caught.value)
+    run_root = RunRoot(config.run_root)
+    assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
+
+
+@pytest.mark.parametrize("content, says", [
+    ("", "holds no records"),  # datasets: "generator raised StopIteration"
+    ("\n\n", "holds no records"),  # datasets: 'Instruction "train" corresponds to no data!'
+    ('{"text": ""}\n{"text": "   "}\n', "holds no documents: 2 record(s), all with an empty 'text'"),
+])
+def test_an_empty_dataset_says_so(make_config: Callable[..., Any], tmp_path: Path, content: str, says: str) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    config = make_config(dataset__path=str(path))
+    with pytest.raises(DataError) as caught:
+        materialise(config)
+    assert str(caught.value).startswith(f"dataset '{path}'") and says in str(caught.value), str(caught.value)
+    run_root = RunRoot(config.run_root)
+    assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
+
+
 def test_rerun_does_no_work(make_config: Callable[..., Any]) -> None:
     config = make_config()
     first = materialise(config)

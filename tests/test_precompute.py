@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from children import run
 
 from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
 from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
@@ -246,8 +247,8 @@ def test_four_bit_teacher_runs_on_cpu(make_config) -> None:
 
 
 def _worker(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config", str(config_path)], cwd=REPO,
-                          env=os.environ | env, capture_output=True, text=True, timeout=300)
+    return run([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config", str(config_path)],
+               what="the teacher worker", timeout=300, cwd=REPO, env=os.environ | env)
 
 
 def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from children import run
 
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
@@ -112,8 +112,7 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
 
     # `kdflow status` in a fresh process, which finds the endpoint through fsspec's own variable this time.
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"} | {"FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
-    result = subprocess.run([sys.executable, "-m", "kdflow", "status", s3_run_root], env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = run([sys.executable, "-m", "kdflow", "status", s3_run_root], what="kdflow status on S3", timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
     assert "complete" in lines["corpus"]

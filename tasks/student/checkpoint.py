@@ -126,7 +126,7 @@ def _full_disk(error: BaseException, folder: str) -> bool:
     if is_no_space(error):
         return True
     free = free_bytes(folder)
-    return isinstance(error, (RuntimeError, OSError)) and free is not None and free < (1 << 20)
+    return isinstance(error, Exception) and free is not None and free < (1 << 20)  # safetensors: its own error type
 
 
 @contextmanager
