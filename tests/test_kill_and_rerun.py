@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
 from kdflow.schemas.owners import parse_owner_tag
 from kdflow.tasks.common.faults import parse_faults
-from kdflow.tasks.common.scratch import scratch_root
+from kdflow.tasks.common.scratch import scratch_owner, scratch_root
 from kdflow.validate import validate_run_root
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +102,15 @@ def assert_like_the_reference(config: KDFlowConfig, reference: dict[str, Any], c
     assert leftovers == []
 
 
+def scratch_names() -> list[str]:
+    return os.listdir(scratch_root()) if os.path.isdir(scratch_root()) else []
+
+
+def scratch_pid(name: str) -> int | None:
+    owner = parse_owner_tag(scratch_owner(name) or "")
+    return owner[0] if owner else None
+
+
 def run_env(tmp_path: Path, marker: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KDFLOW_"))}
     return env | {"PREFECT_HOME": str(tmp_path / "prefect-home"), "KDFLOW_TEST_RUN": marker} | extra
@@ -122,6 +131,7 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
     config_path.write_text(dump_config(config))
     fired = Path(config.run_root) / "_faults"
     pids: list[int] = []
+    killed_scratch: list[str] = []  # scratch folders (worker config files) that a killed run left behind
     # Against the session's Prefect server: what is tested is the run, not another temporary server per rerun.
     for attempt in range(len(MOMENTS) + 1):
         marker = uuid.uuid4().hex
@@ -138,6 +148,7 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
                 process.wait()
                 assert process.returncode == -signal.SIGKILL
         no_process_left(marker)  # the teacher worker (its own session) died with the flow
+        killed_scratch += [name for name in scratch_names() if (scratch_pid(name) == process.pid)]
         if process.returncode == 0:
             break
         [new] = set(fired.glob("*.fired")) - before  # stopped exactly where the next fault is
@@ -145,9 +156,8 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
     assert attempt == len(MOMENTS), f"the run completed after {attempt} kills, expected {len(MOMENTS)}:\n{log.read_text()[-3000:]}"
     assert len(list(fired.glob("*.fired"))) == len(MOMENTS)
     assert_like_the_reference(config, reference, capsys)
-    # The scratch folders (worker config files) of the killed runs were removed by the runs after them.
-    owners = [parse_owner_tag(name.partition("-")[2]) for name in os.listdir(scratch_root())] if os.path.isdir(scratch_root()) else []
-    assert [owner for owner in owners if owner and owner[0] in pids] == []
+    assert any(name.startswith("kdflow-worker-") for name in killed_scratch)  # the kill mid-pass left its worker's config
+    assert [name for name in scratch_names() if scratch_pid(name) in pids] == []
 
 
 @pytest.mark.slow

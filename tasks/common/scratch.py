@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -17,9 +18,17 @@ from collections.abc import Iterator
 
 from kdflow.schemas.owners import is_stale, owner_tag
 
+_OWNER_IN_NAME = re.compile(r"-\d+-[0-9a-f]{8}-")
+
 
 def scratch_root() -> str:
     return os.path.join(tempfile.gettempdir(), f"kdflow-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+
+
+def scratch_owner(name: str) -> str | None:
+    """The owner tag (`PID-HOSTTAG-...`) in a scratch folder's name `KIND-PID-HOSTTAG-RANDOM` (KIND may hold '-')."""
+    match = _OWNER_IN_NAME.search(name)
+    return name[match.start() + 1:] if match else None
 
 
 def remove_stale_scratch(root: str | None = None) -> list[str]:
@@ -28,7 +37,7 @@ def remove_stale_scratch(root: str | None = None) -> list[str]:
     removed = []
     now = time.time()
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        _, _, tag = name.partition("-")  # KIND-PID-HOSTTAG-RANDOM: the owner tag follows the kind
+        tag = scratch_owner(name)
         path = os.path.join(root, name)
         with contextlib.suppress(FileNotFoundError):
             if is_stale(tag, os.lstat(path).st_mtime, now):
