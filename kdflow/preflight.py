@@ -22,7 +22,7 @@ from functools import cached_property
 from typing import Any
 
 from kdflow.schemas.config import STAGES, KDFlowConfig
-from kdflow.schemas.errors import ConfigError, KDFlowError, first_line
+from kdflow.schemas.errors import ConfigError, first_line
 from kdflow.schemas.layout import COMPLETE_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR
 
 ALL_STAGES = frozenset(STAGES)
@@ -57,7 +57,7 @@ class Preflight:
         run_root = self.run_root
         try:
             return json.loads(run_root.read_bytes(run_root.path(*parts, COMPLETE_FILE)))
-        except (OSError, ValueError, KDFlowError):
+        except Exception:  # noqa: BLE001 - missing, unreadable, or a store not reachable yet: the stage will tell
             return None
 
     @cached_property

@@ -184,7 +184,7 @@ def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, ti
             wait_until(lambda run=run: run.poll() is not None, what="the end of both runs", timeout=600, output=both)
         outcomes = [(run.returncode, log.read_text()) for run, log in zip(runs, logs)]
     assert loops and [code for code, _ in outcomes] == [0, 0], "\n\n".join(text[-3000:] for _, text in outcomes)
-    assert not any("Failed to send telemetry" in text for _, text in outcomes)
+    assert not any("telemetry" in text.lower() for _, text in outcomes)  # no heartbeat to a server nobody can reach
     no_process_left(marker)
     assert_like_the_reference(config, reference, capsys)
     waited = [text for _, text in outcomes if "is being trained by pid" in text]

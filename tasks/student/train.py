@@ -15,7 +15,6 @@ loss run as ONE module (DistillLoss) wrapped by FSDP or DDP, and only rank 0 wri
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -30,7 +29,7 @@ from torch import nn
 from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
-from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
+from kdflow.schemas.storage import DiskFull, RunRoot, is_no_space, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import model_body, output_layer
 from kdflow.tasks.common.progress import Progress
@@ -226,9 +225,8 @@ class JsonlLog:
                 with open(self.path, "a", encoding="utf-8") as handle:
                     handle.write(json.dumps(record) + "\n")
             except OSError as error:  # a full disk: no half line stays behind for the resume to trip on
-                with open(self.path, "r+b") as handle:
-                    handle.truncate(size)
-                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                os.truncate(self.path, size)
+                if is_no_space(error):
                     raise DiskFull(self.path, 4096) from error
                 raise
             self._persisted += 1

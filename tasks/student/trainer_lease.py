@@ -53,8 +53,8 @@ def hold_student(config: KDFlowConfig, rank: int = 0, poll_s: float | None = Non
         while not leases.acquire(TRAINER_LEASE):
             if waited_since is None:
                 holder = leases.read(TRAINER_LEASE) or {}
-                logger.info("student %s is being trained by pid %s on %s: waiting for it to finish (then resuming "
-                            "from its checkpoint)", student.name, holder.get("pid", "?"), holder.get("host", "?"))
+                logger.warning("student %s is being trained by pid %s on %s: waiting for it to finish (then resuming "
+                               "from its checkpoint)", student.name, holder.get("pid", "?"), holder.get("host", "?"))
                 waited_since = time.monotonic()
             time.sleep(poll)
         if waited_since is not None:
