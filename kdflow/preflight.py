@@ -185,6 +185,7 @@ def check_tokenizer(context: Preflight) -> None:
                 os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
             raise ConfigError(f"teacher.model {config.teacher.model!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, "
                               "...): set `tokenizer:` to the teacher's tokenizer")
+        tokenizer_vocab(config.teacher.model, config.teacher.gguf_file, config.teacher.revision)  # it parses (or says why)
         return
     try:
         source = resolve_model_source(config.tokenizer)
