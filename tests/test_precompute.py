@@ -181,7 +181,8 @@ def test_bad_inputs_give_one_line_errors_and_commit_nothing(make_config, tmp_pat
     cases: list[tuple[dict[str, Any], bool, type, str]] = [
         ({}, False, KDFlowError, "is not complete; run tokenise first"),
         ({"precompute__top_k": 500}, False, ConfigError, "top_k=500 must be between 1 and the teacher's vocabulary size 384"),
-        ({"teacher__model": str(tmp_path / "missing")}, False, ConfigError, "teacher model path does not exist"),
+        ({"teacher__model": str(tmp_path / "missing")}, False, ConfigError,
+         f"teacher.model={str(tmp_path / 'missing')!r}: model path does not exist"),
         ({"teacher__model": str(empty)}, False, ConfigError, "not a model folder (no config.json)"),
         ({"seq_len": 300}, False, ConfigError, "seq_len=300 exceeds the teacher's context length (max_position_embeddings=256)"),
         # Another vocabulary than the teacher's (here one token more): refused before any weight loads.

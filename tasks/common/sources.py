@@ -43,22 +43,24 @@ def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
 
 
 def check_teacher_source(teacher: TeacherConfig) -> str | None:
-    """The teacher's local folder (None for a hub id); one-line errors when it is not a usable model folder."""
+    """The teacher's local folder (None for a hub id); one-line errors, naming the setting, when it is not a usable
+    model folder: no config.json, no weight file, no GGUF file of that name."""
+    setting = f"teacher.model={teacher.model!r}"
     try:
         path = resolve_model_source(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
     except ConfigError as error:
-        raise ConfigError(f"teacher {error}") from None
+        raise ConfigError(f"{setting}: {error}") from None
     if not os.path.exists(path):
         return None  # a hub id
     if not os.path.isdir(path):
-        raise ConfigError(f"teacher path is not a model folder: {teacher.model}")
+        raise ConfigError(f"{setting} is not a model folder (a file)")
     if teacher.gguf_file:
         if not os.path.isfile(os.path.join(path, teacher.gguf_file)):
-            raise ConfigError(f"teacher GGUF file not found: {os.path.join(teacher.model, teacher.gguf_file)}")
+            raise ConfigError(f"teacher.gguf_file={teacher.gguf_file!r} not found in {path}")
     elif not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"teacher path is not a model folder (no config.json): {teacher.model}")
+        raise ConfigError(f"{setting} is not a model folder (no config.json)")
     elif not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
-        raise ConfigError(f"teacher.model {teacher.model!r} holds no model weights (no *.safetensors or *.bin file)")
+        raise ConfigError(f"{setting} holds no model weights (no *.safetensors or *.bin file)")
     return path
 
 
