@@ -99,6 +99,27 @@ class TeacherConfig(_Section):
         return value
 
 
+class TopkStoreConfig(_Section):
+    """How top-K shards are stored (README, "Top-K store format"). A store made with other settings is another
+    store (its tag differs); training on one whose settings differ from these is an error naming both."""
+
+    format: Literal["v2", "v1"] = Field(
+        default="v2", description="v2: compact codec with the exact tail mass; v1: int32 ids + precompute.logprobs_dtype "
+                                  "log-probs, no tail (what stores made before v2 hold)")
+    values: Literal["sqrt", "float16", "float32"] = Field(
+        default="sqrt", description="v2 log-probs: sqrt = quantised with step 1/levels on sqrt(p) (KL ~ top_k / (6 levels^2) "
+                                    "nats/position); float16 or float32 = lossless IEEE bits")
+    levels: int = Field(default=400, ge=1, le=65535, description="v2 values=sqrt: quantisation levels of sqrt(p)")
+    tail: Literal["float16", "float32"] = Field(
+        default="float16", description="v2: storage of tail_logprob, the log of the teacher's mass outside the stored ids")
+    keep_mass: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="v2 adaptive K: per position keep the fewest ids whose mass reaches this "
+                                                  "share of the top-K mass, the rest joins the tail; None keeps all K")
+    zstd_level: int = Field(default=1, ge=1, le=22, description="v2: zstd level of the byte streams (1 is smallest here)")
+    renumbering: Literal["unigram", "none"] = Field(
+        default="unigram", description="v2: code ids renumbered by their frequency in the token store (smaller gaps), or as is")
+
+
 class PrecomputeConfig(_Section):
     """The teacher pass: how many log-probabilities to keep per position, batch shapes, retries and fan-out."""
 
@@ -108,7 +129,9 @@ class PrecomputeConfig(_Section):
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
     sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K shards alike)")
-    logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How the log-probabilities are stored")
+    logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How v1 stores keep the "
+                                                          "log-probabilities (v2: precompute.store.values)")
+    store: TopkStoreConfig = Field(default=TopkStoreConfig(), description="Top-K shard format and codec settings")
     max_attempts: PositiveInt = Field(default=4, description="Teacher processes tried (after CUDA errors, crashes) before failing")
     retry_delay_s: float = Field(default=10.0, ge=0, description="Wait before the first retry; doubles with each further one")
     shards_per_flow_run: PositiveInt | None = Field(

@@ -2,8 +2,9 @@
 
 Per micro-batch of exactly `micro_batch` sequences (the last one of a shard is padded, so the batch shape
 on the device never changes): hidden states from the model body, top-K and the full-vocabulary
-log-sum-exp chunk by chunk (`kdflow.tasks.teacher.topk`), one copy to the host, and the Arrow write handed to a
-background thread so that it overlaps the next forward. Each shard is committed (data file, then its
+log-sum-exp chunk by chunk (`kdflow.tasks.teacher.topk`), one copy to the host, and the encoding and Arrow
+write (v2: `kdflow.schemas.codec`, with the exact tail; v1: raw columns) handed to a background thread so that
+it overlaps the next forward. Each shard is committed (data file, then its
 commit record) and a rerun skips committed shards. Before computing a shard a process takes a lease file,
 so that two processes on one run root do not compute the same shard; a lost race would still be harmless.
 """
@@ -21,15 +22,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdflow.schemas.codec import TopkCodec, encode
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
                                     read_complete, stage_dir, write_commit, write_complete)
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
-from kdflow.schemas.shards import StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer
+from kdflow.schemas.shards import (StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer,
+                                   topk_v2_shard_writer)
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import TopkStoreInfo, teacher_section, write_store_info
+from kdflow.schemas.stores import (TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section,
+                                   write_store_info)
 from kdflow.tasks.common.models import output_layer, resolve_device, teacher_fingerprint, teacher_identity
 from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -37,6 +41,7 @@ from kdflow.tasks.teacher import faults
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits,
                                           load_teacher, load_teacher_config, vocab_rows)
+from kdflow.tasks.teacher.store_codec import store_codec
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 WRITE_QUEUE_DEPTH = 2
@@ -52,31 +57,37 @@ class HostCopies:
     def __init__(self, device: torch.device, shape: tuple[int, int, int], logprobs_dtype: torch.dtype, slots: int) -> None:
         self.on_cuda = device.type == "cuda"
         self.logprobs_dtype = logprobs_dtype
-        self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor]] = queue.Queue()
+        self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = queue.Queue()
         for _ in range(slots if self.on_cuda else 0):
             self.free.put((torch.empty(shape, dtype=torch.int32, pin_memory=True),
-                           torch.empty(shape, dtype=logprobs_dtype, pin_memory=True)))
+                           torch.empty(shape, dtype=logprobs_dtype, pin_memory=True),
+                           torch.empty(shape[:2], dtype=torch.float32, pin_memory=True)))
 
-    def copy(self, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, Any, Callable[[], None]]:
-        """(rows, T, K) device tensors -> host arrays, a CUDA event (or None) and a release callback."""
+    def copy(self, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, tail_logprob: torch.Tensor
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, Callable[[], None]]:
+        """(rows, T, K), (rows, T, K), (rows, T) device tensors -> host arrays, a CUDA event (or None) and a
+        release callback."""
         topk_logprobs = topk_logprobs.to(self.logprobs_dtype)  # on the device: halves the transfer for float16
         if not self.on_cuda:
-            return topk_ids.numpy(), topk_logprobs.numpy(), None, lambda: None
+            return topk_ids.numpy(), topk_logprobs.numpy(), tail_logprob.numpy(), None, lambda: None
         slot = self.free.get()
         rows = topk_ids.shape[0]
-        host_ids, host_logprobs = slot[0][:rows], slot[1][:rows]
+        host_ids, host_logprobs, host_tail = slot[0][:rows], slot[1][:rows], slot[2][:rows]
         host_ids.copy_(topk_ids, non_blocking=True)
         host_logprobs.copy_(topk_logprobs, non_blocking=True)
+        host_tail.copy_(tail_logprob, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host_ids.numpy(), host_logprobs.numpy(), event, lambda: self.free.put(slot)
+        return host_ids.numpy(), host_logprobs.numpy(), host_tail.numpy(), event, lambda: self.free.put(slot)
 
 
 class BackgroundWriter:
-    """One thread writing queued micro-batches into an open shard file while the next forward runs."""
+    """One thread encoding queued micro-batches (v2: `codec`) into an open shard file while the next forward runs."""
 
-    def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int) -> None:
+    def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int,
+                 codec: TopkCodec | None = None) -> None:
         self.writer, self.logprobs_dtype, self.run_root, self.shard_id = writer, logprobs_dtype, run_root, shard_id
+        self.codec = codec
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"topk-writer-{shard_id}", daemon=True)
@@ -84,13 +95,16 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            topk_ids, topk_logprobs, ready, release, micro_batch = item
+            topk_ids, topk_logprobs, tail_logprob, ready, release, micro_batch = item
             try:
                 if self.error is None:
                     if ready is not None:
                         ready.synchronize()
                     faults.maybe_fire("write", self.run_root, shard=self.shard_id, micro_batch=micro_batch)
-                    self.writer.write(*topk_batch(topk_ids, topk_logprobs, self.logprobs_dtype))
+                    if self.codec is not None:
+                        self.writer.write_batch(encode(self.codec, topk_ids, topk_logprobs, tail_logprob))
+                    else:
+                        self.writer.write(*topk_batch(topk_ids, topk_logprobs, self.logprobs_dtype))
             except BaseException as error:  # handed to the producer, which raises it
                 self.error = error
             finally:
@@ -98,9 +112,10 @@ class BackgroundWriter:
                 self.queue.task_done()
         self.queue.task_done()
 
-    def put(self, topk_ids: np.ndarray, topk_logprobs: np.ndarray, ready: Any, release: Callable[[], None], micro_batch: int) -> None:
+    def put(self, topk_ids: np.ndarray, topk_logprobs: np.ndarray, tail_logprob: np.ndarray, ready: Any,
+            release: Callable[[], None], micro_batch: int) -> None:
         self._raise()
-        self.queue.put((topk_ids, topk_logprobs, ready, release, micro_batch))
+        self.queue.put((topk_ids, topk_logprobs, tail_logprob, ready, release, micro_batch))
 
     def drain(self, flush: bool = False) -> None:
         """Wait until every queued micro-batch is in the file (flushed to the OS if asked); raise its error."""
@@ -125,7 +140,7 @@ class ShardComputer:
     """Everything fixed for one pass: the teacher step, the store, the batch shape."""
 
     def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str, tag: str,
-                 info: TopkShardInfo) -> None:
+                 info: TopkShardInfo, tokens_done: StageComplete) -> None:
         pre = cfg.precompute
         self.cfg, self.run_root, self.store, self.tag = cfg, run_root, store, tag
         self.device = next(model.parameters()).device
@@ -137,8 +152,11 @@ class ShardComputer:
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.
-        self.info = info.model_copy(update={"chunk_tokens": chunk_tokens, "vocab_size": int(vocab)})
-        storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
+        self.codec = store_codec(cfg, run_root, store, tokens_done, int(vocab))  # None: v1
+        self.info = info.model_copy(update={"chunk_tokens": chunk_tokens, "vocab_size": int(vocab)} | (
+            {} if self.codec is None else {"format": "v2", "codec": self.codec.settings()}))
+        # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
+        storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32
         self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, WRITE_QUEUE_DEPTH + 2)
 
     def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases) -> CommitRecord:
@@ -150,8 +168,11 @@ class ShardComputer:
                              f"embedding of {self.vocab_rows} rows")
         started = time.perf_counter()
         name = data_file_name("topk", shard_id)
-        with topk_shard_writer(self.run_root, f"{self.store}/{name}", cfg.seq_len, pre.top_k, pre.logprobs_dtype) as writer:
-            background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id)
+        path = f"{self.store}/{name}"
+        opened = (topk_shard_writer(self.run_root, path, cfg.seq_len, pre.top_k, pre.logprobs_dtype) if self.codec is None
+                  else topk_v2_shard_writer(self.run_root, path, self.codec))
+        with opened as writer:
+            background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id, self.codec)
             try:
                 for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
                     self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
@@ -173,12 +194,13 @@ class ShardComputer:
         padded = np.zeros((self.cfg.precompute.micro_batch, batch.shape[1]), dtype=np.int64)
         padded[:rows] = batch
         input_ids = torch.from_numpy(padded).to(self.device, non_blocking=True)  # (B, T)
-        topk_ids, topk_logprobs = self.step(input_ids)  # (B, T, K) on the device
+        topk_ids, topk_logprobs, tail_logprob = self.step(input_ids)  # (B, T, K), (B, T, K), (B, T) on the device
         if faults.active_faults():
             background.drain(flush=True)  # a `kill` fault must find the earlier micro-batches in the file
             faults.maybe_fire("micro_batch", self.run_root, shard=shard_id, micro_batch=micro_batch)
-        host_ids, host_logprobs, ready, release = self.host.copy(topk_ids[:rows], topk_logprobs[:rows])
-        background.put(host_ids, host_logprobs, ready, release, micro_batch)
+        host_ids, host_logprobs, host_tail, ready, release = self.host.copy(topk_ids[:rows], topk_logprobs[:rows],
+                                                                            tail_logprob[:rows])
+        background.put(host_ids, host_logprobs, host_tail, ready, release, micro_batch)
 
 
 # --- the pass ---------------------------------------------------------------------------------------------
@@ -252,6 +274,10 @@ def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.devi
     teacher_fp = teacher_fingerprint(cfg.teacher, device=device)
     tag = topk_fingerprint(teacher_fp, tokens_done.fingerprint, cfg)
     store = stage_dir(run_root, "topk", tag)
+    existing = read_store_info(run_root, store)
+    mismatch = format_mismatch(existing, cfg, run_root.display(store)) if existing is not None else None
+    if mismatch is not None:  # the tag names the format, so only a damaged or foreign _store.json gets here
+        raise StoreError(mismatch)
     todo = [i for i in wanted if check_commit(run_root, store, "topk", i, tag)[0] is None]
     return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo)
 
@@ -283,8 +309,8 @@ def precompute_shards(
         info = TopkShardInfo(teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
                              top_k=cfg.precompute.top_k, seq_len=cfg.seq_len, logprobs_dtype=cfg.precompute.logprobs_dtype,
                              micro_batch=cfg.precompute.micro_batch)
-        computer = ShardComputer(cfg, model, run_root, store, tag, info)
-        _write_store_files(cfg, plan)
+        computer = ShardComputer(cfg, model, run_root, store, tag, info, plan.tokens_done)
+        _write_store_files(cfg, plan, computer.codec)
         leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
         progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
         try:
@@ -352,13 +378,14 @@ def _commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> No
         raise
 
 
-def _write_store_files(cfg: KDFlowConfig, plan: PassPlan) -> None:
+def _write_store_files(cfg: KDFlowConfig, plan: PassPlan, codec: TopkCodec | None) -> None:
     """The resolved config, and _store.json: what made this store, for readers that do not load the teacher."""
     plan.run_root.write_bytes_atomic(f"{plan.store}/{CONFIG_FILE}", dump_config(cfg).encode())
+    v2 = {} if codec is None else {"format": "v2", "store": store_format(cfg), "codec": codec.settings()}
     write_store_info(plan.run_root, plan.store, TopkStoreInfo(
         tag=plan.tag, teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
         teacher=teacher_section(cfg), teacher_identity=teacher_identity(cfg.teacher, device=plan.device),
-        top_k=cfg.precompute.top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=cfg.seq_len))
+        top_k=cfg.precompute.top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=cfg.seq_len, **v2))
 
 
 def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: StageComplete) -> None:
