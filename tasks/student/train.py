@@ -100,10 +100,11 @@ class DistillLoss(nn.Module):
         super().__init__()
         self.student = student
 
-    def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, *,
-                global_counts: tuple[float, float], kd_weight: float, temperature: float, chunk_tokens: int,
-                predict: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(n, T), (n, T, K), (n, T, K) -> loss, kd, ce, and with `predict` the student's argmax (n*T,)."""
+    def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                tail_logprob: torch.Tensor | None = None, *, global_counts: tuple[float, float], kd_weight: float,
+                temperature: float, chunk_tokens: int, predict: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(n, T), (n, T, K), (n, T, K), (n, T) -> loss, kd, ce, and with `predict` the student's argmax (n*T,)."""
         from kdflow.tasks.student.losses import fused_topk_kl
 
         head = output_layer(self.student)
@@ -111,6 +112,7 @@ class DistillLoss(nn.Module):
         hidden = outputs.last_hidden_state.flatten(0, 1)  # (n * T, H)
         loss, kd_part, ce_part = fused_topk_kl(
             hidden, head.weight, topk_ids.flatten(0, 1), topk_logprobs.flatten(0, 1), bias=getattr(head, "bias", None),
+            tail_logprob=None if tail_logprob is None else tail_logprob.flatten(),
             labels=next_token_labels(input_ids).flatten(), kd_weight=kd_weight, temperature=temperature,
             chunk_tokens=chunk_tokens, global_counts=global_counts, return_parts=True)
         predicted = _chunked_argmax(hidden.detach(), head, chunk_tokens) if predict else None
@@ -123,7 +125,7 @@ def distill_loss(module: nn.Module, batch: DistillBatch, kd: KDConfig, global_co
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One micro-batch through `module` (a DistillLoss, wrapped or not) -> (loss, kd, ce, predicted | None)."""
     with autocast:
-        return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, global_counts=global_counts,
+        return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logprob, global_counts=global_counts,
                       kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
                       temperature=kd.temperature if temperature is None else temperature,
                       chunk_tokens=kd.chunk_tokens, predict=predict)
