@@ -132,6 +132,8 @@ class PrecomputeConfig(_Section):
     logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How v1 stores keep the "
                                                           "log-probabilities (v2: precompute.store.values)")
     store: TopkStoreConfig = Field(default=TopkStoreConfig(), description="Top-K shard format and codec settings")
+    report_rows: int = Field(default=4, ge=0, description="Rows the pass re-runs through the teacher for the store "
+                                                          "report's KL (a Prefect artifact); 0: no re-run")
     max_attempts: PositiveInt = Field(default=4, description="Teacher processes tried (after CUDA errors, crashes) before failing")
     retry_delay_s: float = Field(default=10.0, ge=0, description="Wait before the first retry; doubles with each further one")
     shards_per_flow_run: PositiveInt | None = Field(

@@ -4,6 +4,7 @@ the config asks for is a one-line error naming both. (The codec itself: test_cod
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -196,3 +197,55 @@ def test_validate_names_a_shard_of_another_codec_and_a_wrong_mass(
     assert f"shard 1: written as {other.settings()}" in out
     assert "shard 2: stored ids and tail hold mass" in out and "not 1" in out
     assert os.path.exists(run_root.local_path(f"{store}/{commit_file_name('topk', 2)}"))
+
+
+# --- the store report --------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+def test_bucket_kl_against_a_hand_computed_partition() -> None:
+    from kdflow.schemas.codec import DecodedTopk
+    from kdflow.tasks.teacher.store_report import bucket_kl, kept_histogram, tail_histogram
+
+    def topk(ids, probs, tail, kept=None):
+        ids, probs = np.array([[ids]], np.int32), np.array([[probs]], np.float64)
+        kept = np.array([[kept if kept is not None else ids.shape[-1]]], np.int32)
+        return DecodedTopk(ids, np.log(probs).astype(np.float32), np.log(np.array([[tail]])).astype(np.float32), kept)
+
+    exact = topk([4, 7, 1], [0.5, 0.3, 0.1], 0.1)
+    kl, agree = bucket_kl(exact, exact)
+    assert abs(kl[0, 0]) < 1e-7 and agree.all()
+    stored = topk([7, 4, 1], [0.25, 0.5, 0.125], 0.125)  # same ids, other order; q normalised: total 1
+    p, q = np.array([0.5, 0.3, 0.1, 0.1]), np.array([0.5, 0.25, 0.125, 0.125])
+    kl, _ = bucket_kl(exact, stored)
+    np.testing.assert_allclose(kl[0, 0], (p * np.log(p / q)).sum(), rtol=1e-5)
+    other = topk([4, 9, -1], [0.6, 0.2, 0.0], 0.2, kept=2)  # id 9 is not in the exact top-K; one padding entry
+    kl, agree = bucket_kl(exact, other)  # buckets {4}, rest: p = (0.5, 0.5), q = (0.6, 0.4)
+    np.testing.assert_allclose(kl[0, 0], 0.5 * np.log(0.5 / 0.6) + 0.5 * np.log(0.5 / 0.4), rtol=1e-5)
+    assert not agree.any()
+    assert tail_histogram(np.log(np.array([0.0, 5e-7, 2e-3, 0.5]))) == {
+        "0": 1, "<1e-06": 1, "<1e-05": 0, "<0.0001": 0, "<0.001": 0, "<0.01": 1, "<0.1": 0, ">=0.1": 1}
+    assert kept_histogram(np.array([1, 2, 3, 4, 5, 8, 9, 12]), 12) == {"1": 1, "2": 1, "3-4": 2, "5-8": 2, "9-12": 2}
+
+
+def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from kdflow.cli import main as cli_main
+
+    config, summary = prepared(make_config, precompute__store__keep_mass=0.5)
+    assert summary["fidelity"]["kl_rows"] == config.precompute.report_rows  # measured by the pass itself
+    lossless = make_config(dataset__max_documents=24, precompute__store__values="float32", precompute__store__tail="float32")
+    lossless_tag = precompute_shards(lossless)["tag"]
+    capsys.readouterr()
+    assert cli_main(["store", "report", config.run_root, "--json", "--kl-rows", "6", "--device", "cpu"]) == 0
+    reports = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(reports) == {summary["tag"], lossless_tag}
+    quantised, exact = reports[summary["tag"]], reports[lossless_tag]
+    assert exact["kl_mean"] < 1e-9 and exact["positions_with_other_ids"] == 0  # lossless: the re-run is the store
+    assert 1e-6 < quantised["kl_mean"] < 2e-4 and quantised["kl_positions"] == 6 * config.seq_len
+    assert quantised["bytes_per_position"] < exact["bytes_per_position"] < quantised["v1_bytes_per_position"] * 2
+    assert quantised["mean_kept"] < config.precompute.top_k == exact["mean_kept"]
+    assert sum(quantised["kept_histogram"].values()) == quantised["sampled_positions"]
+    assert sum(exact["tail_mass_histogram"].values()) == exact["sampled_positions"] and exact["invalid_tails"] == 0
+    assert cli_main(["store", "report", config.run_root, "--tag", lossless_tag, "--kl-rows", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"### top-K store {lossless_tag}: v2 float32") and "tail mass |" in out

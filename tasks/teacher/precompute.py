@@ -42,6 +42,7 @@ from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits,
                                           load_teacher, load_teacher_config, vocab_rows)
 from kdflow.tasks.teacher.store_codec import store_codec
+from kdflow.tasks.teacher.store_report import pass_fidelity
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 WRITE_QUEUE_DEPTH = 2
@@ -300,7 +301,7 @@ def precompute_shards(
     target = next(model.parameters()).device if model is not None else resolve_device(str(device or cfg.teacher.device))
     plan = plan_pass(cfg, shard_ids, target)
     run_root, store, tag = plan.run_root, plan.store, plan.tag
-    written, tokens_written, compute_seconds, leased_elsewhere = 0, 0, 0.0, []
+    written, tokens_written, compute_seconds, leased_elsewhere, fidelity = 0, 0, 0.0, [], None
     if plan.todo:
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, plan.tokens_done.fingerprint) for i in plan.todo}
         run_root.ensure_writable()
@@ -319,6 +320,9 @@ def precompute_shards(
                     computer, leases, plan.todo, token_records, progress, wait_for_others)
         finally:
             progress.close()
+        if written and cfg.precompute.report_rows:  # the store report's KL, while the teacher is loaded
+            fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, cfg.precompute.report_rows,
+                                     cfg.precompute.micro_batch)
     complete_if_done(run_root, store, tag, plan.tokens_done)
     committed = [r for r in (check_commit(run_root, store, "topk", i, tag)[0] for i in plan.wanted) if r is not None]
     return {
@@ -327,6 +331,7 @@ def precompute_shards(
         "tokens": sum(r.tokens for r in committed), "seconds": round(time.perf_counter() - started, 3),
         "tokens_per_s": round(tokens_written / max(compute_seconds, 1e-9), 1), "peak_device_memory_mib": _peak_device_memory_mib(target),
         "teacher_fingerprint": plan.teacher_fp, "device": str(target), "complete": read_complete(run_root, store) is not None,
+        "fidelity": fidelity,
     }
 
 
