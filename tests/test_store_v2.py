@@ -249,3 +249,17 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     assert cli_main(["store", "report", config.run_root, "--tag", lossless_tag, "--kl-rows", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"### top-K store {lossless_tag}: v2 float32") and "tail mass |" in out
+
+
+def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    """The synthetic mode end to end on a small vocabulary (the numbers are its output, not asserted here)."""
+    from kdflow.bench_store import SETTINGS, main
+
+    assert main(["--synthetic", "--vocab", "3000", "--rows", "1", "--repeats", "1"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert records[0]["vocab"] == 3000 and records[1]["setting"].startswith("v1")
+    assert [r["setting"] for r in records[2:]] == [label for label, _ in SETTINGS]
+    by_label = {r["setting"]: r for r in records[2:]}
+    default, lossless = by_label["sqrt400/unigram (default)"], by_label["float32/unigram/tail32 (lossless)"]
+    assert default["invalid_positions"] == 0 and default["total_B"] < lossless["total_B"] < records[1]["total_B"]
+    assert lossless["kl_mean"] < 1e-9 < default["kl_mean"] and by_label["sqrt400/unigram/keep0.99"]["mean_kept"] < 128
