@@ -120,9 +120,28 @@ class TopkStoreConfig(_Section):
         default="unigram", description="v2: code ids renumbered by their frequency in the token store (smaller gaps), or as is")
 
 
+class SamplingConfig(_Section):
+    """Sampled teacher targets (`precompute.targets: sampled | hybrid`): per position an exact top-`head` (hybrid
+    only), `samples` distinct tokens drawn from the teacher outside it, and what an unbiased loss needs."""
+
+    head: PositiveInt = Field(default=16, description="hybrid: exact top-H tokens per position (sampled targets have none)")
+    samples: PositiveInt = Field(default=24, description="Tokens sampled per position from the teacher's tail (the budget)")
+    scheme: Literal["priority", "gumbel"] = Field(
+        default="priority", description="priority: Duffield priority sampling (weights max(p, tau)); "
+                                        "gumbel: sampling without replacement (Gumbel top-S)")
+    seed: int = Field(default=0, ge=0, description="With the shard, row and position, seeds every position's draw")
+    values: Literal["float16", "float32"] = Field(
+        default="float16", description="Storage of the sampled tokens' log-probs (the head's follows precompute.store; "
+                                       "the threshold is always float32)")
+
+
 class PrecomputeConfig(_Section):
     """The teacher pass: how many log-probabilities to keep per position, batch shapes, retries and fan-out."""
 
+    targets: Literal["topk", "sampled", "hybrid"] = Field(
+        default="topk", description="topk: the top-K with a tail bucket; hybrid: exact top-H head + sampled tail; "
+                                    "sampled: only sampled tokens (precompute.sampling)")
+    sampling: SamplingConfig = Field(default=SamplingConfig(), description="Sampled targets: head, samples, scheme, seed")
     top_k: PositiveInt = Field(default=128, description="Teacher log-probabilities kept per position (K)")
     micro_batch: PositiveInt = Field(default=8, description="Sequences per teacher forward; fixed for the whole run")
     chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per chunk of logits; empty: from the memory budget")
@@ -241,6 +260,16 @@ class KDFlowConfig(_Section):
     teacher: TeacherConfig
     precompute: PrecomputeConfig = PrecomputeConfig()
     student: StudentConfig = StudentConfig()
+
+    @model_validator(mode="after")
+    def _sampled_targets_temperature(self) -> KDFlowConfig:
+        if self.precompute.targets != "topk" and self.precompute.store.format != "v2":
+            raise ValueError(f"precompute.targets={self.precompute.targets} needs precompute.store.format: v2 "
+                             f"(v1 stores hold top-K only)")
+        if self.precompute.targets != "topk" and self.student.kd.temperature != 1.0:
+            raise ValueError(f"student.kd.temperature={self.student.kd.temperature} needs precompute.targets: topk; "
+                             f"{self.precompute.targets} targets are sampled at temperature 1 and unbiased only there")
+        return self
 
     @property
     def tokenizer_source(self) -> tuple[str, str | None]:
