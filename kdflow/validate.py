@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
+from kdflow.schemas.codec_sampled import SampledShard, sampled_problems
 from kdflow.schemas.commits import CommitRecord, StageComplete, check_commit, load_manifest, read_complete
 from kdflow.schemas.errors import KDFlowError, StoreError
 from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name, commit_shard_id
@@ -306,6 +307,12 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
                 problems.append(f"no valid token shard {shard_id} to align with")
             elif problem is not None:
                 problems.append(f"not aligned with token shard {shard_id}: the top-K shard {problem}")
+        if info is not None and info.targets != "topk":  # hybrid / sampled targets (kdflow.schemas.codec_sampled)
+            sampled = SampledShard(run_root, f"{report.store}/{record.data_file}", seq_len)
+            if sampled.rows != record.rows or sampled.codec.settings() != store_codec:
+                return problems + [f"{sampled.rows} rows (its record says {record.rows}), codec {sampled.codec.settings()} "
+                                   f"(the store's is {store_codec})"]
+            return problems + sampled_problems(sampled.read(), vocab)
         shard = TopkShard(run_root, f"{report.store}/{record.data_file}", seq_len)
         if shard.rows != record.rows:
             return problems + [f"{shard.rows} rows, its record says {record.rows}"]

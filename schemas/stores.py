@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kdflow.schemas.codec_sampled import sampled_format, sampled_label
 from kdflow.schemas.commits import CommitRecord, read_complete, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import STORE_FILE, TOPK_DIR, is_store_name
@@ -38,6 +39,11 @@ class TopkStoreInfo(BaseModel):
         """What this store's format settings are, in the terms of `store_format(config)`."""
         return self.store if self.store is not None else {"format": "v1", "logprobs_dtype": self.logprobs_dtype}
 
+    @property
+    def targets(self) -> str:
+        """topk, or hybrid / sampled (then `store_format()["sampling"]` holds H, S, scheme, seed)."""
+        return self.store_format().get("targets", "topk")
+
 
 def store_format(config: KDFlowConfig) -> dict[str, Any]:
     """The top-K store format the config asks for: v1 {format, logprobs_dtype}, v2 the codec's parameters.
@@ -45,13 +51,16 @@ def store_format(config: KDFlowConfig) -> dict[str, Any]:
     pre, store = config.precompute, config.precompute.store
     if store.format == "v1":
         return {"format": "v1", "logprobs_dtype": pre.logprobs_dtype}
-    return {"format": "v2", "codec": "kdflow.topk.v2", "values": store.values,
-            "levels": store.levels if store.values == "sqrt" else None, "tail": store.tail, "keep_mass": store.keep_mass,
-            "zstd_level": store.zstd_level, "renumbering": store.renumbering}
+    settings = {"format": "v2", "codec": "kdflow.topk.v2", "values": store.values,
+                "levels": store.levels if store.values == "sqrt" else None, "tail": store.tail, "keep_mass": store.keep_mass,
+                "zstd_level": store.zstd_level, "renumbering": store.renumbering}
+    return settings if pre.targets == "topk" else settings | sampled_format(pre)
 
 
 def format_label(settings: dict[str, Any]) -> str:
     """A store format in one short phrase, for messages: "v1 float16", "v2 sqrt/400, tail float16, ..."."""
+    if settings.get("targets", "topk") != "topk":
+        return f"{sampled_label(settings)}, head {format_label({**settings, 'targets': 'topk'})}"
     if settings.get("format") != "v2":
         return f"v1 {settings.get('logprobs_dtype')}"
     values = f"sqrt/{settings['levels']}" if settings.get("values") == "sqrt" else settings.get("values")
@@ -65,6 +74,9 @@ def format_mismatch(info: TopkStoreInfo, config: KDFlowConfig, shown: str) -> st
     made, asked = info.store_format(), store_format(config)
     if made == asked:
         return None
+    if made.get("targets", "topk") != asked.get("targets", "topk"):
+        return (f"top-K store {shown} holds {format_label(made)} targets, the config asks for {format_label(asked)} "
+                "(precompute.targets, precompute.sampling): the loss follows the config; set them to the store's")
     return (f"top-K store {shown} was made as {format_label(made)}, the config asks for {format_label(asked)} "
             "(precompute.store); set precompute.store to the store's settings, or run precompute to make the store asked for")
 

@@ -22,6 +22,7 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
+from kdflow.schemas.codec_sampled import SampledShard
 from kdflow.schemas.shards import TopkShard, read_token_shard, stream_schema_ints
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
@@ -50,6 +51,8 @@ class DistillStores:
     top_k: int
     pairs: tuple[ShardPair, ...]
     codec: dict[str, Any] | None = None  # v2: the codec settings of the store (_store.json); every shard must match
+    targets: str = "topk"  # or hybrid / sampled: shards hold sampled targets (kdflow.schemas.codec_sampled)
+    sampling: dict[str, Any] | None = None  # sampled targets: head, samples, scheme, seed (_store.json)
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,14 @@ class DistillBatch:
     topk_ids: torch.Tensor  # (n, T, K) int32; -1 = padding (adaptive K)
     topk_logprobs: torch.Tensor  # (n, T, K) float16 | float32; -inf = padding
     tail_logprob: torch.Tensor  # (n, T) float32: log of the teacher's mass outside the ids (v1: from 1 - sum)
+    # Sampled targets: topk_* hold the head (K = H, 0 for `sampled`), these the sample_ids (n, T, S) int32,
+    # sample_logprobs (n, T, S) float32 and log_threshold (n, T) float32 (kdflow.tasks.common.sampled).
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str) -> DistillBatch:
-        return DistillBatch(*(t.to(device, non_blocking=True)
-                              for t in (self.input_ids, self.topk_ids, self.topk_logprobs, self.tail_logprob)))
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return DistillBatch(*map(move, (self.input_ids, self.topk_ids, self.topk_logprobs, self.tail_logprob)),
+                            samples=None if self.samples is None else tuple(map(move, self.samples)))
 
 
 # --- locating and verifying the stores --------------------------------------------------------------------
@@ -136,7 +143,8 @@ def open_stores(config: KDFlowConfig, tokenizer: Any) -> DistillStores:
     pairs = tuple(_verify_pair(run_root, config, token_records[i], topk_records.get(i), tokens_store, topk_store)
                   for i in range(complete.shards))
     return DistillStores(tokens_store, topk_store, tokens_fp, tok_fp, fingerprints.pop(), config.seq_len,
-                         config.precompute.top_k, pairs, info.codec if info is not None else None)
+                         config.precompute.top_k, pairs, info.codec if info is not None else None,
+                         info.targets if info is not None else "topk", info.store_format().get("sampling") if info else None)
 
 
 def _verify_pair(run_root: RunRoot, config: KDFlowConfig, token: CommitRecord, topk: CommitRecord | None,
@@ -212,23 +220,27 @@ class DistillData:
 
     def load(self, rows: list[tuple[ShardPair, int]]) -> DistillBatch:
         """Gather rows from their shards: v1 rows copied out of the memory map, v2 rows decoded."""
-        input_ids, topk_ids, topk_logprobs, tail_logprob = [], [], [], []
+        input_ids, topk_ids, topk_logprobs, tail_logprob, samples = [], [], [], [], []
         for pair, row in rows:
             tokens, topk = self._shard(pair)
-            decoded = topk.read([row])  # (1, T, K), (1, T, K), (1, T)
+            decoded = topk.read([row])  # (1, T, K), (1, T, K), (1, T); sampled targets: the head as K, and samples
             input_ids.append(tokens[row])
             topk_ids.append(decoded.ids[0])
             topk_logprobs.append(decoded.logprobs[0])
             tail_logprob.append(decoded.tail[0])
+            if self.stores.targets != "topk":
+                samples.append((decoded.sample_ids[0], decoded.sample_logprobs[0], decoded.log_threshold[0]))
         return DistillBatch(torch.from_numpy(np.stack(input_ids).astype(np.int64)),  # (n, T)
                             torch.from_numpy(np.stack(topk_ids)),  # (n, T, K)
                             torch.from_numpy(np.stack(topk_logprobs)),  # (n, T, K)
-                            torch.from_numpy(np.stack(tail_logprob)))  # (n, T)
+                            torch.from_numpy(np.stack(tail_logprob)),  # (n, T)
+                            samples=tuple(torch.from_numpy(np.stack(part)) for part in zip(*samples)) if samples else None)
 
     @functools.cache  # noqa: B019 - one DistillData per run: its shards stay mapped (local) or loaded (remote)
     def _shard(self, pair: ShardPair) -> tuple[np.ndarray, TopkShard]:
         tokens = read_token_shard(self.run_root, pair.token_path, self.stores.seq_len)  # (rows, T)
-        topk = TopkShard(self.run_root, pair.topk_path, self.stores.seq_len, self.stores.top_k)
+        topk = (TopkShard(self.run_root, pair.topk_path, self.stores.seq_len, self.stores.top_k) if self.stores.targets == "topk"
+                else SampledShard(self.run_root, pair.topk_path, self.stores.seq_len))
         if tokens.shape[0] != pair.rows or topk.rows != pair.rows:
             raise StoreError(f"{self.run_root.display(pair.topk_path)}: row count differs from its commit record")
         settings = None if topk.codec is None else topk.codec.settings()

@@ -34,9 +34,10 @@ import torch
 from torch import Tensor
 
 from kdflow.tasks.common.sampled import SampledTargets, ht_weights
-from kdflow.tasks.student.losses import IGNORE_INDEX, _accumulate_grads_, _check_labels, _student_logits_
+from kdflow.tasks.student.losses import (IGNORE_INDEX, _accumulate_grads_, _check_labels, _student_logits_,
+                                         fused_topk_kl)
 
-__all__ = ["fused_sampled_kl"]
+__all__ = ["distillation_kl", "fused_sampled_kl"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,20 @@ def fused_sampled_kl(
     )
     loss, kd, ce = _FusedSampledKL.apply(hidden, weight, bias, (targets, labels), options)
     return (loss, kd, ce) if return_parts else loss
+
+
+def distillation_kl(hidden: Tensor, weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, *,
+                    tail_logprob: Tensor | None = None, samples: tuple[Tensor, Tensor, Tensor] | None = None,
+                    scheme: str | None = None, **options: object) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+    """The loss a store's targets call for, in `fused_topk_kl`'s terms: top-K targets (samples None) go to
+    `fused_topk_kl`; sampled ones (topk_* = the head, samples = sample_ids (N, S), sample_logprobs (N, S),
+    log_threshold (N,), scheme = the store's) to `fused_sampled_kl`. `options`: both losses' keywords."""
+    if samples is None:
+        return fused_topk_kl(hidden, weight, topk_ids, topk_logprobs, tail_logprob=tail_logprob, **options)
+    if scheme is None or tail_logprob is None:
+        raise ValueError("sampled targets need the store's sampling scheme and the head's tail_logprob")
+    targets = SampledTargets(topk_ids, topk_logprobs, tail_logprob, *samples)
+    return fused_sampled_kl(hidden, weight, targets, scheme=scheme, **options)
 
 
 class _FusedSampledKL(torch.autograd.Function):

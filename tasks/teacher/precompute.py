@@ -41,6 +41,7 @@ from kdflow.tasks.teacher import faults
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits,
                                           load_teacher, load_teacher_config, vocab_rows)
+from kdflow.tasks.teacher.sampled_pass import SampledPass, check_sampling_fits
 from kdflow.tasks.teacher.store_codec import store_codec
 from kdflow.tasks.teacher.store_report import pass_fidelity
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
@@ -86,9 +87,9 @@ class BackgroundWriter:
     """One thread encoding queued micro-batches (v2: `codec`) into an open shard file while the next forward runs."""
 
     def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int,
-                 codec: TopkCodec | None = None) -> None:
+                 codec: TopkCodec | None = None, encode_batch: Callable[..., Any] | None = None) -> None:
         self.writer, self.logprobs_dtype, self.run_root, self.shard_id = writer, logprobs_dtype, run_root, shard_id
-        self.codec = codec
+        self.encode_batch = encode_batch or (None if codec is None else lambda *arrays: encode(codec, *arrays))  # None: v1
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"topk-writer-{shard_id}", daemon=True)
@@ -96,16 +97,16 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            topk_ids, topk_logprobs, tail_logprob, ready, release, micro_batch = item
+            arrays, ready, release, micro_batch = item
             try:
                 if self.error is None:
                     if ready is not None:
                         ready.synchronize()
                     faults.maybe_fire("write", self.run_root, shard=self.shard_id, micro_batch=micro_batch)
-                    if self.codec is not None:
-                        self.writer.write_batch(encode(self.codec, topk_ids, topk_logprobs, tail_logprob))
+                    if self.encode_batch is not None:
+                        self.writer.write_batch(self.encode_batch(*arrays))
                     else:
-                        self.writer.write(*topk_batch(topk_ids, topk_logprobs, self.logprobs_dtype))
+                        self.writer.write(*topk_batch(*arrays[:2], self.logprobs_dtype))  # v1: no tail
             except BaseException as error:  # handed to the producer, which raises it
                 self.error = error
             finally:
@@ -113,10 +114,9 @@ class BackgroundWriter:
                 self.queue.task_done()
         self.queue.task_done()
 
-    def put(self, topk_ids: np.ndarray, topk_logprobs: np.ndarray, tail_logprob: np.ndarray, ready: Any,
-            release: Callable[[], None], micro_batch: int) -> None:
+    def put(self, arrays: tuple[np.ndarray, ...], ready: Any, release: Callable[[], None], micro_batch: int) -> None:
         self._raise()
-        self.queue.put((topk_ids, topk_logprobs, tail_logprob, ready, release, micro_batch))
+        self.queue.put((arrays, ready, release, micro_batch))
 
     def drain(self, flush: bool = False) -> None:
         """Wait until every queued micro-batch is in the file (flushed to the OS if asked); raise its error."""
@@ -149,16 +149,19 @@ class ShardComputer:
         vocab = getattr(output_layer(model), "out_features", None) or self.vocab_rows
         chunk_tokens = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
         try:
-            self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens)
+            self.sampled = None if pre.targets == "topk" else SampledPass.create(  # replaces step, codec, host copies
+                cfg, model, run_root, store, tokens_done, int(vocab), WRITE_QUEUE_DEPTH + 2)
+            self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens) if self.sampled is None else self.sampled
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.
-        self.codec = store_codec(cfg, run_root, store, tokens_done, int(vocab))  # None: v1
-        self.info = info.model_copy(update={"chunk_tokens": chunk_tokens, "vocab_size": int(vocab)} | (
-            {} if self.codec is None else {"format": "v2", "codec": self.codec.settings()}))
+        self.codec = store_codec(cfg, run_root, store, tokens_done, int(vocab)) if self.sampled is None else None  # None: v1
+        coded = self.sampled.codec if self.sampled is not None else self.codec
+        self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": int(vocab)} | (
+            {} if coded is None else {"format": "v2", "codec": coded.settings()}))
         # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32
-        self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, WRITE_QUEUE_DEPTH + 2)
+        self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, 0 if self.sampled else WRITE_QUEUE_DEPTH + 2)
 
     def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases) -> CommitRecord:
         cfg, pre = self.cfg, self.cfg.precompute
@@ -172,8 +175,8 @@ class ShardComputer:
         path = f"{self.store}/{name}"
         opened = (topk_shard_writer(self.run_root, path, cfg.seq_len, pre.top_k, pre.logprobs_dtype) if self.codec is None
                   else topk_v2_shard_writer(self.run_root, path, self.codec))
-        with opened as writer:
-            background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id, self.codec)
+        with opened if self.sampled is None else self.sampled.writer(self.run_root, path) as writer:
+            background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id, self.codec, getattr(self.sampled, "encode", None))
             try:
                 for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
                     self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
@@ -195,13 +198,13 @@ class ShardComputer:
         padded = np.zeros((self.cfg.precompute.micro_batch, batch.shape[1]), dtype=np.int64)
         padded[:rows] = batch
         input_ids = torch.from_numpy(padded).to(self.device, non_blocking=True)  # (B, T)
-        topk_ids, topk_logprobs, tail_logprob = self.step(input_ids)  # (B, T, K), (B, T, K), (B, T) on the device
+        outputs = self.step(input_ids) if self.sampled is None else ()  # (B, T, K), (B, T, K), (B, T) on the device
         if faults.active_faults():
             background.drain(flush=True)  # a `kill` fault must find the earlier micro-batches in the file
             faults.maybe_fire("micro_batch", self.run_root, shard=shard_id, micro_batch=micro_batch)
-        host_ids, host_logprobs, host_tail, ready, release = self.host.copy(topk_ids[:rows], topk_logprobs[:rows],
-                                                                            tail_logprob[:rows])
-        background.put(host_ids, host_logprobs, host_tail, ready, release, micro_batch)
+        *host, ready, release = (self.host.copy(*(t[:rows] for t in outputs)) if self.sampled is None  # sampled: seeded by row
+                                 else self.sampled(input_ids, rows, shard=shard_id, first_row=micro_batch * len(padded)))
+        background.put(tuple(host), ready, release, micro_batch)
 
 
 # --- the pass ---------------------------------------------------------------------------------------------
@@ -268,7 +271,8 @@ class PassPlan:
 def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.device) -> PassPlan:
     """The cheap checks first (teacher config, tokenizer, token store), then the shards still to compute."""
     run_root = RunRoot(cfg.run_root)
-    check_teacher_limits(load_teacher_config(cfg.teacher), top_k=cfg.precompute.top_k, seq_len=cfg.seq_len)
+    check_teacher_limits(teacher_config := load_teacher_config(cfg.teacher), top_k=cfg.precompute.top_k, seq_len=cfg.seq_len)
+    check_sampling_fits(cfg.precompute, teacher_config)
     tokenizer = load_tokenizer(cfg)
     tokens_store, tokens_done = _token_store(run_root, cfg, tokenizer_fingerprint(tokenizer))
     wanted = _requested(shard_ids, tokens_done.shards)
@@ -311,7 +315,7 @@ def precompute_shards(
                              top_k=cfg.precompute.top_k, seq_len=cfg.seq_len, logprobs_dtype=cfg.precompute.logprobs_dtype,
                              micro_batch=cfg.precompute.micro_batch)
         computer = ShardComputer(cfg, model, run_root, store, tag, info, plan.tokens_done)
-        _write_store_files(cfg, plan, computer.codec)
+        _write_store_files(cfg, plan, computer.codec if computer.sampled is None else computer.sampled.codec)
         leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
         progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
         try:

@@ -89,8 +89,12 @@ class SamplingPlan:
             raise ValueError(f"precompute.sampling.scheme must be one of {SCHEMES}, got {self.scheme!r}")
 
 
-def check_sampling_fits(precompute: PrecomputeConfig, vocab_size: int | None) -> None:
-    """Pre-flight (before weights load): sampled/hybrid targets fit the teacher's vocabulary."""
+def check_sampling_fits(precompute: PrecomputeConfig, teacher: object) -> None:
+    """Pre-flight (before weights load): sampled/hybrid targets fit the teacher's vocabulary (`teacher`: its
+    vocabulary size, or its model config)."""
+    if hasattr(teacher, "get_text_config"):
+        teacher = teacher.get_text_config()
+    vocab_size = teacher if isinstance(teacher, int) else getattr(teacher, "vocab_size", None)
     if precompute.targets == "topk" or vocab_size is None:
         return
     try:

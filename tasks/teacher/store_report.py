@@ -20,6 +20,8 @@ from kdflow.schemas.commits import CommitRecord, list_commits, read_complete, st
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import format_label, read_store_info
+from kdflow.tasks.teacher.sampled_report import sampled_fidelity, sampled_markdown, sampled_summary
+from kdflow.tasks.teacher.sampling import TeacherSampledStep
 
 TAIL_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # tail-mass histogram: 0, then below each edge, then the rest
 
@@ -72,6 +74,8 @@ def store_summary(run_root: RunRoot, tag: str, rows: int = 256) -> dict[str, Any
     picks = sample_rows(records, rows)
     if not picks:
         return summary
+    if info is not None and info.targets != "topk":  # hybrid / sampled targets: kdflow.tasks.teacher.sampled_report
+        return summary | sampled_summary(run_root, store, records, picks, tail_histogram)
     shards: dict[int, TopkShard] = {}
     decoded = []
     for shard_id, row in picks:
@@ -129,6 +133,8 @@ def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
     (shard, row) pairs and compare with what the store decodes. -> mean / max / p99 KL and agreement."""
     import torch
 
+    if isinstance(getattr(step, "step", step), TeacherSampledStep):  # a store of sampled targets
+        return sampled_fidelity(step, run_root, tag, picks, micro_batch)
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
     token_records, records = list_commits(run_root, tokens_store, "tokens"), list_commits(run_root, store, "topk")
     input_ids = np.stack([read_token_shard(run_root, f"{tokens_store}/{token_records[s].data_file}")[r] for s, r in picks])
@@ -162,6 +168,7 @@ def report_markdown(summary: dict[str, Any]) -> str:
              "| | |", "|---|---|",
              f"| shards | {summary['shards']} |", f"| positions | {summary['positions']:,} |",
              f"| bytes / position | {summary['bytes_per_position']} (v1 at this K: {summary.get('v1_bytes_per_position', '-')}) |"]
+    lines += sampled_markdown(summary)
     if "kl_mean" in summary:
         lines.append(f"| KL(teacher re-run \u2016 store), nats/position | mean {summary['kl_mean']:.3g}, p99 "
                      f"{summary['kl_p99']:.3g}, max {summary['kl_max']:.3g} over {summary['kl_positions']:,} positions |")
