@@ -4,8 +4,8 @@ The demo's teacher (SmolLM2-135M-Instruct), text (Python's documentation, `pydoc
 (`configs/demo.yaml`). The same student (initial weights, data order, AdamW, schedule and steps all from
 `student.seed`) is trained, for each seed, on
   topk128  lossless top-128 with the exact tail bucket (v2 store, float16 values, float32 tail)
-  hybrid   an exact top-H head + S sampled tail tokens (`precompute.targets: hybrid`)
-  sampled  S sampled tokens only (`precompute.targets: sampled`)
+  hybrid   an exact top-H head + S sampled tail tokens (`precompute.targets: hybrid`, drawn with the seed)
+  sampled  S sampled tokens only (`precompute.targets: sampled`, drawn with the seed)
   online   online full-vocabulary KD, the teacher run alongside (`kdflow.fidelity_runs`)
   ce       next-token cross-entropy only (kd_weight 0)
 and evaluated on the held-out shards with a dense teacher pass: next-token CE and full-vocabulary
@@ -87,8 +87,14 @@ def _base_config(args: argparse.Namespace, root: str) -> Any:
     return config_from_dict(data, source="kdflow bench fidelity")
 
 
+def _store_of(variant: str, seed: int) -> str:
+    """The store a variant trains on: top-128 for online (its data order) and CE; sampled stores drawn per seed."""
+    return "topk128" if variant in ("topk128", "online", "ce") else f"{variant}-seed{seed}"
+
+
 def _variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int, tags: dict[str, str] | None = None) -> Any:
-    """The config of one store (tags None) or of one student trained on it."""
+    """The config of one store (tags None) or of one student trained on it; sampled stores use the seed as their
+    sampling seed, so the seeds' spread covers the draw as well as the initial weights and data order."""
     from kdflow.schemas.config import config_from_dict
 
     data = base.model_dump(mode="json")
@@ -97,12 +103,11 @@ def _variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int
     if variant in ("topk128", "online", "ce"):
         pre |= {"top_k": 128, "store": pre["store"] | {"values": "float16", "tail": "float32"}}
     elif variant == "hybrid":
-        pre |= {"targets": "hybrid", "sampling": {"head": head, "samples": samples, "scheme": args.scheme}}
+        pre |= {"targets": "hybrid", "sampling": {"head": head, "samples": samples, "scheme": args.scheme, "seed": seed}}
     else:
-        pre |= {"targets": "sampled", "sampling": {"samples": args.sampled, "scheme": args.scheme}}
+        pre |= {"targets": "sampled", "sampling": {"samples": args.sampled, "scheme": args.scheme, "seed": seed}}
     if tags is not None:
-        store = "topk128" if variant in ("online", "ce") else variant
-        data["student"] |= {"name": f"{variant}-seed{seed}", "seed": seed, "topk_tag": tags[store]}
+        data["student"] |= {"name": f"{variant}-seed{seed}", "seed": seed, "topk_tag": tags[_store_of(variant, seed)]}
         data["student"]["kd"] |= {"kd_weight": 0.0 if variant == "ce" else 1.0}
     return config_from_dict(data, source=f"kdflow bench fidelity ({variant})")
 
@@ -147,8 +152,9 @@ def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int
     run_root = RunRoot(root)
     teacher = load_teacher(base.teacher)
     results, tags = [], {}
-    for store in dict.fromkeys("topk128" if v in ("online", "ce") else v for v in variants):
-        config = _variant_config(base, store, args, 0)
+    stores = {_store_of(v, seed): (v, seed) for seed in seeds for v in variants}
+    for store, (variant, seed) in stores.items():
+        config = _variant_config(base, variant, args, seed)
         summary = precompute_shards(config, model=teacher)
         records = list_commits(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"])
         tags[store] = summary["tag"]
@@ -196,12 +202,13 @@ def summarise(results: list[dict[str, Any]], variants: list[str]) -> list[dict[s
     out = []
     for variant in variants:
         mine = [r for r in runs if r["variant"] == variant]
-        store = stores.get("topk128" if variant in ("online", "ce") else variant)
+        mine_stores = [stores[_store_of(variant, r["seed"])] for r in mine]
         record: dict[str, Any] = {"kind": "variant", "variant": variant, "seeds": [r["seed"] for r in mine]}
         for key in ("heldout_ce", "heldout_kl", "heldout_top1_agreement", "train_seconds"):
             mean, sd = _mean_sd([r[key] for r in mine])
             record |= {key: mean, f"{key}_seed_sd": sd}
-        record["bytes_per_position"] = None if variant in ("online", "ce") else store["bytes_per_position"]
+        sizes = [store["bytes_per_position"] for store in mine_stores]
+        record["bytes_per_position"] = None if variant in ("online", "ce") or not sizes else statistics.fmean(sizes)
         record["per_seed"] = {r["seed"]: {"heldout_ce": r["heldout_ce"], "heldout_kl": r["heldout_kl"]} for r in mine}
         out.append(record)
     _paired(out, runs)
