@@ -81,7 +81,7 @@ def _base_config(args: argparse.Namespace, root: str) -> Any:
     data = demo_config(root).model_dump(mode="json")
     data["seq_len"] = args.seq_len
     data["dataset"]["max_tokens"] = args.max_tokens or None
-    data["precompute"] |= {"sequences_per_shard": args.sequences_per_shard, "micro_batch": 8}
+    data["precompute"] |= {"sequences_per_shard": args.sequences_per_shard, "micro_batch": 8, "report_rows": 0}
     data["student"] |= {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_shards": args.eval_shards,
                         "eval_sequences": 8, "save_every": args.steps, "keep_checkpoints": 1}
     return config_from_dict(data, source="kdflow bench fidelity")

@@ -209,8 +209,17 @@ def test_validate_checks_sampled_stores_by_their_own_contract(make_config, capsy
     from kdflow.validate import validate_run_root
 
     config = prepare(sampled_config(make_config, dataset__max_documents=8))
-    precompute_shards(config)
+    summary = precompute_shards(config)
     assert validate_run_root(config.run_root) == 0, capsys.readouterr().out
+    # The store report: the pass re-ran a few rows (same micro-batches, same seed) and drew the same samples.
+    assert summary["fidelity"]["positions_with_other_samples"] == 0 and summary["fidelity"]["kl_mean"] < 1e-3
+    from kdflow.store_report import store_report
+    from kdflow.tasks.teacher.store_report import report_markdown
+
+    (report,) = store_report(config.run_root, kl_rows=2)
+    assert report["targets"] == "hybrid" and report["head"] == 4 and report["samples"] == 6
+    assert report["positions_with_other_samples"] == 0 and 0.5 < report["weight_sum_over_tail_mean"] < 1.5
+    assert "hybrid H4+S6 (priority, seed 5)" in report_markdown(report)
     good = random_targets(2, 4, 3, 5, 300)
     head = good.head_logprobs.astype(np.float64) - 3.0  # p = exp(-3 - ...): the head holds < 15% of the mass
     good = good._replace(head_logprobs=head.astype(np.float32),
