@@ -112,6 +112,14 @@ def _variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int
     return config_from_dict(data, source=f"kdflow bench fidelity ({variant})")
 
 
+def _sampling(config: Any) -> dict[str, Any] | None:
+    """The store's effective sampling settings (a `sampled` store has no head, whatever sampling.head says)."""
+    pre = config.precompute
+    if pre.targets == "topk":
+        return None
+    return pre.sampling.model_dump() | {"head": pre.sampling.head if pre.targets == "hybrid" else 0}
+
+
 def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
     """The demo teacher (dequantised once), the docs as jsonl, corpus and token stores."""
     from kdflow.demo import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
@@ -163,7 +171,7 @@ def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int
                              "positions": summary["tokens"], "bytes_per_position": round(store_bytes_per_position(records), 2),
                              "teacher_seconds": round(seconds, 1), "written_now": summary["written"],
                              "targets": config.precompute.targets, "top_k": config.precompute.top_k,
-                             "sampling": config.precompute.sampling.model_dump() if config.precompute.targets != "topk" else None,
+                             "sampling": _sampling(config),
                              "load_average": os.getloadavg()[0]}))
     first = _variant_config(base, variants[0], args, seeds[0], tags)
     every_heldout_row = first.model_copy(update={"student": first.student.model_copy(update={"eval_sequences": 10**9})})
