@@ -192,6 +192,23 @@ def _manifest_artifact(frame: Any, tag: str) -> None:
         get_run_logger().debug("manifest artifact not created: %s", error)
 
 
+def _store_report_artifact(config: KDFlowConfig, tag: str, fidelity: dict[str, Any] | None) -> dict[str, Any]:
+    """The store report (kdflow.tasks.teacher.store_report) as a Markdown artifact; the KL comes from the worker,
+    which re-ran its teacher on a few rows (none in a fan-out coordinator: see the range runs' artifacts)."""
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        from kdflow.tasks.teacher.store_report import report_markdown, store_summary
+
+        summary = store_summary(RunRoot(config.run_root), tag, rows=64) | (fidelity or {})
+        create_markdown_artifact(report_markdown(summary), key=f"topk-store-report-{tag}",
+                                 description=f"top-K store {tag}: bytes/position, KL to the teacher, histograms")
+        return {k: summary[k] for k in ("bytes_per_position", "kl_mean", "kl_max") if k in summary}
+    except Exception as error:  # noqa: BLE001 - a report is a convenience, the store is the truth
+        get_run_logger().warning("store report artifact not created: %s", error)
+        return {}
+
+
 def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     return verified | {"written": worker.get("written"), "attempt": worker.get("attempt"), "worker_pid": worker.get("worker_pid"),
@@ -208,7 +225,8 @@ def precompute_flow(config: KDFlowConfig, shard_ids: list[int] | None = None) ->
         worker = _fan_out(config, shard_ids)
     else:
         worker = _run_worker_with_retries(config, shard_ids)
-    return _summary(_verify(config, worker["tag"], shard_ids), worker, started)
+    verified = _verify(config, worker["tag"], shard_ids)
+    return _summary(verified, worker, started) | _store_report_artifact(config, worker["tag"], worker.get("fidelity"))
 
 
 @flow(name="precompute-shards", log_prints=True)
@@ -223,4 +241,5 @@ def precompute_shards_flow(config: KDFlowConfig, shard_ids: list[int] | str) -> 
     if not ids:
         raise ConfigError("precompute-shards needs at least one shard id")
     worker = _run_worker_with_retries(config, ids)
-    return _summary(_verify(config, worker["tag"], ids), worker, started)
+    verified = _verify(config, worker["tag"], ids)
+    return _summary(verified, worker, started) | _store_report_artifact(config, worker["tag"], worker.get("fidelity"))

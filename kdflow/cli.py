@@ -60,6 +60,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return validate_run_root(args.run_root, fix=args.fix)
 
 
+def _cmd_store(args: argparse.Namespace) -> int:
+    from kdflow.store_report import main
+
+    return main(args.rest)
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     from kdflow.schemas.layout import FINAL_DIR
     from kdflow.tasks.common.sources import model_folder_problem
@@ -81,6 +87,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kdflow.bench_precompute import main
     elif args.what == "loss":
         from kdflow.bench_loss import main
+    elif args.what == "store":
+        from kdflow.bench_store import main
+    elif args.what == "fidelity":
+        from kdflow.bench_fidelity import main
     else:
         from kdflow.bench_tokenise import main
     return main(args.rest)
@@ -114,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="remove the commit records of shards that fail a check, so the next run recomputes them")
     validate.set_defaults(func=_cmd_validate)
 
+    store = sub.add_parser("store", help="top-K stores: `kdflow store report RUN_ROOT` (bytes, KL to the teacher, histograms)")
+    store.add_argument("action", choices=["report"])
+    store.add_argument("rest", nargs=argparse.REMAINDER, help="RUN_ROOT and options (see kdflow store report --help)")
+    store.set_defaults(func=_cmd_store)
+
     chat = sub.add_parser("chat", help="generate with a saved student (interactive without --prompt)")
     chat.add_argument("student_dir")
     chat.add_argument("--prompt", help="one prompt; without it, read prompts from the terminal")
@@ -127,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=["precompute", "loss", "tokenise"])
+    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
     return parser

@@ -3,10 +3,12 @@
 A stage trusts a commit record when its data file exists with the recorded size (cheap, done on every
 run). This goes further: each store's manifest through pandera, every committed data file re-hashed
 against its record, and the contents checked (token ids within the vocabulary; top-K ids unique per
-position, log-probs finite, <= 0, sorted descending, tail mass in [0, 1]; top-K shards aligned 1:1 with
-the token shards they were made from). It writes nothing, unless `--fix`: then the commit records of
-the shards that fail are removed (with their data files and the store's _complete.json), so that the next run
-of their stage recomputes exactly those shards; a validate right after says so in notes, and exits 0.
+position, log-probs finite, <= 0, sorted descending, tail mass in [0, 1]; v2 shards decoded row by row
+(crc32, zstd frames, ranges), written with the store's codec, their mass (ids + stored tail) 1 within the
+codec's precision; top-K shards aligned 1:1 with the token shards they were made from). It writes nothing,
+unless `--fix`: then the commit records of the shards that fail are removed (with their data files and the
+store's _complete.json), so that the next run of their stage recomputes exactly those shards; a validate
+right after says so in notes, and exits 0.
 Output: one line per store, one line per problem; exit code 0 when nothing is wrong, 1 otherwise.
 """
 
@@ -18,14 +20,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
+from kdflow.schemas.codec_sampled import SampledShard, sampled_problems
 from kdflow.schemas.commits import CommitRecord, StageComplete, check_commit, load_manifest, read_complete
 from kdflow.schemas.errors import KDFlowError, StoreError
+from kdflow.schemas.codec import DecodedTopk, TopkCodec
 from kdflow.schemas.layout import (COMPLETE_FILE, CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name,
                                    commit_shard_id, data_file_name)
 from kdflow.schemas.protocol import format_shard_ids
-from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard, read_topk_shard
+from kdflow.schemas.shards import DOC_ID, TopkShard, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
-from kdflow.schemas.stores import alignment_problem, topk_tags
+from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
 
 STAGE_COMMAND = {"corpus": "materialise", "tokens": "tokenise", "topk": "precompute"}
 # Log-probs may exceed 0 by rounding only; the tail mass 1 - sum(exp) may dip below 0 by the rounding of K
@@ -111,6 +115,33 @@ def topk_problems(topk_ids: np.ndarray, topk_logprobs: np.ndarray, vocab: int | 
     negative_tail = tail_mass < -TAIL_SLACK[dtype]
     if negative_tail.any():
         problems.append(f"tail mass 1 - sum(exp(log-probs)) = {float(tail_mass.min()):.4g} < 0 at {at(negative_tail)}")
+    return problems
+
+
+def mass_tolerance(codec: TopkCodec) -> float:
+    """How far sum(p) + exp(tail) of a decoded v2 position may be from 1: the values' quantisation bound
+    (|sqrt(p) error| <= 1/2L per entry sums to at most sqrt(K)/L + K/4L^2), plus the tail's float16 rounding."""
+    if codec.values == "sqrt":
+        values = codec.top_k**0.5 / codec.levels + codec.top_k / (4 * codec.levels**2)
+    else:
+        values = TAIL_SLACK[codec.values]
+    return values + (1e-3 if codec.tail == "float16" else 1e-5)
+
+
+def topk_v2_problems(decoded: DecodedTopk, codec: TopkCodec, vocab: int | None, row_offset: int = 0) -> list[str]:
+    """Rows of a decoded v2 shard: kept ids within the teacher's vocabulary, each position's mass 1 within
+    `mass_tolerance` (the decoder already checked ids, order, ranges and the tail's sign)."""
+    kept = np.arange(codec.top_k) < decoded.kept[..., None]  # (rows, T, K)
+    problems = []
+    beyond = (np.where(kept, decoded.ids, 0) >= vocab).any(-1) if vocab is not None else None  # (rows, T)
+    if beyond is not None and beyond.any():
+        problems.append(f"top-K id {int(decoded.ids.max())} >= vocabulary {vocab} at {_where(beyond, row_offset)}")
+    mass = np.where(kept, np.exp(decoded.logprobs.astype(np.float64)), 0.0).sum(-1) + np.exp(decoded.tail.astype(np.float64))
+    tolerance = mass_tolerance(codec)
+    wrong = np.abs(mass - 1.0) > tolerance  # (rows, T)
+    if wrong.any():
+        worst = float(mass.flat[np.abs(mass - 1.0).argmax()])
+        problems.append(f"stored ids and tail hold mass {worst:.4g}, not 1 (+-{tolerance:.2g}) at {_where(wrong, row_offset)}")
     return problems
 
 
@@ -270,6 +301,8 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
                             "alignment not checked")
     if done is not None and aligned and tokens.expected is not None and done.shards != tokens.expected:
         report.store_problem(f"{done.shards} shards, the token store has {tokens.expected}")
+    info = read_store_info(run_root, report.store)
+    store_codec = info.codec if info is not None else None
     recorded = [r.extra.vocab_size for r in report.records.values()]
     vocab = next((int(v) for v in recorded if v), None)
     if vocab is None and report.records:
@@ -288,12 +321,24 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
                 problems.append(f"no valid token shard {shard_id} to align with")
             elif problem is not None:
                 problems.append(f"not aligned with token shard {shard_id}: the top-K shard {problem}")
-        topk_ids, topk_logprobs = read_topk_shard(run_root, f"{report.store}/{record.data_file}", seq_len)  # (rows, T, K)
-        if len(topk_ids) != record.rows:
-            return problems + [f"{len(topk_ids)} rows, its record says {record.rows}"]
-        for start in range(0, len(topk_ids), ROWS_PER_CHECK):
-            stop = start + ROWS_PER_CHECK
-            problems += topk_problems(topk_ids[start:stop], topk_logprobs[start:stop], vocab, row_offset=start)
+        if info is not None and info.targets != "topk":  # hybrid / sampled targets (kdflow.schemas.codec_sampled)
+            sampled = SampledShard(run_root, f"{report.store}/{record.data_file}", seq_len)
+            if sampled.rows != record.rows or sampled.codec.settings() != store_codec:
+                return problems + [f"{sampled.rows} rows (its record says {record.rows}), codec {sampled.codec.settings()} "
+                                   f"(the store's is {store_codec})"]
+            return problems + sampled_problems(sampled.read(), vocab)
+        shard = TopkShard(run_root, f"{report.store}/{record.data_file}", seq_len)
+        if shard.rows != record.rows:
+            return problems + [f"{shard.rows} rows, its record says {record.rows}"]
+        settings = None if shard.codec is None else shard.codec.settings()
+        if info is not None and info.format == "v2" and settings != store_codec:
+            return problems + [f"written as {'v1' if settings is None else settings}, the store's codec is {store_codec}"]
+        for start in range(0, shard.rows, ROWS_PER_CHECK):
+            stop = min(start + ROWS_PER_CHECK, shard.rows)
+            if shard.codec is None:
+                problems += topk_problems(shard.ids[start:stop], shard.logprobs[start:stop], vocab, row_offset=start)
+            else:  # decoding checks every row's crc32, frames and ranges (a StoreError names the row)
+                problems += topk_v2_problems(shard.read(range(start, stop)), shard.codec, vocab, row_offset=start)
             if problems:
                 break  # the first failing rows name the problem well enough
         return problems

@@ -59,6 +59,8 @@ class TopkShardInfo(_Info):
     micro_batch: int | None = None
     chunk_tokens: int | None = None
     vocab_size: int | None = None  # the teacher's output rows: every top-K id is below it
+    format: str | None = None  # "v2"; None: a v1 shard
+    codec: dict[str, Any] | None = None  # v2: the codec's settings (as in the shard's schema metadata)
     seconds: float | None = None
     tokens_per_s: float | None = None
 

@@ -99,16 +99,60 @@ class TeacherConfig(_Section):
         return value
 
 
+class TopkStoreConfig(_Section):
+    """How top-K shards are stored (README, "Top-K store format"). A store made with other settings is another
+    store (its tag differs); training on one whose settings differ from these is an error naming both."""
+
+    format: Literal["v2", "v1"] = Field(
+        default="v2", description="v2: compact codec with the exact tail mass; v1: int32 ids + precompute.logprobs_dtype "
+                                  "log-probs, no tail (what stores made before v2 hold)")
+    values: Literal["sqrt", "float16", "float32"] = Field(
+        default="sqrt", description="v2 log-probs: sqrt = quantised with step 1/levels on sqrt(p) (KL ~ top_k / (6 levels^2) "
+                                    "nats/position); float16 or float32 = lossless IEEE bits")
+    levels: int = Field(default=400, ge=1, le=65535, description="v2 values=sqrt: quantisation levels of sqrt(p)")
+    tail: Literal["float16", "float32"] = Field(
+        default="float16", description="v2: storage of tail_logprob, the log of the teacher's mass outside the stored ids")
+    keep_mass: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="v2 adaptive K: per position keep the fewest ids whose mass reaches this "
+                                                  "share of the top-K mass, the rest joins the tail; None keeps all K")
+    zstd_level: int = Field(default=1, ge=1, le=22, description="v2: zstd level of the byte streams (1 is smallest here)")
+    renumbering: Literal["unigram", "none"] = Field(
+        default="unigram", description="v2: code ids renumbered by their frequency in the token store (smaller gaps), or as is")
+
+
+class SamplingConfig(_Section):
+    """Sampled teacher targets (`precompute.targets: sampled | hybrid`): per position an exact top-`head` (hybrid
+    only), `samples` distinct tokens drawn from the teacher outside it, and what an unbiased loss needs."""
+
+    head: PositiveInt = Field(default=16, description="hybrid: exact top-H tokens per position (sampled targets have none)")
+    samples: PositiveInt = Field(default=24, description="Tokens sampled per position from the teacher's tail (the budget)")
+    scheme: Literal["priority", "gumbel"] = Field(
+        default="priority", description="priority: Duffield priority sampling (weights max(p, tau)); "
+                                        "gumbel: sampling without replacement (Gumbel top-S)")
+    seed: int = Field(default=0, ge=0, description="With the shard, row and position, seeds every position's draw")
+    values: Literal["float16", "float32"] = Field(
+        default="float16", description="Storage of the sampled tokens' log-probs (the head's follows precompute.store; "
+                                       "the threshold is always float32)")
+
+
 class PrecomputeConfig(_Section):
     """The teacher pass: how many log-probabilities to keep per position, batch shapes, retries and fan-out."""
 
+    targets: Literal["topk", "sampled", "hybrid"] = Field(
+        default="topk", description="topk: the top-K with a tail bucket; hybrid: exact top-H head + sampled tail; "
+                                    "sampled: only sampled tokens (precompute.sampling)")
+    sampling: SamplingConfig = Field(default=SamplingConfig(), description="Sampled targets: head, samples, scheme, seed")
     top_k: PositiveInt = Field(default=128, description="Teacher log-probabilities kept per position (K)")
     micro_batch: PositiveInt = Field(default=8, description="Sequences per teacher forward; fixed for the whole run")
     chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per chunk of logits; empty: from the memory budget")
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
     sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K shards alike)")
-    logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How the log-probabilities are stored")
+    logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How v1 stores keep the "
+                                                          "log-probabilities (v2: precompute.store.values)")
+    store: TopkStoreConfig = Field(default=TopkStoreConfig(), description="Top-K shard format and codec settings")
+    report_rows: int = Field(default=4, ge=0, description="Rows the pass re-runs through the teacher for the store "
+                                                          "report's KL (a Prefect artifact); 0: no re-run")
     max_attempts: PositiveInt = Field(default=4, description="Teacher processes tried (after CUDA errors, crashes) before failing")
     retry_delay_s: float = Field(default=10.0, ge=0, description="Wait before the first retry; doubles with each further one")
     shards_per_flow_run: PositiveInt | None = Field(
@@ -219,6 +263,16 @@ class KDFlowConfig(_Section):
     teacher: TeacherConfig
     precompute: PrecomputeConfig = PrecomputeConfig()
     student: StudentConfig = StudentConfig()
+
+    @model_validator(mode="after")
+    def _sampled_targets_temperature(self) -> KDFlowConfig:
+        if self.precompute.targets != "topk" and self.precompute.store.format != "v2":
+            raise ValueError(f"precompute.targets={self.precompute.targets} needs precompute.store.format: v2 "
+                             f"(v1 stores hold top-K only)")
+        if self.precompute.targets != "topk" and self.student.kd.temperature != 1.0:
+            raise ValueError(f"student.kd.temperature={self.student.kd.temperature} needs precompute.targets: topk; "
+                             f"{self.precompute.targets} targets are sampled at temperature 1 and unbiased only there")
+        return self
 
     @property
     def tokenizer_source(self) -> tuple[str, str | None]:

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from kdflow.schemas.config import KDFlowConfig, section_hash
+from kdflow.schemas.stores import store_format
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -36,5 +37,12 @@ def tokens_fingerprint(corpus_fp: str, tokenizer_fp: str, config: KDFlowConfig) 
 
 
 def topk_fingerprint(teacher_fp: str, tokens_fp: str, config: KDFlowConfig) -> str:
-    """Also the store's TAG under topk/: teacher + K + dtype + the token store it reads."""
-    return section_hash("topk", teacher_fp, tokens_fp, config.precompute.top_k, config.precompute.logprobs_dtype, length=12)
+    """Also the store's TAG under topk/: teacher + K + store format + the token store it reads.
+
+    v1 keeps its formula (K and the log-prob dtype), so stores made before v2 keep their tags and resume;
+    v2 hashes `store_format(config)`, which names the format ("v2", "kdflow.topk.v2") and every codec
+    parameter, so a store made with other codec settings is another store."""
+    pre = config.precompute
+    if pre.store.format == "v1":
+        return section_hash("topk", teacher_fp, tokens_fp, pre.top_k, pre.logprobs_dtype, length=12)
+    return section_hash("topk", teacher_fp, tokens_fp, pre.top_k, store_format(config), length=12)

@@ -4,7 +4,8 @@
 RUN_ROOT/
   corpus/          part-NNNNN.parquet + part-NNNNN.commit.json, _complete.json, config.yaml
   tokens/          shard-NNNNN.arrow + shard-NNNNN.commit.json, _complete.json, config.yaml
-  topk/TAG/        shard-NNNNN.arrow + .commit.json (+ .lease while computed), _complete.json, _store.json, config.yaml
+  topk/TAG/        shard-NNNNN.arrow + .commit.json (+ .lease while computed), _complete.json, _store.json, config.yaml,
+                   _renumbering.bin (v2 with renumbering: unigram)
   students/NAME/   checkpoint-STEP/ (checkpoint.json last), final/, metrics.jsonl, eval.jsonl, config.yaml,
                    trainer.lease (while trained)
   _faults/         markers of injected faults that fired (KDFLOW_FAULT)
@@ -29,6 +30,7 @@ CONFIG_FILE = "config.yaml"  # the resolved config that made the folder's files
 STORE_FILE = "_store.json"  # topk/TAG only: what made the store (teacher, K, token store), for readers
 LEASE_SUFFIX = ".lease"  # topk/TAG only: a process's claim on a shard it is computing
 TRAINER_LEASE = "trainer.lease"  # students/NAME: the claim of the one process (rank 0) training this student
+RENUMBERING_FILE = "_renumbering.bin"  # topk/TAG, v2: the frequency renumbering of ids (each shard also carries it)
 
 # In students/NAME.
 CHECKPOINT_PREFIX = "checkpoint-"

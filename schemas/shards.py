@@ -3,10 +3,13 @@
 Column names and types are defined here and nowhere else (DESIGN.md, "Run root layout"):
 - corpus part  (Parquet):          doc_id int64, text string
 - token shard  (Arrow IPC stream): input_ids  fixed_size_list<int32>[seq_len]
-- top-K shard  (Arrow IPC stream): topk_ids   fixed_size_list<fixed_size_list<int32>[K]>[seq_len]
-                                    topk_logprobs  same shape, float16 (default) or float32
+- top-K shard v1 (Arrow IPC stream): topk_ids   fixed_size_list<fixed_size_list<int32>[K]>[seq_len]
+                                      topk_logprobs  same shape, float16 (default) or float32
+- top-K shard v2 (Arrow IPC stream): one record per row of binary columns, coded by `kdflow.schemas.codec`
+                                      (layout in its docstring; metadata kdflow.format = 2)
 Top-K row r, position t is the teacher's distribution for the token after position t of token row r,
-as log-probabilities normalised over the full vocabulary, sorted descending along K.
+as log-probabilities normalised over the full vocabulary, sorted descending along K; v2 also stores the
+exact log of the mass outside the stored ids (`tail_logprob`). `TopkShard` reads both formats.
 IPC *stream* format, uncompressed: memory-mappable and readable by `datasets.Dataset.from_file`.
 """
 
@@ -20,6 +23,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from kdflow.schemas.codec import META_FORMAT, DecodedTopk, TopkCodec, decode, from_v1
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.storage import HashingWriter, RunRoot
 
@@ -113,7 +117,9 @@ class StreamShardWriter:
         return self
 
     def write(self, *columns: pa.Array) -> None:
-        batch = pa.record_batch(list(columns), schema=self.schema)
+        self.write_batch(pa.record_batch(list(columns), schema=self.schema))
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
         self._ipc.write_batch(batch)
         self.rows += batch.num_rows
 
@@ -145,6 +151,11 @@ def topk_batch(topk_ids: np.ndarray, topk_logprobs: np.ndarray, logprobs_dtype: 
     ids = _nest(np.ascontiguousarray(topk_ids, dtype=np.int32), seq_len, top_k)
     logprobs = _nest(np.ascontiguousarray(topk_logprobs, dtype=np.dtype(logprobs_dtype)), seq_len, top_k)
     return ids, logprobs
+
+
+def topk_v2_shard_writer(run_root: RunRoot, path: str, codec: TopkCodec) -> StreamShardWriter:
+    """A v2 shard: write `kdflow.schemas.codec.encode(codec, ...)` batches into it."""
+    return StreamShardWriter(run_root, path, codec.schema())
 
 
 def read_stream_table(run_root: RunRoot, path: str) -> pa.Table:
@@ -183,17 +194,67 @@ def read_token_shard(run_root: RunRoot, path: str, seq_len: int | None = None) -
     return _unnest(table.column(INPUT_IDS), stored)
 
 
+def topk_format(schema: pa.Schema) -> int:
+    """1 or 2: the top-K shard format its schema metadata names (v1 shards name none)."""
+    value = (schema.metadata or {}).get(META_FORMAT, b"1")
+    if value not in (b"1", b"2"):
+        raise StoreError(f"top-K shard format {value.decode(errors='replace')!r} is not one this kdflow reads (1, 2)")
+    return int(value)
+
+
+class TopkShard:
+    """One top-K shard of either format, opened once (memory-mapped on local disk); rows decoded on demand.
+
+    `read(rows)` -> DecodedTopk: ids (n, T, K) int32 (-1 = padding), logprobs (n, T, K) (v1: as stored, v2:
+    float32; -inf = padding), tail (n, T) float32 = log of the teacher's mass outside the kept ids (v2: stored
+    at capture; v1: derived as log(1 - sum(exp(logprobs))), -inf where that is <= 0), kept (n, T) int32.
+    """
+
+    def __init__(self, run_root: RunRoot, path: str, seq_len: int | None = None, top_k: int | None = None) -> None:
+        self.path = run_root.display(path)
+        self.table = read_stream_table(run_root, path)
+        self.seq_len = _schema_int(self.table.schema, b"kdflow.seq_len", path)
+        self.top_k = _schema_int(self.table.schema, b"kdflow.top_k", path)
+        if seq_len is not None and self.seq_len != seq_len:
+            raise StoreError(f"{path}: top-K shard has seq_len {self.seq_len}, expected {seq_len}")
+        if top_k is not None and self.top_k != top_k:
+            raise StoreError(f"{path}: top-K shard has K={self.top_k}, expected K={top_k}")
+        self.format = topk_format(self.table.schema)
+        self.rows = self.table.num_rows
+        self.codec: TopkCodec | None = None
+        if self.format == 2:
+            try:
+                self.codec = TopkCodec.from_schema(self.table.schema)
+            except ValueError as error:
+                raise StoreError(f"{self.path}: {error}") from None
+            if (self.codec.seq_len, self.codec.top_k) != (self.seq_len, self.top_k):
+                raise StoreError(f"{self.path}: codec settings disagree with kdflow.seq_len / kdflow.top_k")
+        else:
+            self.ids = _unnest(self.table.column(TOPK_IDS), self.seq_len, self.top_k)  # (rows, T, K), zero-copy
+            self.logprobs = _unnest(self.table.column(TOPK_LOGPROBS), self.seq_len, self.top_k)
+
+    def read(self, rows: Sequence[int] | np.ndarray | None = None) -> DecodedTopk:
+        """The given rows (default: all), decoded; a corrupt v2 row raises StoreError naming shard and row."""
+        if self.codec is None:
+            if rows is None:
+                return from_v1(self.ids, self.logprobs)
+            picked = np.asarray(rows, dtype=np.int64)
+            return from_v1(self.ids[picked], self.logprobs[picked])
+        try:
+            if rows is None:
+                return decode(self.table, codec=self.codec)
+            parts = [decode(self.table.slice(int(row), 1), codec=self.codec, row_offset=int(row)) for row in rows]
+        except ValueError as error:
+            raise StoreError(f"{self.path}: {error}") from None
+        if not parts:
+            return decode(self.table.slice(0, 0), codec=self.codec)
+        return DecodedTopk(*(np.concatenate(field) for field in zip(*parts)))
+
+
 def read_topk_shard(
     run_root: RunRoot, path: str, seq_len: int | None = None, top_k: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """-> topk_ids (rows, seq_len, K) int32, topk_logprobs (rows, seq_len, K) float16|float32."""
-    table = read_stream_table(run_root, path)
-    stored_len = _schema_int(table.schema, b"kdflow.seq_len", path)
-    stored_k = _schema_int(table.schema, b"kdflow.top_k", path)
-    if seq_len is not None and stored_len != seq_len:
-        raise StoreError(f"{path}: top-K shard has seq_len {stored_len}, expected {seq_len}")
-    if top_k is not None and stored_k != top_k:
-        raise StoreError(f"{path}: top-K shard has K={stored_k}, expected K={top_k}")
-    ids = _unnest(table.column(TOPK_IDS), stored_len, stored_k)
-    logprobs = _unnest(table.column(TOPK_LOGPROBS), stored_len, stored_k)
-    return ids, logprobs
+    """-> topk_ids (rows, seq_len, K) int32, topk_logprobs (rows, seq_len, K): v1 as stored (float16|float32),
+    v2 decoded (float32; adaptive K pads with id -1, log-prob -inf). `TopkShard` also gives the tail."""
+    decoded = TopkShard(run_root, path, seq_len, top_k).read()
+    return decoded.ids, decoded.logprobs

@@ -1,5 +1,5 @@
-"""Contracts between whole stores: what made a top-K store (`_store.json`), which stores a config may read,
-and the one check that top-K shard i was made from token shard i.
+"""Contracts between whole stores: what made a top-K store (`_store.json`), its format and codec settings,
+which stores a config may read, and the one check that top-K shard i was made from token shard i.
 
 Precompute writes `_store.json` into every top-K store it makes; the student's data loader, the fan-out flow
 and `kdflow validate` read it, and check alignment with `alignment_problem`, without loading a teacher.
@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kdflow.schemas.codec_sampled import sampled_format, sampled_label
 from kdflow.schemas.commits import CommitRecord, read_complete, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import STORE_FILE, TOPK_DIR, is_store_name
@@ -30,6 +31,54 @@ class TopkStoreInfo(BaseModel):
     top_k: int
     logprobs_dtype: str
     seq_len: int
+    format: str = "v1"  # stores written before v2 have no such key
+    store: dict[str, Any] | None = None  # `store_format(config)` of the config that made it (None: v1, before v2)
+    codec: dict[str, Any] | None = None  # v2: the codec's settings (TopkCodec.settings(), with the table's sha256)
+
+    def store_format(self) -> dict[str, Any]:
+        """What this store's format settings are, in the terms of `store_format(config)`."""
+        return self.store if self.store is not None else {"format": "v1", "logprobs_dtype": self.logprobs_dtype}
+
+    @property
+    def targets(self) -> str:
+        """topk, or hybrid / sampled (then `store_format()["sampling"]` holds H, S, scheme, seed)."""
+        return self.store_format().get("targets", "topk")
+
+
+def store_format(config: KDFlowConfig) -> dict[str, Any]:
+    """The top-K store format the config asks for: v1 {format, logprobs_dtype}, v2 the codec's parameters.
+    In the store's fingerprint (v2), `_store.json`, and compared with the store before training on it."""
+    pre, store = config.precompute, config.precompute.store
+    if store.format == "v1":
+        return {"format": "v1", "logprobs_dtype": pre.logprobs_dtype}
+    settings = {"format": "v2", "codec": "kdflow.topk.v2", "values": store.values,
+                "levels": store.levels if store.values == "sqrt" else None, "tail": store.tail, "keep_mass": store.keep_mass,
+                "zstd_level": store.zstd_level, "renumbering": store.renumbering}
+    return settings if pre.targets == "topk" else settings | sampled_format(pre)
+
+
+def format_label(settings: dict[str, Any]) -> str:
+    """A store format in one short phrase, for messages: "v1 float16", "v2 sqrt/400, tail float16, ..."."""
+    if settings.get("targets", "topk") != "topk":
+        return f"{sampled_label(settings)}, head {format_label({**settings, 'targets': 'topk'})}"
+    if settings.get("format") != "v2":
+        return f"v1 {settings.get('logprobs_dtype')}"
+    values = f"sqrt/{settings['levels']}" if settings.get("values") == "sqrt" else settings.get("values")
+    keep = f", keep_mass {settings['keep_mass']}" if settings.get("keep_mass") is not None else ""
+    return (f"v2 {values}, tail {settings.get('tail')}{keep}, zstd {settings.get('zstd_level')}, "
+            f"renumbering {settings.get('renumbering')}")
+
+
+def format_mismatch(info: TopkStoreInfo, config: KDFlowConfig, shown: str) -> str | None:
+    """The one-line reason a store may not be trained on with this config, or None when the formats agree."""
+    made, asked = info.store_format(), store_format(config)
+    if made == asked:
+        return None
+    if made.get("targets", "topk") != asked.get("targets", "topk"):
+        return (f"top-K store {shown} holds {format_label(made)} targets, the config asks for {format_label(asked)} "
+                "(precompute.targets, precompute.sampling): the loss follows the config; set them to the store's")
+    return (f"top-K store {shown} was made as {format_label(made)}, the config asks for {format_label(asked)} "
+            "(precompute.store); set precompute.store to the store's settings, or run precompute to make the store asked for")
 
 
 def teacher_section(config: KDFlowConfig) -> dict[str, Any]:
@@ -54,18 +103,19 @@ def topk_tags(run_root: RunRoot) -> list[str]:
     return [tag for tag in run_root.listdir(run_root.path(TOPK_DIR)) if is_store_name(tag)]
 
 
-def find_topk_stores(run_root: RunRoot, config: KDFlowConfig) -> list[str]:
-    """Tags of the top-K stores made for this config's teacher, K and token store, read from their _store.json
-    (no teacher loaded; with teacher.dtype auto, a CPU and a GPU host make two)."""
+def find_topk_stores(run_root: RunRoot, config: KDFlowConfig, *, any_format: bool = False) -> list[str]:
+    """Tags of the top-K stores made for this config's teacher, K, token store and store format, read from their
+    _store.json (no teacher loaded; with teacher.dtype auto, a CPU and a GPU host make two). `any_format`: also
+    those made with other format settings (to name them in an error)."""
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     if tokens_done is None:
         return []
-    teacher = teacher_section(config)
+    teacher, wanted = teacher_section(config), store_format(config)
     tags = []
     for tag in topk_tags(run_root):
         info = read_store_info(run_root, stage_dir(run_root, "topk", tag))
         if (info is not None and info.tokens_fingerprint == tokens_done.fingerprint and info.teacher == teacher
-                and info.top_k == config.precompute.top_k and info.logprobs_dtype == config.precompute.logprobs_dtype):
+                and info.top_k == config.precompute.top_k and (any_format or info.store_format() == wanted)):
             tags.append(tag)
     return tags
 

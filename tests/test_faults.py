@@ -42,7 +42,7 @@ from kdflow.tasks.teacher.precompute_worker import run as run_worker_here
 from kdflow.validate import validate_run_root
 
 REPO = Path(__file__).resolve().parents[1]
-STORE_FILES = {"_complete.json", "_store.json", "config.yaml"}  # besides shard-N.arrow / shard-N.commit.json
+STORE_FILES = {"_complete.json", "_store.json", "config.yaml", "_renumbering.bin"}  # besides shard-N.arrow / .commit.json
 SECRET = "sekrit-value"
 
 
@@ -274,8 +274,9 @@ def test_disk_full_mid_pass_fails_with_exit_code_3_and_a_rerun_after_freeing_spa
     if disk is not None:  # a real full filesystem: the top-K writes fail where the kernel says so
         config = run_copy(run_root=disk.path / "run")
         shard_pages = disk.pages((prepared.base / "reference" / "topk" / prepared.tag / "shard-00000.arrow").stat().st_size)
-        # Room for config.yaml, _store.json, shard 0 (data, lease, then its commit record) and all but one page of shard 1.
-        disk.resize(disk.used_pages() + 2 + shard_pages + 2 + shard_pages - 1)
+        # Room for config.yaml, _store.json, _renumbering.bin, shard 0 (data, lease, then its commit record) and all
+        # but one page of shard 1.
+        disk.resize(disk.used_pages() + 3 + shard_pages + 2 + shard_pages - 1)
         env: dict[str, str] = {}
     else:  # no tmpfs: the same error injected where a write would fail
         config = run_copy()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,21 +16,27 @@ def dense_reference(
     hidden: Tensor, weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, *,
     bias: Tensor | None = None, mask: Tensor | None = None, labels: Tensor | None = None,
     kd_weight: float = 1.0, temperature: float = 1.0,
-    counts: tuple[float, float] | None = None,
+    counts: tuple[float, float] | None = None, tail_logprob: Tensor | None = None,
 ) -> Tensor:
-    """The K+1 bucket KL with every (N, V) tensor materialised, in float64."""
+    """The K+1 bucket KL with every (N, V) tensor materialised, in float64. The tail bucket's teacher mass is
+    exp(tail_logprob) plus the mass of ids beyond the student's vocabulary when given, else 1 - sum; padding
+    (id < 0, log-prob -inf) is no entry at all."""
     logits = hidden.double() @ weight.double().T  # (N, V)
     if bias is not None:
         logits = logits + bias.double()
     rows, vocab = logits.shape
     ids = topk_ids.long()
-    in_vocab = ids < vocab
-    gather_ids = ids.clamp(max=vocab - 1)
+    in_vocab = (ids < vocab) & (ids >= 0)
+    gather_ids = ids.clamp(min=0, max=vocab - 1)
     teacher_top = torch.where(in_vocab, topk_logprobs.double().exp(), 0.0)  # (N, K)
     in_top_k = torch.zeros(rows, vocab, dtype=torch.bool)
     in_top_k[torch.arange(rows)[:, None].expand_as(ids)[in_vocab], ids[in_vocab]] = True
     tail_empty = in_top_k.all(1)
-    teacher_tail = torch.where(tail_empty, 0.0, (1 - teacher_top.sum(1)).clamp_min(0))  # (N,)
+    if tail_logprob is None:
+        teacher_tail = (1 - teacher_top.sum(1)).clamp_min(0)  # (N,)
+    else:
+        teacher_tail = tail_logprob.double().exp() + torch.where(in_vocab, 0.0, topk_logprobs.double().exp()).sum(1)
+    teacher_tail = torch.where(tail_empty, 0.0, teacher_tail)
     if temperature != 1.0:
         buckets = torch.cat([teacher_top.log(), teacher_tail.log()[:, None]], 1) / temperature
         buckets = buckets.softmax(1)
@@ -60,13 +68,16 @@ def make_case(rows: int, vocab: int, width: int, top_k: int, seed: int = 0, teac
     gen = torch.Generator().manual_seed(seed)
     teacher_vocab = teacher_vocab or vocab
     teacher_logits = torch.randn(rows, teacher_vocab, generator=gen) * sharpness
-    logprobs, ids = torch.log_softmax(teacher_logits, 1).topk(top_k, dim=1)  # sorted descending
+    full = torch.log_softmax(teacher_logits, 1)
+    logprobs, ids = full.topk(top_k, dim=1)  # sorted descending
+    tail_logprob = full.double().scatter(1, ids, float("-inf")).logsumexp(1).float()  # exact, as v2 stores it
     return {
         "hidden": torch.randn(rows, width, generator=gen, requires_grad=True),
         "weight": (torch.randn(vocab, width, generator=gen) / width**0.5).requires_grad_(),
         "bias": (torch.randn(vocab, generator=gen) * 0.1).requires_grad_(),
         "topk_ids": ids.to(torch.int32),
         "topk_logprobs": logprobs,
+        "tail_logprob": tail_logprob,
         "labels": torch.randint(0, vocab, (rows,), generator=gen),
         "mask": torch.rand(rows, generator=gen) > 0.3,
     }
@@ -309,3 +320,73 @@ def test_negative_ids_in_masked_positions_are_ignored() -> None:
     args = (case["hidden"], case["weight"])
     loss = fused_topk_kl(*args, padded_ids, case["topk_logprobs"], mask=mask)
     torch.testing.assert_close(loss, fused_topk_kl(*args, case["topk_ids"], case["topk_logprobs"], mask=mask))
+
+
+# ---- v2 stores: the tail stored exactly, padding of adaptive K -------------------------------------------
+
+
+@pytest.mark.parametrize(("rows", "vocab", "top_k", "chunk_tokens", "teacher_vocab"),
+                         [(37, 64, 8, 16, None), (130, 97, 20, 64, None), (37, 64, 8, 10, 80), (1, 50, 4, 1, None)])
+def test_explicit_tail_matches_reference(rows, vocab, top_k, chunk_tokens, teacher_vocab) -> None:
+    case = make_case(rows, vocab, 12, top_k, seed=20, teacher_vocab=teacher_vocab)
+    labels = case["labels"].clone()
+    labels[::3] = -100
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ids beyond the student's vocabulary (teacher_vocab=80) warn
+        assert_matches_reference(case, chunk_tokens=chunk_tokens, tail_logprob=case["tail_logprob"])
+        assert_matches_reference(case, chunk_tokens=chunk_tokens, tail_logprob=case["tail_logprob"], labels=labels,
+                                 kd_weight=0.4, mask=case["mask"])
+        assert_matches_reference(case, chunk_tokens=chunk_tokens, tail_logprob=case["tail_logprob"], temperature=2.0)
+
+
+def test_explicit_tail_is_used_not_one_minus_sum() -> None:
+    """Quantised log-probs (as a v2 store decodes them) no longer sum to 1 - tail: the loss must take the stored
+    tail. A tail that differs from 1 - sum changes the loss (and matches the reference that uses it)."""
+    case = make_case(37, 64, 16, 8, seed=21, sharpness=1.0)
+    case["topk_logprobs"] = 2 * torch.log(torch.round(400 * (case["topk_logprobs"] / 2).exp()) / 400)  # sqrt/400
+    with_tail = assert_matches_reference(case, chunk_tokens=8, tail_logprob=case["tail_logprob"])
+    derived = assert_matches_reference(case, chunk_tokens=8)
+    assert (with_tail - derived).abs() > 1e-6  # ~1.2e-5 here: the quantised values' sum moved 1 - sum
+    one_minus_sum = (1 - case["topk_logprobs"].double().exp().sum(1)).log().float()
+    loss = fused_topk_kl(case["hidden"], case["weight"], case["topk_ids"], case["topk_logprobs"], bias=case["bias"],
+                         tail_logprob=one_minus_sum, chunk_tokens=8)
+    torch.testing.assert_close(loss.double(), derived, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_tail_and_tiny_tail() -> None:
+    case = make_case(37, 64, 16, 8, seed=22, sharpness=40.0)  # nearly one-hot: tails ~1e-30
+    assert case["tail_logprob"].max() < -20
+    assert_matches_reference(case, chunk_tokens=16, tail_logprob=case["tail_logprob"])
+    case["tail_logprob"] = torch.full_like(case["tail_logprob"], float("-inf"))  # no tail mass at all
+    assert_matches_reference(case, chunk_tokens=16, tail_logprob=case["tail_logprob"])
+
+
+def test_padding_of_adaptive_k_is_no_entry() -> None:
+    """Adaptive-K rows keep their first `kept` ids; the rest is padding (id -1, log-prob -inf) and the dropped
+    mass is in the stored tail. Same as the reference, and the same as the shorter rows without padding."""
+    case = make_case(37, 64, 16, 8, seed=23)
+    kept = torch.randint(1, 9, (37,), generator=torch.Generator().manual_seed(1))
+    pad = torch.arange(8)[None, :] >= kept[:, None]
+    dropped = torch.where(pad, case["topk_logprobs"].double().exp(), 0.0).sum(1)
+    tail = (case["tail_logprob"].double().exp() + dropped).log().float()
+    padded = dict(case, topk_ids=case["topk_ids"].masked_fill(pad, -1),
+                  topk_logprobs=case["topk_logprobs"].masked_fill(pad, float("-inf")), tail_logprob=tail)
+    loss = assert_matches_reference(padded, chunk_tokens=16, tail_logprob=tail, labels=case["labels"], kd_weight=0.5)
+    one_row = [fused_topk_kl(case["hidden"][r:r + 1], case["weight"], case["topk_ids"][r:r + 1, :kept[r]],
+                             case["topk_logprobs"][r:r + 1, :kept[r]], bias=case["bias"], tail_logprob=tail[r:r + 1])
+               for r in range(37)]
+    kd_only = fused_topk_kl(padded["hidden"], padded["weight"], padded["topk_ids"], padded["topk_logprobs"],
+                            bias=case["bias"], tail_logprob=tail)
+    torch.testing.assert_close(kd_only, torch.stack(one_row).mean(), rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(loss)
+
+
+def test_negative_ids_with_a_finite_logprob_are_refused() -> None:
+    case = make_case(7, 50, 8, 4)
+    ids = case["topk_ids"].clone()
+    ids[2, 3] = -1  # log-prob stays finite: not padding
+    with pytest.raises(ValueError, match="1 negative ids"):
+        fused_topk_kl(case["hidden"], case["weight"], ids, case["topk_logprobs"], tail_logprob=case["tail_logprob"])
+    with pytest.raises(ValueError, match="tail_logprob must be"):
+        fused_topk_kl(case["hidden"], case["weight"], case["topk_ids"], case["topk_logprobs"],
+                      tail_logprob=case["tail_logprob"][:3])

@@ -25,7 +25,7 @@ from kdflow.schemas.protocol import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_I
                                      EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY, EXIT_CUDA_OOM, EXIT_NO_SPACE,
                                      EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES, format_shard_ids,
                                      normalise_returncode, parse_shard_ids)
-from kdflow.schemas.shards import read_token_shard, read_topk_shard
+from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import find_topk_stores
 from kdflow.tasks.common.failures import exit_code_for
@@ -67,29 +67,46 @@ def assert_matches_dense(config: Any, tag: str, model: torch.nn.Module) -> None:
     token_records = list_commits(run_root, tokens, "tokens")
     topk_records = list_commits(run_root, store, "topk", tag)
     assert sorted(topk_records) == sorted(token_records)
-    k, seq_len = config.precompute.top_k, config.seq_len
+    k, seq_len, settings = config.precompute.top_k, config.seq_len, config.precompute.store
     for shard_id, token_record in token_records.items():
         input_ids = read_token_shard(run_root, f"{tokens}/{token_record.data_file}", seq_len)  # (rows, T)
-        topk_ids, topk_logprobs = read_topk_shard(run_root, f"{store}/{topk_records[shard_id].data_file}", seq_len, k)
-        assert topk_ids.shape == topk_logprobs.shape == (len(input_ids), seq_len, k)
-        assert topk_logprobs.dtype == np.float16
+        shard = TopkShard(run_root, f"{store}/{topk_records[shard_id].data_file}", seq_len, k)
+        decoded = shard.read()
+        assert decoded.ids.shape == decoded.logprobs.shape == (len(input_ids), seq_len, k)
         assert topk_records[shard_id].input_sha256 == token_record.sha256
         reference = dense_logprobs(model, input_ids)  # (rows, T, V)
-        stored = torch.from_numpy(topk_logprobs.astype(np.float64))
-        # The stored ids carry the reference's log-probs, and those are the K largest (ties may swap ids).
-        at_ids = reference.gather(-1, torch.tensor(topk_ids, dtype=torch.long))
-        torch.testing.assert_close(stored, at_ids, rtol=1e-3, atol=1e-4)  # float16 storage: 2^-11 relative
-        torch.testing.assert_close(stored, reference.topk(k, dim=-1).values, rtol=1e-3, atol=1e-4)
-        assert (np.diff(topk_logprobs.astype(np.float32), axis=-1) <= 0).all()  # sorted descending along K
-        tail = 1.0 - np.exp(topk_logprobs.astype(np.float64)).sum(-1)
-        assert ((tail >= 0.0) & (tail <= 1.0)).all()
+        kept = np.arange(k) < decoded.kept[..., None]  # (rows, T, K): all True unless adaptive K
+        ids = torch.tensor(np.where(kept, decoded.ids, 0), dtype=torch.long)
+        stored = torch.from_numpy(np.where(kept, decoded.logprobs, -np.inf).astype(np.float64))
+        at_ids = torch.where(torch.from_numpy(kept), reference.gather(-1, ids), -torch.inf)
+        exact_tail = reference.scatter(-1, ids, -torch.inf).logsumexp(-1)  # (rows, T) log of the mass outside the kept ids
+        # The kept ids are the teacher's largest (ties may swap ids), stored in descending order of their values.
+        assert (np.diff(np.where(kept, decoded.logprobs, -np.inf), axis=-1) <= 0).all()
+        largest = torch.where(torch.from_numpy(kept), reference.topk(k, dim=-1).values, -torch.inf)
+        torch.testing.assert_close(at_ids.sort(-1, descending=True).values, largest, rtol=0, atol=1e-6)
+        if shard.format == 1:
+            assert settings.format == "v1" and decoded.logprobs.dtype == np.float16
+            torch.testing.assert_close(stored, at_ids, rtol=1e-3, atol=1e-4)  # float16 storage: 2^-11 relative
+            continue
+        assert settings.format == "v2" and shard.codec.settings()["values"] == settings.values
+        assert np.isfinite(decoded.tail).all() and (decoded.tail <= 0).all()
+        if settings.values == "sqrt":  # the documented bound: |sqrt(p) - sqrt(p_exact)| <= 1 / (2 levels)
+            error = (stored / 2).exp().nan_to_num(0.0) - (at_ids / 2).exp().nan_to_num(0.0)
+            assert error.abs().max() <= 0.5 / settings.levels + 1e-6
+        else:
+            torch.testing.assert_close(stored, at_ids, rtol=1e-3 if settings.values == "float16" else 1e-6, atol=1e-5)
+        tail = torch.from_numpy(decoded.tail.astype(np.float64))  # stored at capture, never 1 - sum
+        torch.testing.assert_close(tail, exact_tail, rtol=1e-3 if settings.tail == "float16" else 1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("teacher", ["tiny_teacher_dir", "tiny_moe_teacher_dir"])
-def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config, request, teacher) -> None:
+@pytest.mark.parametrize(("teacher", "store"), [
+    ("tiny_teacher_dir", {}), ("tiny_moe_teacher_dir", {}), ("tiny_teacher_dir", {"format": "v1"}),
+    ("tiny_teacher_dir", {"values": "float32", "tail": "float32", "keep_mass": 0.9, "renumbering": "none"}),
+])
+def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config, request, teacher, store) -> None:
     # micro_batch 3 over 8-row shards: the last micro-batch of each shard is padded and its padding dropped.
     config = prepare(make_config(teacher__model=str(request.getfixturevalue(teacher)), precompute__micro_batch=3,
-                                 dataset__max_documents=24))
+                                 dataset__max_documents=24, precompute__store=store))
     summary = precompute_shards(config)
     run_root = RunRoot(config.run_root)
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))

@@ -77,3 +77,6 @@ def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect
     assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress", None) in kinds
     [progress] = [a for a in artifacts if a.type == "progress"]
     assert progress.data == 100.0  # the last update of the worker's progress reached the artifact
+    [report] = [a for a in artifacts if a.key == f"topk-store-report-{result['tag']}"]
+    assert report.type == "markdown" and "bytes / position" in report.data and "KL(teacher re-run" in report.data
+    assert 0 < result["bytes_per_position"] < 6 * config.precompute.top_k and 0 <= result["kl_mean"] < 1e-3

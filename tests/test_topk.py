@@ -24,6 +24,12 @@ def dense_reference(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int)
     return top.indices, top.values
 
 
+def dense_tail(log_softmax: Tensor, topk_ids: Tensor) -> Tensor:
+    """float64 log of the mass outside the given ids: log-sum-exp over the complement of a full log-softmax (..., V)."""
+    outside = log_softmax.scatter(-1, topk_ids.long(), float("-inf"))
+    return outside.logsumexp(-1)
+
+
 def random_head(seed: int, bias: bool = True) -> nn.Linear:
     torch.manual_seed(seed)
     head = nn.Linear(HIDDEN, VOCAB, bias=bias)
@@ -65,14 +71,53 @@ def test_vocabulary_slabs_merge_to_the_dense_answer(vocab_chunk: int, k: int) ->
     torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("vocab_chunk", "k"), [(None, 16), (None, 1), (100, 16), (10, 16), (7, 3), (128, 1)])
+def test_tail_logprob_is_the_complement_log_sum_exp(vocab_chunk: int | None, k: int) -> None:
+    """The tail equals the dense float64 log-sum-exp outside the top-K, on one slab and merged over slabs
+    (slabs narrower than K drop candidates at every merge), and mass sums to 1 without any 1 - sum."""
+    head = random_head(21)
+    hidden = random_hidden(45)
+    topk_ids, topk_logprobs, tail_logprob = chunked_topk(hidden, head, k, 16, vocab_chunk=vocab_chunk, return_tail=True)
+    assert tail_logprob.shape == (45,) and tail_logprob.dtype == torch.float32
+    full = torch.log_softmax(hidden.double() @ head.weight.double().T + head.bias.double(), dim=-1)  # (N, V)
+    torch.testing.assert_close(tail_logprob.double(), dense_tail(full, topk_ids), atol=1e-5, rtol=1e-5)
+    mass = topk_logprobs.double().exp().sum(-1) + tail_logprob.double().exp()
+    torch.testing.assert_close(mass, torch.ones(45, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def test_tail_logprob_stays_exact_where_the_tail_is_tiny() -> None:
+    """Peaked rows whose tail mass is ~1e-5..1e-12: 1 - sum(exp(float32)) there is rounding noise (or
+    negative); the complement's log-sum-exp keeps its relative precision."""
+    head = random_head(22)
+    with torch.no_grad():
+        head.weight.mul_(6.0)  # logits of std ~10
+    hidden = random_hidden(40)
+    topk_ids, topk_logprobs, tail_logprob = chunked_topk(hidden, head, 64, 16, vocab_chunk=100, return_tail=True)
+    full = torch.log_softmax(hidden.double() @ head.weight.double().T + head.bias.double(), dim=-1)
+    reference = dense_tail(full, topk_ids)
+    assert reference.max() < -11  # the case: tail mass below 1e-5 on every row
+    torch.testing.assert_close(tail_logprob.double(), reference, atol=1e-4, rtol=1e-5)
+    naive = 1.0 - topk_logprobs.double().exp().sum(-1)  # what v1 readers derive
+    assert ((naive - reference.exp()).abs() / reference.exp()).max() > 1e-2
+
+
+def test_tail_is_empty_when_k_is_the_vocabulary() -> None:
+    _, _, tail_logprob = chunked_topk(random_hidden(5), random_head(23), VOCAB, 4, return_tail=True)
+    assert torch.isneginf(tail_logprob).all()
+    _, _, merged = chunked_topk(random_hidden(5), random_head(23), VOCAB, 4, vocab_chunk=100, return_tail=True)
+    assert torch.isneginf(merged).all()
+
+
 def test_vocabulary_slabs_with_bf16_and_transform() -> None:
     head = random_head(12).to(torch.bfloat16)
     hidden = random_hidden(30).to(torch.bfloat16)
     transform = LogitTransform(scale=2.0, softcap=3.0)
-    topk_ids, topk_logprobs = chunked_topk(hidden, head, 8, 7, vocab_chunk=77, logit_transform=transform)
+    topk_ids, topk_logprobs, tail_logprob = chunked_topk(hidden, head, 8, 7, vocab_chunk=77, logit_transform=transform,
+                                                         return_tail=True)
     with torch.no_grad():
         logits = head(hidden).double() * 2.0  # (N, V) rounded to bf16 by the matmul, as in the chunks
     full_logprobs = torch.log_softmax(torch.tanh(logits / 3.0) * 3.0, dim=-1)
+    torch.testing.assert_close(tail_logprob.double(), dense_tail(full_logprobs, topk_ids), atol=1e-5, rtol=1e-5)
     # bf16 logits tie often, and tied ids may come in any order: check values, and that each id carries its value.
     torch.testing.assert_close(topk_logprobs.double(), full_logprobs.topk(8, dim=-1).values, atol=1e-5, rtol=0)
     torch.testing.assert_close(topk_logprobs.double(), full_logprobs.gather(1, topk_ids.long()), atol=1e-5, rtol=0)
@@ -248,11 +293,14 @@ def test_tiny_model_teacher_step_equals_full_logits(kind: str) -> None:
     model = tiny_model(kind)
     input_ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(1))
     vocab_chunk = 200 if kind == "llama" else None  # slabs through the whole-model path too
-    topk_ids, topk_logprobs = TeacherTopkStep(model, k=16, chunk_tokens=7, vocab_chunk=vocab_chunk)(input_ids)
+    topk_ids, topk_logprobs, tail_logprob = TeacherTopkStep(model, k=16, chunk_tokens=7, vocab_chunk=vocab_chunk)(input_ids)
     ref_ids, ref_logprobs = model_reference(model, input_ids, 16)
-    assert topk_ids.shape == (3, 11, 16)
+    assert topk_ids.shape == (3, 11, 16) and tail_logprob.shape == (3, 11) and tail_logprob.dtype == torch.float32
     assert torch.equal(topk_ids.long(), ref_ids)
     torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids).logits.double(), dim=-1)  # (B, T, V)
+    torch.testing.assert_close(tail_logprob.double(), dense_tail(full, topk_ids), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
@@ -321,7 +369,7 @@ def test_bitsandbytes_4bit_tiny_llama(tmp_path: Path) -> None:
     ).eval()
     assert any(type(module).__name__ == "Linear4bit" for module in model.modules())
     input_ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
-    topk_ids, topk_logprobs = TeacherTopkStep(model, k=12, chunk_tokens=5)(input_ids)
+    topk_ids, topk_logprobs, _ = TeacherTopkStep(model, k=12, chunk_tokens=5)(input_ids)
     ref_ids, ref_logprobs = model_reference(model, input_ids, 12)
     assert torch.equal(topk_ids.long(), ref_ids)
     torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)

@@ -22,9 +22,10 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
-from kdflow.schemas.shards import read_token_shard, read_topk_shard, stream_schema_ints
+from kdflow.schemas.codec_sampled import SampledShard
+from kdflow.schemas.shards import TopkShard, read_token_shard, stream_schema_ints
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import alignment_problem, find_topk_stores, read_store_info, topk_tags
+from kdflow.schemas.stores import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
 from kdflow.tasks.common.models import teacher_fingerprint
 from kdflow.tasks.student.model import check_token_store_tokenizer
 
@@ -49,16 +50,25 @@ class DistillStores:
     seq_len: int
     top_k: int
     pairs: tuple[ShardPair, ...]
+    codec: dict[str, Any] | None = None  # v2: the codec settings of the store (_store.json); every shard must match
+    targets: str = "topk"  # or hybrid / sampled: shards hold sampled targets (kdflow.schemas.codec_sampled)
+    sampling: dict[str, Any] | None = None  # sampled targets: head, samples, scheme, seed (_store.json)
 
 
 @dataclass(frozen=True)
 class DistillBatch:
     input_ids: torch.Tensor  # (n, T) int64
-    topk_ids: torch.Tensor  # (n, T, K) int32
-    topk_logprobs: torch.Tensor  # (n, T, K) float16 | float32
+    topk_ids: torch.Tensor  # (n, T, K) int32; -1 = padding (adaptive K)
+    topk_logprobs: torch.Tensor  # (n, T, K) float16 | float32; -inf = padding
+    tail_logprob: torch.Tensor  # (n, T) float32: log of the teacher's mass outside the ids (v1: from 1 - sum)
+    # Sampled targets: topk_* hold the head (K = H, 0 for `sampled`), these the sample_ids (n, T, S) int32,
+    # sample_logprobs (n, T, S) float32 and log_threshold (n, T) float32 (kdflow.tasks.common.sampled).
+    samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str) -> DistillBatch:
-        return DistillBatch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.topk_ids, self.topk_logprobs)))
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return DistillBatch(*map(move, (self.input_ids, self.topk_ids, self.topk_logprobs, self.tail_logprob)),
+                            samples=None if self.samples is None else tuple(map(move, self.samples)))
 
 
 # --- locating and verifying the stores --------------------------------------------------------------------
@@ -81,6 +91,10 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
     if made_for_config:
         raise StoreError(f"several top-K stores under {topk_root} fit this config ({', '.join(made_for_config)}): "
                          "choose one with student.topk_tag")
+    other_format = find_topk_stores(run_root, config, any_format=True)
+    if other_format:  # made for this teacher, K and token store, with other format settings: name both
+        store = stage_dir(run_root, "topk", other_format[0])
+        raise StoreError(format_mismatch(read_store_info(run_root, store), config, run_root.display(store)))
     ours, others = [], []
     for tag in topk_tags(run_root):
         if read_store_info(run_root, stage_dir(run_root, "topk", tag)) is not None:
@@ -118,6 +132,10 @@ def open_stores(config: KDFlowConfig, tokenizer: Any) -> DistillStores:
         raise StoreError(f"token store {shown} lacks shard(s) {missing[:5] or 'all'}; run tokenise first")
 
     topk_store = find_topk_store(run_root, config, tokens_fp, token_records[0])
+    info = read_store_info(run_root, topk_store)
+    mismatch = format_mismatch(info, config, run_root.display(topk_store)) if info is not None else None
+    if mismatch is not None:  # student.topk_tag named a store of other format settings
+        raise StoreError(mismatch)
     topk_records = list_commits(run_root, topk_store, "topk")
     fingerprints = {record.fingerprint for record in topk_records.values()}
     if len(fingerprints) > 1:
@@ -125,7 +143,8 @@ def open_stores(config: KDFlowConfig, tokenizer: Any) -> DistillStores:
     pairs = tuple(_verify_pair(run_root, config, token_records[i], topk_records.get(i), tokens_store, topk_store)
                   for i in range(complete.shards))
     return DistillStores(tokens_store, topk_store, tokens_fp, tok_fp, fingerprints.pop(), config.seq_len,
-                         config.precompute.top_k, pairs)
+                         config.precompute.top_k, pairs, info.codec if info is not None else None,
+                         info.targets if info is not None else "topk", info.store_format().get("sampling") if info else None)
 
 
 def _verify_pair(run_root: RunRoot, config: KDFlowConfig, token: CommitRecord, topk: CommitRecord | None,
@@ -200,23 +219,34 @@ class DistillData:
         return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
 
     def load(self, rows: list[tuple[ShardPair, int]]) -> DistillBatch:
-        """Gather rows from their shards; fancy indexing copies them out of the memory map."""
-        input_ids, topk_ids, topk_logprobs = [], [], []
+        """Gather rows from their shards: v1 rows copied out of the memory map, v2 rows decoded."""
+        input_ids, topk_ids, topk_logprobs, tail_logprob, samples = [], [], [], [], []
         for pair, row in rows:
-            tokens, (ids, logprobs) = self._shard(pair)
+            tokens, topk = self._shard(pair)
+            decoded = topk.read([row])  # (1, T, K), (1, T, K), (1, T); sampled targets: the head as K, and samples
             input_ids.append(tokens[row])
-            topk_ids.append(ids[row])
-            topk_logprobs.append(logprobs[row])
+            topk_ids.append(decoded.ids[0])
+            topk_logprobs.append(decoded.logprobs[0])
+            tail_logprob.append(decoded.tail[0])
+            if self.stores.targets != "topk":
+                samples.append((decoded.sample_ids[0], decoded.sample_logprobs[0], decoded.log_threshold[0]))
         return DistillBatch(torch.from_numpy(np.stack(input_ids).astype(np.int64)),  # (n, T)
                             torch.from_numpy(np.stack(topk_ids)),  # (n, T, K)
-                            torch.from_numpy(np.stack(topk_logprobs)))  # (n, T, K)
+                            torch.from_numpy(np.stack(topk_logprobs)),  # (n, T, K)
+                            torch.from_numpy(np.stack(tail_logprob)),  # (n, T)
+                            samples=tuple(torch.from_numpy(np.stack(part)) for part in zip(*samples)) if samples else None)
 
     @functools.cache  # noqa: B019 - one DistillData per run: its shards stay mapped (local) or loaded (remote)
-    def _shard(self, pair: ShardPair) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    def _shard(self, pair: ShardPair) -> tuple[np.ndarray, TopkShard]:
         tokens = read_token_shard(self.run_root, pair.token_path, self.stores.seq_len)  # (rows, T)
-        topk = read_topk_shard(self.run_root, pair.topk_path, self.stores.seq_len, self.stores.top_k)  # 2 x (rows, T, K)
-        if tokens.shape[0] != pair.rows or topk[0].shape[0] != pair.rows:
+        topk = (TopkShard(self.run_root, pair.topk_path, self.stores.seq_len, self.stores.top_k) if self.stores.targets == "topk"
+                else SampledShard(self.run_root, pair.topk_path, self.stores.seq_len))
+        if tokens.shape[0] != pair.rows or topk.rows != pair.rows:
             raise StoreError(f"{self.run_root.display(pair.topk_path)}: row count differs from its commit record")
+        settings = None if topk.codec is None else topk.codec.settings()
+        if self.stores.codec is not None and settings != self.stores.codec:
+            raise StoreError(f"{topk.path} was written with codec {settings}, its store's is {self.stores.codec}: "
+                             "a store never mixes codecs; delete the shard's commit record and rerun precompute")
         return tokens, topk
 
 

@@ -1,8 +1,9 @@
 """The student's distillation loss: forward KL over the teacher's top-K plus one tail bucket.
 
 DESIGN.md, "The student's loss". Per counted position, with teacher log-probs l_i on the top-K ids
-(normalised over the teacher's full vocabulary), p_i = exp(l_i), tail mass p_o = 1 - sum p_i, and the
-student's full-vocabulary log-softmax log q (q_o = 1 - sum over the top-K of q_i):
+(normalised over the teacher's full vocabulary), p_i = exp(l_i), tail mass p_o (v2 stores: exp(tail_logprob),
+stored exactly at capture; without it 1 - sum p_i), and the student's full-vocabulary log-softmax log q
+(q_o = 1 - sum over the top-K of q_i):
 
     KD = sum_i p_i (l_i - log q_i) + p_o (log p_o - log q_o)
 
@@ -14,7 +15,8 @@ The loss takes the student's final hidden states and its lm_head weight, never l
 during the forward pass (one matmul forward, two for the gradients, no recompute), so peak memory is
 O(N * H + V * H + chunk_tokens * V), never O(N * V).
 
-Preconditions the function does not check (they cost a sort): the top-K ids of a row are distinct.
+Preconditions the function does not check (they cost a sort): the top-K ids of a row are distinct, except
+padding (id < 0 with log-prob -inf: adaptive-K stores keep fewer ids at some positions), which is ignored.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class _Targets:
 
     topk_ids: Tensor  # (M, K) integer
     topk_logprobs: Tensor  # (M, K) float
+    tail_logprob: Tensor | None  # (M,) float, log of the teacher's mass outside the top-K; None: 1 - sum
     labels: Tensor | None  # (M,) long, IGNORE_INDEX = no label
 
 
@@ -48,7 +51,7 @@ class _Options:
     ce_count: float
     matmul_dtype: torch.dtype  # dtype of the chunk matmuls
     math_dtype: torch.dtype  # dtype of softmax / KL math (float32, or float64 for float64 inputs)
-    has_folded_ids: bool
+    has_folded_ids: bool  # ids outside [0, V): beyond the student's vocabulary, or padding
     grad_hidden: bool
     grad_weight: bool
     grad_bias: bool
@@ -58,8 +61,8 @@ class _Options:
 class _Buckets:
     """The teacher's K+1 buckets for one chunk of rows (tempered when T != 1)."""
 
-    safe_ids: Tensor  # (C, K) long; folded ids replaced by 0 (their p is 0)
-    valid: Tensor  # (C, K) bool; False where the teacher id is outside the student's vocabulary
+    safe_ids: Tensor  # (C, K) long; folded ids and padding replaced by 0 (their p is 0)
+    valid: Tensor  # (C, K) bool; False where the teacher id is outside the student's vocabulary, or padding
     p: Tensor  # (C, K)
     log_p: Tensor  # (C, K), -inf where p == 0
     p_tail: Tensor  # (C,)
@@ -73,6 +76,7 @@ def fused_topk_kl(
     topk_ids: Tensor,
     topk_logprobs: Tensor,
     *,
+    tail_logprob: Tensor | None = None,
     bias: Tensor | None = None,
     mask: Tensor | None = None,
     labels: Tensor | None = None,
@@ -86,6 +90,9 @@ def fused_topk_kl(
 
     KD is the K+1-bucket forward KL averaged over counted positions (`mask`, default all); CE is the
     next-token cross-entropy averaged over counted positions whose label is not IGNORE_INDEX.
+    `tail_logprob` (N,): the log of the teacher's mass outside its top-K, as v2 stores hold it (exact at
+    capture); without it the tail is 1 - sum(exp(topk_logprobs)), clamped at 0 (v1 stores). Padding
+    entries (id < 0, log-prob -inf) count as absent.
     `global_counts=(n_kd, n_ce)` replaces those local denominators (data parallel: each rank sums its
     part, every rank divides by the global count). With no counted position the loss is 0.
 
@@ -99,7 +106,7 @@ def fused_topk_kl(
     student cannot represent) is dropped. Under autocast the chunk matmuls run in the autocast dtype,
     the softmax/KL math in float32.
     """
-    _check_inputs(hidden, weight, topk_ids, topk_logprobs, bias, mask, labels)
+    _check_inputs(hidden, weight, topk_ids, topk_logprobs, bias, mask, labels, tail_logprob)
     _check_options(kd_weight, temperature, chunk_tokens, labels)
     vocab = weight.shape[0]
     if mask is not None and not bool(mask.all()):
@@ -107,7 +114,8 @@ def fused_topk_kl(
         hidden = hidden.index_select(0, rows)  # autograd scatters the gradient back to (N, H)
         topk_ids, topk_logprobs = topk_ids.index_select(0, rows), topk_logprobs.index_select(0, rows)
         labels = None if labels is None else labels.index_select(0, rows)
-    has_folded_ids = _check_teacher_ids(topk_ids, vocab)
+        tail_logprob = None if tail_logprob is None else tail_logprob.index_select(0, rows)
+    has_folded_ids = _check_teacher_ids(topk_ids, topk_logprobs, vocab)
     if labels is not None:
         _check_labels(labels, vocab)
 
@@ -139,7 +147,7 @@ def fused_topk_kl(
         grad_weight=wants_grad and weight.requires_grad,
         grad_bias=wants_grad and bias is not None and bias.requires_grad,
     )
-    targets = _Targets(topk_ids, topk_logprobs.detach(), labels)
+    targets = _Targets(topk_ids, topk_logprobs.detach(), None if tail_logprob is None else tail_logprob.detach(), labels)
     loss, kd, ce = _FusedTopKKL.apply(hidden, weight, bias, targets, options)
     return (loss, kd, ce) if return_parts else loss
 
@@ -186,7 +194,8 @@ def _chunked_loss_and_grads(
         hidden_mm = hidden[start:end].detach().to(options.matmul_dtype)  # (c, H)
         logits = logits_buffer[: end - start]  # (c, V)
         _student_logits_(logits, hidden_mm, weight_mm, bias_math)
-        buckets = _teacher_buckets(targets.topk_ids[start:end], targets.topk_logprobs[start:end],
+        tail_logprob = None if targets.tail_logprob is None else targets.tail_logprob[start:end]
+        buckets = _teacher_buckets(targets.topk_ids[start:end], targets.topk_logprobs[start:end], tail_logprob,
                                    vocab, temperature, math_dtype, options.has_folded_ids)
         labels = None if targets.labels is None else targets.labels[start:end]  # (c,)
         ce_coef = None
@@ -256,16 +265,19 @@ def _accumulate_grads_(
 
 
 def _teacher_buckets(
-    topk_ids: Tensor, topk_logprobs: Tensor, vocab: int, temperature: float,
+    topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor | None, vocab: int, temperature: float,
     math_dtype: torch.dtype, has_folded_ids: bool,
 ) -> _Buckets:
     """The teacher's K+1 bucket probabilities for a chunk: (C, K) top-K and (C,) tail."""
     ids = topk_ids.long()  # (C, K)
-    valid = ids < vocab
+    valid = (ids < vocab) & (ids >= 0) if has_folded_ids else torch.ones_like(ids, dtype=torch.bool)
     safe_ids = torch.where(valid, ids, 0) if has_folded_ids else ids
     log_p = topk_logprobs.to(math_dtype).masked_fill(~valid, float("-inf"))  # folded mass -> tail
-    # The tail mass is a difference of numbers near 1: sum in float64.
-    p_tail = (1.0 - log_p.double().exp().sum(1)).clamp_min(0.0)  # (C,)
+    if tail_logprob is None:  # v1: the tail mass is a difference of numbers near 1: sum in float64
+        p_tail = (1.0 - log_p.double().exp().sum(1)).clamp_min(0.0)  # (C,)
+    else:  # stored exactly; folded ids (p > 0) join it, padding (p = 0) adds nothing
+        folded = torch.where(valid, 0.0, topk_logprobs.double().exp()).sum(1) if has_folded_ids else 0.0
+        p_tail = tail_logprob.double().exp() + folded  # (C,)
     tail_is_empty = valid.sum(1) >= vocab  # the top-K covers the student's whole vocabulary
     p_tail = torch.where(tail_is_empty, 0.0, p_tail)
     log_p_tail = p_tail.log().to(math_dtype)
@@ -344,7 +356,7 @@ def _partition_pass_(
 
 def _check_inputs(
     hidden: Tensor, weight: Tensor, topk_ids: Tensor, topk_logprobs: Tensor,
-    bias: Tensor | None, mask: Tensor | None, labels: Tensor | None,
+    bias: Tensor | None, mask: Tensor | None, labels: Tensor | None, tail_logprob: Tensor | None = None,
 ) -> None:
     if hidden.ndim != 2 or not hidden.is_floating_point():
         raise ValueError(f"hidden must be a float (N, H) tensor, got {hidden.dtype} {tuple(hidden.shape)}")
@@ -359,6 +371,8 @@ def _check_inputs(
     if topk_logprobs.shape != topk_ids.shape or not topk_logprobs.is_floating_point():
         raise ValueError(f"topk_logprobs must be a float tensor shaped like topk_ids "
                          f"{tuple(topk_ids.shape)}, got {topk_logprobs.dtype} {tuple(topk_logprobs.shape)}")
+    if tail_logprob is not None and (tail_logprob.shape != (rows,) or not tail_logprob.is_floating_point()):
+        raise ValueError(f"tail_logprob must be a float (N={rows},) tensor, got {tail_logprob.dtype} {tuple(tail_logprob.shape)}")
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_floating_point()):
         raise ValueError(f"bias must be a float ({weight.shape[0]},) tensor, "
                          f"got {bias.dtype} {tuple(bias.shape)}")
@@ -369,7 +383,7 @@ def _check_inputs(
         raise ValueError(f"labels must be an integer ({rows},) tensor, "
                          f"got {labels.dtype} {tuple(labels.shape)}")
     named = {"weight": weight, "topk_ids": topk_ids, "topk_logprobs": topk_logprobs,
-             "bias": bias, "mask": mask, "labels": labels}
+             "bias": bias, "mask": mask, "labels": labels, "tail_logprob": tail_logprob}
     for name, tensor in named.items():
         if tensor is not None and tensor.device != hidden.device:
             raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
@@ -386,15 +400,18 @@ def _check_options(kd_weight: float, temperature: float, chunk_tokens: int, labe
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
 
 
-def _check_teacher_ids(topk_ids: Tensor, vocab: int) -> bool:
-    """Raise on negative ids; warn about (and report) ids beyond the student's vocabulary."""
-    negative, folded = (int(n) for n in torch.stack([(topk_ids < 0).sum(), (topk_ids >= vocab).sum()]))
-    if negative:
-        raise ValueError(f"topk_ids has {negative} negative ids in counted positions")
+def _check_teacher_ids(topk_ids: Tensor, topk_logprobs: Tensor, vocab: int) -> bool:
+    """Raise on negative ids that are not padding (log-prob -inf); warn about (and report) ids beyond the
+    student's vocabulary. -> whether any id is outside [0, vocab)."""
+    negative = topk_ids < 0
+    counts = torch.stack([(negative & (topk_logprobs != float("-inf"))).sum(), negative.sum(), (topk_ids >= vocab).sum()])
+    bad, padding, folded = (int(n) for n in counts)
+    if bad:
+        raise ValueError(f"topk_ids has {bad} negative ids in counted positions")
     if folded:
         warnings.warn(f"{folded} teacher top-K ids are >= the student's vocabulary size {vocab}; "
                       "their mass is folded into the tail bucket", stacklevel=3)
-    return folded > 0
+    return folded > 0 or padding > 0
 
 
 def _check_labels(labels: Tensor, vocab: int) -> None:

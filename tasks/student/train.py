@@ -99,21 +99,25 @@ class DistillLoss(nn.Module):
     module: FSDP gathers the root's weights (embeddings, norm, lm_head) for this forward, so the loss reads
     the full `lm_head.weight`, and DDP's gradient hooks fire. Never materialises (n, T, vocab) logits."""
 
-    def __init__(self, student: nn.Module) -> None:
+    def __init__(self, student: nn.Module, scheme: str | None = None) -> None:
         super().__init__()
-        self.student = student
+        self.student, self.scheme = student, scheme  # scheme: a store of sampled targets (its loss: sampled_loss.py)
 
-    def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, *,
+    def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                tail_logprob: torch.Tensor | None = None, samples: tuple[torch.Tensor, ...] | None = None, *,
                 global_counts: tuple[float, float], kd_weight: float, temperature: float, chunk_tokens: int,
                 predict: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(n, T), (n, T, K), (n, T, K) -> loss, kd, ce, and with `predict` the student's argmax (n*T,)."""
-        from kdflow.tasks.student.losses import fused_topk_kl
+        """(n, T), (n, T, K), (n, T, K), (n, T), sampled targets' (n, T, S), (n, T, S), (n, T) or None -> loss, kd,
+        ce, and with `predict` the student's argmax (n*T,)."""
+        from kdflow.tasks.student.sampled_loss import distillation_kl
 
         head = output_layer(self.student)
         outputs = model_body(self.student)(input_ids=input_ids, use_cache=False)
         hidden = outputs.last_hidden_state.flatten(0, 1)  # (n * T, H)
-        loss, kd_part, ce_part = fused_topk_kl(
+        loss, kd_part, ce_part = distillation_kl(
             hidden, head.weight, topk_ids.flatten(0, 1), topk_logprobs.flatten(0, 1), bias=getattr(head, "bias", None),
+            tail_logprob=None if tail_logprob is None else tail_logprob.flatten(), scheme=self.scheme,
+            samples=None if samples is None else tuple(t.flatten(0, 1) for t in samples),
             labels=next_token_labels(input_ids).flatten(), kd_weight=kd_weight, temperature=temperature,
             chunk_tokens=chunk_tokens, global_counts=global_counts, return_parts=True)
         predicted = _chunked_argmax(hidden.detach(), head, chunk_tokens) if predict else None
@@ -126,7 +130,8 @@ def distill_loss(module: nn.Module, batch: DistillBatch, kd: KDConfig, global_co
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One micro-batch through `module` (a DistillLoss, wrapped or not) -> (loss, kd, ce, predicted | None)."""
     with autocast:
-        return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, global_counts=global_counts,
+        return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logprob, batch.samples,
+                      global_counts=global_counts,
                       kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
                       temperature=kd.temperature if temperature is None else temperature,
                       chunk_tokens=kd.chunk_tokens, predict=predict)
@@ -195,11 +200,12 @@ def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device:
                                                       kd_weight=1.0, temperature=1.0, predict=True)  # predicted (n*T,)
         if spare:
             continue
-        matches = (predicted == batch.topk_ids[..., 0].flatten().long()).sum()
+        matches = (predicted == batch.topk_ids[..., 0].flatten().long()).sum() if batch.topk_ids.shape[-1] else 0
         sums = [sums[0] + float(kd_part), sums[1] + float(ce_part), sums[2] + float(matches)]
     module.train(was_training)
     kl, ce, matches = all_reduce_sum(sums, device)
-    return {"kl": kl, "ce": ce, "perplexity": math.exp(min(ce, 700.0)), "top1_agreement": matches / global_counts[0],
+    top1 = matches / global_counts[0] if data.stores.targets != "sampled" else None  # sampled targets: no argmax
+    return {"kl": kl, "ce": ce, "perplexity": math.exp(min(ce, 700.0)), "top1_agreement": top1,
             "sequences": total_rows}
 
 
@@ -285,7 +291,8 @@ class StudentRun:
             self.model = build_student(config, self.tokenizer).to(self.device)
         self.model.train()
         # self.model stays the HF student (its parameters may be shards); self.module runs it with the loss.
-        self.module = wrap_for_training(DistillLoss(self.model), self.model, self.sharding, self.device)
+        scheme = (self.data.stores.sampling or {}).get("scheme")  # sampled targets: their loss needs the scheme
+        self.module = wrap_for_training(DistillLoss(self.model, scheme), self.model, self.sharding, self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, student)  # after wrapping: FSDP swaps parameters
         self.state = TrainingState(0, 0, 0.0, fingerprint)
         if self.checkpoint is not None:  # also restores the RNG states (rank 0's, on every rank)

@@ -2,8 +2,9 @@
 
 Per micro-batch of exactly `micro_batch` sequences (the last one of a shard is padded, so the batch shape
 on the device never changes): hidden states from the model body, top-K and the full-vocabulary
-log-sum-exp chunk by chunk (`kdflow.tasks.teacher.topk`), one copy to the host, and the Arrow write handed to a
-background thread so that it overlaps the next forward. Each shard is committed (data file, then its
+log-sum-exp chunk by chunk (`kdflow.tasks.teacher.topk`), one copy to the host, and the encoding and Arrow
+write (v2: `kdflow.schemas.codec`, with the exact tail; v1: raw columns) handed to a background thread so that
+it overlaps the next forward. Each shard is committed (data file, then its
 commit record) and a rerun skips committed shards. Before computing a shard a process takes a lease file,
 so that two processes on one run root do not compute the same shard; a lost race would still be harmless.
 """
@@ -21,15 +22,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdflow.schemas.codec import TopkCodec, encode
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
                                     commit_or_remove, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
-from kdflow.schemas.shards import StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer
+from kdflow.schemas.shards import (StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer,
+                                   topk_v2_shard_writer)
 from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
-from kdflow.schemas.stores import TopkStoreInfo, teacher_section, write_store_info
+from kdflow.schemas.stores import (TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section,
+                                   write_store_info)
 from kdflow.tasks.common.model_configs import tokenizer_mismatch
 from kdflow.tasks.common.models import output_layer, resolve_device, teacher_fingerprint, teacher_identity
 from kdflow.tasks.common.progress import Progress
@@ -38,6 +42,9 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits,
                                           load_teacher, load_teacher_config, vocab_rows)
+from kdflow.tasks.teacher.sampled_pass import SampledPass, check_sampling_fits
+from kdflow.tasks.teacher.store_codec import store_codec
+from kdflow.tasks.teacher.store_report import pass_fidelity
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 WRITE_QUEUE_DEPTH = 2
@@ -53,31 +60,37 @@ class HostCopies:
     def __init__(self, device: torch.device, shape: tuple[int, int, int], logprobs_dtype: torch.dtype, slots: int) -> None:
         self.on_cuda = device.type == "cuda"
         self.logprobs_dtype = logprobs_dtype
-        self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor]] = queue.Queue()
+        self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = queue.Queue()
         for _ in range(slots if self.on_cuda else 0):
             self.free.put((torch.empty(shape, dtype=torch.int32, pin_memory=True),
-                           torch.empty(shape, dtype=logprobs_dtype, pin_memory=True)))
+                           torch.empty(shape, dtype=logprobs_dtype, pin_memory=True),
+                           torch.empty(shape[:2], dtype=torch.float32, pin_memory=True)))
 
-    def copy(self, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, Any, Callable[[], None]]:
-        """(rows, T, K) device tensors -> host arrays, a CUDA event (or None) and a release callback."""
+    def copy(self, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, tail_logprob: torch.Tensor
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, Callable[[], None]]:
+        """(rows, T, K), (rows, T, K), (rows, T) device tensors -> host arrays, a CUDA event (or None) and a
+        release callback."""
         topk_logprobs = topk_logprobs.to(self.logprobs_dtype)  # on the device: halves the transfer for float16
         if not self.on_cuda:
-            return topk_ids.numpy(), topk_logprobs.numpy(), None, lambda: None
+            return topk_ids.numpy(), topk_logprobs.numpy(), tail_logprob.numpy(), None, lambda: None
         slot = self.free.get()
         rows = topk_ids.shape[0]
-        host_ids, host_logprobs = slot[0][:rows], slot[1][:rows]
+        host_ids, host_logprobs, host_tail = slot[0][:rows], slot[1][:rows], slot[2][:rows]
         host_ids.copy_(topk_ids, non_blocking=True)
         host_logprobs.copy_(topk_logprobs, non_blocking=True)
+        host_tail.copy_(tail_logprob, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host_ids.numpy(), host_logprobs.numpy(), event, lambda: self.free.put(slot)
+        return host_ids.numpy(), host_logprobs.numpy(), host_tail.numpy(), event, lambda: self.free.put(slot)
 
 
 class BackgroundWriter:
-    """One thread writing queued micro-batches into an open shard file while the next forward runs."""
+    """One thread encoding queued micro-batches (v2: `codec`) into an open shard file while the next forward runs."""
 
-    def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int) -> None:
+    def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int,
+                 codec: TopkCodec | None = None, encode_batch: Callable[..., Any] | None = None) -> None:
         self.writer, self.logprobs_dtype, self.run_root, self.shard_id = writer, logprobs_dtype, run_root, shard_id
+        self.encode_batch = encode_batch or (None if codec is None else lambda *arrays: encode(codec, *arrays))  # None: v1
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"topk-writer-{shard_id}", daemon=True)
@@ -85,13 +98,16 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            topk_ids, topk_logprobs, ready, release, micro_batch = item
+            arrays, ready, release, micro_batch = item
             try:
                 if self.error is None:
                     if ready is not None:
                         ready.synchronize()
                     faults.maybe_fire("write", self.run_root, stage="precompute", shard=self.shard_id, micro_batch=micro_batch)
-                    self.writer.write(*topk_batch(topk_ids, topk_logprobs, self.logprobs_dtype))
+                    if self.encode_batch is not None:
+                        self.writer.write_batch(self.encode_batch(*arrays))
+                    else:
+                        self.writer.write(*topk_batch(*arrays[:2], self.logprobs_dtype))  # v1: no tail
             except BaseException as error:  # handed to the producer, which raises it
                 self.error = error
             finally:
@@ -99,9 +115,9 @@ class BackgroundWriter:
                 self.queue.task_done()
         self.queue.task_done()
 
-    def put(self, topk_ids: np.ndarray, topk_logprobs: np.ndarray, ready: Any, release: Callable[[], None], micro_batch: int) -> None:
+    def put(self, arrays: tuple[np.ndarray, ...], ready: Any, release: Callable[[], None], micro_batch: int) -> None:
         self._raise()
-        self.queue.put((topk_ids, topk_logprobs, ready, release, micro_batch))
+        self.queue.put((arrays, ready, release, micro_batch))
 
     def drain(self, flush: bool = False) -> None:
         """Wait until every queued micro-batch is in the file (flushed to the OS if asked); raise its error."""
@@ -126,7 +142,7 @@ class ShardComputer:
     """Everything fixed for one pass: the teacher step, the store, the batch shape."""
 
     def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str, tag: str,
-                 info: TopkShardInfo) -> None:
+                 info: TopkShardInfo, tokens_done: StageComplete) -> None:
         pre = cfg.precompute
         self.cfg, self.run_root, self.store, self.tag = cfg, run_root, store, tag
         self.device = next(model.parameters()).device
@@ -134,13 +150,19 @@ class ShardComputer:
         vocab = getattr(output_layer(model), "out_features", None) or self.vocab_rows
         chunk_tokens = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
         try:
-            self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens)
+            self.sampled = None if pre.targets == "topk" else SampledPass.create(  # replaces step, codec, host copies
+                cfg, model, run_root, store, tokens_done, int(vocab), WRITE_QUEUE_DEPTH + 2)
+            self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens) if self.sampled is None else self.sampled
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.
-        self.info = info.model_copy(update={"chunk_tokens": chunk_tokens, "vocab_size": int(vocab)})
-        storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
-        self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, WRITE_QUEUE_DEPTH + 2)
+        self.codec = store_codec(cfg, run_root, store, tokens_done, int(vocab)) if self.sampled is None else None  # None: v1
+        coded = self.sampled.codec if self.sampled is not None else self.codec
+        self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": int(vocab)} | (
+            {} if coded is None else {"format": "v2", "codec": coded.settings()}))
+        # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
+        storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32
+        self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, 0 if self.sampled else WRITE_QUEUE_DEPTH + 2)
 
     def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases) -> CommitRecord:
         cfg, pre = self.cfg, self.cfg.precompute
@@ -151,9 +173,13 @@ class ShardComputer:
                              f"embedding of {self.vocab_rows} rows")
         started = time.perf_counter()
         name = data_file_name("topk", shard_id)
+        path = f"{self.store}/{name}"
+        opened = (topk_shard_writer(self.run_root, path, cfg.seq_len, pre.top_k, pre.logprobs_dtype) if self.codec is None
+                  else topk_v2_shard_writer(self.run_root, path, self.codec))
         try:
-            with topk_shard_writer(self.run_root, f"{self.store}/{name}", cfg.seq_len, pre.top_k, pre.logprobs_dtype) as writer:
-                background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id)
+            with opened if self.sampled is None else self.sampled.writer(self.run_root, path) as writer:
+                background = BackgroundWriter(writer, pre.logprobs_dtype, self.run_root, shard_id, self.codec,
+                                              getattr(self.sampled, "encode", None))
                 try:
                     for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
                         self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
@@ -161,9 +187,10 @@ class ShardComputer:
                     background.drain()
                 finally:
                     background.close()
-        except DiskFull as error:  # what the whole shard needs: ids and log-probs of every position
+        except DiskFull as error:  # v1 knows what the whole shard needs: ids and log-probs of every position
             itemsize = 2 if pre.logprobs_dtype == "float16" else 4
-            raise error.needing(input_ids.size * pre.top_k * (4 + itemsize)) from error.__cause__
+            needed = input_ids.size * pre.top_k * (4 + itemsize) if self.codec is None and self.sampled is None else None
+            raise error.needing(needed) from error.__cause__
         seconds = time.perf_counter() - started
         rows = len(input_ids)
         return CommitRecord(
@@ -178,12 +205,13 @@ class ShardComputer:
         padded = np.zeros((self.cfg.precompute.micro_batch, batch.shape[1]), dtype=np.int64)
         padded[:rows] = batch
         input_ids = torch.from_numpy(padded).to(self.device, non_blocking=True)  # (B, T)
-        topk_ids, topk_logprobs = self.step(input_ids)  # (B, T, K) on the device
+        outputs = self.step(input_ids) if self.sampled is None else ()  # (B, T, K), (B, T, K), (B, T) on the device
         if faults.active_faults():
             background.drain(flush=True)  # a `kill` fault must find the earlier micro-batches in the file
             faults.maybe_fire("micro_batch", self.run_root, stage="precompute", shard=shard_id, micro_batch=micro_batch)
-        host_ids, host_logprobs, ready, release = self.host.copy(topk_ids[:rows], topk_logprobs[:rows])
-        background.put(host_ids, host_logprobs, ready, release, micro_batch)
+        *host, ready, release = (self.host.copy(*(t[:rows] for t in outputs)) if self.sampled is None  # sampled: seeded by row
+                                 else self.sampled(input_ids, rows, shard=shard_id, first_row=micro_batch * len(padded)))
+        background.put(tuple(host), ready, release, micro_batch)
 
 
 # --- the pass ---------------------------------------------------------------------------------------------
@@ -251,7 +279,8 @@ class PassPlan:
 def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.device) -> PassPlan:
     """The cheap checks first (teacher config, tokenizer, token store), then the shards still to compute."""
     run_root = RunRoot(cfg.run_root)
-    check_teacher_limits(load_teacher_config(cfg.teacher), top_k=cfg.precompute.top_k, seq_len=cfg.seq_len)
+    check_teacher_limits(teacher_config := load_teacher_config(cfg.teacher), top_k=cfg.precompute.top_k, seq_len=cfg.seq_len)
+    check_sampling_fits(cfg.precompute, teacher_config)
     mismatch = tokenizer_mismatch(cfg.tokenizer, cfg.teacher)  # ids of another vocabulary would be silent garbage
     if mismatch is not None:
         raise ConfigError(mismatch)
@@ -261,6 +290,10 @@ def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.devi
     teacher_fp = teacher_fingerprint(cfg.teacher, device=device)
     tag = topk_fingerprint(teacher_fp, tokens_done.fingerprint, cfg)
     store = stage_dir(run_root, "topk", tag)
+    existing = read_store_info(run_root, store)
+    mismatch = format_mismatch(existing, cfg, run_root.display(store)) if existing is not None else None
+    if mismatch is not None:  # the tag names the format, so only a damaged or foreign _store.json gets here
+        raise StoreError(mismatch)
     todo = [i for i in wanted if check_commit(run_root, store, "topk", i, tag)[0] is None]
     return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo)
 
@@ -283,7 +316,7 @@ def precompute_shards(
     target = next(model.parameters()).device if model is not None else resolve_device(str(device or cfg.teacher.device))
     plan = plan_pass(cfg, shard_ids, target)
     run_root, store, tag = plan.run_root, plan.store, plan.tag
-    written, tokens_written, compute_seconds, leased_elsewhere = 0, 0, 0.0, []
+    written, tokens_written, compute_seconds, leased_elsewhere, fidelity = 0, 0, 0.0, [], None
     if plan.todo:
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, plan.tokens_done.fingerprint) for i in plan.todo}
         run_root.ensure_writable()
@@ -292,9 +325,9 @@ def precompute_shards(
         info = TopkShardInfo(teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
                              top_k=cfg.precompute.top_k, seq_len=cfg.seq_len, logprobs_dtype=cfg.precompute.logprobs_dtype,
                              micro_batch=cfg.precompute.micro_batch)
-        computer = ShardComputer(cfg, model, run_root, store, tag, info)
+        computer = ShardComputer(cfg, model, run_root, store, tag, info, plan.tokens_done)
         remove_stale_temp_files(run_root, store)  # what killed writers left (live writers' files are kept)
-        _write_store_files(cfg, plan)
+        _write_store_files(cfg, plan, computer.codec if computer.sampled is None else computer.sampled.codec)
         leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
         progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
         try:
@@ -303,6 +336,9 @@ def precompute_shards(
                     computer, leases, plan.todo, token_records, progress, wait_for_others)
         finally:
             progress.close()
+        if written and cfg.precompute.report_rows:  # the store report's KL, while the teacher is loaded
+            fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, cfg.precompute.report_rows,
+                                     cfg.precompute.micro_batch)
     complete_if_done(run_root, store, tag, plan.tokens_done)
     committed = [r for r in (check_commit(run_root, store, "topk", i, tag)[0] for i in plan.wanted) if r is not None]
     return {
@@ -311,6 +347,7 @@ def precompute_shards(
         "tokens": sum(r.tokens for r in committed), "seconds": round(time.perf_counter() - started, 3),
         "tokens_per_s": round(tokens_written / max(compute_seconds, 1e-9), 1), "peak_device_memory_mib": _peak_device_memory_mib(target),
         "teacher_fingerprint": plan.teacher_fp, "device": str(target), "complete": read_complete(run_root, store) is not None,
+        "fidelity": fidelity,
     }
 
 
@@ -352,13 +389,14 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
     return written, tokens, seconds, []
 
 
-def _write_store_files(cfg: KDFlowConfig, plan: PassPlan) -> None:
+def _write_store_files(cfg: KDFlowConfig, plan: PassPlan, codec: TopkCodec | None) -> None:
     """The resolved config, and _store.json: what made this store, for readers that do not load the teacher."""
     plan.run_root.write_bytes_atomic(f"{plan.store}/{CONFIG_FILE}", dump_config(cfg).encode())
+    v2 = {} if codec is None else {"format": "v2", "store": store_format(cfg), "codec": codec.settings()}
     write_store_info(plan.run_root, plan.store, TopkStoreInfo(
         tag=plan.tag, teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
         teacher=teacher_section(cfg), teacher_identity=teacher_identity(cfg.teacher, device=plan.device),
-        top_k=cfg.precompute.top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=cfg.seq_len))
+        top_k=cfg.precompute.top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=cfg.seq_len, **v2))
 
 
 def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: StageComplete) -> None:

@@ -5,6 +5,11 @@ the teacher pass. Here lm_head is applied to `chunk_tokens` rows at a time; each
 live in one reused buffer, from which we take the top-K and the log-sum-exp over the whole vocabulary,
 so peak memory depends on the chunk, not on the micro-batch. Optionally the vocabulary is cut into slabs
 too (`vocab_chunk`), whose top-Ks and log-sum-exps are merged: the same result in less memory per row.
+
+The tail (the teacher's mass outside its top-K) comes from the same pass, never as 1 - sum(exp(top-K)):
+the top-K entries of the exp buffer are zeroed before the one sum over the vocabulary, which gives the
+complement's sum directly; the full sum is that plus the K top terms (a sum of positive numbers, no
+cancellation). Slabs merge their complements plus the candidates the merged top-K drops.
 """
 
 from __future__ import annotations
@@ -133,38 +138,50 @@ class _SlabLogits:
             yield first_id, logits_f32
 
 
-def _logsumexp_(logits: Tensor, row_max: Tensor) -> Tensor:
-    """log-sum-exp of each row of float32 logits (c, s) -> (c,), overwriting logits with exp(logits - max).
+def _logsumexp_(logits: Tensor, top_logits: Tensor, top_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 logits (c, s) and their top-k (c, k) -> (log-sum-exp of each row, log-sum-exp of each row
+    without its top-k), both (c,); overwrites logits with exp(logits - max), top-k entries zeroed.
 
-    In place so the chunk needs no second (c, V) temporary; row_max comes free from the top-K.
+    In place so the chunk needs no second (c, V) temporary; the row max comes free from the top-K. The
+    complement is summed directly (no 1 - sum(top) cancellation); -inf when the top-k is the whole row.
     """
+    row_max = top_logits[:, 0]  # (c,)
     logits.sub_(row_max[:, None]).exp_()
-    return row_max + logits.sum(dim=1).log()
+    logits.scatter_(1, top_ids, 0.0)
+    rest = logits.sum(dim=1)  # (c,) the one pass over the vocabulary
+    top = (top_logits - row_max[:, None]).exp().sum(dim=1)  # (c,) k terms, the largest is 1
+    return row_max + (rest + top).log(), row_max + rest.log()
 
 
 class _RunningTopk:
-    """Top-K logits, their ids and the log-sum-exp of a block of rows, accumulated over vocabulary slabs."""
+    """Top-K logits, their ids, the log-sum-exp and the log-sum-exp outside the top-K of a block of rows,
+    accumulated over vocabulary slabs."""
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.top_logits: Tensor | None = None  # (c, <=K)
         self.top_ids: Tensor | None = None  # (c, <=K) int64
         self.log_normaliser: Tensor | None = None  # (c,)
+        self.log_rest: Tensor | None = None  # (c,) log-sum-exp of the logits outside top_ids
 
     def add(self, logits: Tensor, first_id: int) -> None:
         """Fold in one slab's float32 logits (c, s); the slab's logits are destroyed."""
         slab_logits, slab_ids = torch.topk(logits, min(self.k, logits.shape[1]), dim=1, sorted=True)  # (c, k')
-        slab_log_normaliser = _logsumexp_(logits, slab_logits[:, 0])  # (c,)
+        slab_log_normaliser, slab_log_rest = _logsumexp_(logits, slab_logits, slab_ids)  # (c,), (c,)
         if first_id:
             slab_ids += first_id
         if self.top_logits is None:  # the first (with the default, the only) slab: nothing to merge
-            self.top_logits, self.top_ids, self.log_normaliser = slab_logits, slab_ids, slab_log_normaliser
+            self.top_logits, self.top_ids = slab_logits, slab_ids
+            self.log_normaliser, self.log_rest = slab_log_normaliser, slab_log_rest
             return
-        # The top-K of a union is the top-K of the parts' top-Ks.
+        # The top-K of a union is the top-K of the parts' top-Ks; the candidates it drops join the rest.
         candidates = torch.cat([self.top_logits, slab_logits], dim=1)  # (c, <=2K)
         self.top_logits, positions = torch.topk(candidates, min(self.k, candidates.shape[1]), dim=1, sorted=True)
         self.top_ids = torch.cat([self.top_ids, slab_ids], dim=1).gather(1, positions)
+        dropped = candidates.scatter(1, positions, float("-inf")).logsumexp(dim=1)  # (c,); -inf: none dropped
+        rest = torch.stack([self.log_rest, slab_log_rest, dropped]).logsumexp(dim=0)
         self.log_normaliser = torch.logaddexp(self.log_normaliser, slab_log_normaliser)
+        self.log_rest = rest
 
 
 @torch.inference_mode()
@@ -176,12 +193,15 @@ def chunked_topk(
     *,
     vocab_chunk: int | None = None,
     logit_transform: LogitTransform | None = None,
-) -> tuple[Tensor, Tensor]:
+    return_tail: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Top-K token ids and log-probabilities (normalised over the full vocabulary) for each row of hidden.
 
     hidden (N, H); lm_head a module (called as is unless it is a plain nn.Linear) or a weight (V, H).
     Returns topk_ids (N, K) int32 and topk_logprobs (N, K) float32, sorted by descending log-probability,
-    on hidden's device. Logits are computed in the hidden/weight dtype and upcast to float32.
+    on hidden's device; with `return_tail` also tail_logprob (N,) float32, the log of the mass outside the
+    top-K (log-sum-exp over the complement minus the full one; -inf when K = V). Logits are computed in the
+    hidden/weight dtype and upcast to float32.
     vocab_chunk (plain weights only): also cut the vocabulary into slabs of this many ids and merge their
     top-K and log-sum-exp. It lets a CPU take many rows per chunk (each chunk streams the whole weight from
     memory once) in the same memory; on a GPU the default, the whole vocabulary at once, is the fast choice.
@@ -199,6 +219,7 @@ def chunked_topk(
 
     topk_ids = torch.empty((n_tokens, k), dtype=torch.int32, device=hidden.device)  # (N, K)
     topk_logprobs = torch.empty((n_tokens, k), dtype=torch.float32, device=hidden.device)  # (N, K)
+    tail_logprob = torch.empty((n_tokens,), dtype=torch.float32, device=hidden.device)  # (N,)
     rows = max(1, min(chunk_tokens, n_tokens))
     cols = min(vocab_chunk or vocab_size, vocab_size)
     slab_logits = _SlabLogits(lm_head, hidden, vocab_size, rows, cols)
@@ -210,8 +231,9 @@ def chunked_topk(
                 logit_transform.apply_(logits)
             running.add(logits, first_id)
         torch.sub(running.top_logits, running.log_normaliser[:, None], out=topk_logprobs[start:stop])
+        torch.sub(running.log_rest, running.log_normaliser, out=tail_logprob[start:stop])
         topk_ids[start:stop].copy_(running.top_ids)
-    return topk_ids, topk_logprobs
+    return (topk_ids, topk_logprobs, tail_logprob) if return_tail else (topk_ids, topk_logprobs)
 
 
 class TeacherTopkStep:
@@ -231,16 +253,18 @@ class TeacherTopkStep:
         self.chunk_tokens = chunk_tokens
         self.vocab_chunk = vocab_chunk
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32."""
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32, tail_logprob (B, T) float32."""
         batch, seq_len = input_ids.shape
         hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
-        topk_ids, topk_logprobs = chunked_topk(
+        topk_ids, topk_logprobs, tail_logprob = chunked_topk(
             hidden.flatten(0, 1),
             self.lm_head,
             self.k,
             self.chunk_tokens,
             vocab_chunk=self.vocab_chunk,
             logit_transform=self.logit_transform,
-        )  # (B * T, K)
-        return topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k)
+            return_tail=True,
+        )  # (B * T, K), (B * T,)
+        return (topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k),
+                tail_logprob.view(batch, seq_len))

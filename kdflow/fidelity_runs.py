@@ -1,0 +1,147 @@
+"""The parts of `kdflow bench fidelity` that the pipeline does not have: the teacher's hidden states for the
+benchmark's rows, online full-vocabulary KD with the teacher run alongside the student, and the dense
+held-out evaluation (next-token CE and full-vocabulary KL to the teacher).
+
+Online KD runs the teacher body once per row (`TeacherStates`), keeps its final hidden states, and applies
+the teacher's lm_head live at every step: the teacher's full distribution exactly as a live forward gives
+it (the teacher is deterministic), without paying its 30 layers again for every epoch and every seed. The
+student side is the training loop's own: `StudentRun` (same initial weights, data order, AdamW and
+schedule as `train`), `clip_grad_norm`, one optimiser step per global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.tasks.common.models import body_hidden_states, model_body, output_layer
+from kdflow.tasks.student.data import DistillData, ShardPair
+from kdflow.tasks.student.distributed import clip_grad_norm
+from kdflow.tasks.student.train import StudentRun, next_token_labels
+
+
+class TeacherStates:
+    """Final hidden states of the teacher (float32) for rows of the benchmark's token shards, computed once."""
+
+    def __init__(self, teacher: nn.Module, batch_rows: int = 8) -> None:
+        self.teacher, self.batch_rows = teacher, batch_rows
+        self.head = output_layer(teacher)
+        self.states: dict[tuple[int, int], Tensor] = {}  # (shard id, row) -> (T, D)
+        self.seconds = 0.0
+
+    def fill(self, data: DistillData, rows: list[tuple[ShardPair, int]]) -> None:
+        todo = [(pair, row) for pair, row in rows if (pair.shard_id, row) not in self.states]
+        started = time.perf_counter()
+        for start in range(0, len(todo), self.batch_rows):
+            part = todo[start:start + self.batch_rows]
+            hidden = body_hidden_states(self.teacher, data.load(part).input_ids)  # (n, T, D)
+            for (pair, row), states in zip(part, hidden, strict=True):
+                self.states[pair.shard_id, row] = states.clone()
+        self.seconds += time.perf_counter() - started
+
+    def logits(self, rows: list[tuple[ShardPair, int]], start: int, stop: int) -> Tensor:
+        """Teacher logits (stop - start, V) float32 for flattened positions start..stop of `rows`."""
+        hidden = torch.cat([self.states[pair.shard_id, row] for pair, row in rows])  # (n * T, D)
+        with torch.inference_mode():
+            return self.head(hidden[start:stop]).float()
+
+
+def _chunked_full_kl(hidden: Tensor, weight: Tensor, teacher: TeacherStates, rows: list[tuple[ShardPair, int]],
+                     chunk: int, count: int) -> float:
+    """sum KL(p_teacher || q_student) / count over every position of `rows`, backpropagated chunk by chunk into
+    hidden (N, D) (a leaf) and weight: logits exist for `chunk` positions at a time."""
+    total = 0.0
+    for start in range(0, hidden.shape[0], chunk):
+        stop = min(start + chunk, hidden.shape[0])
+        log_p = torch.log_softmax(teacher.logits(rows, start, stop), dim=-1)  # (c, V), no grad
+        log_q = torch.log_softmax(hidden[start:stop] @ weight.t(), dim=-1)  # (c, V)
+        loss = (log_p.exp() * (log_p - log_q)).sum() / count
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def train_online(config: KDFlowConfig, teacher: TeacherStates, chunk: int = 512) -> tuple[nn.Module, dict[str, Any]]:
+    """Online full-vocabulary KD (kd_weight 1, T = 1) for `student.steps` steps; -> the student, a summary."""
+    student = config.student
+    if student.grad_accum != 1 or student.kd.kd_weight != 1.0 or student.kd.temperature != 1.0:
+        raise ValueError("online KD here mirrors one process, grad_accum 1, pure KD at temperature 1")
+    run = StudentRun(config, 0, 1)  # the same initial weights, data order, optimiser and schedule as train()
+    model, data = run.model, run.data
+    body, head = model_body(model), output_layer(model)
+    position, losses, started = 0, [], time.perf_counter()
+    for _ in range(student.steps):
+        rows = data.locate(data.rank_rows(position, student.batch_size, 0, 1))
+        teacher.fill(data, rows)
+        input_ids = data.load(rows).input_ids  # (n, T)
+        hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state.flatten(0, 1)  # (n * T, D)
+        leaf = hidden.detach().requires_grad_()
+        losses.append(_chunked_full_kl(leaf, head.weight, teacher, rows, chunk, hidden.shape[0]))
+        hidden.backward(leaf.grad)
+        clip_grad_norm(list(model.parameters()), student.grad_clip)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scheduler.step()
+        position += student.batch_size
+    model.eval()
+    return model, {"steps": student.steps, "final_loss": losses[-1], "seconds": time.perf_counter() - started,
+                   "teacher_seconds": teacher.seconds}
+
+
+@torch.no_grad()
+def dense_eval(student: nn.Module, data: DistillData, teacher: TeacherStates, chunk: int = 512) -> dict[str, float]:
+    """Over every held-out row of `data`: next-token CE and full-vocabulary KL(teacher || student), per position,
+    from a dense teacher pass (its full logits) and the student's full logits, chunk by chunk."""
+    rows = data.eval_rows
+    teacher.fill(data, rows)
+    body, head = model_body(student), output_layer(student)
+    ce_sum = kl_sum = 0.0
+    ce_count = kl_count = agree = 0
+    for start in range(0, len(rows), 8):
+        part = rows[start:start + 8]
+        input_ids = data.load(part).input_ids
+        hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state.flatten(0, 1)  # (n * T, D)
+        labels = next_token_labels(input_ids).flatten()
+        for first in range(0, hidden.shape[0], chunk):
+            last = min(first + chunk, hidden.shape[0])
+            log_q = torch.log_softmax(head(hidden[first:last]).float(), -1)
+            log_p = torch.log_softmax(teacher.logits(part, first, last), -1)
+            kl_sum += float((log_p.exp() * (log_p - log_q)).sum(dtype=torch.float64))
+            kl_count += last - first
+            agree += int((log_q.argmax(-1) == log_p.argmax(-1)).sum())
+            label = labels[first:last]
+            known = label >= 0
+            ce_sum += float(-log_q[known].gather(1, label[known, None]).sum(dtype=torch.float64))
+            ce_count += int(known.sum())
+    ce = ce_sum / max(ce_count, 1)
+    return {"heldout_ce": ce, "heldout_perplexity": math.exp(min(ce, 700.0)), "heldout_kl": kl_sum / max(kl_count, 1),
+            "heldout_top1_agreement": agree / max(kl_count, 1), "heldout_positions": kl_count}
+
+
+def teacher_heldout_ce(data: DistillData, teacher: TeacherStates, chunk: int = 512) -> float:
+    """The teacher's own next-token CE on the held-out rows (the floor a student approaches)."""
+    rows = data.eval_rows
+    teacher.fill(data, rows)
+    total, count = 0.0, 0
+    for start in range(0, len(rows), 8):
+        part = rows[start:start + 8]
+        labels = next_token_labels(data.load(part).input_ids).flatten()
+        for first in range(0, labels.shape[0], chunk):
+            last = min(first + chunk, labels.shape[0])
+            log_p = torch.log_softmax(teacher.logits(part, first, last), -1)
+            label = labels[first:last]
+            known = label >= 0
+            total += float(-log_p[known].gather(1, label[known, None]).sum(dtype=torch.float64))
+            count += int(known.sum())
+    return total / max(count, 1)
+
+
+def store_bytes_per_position(records: dict[int, Any]) -> float:
+    """Data-file bytes of a store's committed shards per stored position."""
+    return float(np.sum([r.bytes for r in records.values()]) / max(sum(r.tokens for r in records.values()), 1))

@@ -1,0 +1,368 @@
+"""Sampled teacher targets inside the chunked pass: an exact top-H head plus S tokens sampled outside it.
+
+What is stored and why the weights are unbiased: `kdflow.tasks.common.sampled`. Here, for `chunk_tokens`
+rows at a time (and optionally vocabulary slabs, like `kdflow.tasks.teacher.topk`), every token id j of a
+position gets a key z_j + noise_j; the head is the top-H of the logits, the sample the S largest keys
+outside the head, the threshold the (S+1)-th. `[rows, seq, vocab]` never exists: per chunk one float32
+logits buffer (shared with the top-K pass) and two 8-byte buffers (the noise and its scratch), reused.
+
+Slabs merge exactly: the head is a top-H (merged like a top-K), and the S+1 largest tail keys are always
+among the H+S+1 largest keys overall, so each slab keeps that many. Ordering is (value desc, id asc)
+everywhere, so ties go to the lower id whatever the cut. Log-sum-exps are float64; the tail's is the sum
+of each slab's mass outside its own top-H plus what falls out of the running head, never `1 - sum`.
+
+The noise is a counter-based hash of (seed, shard, row, position, token id) (splitmix64's finaliser, on
+int64: multiplications wrap modulo 2**64), not torch's RNG: it does not depend on the chunk, the slab, the
+micro-batch or the device, so a rerun or a retry after a GPU reset writes the same shard, given the same
+logits. (Logits themselves are the same for the same config, device type and torch version; a GEMM of
+another shape may round differently and flip a near-tie.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kdflow.schemas.config import PrecomputeConfig
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
+from kdflow.tasks.common.sampled import SCHEMES, SampledTargets, cat_targets
+from kdflow.tasks.teacher.topk import _SlabLogits, _vocab_size
+
+# Bytes per (row, id) the sampler holds, in units of topk.choose_chunk_tokens' `logits_dtype_bytes`
+# (which it doubles): float32 logits, the float64 noise/keys, its int64 scratch, a bool mask: ~24 bytes.
+SAMPLER_BYTES_PER_LOGIT = 12
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MIX_1 = _signed(0xBF58476D1CE4E5B9)
+_MIX_2 = _signed(0x94D049BB133111EB)
+_STREAM_DOMAIN = _signed(0x6B64666C6F772E31)  # "kdflow.1": where position streams start
+_TOKEN_DOMAIN = _signed(0x9E3779B97F4A7C15)  # xor-ed into token ids before mixing
+_ONE_BITS = 0x3FF0000000000000  # the float64 bits of 1.0
+HASH_VERSION = "kdflow.1"  # names the constants above; a store records it
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """What one store's sampled targets are: head size H (0 for `sampled`), samples S, scheme, seed."""
+
+    head: int
+    samples: int
+    scheme: str = "priority"
+    seed: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "hybrid" if self.head else "sampled"
+
+    @property
+    def candidates(self) -> int:
+        return self.head + self.samples + 1
+
+    @classmethod
+    def from_config(cls, precompute: PrecomputeConfig) -> SamplingPlan:
+        if precompute.targets == "topk":
+            raise ValueError("precompute.targets is topk: there is nothing to sample")
+        sampling = precompute.sampling
+        head = sampling.head if precompute.targets == "hybrid" else 0
+        return cls(head=head, samples=sampling.samples, scheme=sampling.scheme, seed=sampling.seed)
+
+    def check(self, vocab_size: int) -> None:
+        """ValueError (one line, naming the setting) unless 0 <= H, 1 <= S, H + S <= V, a known scheme."""
+        if self.samples < 1:
+            raise ValueError(f"precompute.sampling.samples must be >= 1, got {self.samples}")
+        if self.head < 0:
+            raise ValueError(f"precompute.sampling.head must be >= 0, got {self.head}")
+        if self.head + self.samples > vocab_size:
+            raise ValueError(f"precompute.sampling.head + samples = {self.head} + {self.samples} must be <= the "
+                             f"teacher's vocabulary size {vocab_size}")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"precompute.sampling.scheme must be one of {SCHEMES}, got {self.scheme!r}")
+
+
+def check_sampling_fits(precompute: PrecomputeConfig, teacher: object) -> None:
+    """Pre-flight (before weights load): sampled/hybrid targets fit the teacher's vocabulary (`teacher`: its
+    vocabulary size, or its model config)."""
+    if hasattr(teacher, "get_text_config"):
+        teacher = teacher.get_text_config()
+    vocab_size = teacher if isinstance(teacher, int) else getattr(teacher, "vocab_size", None)
+    if precompute.targets == "topk" or vocab_size is None:
+        return
+    try:
+        SamplingPlan.from_config(precompute).check(vocab_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+# --- the noise --------------------------------------------------------------------------------------------
+
+
+def _shift_right_(out: Tensor, z: Tensor, bits: int) -> Tensor:
+    """out <- z >>> bits (logical): torch's >> on int64 is arithmetic, so the sign copies are masked off."""
+    torch.bitwise_right_shift(z, bits, out=out)
+    return out.bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def mix64_(z: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """splitmix64's finaliser, in place on an int64 tensor."""
+    tmp = torch.empty_like(z) if scratch is None else scratch
+    z.bitwise_xor_(_shift_right_(tmp, z, 30)).mul_(_MIX_1)
+    z.bitwise_xor_(_shift_right_(tmp, z, 27)).mul_(_MIX_2)
+    return z.bitwise_xor_(_shift_right_(tmp, z, 31))
+
+
+def position_streams(seed: int, shard: int, rows: Tensor, positions: Tensor) -> Tensor:
+    """One 64-bit stream key per position: rows (C,) (sequence index in the shard), positions (C,) -> (C,) int64."""
+    stream = torch.full(rows.shape, _STREAM_DOMAIN, dtype=torch.int64, device=rows.device)
+    for part in (seed, shard):
+        mix64_(stream.bitwise_xor_(_signed(int(part))))
+    mix64_(stream.bitwise_xor_(rows.to(torch.int64)))
+    return mix64_(stream.bitwise_xor_(positions.to(torch.int64)))
+
+
+def token_keys(first_id: int, width: int, device: torch.device) -> Tensor:
+    """(width,) int64: mix64(id ^ domain) for ids first_id..first_id + width - 1."""
+    ids = torch.arange(first_id, first_id + width, dtype=torch.int64, device=device)
+    return mix64_(ids.bitwise_xor_(_TOKEN_DOMAIN))
+
+
+def uniform_noise_(streams: Tensor, keys: Tensor, bits: Tensor, out: Tensor) -> Tensor:
+    """u in (0, 1) per (position, id): streams (C,), token keys (s,) -> out (C, s) float64 view of an int64 buffer.
+
+    u = (m + 1/2) 2^-52 with m the top 52 bits of mix64(stream ^ token key), built through the float64 bits
+    of [1, 2) minus 1: exact, and no allocation (bits and out are (C, s) int64 buffers we may overwrite).
+    """
+    torch.bitwise_xor(streams[:, None], keys[None, :], out=bits)
+    mix64_(bits, out)
+    _shift_right_(out, bits, 12).bitwise_or_(_ONE_BITS)
+    return out.view(torch.float64).sub_(1.0).add_(2.0**-53)
+
+
+def key_noise_(u: Tensor, scheme: str) -> Tensor:
+    """Uniforms -> key noise, in place: Exp(1) = -log u (priority) or Gumbel(0, 1) = -log(-log u)."""
+    u.log_().neg_()
+    return u.log_().neg_() if scheme == "gumbel" else u
+
+
+# --- ordered top lists ------------------------------------------------------------------------------------
+
+
+def _ordered(values: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Sort each row of (values, ids) (c, k) by value desc, then id asc."""
+    ids, by_id = ids.sort(dim=1)
+    values = values.gather(1, by_id)
+    values, by_value = values.sort(dim=1, descending=True, stable=True)
+    return values, ids.gather(1, by_value)
+
+
+def top_ordered(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Exact top-k of values (c, s) in the order (value desc, column asc) -> values (c, k'), columns (c, k').
+
+    torch.topk breaks ties arbitrarily; when ties straddle the k-th place the lowest columns win here.
+    """
+    k = min(k, values.shape[1])
+    top, cols = torch.topk(values, k, dim=1, sorted=True)  # (c, k)
+    if k == 0:
+        return top, cols
+    edge = top[:, -1:]  # (c, 1)
+    if bool(((values >= edge).sum(1) > k).any()):
+        above, at_edge = values > edge, values == edge
+        room = k - above.sum(1, keepdim=True)  # (c, 1) places left for values at the edge
+        chosen = above | (at_edge & (at_edge.cumsum(1) <= room))
+        cols = chosen.nonzero()[:, 1].view(values.shape[0], k)  # ascending columns per row
+        top = values.gather(1, cols)
+    return _ordered(top, cols)
+
+
+def merge_ordered(first: tuple[Tensor, ...], second: tuple[Tensor, ...], k: int) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Top-k of two ordered lists (values, ids, payload...) whose ids in `first` all precede `second`'s.
+
+    A stable descending sort of the concatenation keeps (value desc, id asc). -> the kept lists and the
+    positions (c, rest) of the dropped entries in the concatenation.
+    """
+    joined = [torch.cat([a, b], dim=1) for a, b in zip(first, second, strict=True)]
+    order = torch.sort(joined[0], dim=1, descending=True, stable=True).indices  # (c, k1 + k2)
+    return tuple(t.gather(1, order[:, :k]) for t in joined), order[:, k:]
+
+
+# --- one block of rows, slab by slab ----------------------------------------------------------------------
+
+
+class _Workspace:
+    """Two flat int64 buffers for the noise of one (rows, slab) block, allocated once per call."""
+
+    def __init__(self, rows: int, cols: int, device: torch.device) -> None:
+        self.bits = torch.empty(rows * cols, dtype=torch.int64, device=device)
+        self.noise = torch.empty(rows * cols, dtype=torch.int64, device=device)
+
+    def views(self, rows: int, cols: int) -> tuple[Tensor, Tensor]:
+        return self.bits[: rows * cols].view(rows, cols), self.noise[: rows * cols].view(rows, cols)
+
+
+class RunningSample:
+    """Head, key candidates and log-sum-exps of a block of rows, accumulated over vocabulary slabs in id order."""
+
+    def __init__(self, plan: SamplingPlan, streams: Tensor, workspace: _Workspace | None = None) -> None:
+        self.plan, self.streams, self.workspace = plan, streams, workspace  # streams (c,) int64
+        self.next_id = 0
+        self.head: tuple[Tensor, Tensor] | None = None  # logits (c, <=H), ids (c, <=H) int64
+        self.keys: tuple[Tensor, Tensor, Tensor] | None = None  # keys f64, ids, logits (c, <=H+S+1)
+        self.lse: Tensor | None = None  # (c,) float64, over every id seen
+        self.tail_lse: Tensor | None = None  # (c,) float64, over every id seen minus the running head
+
+    def add(self, logits: Tensor, first_id: int) -> None:
+        """Fold in one slab's float32 logits (c, s) for ids first_id.. (not modified)."""
+        if first_id != self.next_id:
+            raise ValueError(f"slabs must be contiguous and in id order: expected first id {self.next_id}, got {first_id}")
+        rows, width = logits.shape
+        self.next_id += width
+        workspace = self.workspace or _Workspace(rows, width, logits.device)
+        bits, noise = workspace.views(rows, width)
+        keys = key_noise_(uniform_noise_(self.streams, token_keys(first_id, width, logits.device), bits, noise),
+                          self.plan.scheme)
+        keys += logits  # (c, s) float64
+        key_top, key_cols = top_ordered(keys, self.plan.candidates)
+        slab_keys = (key_top, key_cols + first_id, logits.gather(1, key_cols))
+        head_top, head_cols = top_ordered(logits, self.plan.head)  # (c, h)
+        lse, tail_lse = _slab_lse(logits, head_cols, scratch=keys)
+        self._merge((head_top, head_cols + first_id), slab_keys, lse, tail_lse)
+
+    def _merge(self, slab_head: tuple[Tensor, Tensor], slab_keys: tuple[Tensor, Tensor, Tensor],
+               lse: Tensor, tail_lse: Tensor) -> None:
+        if self.head is None:
+            self.head, self.keys, self.lse, self.tail_lse = slab_head, slab_keys, lse, tail_lse
+            return
+        self.keys, _ = merge_ordered(self.keys, slab_keys, self.plan.candidates)
+        joined_logits = torch.cat([self.head[0], slab_head[0]], dim=1)  # (c, h1 + h2)
+        self.head, dropped = merge_ordered(self.head, slab_head, self.plan.head)
+        self.tail_lse = torch.logaddexp(self.tail_lse, tail_lse)
+        if dropped.shape[1]:  # fell out of the running head: tail now
+            self.tail_lse = torch.logaddexp(self.tail_lse, joined_logits.gather(1, dropped).double().logsumexp(1))
+        self.lse = torch.logaddexp(self.lse, lse)
+
+    def finish(self, vocab_size: int) -> SampledTargets:
+        """The block's targets once slabs covering ids 0..vocab_size-1 are in (float32 values)."""
+        if self.next_id != vocab_size or self.head is None:
+            raise ValueError(f"slabs cover ids 0..{self.next_id - 1}, not the vocabulary of {vocab_size}")
+        if not bool(torch.isfinite(self.lse).all()):
+            raise ValueError("teacher logits have NaN or +inf entries, or a row without a finite logit")
+        head_logits, head_ids = self.head  # (c, H)
+        keys, key_ids, key_logits = self.keys  # (c, L), L = min(H + S + 1, V)
+        in_head = (key_ids[:, :, None] == head_ids[:, None, :]).any(2)  # (c, L)
+        tail_first = torch.sort(in_head.to(torch.int8), dim=1, stable=True).indices  # keeps key order
+        keys, key_ids, key_logits = (t.gather(1, tail_first) for t in (keys, key_ids, key_logits))
+        samples = self.plan.samples
+        n_tail = (~in_head).sum(1)  # (c,): S + 1, or S when the tail has only S tokens
+        kappa = torch.where(n_tail > samples, keys[:, min(samples, keys.shape[1] - 1)], -torch.inf)  # (c,)
+        lse = self.lse
+        tail_lse = self.tail_lse if self.plan.head else lse
+        return SampledTargets(
+            head_ids=head_ids.to(torch.int32),
+            head_logprobs=(head_logits.double() - lse[:, None]).float(),
+            tail_logprob=(tail_lse - lse).float(),
+            sample_ids=key_ids[:, :samples].to(torch.int32),
+            sample_logprobs=(key_logits[:, :samples].double() - lse[:, None]).float(),
+            log_threshold=(kappa - lse).float(),
+        )
+
+
+def _slab_lse(logits: Tensor, head_cols: Tensor, scratch: Tensor) -> tuple[Tensor, Tensor]:
+    """(full, outside-the-slab's-head) log-sum-exps (c,) of logits (c, s), in float64.
+
+    The exponentials are float64 (in scratch, a float64 (c, s) buffer we may overwrite), so that the slab's
+    max, which depends on the cut, moves the sums by float64 rounding only.
+    """
+    row_max = logits.amax(1).double()  # (c,)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    exp = scratch.copy_(logits).sub_(row_max[:, None]).exp_()  # (c, s)
+    head_sum = exp.gather(1, head_cols).sum(1)  # (c,)
+    tail_sum = exp.scatter_(1, head_cols, 0.0).sum(1)
+    return row_max + (tail_sum + head_sum).log(), row_max + tail_sum.log()
+
+
+@torch.inference_mode()
+def sample_slabs(slabs: Iterable[tuple[int, Tensor]], plan: SamplingPlan, streams: Tensor, vocab_size: int) -> SampledTargets:
+    """Sampled targets of one block of rows from its float32 logits, given as (first id, (c, s)) slabs in id order."""
+    plan.check(vocab_size)
+    running = RunningSample(plan, streams)
+    for first_id, logits in slabs:
+        running.add(logits.float(), first_id)
+    return running.finish(vocab_size)
+
+
+@torch.inference_mode()
+def chunked_sampled(
+    hidden: Tensor, lm_head: nn.Module | Tensor, plan: SamplingPlan, chunk_tokens: int, *, shard: int, rows: Tensor,
+    positions: Tensor, vocab_chunk: int | None = None, logit_transform: LogitTransform | None = None,
+) -> SampledTargets:
+    """Sampled targets for hidden (N, D), `chunk_tokens` rows at a time; lm_head as in `chunked_topk`.
+
+    rows (N,) and positions (N,) name each token (sequence index in the shard, position in the sequence):
+    with (plan.seed, shard) they seed its noise, so the result does not depend on chunk_tokens, vocab_chunk
+    or how the shard is cut into micro-batches. Returns (N, ...) fields on hidden's device.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
+    if rows.shape != (hidden.shape[0],) or positions.shape != rows.shape:
+        raise ValueError(f"rows and positions must be ({hidden.shape[0]},), got {tuple(rows.shape)}, {tuple(positions.shape)}")
+    if chunk_tokens < 1 or (vocab_chunk is not None and vocab_chunk < 1):
+        raise ValueError(f"chunk_tokens and vocab_chunk must be >= 1, got {chunk_tokens}, {vocab_chunk}")
+    vocab_size = _vocab_size(lm_head, hidden)
+    plan.check(vocab_size)
+    n_tokens = hidden.shape[0]
+    block = max(1, min(chunk_tokens, n_tokens))
+    cols = min(vocab_chunk or vocab_size, vocab_size)
+    slab_logits = _SlabLogits(lm_head, hidden, vocab_size, block, cols)
+    workspace = _Workspace(block, cols, hidden.device)
+    parts = []
+    for start in range(0, n_tokens, block):
+        stop = min(start + block, n_tokens)
+        streams = position_streams(plan.seed, shard, rows[start:stop], positions[start:stop])  # (c,)
+        running = RunningSample(plan, streams, workspace)
+        for first_id, logits in slab_logits.slabs(hidden[start:stop]):  # (c, s) float32
+            if logit_transform is not None and not logit_transform.is_identity:
+                logit_transform.apply_(logits)
+            running.add(logits, first_id)
+        parts.append(running.finish(vocab_size))
+    if not parts:
+        empty = hidden.new_empty((0, plan.head), dtype=torch.int32), hidden.new_empty((0, plan.samples), dtype=torch.int32)
+        zero = hidden.new_empty(0, dtype=torch.float32)
+        return SampledTargets(empty[0], empty[0].float(), zero, empty[1], empty[1].float(), zero)
+    return cat_targets(parts)
+
+
+class TeacherSampledStep:
+    """One micro-batch through the teacher: body hidden states, then chunked sampled targets with the model's
+    own final-logit transform. Results stay on the model's device."""
+
+    def __init__(self, model: nn.Module, plan: SamplingPlan, chunk_tokens: int, *, vocab_chunk: int | None = None) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.model, self.plan, self.chunk_tokens, self.vocab_chunk = model, plan, chunk_tokens, vocab_chunk
+        self.lm_head = output_layer(model)
+        self.logit_transform = final_logit_transform(model.config)
+        vocab_size = getattr(self.lm_head, "out_features", None)
+        if isinstance(vocab_size, int):
+            plan.check(vocab_size)
+
+    def __call__(self, input_ids: Tensor, *, shard: int, first_row: int,
+                 attention_mask: Tensor | None = None) -> SampledTargets:
+        """input_ids (B, T), rows first_row.. of shard `shard` -> SampledTargets with (B, T, ...) fields."""
+        batch, seq_len = input_ids.shape
+        hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, D)
+        device = hidden.device
+        rows = (torch.arange(batch, device=device) + first_row).repeat_interleave(seq_len)  # (B * T,)
+        positions = torch.arange(seq_len, device=device).repeat(batch)  # (B * T,)
+        flat = chunked_sampled(hidden.flatten(0, 1), self.lm_head, self.plan, self.chunk_tokens, shard=shard,
+                               rows=rows, positions=positions, vocab_chunk=self.vocab_chunk,
+                               logit_transform=self.logit_transform)
+        return flat.map(lambda t: t.view(batch, seq_len, *t.shape[1:]))

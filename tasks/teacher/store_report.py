@@ -1,0 +1,184 @@
+"""What a top-K store costs and how close it stays to the teacher: the store report (no Prefect here).
+
+Without a teacher (`store_summary`): bytes per position over every committed shard, the format and codec,
+and over a sample of rows the tail-mass histogram and how many positions keep how many ids (adaptive K).
+With the teacher (`teacher_fidelity`): a few rows re-run through it, float32 logits over the full
+vocabulary as at capture, and per position KL(exact || stored) over the K+1 buckets "each id both hold,
+everything else", with the stored side normalised (what the loss fits the student to). When the ids
+agree (the usual case) that is the K+1-bucket KL; where a re-run picks other ids, the partition is the
+common ids plus one rest bucket, a lower bound, and the report counts those positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kdflow.schemas.codec import DecodedTopk
+from kdflow.schemas.commits import CommitRecord, list_commits, read_complete, stage_dir
+from kdflow.schemas.shards import TopkShard, read_token_shard
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import format_label, read_store_info
+from kdflow.tasks.teacher.sampled_report import sampled_fidelity, sampled_markdown, sampled_summary
+from kdflow.tasks.teacher.sampling import TeacherSampledStep
+
+TAIL_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # tail-mass histogram: 0, then below each edge, then the rest
+
+
+def sample_rows(records: dict[int, CommitRecord], count: int) -> list[tuple[int, int]]:
+    """(shard id, row) pairs spread evenly over the committed rows, in order; at most `count`."""
+    order = sorted(records)
+    offsets = np.cumsum([0] + [records[i].rows for i in order])
+    total = int(offsets[-1])
+    if total == 0 or count <= 0:
+        return []
+    picks = np.unique(np.linspace(0, total - 1, min(count, total)).round().astype(np.int64))
+    shard = np.searchsorted(offsets, picks, side="right") - 1
+    return [(order[s], int(p - offsets[s])) for s, p in zip(shard, picks, strict=True)]
+
+
+def tail_histogram(tail_logprob: np.ndarray) -> dict[str, int]:
+    """Positions by tail mass exp(tail): exactly 0, then decades up to 1."""
+    mass = np.exp(tail_logprob.astype(np.float64)).ravel()
+    labels = ["0"] + [f"<{edge:g}" for edge in TAIL_EDGES] + [f">={TAIL_EDGES[-1]:g}"]
+    bins = np.where(mass == 0, 0, 1 + np.searchsorted(np.asarray(TAIL_EDGES), mass, side="right"))
+    return {label: int(n) for label, n in zip(labels, np.bincount(bins, minlength=len(labels)), strict=True)}
+
+
+def kept_histogram(kept: np.ndarray, top_k: int) -> dict[str, int]:
+    """Positions by how many ids they keep, in power-of-two bins: "1", "2", "3-4", "5-8", ... up to top_k."""
+    counts, low = {}, 1
+    while low <= top_k:
+        high = min(top_k, low if low <= 2 else 2 * (low - 1))  # 1, 2, 3-4, 5-8, 9-16, ...
+        counts[str(low) if low == high else f"{low}-{high}"] = int(((kept >= low) & (kept <= high)).sum())
+        low = high + 1
+    return counts
+
+
+def store_summary(run_root: RunRoot, tag: str, rows: int = 256) -> dict[str, Any]:
+    """Bytes/position (whole store), format and codec, and the tail and kept-id histograms over `rows` rows."""
+    store = stage_dir(run_root, "topk", tag)
+    done = read_complete(run_root, store)
+    records = list_commits(run_root, store, "topk", done.fingerprint if done else tag)
+    info = read_store_info(run_root, store)
+    positions = sum(r.tokens for r in records.values())
+    summary: dict[str, Any] = {
+        "tag": tag, "store": run_root.display(store), "shards": len(records), "positions": positions,
+        "bytes": sum(r.bytes for r in records.values()),
+        "bytes_per_position": round(sum(r.bytes for r in records.values()) / max(positions, 1), 2),
+        "format": info.format if info is not None else None,
+        "format_label": format_label(info.store_format()) if info is not None else "unknown (no _store.json)",
+        "codec": info.codec if info is not None else None,
+    }
+    picks = sample_rows(records, rows)
+    if not picks:
+        return summary
+    if info is not None and info.targets != "topk":  # hybrid / sampled targets: kdflow.tasks.teacher.sampled_report
+        return summary | sampled_summary(run_root, store, records, picks, tail_histogram)
+    shards: dict[int, TopkShard] = {}
+    decoded = []
+    for shard_id, row in picks:
+        if shard_id not in shards:
+            shards[shard_id] = TopkShard(run_root, f"{store}/{records[shard_id].data_file}")
+        decoded.append(shards[shard_id].read([row]))
+    tails = np.concatenate([d.tail for d in decoded])  # (n, T)
+    kept = np.concatenate([d.kept for d in decoded])
+    first = next(iter(shards.values()))
+    top_k = first.top_k
+    summary |= {
+        "v1_bytes_per_position": 8 * top_k if first.format == 1 and first.logprobs.dtype == np.float32 else 6 * top_k,
+        "schema_bytes_per_shard": len(first.table.schema.serialize()),
+        "sampled_rows": len(picks), "sampled_positions": int(tails.size),
+        "mean_tail_mass": float(np.exp(tails.astype(np.float64)).mean()),
+        "tail_mass_histogram": tail_histogram(tails),
+        "invalid_tails": int((np.isnan(tails) | (tails > 0)).sum()),
+        "mean_kept": float(kept.mean()), "kept_histogram": kept_histogram(kept, top_k),
+    }
+    if first.format == 1:  # v1 derives its tail as 1 - sum: count where that came out <= 0 (clamped)
+        summary["v1_tails_clamped_to_zero"] = int(np.isneginf(tails).sum())
+    return summary
+
+
+def bucket_kl(exact: DecodedTopk, stored: DecodedTopk) -> tuple[np.ndarray, np.ndarray]:
+    """KL(exact || stored) per position (n, T) in float64 over "each id both hold" + one rest bucket, the stored
+    side normalised; and (n, T) whether the kept stored ids are all among the exact ones."""
+    n, seq_len, top_k = exact.ids.shape
+    kl, agree = np.empty((n, seq_len)), np.empty((n, seq_len), dtype=bool)
+    for row in range(n):  # (T, K, K) comparisons per row bound the memory
+        kept = np.arange(top_k) < stored.kept[row][:, None]  # (T, K)
+        stored_ids = np.where(kept, stored.ids[row], -1)
+        common_e = (exact.ids[row][:, :, None] == stored_ids[:, None, :]).any(-1)  # (T, K): exact id also stored
+        common_s = (stored_ids[:, :, None] == exact.ids[row][:, None, :]).any(-1) & kept  # (T, K)
+        p_e, p_s = np.exp(exact.logprobs[row].astype(np.float64)), np.exp(stored.logprobs[row].astype(np.float64))
+        p_s = np.where(kept, p_s, 0.0)
+        # the same ids in the same order on both sides: sort each side's common ids by id
+        order_e = np.argsort(np.where(common_e, exact.ids[row], np.iinfo(np.int32).max), axis=-1, kind="stable")
+        order_s = np.argsort(np.where(common_s, stored_ids, np.iinfo(np.int32).max), axis=-1, kind="stable")
+        top_e = np.take_along_axis(np.where(common_e, p_e, 0.0), order_e, -1)
+        top_s = np.take_along_axis(np.where(common_s, p_s, 0.0), order_s, -1)
+        rest_e = np.exp(exact.tail[row].astype(np.float64)) + np.where(common_e, 0.0, p_e).sum(-1)
+        rest_s = np.exp(stored.tail[row].astype(np.float64)) + np.where(common_s, 0.0, p_s).sum(-1)
+        p = np.concatenate([top_e, rest_e[:, None]], -1)
+        q = np.concatenate([top_s, rest_s[:, None]], -1)
+        p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0)
+        kl[row], agree[row] = terms.sum(-1), (common_s == kept).all(-1)
+    return kl, agree
+
+
+def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[int, int]], micro_batch: int) -> dict[str, Any]:
+    """Re-run `step` (a TeacherTopkStep: the teacher, float32 logits over the full vocabulary) on the picked
+    (shard, row) pairs and compare with what the store decodes. -> mean / max / p99 KL and agreement."""
+    import torch
+
+    if isinstance(getattr(step, "step", step), TeacherSampledStep):  # a store of sampled targets
+        return sampled_fidelity(step, run_root, tag, picks, micro_batch)
+    store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
+    token_records, records = list_commits(run_root, tokens_store, "tokens"), list_commits(run_root, store, "topk")
+    input_ids = np.stack([read_token_shard(run_root, f"{tokens_store}/{token_records[s].data_file}")[r] for s, r in picks])
+    stored = [TopkShard(run_root, f"{store}/{records[s].data_file}").read([r]) for s, r in picks]
+    stored = DecodedTopk(*(np.concatenate(field) for field in zip(*stored)))
+    device = next(step.model.parameters()).device
+    parts = []
+    with torch.inference_mode():
+        for start in range(0, len(input_ids), micro_batch):
+            batch = torch.from_numpy(input_ids[start:start + micro_batch].astype(np.int64)).to(device)
+            ids, logprobs, tail = step(batch)  # (b, T, K), (b, T, K), (b, T)
+            parts.append((ids.cpu().numpy(), logprobs.cpu().numpy(), tail.cpu().numpy()))
+    exact_ids, exact_logprobs, exact_tail = (np.concatenate(p) for p in zip(*parts))
+    exact = DecodedTopk(exact_ids, exact_logprobs, exact_tail, np.full(exact_tail.shape, exact_ids.shape[-1], np.int32))
+    kl, agree = bucket_kl(exact, stored)
+    return {"kl_rows": len(picks), "kl_positions": int(kl.size), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "kl_p99": float(np.quantile(kl, 0.99)), "positions_with_other_ids": int((~agree).sum())}
+
+
+def pass_fidelity(step: Any, run_root: RunRoot, tag: str, shard_ids: list[int], rows: int, micro_batch: int
+                  ) -> dict[str, Any] | None:
+    """`teacher_fidelity` on `rows` rows spread over the given committed shards (what a pass just wrote)."""
+    records = list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag)
+    picks = sample_rows({i: records[i] for i in shard_ids if i in records}, rows)
+    return teacher_fidelity(step, run_root, tag, picks, micro_batch) if picks else None
+
+
+def report_markdown(summary: dict[str, Any]) -> str:
+    """The report as Markdown (the Prefect artifact, and `kdflow store report`'s text)."""
+    lines = [f"### top-K store {summary['tag']}: {summary['format_label']}", "",
+             "| | |", "|---|---|",
+             f"| shards | {summary['shards']} |", f"| positions | {summary['positions']:,} |",
+             f"| bytes / position | {summary['bytes_per_position']} (v1 at this K: {summary.get('v1_bytes_per_position', '-')}) |"]
+    lines += sampled_markdown(summary)
+    if "kl_mean" in summary:
+        lines.append(f"| KL(teacher re-run \u2016 store), nats/position | mean {summary['kl_mean']:.3g}, p99 "
+                     f"{summary['kl_p99']:.3g}, max {summary['kl_max']:.3g} over {summary['kl_positions']:,} positions |")
+    if "mean_tail_mass" in summary:
+        lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) |",
+                  f"| mean ids kept | {summary['mean_kept']:.1f} |", "",
+                  "tail mass | " + " | ".join(summary["tail_mass_histogram"]),
+                  "|".join(["---"] * (len(summary["tail_mass_histogram"]) + 1)),
+                  "positions | " + " | ".join(str(v) for v in summary["tail_mass_histogram"].values()), "",
+                  "ids kept | " + " | ".join(summary["kept_histogram"]),
+                  "|".join(["---"] * (len(summary["kept_histogram"]) + 1)),
+                  "positions | " + " | ".join(str(v) for v in summary["kept_histogram"].values())]
+    return "\n".join(lines) + "\n"

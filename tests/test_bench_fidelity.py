@@ -1,0 +1,33 @@
+"""`kdflow bench fidelity`'s summary on literal runs: means over seeds, paired differences, the targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdflow.bench_fidelity import VARIANTS, print_table, summarise
+
+KL = {"topk128": (1.00, 0.90), "hybrid": (0.98, 0.91), "sampled": (1.05, 0.95), "online": (0.95, 0.85), "ce": (2.0, 1.9)}
+CE = {"topk128": (5.00, 4.90), "hybrid": (5.05, 4.92), "sampled": (5.10, 5.00), "online": (4.95, 4.90), "ce": (5.5, 5.4)}
+
+
+def runs() -> list[dict]:
+    stores = [{"kind": "store", "store": "topk128", "bytes_per_position": 300.0}]
+    stores += [{"kind": "store", "store": f"{kind}-seed{seed}", "bytes_per_position": size}
+               for kind, size in (("hybrid", 72.0), ("sampled", 66.0)) for seed in (0, 1)]
+    return stores + [{"kind": "run", "variant": v, "seed": seed, "heldout_ce": CE[v][seed], "heldout_kl": KL[v][seed],
+                      "heldout_top1_agreement": 0.5, "train_seconds": 1.0} for seed in (0, 1) for v in VARIANTS]
+
+
+def test_summary_pairs_runs_by_seed_and_checks_the_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    summary = summarise(runs(), list(VARIANTS))
+    by = {r.get("variant", r["kind"]): r for r in summary}
+    assert by["hybrid"]["heldout_kl"] == pytest.approx(0.945) and by["hybrid"]["bytes_per_position"] == 72.0
+    assert by["hybrid"]["kl_minus_topk128_per_seed"] == pytest.approx([-0.02, 0.01])
+    assert by["topk128"]["ce_rel_to_online_per_seed"] == pytest.approx([0.05 / 4.95, 0.0])
+    targets = by["targets"]
+    assert targets["hybrid_bytes_over_topk128"] == pytest.approx(0.24) and targets["bytes_target_met"]
+    assert targets["hybrid_kl_minus_topk128_kl"] == pytest.approx(-0.005) and targets["kl_target_met"]
+    assert targets["ce_target_met"]  # +0.51% and +1.52% / +0.41%: within 2%
+    print_table(summary)
+    out = capsys.readouterr().out
+    assert "hybrid bytes / top-128 bytes = 0.240 (met: <= 0.25)" in out and "-0.0200 / +0.0100" in out
