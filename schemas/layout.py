@@ -5,7 +5,8 @@ RUN_ROOT/
   corpus/          part-NNNNN.parquet + part-NNNNN.commit.json, _complete.json, config.yaml
   tokens/          shard-NNNNN.arrow + shard-NNNNN.commit.json, _complete.json, config.yaml
   topk/TAG/        shard-NNNNN.arrow + .commit.json (+ .lease while computed), _complete.json, _store.json, config.yaml
-  students/NAME/   checkpoint-STEP/ (checkpoint.json last), final/, metrics.jsonl, eval.jsonl, config.yaml
+  students/NAME/   checkpoint-STEP/ (checkpoint.json last), final/, metrics.jsonl, eval.jsonl, config.yaml,
+                   training_curve.png (tensorboard/)
   _faults/         markers of injected faults that fired (KDFLOW_FAULT)
 ```
 Names only (no I/O): `kdflow.schemas.commits` and `kdflow.schemas.storage` do the reading and writing.
@@ -33,6 +34,8 @@ CHECKPOINT_MARKER = "checkpoint.json"  # written last: a checkpoint without it i
 TRAINING_STATE_FILE = "training_state.pt"
 FINAL_DIR = "final"  # the final model and tokenizer: what `kdflow chat` loads
 METRICS_FILE, EVAL_FILE = "metrics.jsonl", "eval.jsonl"
+TRAINING_CURVE_FILE = "training_curve.png"  # the loss curve, redrawn after every evaluation
+TENSORBOARD_DIR = "tensorboard"  # event files, with student.tensorboard
 
 _DATA_NAMES: dict[str, tuple[str, str]] = {"corpus": ("part-", ".parquet"), "tokens": ("shard-", ".arrow"),
                                            "topk": ("shard-", ".arrow")}
