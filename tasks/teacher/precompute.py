@@ -11,6 +11,7 @@ so that two processes on one run root do not compute the same shard; a lost race
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -40,6 +41,7 @@ from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_l
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 WRITE_QUEUE_DEPTH = 2
+logger = logging.getLogger("kdflow.precompute")
 
 
 # --- one shard: device -> host -> Arrow, overlapped -------------------------------------------------------
@@ -141,7 +143,10 @@ class ShardComputer:
         storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
         self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, WRITE_QUEUE_DEPTH + 2)
 
-    def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases) -> CommitRecord:
+    def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases,
+                on_rows: Callable[[int, int], None] = lambda done, rows: None) -> CommitRecord:
+        """One shard, written and returned as its commit record (not yet committed); `on_rows(done, rows)`
+        after every micro-batch."""
         cfg, pre = self.cfg, self.cfg.precompute
         tokens_store = stage_dir(self.run_root, "tokens")
         input_ids = read_token_shard(self.run_root, f"{tokens_store}/{token_record.data_file}", cfg.seq_len)  # (rows, T)
@@ -156,6 +161,7 @@ class ShardComputer:
                 for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
                     self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
                     leases.renew(shard_id)
+                    on_rows(min(start + pre.micro_batch, len(input_ids)), len(input_ids))
                 background.drain()
             finally:
                 background.close()
@@ -275,7 +281,13 @@ def precompute_shards(
     plan = plan_pass(cfg, shard_ids, target)
     run_root, store, tag = plan.run_root, plan.store, plan.tag
     written, tokens_written, compute_seconds, leased_elsewhere = 0, 0, 0.0, []
-    if plan.todo:
+    if not plan.todo:
+        logger.info("precompute: %d/%d shards already committed in %s, nothing to do", len(plan.wanted), len(plan.wanted),
+                    run_root.display(store))
+    else:
+        if on_progress is not None:  # seen before the weights load, which takes minutes for a large teacher
+            on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0,
+                         "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo)})
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, plan.tokens_done.fingerprint) for i in plan.todo}
         run_root.ensure_writable()
         model = model if model is not None else load_teacher(cfg.teacher, device=target)
@@ -286,7 +298,9 @@ def precompute_shards(
         computer = ShardComputer(cfg, model, run_root, store, tag, info)
         _write_store_files(cfg, plan)
         leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
-        progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
+        progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress,
+                            context={"tag": tag, "skipped": len(plan.wanted) - len(plan.todo)})
+        progress.start()
         try:
             with deterministic_algorithms():
                 written, tokens_written, compute_seconds, leased_elsewhere = _run(
@@ -328,7 +342,8 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
             try:
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:  # it may have landed before our lease
                     _stale_temp_files(run_root, store, shard_id)
-                    record = computer.compute(shard_id, token_records[shard_id], leases)
+                    record = computer.compute(shard_id, token_records[shard_id], leases,
+                                              on_rows=lambda done, rows, i=shard_id: progress.partial(done, rows, i))
                     _commit_or_remove(run_root, store, record)
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)
