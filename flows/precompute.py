@@ -27,7 +27,7 @@ from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.protocol import (EXIT_UNEXPECTED, EXIT_USER_ERROR, LEASE_OWNER_ENV, describe_exit_code,
                                      format_shard_ids, is_retryable, parse_shard_ids)
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import alignment_problem, find_topk_stores
+from kdflow.schemas.stores import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
 from kdflow.tasks.teacher.precompute_worker import MODULE as WORKER_MODULE
 
 
@@ -168,6 +168,25 @@ def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -
                        "tokens_per_s": worker.get("tokens_per_s", round(verified["tokens"] / max(seconds, 1e-9), 1))}
 
 
+def _same_teacher(config: KDFlowConfig, info: TopkStoreInfo | None) -> bool:
+    """The store was made from the teacher this config names now (same weights or hub revision, quantisation;
+    the dtype too unless it is `auto`, which depends on the host), computed without loading it or touching CUDA."""
+    if info is None:
+        return False
+    try:
+        import torch
+
+        from kdflow.tasks.common.models import teacher_identity
+
+        now, stored = teacher_identity(config.teacher, device=torch.device("cpu")), dict(info.teacher_identity)
+    except Exception:  # noqa: BLE001 - the worker reports a bad teacher with its own one-line error
+        return False
+    if config.teacher.dtype == "auto":
+        now.pop("dtype", None)
+        stored.pop("dtype", None)
+    return now == stored
+
+
 def _committed_already(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any] | None:
     """{'tag', 'written': 0} when this config's top-K store already holds every asked-for shard (read from the
     store's files: no worker started, no teacher loaded), else None."""
@@ -178,7 +197,8 @@ def _committed_already(config: KDFlowConfig, shard_ids: list[int] | None) -> dic
         return None
     ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards))
     store = stage_dir(run_root, "topk", tags[0])
-    if any(check_commit(run_root, store, "topk", i, tags[0])[0] is None for i in ids):
+    if not _same_teacher(config, read_store_info(run_root, store)) or any(
+            check_commit(run_root, store, "topk", i, tags[0])[0] is None for i in ids):
         return None
     get_run_logger().info("precompute: %d/%d shards already committed in %s, nothing to do", len(ids), len(ids),
                           run_root.display(store))

@@ -172,3 +172,18 @@ def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
     metrics = read_jsonl(RunRoot(config.run_root), str(folder.parent / "metrics.jsonl"))
     assert losses == [(record["step"], pytest.approx(record["loss"], rel=1e-6)) for record in metrics]
     assert [event.step for event in events.Scalars("eval/kl")] == [0, 3]
+
+
+def test_a_store_counts_as_done_only_for_the_teacher_it_was_made_from(tokenised) -> None:
+    import torch
+
+    from kdflow.flows.precompute import _same_teacher
+    from kdflow.schemas.stores import TopkStoreInfo
+    from kdflow.tasks.common.models import teacher_identity
+
+    identity = teacher_identity(tokenised.teacher, device=torch.device("cpu"))
+    info = TopkStoreInfo(tag="t", teacher_fingerprint="f", tokens_fingerprint="k", teacher={}, teacher_identity=identity,
+                         top_k=8, logprobs_dtype="float16", seq_len=32)
+    assert _same_teacher(tokenised, info)
+    assert not _same_teacher(tokenised, info.model_copy(update={"teacher_identity": identity | {"weights": "other"}}))
+    assert not _same_teacher(tokenised, None)
