@@ -48,7 +48,7 @@ class KeyedProgress(_Keyed):
 
     def set(self, percent: float, description: str, *, force: bool = False) -> None:
         now = time.monotonic()
-        percent = max(0.0, min(100.0, percent))
+        percent = round(max(0.0, min(100.0, percent)), 1)
         if not self.enabled or (now - self.last < self.every_s and not force and 0 < percent < 100):
             return
         self.last = now

@@ -42,7 +42,7 @@ class Progress:
         self.log_every_s, self.partial_every_s = log_every_s, partial_every_s
         self.on_update = on_update
         self.context = dict(context or {})
-        self._partial: tuple[int, int] | None = None  # (rows done, rows) of the unit in progress
+        self._partial: tuple[int, int, int] | None = None  # (rows done, rows, tokens done) of the unit in progress
         self._last_partial = float("-inf")
         self.bar = tqdm(total=total, desc=stage, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=True,
                         disable=None)
@@ -52,11 +52,12 @@ class Progress:
         return time.perf_counter() - self.started
 
     def rate(self) -> float:
-        return self.tokens / max(self.elapsed, 1e-9)
+        """Tokens per second, counting the unit in progress."""
+        return (self.tokens + (self._partial or (0, 0, 0))[2]) / max(self.elapsed, 1e-9)
 
     def fraction_done(self) -> float:
         """Units done, counting the unit in progress by its rows."""
-        rows_done, rows = self._partial or (0, 0)
+        rows_done, rows, _ = self._partial or (0, 0, 0)
         return self.done + (rows_done / rows if rows else 0.0)
 
     def eta_s(self) -> float | None:
@@ -69,9 +70,9 @@ class Progress:
         """Report that work began (nothing done yet), so that a view of it exists before the first unit ends."""
         self._publish({})
 
-    def partial(self, rows_done: int, rows: int, unit_id: int | None = None) -> None:
-        """Inside a unit: `rows_done` of its `rows`; reported at most every `partial_every_s` seconds."""
-        self._partial = (rows_done, rows)
+    def partial(self, rows_done: int, rows: int, unit_id: int | None = None, tokens: int = 0) -> None:
+        """Inside a unit: `rows_done` of its `rows` (`tokens` of them); reported at most every `partial_every_s` s."""
+        self._partial = (rows_done, rows, tokens)
         now = time.perf_counter()
         if now - self._last_partial < self.partial_every_s and rows_done < rows:
             return

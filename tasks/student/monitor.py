@@ -44,9 +44,9 @@ def plot_training_curve(metrics: list[dict[str, Any]], evals: list[dict[str, Any
     axes = figure.add_subplot()
     steps = [record["step"] for record in metrics]
     if metrics:
-        axes.plot(steps, [record["loss"] for record in metrics], label="loss", color="tab:blue", linewidth=1.5)
-        for part, color in (("kd", "tab:orange"), ("ce", "tab:green")):
-            axes.plot(steps, [record[part] for record in metrics], label=part, color=color, linewidth=0.8, alpha=0.7)
+        for part, color in (("kd", "tab:orange"), ("ce", "tab:green")):  # dashed under the loss (kd = loss at kd_weight 1)
+            axes.plot(steps, [record[part] for record in metrics], "--", label=part, color=color, linewidth=1.0)
+        axes.plot(steps, [record["loss"] for record in metrics], label="loss", color="tab:blue", linewidth=1.2, zorder=3)
     if evals:
         axes.plot([e["step"] for e in evals], [e["kl"] for e in evals], "o--", label="held-out KL", color="tab:red")
     axes.set_xlabel("step")

@@ -285,6 +285,8 @@ def precompute_shards(
         logger.info("precompute: %d/%d shards already committed in %s, nothing to do", len(plan.wanted), len(plan.wanted),
                     run_root.display(store))
     else:
+        logger.info("precompute: loading the teacher for %d shards (%d of %d already committed)", len(plan.todo),
+                    len(plan.wanted) - len(plan.todo), len(plan.wanted))
         if on_progress is not None:  # seen before the weights load, which takes minutes for a large teacher
             on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0,
                          "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo)})
@@ -343,7 +345,8 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:  # it may have landed before our lease
                     _stale_temp_files(run_root, store, shard_id)
                     record = computer.compute(shard_id, token_records[shard_id], leases,
-                                              on_rows=lambda done, rows, i=shard_id: progress.partial(done, rows, i))
+                                              on_rows=lambda done, rows, i=shard_id: progress.partial(
+                                                  done, rows, i, tokens=done * computer.cfg.seq_len))
                     _commit_or_remove(run_root, store, record)
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)
