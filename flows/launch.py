@@ -98,7 +98,10 @@ def run_child(module: str, args: list[str], *, env: dict[str, str] | None = None
               on_log: Callable[[int, str], None] = lambda pid, line: None) -> ChildOutcome:
     """`python -m MODULE ARGS` in its own process group, followed until it exits; -> its outcome."""
     command = [sys.executable, "-m", module, *args]
-    child_env = os.environ | {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"} | (env or {})
+    # TQDM_DISABLE: third-party progress bars (the GGUF loader's) would be dozens of run-log lines; the child's
+    # own progress reaches the flow as protocol lines.
+    child_env = ({"TQDM_DISABLE": "1"} | os.environ | {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+                 | (env or {}))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                start_new_session=True, env=child_env)
     outcome = ChildOutcome(process.pid, exit_code=0)

@@ -36,6 +36,8 @@ def materialise_corpus(config: KDFlowConfig) -> dict[str, Any]:
     finally:
         progress.close()
     result = asdict(summary) | {"seconds": progress.elapsed}
+    if summary.parts and not summary.parts_written:
+        get_run_logger().info("materialise: %d/%d parts already committed, nothing to do", summary.parts, summary.parts)
     get_run_logger().info("materialise: %d parts, %d documents (%d written now, %d empty skipped) in %.1f s",
                           summary.parts, summary.documents, summary.parts_written, summary.skipped_empty, progress.elapsed)
     return result
@@ -43,4 +45,10 @@ def materialise_corpus(config: KDFlowConfig) -> dict[str, Any]:
 
 @flow(name="materialise", log_prints=True)
 def materialise_flow(config: KDFlowConfig) -> dict[str, Any]:
+    """Documents from the dataset into committed corpus parts under RUN_ROOT/corpus.
+
+    Args:
+        config: The run's settings, section by section; this stage reads `dataset` (a hub dataset id needs hub
+            access; local files do not). The first stage: nothing runs before it.
+    """
     return materialise_corpus(as_config(config))

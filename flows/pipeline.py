@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import flow
 
+from kdflow.flows.artifacts import artifact_key, publish_markdown, ui_link
 from kdflow.flows.common import as_config
 from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
@@ -13,8 +14,41 @@ from kdflow.schemas.config import STAGES, KDFlowConfig
 from kdflow.schemas.errors import ConfigError
 
 
+def _stage_line(stage: str, result: dict[str, Any]) -> str:
+    if stage == "materialise":
+        return f"| materialise | {result['parts']} corpus parts, {result['documents']:,} documents | {result['parts_written']} |"
+    if stage == "tokenise":
+        return f"| tokenise | {result['shards']} token shards, {result['tokens']:,} tokens | {result['shards_written']} |"
+    if stage == "precompute":
+        return (f"| precompute | {result['shards']} top-K shards in `{result['store']}` (manifest: "
+                f"{ui_link('topk-manifest-' + result['tag'])}) | {result.get('written') or 0} |")
+    return (f"| train | student `{result['student']}`: step {result['start_step']} → {result['steps']}, final loss "
+            f"{result.get('final_loss') or 0:.4g} | {result['steps'] - result['start_step']} steps |")
+
+
+def pipeline_report(config: KDFlowConfig, results: dict[str, Any]) -> str:
+    """Markdown for the parent run: what each stage holds and did, links to the stages' own artifacts, and the
+    student's report repeated (it is what a person opening the pipeline run wants to see)."""
+    lines = [f"# Pipeline on `{config.run_root}`", "", "| stage | holds | written now |", "|---|---|---:|"]
+    lines += [_stage_line(stage, result) for stage, result in results.items() if isinstance(result, dict)]
+    train = results.get("train")
+    if isinstance(train, dict) and "start_step" in train:
+        from kdflow.flows.train import report_key, student_report
+
+        lines += ["", f"Training curve and evaluation: {ui_link(report_key(config.student.name))}", "", "---", "",
+                  student_report(config, train)]
+    return "\n".join(lines) + "\n"
+
+
 @flow(name="pipeline", log_prints=True)
 def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict[str, Any]:
+    """materialise, tokenise, precompute and train-student in order, in this one flow run.
+
+    Args:
+        config: The run's settings, section by section in pipeline order. The teacher pass and training
+            want a GPU worker; a model or data set named by a hub id needs hub access (local paths do not).
+        stages: Stages to run, in pipeline order: materialise, tokenise, precompute, train (default: all).
+    """
     config = as_config(config)
     chosen = list(stages or STAGES)
     unknown = [s for s in chosen if s not in STAGES]
@@ -33,4 +67,6 @@ def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict
         from kdflow.flows.train import train_student_flow
 
         results["train"] = train_student_flow(config)
+    publish_markdown(artifact_key("pipeline", config.student.name), pipeline_report(config, results),
+                     f"every stage of the pipeline on {config.run_root}")
     return results

@@ -20,13 +20,14 @@ from prefect.tasks import exponential_backoff
 
 from kdflow.flows.common import as_config
 from kdflow.flows.launch import config_file, run_child
-from kdflow.schemas.commits import list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
+from kdflow.flows.precompute_progress import FanOutBoard, TeacherProgress
+from kdflow.schemas.commits import check_commit, list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.protocol import (EXIT_NO_SPACE, EXIT_UNEXPECTED, EXIT_USER_ERROR, LEASE_OWNER_ENV, describe_exit_code,
                                      format_shard_ids, is_retryable, parse_shard_ids)
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import alignment_problem, find_topk_stores
+from kdflow.schemas.stores import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
 from kdflow.tasks.teacher.precompute_worker import MODULE as WORKER_MODULE
 
 
@@ -51,36 +52,6 @@ class WorkerNoSpace(WorkerUserError):
     """Exit code 3: the disk (or bucket) is full. The worker's message names where, and what it needed."""
 
 
-class ProgressArtifact:
-    """The worker's progress as a Prefect progress artifact, updated every few seconds; quietly off when no API
-    takes artifacts (the flow must not fail for a progress bar)."""
-
-    def __init__(self, every_s: float = 5.0) -> None:
-        self.artifact_id: Any = None
-        self.every_s, self.last, self.enabled = every_s, 0.0, True
-
-    def update(self, progress: dict[str, Any]) -> None:
-        total, done = progress.get("total") or 0, progress.get("done", 0)
-        now = time.monotonic()
-        if not self.enabled or not total or (now - self.last < self.every_s and done < total):
-            return
-        self.last = now
-        percent = min(100.0, 100.0 * done / total)
-        eta = progress.get("eta_s")
-        description = (f"{done}/{total} shards, {progress.get('tokens', 0):,} tokens, {progress.get('tokens_per_s', 0):,.0f} tok/s"
-                       + (f", ETA {eta:,.0f} s" if eta is not None else ""))
-        try:
-            from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-            if self.artifact_id is None:
-                self.artifact_id = create_progress_artifact(percent, description=description)
-            else:
-                update_progress_artifact(self.artifact_id, percent, description=description)
-        except Exception as error:  # noqa: BLE001 - no API, or an old server: progress stays in the log
-            self.enabled = False
-            get_run_logger().debug("progress artifact disabled: %s", error)
-
-
 def _retry_if_retryable(task: Any, task_run: Any, state: Any) -> bool:
     error = state.result(raise_on_failure=False)
     return isinstance(error, WorkerFailed) and is_retryable(error.exit_code)
@@ -91,7 +62,7 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
     """One attempt: the teacher in a fresh process over `shard_ids` (default all); -> the worker's summary."""
     logger = get_run_logger()
     attempt = current_task_run.run_count
-    artifact = ProgressArtifact()
+    artifact = TeacherProgress(config, shard_ids)
     with config_file(config, "kdflow-worker") as config_path:
         args = ["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
         outcome = run_child(
@@ -140,17 +111,20 @@ def _fan_out(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any
                                                                              "shard_ids": part},
                            flow_run_name=f"precompute-shards-{format_shard_ids(part)}", timeout=0) for part in ranges]
     logger.info("fanned %d shards out as %d flow runs of %s", len(ids), len(runs), config.precompute.fanout_deployment)
+    board, states, waiting_since = FanOutBoard(config, ranges, runs), {}, time.perf_counter()
     with get_client(sync_client=True) as client:
         pending = {run.id for run in runs}
         failed = []
+        board.refresh(client, states, 0.0)
         while pending:
             time.sleep(5)
             for run_id in list(pending):
-                state = client.read_flow_run(run_id).state
+                state = states[run_id] = client.read_flow_run(run_id).state
                 if state is not None and state.is_final():
                     pending.discard(run_id)
                     if not state.is_completed():
                         failed.append(f"{run_id} ({state.type.value})")
+            board.refresh(client, states, time.perf_counter() - waiting_since)
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(runs)} shard-range flow runs did not complete: {', '.join(failed[:5])}")
     tags = find_topk_stores(run_root, config)
@@ -216,23 +190,74 @@ def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -
                        "tokens_per_s": worker.get("tokens_per_s", round(verified["tokens"] / max(seconds, 1e-9), 1))}
 
 
-@flow(name="precompute", log_prints=True)
-def precompute_flow(config: KDFlowConfig, shard_ids: list[int] | None = None) -> dict[str, Any]:
-    """The teacher's top-K for every token shard (or `shard_ids`), then the manifest checked."""
+def _same_teacher(config: KDFlowConfig, info: TopkStoreInfo | None) -> bool:
+    """The store was made from the teacher this config names now (same weights or hub revision, quantisation;
+    the dtype too unless it is `auto`, which depends on the host), computed without loading it or touching CUDA."""
+    if info is None:
+        return False
+    try:
+        import torch
+
+        from kdflow.tasks.common.models import teacher_identity
+
+        now, stored = teacher_identity(config.teacher, device=torch.device("cpu")), dict(info.teacher_identity)
+    except Exception:  # noqa: BLE001 - the worker reports a bad teacher with its own one-line error
+        return False
+    if config.teacher.dtype == "auto":
+        now.pop("dtype", None)
+        stored.pop("dtype", None)
+    return now == stored
+
+
+def _committed_already(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any] | None:
+    """{'tag', 'written': 0} when this config's top-K store already holds every asked-for shard (read from the
+    store's files: no worker started, no teacher loaded), else None."""
+    run_root = RunRoot(config.run_root)
+    tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
+    tags = find_topk_stores(run_root, config) if tokens_done is not None else []
+    if len(tags) != 1:
+        return None
+    ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards))
+    store = stage_dir(run_root, "topk", tags[0])
+    if not _same_teacher(config, read_store_info(run_root, store)) or any(
+            check_commit(run_root, store, "topk", i, tags[0])[0] is None for i in ids):
+        return None
+    get_run_logger().info("precompute: %d/%d shards already committed in %s, nothing to do", len(ids), len(ids),
+                          run_root.display(store))
+    return {"tag": tags[0], "written": 0, "tokens_per_s": 0.0}
+
+
+def _precompute(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
     started = time.perf_counter()
-    config = as_config(config)
-    if config.precompute.shards_per_flow_run:
+    worker = _committed_already(config, shard_ids)
+    if worker is None and config.precompute.shards_per_flow_run and not shard_ids:
         worker = _fan_out(config, shard_ids)
-    else:
+    elif worker is None:
         worker = _run_worker_with_retries(config, shard_ids)
     verified = _verify(config, worker["tag"], shard_ids)
     return _summary(verified, worker, started) | _store_report_artifact(config, worker["tag"], worker.get("fidelity"))
 
 
+@flow(name="precompute", log_prints=True)
+def precompute_flow(config: KDFlowConfig) -> dict[str, Any]:
+    """The teacher's top-K log-probabilities for every token shard, then the store's manifest checked.
+
+    Args:
+        config: The run's settings, section by section; the teacher pass reads `teacher` and `precompute`.
+            Run materialise and tokenise first. Needs a GPU worker unless `precompute.shards_per_flow_run`
+            fans shard ranges out to the GPU pool.
+    """
+    return _precompute(as_config(config), None)
+
+
 @flow(name="precompute-shards", log_prints=True)
 def precompute_shards_flow(config: KDFlowConfig, shard_ids: list[int] | str) -> dict[str, Any]:
-    """One shard range (a list, or '0,3,5-9') in one worker process: what the fan-out's deployment runs."""
-    started = time.perf_counter()
+    """One shard range (a list, or '0,3,5-9') in one worker process: what the fan-out's deployment runs.
+
+    Args:
+        config: The settings of the run the range belongs to (passed by the precompute fan-out).
+        shard_ids: The range's shard ids, e.g. [0, 1, 2] or '0-15'.
+    """
     config = as_config(config)
     try:
         ids = parse_shard_ids(shard_ids) if isinstance(shard_ids, str) else list(shard_ids)
@@ -240,6 +265,4 @@ def precompute_shards_flow(config: KDFlowConfig, shard_ids: list[int] | str) -> 
         raise ConfigError(str(error)) from None
     if not ids:
         raise ConfigError("precompute-shards needs at least one shard id")
-    worker = _run_worker_with_retries(config, ids)
-    verified = _verify(config, worker["tag"], ids)
-    return _summary(verified, worker, started) | _store_report_artifact(config, worker["tag"], worker.get("fidelity"))
+    return _precompute(config, ids)

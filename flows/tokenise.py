@@ -26,6 +26,8 @@ def tokenise_corpus(config: KDFlowConfig) -> dict[str, Any]:
         summary = tokenise(config, tokenizer, on_shard=lambda r: progress.update(1, r.tokens))
     finally:
         progress.close()
+    if summary.shards and not summary.shards_written:
+        get_run_logger().info("tokenise: %d/%d shards already committed, nothing to do", summary.shards, summary.shards)
     get_run_logger().info(
         "tokenise: %d shards, %d sequences, %s tokens (%d written now, %d tail tokens dropped), %.0f tok/s",
         summary.shards, summary.sequences, f"{summary.tokens:,}", summary.shards_written, summary.dropped_tokens,
@@ -36,4 +38,10 @@ def tokenise_corpus(config: KDFlowConfig) -> dict[str, Any]:
 
 @flow(name="tokenise", log_prints=True)
 def tokenise_flow(config: KDFlowConfig) -> dict[str, Any]:
+    """Corpus parts into packed token shards of `seq_len` tokens under RUN_ROOT/tokens.
+
+    Args:
+        config: The run's settings, section by section; this stage reads `tokenizer` (the teacher's by default)
+            and `seq_len`. Run materialise first.
+    """
     return tokenise_corpus(as_config(config))

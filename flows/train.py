@@ -16,15 +16,18 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
+from kdflow.flows.artifacts import KeyedProgress, artifact_key, png_markdown, publish_markdown
 from kdflow.flows.common import as_config, write_stage_config
 from kdflow.flows.launch import config_file, run_child
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
-from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR
+from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR, TRAINING_CURVE_FILE
 from kdflow.schemas.protocol import EXIT_NO_SPACE, EXIT_USER_ERROR, describe_exit_code, is_retryable
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.student import train_worker
+from kdflow.tasks.common.progress import format_duration
 from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
+from kdflow.tasks.student.monitor import step_line
 from kdflow.tasks.student.train import check_layout, read_jsonl, train
 from kdflow.tasks.student.train_worker import EXEC_TORCHRUN
 
@@ -43,10 +46,12 @@ def sparkline(values: list[float], width: int = 60) -> str:
     return "".join(_SPARKS[round((v - low) / span * (len(_SPARKS) - 1))] if math.isfinite(v) else " " for v in sampled)
 
 
-def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows: int = 12) -> str:
+def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows: int = 12, png: bytes | None = None) -> str:
     """Markdown: the loss curve, a table of sampled steps and the held-out evaluation before and after."""
     lines = [f"# Student `{summary['student']}`: {summary['steps']} steps", "",
              f"Model: `{summary['final_dir'] or summary['student_dir']}`  ", f"Top-K store: `{summary['topk_store']}`", ""]
+    if png:
+        lines += [png_markdown(png, f"training curve of {summary['student']}"), ""]
     if metrics:
         losses = [float(r["loss"]) for r in metrics]
         lines += [f"Loss {losses[0]:.4g} → {losses[-1]:.4g}: `{sparkline(losses)}`", "",
@@ -65,17 +70,72 @@ def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows
     return "\n".join(lines) + "\n"
 
 
-def _publish_report(config: KDFlowConfig, summary: dict[str, Any]) -> None:
-    run_root = RunRoot(config.run_root)
-    metrics = read_jsonl(run_root, f"{run_root.path(STUDENTS_DIR, config.student.name)}/{METRICS_FILE}")
-    key = "train-" + "".join(c if c.isalnum() else "-" for c in config.student.name.lower())
-    try:
-        from prefect.artifacts import create_markdown_artifact
+def report_key(student_name: str) -> str:
+    """The key of a student's training curve and evaluation: one artifact, a new version after every evaluation."""
+    return artifact_key("train", student_name)
 
-        create_markdown_artifact(key=key, markdown=training_report(summary, metrics),
-                                 description=f"training curve and evaluation of student {config.student.name}")
-    except Exception as error:  # noqa: BLE001 - a report is a view; it must never fail a finished training run
-        get_run_logger().warning("train-student: no training report artifact (%s)", error)
+
+def _curve_png(run_root: RunRoot, student_dir: str) -> bytes | None:
+    try:
+        return run_root.read_bytes(f"{student_dir}/{TRAINING_CURVE_FILE}")
+    except FileNotFoundError:
+        return None
+
+
+def student_report(config: KDFlowConfig, summary: dict[str, Any]) -> str:
+    """The final report of a training run (training_report), with its metrics and curve read from the run root."""
+    run_root = RunRoot(config.run_root)
+    student_dir = run_root.path(STUDENTS_DIR, config.student.name)
+    metrics = read_jsonl(run_root, f"{student_dir}/{METRICS_FILE}")
+    return training_report(summary, metrics, png=_curve_png(run_root, student_dir))
+
+
+class TrainingArtifacts:
+    """Training as Prefect artifacts while it runs, from the training loop's events (kdflow.tasks.student.monitor),
+    in this process or from torchrun's rank 0: a progress bar under `train-NAME-progress`, updated in place, and
+    the curve under `train-NAME`, a new version after every evaluation (the final report is its last one)."""
+
+    def __init__(self, config: KDFlowConfig) -> None:
+        self.name = config.student.name
+        self.run_root = RunRoot(config.run_root)
+        self.student_dir = self.run_root.path(STUDENTS_DIR, self.name)
+        self.progress = KeyedProgress(artifact_key("train", self.name, "progress"))
+        self.losses: list[float] = []
+        self.evals: list[dict[str, Any]] = []
+        self.curves = 0
+
+    def update(self, event: dict[str, Any]) -> None:
+        if event.get("stage") != "train":
+            return
+        if event["event"] == "step":
+            self.losses.append(event["loss"])
+            self.progress.set(100.0 * event["step"] / event["steps"], step_line(self.name, event),
+                              force=event["step"] >= event["steps"])
+        elif event["event"] == "eval":
+            self.evals.append(event)
+            self._curve(event)
+
+    def _curve(self, event: dict[str, Any]) -> None:
+        png = _curve_png(self.run_root, self.student_dir)
+        lines = [f"# Student `{self.name}`: step {event['step']} of {event['steps']} (training)", ""]
+        if png:
+            lines += [png_markdown(png, f"training curve of {self.name}"), ""]
+        if self.losses:
+            lines += [f"Loss {self.losses[0]:.4g} → {self.losses[-1]:.4g}: `{sparkline(self.losses)}`", ""]
+        lines += ["| held-out at step | KL to teacher top-K | perplexity | top-1 agreement |", "|---:|---:|---:|---:|"]
+        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {e['top1_agreement']:.1%} |" for e in self.evals]
+        if publish_markdown(report_key(self.name), "\n".join(lines) + "\n",
+                            f"training curve of student {self.name}, step {event['step']}"):
+            self.curves += 1
+
+    def finished(self, config: KDFlowConfig, summary: dict[str, Any]) -> None:
+        """The final report as the curve's last version, and the progress bar at 100 %."""
+        loss = summary.get("final_loss")
+        self.progress.set(100.0, f"{summary['steps']}/{config.student.steps} steps done in "
+                                 f"{format_duration(summary.get('seconds') or 0.0)}"
+                                 + (f", final loss {loss:.4f}" if loss is not None else ""), force=True)
+        publish_markdown(report_key(self.name), student_report(config, summary),
+                         f"training curve and evaluation of student {self.name}")
 
 
 def _write_config_if_changed(config: KDFlowConfig, folder: str) -> None:
@@ -101,7 +161,7 @@ class TrainingUserError(TrainingFailed, KDFlowError):
     """A rank failed on bad config or input (exit code 2): its own one-line message."""
 
 
-def run_torchrun(config: KDFlowConfig) -> dict[str, Any] | None:
+def run_torchrun(config: KDFlowConfig, on_event: Any = lambda event: None) -> dict[str, Any] | None:
     """torchrun for this node, its lines forwarded to the run log; -> rank 0's summary (None when rank 0
     ran on another node). Raises TrainingUserError / TrainingFailed on a non-zero exit code."""
     logger = get_run_logger()
@@ -110,7 +170,7 @@ def run_torchrun(config: KDFlowConfig) -> dict[str, Any] | None:
         logger.info("node %d of %d: %s", distributed.node_rank, distributed.nnodes,
                     shlex.join(torchrun_command(distributed, config_path)))
         outcome = run_child(train_worker.MODULE, [EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)],
-                            on_log=lambda pid, line: logger.info("torchrun: %s", line))
+                            on_progress=on_event, on_log=lambda pid, line: logger.info("torchrun: %s", line))
     code, errors = outcome.exit_code, outcome.errors
     if code != 0:
         user = next((e for e in errors if e.get("exit_code") in (EXIT_USER_ERROR, EXIT_NO_SPACE)), None)
@@ -129,16 +189,20 @@ def train_student(config: KDFlowConfig) -> dict[str, Any]:
     world_size = world_size_of(distributed)
     if distributed.node_rank == 0:  # one writer: the configs of other nodes differ in node_rank only
         _write_config_if_changed(config, run_root.path(STUDENTS_DIR, config.student.name))
+    artifacts = TrainingArtifacts(config)
     if world_size == 1:
-        summary = train(config)
+        summary = train(config, on_event=artifacts.update)
     else:
         check_layout(config.student, world_size)  # a one-line error here, before any process starts
-        summary = run_torchrun(config)
+        summary = run_torchrun(config, on_event=artifacts.update)
         if summary is None:
             get_run_logger().info("train-student %s: node %d done; rank 0 ran on another node and reports there",
                                   config.student.name, distributed.node_rank)
             return {"student": config.student.name, "node_rank": distributed.node_rank, "world_size": world_size}
-    _publish_report(config, summary)
+    artifacts.finished(config, summary)
+    if summary["steps"] == summary["start_step"] and not summary["stopped"]:
+        get_run_logger().info("train-student %s: %d/%d steps already done, nothing to do", config.student.name,
+                              summary["steps"], config.student.steps)
     before, after = summary["eval_before"] or {}, summary["eval_after"] or {}
     get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, held-out KL %s -> %s, model in %s",
                           config.student.name, summary["start_step"], summary["steps"], summary["final_loss"],
@@ -148,6 +212,12 @@ def train_student(config: KDFlowConfig) -> dict[str, Any]:
 
 @flow(name="train-student", log_prints=True)
 def train_student_flow(config: KDFlowConfig) -> dict[str, Any]:
+    """Train (or resume) the student against the teacher's stored top-K; the model lands in students/NAME/final.
+
+    Args:
+        config: The run's settings, section by section; this stage reads `student`. Run precompute first.
+            Wants a GPU worker (one per rank with `student.distributed`); CPUs work for small students.
+    """
     config = as_config(config)
     distributed = config.student.distributed
     if distributed.node_rank >= distributed.nnodes:

@@ -96,10 +96,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return main(args.rest)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kdflow")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdflow", description="Offline knowledge distillation: cached teacher top-K, "
                                      "fused chunked KL student training, orchestrated by Prefect.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    parser.add_argument("--version", action="version", version=f"kdflow {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="the whole pipeline on the embedded default (real small teacher, no server)")
@@ -159,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if handler not in existing:
             install_terminal_logging(handler, args.verbose)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
+    logging.getLogger("kdflow").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)

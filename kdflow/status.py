@@ -19,8 +19,10 @@ def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected:
     rows = sum(r.rows for r in records.values())
     fingerprints = sorted({r.fingerprint for r in records.values()}) or ["-"]
     state = "complete" if done is not None and len(records) == done.shards else "in progress" if records else "empty"
+    # Corpus parts count tokens only under a token budget (dataset.max_tokens); 0 there means "not counted".
+    counted = f"{tokens:>14,} tokens" if tokens or stage != "corpus" or not rows else f"{'tokens not counted':>21}"
     line = (f"{label:<22} {len(records):>6}/{expected if expected is not None else '?':<6} shards  {rows:>10,} rows  "
-            f"{tokens:>14,} tokens  {state:<11}  fingerprint {','.join(fingerprints)}")
+            f"{counted}  {state:<11}  fingerprint {','.join(fingerprints)}")
     return line, done.shards if done else None
 
 

@@ -232,6 +232,9 @@ class StudentConfig(_Section):
     seed: int = Field(default=0, description="Seeds the initial weights and the data order")
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
+    log_every: PositiveInt = Field(default=10, description="Steps between training log lines (loss, lr, tok/s, ETA)")
+    tensorboard: bool = Field(default=False, description="Also write TensorBoard event files to students/NAME/tensorboard "
+                                                          "(the tensorboard extra)")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
     lease_ttl_s: float = Field(

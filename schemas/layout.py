@@ -7,7 +7,7 @@ RUN_ROOT/
   topk/TAG/        shard-NNNNN.arrow + .commit.json (+ .lease while computed), _complete.json, _store.json, config.yaml,
                    _renumbering.bin (v2 with renumbering: unigram)
   students/NAME/   checkpoint-STEP/ (checkpoint.json last), final/, metrics.jsonl, eval.jsonl, config.yaml,
-                   trainer.lease (while trained)
+                   training_curve.png (tensorboard/), trainer.lease (while trained)
   _faults/         markers of injected faults that fired (KDFLOW_FAULT)
 ```
 Temporary files are `.NAME.tmp-PID-HOSTTAG-TOKEN` beside NAME (`temp_name`); the next run of the stage
@@ -38,6 +38,8 @@ CHECKPOINT_MARKER = "checkpoint.json"  # written last: a checkpoint without it i
 TRAINING_STATE_FILE = "training_state.pt"
 FINAL_DIR = "final"  # the final model and tokenizer: what `kdflow chat` loads
 METRICS_FILE, EVAL_FILE = "metrics.jsonl", "eval.jsonl"
+TRAINING_CURVE_FILE = "training_curve.png"  # the loss curve, redrawn after every evaluation
+TENSORBOARD_DIR = "tensorboard"  # event files, with student.tensorboard
 
 _DATA_NAMES: dict[str, tuple[str, str]] = {"corpus": ("part-", ".parquet"), "tokens": ("shard-", ".arrow"),
                                            "topk": ("shard-", ".arrow")}

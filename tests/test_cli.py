@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -34,6 +35,8 @@ def test_help_lists_the_commands() -> None:
     assert result.returncode == 0
     for command in COMMANDS:
         assert f"    {command} " in result.stdout
+    version = kdflow("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"kdflow {importlib.metadata.version('kdflow')}"
 
 
 def test_unknown_config_key_is_one_line_without_traceback(tmp_path: Path) -> None:
@@ -68,13 +71,15 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
     assert second.returncode == 0, second.stderr[-3000:]
     log = second.stdout + second.stderr
     assert "materialise: 4 parts, 60 documents (0 written now" in log and "(0 written now, " in log.split("tokenise:")[-1]
+    assert "materialise: 4/4 parts already committed, nothing to do" in log
+    assert "tokenise: 27/27 shards already committed, nothing to do" in log
     assert store_mtimes(run_root) == before
 
     (run_root / "topk" / ".partial-copy").mkdir(parents=True)  # not a store: status and validate pass over it
     status = kdflow("status", str(run_root))
     assert status.returncode == 0
     lines = {line.split()[0]: line for line in status.stdout.splitlines()}
-    assert "4/4" in lines["corpus"] and "complete" in lines["corpus"]
+    assert "4/4" in lines["corpus"] and "complete" in lines["corpus"] and "tokens not counted" in lines["corpus"]
     assert "27/27" in lines["tokens"] and "6,720 tokens" in lines["tokens"] and "complete" in lines["tokens"]
 
     validate = kdflow("validate", str(run_root))

@@ -32,6 +32,8 @@ from typing import Any
 import pytest
 import yaml
 
+from kdflow.schemas.protocol import format_shard_ids
+
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -312,6 +314,23 @@ def test_precompute_deployment_fans_out_over_both_gpu_workers(
     results = [run.state.result() for run in children]
     assert sorted(result["written"] for result in results) == sorted(len(r) for r in ranges)
     _assert_store_complete(config, parent.state.result()["tag"], shards)
+
+    # The coordinator's overall progress and its table of ranges, kept under the store's keys.
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from kdflow.flows.precompute_progress import precompute_key
+
+    key = precompute_key(config)
+
+    async def artifacts(client: Any) -> dict[str, Any]:
+        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key, f"{key}-ranges"])))
+        return {artifact.key: artifact for artifact in found}
+
+    board = prefect_stack.client_call(artifacts)
+    assert board[key].data == 100.0 and board[key].description.startswith("2/2 shard ranges done")
+    table = json.loads(board[f"{key}-ranges"].data)
+    assert [row["state"] for row in table] == ["Completed", "Completed"]
+    assert sorted(row["shards"] for row in table) == sorted(format_shard_ids(r) for r in ranges)
 
     # The trigger on train-student/llmjp started training with the precompute run's config.
     deadline = time.monotonic() + 60

@@ -270,11 +270,17 @@ def test_flow_launches_torchrun_and_reports(fresh_run, one_rank, prefect_harness
     with pytest.raises(KDFlowError, match="must be divisible by ranks x grad_accum = 2 x 2"):  # before any launch
         train_student_flow(fresh_run(student__batch_size=6).model_dump(mode="json"))
 
-    config = fresh_run(student__name="flow")
+    config = fresh_run(student__name="flow", student__log_every=2, student__eval_every=3)
     summary = train_student_flow(config.model_dump(mode="json"))
     assert summary["world_size"] == 2 and summary["steps"] == STEPS and summary["final_dir"].endswith("final")
     assert student_path(config, "config.yaml").exists()
     assert_same_weights(final_weights(config), one_rank["weights"])
+    # Rank 0's progress and evaluations reached the flow through the worker protocol, as keyed artifacts.
+    from prefect.artifacts import Artifact
+
+    progress, curve = Artifact.get("train-flow-progress"), Artifact.get("train-flow")
+    assert progress.data == 100.0 and progress.updated > progress.created
+    assert "](data:image/png;base64," in curve.data and student_path(config, "training_curve.png").exists()
 
 
 def test_launch_command_backend_and_sharding_choices() -> None:

@@ -111,6 +111,21 @@ def test_prefect_server_on_postgres(infra_env: dict[str, str]) -> None:
     flow_id = json.load(urllib.request.urlopen(request, timeout=10))["id"]
     assert psql(env, f"SELECT name FROM flow WHERE id = '{flow_id}'") == "kdflow-postgres-check"
     assert int(psql(env, "SELECT count(*) FROM information_schema.tables WHERE table_name IN ('flow_run', 'deployment')")) == 2
+    # A deployment's parameter schema comes back from jsonb with its keys reordered (by length); the form's
+    # `position` still gives every nested section in definition order, which is how Prefect's UI sorts it.
+    from prefect.utilities.callables import parameter_schema
+
+    from kdflow.flows.precompute import precompute_flow
+    from kdflow.schemas.config import StudentConfig
+
+    body = {"name": "form-check", "flow_id": flow_id, "parameter_openapi_schema": parameter_schema(precompute_flow.fn).model_dump()}
+    request = urllib.request.Request(f"{api_url}/deployments/", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    deployment_id = json.load(urllib.request.urlopen(request, timeout=10))["id"]
+    stored = json.load(urllib.request.urlopen(f"{api_url}/deployments/{deployment_id}", timeout=10))["parameter_openapi_schema"]
+    fields = stored["definitions"]["StudentConfig"]["properties"]
+    assert list(fields) != list(StudentConfig.model_fields)  # jsonb's order
+    assert sorted(fields, key=lambda key: fields[key]["position"]) == list(StudentConfig.model_fields)
     listing = subprocess.run([str(Path(sys.executable).parent / "prefect"), "flow-run", "ls"], env=env | {"PREFECT_API_URL": api_url},
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0, listing.stderr

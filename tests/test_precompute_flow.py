@@ -73,8 +73,10 @@ def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    from kdflow.flows.precompute_progress import precompute_key
+
     kinds = {(a.type, a.key) for a in artifacts}
-    assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress", None) in kinds
+    assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress", precompute_key(config, [0, 2])) in kinds
     [progress] = [a for a in artifacts if a.type == "progress"]
     assert progress.data == 100.0  # the last update of the worker's progress reached the artifact
     [report] = [a for a in artifacts if a.key == f"topk-store-report-{result['tag']}"]

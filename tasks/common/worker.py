@@ -9,6 +9,7 @@ the process without interpreter teardown. Stdlib imports only at the top: no tor
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -33,6 +34,14 @@ def set_parent_death_signal() -> None:
     expected = os.environ.get(PARENT_PID_ENV)
     if expected and int(expected) != os.getppid():
         os._exit(128 + int(signal.SIGKILL))  # the parent died before prctl took effect
+
+
+def configure_logging(level: int, tag: str = "") -> None:
+    """Log lines on stderr. Started by a flow, which stamps every line it forwards with its own time, they carry
+    no timestamp of their own (one per line in the run log); started by hand, they do."""
+    stamp = "" if os.environ.get(PARENT_PID_ENV) else "%(asctime)s "
+    logging.basicConfig(level=level, stream=sys.stderr, format=f"{stamp}{tag}%(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
 
 
 def run_worker(body: Callable[[], dict[str, Any] | None], *, label: str, error_fields: dict[str, Any] | None = None,

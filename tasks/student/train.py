@@ -32,7 +32,6 @@ from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_D
 from kdflow.schemas.storage import DiskFull, RunRoot, is_no_space, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import model_body, output_layer
-from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
                                              load_training_state, prune_checkpoints, save_checkpoint, save_final)
@@ -42,6 +41,7 @@ from kdflow.tasks.student.distributed import (all_reduce_sum, any_rank, barrier,
                                               load_full_optimizer_state, rank_device, torchrun_rank, wrap_for_training)
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
 from kdflow.tasks.student.trainer_lease import hold_student
+from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 
 IGNORE_INDEX = -100
 OnStep = Callable[[dict[str, Any]], bool | None]
@@ -391,33 +391,40 @@ class StudentRun:
         }
 
 
-def train(config: KDFlowConfig, *, rank: int = 0, world_size: int = 1, on_step: OnStep | None = None) -> dict[str, Any]:
+def train(config: KDFlowConfig, *, rank: int = 0, world_size: int = 1, on_step: OnStep | None = None,
+          on_event: OnEvent | None = None) -> dict[str, Any]:
     """Train (or resume) students/NAME to `student.steps`; -> a small summary dict.
 
     `on_step(record)` is called after every optimiser step with its metrics; returning True stops the
-    run there after saving a checkpoint (a resumed run continues exactly from it).
+    run there after saving a checkpoint (a resumed run continues exactly from it). `on_event` gets rank 0's
+    progress and evaluation events (kdflow.tasks.student.monitor).
     """
     with hold_student(config, rank) as lease:  # one trainer per student: a second run waits here, then resumes
         run = StudentRun(config, rank, world_size)
         student = config.student
-        progress = Progress(f"train {student.name}", max(student.steps - run.state.step, 0), unit="step")
+        monitor = TrainingMonitor(config, run.run_root, run.student_dir, run.state.step, enabled=run.is_main,
+                                  on_event=on_event,
+                                  last_eval_step=run.evals.records[-1]["step"] if run.evals.records else None)
         stopped = False
         try:
             if run.state.step == 0 and not run.evals.records:
                 run.evaluate()
+                monitor.evaluated(run.metrics.records, run.evals.records)
             while run.state.step < student.steps and not stopped:
                 record = run.step()
                 lease.renew()
-                progress.update(1, run.tokens_per_step, loss=record["loss"], lr=record["lr"])
+                monitor.step(record)
                 faults.maybe_fire("step", run.run_root, stage="train", step=run.state.step)
                 stopped = bool(on_step(record)) if on_step is not None else False
                 if student.eval_every and run.state.step % student.eval_every == 0:
                     run.evaluate()
+                    monitor.evaluated(run.metrics.records, run.evals.records)
                 if run.state.step % student.save_every == 0 or stopped:
                     run.save()
             if not stopped:
                 run.finish()
+                monitor.evaluated(run.metrics.records, run.evals.records)
         finally:
-            progress.close()
+            monitor.close()
             run.flush_logs()
         return run.summary(stopped)

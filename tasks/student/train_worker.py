@@ -24,8 +24,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from kdflow.schemas.protocol import PARENT_PID_ENV
-from kdflow.tasks.common.worker import exit_now, run_worker, set_parent_death_signal
+from kdflow.schemas.protocol import PARENT_PID_ENV, PROGRESS_PREFIX, emit
+from kdflow.tasks.common.worker import configure_logging, exit_now, run_worker, set_parent_death_signal
 
 MODULE = "kdflow.tasks.student.train_worker"
 EXEC_TORCHRUN = "--exec-torchrun"
@@ -51,8 +51,7 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at-step", type=int, default=None, help="stop after this step, with a checkpoint")
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    configure_logging(logging.INFO if rank == "0" else logging.WARNING, tag=f"rank {rank} ")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def body() -> dict[str, Any] | None:
@@ -68,7 +67,8 @@ def run(argv: list[str] | None = None) -> int:
         device = rank_device(config.student.device, ranks.local_rank, ranks.world_size)
         backend = init_process_group(config.student.distributed, ranks, device)
         logging.getLogger("kdflow").info("rank %d of %d on %s (%s)", ranks.rank, ranks.world_size, device, backend)
-        summary = train(config, rank=ranks.rank, world_size=ranks.world_size, on_step=_stop_at(args.stop_at_step))
+        summary = train(config, rank=ranks.rank, world_size=ranks.world_size, on_step=_stop_at(args.stop_at_step),
+                        on_event=lambda event: emit(PROGRESS_PREFIX, event))  # rank 0's steps and evaluations
         barrier()  # rank 0 has written everything when any rank reports success
         shutdown()
         return summary | {"world_size": ranks.world_size, "backend": backend} if ranks.rank == 0 else None

@@ -12,6 +12,7 @@ so that two processes on one run root do not compute the same shard; a lost race
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -48,6 +49,7 @@ from kdflow.tasks.teacher.store_report import pass_fidelity
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 WRITE_QUEUE_DEPTH = 2
+logger = logging.getLogger("kdflow.precompute")
 
 
 # --- one shard: device -> host -> Arrow, overlapped -------------------------------------------------------
@@ -164,7 +166,10 @@ class ShardComputer:
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32
         self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage, 0 if self.sampled else WRITE_QUEUE_DEPTH + 2)
 
-    def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases) -> CommitRecord:
+    def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases,
+                on_rows: Callable[[int, int], None] = lambda done, rows: None) -> CommitRecord:
+        """One shard, written and returned as its commit record (not yet committed); `on_rows(done, rows)`
+        after every micro-batch."""
         cfg, pre = self.cfg, self.cfg.precompute
         tokens_store = stage_dir(self.run_root, "tokens")
         input_ids = read_token_shard(self.run_root, f"{tokens_store}/{token_record.data_file}", cfg.seq_len)  # (rows, T)
@@ -184,6 +189,7 @@ class ShardComputer:
                     for micro_batch, start in enumerate(range(0, len(input_ids), pre.micro_batch)):
                         self._micro_batch(input_ids[start:start + pre.micro_batch], background, shard_id, micro_batch)
                         leases.renew(shard_id)
+                        on_rows(min(start + pre.micro_batch, len(input_ids)), len(input_ids))
                     background.drain()
                 finally:
                     background.close()
@@ -317,7 +323,15 @@ def precompute_shards(
     plan = plan_pass(cfg, shard_ids, target)
     run_root, store, tag = plan.run_root, plan.store, plan.tag
     written, tokens_written, compute_seconds, leased_elsewhere, fidelity = 0, 0, 0.0, [], None
-    if plan.todo:
+    if not plan.todo:
+        logger.info("precompute: %d/%d shards already committed in %s, nothing to do", len(plan.wanted), len(plan.wanted),
+                    run_root.display(store))
+    else:
+        logger.info("precompute: loading the teacher for %d shards (%d of %d already committed)", len(plan.todo),
+                    len(plan.wanted) - len(plan.todo), len(plan.wanted))
+        if on_progress is not None:  # seen before the weights load, which takes minutes for a large teacher
+            on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0,
+                         "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo)})
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, plan.tokens_done.fingerprint) for i in plan.todo}
         run_root.ensure_writable()
         model = model if model is not None else load_teacher(cfg.teacher, device=target)
@@ -329,7 +343,9 @@ def precompute_shards(
         remove_stale_temp_files(run_root, store)  # what killed writers left (live writers' files are kept)
         _write_store_files(cfg, plan, computer.codec if computer.sampled is None else computer.sampled.codec)
         leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
-        progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress)
+        progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress,
+                            context={"tag": tag, "skipped": len(plan.wanted) - len(plan.todo)})
+        progress.start()
         try:
             with deterministic_algorithms():
                 written, tokens_written, compute_seconds, leased_elsewhere = _run(
@@ -375,7 +391,9 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
             try:
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:  # it may have landed before our lease
                     _stale_temp_files(run_root, store, shard_id)
-                    record = computer.compute(shard_id, token_records[shard_id], leases)
+                    record = computer.compute(shard_id, token_records[shard_id], leases,
+                                              on_rows=lambda done, rows, i=shard_id: progress.partial(
+                                                  done, rows, i, tokens=done * computer.cfg.seq_len))
                     commit_or_remove(run_root, store, record)
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from typing import Any
 
 from kdflow.schemas.protocol import PROGRESS_PREFIX, emit, parse_shard_ids
-from kdflow.tasks.common.worker import exit_now, run_worker, set_parent_death_signal
+from kdflow.tasks.common.worker import configure_logging, exit_now, run_worker, set_parent_death_signal
 
 MODULE = "kdflow.tasks.teacher.precompute_worker"
 
@@ -27,8 +26,7 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the resolved config (YAML)")
     parser.add_argument("--shards", default=None, help="shard ids: 0,3,5 or 3-9 (default: all)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    configure_logging(logging.INFO)
     # cuBLAS needs this before its first call to be deterministic.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,189 @@
+"""What users see while a run runs, read back through a Prefect API (the test harness) like the UI reads it:
+training log lines every `student.log_every` steps, the keyed progress and curve artifacts updated during the
+run, the training curve PNG, the teacher pass's keyed progress, a no-op rerun that says so, and the
+parameter form's field order and titles in a deployment's schema."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import sample_documents, write_jsonl
+
+from kdflow.schemas.config import KDFlowConfig, config_from_dict
+
+
+@pytest.fixture(scope="module")
+def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> KDFlowConfig:
+    """Corpus and token shards of a tiny run (the pure stages), shared by this module's tests."""
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
+
+    base = tmp_path_factory.mktemp("feedback")
+    config = config_from_dict({
+        "run_root": str(base / "run"),
+        "dataset": {"path": str(write_jsonl(base / "docs.jsonl", sample_documents(40))), "documents_per_part": 16},
+        "seq_len": 32,
+        "teacher": {"model": str(tiny_teacher_dir), "device": "cpu", "dtype": "float32"},
+        "precompute": {"top_k": 8, "micro_batch": 2, "sequences_per_shard": 8},
+        "student": {"name": "watched", "steps": 8, "batch_size": 4, "eval_sequences": 8, "warmup_steps": 1,
+                    "log_every": 2, "eval_every": 4, "save_every": 4, "device": "cpu",
+                    "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "num_key_value_heads": 1, "intermediate_size": 64}},
+    })
+    materialise(config)
+    assert tokenise(config, load_tokenizer(config)).shards >= 3
+    return config
+
+
+def flow_run_logs(flow_run_id: Any) -> list[str]:
+    """Every log message of a flow run (and its tasks), after the log worker has sent what it holds."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+    return [log.message for log in logs]
+
+
+def artifact_versions(key: str) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+
+def test_precompute_reports_keyed_progress_and_a_rerun_does_nothing_quickly(prefect_harness, tokenised) -> None:
+    from kdflow.flows.precompute import precompute_flow
+    from kdflow.flows.precompute_progress import precompute_key
+
+    state = precompute_flow(tokenised, return_state=True)
+    result = state.result()
+    assert result["written"] == result["shards"] >= 3
+    [progress] = artifact_versions(precompute_key(tokenised))  # one bar per store, updated in place
+    assert progress.type == "progress" and progress.data == 100.0 and progress.updated > progress.created
+    assert re.search(rf"^{result['shards']}/{result['shards']} shards committed; .* ETA 0:00:00$", progress.description)
+
+    started = time.perf_counter()
+    again = precompute_flow(tokenised, return_state=True)
+    seconds = time.perf_counter() - started
+    assert again.result()["written"] == 0 and again.result()["worker_pid"] is None  # no teacher process at all
+    message = f"precompute: {result['shards']}/{result['shards']} shards already committed in"
+    assert any(line.startswith(message) and line.endswith("nothing to do")
+               for line in flow_run_logs(again.state_details.flow_run_id))
+    print(json.dumps({"noop_precompute_flow_s": round(seconds, 2)}))
+
+
+def test_training_logs_every_n_steps_and_updates_its_artifacts_while_it_runs(prefect_harness, tokenised) -> None:
+    from kdflow.flows.precompute import precompute_flow
+    from kdflow.flows.train import train_student_flow
+
+    precompute_flow(tokenised)  # a no-op when the test above ran first
+    state = train_student_flow(tokenised.model_dump(mode="json"), return_state=True)
+    summary = state.result()
+    assert summary["steps"] == 8
+
+    # The run log: one line every log_every=2 steps, with the loss and its parts, lr, grad norm, tok/s and ETA.
+    lines = [line for line in flow_run_logs(state.state_details.flow_run_id) if line.startswith("train watched: step ")]
+    assert [int(re.match(r"train watched: step (\d+)/8 ", line).group(1)) for line in lines] == [2, 4, 6, 8]
+    pattern = (r"loss \d+\.\d{4} \(kd \d+\.\d{4}, ce \d+\.\d{4}\) lr [\d.e+-]+ grad norm [\d.e+-]+ "
+               r"[\d,]+ tok/s ETA \d+:\d\d:\d\d$")
+    assert all(re.search(pattern, line) for line in lines), lines
+
+    # Progress: one artifact under its key, updated in place up to 100 %.
+    [progress] = artifact_versions("train-watched-progress")
+    assert progress.type == "progress" and progress.data == 100.0 and progress.updated > progress.created
+    # The curve: a new version after each evaluation (steps 0, 4, 8) and the final report; each shows the PNG.
+    curves = artifact_versions("train-watched")
+    assert len(curves) >= 4 and all(curve.type == "markdown" for curve in curves)
+    assert sum("(training)" in curve.data for curve in curves) == 3
+    assert all("](data:image/png;base64," in curve.data for curve in curves)
+    png = Path(tokenised.run_root, "students", "watched", "training_curve.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5_000
+
+    # A rerun of the finished training trains nothing and says so.
+    again = train_student_flow(tokenised, return_state=True)
+    assert again.result()["steps"] == 8
+    assert "train-student watched: 8/8 steps already done, nothing to do" in flow_run_logs(again.state_details.flow_run_id)
+
+
+def _as_jsonb(value: Any) -> Any:
+    """What PostgreSQL's jsonb gives back: object keys ordered by length, then bytes."""
+    if isinstance(value, dict):
+        return {key: _as_jsonb(value[key]) for key in sorted(value, key=lambda k: (len(k.encode()), k.encode()))}
+    return [_as_jsonb(item) for item in value] if isinstance(value, list) else value
+
+
+def form_order(schema: dict[str, Any], definition: str | None = None) -> list[tuple[str, str]]:
+    """(key, title) of a form's fields in the order Prefect's UI shows them: sorted by `position`."""
+    section = schema["definitions"][definition] if definition else schema
+    return [(key, entry["title"]) for key, entry in
+            sorted(section["properties"].items(), key=lambda item: item[1].get("position", 0))]
+
+
+def test_deployment_form_shows_sections_in_pipeline_order_with_titles(prefect_harness) -> None:
+    from prefect.client.orchestration import get_client
+
+    from kdflow.flows.precompute import precompute_flow
+
+    deployment_id = precompute_flow.to_deployment(name="form-check").apply()
+    with get_client(sync_client=True) as client:
+        schema = _as_jsonb(client.read_deployment(deployment_id).parameter_openapi_schema)
+    assert [key for key, _ in form_order(schema)] == ["config"]  # no internal shard_ids in the form
+    assert "teacher" in schema["properties"]["config"].get("description", "").lower()
+    assert form_order(schema, "KDFlowConfig") == [
+        ("run_root", "Run root"), ("dataset", "Dataset"), ("tokenizer", "Tokenizer"), ("seq_len", "Sequence length"),
+        ("teacher", "Teacher"), ("precompute", "Precompute"), ("student", "Student")]
+    student = form_order(schema, "StudentConfig")
+    assert student[:4] == [("name", "Name"), ("init_from", "Initialise from"), ("architecture", "Architecture"),
+                           ("steps", "Steps")]
+    assert ("lr", "Learning rate") in student and student.index(("lr", "Learning rate")) < student.index(("kd", "KD"))
+    assert ("rdzv_id", "Rendezvous ID") in form_order(schema, "DistributedConfig")
+    assert form_order(schema, "PrecomputeConfig")[-1] == ("lease_ttl_s", "Lease TTL (s)")
+    for name, section in schema["definitions"].items():
+        for key, entry in section["properties"].items():
+            assert entry.get("description") and "position" in entry, f"{name}.{key}"
+
+
+def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from kdflow.tasks.student.train import read_jsonl, train
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    precompute_shards(tokenised)  # a no-op when the tests above ran first
+    config = tokenised.model_copy(update={"student": tokenised.student.model_copy(
+        update={"name": "boarded", "steps": 3, "tensorboard": True, "eval_every": 0})})
+    train(config)
+    folder = Path(config.run_root, "students", "boarded", "tensorboard")
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    losses = [(event.step, event.value) for event in events.Scalars("train/loss")]
+    from kdflow.schemas.storage import RunRoot
+
+    metrics = read_jsonl(RunRoot(config.run_root), str(folder.parent / "metrics.jsonl"))
+    assert losses == [(record["step"], pytest.approx(record["loss"], rel=1e-6)) for record in metrics]
+    assert [event.step for event in events.Scalars("eval/kl")] == [0, 3]
+
+
+def test_a_store_counts_as_done_only_for_the_teacher_it_was_made_from(tokenised) -> None:
+    import torch
+
+    from kdflow.flows.precompute import _same_teacher
+    from kdflow.schemas.stores import TopkStoreInfo
+    from kdflow.tasks.common.models import teacher_identity
+
+    identity = teacher_identity(tokenised.teacher, device=torch.device("cpu"))
+    info = TopkStoreInfo(tag="t", teacher_fingerprint="f", tokens_fingerprint="k", teacher={}, teacher_identity=identity,
+                         top_k=8, logprobs_dtype="float16", seq_len=32)
+    assert _same_teacher(tokenised, info)
+    assert not _same_teacher(tokenised, info.model_copy(update={"teacher_identity": identity | {"weights": "other"}}))
+    assert not _same_teacher(tokenised, None)
