@@ -60,8 +60,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kdflow.bench_precompute import main
     elif args.what == "loss":
         from kdflow.bench_loss import main
+    elif args.what == "teacher-pass":
+        from kdflow.bench_teacher_pass import main
+    elif args.what == "gpu":
+        from kdflow.bench_gpu import main
     else:
         from kdflow.bench_tokenise import main
+    return main(args.rest)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from kdflow.tune import main
+
     return main(args.rest)
 
 
@@ -106,9 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=["precompute", "loss", "tokenise"])
+    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "teacher-pass", "gpu"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
+
+    tune = sub.add_parser("tune", help="find the teacher's fastest micro-batch that fits (each candidate in a fresh process)")
+    tune.add_argument("what", choices=["precompute"])
+    tune.add_argument("rest", nargs=argparse.REMAINDER, help="CONFIG.yaml and options (see kdflow tune precompute --help)")
+    tune.set_defaults(func=_cmd_tune)
     return parser
 
 

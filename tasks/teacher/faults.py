@@ -11,8 +11,11 @@ Kinds:
 - `kill`: SIGKILL this process at the micro-batch, after the earlier micro-batches of the shard were
   written to its temporary file (no Python cleanup runs: the temp file and the lease stay behind).
 - `enospc`: raise OSError(ENOSPC) while writing that micro-batch's arrays into the shard file.
-Keys: `shard` (token shard id) and `micro_batch` (index within the shard); a key left out matches any
-value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1.
+- `cuda_oom`: raise a RuntimeError with a real-looking "CUDA out of memory" message after the forward.
+Keys: `shard` (token shard id), `micro_batch` (index within the shard) and `micro_batch_size` (the rows of
+a micro-batch; only `kdflow tune precompute`'s candidates report it); a key left out matches any value, so
+`cuda_error@shard=1` fires at the first micro-batch of shard 1 and `cuda_oom@micro_batch_size=28` in the
+tuning candidate of 28 rows.
 
 Each fault fires once per run root: before firing it writes the marker `RUN_ROOT/_faults/NAME.fired`
 (JSON: pid, host, where), and a marker that exists switches the fault off, so the retry in a new process
@@ -36,8 +39,9 @@ from kdflow.schemas.layout import FAULTS_DIR
 from kdflow.schemas.storage import RunRoot
 
 ENV_VAR = "KDFLOW_FAULT"
-_KINDS = {"cuda_error": "micro_batch", "kill": "micro_batch", "enospc": "write"}  # kind -> the site it fires at
-_KEYS = ("shard", "micro_batch")
+_KINDS = {"cuda_error": "micro_batch", "cuda_oom": "micro_batch", "kill": "micro_batch",
+          "enospc": "write"}  # kind -> the site it fires at
+_KEYS = ("shard", "micro_batch", "micro_batch_size")
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ def _parse_one(text: str) -> Fault:
     for item in filter(None, (p.strip() for p in params.split(","))):
         key, sep, value = item.partition("=")
         if not sep or key not in _KEYS or not value.strip().isdigit():
-            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N or micro_batch=N)")
+            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N, micro_batch=N or "
+                              "micro_batch_size=N)")
         where.append((key, int(value)))
     return Fault(kind, tuple(sorted(where)))
 
@@ -103,6 +108,9 @@ def _fire(fault: Fault, position: dict[str, int]) -> None:
             "CUDA driver error: device not ready\n"
             f"(injected by {ENV_VAR}={fault.name} at {where})"
         )
+    if fault.kind == "cuda_oom":
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                           f"(injected by {ENV_VAR}={fault.name} at {where})")
     if fault.kind == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV_VAR} at {where})")
     sys.stdout.flush()
