@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -77,6 +78,12 @@ def test_a_teacher_that_cannot_load_is_one_line(make_config: Callable[..., Any],
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}', encoding="utf-8")
     code, lines = run_cli(capsys, str(config_yaml(make_config(teacher__model=str(broken)), tmp_path / "broken.yaml")))
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"kdflow: error: teacher '{broken}' cannot be loaded: ")
+    weightless = tmp_path / "weightless-teacher"
+    weightless.mkdir()
+    shutil.copy(Path(make_config().teacher.model) / "config.json", weightless / "config.json")
+    assert run_cli(capsys, str(config_yaml(make_config(teacher__model=str(weightless)), tmp_path / "w.yaml"))) == (2, [
+        f"kdflow: error: teacher '{weightless}' cannot be loaded: the folder has no weight files (*.safetensors, *.bin, "
+        "*.pt, *.pth, *.gguf, *.index.json)"])
     too_long = config_yaml(make_config(seq_len=4096), tmp_path / "long.yaml")
     assert run_cli(capsys, str(too_long)) == (
         2, ["kdflow: error: seq_len=4096 exceeds the teacher's context length (max_position_embeddings=256)"])
