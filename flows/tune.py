@@ -31,7 +31,8 @@ def tune_candidate(config_path: str, micro_batch: int, batches: int, warmup: int
 
 @flow(name="tune-precompute", log_prints=True)
 def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | None = None, headroom: float = 0.10,
-                         batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0, keep_going: bool = False) -> dict[str, Any]:
+                         batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
+                         keep_going: bool = False) -> dict[str, Any]:
     """Each micro-batch candidate in a fresh teacher process; -> the table's rows and the recommendation."""
     config = as_config(config)
     if not 0.0 <= headroom < 1.0 or batches < 1 or warmup < 0 or timeout_s <= 0:

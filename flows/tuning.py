@@ -206,31 +206,39 @@ def summary(candidates: list[Candidate], headroom: float) -> dict[str, Any]:
             "recommended_tokens_per_s": chosen.tokens_per_s if chosen else None,
             "fastest_micro_batch": best.micro_batch if best else None,
             "fastest_tokens_per_s": best.tokens_per_s if best else None,
-            "recommended_over_fastest": round(chosen.tokens_per_s / best.tokens_per_s, 4) if chosen and best else None}
+            "recommended_over_fastest": (round(chosen.tokens_per_s / best.tokens_per_s, 4) if chosen and best
+                                         else None)}
 
 
 def table(candidates: list[Candidate], headroom: float, markdown: bool = False) -> str:
     """A fixed-width (or markdown) table: one row per candidate, the recommendation marked."""
     chosen = recommend(candidates, headroom)
     cuda = any(c.record.get("memory") == "cuda" for c in candidates)
-    header = (["micro_batch", "status", "tok/s"] + (["peak alloc MiB", "peak reserved MiB"] if cuda else ["peak RSS MiB"])
-              + ["total MiB", "headroom", ""])
+    memory_keys = ["peak_allocated_mib", "peak_reserved_mib"] if cuda else ["peak_rss_mib"]
+    header = ["micro_batch", "status", "tok/s", *(["peak alloc MiB", "peak reserved MiB"] if cuda else ["peak RSS MiB"]),
+              "total MiB", "headroom", ""]
     rows = []
     for c in candidates:
         r = c.record
-        memory = ([_num(r.get("peak_allocated_mib")), _num(r.get("peak_reserved_mib"))] if cuda else [_num(r.get("peak_rss_mib"))])
-        status = c.status if c.status == "ok" else f"{c.status}" + (f" (exit {c.exit_code})" if c.exit_code else "")
-        headroom_text = f"{r['headroom']:.1%}" if "headroom" in r else "-"
-        mark = "<- recommended" if chosen is c else (f"{c.message}" if c.status != "ok" else
-                                                     ("below headroom" if r.get("headroom", 0) < headroom else ""))
-        rows.append([str(c.micro_batch), status, _num(c.tokens_per_s)] + memory + [_num(r.get("total_mib")), headroom_text, mark])
+        status = c.status + (f" (exit {c.exit_code})" if c.status != "ok" and c.exit_code else "")
+        if chosen is c:
+            note = "<- recommended"
+        elif c.status != "ok":
+            note = c.message
+        else:
+            note = "below headroom" if r.get("headroom", 0.0) < headroom else ""
+        rows.append([str(c.micro_batch), status, _num(c.tokens_per_s), *[_num(r.get(key)) for key in memory_keys],
+                     _num(r.get("total_mib")), f"{r['headroom']:.1%}" if "headroom" in r else "-", note])
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+
     def line(row: list[str]) -> str:
-        return "  ".join(cell.rjust(w) if i != 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) + "  " + row[-1]
-    return "\n".join(line(row).rstrip() for row in [header, *rows])
+        cells = [cell.ljust(width) if i == 1 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))]
+        return ("  ".join(cells) + "  " + row[-1]).rstrip()
+
+    return "\n".join(line(row) for row in [header, *rows])
 
 
 def _num(value: float | None) -> str:

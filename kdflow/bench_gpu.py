@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     size = sizes(args)
     with contextlib.ExitStack() as stack:
-        work = Path(args.work_dir) if args.work_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kdflow-gpu-")))
+        work = Path(args.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kdflow-gpu-")))
         work.mkdir(parents=True, exist_ok=True)
         config_path = work / "check.yaml"
         config_path.write_text(yaml.safe_dump(check_config(work, args, size), sort_keys=False), encoding="utf-8")

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--batches must be >= 1, --warmup >= 0 and --timeout-s > 0")
     overrides = dict(_override(item) for item in args.set)
     config = load_config(args.config, overrides)
-    sizes = tuning.parse_micro_batches(args.micro_batches) if args.micro_batches is not None else tuning.default_micro_batches(config)
+    sizes = (tuning.parse_micro_batches(args.micro_batches) if args.micro_batches is not None
+             else tuning.default_micro_batches(config))
     rows_from = tuning.check_tune_inputs(config, seq_len_given=_seq_len_given(args.config, overrides))
     if args.write:
         _check_writable(Path(args.config), config, tuning)
@@ -59,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
           f"top_k {config.precompute.top_k}; candidates {','.join(map(str, sizes))}; rows: {rows_from}", flush=True)
 
     def report(candidate: tuning.Candidate) -> None:
-        rate = f"{candidate.tokens_per_s:,.0f} tok/s, headroom {candidate.record['headroom']:.1%}" if candidate.status == "ok" else candidate.message
-        print(f"  micro-batch {candidate.micro_batch}: {candidate.status}: {rate}", flush=True)
+        if candidate.status == "ok":
+            detail = f"{candidate.tokens_per_s:,.0f} tok/s, headroom {candidate.record['headroom']:.1%}"
+        else:
+            detail = candidate.message
+        print(f"  micro-batch {candidate.micro_batch}: {candidate.status}: {detail}", flush=True)
 
     candidates = tuning.tune(config, sizes, batches=args.batches, warmup=args.warmup, timeout_s=args.timeout_s,
                              keep_going=args.keep_going, on_candidate=report, on_log=_worker_log if args.verbose else _quiet)
