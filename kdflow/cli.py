@@ -91,6 +91,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kdflow.bench_store import main
     elif args.what == "fidelity":
         from kdflow.bench_fidelity import main
+    elif args.what == "teacher-pass":
+        from kdflow.bench_teacher_pass import main
+    elif args.what == "gpu":
+        from kdflow.bench_gpu import main
     else:
         from kdflow.bench_tokenise import main
     return main(args.rest)
@@ -103,6 +107,12 @@ def _version() -> str:
         return version("kdflow")
     except PackageNotFoundError:  # a source tree that was never installed
         return "unknown (not installed)"
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from kdflow.tune import main
+
+    return main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,9 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity"])
+    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity", "teacher-pass", "gpu"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
+
+    tune = sub.add_parser("tune", help="find the teacher's fastest micro-batch that fits (each candidate in a fresh process)")
+    tune.add_argument("what", choices=["precompute"])
+    tune.add_argument("rest", nargs=argparse.REMAINDER, help="CONFIG.yaml and options (see kdflow tune precompute --help)")
+    tune.set_defaults(func=_cmd_tune)
     return parser
 
 

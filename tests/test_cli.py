@@ -16,7 +16,7 @@ from children import run
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.layout import CONFIG_FILE
 
-COMMANDS = ("demo", "run", "status", "validate", "chat", "bench")
+COMMANDS = ("demo", "run", "status", "validate", "chat", "bench", "tune")
 
 
 def kdflow(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -106,9 +106,10 @@ def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) ->
     from kdflow.bench_tokenise import main
 
     assert main(["--documents", "40", "--repeats", "1", "--parallelism", "false", "--seq-len", "32", "--sequences-per-shard", "4"]) == 0
-    raw, stage, ratio = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert (raw["what"], stage["what"], ratio["what"]) == ("raw_tokenizer", "tokenise_stage", "ratio")
-    assert raw["doc_tokens"] == stage["doc_tokens"] > 0 and raw["documents"] == 40
+    raw, call, stage, ratio = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (raw["what"], call["what"], stage["what"], ratio["what"]) == ("raw_tokenizer", "transformers_call", "tokenise_stage", "ratio")
+    assert raw["doc_tokens"] == call["doc_tokens"] == stage["doc_tokens"] > 0 and raw["documents"] == 40
+    assert ratio["same_ids"] is True  # the stage's rows hold exactly the transformers call's ids, packed
     # Every document's tokens plus one EOS each end up in a row or in the dropped tail.
     assert stage["sequences"] * 32 + stage["dropped_tokens"] == stage["doc_tokens"] + 40
     assert ratio["stage_over_raw"] == pytest.approx(raw["seconds"] / stage["seconds"], abs=2e-3)  # rounded to 3 places

@@ -37,7 +37,7 @@ from kdflow.schemas.protocol import format_shard_ids
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
 PREFECT = str(Path(sys.executable).parent / "prefect")
-FLOWS = {"materialise", "tokenise", "precompute", "precompute-shards", "train-student", "pipeline"}
+FLOWS = {"materialise", "tokenise", "precompute", "precompute-shards", "train-student", "pipeline", "tune-precompute"}
 
 pytestmark = pytest.mark.slow
 
@@ -176,6 +176,7 @@ def test_deploy_all_creates_every_deployment(prefect_stack: PrefectStack, deploy
     assert deployed["precompute/llmjp"].work_pool_name == "cpu"
     assert deployed["precompute-shards/gpu"].work_pool_name == "gpu"
     assert deployed["train-student/llmjp"].work_pool_name == "gpu"
+    assert deployed["tune-precompute/llmjp"].work_pool_name == "gpu"  # it measures the GPU that runs the teacher
     teacher = deployed["precompute/llmjp"].parameters["config"]["teacher"]
     assert teacher == {"model": "llm-jp/llm-jp-4-32b-a3b-base", "load_in_4bit": True, "dtype": "bfloat16", "device": "cuda"}
     # Schedules are written down but off; the pull step runs flows from this repository.

@@ -141,7 +141,7 @@ def test_prefect_yaml_carries_the_values_of_the_configs() -> None:
         expected = expected | {"precompute": {k: v for k, v in expected["precompute"].items() if k not in fan_out_only}}
         assert config == expected, deployment["entrypoint"]
         checked += 1
-    assert checked == 6
+    assert checked == 7
 
 
 @pytest.mark.slow

@@ -162,3 +162,16 @@ def test_tokenise_needs_a_complete_corpus(make_config: Callable[..., Any]) -> No
     # Another corpus config (a different fingerprint) is not this corpus either.
     with pytest.raises(StoreError, match="run materialise first"):
         tokenise(make_config(dataset__max_documents=10), tokenizer)
+
+
+def test_truncation_set_on_the_rust_tokenizer_does_not_cut_documents(make_config: Callable[..., Any]) -> None:
+    """A tokenizer.json may carry truncation; the stage encodes through the Rust tokenizer directly, and must
+    still give every document whole, as calling the transformers tokenizer does."""
+    config = make_config()
+    materialise(config)
+    tokenizer = load_tokenizer(config)
+    tokenizer.backend_tokenizer.enable_truncation(max_length=8)
+    tokenise(config, tokenizer)
+    assert tokenizer.backend_tokenizer.truncation is not None  # the caller's tokenizer is left as it was
+    expected, _ = reference_rows(tokenizer, sample_documents(60), SEQ_LEN)
+    np.testing.assert_array_equal(all_rows(config), expected)

@@ -60,6 +60,24 @@ def test_chunked_equals_dense_float32(n_tokens: int, k: int, chunk_tokens: int) 
     torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
 
 
+def test_a_workspace_is_reused_across_calls_and_changes_no_result() -> None:
+    """The chunk's logits buffer lives in the caller's workspace: the same memory for every micro-batch (on CPU,
+    no new pages to fault in), grown when a call needs more, and the answers stay the dense reference's."""
+    head, workspace = random_head(3), {}
+    for n_tokens, chunk_tokens in [(100, 32), (100, 32), (20, 64), (300, 200)]:
+        hidden = random_hidden(n_tokens, seed=n_tokens)
+        before = workspace.get("logits_f32")
+        topk_ids, topk_logprobs = chunked_topk(hidden, head, 8, chunk_tokens, vocab_chunk=100, workspace=workspace)
+        ref_ids, ref_logprobs = dense_reference(hidden, head.weight, head.bias, 8)
+        assert torch.equal(topk_ids.long(), ref_ids)
+        torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+        needed = min(chunk_tokens, n_tokens) * 100
+        if before is not None and before.numel() >= needed:
+            assert workspace["logits_f32"].data_ptr() == before.data_ptr()  # reused, not reallocated
+        assert workspace["logits_f32"].numel() >= needed
+    assert workspace["logits_f32"].numel() == 200 * 100  # grown once, by the largest call
+
+
 @pytest.mark.parametrize(("vocab_chunk", "k"), [(100, 16), (10, 16), (VOCAB, 16), (128, 1), (64, VOCAB)])
 def test_vocabulary_slabs_merge_to_the_dense_answer(vocab_chunk: int, k: int) -> None:
     """Slabs that do not divide V, slabs narrower than K, one slab, K = 1, K = V."""

@@ -12,15 +12,18 @@ Kinds:
 - `kill`: SIGKILL this process at the micro-batch, after the earlier micro-batches of the shard were
   written to its temporary file (no Python cleanup runs: the temp file and the lease stay behind).
 - `enospc`: raise OSError(ENOSPC) while writing that micro-batch's arrays into the shard file.
+- `cuda_oom`: raise a RuntimeError with a real-looking "CUDA out of memory" message after the forward.
 - `pause`: stop where it fires (sleep) until killed from outside: how tests kill a whole run at a chosen
   moment, without a race against it (`at=` names the site; the marker below says it has arrived).
 Keys: `shard` (shard or part id), `micro_batch` (index within a top-K shard), `step` (optimiser step),
+`micro_batch_size` (the rows of a micro-batch; only `kdflow tune precompute`'s candidates report it),
 `stage` (materialise, tokenise, precompute, train) and `at`, the site: `micro_batch` (teacher, after the
 forward), `write` (teacher, writing a micro-batch), `commit` (materialise and tokenise: the data file is
 written, its commit record not yet), `step` (train: after the step, before its checkpoint), `save` (train:
 the checkpoint folder filled, not yet renamed into place), `final` (the final model likewise). `at`
 defaults to `micro_batch` for cuda_error and kill and to `write` for enospc. A key left out matches any
-value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1.
+value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1 and
+`cuda_oom@micro_batch_size=28` in the tuning candidate of 28 rows.
 
 Each fault fires once per run root: before firing it writes the marker `RUN_ROOT/_faults/NAME.fired`
 (JSON: pid, host, where), and a marker that exists switches the fault off, so the retry in a new process
@@ -44,8 +47,8 @@ from kdflow.schemas.layout import FAULTS_DIR
 from kdflow.schemas.storage import RunRoot
 
 ENV_VAR = "KDFLOW_FAULT"
-_KINDS = {"cuda_error": "micro_batch", "kill": "micro_batch", "enospc": "write", "pause": None}  # kind -> default site
-_INT_KEYS = ("shard", "micro_batch", "step")
+_KINDS = {"cuda_error": "micro_batch", "cuda_oom": "micro_batch", "kill": "micro_batch", "enospc": "write", "pause": None}  # kind -> default site
+_INT_KEYS = ("shard", "micro_batch", "micro_batch_size", "step")
 _WORD_KEYS = {"stage": ("materialise", "tokenise", "precompute", "train"),
               "at": ("micro_batch", "write", "commit", "step", "save", "final")}
 PAUSE_LIMIT_S = 600.0  # a paused process nobody kills ends itself (SIGKILL) after this long
@@ -80,7 +83,7 @@ def _parse_one(text: str) -> Fault:
         elif sep and value in _WORD_KEYS.get(key, ()):
             where.append((key, value))
         else:
-            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N, micro_batch=N, step=N, "
+            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N, micro_batch=N, micro_batch_size=N, step=N, "
                               f"stage=NAME or at=SITE)")
     fault = Fault(kind, tuple(sorted(where)))
     if fault.site is None:
@@ -125,6 +128,9 @@ def _fire(fault: Fault, position: dict[str, int | str]) -> None:
             "CUDA driver error: device not ready\n"
             f"(injected by {ENV_VAR}={fault.name} at {where})"
         )
+    if fault.kind == "cuda_oom":
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                           f"(injected by {ENV_VAR}={fault.name} at {where})")
     if fault.kind == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV_VAR} at {where})")
     sys.stdout.flush()

@@ -56,13 +56,15 @@ logger = logging.getLogger("kdflow.precompute")
 
 
 class HostCopies:
-    """Copies a micro-batch's results to the host once: on CUDA into a ring of pinned buffers, without blocking
-    (an event tells the writer when the copy landed); on the CPU the results already are host tensors."""
+    """Copies a micro-batch's results to the host once: on CUDA into a ring of pinned buffers, without blocking,
+    on a copy stream of its own, so that the next micro-batch's forward runs while the copy does (an event
+    tells the writer when the copy landed); on the CPU the results already are host tensors."""
 
     def __init__(self, device: torch.device, shape: tuple[int, int, int], logprobs_dtype: torch.dtype, slots: int) -> None:
         self.on_cuda = device.type == "cuda"
         self.logprobs_dtype = logprobs_dtype
         self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = queue.Queue()
+        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
         for _ in range(slots if self.on_cuda else 0):
             self.free.put((torch.empty(shape, dtype=torch.int32, pin_memory=True),
                            torch.empty(shape, dtype=logprobs_dtype, pin_memory=True),
@@ -78,11 +80,15 @@ class HostCopies:
         slot = self.free.get()
         rows = topk_ids.shape[0]
         host_ids, host_logprobs, host_tail = slot[0][:rows], slot[1][:rows], slot[2][:rows]
-        host_ids.copy_(topk_ids, non_blocking=True)
-        host_logprobs.copy_(topk_logprobs, non_blocking=True)
-        host_tail.copy_(tail_logprob, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        self.stream.wait_stream(torch.cuda.current_stream(topk_ids.device))  # the copy starts once they are computed
+        with torch.cuda.stream(self.stream):
+            host_ids.copy_(topk_ids, non_blocking=True)
+            host_logprobs.copy_(topk_logprobs, non_blocking=True)
+            host_tail.copy_(tail_logprob, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for tensor in (topk_ids, topk_logprobs, tail_logprob):  # their memory is not reused before the copy stream is done
+            tensor.record_stream(self.stream)
         return host_ids.numpy(), host_logprobs.numpy(), host_tail.numpy(), event, lambda: self.free.put(slot)
 
 

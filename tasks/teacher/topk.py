@@ -98,7 +98,8 @@ class _SlabLogits:
     allocates its own output and cannot be cut into slabs.
     """
 
-    def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int, cols: int) -> None:
+    def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int, cols: int,
+                 workspace: dict[str, Tensor] | None = None) -> None:
         self.lm_head = lm_head
         self.plain = _plain_weight(lm_head)
         self.vocab_size = vocab_size
@@ -110,11 +111,11 @@ class _SlabLogits:
         weight, bias = self.plain
         _check_plain_weight(weight, bias, hidden)
         # Flat storage, so that a smaller last block or slab is still a contiguous (c, s) view.
-        self.logits_f32 = torch.empty(rows * cols, dtype=torch.float32, device=hidden.device)  # (C * S,)
+        self.logits_f32 = _buffer(workspace, "logits_f32", rows * cols, torch.float32, hidden.device)  # (C * S,)
         self.logits_low: Tensor | None = None
         if weight.dtype != torch.float32:
             # bf16/fp16 matmul output, upcast below; the model's own logits are rounded the same way.
-            self.logits_low = torch.empty(rows * cols, dtype=weight.dtype, device=hidden.device)
+            self.logits_low = _buffer(workspace, "logits_low", rows * cols, weight.dtype, hidden.device)
 
     def slabs(self, hidden_rows: Tensor) -> Iterator[tuple[int, Tensor]]:
         """hidden_rows (c, H) -> (first vocabulary id, float32 logits (c, s) that we may overwrite) per slab."""
@@ -136,6 +137,18 @@ class _SlabLogits:
             if self.logits_low is not None:
                 logits_f32.copy_(target)
             yield first_id, logits_f32
+
+
+def _buffer(workspace: dict[str, Tensor] | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat buffer of `numel` elements; kept in `workspace` across calls when one is given. On CPU a fresh
+    (chunk, vocab) buffer per micro-batch is hundreds of MB of new pages to fault in every time (~2% of the
+    demo teacher's pass on this machine's CPU)."""
+    if workspace is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffer = workspace.get(name)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+        buffer = workspace[name] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
 
 
 def _logsumexp_(logits: Tensor, top_logits: Tensor, top_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -194,6 +207,7 @@ def chunked_topk(
     vocab_chunk: int | None = None,
     logit_transform: LogitTransform | None = None,
     return_tail: bool = False,
+    workspace: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Top-K token ids and log-probabilities (normalised over the full vocabulary) for each row of hidden.
 
@@ -205,6 +219,8 @@ def chunked_topk(
     vocab_chunk (plain weights only): also cut the vocabulary into slabs of this many ids and merge their
     top-K and log-sum-exp. It lets a CPU take many rows per chunk (each chunk streams the whole weight from
     memory once) in the same memory; on a GPU the default, the whole vocabulary at once, is the fast choice.
+    workspace: a dict the caller keeps between calls, holding the chunk's logits buffers (reused, not
+    reallocated; one caller at a time).
     """
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
@@ -222,7 +238,7 @@ def chunked_topk(
     tail_logprob = torch.empty((n_tokens,), dtype=torch.float32, device=hidden.device)  # (N,)
     rows = max(1, min(chunk_tokens, n_tokens))
     cols = min(vocab_chunk or vocab_size, vocab_size)
-    slab_logits = _SlabLogits(lm_head, hidden, vocab_size, rows, cols)
+    slab_logits = _SlabLogits(lm_head, hidden, vocab_size, rows, cols, workspace)
     for start in range(0, n_tokens, rows):
         stop = min(start + rows, n_tokens)
         running = _RunningTopk(k)
@@ -252,6 +268,7 @@ class TeacherTopkStep:
         self.k = k
         self.chunk_tokens = chunk_tokens
         self.vocab_chunk = vocab_chunk
+        self.workspace: dict[str, Tensor] = {}  # the chunk's logits buffers, reused by every micro-batch
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32, tail_logprob (B, T) float32."""
@@ -265,6 +282,7 @@ class TeacherTopkStep:
             vocab_chunk=self.vocab_chunk,
             logit_transform=self.logit_transform,
             return_tail=True,
+            workspace=self.workspace,
         )  # (B * T, K), (B * T,)
         return (topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k),
                 tail_logprob.view(batch, seq_len))

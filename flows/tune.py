@@ -1,0 +1,67 @@
+"""Flow `tune-precompute`: `kdflow tune precompute` as a deployment on the `gpu` pool, so it runs on the GPU
+that will run the teacher pass. Each candidate is a task run that starts one tune worker process
+(`kdflow.flows.tuning`); the table becomes a Prefect artifact and the flow returns the summary. It never
+edits a config: copy the recommended `precompute.micro_batch` into the deployment's parameters (or run
+`kdflow tune precompute CONFIG.yaml --write` on that machine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+
+from kdflow.flows import tuning
+from kdflow.flows.common import as_config
+from kdflow.flows.launch import config_file
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError
+
+
+@task(name="tune-candidate", cache_policy=NONE, task_run_name="micro-batch-{micro_batch}")
+def tune_candidate(config_path: str, micro_batch: int, batches: int, warmup: int, timeout_s: float) -> dict[str, Any]:
+    logger = get_run_logger()
+    candidate = tuning.run_candidate(config_path, micro_batch, batches=batches, warmup=warmup, timeout_s=timeout_s,
+                                     on_log=lambda line: logger.info("worker: %s", line))
+    logger.info("micro-batch %d: %s %s", micro_batch, candidate.status,
+                f"{candidate.tokens_per_s:,.0f} tok/s" if candidate.status == "ok" else candidate.message)
+    return candidate.as_dict()
+
+
+@flow(name="tune-precompute", log_prints=True)
+def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | None = None, headroom: float = 0.10,
+                         batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
+                         keep_going: bool = False) -> dict[str, Any]:
+    """Each micro-batch candidate in a fresh teacher process; -> the table's rows and the recommendation."""
+    config = as_config(config)
+    if not 0.0 <= headroom < 1.0 or batches < 1 or warmup < 0 or timeout_s <= 0:
+        raise ConfigError("headroom must be in [0, 1), batches >= 1, warmup >= 0 and timeout_s > 0")
+    sizes = tuning.parse_micro_batches(micro_batches) if micro_batches is not None else tuning.default_micro_batches(config)
+    rows_from = tuning.check_tune_inputs(config)
+    logger = get_run_logger()
+    logger.info("candidates %s; rows: %s", ",".join(map(str, sizes)), rows_from)
+    with config_file(config, "kdflow-tune-") as path:
+        def runner(size: int) -> tuning.Candidate:
+            row = tune_candidate(path, size, batches, warmup, timeout_s)
+            fields = {k: v for k, v in row.items() if k not in ("micro_batch", "status", "exit_code", "message")}
+            return tuning.Candidate(row["micro_batch"], row["status"], row["exit_code"], row["message"], fields)
+
+        candidates = tuning.run_candidates(sizes, runner, keep_going=keep_going)
+    result = tuning.summary(candidates, headroom)
+    _table_artifact(tuning.table(candidates, headroom, markdown=True), result)
+    logger.info("recommended precompute.micro_batch: %s", result["recommended_micro_batch"])
+    return result
+
+
+def _table_artifact(markdown: str, result: dict[str, Any]) -> None:
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        chosen = result["recommended_micro_batch"]
+        verdict = (f"**recommended: `precompute.micro_batch: {chosen}`** ({result['recommended_tokens_per_s']:,.0f} tok/s)"
+                   if chosen is not None else "**no candidate left the required headroom**")
+        create_markdown_artifact(f"{markdown}\n\n{verdict}\n", key="tune-precompute",
+                                 description="micro-batch candidates of the teacher pass")
+    except Exception as error:  # noqa: BLE001 - an artifact is a convenience, the flow's result is the truth
+        get_run_logger().debug("tune artifact not created: %s", error)

@@ -1,0 +1,245 @@
+"""Finding the teacher's micro-batch: candidates in fresh processes, a table, a recommendation (no Prefect here).
+
+Used by `kdflow tune precompute` and by the `tune-precompute` flow. Each candidate runs
+`python -m kdflow.tasks.teacher.tune_worker` (one process, its own process group, killed after `timeout_s`),
+so an out-of-memory or a driver error ends that candidate only and is reported by its exit code. After
+an out-of-memory the larger candidates are skipped (memory grows with the micro-batch) unless
+`keep_going`; other failures do not stop the search, and a user error (exit 2: the same for every
+candidate) ends it with that error. The checks that need no process run first (`check_tune_inputs`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdflow.flows.launch import config_file, kill_group, run_child
+from kdflow.schemas.commits import list_commits, stage_dir
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError, first_line
+from kdflow.schemas.protocol import EXIT_CUDA_OOM, EXIT_USER_ERROR, describe_exit_code
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import find_topk_stores
+
+TUNE_WORKER = "kdflow.tasks.teacher.tune_worker"
+OUT_OF_MEMORY_EXIT_CODES = frozenset({EXIT_CUDA_OOM, 128 + 9})  # CUDA OOM; SIGKILL, what the kernel's OOM killer sends
+
+
+@dataclass
+class Candidate:
+    """One micro-batch's outcome: status ok | out of memory | failed | timed out | skipped."""
+
+    micro_batch: int
+    status: str
+    exit_code: int | None = None
+    message: str = ""
+    record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.record.get("tokens_per_s") if self.status == "ok" else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"micro_batch": self.micro_batch, "status": self.status, "exit_code": self.exit_code,
+                "message": self.message, **{k: v for k, v in self.record.items() if k not in ("micro_batch", "status")}}
+
+
+def parse_micro_batches(text: str | list[int] | None) -> list[int]:
+    """'8,14,28' (or a list) -> sorted distinct sizes; empty, non-integer or non-positive entries are errors."""
+    items = text if isinstance(text, list) else [p.strip() for p in (text or "").split(",") if p.strip()]
+    if not items:
+        raise ConfigError("the micro-batch list is empty: give sizes such as --micro-batches 8,14,28,56")
+    sizes = []
+    for item in items:
+        try:
+            size = int(item)
+        except (TypeError, ValueError):
+            raise ConfigError(f"micro-batch {item!r} is not an integer (expected sizes such as 8,14,28,56)") from None
+        if size < 1:
+            raise ConfigError(f"micro-batch {size} must be >= 1")
+        sizes.append(size)
+    return sorted(set(sizes))
+
+
+def default_micro_batches(config: KDFlowConfig) -> list[int]:
+    """Around the configured micro-batch: half, itself, twice and four times it."""
+    current = config.precompute.micro_batch
+    return sorted({max(1, current // 2), current, 2 * current, 4 * current})
+
+
+def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True) -> str:
+    """What can be checked without a process: the teacher's config loads and admits top_k and seq_len; there are
+    token shards of seq_len, or seq_len was given. -> where the candidates' rows will come from."""
+    run_root = RunRoot(config.run_root)
+    store = stage_dir(run_root, "tokens")
+    records = list_commits(run_root, store, "tokens")
+    if records:
+        first = records[min(records)]
+        if first.extra.seq_len is not None and first.extra.seq_len != config.seq_len:
+            raise StoreError(f"the token shards in {run_root.display(store)} have seq_len {first.extra.seq_len}, the "
+                             f"config says {config.seq_len}")
+        rows_from = f"{len(records)} token shards in {run_root.display(store)}"
+    elif not seq_len_given:
+        raise ConfigError(f"no token shards in {run_root.display(store)} and no seq_len in the config: set seq_len "
+                          "(tokens of that length are made up from Python's documentation) or run tokenise first")
+    else:
+        rows_from = f"no token shards yet: Python's documentation in rows of {config.seq_len} tokens"
+    from kdflow.tasks.teacher.loading import check_teacher_limits, load_teacher_config
+
+    try:
+        teacher_config = load_teacher_config(config.teacher)
+    except KDFlowError:
+        raise
+    except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... for a bad model
+        raise ConfigError(f"teacher {config.teacher.model!r} cannot be loaded: {first_line(error)}") from None
+    check_teacher_limits(teacher_config, top_k=config.precompute.top_k, seq_len=config.seq_len)
+    _check_weights_present(config)
+    if config.teacher.load_in_4bit:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("teacher.load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+    return rows_from
+
+
+def _check_weights_present(config: KDFlowConfig) -> None:
+    """A local teacher folder must hold weights (a hub id is checked by the candidate that loads it)."""
+    import os
+
+    from kdflow.tasks.common.models import WEIGHT_SUFFIXES, check_teacher_source
+
+    folder = check_teacher_source(config.teacher)
+    if folder is not None and not config.teacher.gguf_file and not any(
+            name.endswith(WEIGHT_SUFFIXES) and name != "config.json" for name in os.listdir(folder)):
+        raise ConfigError(f"teacher {config.teacher.model!r} cannot be loaded: the folder has no weight files "
+                          f"({', '.join('*' + suffix for suffix in WEIGHT_SUFFIXES)})")
+
+
+def committed_micro_batches(config: KDFlowConfig) -> set[int]:
+    """Micro-batches the committed shards of this config's top-K stores were computed with."""
+    run_root = RunRoot(config.run_root)
+    sizes = set()
+    for tag in find_topk_stores(run_root, config):
+        for record in list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag).values():
+            if record.extra.micro_batch is not None:
+                sizes.add(record.extra.micro_batch)
+    return sizes
+
+
+def run_candidate(config_path: str, micro_batch: int, *, batches: int, warmup: int, timeout_s: float,
+                  on_log: Callable[[str], None] = lambda line: None) -> Candidate:
+    """One candidate in a fresh worker process, killed (with its process group) after `timeout_s`."""
+    timer: list[threading.Timer] = []
+    timed_out = threading.Event()
+
+    def started(pid: int) -> None:
+        def expire() -> None:
+            timed_out.set()
+            kill_group(pid)
+
+        timer.append(threading.Timer(timeout_s, expire))
+        timer[0].daemon = True
+        timer[0].start()
+
+    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(batches), "--warmup", str(warmup)]
+    try:
+        outcome = run_child(TUNE_WORKER, args, on_started=started, on_log=lambda pid, line: on_log(line))
+    finally:
+        for pending in timer:
+            pending.cancel()
+    message = (outcome.errors[-1].get("message", "") if outcome.errors else "")
+    if timed_out.is_set():
+        return Candidate(micro_batch, "timed out", outcome.exit_code, f"killed after {timeout_s:g} s")
+    if outcome.exit_code == 0 and outcome.result is not None:
+        return Candidate(micro_batch, "ok", 0, "", outcome.result)
+    status = "out of memory" if outcome.exit_code in OUT_OF_MEMORY_EXIT_CODES else "failed"
+    return Candidate(micro_batch, status, outcome.exit_code, message or describe_exit_code(outcome.exit_code))
+
+
+Runner = Callable[[int], Candidate]
+
+
+def run_candidates(sizes: list[int], runner: Runner, *, keep_going: bool = False,
+                   on_candidate: Callable[[Candidate], None] = lambda c: None) -> list[Candidate]:
+    """Every size in ascending order through `runner`; after an out-of-memory the larger ones are skipped."""
+    results: list[Candidate] = []
+    out_of_memory_at = None
+    for size in sorted(sizes):
+        if out_of_memory_at is not None and not keep_going:
+            candidate = Candidate(size, "skipped", None, f"micro-batch {out_of_memory_at} ran out of memory")
+        else:
+            candidate = runner(size)
+            if candidate.exit_code == EXIT_USER_ERROR:
+                raise ConfigError(candidate.message or "the tune worker reported a user error")
+            if candidate.status == "out of memory" and out_of_memory_at is None:
+                out_of_memory_at = size
+        results.append(candidate)
+        on_candidate(candidate)
+    return results
+
+
+def tune(config: KDFlowConfig, sizes: list[int], *, batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
+         keep_going: bool = False, on_log: Callable[[str], None] = lambda line: None,
+         on_candidate: Callable[[Candidate], None] = lambda c: None) -> list[Candidate]:
+    """Every candidate in its own worker process, on the config as given (written to a temporary file)."""
+    with config_file(config, "kdflow-tune-") as path:
+        def runner(size: int) -> Candidate:
+            return run_candidate(path, size, batches=batches, warmup=warmup, timeout_s=timeout_s, on_log=on_log)
+
+        return run_candidates(sizes, runner, keep_going=keep_going, on_candidate=on_candidate)
+
+
+def recommend(candidates: list[Candidate], headroom: float) -> Candidate | None:
+    """The fastest candidate that ran and left at least `headroom` (a fraction of the total memory) free."""
+    fitting = [c for c in candidates if c.status == "ok" and c.record.get("headroom", 0.0) >= headroom]
+    return max(fitting, key=lambda c: (c.tokens_per_s, -c.micro_batch), default=None)
+
+
+def summary(candidates: list[Candidate], headroom: float) -> dict[str, Any]:
+    """The table's rows, the recommendation, and how its speed compares with the fastest candidate that ran."""
+    best = max((c for c in candidates if c.status == "ok"), key=lambda c: c.tokens_per_s, default=None)
+    chosen = recommend(candidates, headroom)
+    return {"candidates": [c.as_dict() for c in candidates], "headroom_required": headroom,
+            "recommended_micro_batch": chosen.micro_batch if chosen else None,
+            "recommended_tokens_per_s": chosen.tokens_per_s if chosen else None,
+            "fastest_micro_batch": best.micro_batch if best else None,
+            "fastest_tokens_per_s": best.tokens_per_s if best else None,
+            "recommended_over_fastest": (round(chosen.tokens_per_s / best.tokens_per_s, 4) if chosen and best
+                                         else None)}
+
+
+def table(candidates: list[Candidate], headroom: float, markdown: bool = False) -> str:
+    """A fixed-width (or markdown) table: one row per candidate, the recommendation marked."""
+    chosen = recommend(candidates, headroom)
+    cuda = any(c.record.get("memory") == "cuda" for c in candidates)
+    memory_keys = ["peak_allocated_mib", "peak_reserved_mib"] if cuda else ["peak_rss_mib"]
+    header = ["micro_batch", "status", "tok/s", *(["peak alloc MiB", "peak reserved MiB"] if cuda else ["peak RSS MiB"]),
+              "total MiB", "headroom", ""]
+    rows = []
+    for c in candidates:
+        r = c.record
+        status = c.status + (f" (exit {c.exit_code})" if c.status != "ok" and c.exit_code else "")
+        if chosen is c:
+            note = "<- recommended"
+        elif c.status != "ok":
+            note = c.message
+        else:
+            note = "below headroom" if r.get("headroom", 0.0) < headroom else ""
+        rows.append([str(c.micro_batch), status, _num(c.tokens_per_s), *[_num(r.get(key)) for key in memory_keys],
+                     _num(r.get("total_mib")), f"{r['headroom']:.1%}" if "headroom" in r else "-", note])
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(row: list[str]) -> str:
+        cells = [cell.ljust(width) if i == 1 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))]
+        return ("  ".join(cells) + "  " + row[-1]).rstrip()
+
+    return "\n".join(line(row) for row in [header, *rows])
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"

@@ -1,0 +1,217 @@
+"""`kdflow bench teacher-pass`: the whole teacher pass against the bare forward of the same model and batch.
+
+On one loaded teacher and the same token rows (the first `--shards` token shards, cut into the pass's fixed
+micro-batch, the last one padded), it times:
+- `body`: the model body's forward only (hidden states, no lm_head);
+- `forward`: the model's own forward to full logits `(micro_batch, seq_len, vocab)`, i.e. body + lm_head:
+  the least any teacher pass must compute, so this stage's limit on this machine;
+- `topk`: the body plus the chunked top-K and full-vocabulary log-sum-exp (`TeacherTopkStep`, the step the
+  pass runs, with the pass's chunk size), results left on the device;
+- `stage`: `precompute_shards` over those shards into a fresh top-K store (planning, shard reads, the step,
+  host copies, the background writer, leases, commits), the teacher already loaded.
+Modes are interleaved over `--repeats` rounds and each reports its best round (the machine is shared);
+one last line gives the ratios `stage/forward`, `topk/forward` (and over `body`). Without `--config`, the
+demo teacher (SmolLM2-135M, dequantised once into RUN_ROOT/teacher-smollm2 as `kdflow demo` does) and the
+demo's token shards are prepared under `--run-root`. The stage writes into a scratch copy of the token
+store, never into the config's own run root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MODES = ("body", "forward", "topk", "stage")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kdflow bench teacher-pass", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="a config whose token store exists (default: the demo's, under --run-root)")
+    parser.add_argument("--run-root", default="runs/bench-teacher-pass", help="where the demo inputs are prepared")
+    parser.add_argument("--shards", type=int, default=3, help="token shards timed per mode and round")
+    parser.add_argument("--micro-batch", type=int, help="default: the config's precompute.micro_batch")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each mode reports its best")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--device", help="default: the config's teacher.device")
+    return parser
+
+
+def prepare_demo(run_root: str) -> Any:
+    """The demo's teacher folder, text, corpus and token shards under `run_root` (kept for reruns) -> config."""
+    from kdflow.demo import demo_config, local_run_root, locate_teacher_gguf, prepare_teacher, write_corpus
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
+
+    root = local_run_root(run_root)
+    config = demo_config(root)
+    write_corpus(Path(config.dataset.path))
+    prepare_teacher(locate_teacher_gguf(), Path(config.teacher.model))
+    tokenizer = load_tokenizer(config)
+    materialise(config, lambda texts: [len(ids) + 1 for ids in
+                                       tokenizer(texts, add_special_tokens=False)["input_ids"]])
+    tokenise(config, tokenizer)
+    return config
+
+
+def scratch_copy(config: Any, shards: int, folder: str) -> tuple[Any, list[Any]]:
+    """A run root in `folder` holding the first `shards` token shards (and the store's records) -> (config, token
+    arrays). The stage computes there, so the real run root is never written."""
+    from kdflow.schemas.commits import list_commits, read_complete, stage_dir
+    from kdflow.schemas.errors import StoreError
+    from kdflow.schemas.layout import COMPLETE_FILE
+    from kdflow.schemas.shards import read_token_shard
+    from kdflow.schemas.storage import RunRoot
+
+    source = RunRoot(config.run_root)
+    tokens = stage_dir(source, "tokens")
+    done = read_complete(source, tokens)
+    if done is None:
+        raise StoreError(f"token store {source.display(tokens)} is not complete; run tokenise first")
+    records = list_commits(source, tokens, "tokens", done.fingerprint)
+    missing = [i for i in range(shards) if i not in records]
+    if shards > done.shards or missing:
+        raise StoreError(f"--shards {shards}: the token store has {done.shards} shards ({len(records)} committed)")
+    target = RunRoot(folder)
+    target_tokens = stage_dir(target, "tokens")
+    target.makedirs(target_tokens)
+    names = [COMPLETE_FILE] + [n for i in range(shards) for n in (records[i].data_file, _commit_name(i))]
+    for name in names:
+        target.write_bytes_atomic(f"{target_tokens}/{name}", source.read_bytes(f"{tokens}/{name}"))
+    arrays = [read_token_shard(target, f"{target_tokens}/{records[i].data_file}", config.seq_len) for i in range(shards)]
+    return config.model_copy(update={"run_root": folder}), arrays
+
+
+def _commit_name(shard_id: int) -> str:
+    from kdflow.schemas.layout import commit_file_name
+
+    return commit_file_name("tokens", shard_id)
+
+
+def micro_batches(arrays: list[Any], micro_batch: int) -> list[tuple[Any, int]]:
+    """(padded (micro_batch, T) int64 ids, real rows) per micro-batch, shard by shard as the pass cuts them."""
+    import numpy as np
+
+    batches = []
+    for rows in arrays:
+        for start in range(0, len(rows), micro_batch):
+            part = rows[start:start + micro_batch]
+            padded = np.zeros((micro_batch, rows.shape[1]), dtype=np.int64)
+            padded[:len(part)] = part
+            batches.append((padded, len(part)))
+    return batches
+
+
+def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scratch: Any,
+                   shards: int) -> dict[str, Callable[[], None]]:
+    """One callable per mode, each doing the whole of its work over every micro-batch once."""
+    import torch
+
+    from kdflow.tasks.common.models import body_hidden_states, output_layer
+    from kdflow.tasks.teacher.precompute import precompute_shards
+    from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+
+    pre = config.precompute
+    device = next(model.parameters()).device
+    inputs = [torch.from_numpy(ids).to(device) for ids, _ in batches]  # on the device before timing, as the stage's copy is tiny
+    vocab = getattr(output_layer(model), "out_features", None) or model.get_input_embeddings().num_embeddings
+    step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def body() -> None:
+        for ids in inputs:
+            body_hidden_states(model, ids)
+        sync()
+
+    def forward() -> None:
+        with torch.inference_mode():
+            for ids in inputs:
+                model(input_ids=ids, use_cache=False).logits  # noqa: B018 - the logits are the work
+        sync()
+
+    def topk() -> None:
+        for ids in inputs:
+            step(ids)
+        sync()
+
+    shard_ids = list(range(shards))
+
+    def stage() -> None:
+        shutil.rmtree(Path(scratch.run_root) / "topk", ignore_errors=True)
+        summary = precompute_shards(scratch, shard_ids, model=model)
+        if summary["written"] != shards:
+            raise RuntimeError(f"the stage wrote {summary['written']} shards, expected {shards}")
+
+    return {"body": body, "forward": forward, "topk": topk, "stage": stage}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes must be a comma list of {', '.join(MODES)}; got {args.modes!r}")
+    for name in ("shards", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise SystemExit(f"--micro-batch must be >= 1, got {args.micro_batch}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from kdflow.schemas.config import load_config
+    from kdflow.tasks.common.models import resolve_device
+    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.teacher.precompute import deterministic_algorithms
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    config = load_config(args.config) if args.config else prepare_demo(args.run_root)
+    if args.micro_batch:
+        config = config.model_copy(update={"precompute": config.precompute.model_copy(update={"micro_batch": args.micro_batch})})
+    device = resolve_device(args.device or config.teacher.device)
+    model = load_teacher(config.teacher, device=device)
+    with tempfile.TemporaryDirectory(prefix="kdflow-bench-teacher-pass-") as folder:
+        scratch, arrays = scratch_copy(config, args.shards, folder)
+        batches = micro_batches(arrays, config.precompute.micro_batch)
+        tokens = sum(len(rows) for rows in arrays) * config.seq_len
+        steps = step_functions(config, model, batches, scratch, args.shards)
+        seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+        cpu_seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+        with deterministic_algorithms():  # as the pass runs
+            for _ in range(args.repeats):
+                for mode in modes:
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    steps[mode]()
+                    seconds[mode].append(time.perf_counter() - wall)
+                    cpu_seconds[mode].append(time.process_time() - cpu)
+    common = {"bench": "teacher_pass", "teacher": config.teacher.model, "device": str(device),
+              "threads": torch.get_num_threads(), "micro_batch": config.precompute.micro_batch, "seq_len": config.seq_len,
+              "top_k": config.precompute.top_k, "shards": args.shards, "micro_batches": len(batches), "tokens": tokens,
+              "padded_tokens": len(batches) * config.precompute.micro_batch * config.seq_len}
+    rates = {}
+    for mode in modes:
+        best = min(seconds[mode])
+        rates[mode] = tokens / best
+        print(json.dumps(common | {"mode": mode, "tokens_per_s": round(rates[mode], 1), "seconds_best": round(best, 3),
+                                   "seconds_median": round(statistics.median(seconds[mode]), 3),
+                                   "seconds_all": [round(s, 3) for s in seconds[mode]],
+                                   "cpu_seconds_best": round(min(cpu_seconds[mode]), 3),
+                                   "loadavg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+    ratios = {f"{num}/{den}": round(rates[num] / rates[den], 3) for num in ("stage", "topk") for den in ("forward", "body")
+              if num in rates and den in rates}
+    print(json.dumps({"bench": "teacher_pass", "what": "ratios", **ratios, "loadavg": [round(x, 2) for x in os.getloadavg()]}),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

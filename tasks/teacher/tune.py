@@ -1,0 +1,144 @@
+"""One micro-batch candidate of the teacher pass, measured in this process (the tune worker's body).
+
+The teacher loads exactly as the pass loads it (`load_teacher`: whole-model placement, 4-bit, dtype), and
+each micro-batch does what the pass does per micro-batch: the ids to the device, the body and the chunked
+top-K (`TeacherTopkStep`, with the pass's chunk size), the one host copy (`HostCopies`). The rows are the
+run's own token shards, or, before any exist, Python's documentation tokenised with the run's tokenizer
+and packed to `seq_len`. After `warmup` untimed micro-batches, `batches` timed ones give tokens per second;
+the peak memory covers all of them. One process per candidate (`kdflow.tasks.teacher.tune_worker`): an
+out-of-memory or a driver error ends that candidate only.
+
+Memory: on CUDA the allocator's peaks (allocated, reserved) and the device's free memory at the end; the
+headroom is what would have been free at the peak, `free_now - (peak_reserved - reserved_now)`, so the CUDA
+context and other processes on the device count. On the CPU, the resident-set peak (VmHWM) and, likewise,
+`MemAvailable + RSS_now - peak_RSS`. Headroom fractions are of the device's (or machine's) total memory.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kdflow.schemas.commits import list_commits, stage_dir
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.shards import read_token_shard
+from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.common.models import output_layer, resolve_device
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.teacher import faults
+from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config, vocab_rows
+from kdflow.tasks.teacher.precompute import HostCopies, deterministic_algorithms
+from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+
+MIB = 1 << 20
+
+
+def committed_token_shards(run_root: RunRoot) -> list[str]:
+    """Data files of the committed token shards, in shard order (any fingerprint: only their rows are used)."""
+    store = stage_dir(run_root, "tokens")
+    records = list_commits(run_root, store, "tokens")
+    return [f"{store}/{records[i].data_file}" for i in sorted(records)]
+
+
+def token_rows(config: KDFlowConfig, tokenizer: Any, rows: int) -> tuple[np.ndarray, str]:
+    """`rows` sequences of `seq_len` ids (repeated when there are fewer) -> (ids (rows, T), where they came from)."""
+    run_root = RunRoot(config.run_root)
+    parts, have = [], 0
+    for path in committed_token_shards(run_root):
+        parts.append(read_token_shard(run_root, path, config.seq_len))
+        have += len(parts[-1])
+        if have >= rows:
+            break
+    source = f"token shards in {run_root.display(stage_dir(run_root, 'tokens'))}"
+    if not have:
+        parts, source = [_packed_documentation(tokenizer, config.seq_len)], "Python's documentation, tokenised"
+    ids = np.concatenate(parts)
+    return np.resize(ids, (rows, config.seq_len)) if len(ids) < rows else ids[:rows], source
+
+
+def _packed_documentation(tokenizer: Any, seq_len: int) -> np.ndarray:
+    """Python's shipped documentation, each topic followed by EOS, cut into `seq_len` rows (at least one)."""
+    from pydoc_data.topics import topics
+
+    stream: list[int] = []
+    for text in topics.values():
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.append(tokenizer.eos_token_id)
+    rows = max(1, len(stream) // seq_len)
+    return np.resize(np.asarray(stream, dtype=np.int32), (rows, seq_len))
+
+
+def _proc_kib(path: str, field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path(path).read_text(), re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def memory_record(device: torch.device) -> dict[str, Any]:
+    """Peak memory of this process on `device` and the headroom left at that peak (module docstring)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserved, peak_reserved = torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device)
+        headroom = free - (peak_reserved - reserved)
+        return {"memory": "cuda", "peak_allocated_mib": round(torch.cuda.max_memory_allocated(device) / MIB, 1),
+                "peak_reserved_mib": round(peak_reserved / MIB, 1), "total_mib": round(total / MIB, 1),
+                "headroom_mib": round(headroom / MIB, 1), "headroom": round(headroom / total, 4)}
+    peak_rss, rss = _proc_kib("/proc/self/status", "VmHWM") << 10, _proc_kib("/proc/self/status", "VmRSS") << 10
+    total, available = _proc_kib("/proc/meminfo", "MemTotal") << 10, _proc_kib("/proc/meminfo", "MemAvailable") << 10
+    headroom = available + rss - peak_rss
+    return {"memory": "cpu rss", "peak_rss_mib": round(peak_rss / MIB, 1), "total_mib": round(total / MIB, 1),
+            "headroom_mib": round(headroom / MIB, 1), "headroom": round(headroom / max(total, 1), 4)}
+
+
+def pass_step(config: KDFlowConfig, model: torch.nn.Module) -> TeacherTopkStep:
+    """The pass's step: `chunk_tokens` as ShardComputer chooses it."""
+    pre = config.precompute
+    vocab = getattr(output_layer(model), "out_features", None) or vocab_rows(model)
+    return TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+
+
+def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warmup: int = 1) -> dict[str, Any]:
+    """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record."""
+    if micro_batch < 1 or batches < 1 or warmup < 0:
+        raise ConfigError(f"micro_batch and batches must be >= 1 and warmup >= 0, got {micro_batch}, {batches}, {warmup}")
+    device = resolve_device(config.teacher.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"teacher.device is {config.teacher.device} but this machine has no CUDA device")
+    check_teacher_limits(load_teacher_config(config.teacher), top_k=config.precompute.top_k, seq_len=config.seq_len)
+    tokenizer = load_tokenizer(config)
+    started = time.perf_counter()
+    model = load_teacher(config.teacher, device=device)
+    load_seconds = time.perf_counter() - started
+    check_tokenizer_fits(tokenizer, model)
+    ids, source = token_rows(config, tokenizer, (warmup + batches) * micro_batch)
+    if ids.min() < 0 or ids.max() >= vocab_rows(model):
+        raise StoreError(f"{source} hold id {int(ids.max())}, outside the teacher's embedding of {vocab_rows(model)} rows")
+    step = pass_step(config, model)
+    storage = torch.float16 if config.precompute.logprobs_dtype == "float16" else torch.float32
+    host = HostCopies(device, (micro_batch, config.seq_len, config.precompute.top_k), storage, slots=2)
+    run_root = RunRoot(config.run_root)
+    timed_from = 0.0
+    with deterministic_algorithms():
+        for index in range(warmup + batches):
+            if index == warmup:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                timed_from = time.perf_counter()
+            rows = torch.from_numpy(ids[index * micro_batch:(index + 1) * micro_batch].astype(np.int64))
+            topk_ids, topk_logprobs, tail_logprob = step(rows.to(device, non_blocking=True))  # (B, T, K), (B, T, K), (B, T)
+            faults.maybe_fire("micro_batch", run_root, micro_batch=index, micro_batch_size=micro_batch)
+            *_, ready, release = host.copy(topk_ids, topk_logprobs, tail_logprob)
+            if ready is not None:
+                ready.synchronize()
+            release()
+    seconds = time.perf_counter() - timed_from
+    tokens = batches * micro_batch * config.seq_len
+    return {"micro_batch": micro_batch, "status": "ok", "tokens_per_s": round(tokens / seconds, 1),
+            "seconds": round(seconds, 3), "tokens": tokens, "batches": batches, "warmup": warmup,
+            "load_seconds": round(load_seconds, 2), "device": str(device), "threads": torch.get_num_threads(),
+            "rows_from": source, "chunk_tokens": step.chunk_tokens, **memory_record(device)}

@@ -1,0 +1,54 @@
+"""One micro-batch candidate in its own process: `python -m kdflow.tasks.teacher.tune_worker --config RESOLVED.yaml
+--micro-batch N [--batches 3] [--warmup 1]`.
+
+`kdflow tune precompute` and the `tune-precompute` flow start one per candidate, so that an out-of-memory
+or a CUDA driver error ends that candidate only. It speaks the worker protocol (`kdflow.schemas.protocol`):
+its measurement is the result line, a failure is an error line and the exit code of its kind (75 for CUDA
+out of memory, 71 device not ready, ..., 2 for a bad config). It dies with its parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from kdflow.tasks.common.worker import exit_now, run_worker, set_parent_death_signal
+
+MODULE = "kdflow.tasks.teacher.tune_worker"
+
+
+def run(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the resolved config (YAML)")
+    parser.add_argument("--micro-batch", type=int, required=True)
+    parser.add_argument("--batches", type=int, default=3, help="timed micro-batches")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed micro-batches first")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as the pass runs: deterministic cuBLAS
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def body() -> dict[str, Any]:
+        from transformers.utils import logging as transformers_logging
+
+        from kdflow.schemas.config import load_config
+        from kdflow.tasks.teacher.tune import measure_candidate
+
+        transformers_logging.disable_progress_bar()
+        config = load_config(args.config)
+        return measure_candidate(config, args.micro_batch, args.batches, args.warmup) | {"pid": os.getpid()}
+
+    return run_worker(body, label=f"kdflow tune worker (micro-batch {args.micro_batch})")
+
+
+def main() -> None:
+    set_parent_death_signal()
+    exit_now(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""`kdflow tune precompute`: candidates in fresh processes, failures kept to their candidate, the recommendation,
+`--write` editing the YAML in place, and the bad inputs refused before any process starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_precompute import prepare
+
+import kdflow.flows.launch as launch
+from kdflow.cli import main as cli_main
+from kdflow.flows import tuning
+from kdflow.schemas.config import dump_config
+from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.tasks.teacher.tune import measure_candidate
+from kdflow.tune import set_nested_value, write_micro_batch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config_yaml(config: Any, path: Path, *, drop: tuple[str, ...] = (), comment: bool = True) -> Path:
+    """The config as a YAML file a user would write: with comments, and without the keys in `drop`."""
+    data = yaml.safe_load(dump_config(config))
+    for key in drop:
+        data.pop(key)
+    text = yaml.safe_dump(data, sort_keys=False)
+    if comment:
+        text = "# my run: keep this comment\n" + text.replace("  micro_batch: 4\n", "  micro_batch: 4   # tuned by hand\n")
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any child process started from here on fails the test."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", refuse)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    code = cli_main(["tune", "precompute", *args])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+# ---- bad input: one line, exit 2, no process ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ("", "the micro-batch list is empty: give sizes such as --micro-batches 8,14,28,56"),
+    (" , ", "the micro-batch list is empty: give sizes such as --micro-batches 8,14,28,56"),
+    ("8,0", "micro-batch 0 must be >= 1"),
+    ("-4", "micro-batch -4 must be >= 1"),
+    ("8,a", "micro-batch 'a' is not an integer (expected sizes such as 8,14,28,56)"),
+])
+def test_a_bad_micro_batch_list_is_one_line(make_config: Callable[..., Any], tmp_path: Path, no_process: None,
+                                            capsys: pytest.CaptureFixture[str], sizes: str, message: str) -> None:
+    path = config_yaml(make_config(), tmp_path / "c.yaml")
+    assert run_cli(capsys, str(path), f"--micro-batches={sizes}") == (2, [f"kdflow: error: {message}"])
+
+
+def test_a_teacher_that_cannot_load_is_one_line(make_config: Callable[..., Any], tmp_path: Path, no_process: None,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    missing = config_yaml(make_config(teacher__model=str(tmp_path / "nowhere")), tmp_path / "missing.yaml")
+    assert run_cli(capsys, str(missing)) == (2, [f"kdflow: error: teacher model path does not exist: {tmp_path / 'nowhere'}"])
+    broken = tmp_path / "broken-teacher"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}', encoding="utf-8")
+    code, lines = run_cli(capsys, str(config_yaml(make_config(teacher__model=str(broken)), tmp_path / "broken.yaml")))
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"kdflow: error: teacher '{broken}' cannot be loaded: ")
+    weightless = tmp_path / "weightless-teacher"
+    weightless.mkdir()
+    shutil.copy(Path(make_config().teacher.model) / "config.json", weightless / "config.json")
+    assert run_cli(capsys, str(config_yaml(make_config(teacher__model=str(weightless)), tmp_path / "w.yaml"))) == (2, [
+        f"kdflow: error: teacher '{weightless}' cannot be loaded: the folder has no weight files (*.safetensors, *.bin, "
+        "*.pt, *.pth, *.gguf, *.index.json)"])
+    too_long = config_yaml(make_config(seq_len=4096), tmp_path / "long.yaml")
+    assert run_cli(capsys, str(too_long)) == (
+        2, ["kdflow: error: seq_len=4096 exceeds the teacher's context length (max_position_embeddings=256)"])
+
+
+def test_no_token_shards_and_no_seq_len_is_one_line(make_config: Callable[..., Any], tmp_path: Path, no_process: None,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    config = make_config(seq_len=64)
+    path = config_yaml(config, tmp_path / "c.yaml", drop=("seq_len",))
+    assert run_cli(capsys, str(path)) == (2, [
+        f"kdflow: error: no token shards in {Path(config.run_root) / 'tokens'} and no seq_len in the config: set seq_len "
+        "(tokens of that length are made up from Python's documentation) or run tokenise first"])
+
+
+def test_token_shards_of_another_length_and_a_run_under_way_are_refused(
+        make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = prepare(make_config(dataset__max_documents=12))
+    with pytest.raises(KDFlowError, match="have seq_len 32, the config says 64"):
+        tuning.check_tune_inputs(config.model_copy(update={"seq_len": 64}))
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    precompute_shards(config, [0])
+    path = config_yaml(config, tmp_path / "c.yaml")
+    capsys.readouterr()  # the stages' own progress lines
+    code, lines = run_cli(capsys, str(path), "--write")
+    assert code == 2 and lines == ["kdflow: error: --write: this config's top-K store already has shards computed with "
+                                   "micro_batch 4; the micro-batch stays fixed for a run (tune without --write)"]
+
+
+# ---- the recommendation and the loop, on given outcomes -------------------------------------------------------
+
+
+def ok(size: int, rate: float, headroom: float) -> tuning.Candidate:
+    return tuning.Candidate(size, "ok", 0, "", {"tokens_per_s": rate, "headroom": headroom, "memory": "cpu rss",
+                                                "peak_rss_mib": 100.0 * size, "total_mib": 1000.0})
+
+
+def test_the_recommendation_is_the_fastest_that_leaves_the_headroom() -> None:
+    candidates = [ok(4, 900.0, 0.5), ok(8, 1000.0, 0.3), ok(16, 1100.0, 0.05),
+                  tuning.Candidate(32, "out of memory", 75, "CUDA out of memory")]
+    assert tuning.recommend(candidates, 0.10).micro_batch == 8
+    assert tuning.recommend(candidates, 0.01).micro_batch == 16
+    assert tuning.recommend(candidates, 0.60) is None
+    result = tuning.summary(candidates, 0.10)
+    assert (result["recommended_micro_batch"], result["fastest_micro_batch"]) == (8, 16)
+    assert result["recommended_over_fastest"] == round(1000 / 1100, 4)
+    text = tuning.table(candidates, 0.10)
+    assert "<- recommended" in text.splitlines()[2] and "below headroom" in text.splitlines()[3]
+    assert "out of memory (exit 75)" in text.splitlines()[4]
+
+
+def test_after_an_out_of_memory_larger_candidates_are_skipped_other_failures_do_not_stop() -> None:
+    outcomes = {2: tuning.Candidate(2, "failed", 71, "CUDA driver error: device not ready"), 4: ok(4, 10.0, 0.5),
+                8: tuning.Candidate(8, "out of memory", 75, "CUDA out of memory"), 16: ok(16, 99.0, 0.5)}
+    ran: list[int] = []
+
+    def runner(size: int) -> tuning.Candidate:
+        ran.append(size)
+        return outcomes[size]
+
+    results = tuning.run_candidates([16, 2, 8, 4], runner)
+    assert ran == [2, 4, 8] and [c.status for c in results] == ["failed", "ok", "out of memory", "skipped"]
+    assert results[3].message == "micro-batch 8 ran out of memory"
+    ran.clear()
+    assert [c.status for c in tuning.run_candidates([2, 4, 8, 16], runner, keep_going=True)][-1] == "ok"
+    with pytest.raises(ConfigError, match="bad teacher"):
+        tuning.run_candidates([1], lambda size: tuning.Candidate(size, "failed", 2, "bad teacher"))
+
+
+# ---- --write: one value edited in place -----------------------------------------------------------------------
+
+
+def test_write_replaces_the_value_and_keeps_comments(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    original = ("# top comment\nrun_root: runs/x   # where\nprecompute:\n  # the teacher's batch\n"
+                "  top_k: 32\n  micro_batch: 8    # tuned by hand\n  sequences_per_shard: 32\nstudent:\n  micro_batch: 3\n")
+    path.write_text(original, encoding="utf-8")
+    write_micro_batch(path, 28)
+    assert path.read_text(encoding="utf-8") == original.replace("  micro_batch: 8    # tuned", "  micro_batch: 28    # tuned")
+
+
+def test_write_inserts_a_missing_key_or_section_and_refuses_flow_style(tmp_path: Path) -> None:
+    assert set_nested_value("precompute:\n    top_k: 32\nseq_len: 64\n", "precompute", "micro_batch", 14) == \
+        "precompute:\n    micro_batch: 14\n    top_k: 32\nseq_len: 64\n"
+    assert set_nested_value("seq_len: 64  # short\n", "precompute", "micro_batch", 14) == \
+        "seq_len: 64  # short\nprecompute:\n  micro_batch: 14\n"
+    path = tmp_path / "flow.yaml"
+    path.write_text("precompute: {top_k: 32, micro_batch: 8}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="cannot edit .* in place; set precompute.micro_batch: 14 there by hand"):
+        write_micro_batch(path, 14)
+    assert path.read_text(encoding="utf-8") == "precompute: {top_k: 32, micro_batch: 8}\n"
+
+
+# ---- real candidates ---------------------------------------------------------------------------------------------
+
+
+def test_one_candidate_in_process_reads_the_runs_token_shards(make_config: Callable[..., Any]) -> None:
+    config = prepare(make_config(dataset__max_documents=12))
+    record = measure_candidate(config, micro_batch=3, batches=2)
+    assert record["status"] == "ok" and record["tokens"] == 2 * 3 * 32 and record["tokens_per_s"] > 0
+    assert record["rows_from"].startswith("token shards in ") and record["memory"] == "cpu rss"
+    assert 0 < record["peak_rss_mib"] < record["total_mib"] and 0 < record["headroom"] < 1
+
+
+def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendation(
+        make_config: Callable[..., Any], tmp_path: Path) -> None:
+    """Two candidates fail by injected faults (a driver error, an out-of-memory), one is then skipped; the
+    recommendation goes into the YAML file with its comments kept."""
+    path = config_yaml(make_config(), tmp_path / "c.yaml")
+    before = path.read_text(encoding="utf-8")
+    env = os.environ | {"KDFLOW_FAULT": "cuda_error@micro_batch_size=1;cuda_oom@micro_batch_size=4"}
+    result = subprocess.run([sys.executable, "-m", "kdflow", "tune", "precompute", str(path), "--micro-batches", "1,2,4,8",
+                             "--batches", "1", "--write", "--json"], capture_output=True, text=True, timeout=600,
+                            cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    statuses = {c["micro_batch"]: (c["status"], c["exit_code"]) for c in summary["candidates"]}
+    assert statuses == {1: ("failed", 71), 2: ("ok", 0), 4: ("out of memory", 75), 8: ("skipped", None)}
+    pids = {c["micro_batch"]: c.get("pid") for c in summary["candidates"]}
+    assert summary["recommended_micro_batch"] == 2 and pids[2] is not None
+    assert path.read_text(encoding="utf-8") == before.replace("micro_batch: 4   # tuned", "micro_batch: 2   # tuned")
+    assert "rows: no token shards yet: Python's documentation in rows of 32 tokens" in result.stdout
+    assert "<- recommended" in result.stdout
+
+
+def test_the_flow_runs_candidates_as_task_runs(prefect_harness: Any, make_config: Callable[..., Any]) -> None:
+    from kdflow.flows.tune import tune_precompute_flow
+
+    result = tune_precompute_flow(make_config().model_dump(mode="json"), micro_batches="2,3", batches=1)
+    assert [c["status"] for c in result["candidates"]] == ["ok", "ok"]
+    assert result["recommended_micro_batch"] in (2, 3) and result["recommended_over_fastest"] == 1.0
