@@ -188,6 +188,15 @@ class StudentConfig(_Section):
     seed: int = Field(default=0, description="Seeds the initial weights and the data order")
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Keep only each decoder layer's input and recompute the layer in backward: "
+                                   "less activation memory, one more forward of the body per step")
+    compile: bool = Field(
+        default=False, description="torch.compile the student's decoder layers (the body); the first steps wait "
+                                   "for the compiler (a C++ compiler on CPU)")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        default="sdpa", description="The student's attention: sdpa (PyTorch's fused kernels), eager (plain matmuls), "
+                                    "flash_attention_2 (the flash-attn package, CUDA only)")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
 
