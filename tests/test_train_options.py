@@ -112,3 +112,29 @@ def test_option_fields_have_defaults_and_reject_unknown_kernels(fresh_run) -> No
     with pytest.raises(ConfigError) as caught:
         fresh_run(student__attn_implementation="flash")
     assert "student.attn_implementation" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_gathered_state_saved_as_checkpoint_and_final_has_weights_in_both(fresh_run, tmp_path) -> None:  # noqa: F811
+    """FSDP hands one gathered state dict to the checkpoint and then to final/; transformers' save_pretrained
+    pops what it writes from the dict it is given (for a student built from a config), so final/ of a 2-rank
+    run that was never resumed had no weights. Found by the FSDP gradient-checkpointing test."""
+    from safetensors.torch import load_file
+
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.checkpoint import TrainingState, save_checkpoint, save_final
+    from kdflow.tasks.student.model import build_student
+    from kdflow.tasks.student.train import build_optimizer
+
+    config = fresh_run()
+    tokenizer = load_tokenizer(config)
+    model = build_student(config, tokenizer)
+    optimizer, scheduler = build_optimizer(model, config.student)
+    gathered = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    run_root, student_dir = RunRoot(str(tmp_path / "run")), str(tmp_path / "run" / "students" / "s")
+    checkpoint = save_checkpoint(run_root, student_dir, model, tokenizer, optimizer, scheduler,
+                                 TrainingState(1, 4, 0.1, "f"), model_state=gathered)
+    final = save_final(run_root, student_dir, model, tokenizer, model_state=gathered)
+    for folder in (checkpoint, final):
+        saved = load_file(f"{folder}/model.safetensors")
+        assert torch.equal(saved["model.norm.weight"], gathered["model.norm.weight"]), folder

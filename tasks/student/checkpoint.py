@@ -147,6 +147,11 @@ def _local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
 # --- checkpoints ------------------------------------------------------------------------------------------
 
 
+def _copy(model_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """A new dict of the same tensors: the caller's gathered state is saved again (checkpoint, then final/)."""
+    return None if model_state is None else dict(model_state)
+
+
 def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainingState, *,
                     model_state: dict[str, torch.Tensor] | None = None, optimizer_state: dict[str, Any] | None = None) -> str:
@@ -154,7 +159,8 @@ def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, token
     instead of `model`'s and `optimizer`'s own."""
     path = f"{student_dir}/{checkpoint_name(state.step)}"
     with _folder_writer(run_root, path) as folder:
-        model.save_pretrained(folder, state_dict=model_state)  # safetensors: the only format transformers 5 writes
+        # safetensors: the only format transformers 5 writes; it pops the tensors it wrote from the dict it is given
+        model.save_pretrained(folder, state_dict=_copy(model_state))
         tokenizer.save_pretrained(folder)
         training = {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
                     "scheduler": scheduler.state_dict(), "rng": capture_rng(), "state": asdict(state)}
@@ -234,7 +240,7 @@ def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer:
     """students/NAME/final/: the model and tokenizer that `kdflow chat` loads (`model_state`: see save_checkpoint)."""
     path = f"{student_dir}/{FINAL_DIR}"
     with _folder_writer(run_root, path) as folder:
-        model.save_pretrained(folder, state_dict=model_state)
+        model.save_pretrained(folder, state_dict=_copy(model_state))
         tokenizer.save_pretrained(folder)
     return path
 
