@@ -266,7 +266,7 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        return float(loss)
+        return float(loss.detach())
 
     warmup_s = []
     for _ in range(warmup):
