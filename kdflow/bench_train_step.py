@@ -178,6 +178,8 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     config = config_from_dict(spec["config"])
     student = config.student
     device = rank_device(student.device, 0, 1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the peak-memory counters read the current device
     record: dict[str, Any] = {"variant": spec["label"], "batch": student.batch_size, "seq_len": config.seq_len,
                               "tokens_per_step": student.batch_size * config.seq_len, "device": str(device),
                               "threads": torch.get_num_threads(), "load_avg": [round(os.getloadavg()[0], 2)]}
