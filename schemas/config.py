@@ -195,8 +195,9 @@ class StudentConfig(_Section):
         default=False, description="torch.compile the student's decoder layers (the body); the first steps wait "
                                    "for the compiler (a C++ compiler on CPU)")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        default="sdpa", description="The student's attention: sdpa (PyTorch's fused kernels), eager (plain matmuls), "
-                                    "flash_attention_2 (the flash-attn package, CUDA only)")
+        default="sdpa", title="Attention implementation",
+        description="The student's attention: sdpa (PyTorch's fused kernels), eager (plain matmuls), "
+                    "flash_attention_2 (the flash-attn package, CUDA only)")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
 
