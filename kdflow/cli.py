@@ -95,6 +95,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kdflow.bench_teacher_pass import main
     elif args.what == "gpu":
         from kdflow.bench_gpu import main
+    elif args.what == "train-step":
+        from kdflow.bench_train_step import main
     else:
         from kdflow.bench_tokenise import main
     return main(args.rest)
@@ -162,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity", "teacher-pass", "gpu"])
+    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity", "teacher-pass", "gpu",
+                                        "train-step"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
 

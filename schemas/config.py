@@ -235,6 +235,16 @@ class StudentConfig(_Section):
     log_every: PositiveInt = Field(default=10, description="Steps between training log lines (loss, lr, tok/s, ETA)")
     tensorboard: bool = Field(default=False, description="Also write TensorBoard event files to students/NAME/tensorboard "
                                                           "(the tensorboard extra)")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Keep only each decoder layer's input and recompute the layer in backward: "
+                                   "less activation memory, one more forward of the body per step")
+    compile: bool = Field(
+        default=False, description="torch.compile the student's decoder layers (the body); the first steps wait "
+                                   "for the compiler (a C++ compiler on CPU)")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        default="sdpa", title="Attention implementation",
+        description="The student's attention: sdpa (PyTorch's fused kernels), eager (plain matmuls), "
+                    "flash_attention_2 (the flash-attn package, CUDA only)")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
     lease_ttl_s: float = Field(

@@ -202,6 +202,15 @@ def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(f
               f"max |w - w1| {max_difference(weights, one_rank['weights']):.3g}")
 
 
+def test_gradient_checkpointing_under_fsdp_matches_one_rank_without_it(fresh_run, one_rank) -> None:
+    """Each FSDP unit (a decoder layer) is recomputed in backward while its weights are gathered again."""
+    config = fresh_run(student__name="fsdp-checkpointing", student__distributed__sharding="fsdp",
+                       student__gradient_checkpointing=True)
+    assert torchrun(config)["steps"] == STEPS
+    assert_same_curve(read_lines(student_path(config, "metrics.jsonl")), one_rank["metrics"], TRAIN_KEYS)
+    assert_same_weights(final_weights(config), one_rank["weights"])
+
+
 def newest_checkpoint_step(config: KDFlowConfig) -> int:
     """The step of the newest complete checkpoint of the student (-1 if none); folders come and go meanwhile."""
     folder = student_path(config)

@@ -196,6 +196,11 @@ def _local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
 # --- checkpoints ------------------------------------------------------------------------------------------
 
 
+def _copy(model_state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    """A new dict of the same tensors: the caller's gathered state is saved again (checkpoint, then final/)."""
+    return None if model_state is None else dict(model_state)
+
+
 def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: TrainingState, *,
                     model_state: dict[str, torch.Tensor] | None = None, optimizer_state: dict[str, Any] | None = None,
@@ -207,7 +212,7 @@ def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, token
                 "scheduler": scheduler.state_dict(), "rng": capture_rng(), "state": asdict(state)}
     needed = _tensor_bytes(model_state if model_state is not None else model.state_dict()) + _tensor_bytes(training)
     with _folder_writer(run_root, path, needed_bytes=needed, hint=keep_hint, step=state.step) as folder:
-        model.save_pretrained(folder, state_dict=model_state)  # safetensors: the only format transformers 5 writes
+        model.save_pretrained(folder, state_dict=_copy(model_state))  # safetensors (transformers 5); it pops what it wrote
         tokenizer.save_pretrained(folder)
         torch.save(training, os.path.join(folder, TRAINING_STATE_FILE))
         with open(os.path.join(folder, CHECKPOINT_MARKER), "w", encoding="utf-8") as handle:
@@ -286,7 +291,7 @@ def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer:
     path = f"{student_dir}/{FINAL_DIR}"
     needed = _tensor_bytes(model_state if model_state is not None else model.state_dict())
     with _folder_writer(run_root, path, needed_bytes=needed, site="final") as folder:
-        model.save_pretrained(folder, state_dict=model_state)
+        model.save_pretrained(folder, state_dict=_copy(model_state))  # it pops the tensors it wrote from the dict
         tokenizer.save_pretrained(folder)
     return path
 

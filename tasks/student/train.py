@@ -42,6 +42,7 @@ from kdflow.tasks.student.distributed import (all_reduce_sum, any_rank, barrier,
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
 from kdflow.tasks.student.trainer_lease import hold_student
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
+from kdflow.tasks.student.options import apply_student_options
 
 IGNORE_INDEX = -100
 OnStep = Callable[[dict[str, Any]], bool | None]
@@ -78,7 +79,9 @@ def build_optimizer(model: nn.Module, student: StudentConfig) -> tuple[torch.opt
 
 def training_fingerprint(config: KDFlowConfig, stores: DistillStores) -> str:
     """What a checkpoint must share with this config to be resumed: data, model and optimisation settings.
-    Steps, saving, evaluation and device settings may change between runs."""
+    Steps, saving, evaluation and device settings may change between runs, and so may the ones that change
+    how the student computes but not what (attn_implementation, gradient_checkpointing, compile: equal up to
+    float rounding, like the number of ranks)."""
     student = config.student
     fields = student.model_dump(mode="json", include={"init_from": True, "architecture": True, "batch_size": True, "lr": True,
                                                       "min_lr_ratio": True, "warmup_steps": True, "weight_decay": True,
@@ -289,6 +292,7 @@ class StudentRun:
             check_student(self.model, self.tokenizer)
         else:  # seeded: every rank builds the same weights
             self.model = build_student(config, self.tokenizer).to(self.device)
+        apply_student_options(self.model, student, self.device)  # attention, gradient checkpointing, compile
         self.model.train()
         # self.model stays the HF student (its parameters may be shards); self.module runs it with the loss.
         scheme = (self.data.stores.sampling or {}).get("scheme")  # sampled targets: their loss needs the scheme

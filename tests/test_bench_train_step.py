@@ -1,0 +1,70 @@
+"""`kdflow bench train-step` on a tiny run: every variant measured in its own process, the ratio lines, an
+option against the fused step, no scratch student left behind; a synthetic top-K batch where the stores hold
+another seq_len, and the stage skipped there. What it asserts is the shape of the output, never a speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from test_train import fresh_run, prepared_run, sharp_teacher_dir  # noqa: F401
+
+from kdflow.schemas.config import dump_config
+
+
+def bench(*args: str) -> list[dict[str, Any]]:
+    command = [sys.executable, "-m", "kdflow", "bench", "train-step", *args, "--steps", "2", "--warmup", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_path: Path) -> None:  # noqa: F811
+    config = fresh_run()
+    path = tmp_path / "bench.yaml"
+    path.write_text(dump_config(config))
+
+    lines = bench(str(path), "--batch", "2", "--options", "gradient_checkpointing")
+    records = {line["variant"]: line for line in lines if "variant" in line}
+    assert set(records) == {"plain", "fused", "stage", "fused+gradient_checkpointing"}, lines
+    for record in records.values():
+        assert record["batch"] == 2 and record["seq_len"] == 32 and record["tokens_per_step"] == 64, record
+        assert record["tok_s"] > 0 and record["peak_total_bytes"] > record["peak_bytes"] > 0, record
+        assert len(record["load_avg"]) == 2 and record["topk"] == "stores", record
+    assert records["fused+gradient_checkpointing"]["options"]["gradient_checkpointing"] is True
+    assert records["fused"]["options"]["gradient_checkpointing"] is False
+    ratios = {line["ratio"]: line for line in lines if "ratio" in line}
+    assert set(ratios) == {"b/a", "c/b", "fused+gradient_checkpointing/fused"}, lines
+    assert ratios["b/a"]["value"] == round(records["fused"]["tok_s"] / records["plain"]["tok_s"], 3)
+    assert ratios["b/a"]["target"] == ratios["c/b"]["target"] == 0.95
+    assert not (Path(config.run_root) / "students").exists() or not list((Path(config.run_root) / "students").iterdir())
+
+    # In this process (the CLI path is the one above): stores of seq_len 32 cannot feed a step of 16 tokens.
+    from kdflow.bench_train_step import _measure
+
+    short = fresh_run(seq_len=16, student__batch_size=2).model_dump(mode="json")
+    fused = _measure({"config": short, "variant": "fused", "label": "fused", "warmup": 1, "steps": 1})
+    assert fused["seq_len"] == 16 and fused["topk"].startswith("synthetic") and fused["tok_s"] > 0, fused
+    stage = _measure({"config": short, "variant": "stage", "label": "stage", "warmup": 1, "steps": 1})
+    assert "tok_s" not in stage and "seq_len" in stage["skipped"], stage
+
+
+def test_tensor_peak_counts_the_most_bytes_alive_at_once() -> None:
+    import torch
+
+    from kdflow.bench_train_step import _TensorPeak
+
+    kept = torch.ones(1 << 20)  # alive before: not counted
+    watch = _TensorPeak(torch.device("cpu"))
+    watch.start()
+    first = torch.empty(1 << 20)  # 4 MiB
+    second = torch.empty(1 << 19)  # 2 MiB while the first is alive: the peak, 6 MiB
+    del first, second
+    third = torch.empty(1 << 20)  # 4 MiB after both were freed
+    del third
+    assert watch.stop() == 6 << 20
+    assert kept.sum() == 1 << 20
