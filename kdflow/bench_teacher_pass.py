@@ -65,10 +65,10 @@ def prepare_demo(run_root: str) -> Any:
 
 def scratch_copy(config: Any, shards: int, folder: str) -> tuple[Any, list[Any]]:
     """A run root in `folder` holding the first `shards` token shards (and the store's records) -> (config, token
-    arrays). The stage computes there, so the real run root is never written."""
-    from kdflow.schemas.commits import list_commits, read_complete, stage_dir
+    arrays). The stage computes there, so the real run root is never written. Its token store is complete with
+    those shards (the v2 codec's renumbering counts a whole token store)."""
+    from kdflow.schemas.commits import list_commits, read_complete, stage_dir, write_complete
     from kdflow.schemas.errors import StoreError
-    from kdflow.schemas.layout import COMPLETE_FILE
     from kdflow.schemas.shards import read_token_shard
     from kdflow.schemas.storage import RunRoot
 
@@ -84,9 +84,11 @@ def scratch_copy(config: Any, shards: int, folder: str) -> tuple[Any, list[Any]]
     target = RunRoot(folder)
     target_tokens = stage_dir(target, "tokens")
     target.makedirs(target_tokens)
-    names = [COMPLETE_FILE] + [n for i in range(shards) for n in (records[i].data_file, _commit_name(i))]
-    for name in names:
+    for name in [n for i in range(shards) for n in (records[i].data_file, _commit_name(i))]:
         target.write_bytes_atomic(f"{target_tokens}/{name}", source.read_bytes(f"{tokens}/{name}"))
+    write_complete(target, target_tokens, done.model_copy(update={
+        "shards": shards, "rows": sum(records[i].rows for i in range(shards)),
+        "tokens": sum(records[i].tokens for i in range(shards))}))
     arrays = [read_token_shard(target, f"{target_tokens}/{records[i].data_file}", config.seq_len) for i in range(shards)]
     return config.model_copy(update={"run_root": folder}), arrays
 

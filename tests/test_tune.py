@@ -72,12 +72,13 @@ def test_a_bad_micro_batch_list_is_one_line(make_config: Callable[..., Any], tmp
 def test_a_teacher_that_cannot_load_is_one_line(make_config: Callable[..., Any], tmp_path: Path, no_process: None,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     missing = config_yaml(make_config(teacher__model=str(tmp_path / "nowhere")), tmp_path / "missing.yaml")
-    assert run_cli(capsys, str(missing)) == (2, [f"kdflow: error: teacher model path does not exist: {tmp_path / 'nowhere'}"])
+    assert run_cli(capsys, str(missing)) == (
+        2, [f"kdflow: error: teacher.model='{tmp_path / 'nowhere'}': model path does not exist: {tmp_path / 'nowhere'}"])
     broken = tmp_path / "broken-teacher"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}', encoding="utf-8")
     code, lines = run_cli(capsys, str(config_yaml(make_config(teacher__model=str(broken)), tmp_path / "broken.yaml")))
-    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"kdflow: error: teacher '{broken}' cannot be loaded: ")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"kdflow: error: teacher.model='{broken}' ")
     weightless = tmp_path / "weightless-teacher"
     weightless.mkdir()
     shutil.copy(Path(make_config().teacher.model) / "config.json", weightless / "config.json")
