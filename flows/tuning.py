@@ -95,26 +95,12 @@ def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True) -> st
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... for a bad model
         raise ConfigError(f"teacher {config.teacher.model!r} cannot be loaded: {first_line(error)}") from None
     check_teacher_limits(teacher_config, top_k=config.precompute.top_k, seq_len=config.seq_len)
-    _check_weights_present(config)
     if config.teacher.load_in_4bit:
         import importlib.util
 
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("teacher.load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     return rows_from
-
-
-def _check_weights_present(config: KDFlowConfig) -> None:
-    """A local teacher folder must hold weights (a hub id is checked by the candidate that loads it)."""
-    import os
-
-    from kdflow.tasks.common.models import WEIGHT_SUFFIXES, check_teacher_source
-
-    folder = check_teacher_source(config.teacher)
-    if folder is not None and not config.teacher.gguf_file and not any(
-            name.endswith(WEIGHT_SUFFIXES) and name != "config.json" for name in os.listdir(folder)):
-        raise ConfigError(f"teacher {config.teacher.model!r} cannot be loaded: the folder has no weight files "
-                          f"({', '.join('*' + suffix for suffix in WEIGHT_SUFFIXES)})")
 
 
 def committed_micro_batches(config: KDFlowConfig) -> set[int]:
