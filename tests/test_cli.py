@@ -14,7 +14,7 @@ import pytest
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.layout import CONFIG_FILE
 
-COMMANDS = ("demo", "run", "status", "validate", "chat", "bench")
+COMMANDS = ("demo", "run", "status", "validate", "store", "chat", "bench")
 
 
 def kdflow(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
