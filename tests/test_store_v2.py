@@ -249,6 +249,9 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     assert cli_main(["store", "report", config.run_root, "--tag", lossless_tag, "--kl-rows", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"### top-K store {lossless_tag}: v2 float32") and "tail mass |" in out
+    assert cli_main(["store", "report", config.run_root, "--tag", "nosuchstore"]) == 2
+    assert capsys.readouterr().err.strip() == (f"kdflow: error: no top-K store nosuchstore under "
+                                               f"{RunRoot(config.run_root).display(RunRoot(config.run_root).path('topk'))}")
 
 
 def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixture[str]) -> None:
