@@ -50,7 +50,7 @@ def bench_config(root: str, shards: int, **overrides: Any) -> KDFlowConfig:
     data = demo_config(root).model_dump(mode="json")
     settings = {"seq_len": SEQ_LEN, "dataset.max_tokens": shards * ROWS_PER_SHARD * SEQ_LEN, "precompute.top_k": TOP_K,
                 "precompute.micro_batch": 4, "precompute.sequences_per_shard": ROWS_PER_SHARD,
-                "precompute.report_rows": 0, "student.eval_shards": 2, "student.eval_sequences": ROWS_PER_SHARD} | overrides
+                "precompute.report_rows": 0} | overrides
     for dotted, value in settings.items():
         set_dotted(data, dotted, value)
     return config_from_dict(data, source="kdflow bench store")
@@ -71,8 +71,13 @@ def build_real_stores(run_root: str, shards: int) -> RealStores:
     started = time.perf_counter()
     write_corpus(Path(default.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(default.teacher.model))
-    materialise(default)
-    tokenise(default, load_tokenizer(default))
+    tokenizer = load_tokenizer(default)
+
+    def count_tokens(texts: list[str]) -> list[int]:  # the max_tokens budget, as the materialise flow counts it
+        return [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    materialise(default, count_tokens)
+    tokenise(default, tokenizer)
     seconds["text_and_tokens"] = round(time.perf_counter() - started, 1)
     tags = []
     for name, config in (("default", default), ("lossless", lossless)):
@@ -107,9 +112,14 @@ def lossless_shards(stores: RealStores) -> tuple[list[tuple[np.ndarray, np.ndarr
 
 
 def _student_config(config: KDFlowConfig, name: str, steps: int) -> KDFlowConfig:
+    """The student of the comparison; the last full shard is held out (with a short remainder shard after it)."""
+    run_root = RunRoot(config.run_root)
+    done = read_complete(run_root, stage_dir(run_root, "tokens"))
+    partial_last = done.rows % config.precompute.sequences_per_shard != 0
     data = config.model_dump(mode="json")
     for dotted, value in {"student.name": name, "student.steps": steps, "student.save_every": steps,
-                          "student.warmup_steps": min(10, steps // 10)}.items():
+                          "student.warmup_steps": min(10, steps // 10), "student.eval_shards": 2 if partial_last else 1,
+                          "student.eval_sequences": config.precompute.sequences_per_shard}.items():
         set_dotted(data, dotted, value)
     return config_from_dict(data, source="kdflow bench store")
 
@@ -161,14 +171,14 @@ def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:
         rates: list[float] = []
         result = train(student, on_step=lambda record: rates.append(record["tokens_per_s"]) and False)
         final = str(run_root / "students" / name / "final")
-        kls[label] = _heldout_kl(final, stores.lossless)
+        kls[label] = _heldout_kl(final, _student_config(stores.lossless, name, steps))
         records.append({"student": label, "steps": result["steps"], "batch_size": student.student.batch_size,
                         "train_rows": result["train_rows"], "final_loss": result["final_loss"],
                         "heldout_kl_own_store": result["eval_after"]["kl"], "heldout_kl_vs_lossless": kls[label]["kl"],
                         "heldout_ce": kls[label]["ce"], "heldout_sequences": kls[label]["sequences"],
                         "train_positions_per_s": round(statistics.median(rates[1:] or rates), 1)})
     train_rate = records[0]["train_positions_per_s"]
-    loader = loader_rate(stores.default)
+    loader = loader_rate(_student_config(stores.default, "bench-loader", steps))
     v2, lossless = kls["v2 default"]["kl"], kls["lossless"]["kl"]
     records.append({"comparison": "v2 default vs lossless", "heldout_kl_v2": v2, "heldout_kl_lossless": lossless,
                     "relative_difference": (v2 - lossless) / lossless, "loader_positions_per_s_one_core": round(loader),

@@ -16,7 +16,7 @@ from children import run
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.layout import CONFIG_FILE
 
-COMMANDS = ("demo", "run", "status", "validate", "chat", "bench", "tune")
+COMMANDS = ("demo", "run", "status", "validate", "store", "chat", "bench", "tune")
 
 
 def kdflow(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -249,6 +249,9 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     assert cli_main(["store", "report", config.run_root, "--tag", lossless_tag, "--kl-rows", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"### top-K store {lossless_tag}: v2 float32") and "tail mass |" in out
+    assert cli_main(["store", "report", config.run_root, "--tag", "nosuchstore"]) == 2
+    assert capsys.readouterr().err.strip() == (f"kdflow: error: no top-K store nosuchstore under "
+                                               f"{RunRoot(config.run_root).display(RunRoot(config.run_root).path('topk'))}")
 
 
 def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixture[str]) -> None:
@@ -263,3 +266,18 @@ def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixt
     default, lossless = by_label["sqrt400/unigram (default)"], by_label["float32/unigram/tail32 (lossless)"]
     assert default["invalid_positions"] == 0 and default["total_B"] < lossless["total_B"] < records[1]["total_B"]
     assert lossless["kl_mean"] < 1e-9 < default["kl_mean"] and by_label["sqrt400/unigram/keep0.99"]["mean_kept"] < 128
+
+
+def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -> None:
+    """The real bench's training half on the tiny teacher: same student on a v2 and a lossless store."""
+    from kdflow.bench_store_train import RealStores, train_comparison
+
+    config, summary = prepared(make_config)
+    lossless = make_config(dataset__max_documents=24, precompute__store__values="float32", precompute__store__tail="float32")
+    stores = RealStores(config, lossless, summary["tag"], precompute_shards(lossless)["tag"], 384, {})
+    records = train_comparison(stores, steps=3)
+    assert [r.get("student") for r in records[:2]] == ["v2 default", "lossless"]
+    assert all(r["steps"] == 3 and r["heldout_sequences"] == config.precompute.sequences_per_shard for r in records[:2])
+    comparison = records[2]
+    assert comparison["heldout_kl_lossless"] > 0 and abs(comparison["relative_difference"]) < 0.05
+    assert comparison["decode_to_train_ratio"] > 0

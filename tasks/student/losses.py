@@ -15,8 +15,7 @@ The loss takes the student's final hidden states and its lm_head weight, never l
 during the forward pass (one matmul forward, two for the gradients, no recompute), so peak memory is
 O(N * H + V * H + chunk_tokens * V), never O(N * V).
 
-Preconditions the function does not check (they cost a sort): the top-K ids of a row are distinct, except
-padding (id < 0 with log-prob -inf: adaptive-K stores keep fewer ids at some positions), which is ignored.
+Not checked (it costs a sort): the top-K ids of a row are distinct, but for padding (id < 0, log-prob -inf).
 """
 
 from __future__ import annotations
@@ -90,9 +89,8 @@ def fused_topk_kl(
 
     KD is the K+1-bucket forward KL averaged over counted positions (`mask`, default all); CE is the
     next-token cross-entropy averaged over counted positions whose label is not IGNORE_INDEX.
-    `tail_logprob` (N,): the log of the teacher's mass outside its top-K, as v2 stores hold it (exact at
-    capture); without it the tail is 1 - sum(exp(topk_logprobs)), clamped at 0 (v1 stores). Padding
-    entries (id < 0, log-prob -inf) count as absent.
+    `tail_logprob` (N,): the log of the teacher's mass outside its top-K (v2 stores); without it the tail
+    is 1 - sum(exp(topk_logprobs)), clamped at 0. Padding (id < 0, log-prob -inf) counts as absent.
     `global_counts=(n_kd, n_ce)` replaces those local denominators (data parallel: each rank sums its
     part, every rank divides by the global count). With no counted position the loss is 0.
 
