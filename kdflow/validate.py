@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
-from kdflow.schemas.commits import CommitRecord, StageComplete, check_commit, load_manifest, read_complete
+from kdflow.schemas.commits import CommitRecord, StageComplete, check_commits, load_manifest, read_complete
 from kdflow.schemas.errors import KDFlowError, StoreError
-from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name, commit_shard_id
-from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard, read_topk_shard
+from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name
+from kdflow.schemas.shards import DOC_ID, iter_topk_shard, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import alignment_problem, topk_tags
 
@@ -113,10 +113,6 @@ def topk_problems(topk_ids: np.ndarray, topk_logprobs: np.ndarray, vocab: int | 
 # --- one store --------------------------------------------------------------------------------------------
 
 
-def _commit_ids(run_root: RunRoot, store: str) -> list[int]:
-    return sorted(shard_id for name in run_root.listdir(store) if (shard_id := commit_shard_id(name)) is not None)
-
-
 def _read_done(run_root: RunRoot, report: StoreReport) -> StageComplete | None:
     """The store's _complete.json; an unreadable one is a problem of the store, not a crash of validate."""
     try:
@@ -128,8 +124,7 @@ def _read_done(run_root: RunRoot, report: StoreReport) -> StageComplete | None:
 
 def _check_records(run_root: RunRoot, report: StoreReport, done: StageComplete | None, fingerprint: str | None) -> None:
     """Every commit record through `check_commit` (size, fingerprint, names), then the expected count."""
-    for shard_id in _commit_ids(run_root, report.store):
-        record, reason = check_commit(run_root, report.store, report.stage, shard_id, fingerprint)
+    for shard_id, (record, reason) in check_commits(run_root, report.store, report.stage, fingerprint).items():
         if record is None:
             report.shard_problem(shard_id, f"invalid commit record: {reason}")
         else:
@@ -275,14 +270,16 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
                 problems.append(f"no valid token shard {shard_id} to align with")
             elif problem is not None:
                 problems.append(f"not aligned with token shard {shard_id}: the top-K shard {problem}")
-        topk_ids, topk_logprobs = read_topk_shard(run_root, f"{report.store}/{record.data_file}", seq_len)  # (rows, T, K)
-        if len(topk_ids) != record.rows:
-            return problems + [f"{len(topk_ids)} rows, its record says {record.rows}"]
-        for start in range(0, len(topk_ids), ROWS_PER_CHECK):
-            stop = start + ROWS_PER_CHECK
-            problems += topk_problems(topk_ids[start:stop], topk_logprobs[start:stop], vocab, row_offset=start)
-            if problems:
-                break  # the first failing rows name the problem well enough
+        rows = 0  # streamed record batch by record batch: memory stays one batch, whatever the shard's size
+        for topk_ids, topk_logprobs in iter_topk_shard(run_root, f"{report.store}/{record.data_file}", seq_len):
+            for start in range(0, len(topk_ids), ROWS_PER_CHECK):  # (rows, T, K) each
+                stop = start + ROWS_PER_CHECK
+                problems += topk_problems(topk_ids[start:stop], topk_logprobs[start:stop], vocab, row_offset=rows + start)
+                if problems:
+                    return problems  # the first failing rows name the problem well enough
+            rows += len(topk_ids)
+        if rows != record.rows:
+            return problems + [f"{rows} rows, its record says {record.rows}"]
         return problems
 
     _check_contents(run_root, report, check_shard)

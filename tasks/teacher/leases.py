@@ -21,7 +21,7 @@ class ShardLeases:
 
     A lease is live while unexpired and, on this host, while its process exists. Local disk: created
     whole with os.link (fails if the file exists); a stale one is renamed away first, so of two processes
-    taking it over only one wins. Object stores have no exclusive create: write, then read back.
+    taking it over only one wins. Object stores: conditional writes where the store has them (`_acquire_object`).
     """
 
     def __init__(self, run_root: RunRoot, store: str, ttl_s: float, owner: str | None = None) -> None:
@@ -59,15 +59,31 @@ class ShardLeases:
     def acquire(self, shard_id: int) -> bool:
         path = self.path(shard_id)
         if not self.run_root.is_local:
-            if self.held_by_other(self.read(shard_id)):
-                return False
-            self.run_root.fs.pipe_file(path, self._payload())
-            won = (self.read(shard_id) or {}).get("owner") == self.owner
+            won = self._acquire_object(path)
         else:
             won = self._acquire_local(path, shard_id)
         if won:
             self._renewed[shard_id] = time.monotonic()
         return won
+
+    def _acquire_object(self, path: str) -> bool:
+        """Object stores: created only if absent; a lease in the way is taken over only if its owner is gone and
+        only if unchanged since it was read (S3 If-Match), so of two processes taking it over one wins. Stores
+        without conditional writes: written, then read back (kdflow.schemas.object_store)."""
+        payload = self._payload()
+        if self.run_root.create_if_absent(path, payload):
+            return True
+        try:
+            raw, version = self.run_root.read_versioned(path)
+        except FileNotFoundError:  # released in between
+            return self.run_root.create_if_absent(path, payload)
+        try:
+            lease = json.loads(raw)
+        except ValueError:
+            lease = {}  # unreadable: treated as expired
+        if self.held_by_other(lease):
+            return False
+        return self.run_root.replace_if_unchanged(path, payload, version)
 
     def _acquire_local(self, path: str, shard_id: int) -> bool:
         self.run_root.makedirs(self.store)

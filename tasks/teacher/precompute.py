@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
-                                    read_complete, stage_dir, write_commit, write_complete)
+                                    check_commits, list_commits, read_complete, stage_dir, write_commit,
+                                    write_complete)
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
@@ -252,7 +253,8 @@ def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.devi
     teacher_fp = teacher_fingerprint(cfg.teacher, device=device)
     tag = topk_fingerprint(teacher_fp, tokens_done.fingerprint, cfg)
     store = stage_dir(run_root, "topk", tag)
-    todo = [i for i in wanted if check_commit(run_root, store, "topk", i, tag)[0] is None]
+    committed = list_commits(run_root, store, "topk", tag)  # one listing, not a request per shard
+    todo = [i for i in wanted if i not in committed]
     return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo)
 
 
@@ -276,7 +278,8 @@ def precompute_shards(
     run_root, store, tag = plan.run_root, plan.store, plan.tag
     written, tokens_written, compute_seconds, leased_elsewhere = 0, 0, 0.0, []
     if plan.todo:
-        token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, plan.tokens_done.fingerprint) for i in plan.todo}
+        token_checks = check_commits(run_root, plan.tokens_store, "tokens", plan.tokens_done.fingerprint)
+        token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, token_checks) for i in plan.todo}
         run_root.ensure_writable()
         model = model if model is not None else load_teacher(cfg.teacher, device=target)
         check_tokenizer_fits(plan.tokenizer, model)
@@ -294,7 +297,8 @@ def precompute_shards(
         finally:
             progress.close()
     complete_if_done(run_root, store, tag, plan.tokens_done)
-    committed = [r for r in (check_commit(run_root, store, "topk", i, tag)[0] for i in plan.wanted) if r is not None]
+    in_store = list_commits(run_root, store, "topk", tag)
+    committed = [in_store[i] for i in plan.wanted if i in in_store]
     return {
         "tag": tag, "store": run_root.display(store), "shards": len(plan.wanted), "written": written,
         "skipped": len(plan.wanted) - len(plan.todo), "leased_elsewhere": leased_elsewhere, "committed": len(committed),
@@ -304,8 +308,9 @@ def precompute_shards(
     }
 
 
-def _valid_token_record(run_root: RunRoot, store: str, shard_id: int, fingerprint: str) -> CommitRecord:
-    record, reason = check_commit(run_root, store, "tokens", shard_id, fingerprint)
+def _valid_token_record(run_root: RunRoot, store: str, shard_id: int,
+                        checks: dict[int, tuple[CommitRecord | None, str]]) -> CommitRecord:
+    record, reason = checks.get(shard_id, (None, "no commit record"))
     if record is None:
         raise StoreError(f"token shard {shard_id} in {run_root.display(store)} is not committed ({reason}); run tokenise again")
     return record
@@ -329,7 +334,9 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:  # it may have landed before our lease
                     _stale_temp_files(run_root, store, shard_id)
                     record = computer.compute(shard_id, token_records[shard_id], leases)
-                    _commit_or_remove(run_root, store, record)
+                    if not _commit_or_remove(run_root, store, record):
+                        progress.update(1, 0)  # another process committed it first: its record stands
+                        continue
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)
                     progress.update(1, record.tokens, **({"peak_device_memory_mib": peak} if peak is not None else {}))
@@ -342,11 +349,12 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
     return written, tokens, seconds, []
 
 
-def _commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> None:
-    """Write the shard's commit record; if that fails (a full disk), remove its data file too: an uncommitted
-    file is never read, and the disk wants its space back."""
+def _commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> bool:
+    """Write the shard's commit record (-> False if another process's valid record was there first); if that
+    fails (a full disk), remove its data file too: an uncommitted file is never read, and the disk wants its
+    space back."""
     try:
-        write_commit(run_root, store, record)
+        return write_commit(run_root, store, record, exclusive=True)
     except BaseException:
         run_root.remove(f"{store}/{record.data_file}")
         raise
@@ -368,9 +376,10 @@ def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: Stage
     existing = read_complete(run_root, store)
     if existing is not None and existing.fingerprint == tag and existing.shards == tokens_done.shards:
         return
-    records = [check_commit(run_root, store, "topk", i, tag)[0] for i in range(tokens_done.shards)]
-    if any(r is None for r in records):
+    in_store = list_commits(run_root, store, "topk", tag)
+    if any(i not in in_store for i in range(tokens_done.shards)):
         return
+    records = [in_store[i] for i in range(tokens_done.shards)]
     first = records[0].extra if records else TopkShardInfo()
     extra = TopkCompleteInfo(tokens_fingerprint=tokens_done.fingerprint, teacher_fingerprint=first.teacher_fingerprint,
                              seq_len=first.seq_len, top_k=first.top_k)
