@@ -188,6 +188,8 @@ class StudentConfig(_Section):
     seed: int = Field(default=0, description="Seeds the initial weights and the data order")
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
+    prefetch_steps: int = Field(default=2, ge=0, description="Optimiser steps of batches read ahead in a background "
+                                "thread (pinned memory on CUDA); bounds the loader's memory. 0: read in the step")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
 

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -39,6 +38,7 @@ from kdflow.tasks.student.distributed import (all_reduce_sum, any_rank, barrier,
                                               full_model_state, full_optimizer_state, gradient_sync,
                                               load_full_optimizer_state, rank_device, torchrun_rank, wrap_for_training)
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
+from kdflow.tasks.student.prefetch import Prefetcher
 
 IGNORE_INDEX = -100
 OnStep = Callable[[dict[str, Any]], bool | None]
@@ -138,12 +138,13 @@ def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
 
 def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
                    config: KDFlowConfig, rank: int, world_size: int, device: torch.device,
-                   autocast: contextlib.AbstractContextManager) -> dict[str, float]:
-    """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not);
-    -> global loss, kd, ce (sums of normalised parts), grad norm."""
+                   autocast: contextlib.AbstractContextManager, batches: list[DistillBatch] | None = None) -> dict[str, float]:
+    """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not); `batches`:
+    its micro-batches if already read (by the prefetcher). -> global loss, kd, ce (sums of normalised parts),
+    grad norm."""
     student = config.student
-    rows = data.rank_rows(position, student.batch_size, rank, world_size)  # this rank's rows of the global batch
-    batches = [data.train_batch(micro) for micro in np.split(rows, student.grad_accum)]
+    if batches is None:
+        batches = data.step_batches(position, student.batch_size, student.grad_accum, rank, world_size)
     global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
     sums = [0.0, 0.0, 0.0]
     for i, batch in enumerate(batches):
@@ -286,6 +287,9 @@ class StudentRun:
         self.metrics = JsonlLog(self.run_root, f"{self.student_dir}/{METRICS_FILE}", self.state.step, self.is_main)
         self.evals = JsonlLog(self.run_root, f"{self.student_dir}/{EVAL_FILE}", self.state.step, self.is_main)
         self.tokens_per_step = student.batch_size * self.data.stores.seq_len
+        self.loader = Prefetcher(lambda position: self.data.step_batches(
+            position, student.batch_size, student.grad_accum, rank, world_size, pin=self.device.type == "cuda"),
+            student.prefetch_steps)  # the next steps' batches, read while this one computes
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
 
     def step(self) -> dict[str, Any]:
@@ -293,8 +297,12 @@ class StudentRun:
         started = time.perf_counter()
         self._gathered = (-1, None)  # a full copy of old weights is no use any more
         lr = self.scheduler.get_last_lr()[0]
+        student = self.config.student
+        upcoming = [self.state.position + k * student.batch_size for k in range(1, student.prefetch_steps + 1)
+                    if self.state.step + k < student.steps]
+        batches, data_wait = self.loader.get(self.state.position, upcoming)
         result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, self.config, self.rank,
-                                self.world_size, self.device, self.autocast)
+                                self.world_size, self.device, self.autocast, batches=batches)
         self.scheduler.step()
         seconds = time.perf_counter() - started
         state = self.state
@@ -302,7 +310,8 @@ class StudentRun:
                                    state.elapsed_s + seconds, state.fingerprint)
         record = {"step": self.state.step, **result, "lr": lr, "tokens": self.tokens_per_step,
                   "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "elapsed": self.state.elapsed_s,
-                  "epoch": self.state.position / self.data.train_rows}
+                  "epoch": self.state.position / self.data.train_rows,
+                  "data_wait_s": round(data_wait, 6), "data_wait_fraction": round(data_wait / max(seconds, 1e-9), 6)}
         self.metrics.append(record)
         return record
 
@@ -394,6 +403,7 @@ def train(config: KDFlowConfig, *, rank: int = 0, world_size: int = 1, on_step: 
         if not stopped:
             run.finish()
     finally:
+        run.loader.close()
         progress.close()
         run.flush_logs()
     return run.summary(stopped)
