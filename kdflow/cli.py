@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
+    for name in ("botocore", "aiobotocore", "s3fs"):  # "Found endpoint for s3 via: ..." on every S3 command
+        logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)

@@ -209,15 +209,18 @@ def index_stream(read_at: ReadAt, size: int, *, rows: int | None = None, batch_r
 
     def message_at(offset: int) -> _Message:
         nonlocal reads
-        found = _parse_message(head, offset) if offset < len(head) else None
-        window = HEADER_BYTES
-        while found is None:
-            data = read_at(offset, min(window, size - offset))
+        data, at = (head, offset) if offset + 8 <= len(head) else (read_at(offset, min(HEADER_BYTES, size - offset)), 0)
+        reads += data is not head
+        found = _parse_message(data, at)
+        if found is None:  # the metadata is longer than what was read: read exactly what its prefix declares
+            prefix = 8 if struct.unpack_from("<I", data, at)[0] == CONTINUATION else 4
+            needed = prefix + struct.unpack_from("<i", data, at + prefix - 4)[0]
+            if len(data) < at + 8 or not 0 < needed <= min(size - offset, 1 << 24):
+                raise NotIndexable(f"truncated or corrupt message at byte {offset}")
+            found = _parse_message(read_at(offset, needed))
             reads += 1
-            found = _parse_message(data)
-            if found is None and window >= size - offset:
+            if found is None:
                 raise NotIndexable(f"truncated message at byte {offset}")
-            window *= 4
         if found.kind == _DICTIONARY_BATCH:
             raise NotIndexable("dictionary-encoded streams are not indexed")
         if found.kind not in (0, _RECORD_BATCH):
@@ -264,7 +267,7 @@ def _predict_uniform(first: tuple[int, _Message], rows: int, message_at: Callabl
         return None
     try:
         last = message_at(last_offset)
-    except (NotIndexable, struct.error):
+    except Exception:  # noqa: BLE001 - whatever lies at a wrong guess does not parse: no prediction
         return None
     end = last_offset + last.size
     ends_stream = size - end in (0, 4, 8)  # nothing, or the end-of-stream marker (4 bytes in the pre-1.0 format)
