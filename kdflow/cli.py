@@ -60,6 +60,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kdflow.bench_precompute import main
     elif args.what == "loss":
         from kdflow.bench_loss import main
+    elif args.what == "scale":
+        from kdflow.bench_scale import main
     else:
         from kdflow.bench_tokenise import main
     return main(args.rest)
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=["precompute", "loss", "tokenise"])
+    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "scale"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
     return parser
