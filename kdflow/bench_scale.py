@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                 config_path = write_config(run_config(url, corpus, teacher, documents, args), work / f"{name}-{store}.yaml")
                 measure_run({"size": size, "store": store, "shards": shards}, url, config_path, env, shards,
                             moto if store == "s3" else None)
-            shutil.rmtree(disk_root, ignore_errors=True)
+            if not args.workdir:  # hard links: the copy costs no disk, but --workdir keeps it for a look afterwards
+                shutil.rmtree(disk_root, ignore_errors=True)
         for store in stores:
             for count in [int(c) for c in (args.records if store == "disk" else args.s3_records).split(",") if c.strip()]:
                 url = str(work / f"records-{count}") if store == "disk" else f"s3://{bucket}/records-{count}"
