@@ -28,9 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_EC2_METADATA_DISABLED": "true"}
-
+from kdflow.bench_stores import Moto, store_env, records_only
 
 def emit(record: dict[str, Any]) -> None:
     print(json.dumps({"bench": "scale", **record, "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
@@ -62,6 +60,15 @@ def child(kind: str, target: str) -> dict[str, Any]:
         out["startup_s"] = round(time.perf_counter() - opened, 3)
         summary = train(config)
         out |= {"steps": summary["steps"], "train_rows": summary["train_rows"], "final_loss": summary["final_loss"]}
+    elif kind == "plan":  # the teacher pass's start-up on a finished store: list, read records, nothing to do
+        import torch
+
+        from kdflow.schemas.config import load_config
+        from kdflow.tasks.teacher.precompute import plan_pass
+
+        started = time.perf_counter()
+        plan = plan_pass(load_config(target), None, torch.device("cpu"))
+        out |= {"startup_s": round(time.perf_counter() - started, 3), "todo": len(plan.todo)}
     elif kind in ("validate", "status"):
         from kdflow.status import print_status
         from kdflow.validate import validate_run_root
@@ -103,58 +110,6 @@ def run_child(kind: str, target: str, env: dict[str, str]) -> dict[str, Any]:
     if result.returncode != 0 or not lines:
         return {"error": f"exit {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1][:300]}"}
     return json.loads(lines[-1]) | {"process_wall_s": round(time.perf_counter() - started, 2)}
-
-
-# --- the object store: moto's server on loopback, its request log counted --------------------------------
-
-
-class Moto:
-    def __init__(self, work: Path) -> None:
-        from kdflow.schemas.storage import RunRoot  # noqa: F401 - fail here, not in a child, if fsspec lacks s3
-
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.log_path = work / "moto.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-        self.endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                raise RuntimeError(f"moto's S3 server did not start: {self.log_path.read_text()[-500:]}")
-            time.sleep(0.2)
-
-    def env(self) -> dict[str, str]:
-        return {k: v for k, v in os.environ.items() if k != "FSSPEC_S3_ENDPOINT_URL"} | CREDENTIALS | {
-            "AWS_ENDPOINT_URL": self.endpoint}
-
-    def mark(self) -> int:
-        self._log.flush()
-        return len(self.log_path.read_text().splitlines())
-
-    def requests_since(self, mark: int) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for line in self.log_path.read_text().splitlines()[mark:]:
-            for method in ("GET", "PUT", "HEAD", "POST", "DELETE"):
-                if f'"{method} ' in line:
-                    kind = "LIST" if method == "GET" and "list-type=" in line else method
-                    counts[kind] = counts.get(kind, 0) + 1
-        return counts
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self._log.close()
 
 
 # --- the runs ---------------------------------------------------------------------------------------------
@@ -265,64 +220,18 @@ def measure_run(label: dict[str, Any], run_root: str, config_path: Path, env: di
                 moto: Moto | None) -> None:
     from kdflow.schemas.storage import RunRoot
 
-    for kind, target in (("train", str(config_path)), ("validate", run_root), ("status", run_root)):
+    for kind, target in (("plan", str(config_path)), ("train", str(config_path)), ("validate", run_root),
+                         ("status", run_root)):
         mark = moto.mark() if moto else 0
         result = run_child(kind, target, env)
         if moto is not None:
             requests = moto.requests_since(mark)
             result |= {"requests": requests, "requests_per_shard": round(sum(requests.values()) / shards, 1)}
         if kind == "train" and "error" not in result:
-            with _env(env):
+            with store_env(env):
                 root = RunRoot(run_root)
                 result |= data_wait(root.read_bytes(root.path("students", "student", "metrics.jsonl")).decode())
         emit(label | {"what": kind} | result)
-
-
-@contextlib.contextmanager
-def _env(env: dict[str, str]):
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()
-    except ImportError:
-        pass
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def records_only(url: str, shards: int, env: dict[str, str]) -> None:
-    """A run root whose token and top-K stores hold `shards` commit records and 8-byte data files."""
-    import hashlib
-
-    from kdflow.schemas.commits import CommitRecord, StageComplete
-    from kdflow.schemas.layout import commit_file_name, data_file_name
-    from kdflow.schemas.storage import RunRoot
-
-    with _env(env):
-        run_root = RunRoot(url)
-        payload, sha = b"8 bytes!", hashlib.sha256(b"8 bytes!").hexdigest()
-        files: dict[str, bytes] = {}
-        for stage, folder, fingerprint in (("tokens", ("tokens",), "t" * 16), ("topk", ("topk", "a" * 12), "a" * 12)):
-            store = run_root.path(*folder)
-            for shard_id in range(shards):
-                name = data_file_name(stage, shard_id)
-                record = CommitRecord(stage=stage, shard_id=shard_id, data_file=name, rows=1, tokens=512, bytes=len(payload),
-                                      sha256=sha, input_sha256=sha, fingerprint=fingerprint)
-                files[f"{store}/{name}"] = payload
-                files[f"{store}/{commit_file_name(stage, shard_id)}"] = record.model_dump_json(indent=1).encode()
-            complete = StageComplete(stage=stage, shards=shards, rows=shards, tokens=512 * shards, fingerprint=fingerprint)
-            files[f"{store}/_complete.json"] = complete.model_dump_json().encode()
-        if run_root.is_local:
-            for path, data in files.items():
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                Path(path).write_bytes(data)
-        else:
-            run_root.fs.pipe(files)  # concurrent PUTs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--sequences-per-shard", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=16, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prefetch-steps", type=int, default=2)
     parser.add_argument("--workdir", help="where the runs go (default: a temporary folder, removed at the end)")
@@ -357,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if "s3" in stores:
             moto = Moto(work)
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
-            with _env(moto.env()):
+            with store_env(moto.env()):
                 import fsspec
 
                 fsspec.filesystem("s3").mkdir(bucket)
@@ -366,17 +275,18 @@ def main(argv: list[str] | None = None) -> int:
               "seq_len": args.seq_len, "sequences_per_shard": args.sequences_per_shard, "tokenizer_vocab": args.tokenizer_vocab,
               "batch_size": args.batch_size, "steps": args.steps, "cpus": os.cpu_count()})
         per_shard = args.sequences_per_shard * args.seq_len  # tokens
-        documents = int((max(sizes) // per_shard + 1.5) * per_shard / per_doc)  # one shard more than the largest run
+        shard_counts = {size: max(2, -(-size // per_shard)) for size in sizes}
+        documents = int((max(shard_counts.values()) + 0.05) * per_shard / per_doc) + 1  # what the largest run needs
         full_root, info = prepare_disk_run(work, "full", corpus, teacher, documents, args)
         emit({"what": "teacher_pass", **info})
         for size in sizes:
             name = f"run-{size}"
             disk_root = work / name
-            info = subset_run(full_root, disk_root, max(2, round(size / per_shard)))
+            info = subset_run(full_root, disk_root, shard_counts[size])
             shards = 2 * info["token_shards"]  # token and top-K shards
             emit({"what": "prepared", "size": size, **info})
             if "s3" in stores:  # before any training writes a student into the disk copy
-                with _env(moto.env()):
+                with store_env(moto.env()):
                     import fsspec
 
                     fsspec.filesystem("s3").put(f"{disk_root}/", f"{bucket}/{name}", recursive=True)
