@@ -91,6 +91,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kdflow.bench_store import main
     elif args.what == "fidelity":
         from kdflow.bench_fidelity import main
+    elif args.what == "scale":
+        from kdflow.bench_scale import main
     else:
         from kdflow.bench_tokenise import main
     return main(args.rest)
@@ -152,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity"])
+    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity", "scale"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
     return parser
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             install_terminal_logging(handler, args.verbose)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
     logging.getLogger("kdflow").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for name in ("botocore", "aiobotocore", "s3fs"):  # "Found endpoint for s3 via: ..." on every S3 command
+        logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)

@@ -235,6 +235,8 @@ class StudentConfig(_Section):
     log_every: PositiveInt = Field(default=10, description="Steps between training log lines (loss, lr, tok/s, ETA)")
     tensorboard: bool = Field(default=False, description="Also write TensorBoard event files to students/NAME/tensorboard "
                                                           "(the tensorboard extra)")
+    prefetch_steps: int = Field(default=2, ge=0, description="Optimiser steps of batches read ahead in a background "
+                                "thread (pinned memory on CUDA); bounds the loader's memory. 0: read in the step")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
     lease_ttl_s: float = Field(
