@@ -259,7 +259,7 @@ def precompute_shards(
         logger.info("precompute: loading the teacher for %d shards (%d of %d already committed)", len(plan.todo),
                     len(plan.wanted) - len(plan.todo), len(plan.wanted))
         if on_progress is not None:  # seen before the weights load, which takes minutes for a large teacher
-            on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0,
+            on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0, "tokens": 0,
                          "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo)})
         token_checks = check_commits(run_root, plan.tokens_store, "tokens", plan.tokens_done.fingerprint)
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, token_checks) for i in plan.todo}
