@@ -235,7 +235,9 @@ def index_stream(read_at: ReadAt, size: int, *, rows: int | None = None, batch_r
             break
         batches.append((offset, message))
         offset += message.size
-        if len(batches) == 1 and rows is not None and batch_rows is not None and message.rows == batch_rows < rows:
+        # Only fixed-width batches of equal rows are equal in size: variable-width ones (v2 top-K) are read one by one.
+        if (len(batches) == 1 and rows is not None and batch_rows is not None and message.rows == batch_rows < rows
+                and _fixed_ok(columns, message)):
             predicted = _predict_uniform(batches[0], rows, message_at, size)
             if predicted is not None:
                 batches = predicted

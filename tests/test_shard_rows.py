@@ -140,3 +140,21 @@ def test_merged_ranges_join_touching_and_repeated_rows() -> None:
     assert starts.tolist() == [0] and ends.tolist() == [50] and which.tolist() == [0] * 6
     starts, ends, which = merged_ranges(np.array([100, 0, 5]), 4)
     assert list(zip(starts.tolist(), ends.tolist())) == [(0, 4), (5, 9), (100, 104)] and which.tolist() == [2, 0, 1]
+
+
+def test_variable_width_batches_are_located_one_by_one_even_when_their_sizes_fool_a_prediction(run_root: RunRoot) -> None:
+    """Binary cells (v2 top-K shards) make record batches of equal rows differ in size. Here the first three sum to
+    three times the first, so a prediction from batch 0 finds a valid last batch where it expects it, and would
+    misplace the middle ones: such streams must be indexed batch by batch."""
+    schema = pa.schema([pa.field("cell", pa.binary(), nullable=False)])
+    lengths = [(8, 8), (16, 8), (0, 8), (8, 8)]  # bytes per row, 4 batches of 2 rows: data 16, 24, 8, 16
+    cells = [bytes([i]) * n for i, n in enumerate(n for pair in lengths for n in pair)]
+    path = run_root.path("topk", "shard-00000.arrow")
+    with run_root.atomic_writer(path) as sink, ipc.new_stream(sink, schema) as writer:
+        for b in range(4):
+            writer.write_batch(pa.record_batch([pa.array(cells[2 * b:2 * b + 2], pa.binary())], schema=schema))
+    sizes = index_stream(lambda at, n: run_root.read_ranges([path], [at], [at + n])[0], run_root.size(path)).sizes
+    assert sizes[:3].sum() == 3 * sizes[0] and len({*sizes[:3].tolist()}) > 1  # the trap is set
+    shard = ShardRows(run_root, path, run_root.size(path), 8, 2)
+    rows = np.array([3, 4, 2, 5, 7, 0])
+    assert shard.take(rows).column("cell").to_pylist() == [cells[r] for r in rows]
