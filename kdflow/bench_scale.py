@@ -28,7 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench_stores import Moto, store_env, records_only
+from kdflow.bench_stores import Moto, records_only, store_env
+
 
 def emit(record: dict[str, Any]) -> None:
     print(json.dumps({"bench": "scale", **record, "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)

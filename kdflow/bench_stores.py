@@ -17,9 +17,9 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "
 
 class Moto:
     def __init__(self, work: Path) -> None:
-        from kdflow.schemas.storage import RunRoot  # noqa: F401 - fail here, not in a child, if fsspec lacks s3
-
         import socket
+
+        from kdflow.schemas.storage import RunRoot  # noqa: F401 - fail here, not in a child, if fsspec lacks s3
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

@@ -13,8 +13,15 @@ import pytest
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.ipc_index import index_stream, merged_ranges
 from kdflow.schemas.shard_rows import ShardRows, take_rows
-from kdflow.schemas.shards import (decode_token_rows, decode_topk_rows, iter_topk_shard, token_batch, token_shard_writer,
-                                   topk_batch, topk_shard_writer)
+from kdflow.schemas.shards import (
+    decode_token_rows,
+    decode_topk_rows,
+    iter_topk_shard,
+    token_batch,
+    token_shard_writer,
+    topk_batch,
+    topk_shard_writer,
+)
 from kdflow.schemas.storage import RunRoot
 
 SEQ_LEN, TOP_K = 64, 64  # rows of 16 KiB (ids) and 8 KiB (float16 log-probs): a batch is larger than the first read
