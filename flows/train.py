@@ -24,11 +24,12 @@ from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR, TRAINING_CURVE_FILE
 from kdflow.schemas.protocol import EXIT_NO_SPACE, EXIT_USER_ERROR, describe_exit_code, is_retryable
 from kdflow.schemas.storage import RunRoot
-from kdflow.tasks.student import train_worker
 from kdflow.tasks.common.progress import format_duration
+from kdflow.tasks.student import train_worker
 from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
+from kdflow.tasks.student.jsonl_log import read_jsonl
 from kdflow.tasks.student.monitor import step_line
-from kdflow.tasks.student.train import check_layout, read_jsonl, train
+from kdflow.tasks.student.train import check_layout, train
 from kdflow.tasks.student.train_worker import EXEC_TORCHRUN
 
 _SPARKS = "▁▂▃▄▅▆▇█"

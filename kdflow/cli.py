@@ -97,6 +97,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kdflow.bench_gpu import main
     elif args.what == "train-step":
         from kdflow.bench_train_step import main
+    elif args.what == "scale":
+        from kdflow.bench_scale import main
     else:
         from kdflow.bench_tokenise import main
     return main(args.rest)
@@ -165,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
     bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity", "teacher-pass", "gpu",
-                                        "train-step"])
+                                        "train-step", "scale"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
 
@@ -188,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             install_terminal_logging(handler, args.verbose)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
     logging.getLogger("kdflow").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    for name in ("botocore", "aiobotocore", "s3fs"):  # "Found endpoint for s3 via: ..." on every S3 command
+        logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return int(args.func(args) or 0)

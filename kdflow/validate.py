@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
-from kdflow.schemas.codec_sampled import SampledShard, sampled_problems
-from kdflow.schemas.commits import CommitRecord, StageComplete, check_commit, load_manifest, read_complete
-from kdflow.schemas.errors import KDFlowError, StoreError
 from kdflow.schemas.codec import DecodedTopk, TopkCodec
-from kdflow.schemas.layout import (COMPLETE_FILE, CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name,
-                                   commit_shard_id, data_file_name)
+from kdflow.schemas.codec_sampled import sampled_problems
+from kdflow.schemas.commits import CommitRecord, StageComplete, check_commits, load_manifest, read_complete
+from kdflow.schemas.errors import KDFlowError, StoreError
+from kdflow.schemas.layout import (COMPLETE_FILE, CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage,
+                                   commit_file_name, data_file_name)
 from kdflow.schemas.protocol import format_shard_ids
-from kdflow.schemas.shards import DOC_ID, TopkShard, read_corpus_part, read_token_shard
+from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
+from kdflow.schemas.topk_rows import iter_topk_rows
 
 STAGE_COMMAND = {"corpus": "materialise", "tokens": "tokenise", "topk": "precompute"}
 # Log-probs may exceed 0 by rounding only; the tail mass 1 - sum(exp) may dip below 0 by the rounding of K
@@ -148,10 +149,6 @@ def topk_v2_problems(decoded: DecodedTopk, codec: TopkCodec, vocab: int | None, 
 # --- one store --------------------------------------------------------------------------------------------
 
 
-def _commit_ids(run_root: RunRoot, store: str) -> list[int]:
-    return sorted(shard_id for name in run_root.listdir(store) if (shard_id := commit_shard_id(name)) is not None)
-
-
 def _read_done(run_root: RunRoot, report: StoreReport) -> StageComplete | None:
     """The store's _complete.json; an unreadable one is a problem of the store, not a crash of validate."""
     try:
@@ -163,8 +160,7 @@ def _read_done(run_root: RunRoot, report: StoreReport) -> StageComplete | None:
 
 def _check_records(run_root: RunRoot, report: StoreReport, done: StageComplete | None, fingerprint: str | None) -> None:
     """Every commit record through `check_commit` (size, fingerprint, names), then the expected count."""
-    for shard_id in _commit_ids(run_root, report.store):
-        record, reason = check_commit(run_root, report.store, report.stage, shard_id, fingerprint)
+    for shard_id, (record, reason) in check_commits(run_root, report.store, report.stage, fingerprint).items():
         if record is None:
             report.shard_problem(shard_id, f"invalid commit record: {reason}")
         else:
@@ -321,26 +317,24 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
                 problems.append(f"no valid token shard {shard_id} to align with")
             elif problem is not None:
                 problems.append(f"not aligned with token shard {shard_id}: the top-K shard {problem}")
-        if info is not None and info.targets != "topk":  # hybrid / sampled targets (kdflow.schemas.codec_sampled)
-            sampled = SampledShard(run_root, f"{report.store}/{record.data_file}", seq_len)
-            if sampled.rows != record.rows or sampled.codec.settings() != store_codec:
-                return problems + [f"{sampled.rows} rows (its record says {record.rows}), codec {sampled.codec.settings()} "
-                                   f"(the store's is {store_codec})"]
-            return problems + sampled_problems(sampled.read(), vocab)
-        shard = TopkShard(run_root, f"{report.store}/{record.data_file}", seq_len)
-        if shard.rows != record.rows:
-            return problems + [f"{shard.rows} rows, its record says {record.rows}"]
-        settings = None if shard.codec is None else shard.codec.settings()
-        if info is not None and info.format == "v2" and settings != store_codec:
-            return problems + [f"written as {'v1' if settings is None else settings}, the store's codec is {store_codec}"]
-        for start in range(0, shard.rows, ROWS_PER_CHECK):
-            stop = min(start + ROWS_PER_CHECK, shard.rows)
-            if shard.codec is None:
-                problems += topk_problems(shard.ids[start:stop], shard.logprobs[start:stop], vocab, row_offset=start)
-            else:  # decoding checks every row's crc32, frames and ranges (a StoreError names the row)
-                problems += topk_v2_problems(shard.read(range(start, stop)), shard.codec, vocab, row_offset=start)
+        targets = info.targets if info is not None else "topk"  # hybrid / sampled: kdflow.schemas.codec_sampled
+        rows = 0  # streamed record batch by record batch: memory stays one batch, whatever the shard's size
+        for codec, first, decoded in iter_topk_rows(run_root, f"{report.store}/{record.data_file}", seq_len, targets,
+                                                    ROWS_PER_CHECK):
+            settings = None if codec is None else codec.settings()
+            if first == 0 and (targets != "topk" or (info is not None and info.format == "v2")) and settings != store_codec:
+                return problems + [f"written as {'v1' if settings is None else settings}, the store's codec is {store_codec}"]
+            if targets != "topk":
+                problems += sampled_problems(decoded, vocab, row_offset=first)
+            elif codec is None:
+                problems += topk_problems(decoded.ids, decoded.logprobs, vocab, row_offset=first)
+            else:  # decoding checked every row's crc32, frames and ranges (a StoreError names the row)
+                problems += topk_v2_problems(decoded, codec, vocab, row_offset=first)
             if problems:
-                break  # the first failing rows name the problem well enough
+                return problems  # the first failing rows name the problem well enough
+            rows += len(decoded.ids)
+        if rows != record.rows:
+            return problems + [f"{rows} rows, its record says {record.rows}"]
         return problems
 
     _check_contents(run_root, report, check_shard)

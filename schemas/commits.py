@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pandas as pd
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serial
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import (COMPLETE_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage, commit_file_name,
                                    commit_shard_id, data_file_name)
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.storage import RunRoot, sha256_of
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
@@ -150,15 +151,34 @@ def stage_dir(run_root: RunRoot, stage: Stage, tag: str | None = None) -> str:
     return run_root.path(CORPUS_DIR if stage == "corpus" else TOKENS_DIR)
 
 
-def write_commit(run_root: RunRoot, store: str, record: CommitRecord) -> None:
-    run_root.write_bytes_atomic(f"{store}/{commit_file_name(record.stage, record.shard_id)}", record.model_dump_json(indent=1).encode())
+def write_commit(run_root: RunRoot, store: str, record: CommitRecord, *, exclusive: bool = False) -> bool:
+    """Write the shard's record; -> whether this call wrote it.
+
+    `exclusive` (stages whose writers may race, like precompute's fan-out): created only if absent, atomically
+    on local disk and S3, so of two writers racing on one shard one writes the record and the other finds it
+    and moves on; an invalid record in the way (the reason the shard was computed again) is replaced.
+    Otherwise the record is simply written (replacing any)."""
+    path = f"{store}/{commit_file_name(record.stage, record.shard_id)}"
+    data = record.model_dump_json(indent=1).encode()
+    if not exclusive:
+        run_root.write_bytes_atomic(path, data)
+        return True
+    if run_root.create_if_absent(path, data):
+        return True
+    existing, _ = check_commit(run_root, store, record.stage, record.shard_id, record.fingerprint)
+    if existing is not None and (existing.sha256 == record.sha256
+                                 or sha256_of(run_root, f"{store}/{record.data_file}") != record.sha256):
+        return False  # the other writer's record stands (the data file holds its bytes, which are ours too)
+    run_root.write_bytes_atomic(path, data)  # an invalid record, or a valid one our later data file replaced
+    return True
 
 
-def commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord) -> None:
-    """Write the shard's commit record; if that fails (a full disk), remove its data file too: an uncommitted
-    file is never read, and the disk wants its space back."""
+def commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord, *, exclusive: bool = False) -> bool:
+    """Write the shard's commit record (`exclusive`: see write_commit; -> False if another process's valid record
+    was there first); if that fails (a full disk), remove its data file too: an uncommitted file is never read,
+    and the disk wants its space back."""
     try:
-        write_commit(run_root, store, record)
+        return write_commit(run_root, store, record, exclusive=exclusive)
     except BaseException:
         run_root.remove(f"{store}/{record.data_file}")
         raise
@@ -174,37 +194,57 @@ def check_commit(
     run_root: RunRoot, store: str, stage: Stage, shard_id: int, fingerprint: str | None = None
 ) -> tuple[CommitRecord | None, str]:
     """-> (record, "") when valid, or (None, reason) when missing or invalid."""
-    path = f"{store}/{commit_file_name(stage, shard_id)}"
     try:
-        record = CommitRecord.model_validate_json(run_root.read_bytes(path))
+        raw = run_root.read_bytes(f"{store}/{commit_file_name(stage, shard_id)}")
     except FileNotFoundError:
         return None, "no commit record"
+
+    def data_size(record: CommitRecord) -> int | None:
+        try:
+            return run_root.size(f"{store}/{record.data_file}")
+        except FileNotFoundError:
+            return None
+
+    return _checked(raw, stage, shard_id, fingerprint, data_size)
+
+
+def _checked(raw: bytes, stage: Stage, shard_id: int, fingerprint: str | None,
+             data_size: Callable[[CommitRecord], int | None]) -> tuple[CommitRecord | None, str]:
+    """The checks of `check_commit` on a record's bytes; `data_size` gives its data file's size (None: missing)."""
+    try:
+        record = CommitRecord.model_validate_json(raw)
     except (ValidationError, ValueError) as error:
         return None, f"unreadable commit record: {str(error).splitlines()[0]}"
     if record.stage != stage or record.shard_id != shard_id or record.data_file != data_file_name(stage, shard_id):
         return None, "commit record names another shard"
     if fingerprint is not None and record.fingerprint != fingerprint:
         return None, f"fingerprint {record.fingerprint} is not the store's {fingerprint}"
-    data = f"{store}/{record.data_file}"
-    try:
-        size = run_root.size(data)
-    except FileNotFoundError:
+    size = data_size(record)
+    if size is None:
         return None, "data file missing"
     if size != record.bytes:
         return None, f"data file has {size} bytes, its record says {record.bytes}"
     return record, ""
 
 
+def check_commits(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None
+                  ) -> dict[int, tuple[CommitRecord | None, str]]:
+    """`check_commit` of every record in the store, by shard id: one listing (names and data file sizes),
+    then the records read in one batch (concurrent requests on object stores), never a request per data file."""
+    sizes = run_root.list_sizes(store)
+    ids = sorted(shard_id for name in sizes if (shard_id := commit_shard_id(name)) is not None)
+    raws = run_root.read_many([f"{store}/{commit_file_name(stage, shard_id)}" for shard_id in ids])
+    checked = {}
+    for shard_id, raw in zip(ids, raws, strict=True):
+        checked[shard_id] = (None, "no commit record") if raw is None else _checked(
+            raw, stage, shard_id, fingerprint, lambda record: sizes.get(record.data_file))
+    return checked
+
+
 def list_commits(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None) -> dict[int, CommitRecord]:
     """All valid commit records of a store, by shard id. Data files without a record are invisible."""
-    records: dict[int, CommitRecord] = {}
-    for name in run_root.listdir(store):
-        shard_id = commit_shard_id(name)
-        if shard_id is not None:
-            record = read_commit(run_root, store, stage, shard_id, fingerprint)
-            if record is not None:
-                records[record.shard_id] = record
-    return records
+    return {shard_id: record for shard_id, (record, _) in check_commits(run_root, store, stage, fingerprint).items()
+            if record is not None}
 
 
 def committed_prefix(records: dict[int, CommitRecord]) -> int:

@@ -245,6 +245,8 @@ class StudentConfig(_Section):
         default="sdpa", title="Attention implementation",
         description="The student's attention: sdpa (PyTorch's fused kernels), eager (plain matmuls), "
                     "flash_attention_2 (the flash-attn package, CUDA only)")
+    prefetch_steps: int = Field(default=2, ge=0, description="Optimiser steps of batches read ahead in a background "
+                                "thread (pinned memory on CUDA); bounds the loader's memory. 0: read in the step")
     kd: KDConfig = KDConfig()
     distributed: DistributedConfig = DistributedConfig()
     lease_ttl_s: float = Field(

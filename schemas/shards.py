@@ -16,7 +16,7 @@ IPC *stream* format, uncompressed: memory-mappable and readable by `datasets.Dat
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -258,3 +258,29 @@ def read_topk_shard(
     v2 decoded (float32; adaptive K pads with id -1, log-prob -inf). `TopkShard` also gives the tail."""
     decoded = TopkShard(run_root, path, seq_len, top_k).read()
     return decoded.ids, decoded.logprobs
+
+
+# --- rows of a shard, decoded: one call on a record batch (or table) of those rows ------------------------
+# The student's data path fetches just the rows it needs (kdflow.schemas.shard_rows) and decodes them here.
+
+
+def decode_token_rows(rows: pa.RecordBatch | pa.Table, seq_len: int) -> np.ndarray:
+    """Rows of a token shard -> input_ids (n, seq_len) int32."""
+    return _unnest(rows.column(INPUT_IDS), seq_len)
+
+
+def decode_topk_rows(rows: pa.RecordBatch | pa.Table, seq_len: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a top-K shard -> topk_ids (n, seq_len, K) int32, topk_logprobs (n, seq_len, K) float16|float32."""
+    return _unnest(rows.column(TOPK_IDS), seq_len, top_k), _unnest(rows.column(TOPK_LOGPROBS), seq_len, top_k)
+
+
+def iter_topk_shard(run_root: RunRoot, path: str, seq_len: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """A v1 top-K shard record batch by record batch: (topk_ids, topk_logprobs), each (rows, T, K); memory one batch
+    (any format, decoded: kdflow.schemas.topk_rows `iter_topk_rows`)."""
+    from kdflow.schemas.shard_rows import ShardRows
+
+    for batch in ShardRows(run_root, path, 0).iter_batches():
+        stored_len = _schema_int(batch.schema, b"kdflow.seq_len", path)
+        if seq_len is not None and stored_len != seq_len:
+            raise StoreError(f"{path}: top-K shard has seq_len {stored_len}, expected {seq_len}")
+        yield decode_topk_rows(batch, stored_len, _schema_int(batch.schema, b"kdflow.top_k", path))

@@ -3,6 +3,7 @@
 Local disk: data is written to a temporary file in the destination folder and moved into place with
 `os.replace`, so a reader never sees half a file. Object stores: uploads appear whole under their final
 key, so the final key is written directly. Either way the commit record is written last (kdflow.schemas.commits).
+Conditional writes, ranged and batched reads, object-store errors in words: kdflow.schemas.object_store.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import temp_name, temp_owner
+from kdflow.schemas.object_store import ObjectStoreOps
 from kdflow.schemas.owners import is_stale, owner_tag
 
 # No leading dot (hidden, `.`, `..`) and no separators; a leading underscore is fine (`_complete.json`).
@@ -108,7 +110,7 @@ class HashingWriter:
         return self._sha.hexdigest()
 
 
-class RunRoot:
+class RunRoot(ObjectStoreOps):
     """A run root URL (`runs/demo`, `file:///data/kd`, `s3://bucket/kd`) and the file operations on it."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
@@ -137,10 +139,11 @@ class RunRoot:
         name = temp_name("write-probe", owner_tag(), uuid.uuid4().hex[:8])  # hidden: not a `path()` part
         probe = os.path.join(self.root, name) if self.is_local else posixpath.join(self.root, name)
         try:
-            self.makedirs(self.root)
-            remove_stale_temp_files(self, self.root)  # probes of killed processes
-            with self.fs.open(probe, "wb") as handle:
-                handle.write(b"ok")
+            with self.store_errors(self.root):  # credentials and network first: they have their own words
+                self.makedirs(self.root)
+                remove_stale_temp_files(self, self.root)  # probes of killed processes
+                with self.fs.open(probe, "wb") as handle:
+                    handle.write(b"ok")
         except (OSError, PermissionError) as error:
             if is_no_space(error):
                 raise DiskFull(self.display(self.root), free=free_bytes(self.root) if self.is_local else None) from error
@@ -153,28 +156,49 @@ class RunRoot:
         if self.is_local:
             os.makedirs(path, exist_ok=True)
         else:
-            self.fs.makedirs(path, exist_ok=True)
+            with self.store_errors(path):
+                self.fs.makedirs(path, exist_ok=True)
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
+        if self.is_local:
+            return os.path.exists(path)
+        with self.store_errors(path):
+            self.fs.invalidate_cache(path)  # ask the store, not an earlier listing
+            found = self.fs.exists(path)
+            if not found:
+                self._check_bucket()
+            return found
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(path))
+        if self.is_local:
+            return os.path.getsize(path)
+        with self.store_errors(path):
+            self.fs.invalidate_cache(path)  # an earlier listing may predate the file
+            return int(self.fs.size(path))
 
     def listdir(self, path: str) -> list[str]:
         """Base names in a folder (empty if the folder does not exist)."""
         try:
-            entries = self.fs.ls(path, detail=False, refresh=True) if not self.is_local else os.listdir(path)
+            with self.store_errors(path):
+                entries = self.fs.ls(path, detail=False, refresh=True) if not self.is_local else os.listdir(path)
         except FileNotFoundError:
             return []
+        finally:
+            if not self.is_local:
+                self.fs.invalidate_cache(path)  # later size()/exists() calls ask the store, not this listing
         return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
 
     def read_bytes(self, path: str) -> bytes:
-        with self.fs.open(path, "rb") as handle:
-            return handle.read()
+        if self.is_local:
+            with open(path, "rb") as handle:
+                return handle.read()
+        with self.store_errors(path):
+            return bytes(self.fs.cat_file(path, start=0))  # one ranged GET (no HEAD first)
 
-    def open_read(self, path: str) -> IO[bytes]:
-        return self.fs.open(path, "rb")
+    def open_read(self, path: str, **options: object) -> IO[bytes]:
+        """A file object; on object stores `options` go to fsspec (`block_size`, `cache_type`: bounded caches)."""
+        with self.store_errors(path):
+            return self.fs.open(path, "rb", **options) if not self.is_local else open(path, "rb")
 
     def local_path(self, path: str) -> str | None:
         """The OS path when the root is on local disk (for memory-mapping), else None."""
@@ -207,7 +231,7 @@ class RunRoot:
                 raise
         else:
             self.makedirs(folder)
-            with self.fs.open(path, "wb") as raw:
+            with self.store_errors(path), self.fs.open(path, "wb") as raw:
                 writer = HashingWriter(raw)
                 yield writer
 

@@ -156,7 +156,8 @@ def test_deployment_form_shows_sections_in_pipeline_order_with_titles(prefect_ha
 def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from kdflow.tasks.student.train import read_jsonl, train
+    from kdflow.tasks.student.jsonl_log import read_jsonl
+    from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     precompute_shards(tokenised)  # a no-op when the tests above ran first

@@ -5,7 +5,8 @@ A lease file holds its owner, host, pid and expiry. It is live while unexpired a
 process exists: a lease of a process that died on this host is taken over at once, one from another host
 once it expires (its owner renews it while working). Local disk: created whole with os.link (fails if the
 file exists); a stale one is renamed away first, so of two processes taking it over only one wins. Object
-stores have no exclusive create: write, then read back.
+stores: created only if absent and taken over only if unchanged (S3 conditional writes), with the fallback
+write-then-read-back where a store has none (kdflow.schemas.object_store).
 """
 
 from __future__ import annotations
@@ -65,15 +66,31 @@ class Leases:
     def acquire(self, key: Hashable) -> bool:
         path = self.path(key)
         if not self.run_root.is_local:
-            if self.held_by_other(self.read(key)):
-                return False
-            self.run_root.fs.pipe_file(path, self._payload())
-            won = (self.read(key) or {}).get("owner") == self.owner
+            won = self._acquire_object(path)
         else:
             won = self._acquire_local(path, key)
         if won:
             self._renewed[key] = time.monotonic()
         return won
+
+    def _acquire_object(self, path: str) -> bool:
+        """Object stores: created only if absent; a lease in the way is taken over only if its owner is gone and
+        only if unchanged since it was read (S3 If-Match), so of two processes taking it over one wins. Stores
+        without conditional writes: written, then read back (kdflow.schemas.object_store)."""
+        payload = self._payload()
+        if self.run_root.create_if_absent(path, payload):
+            return True
+        try:
+            raw, version = self.run_root.read_versioned(path)
+        except FileNotFoundError:  # released in between
+            return self.run_root.create_if_absent(path, payload)
+        try:
+            lease = json.loads(raw)
+        except ValueError:
+            lease = {}  # unreadable: treated as expired
+        if self.held_by_other(lease):
+            return False
+        return self.run_root.replace_if_unchanged(path, payload, version)
 
     def _acquire_local(self, path: str, key: Hashable) -> bool:
         self.run_root.makedirs(self.store)

@@ -11,6 +11,7 @@ resumed on another number of ranks continues exactly where the last one stopped.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +23,11 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
-from kdflow.schemas.codec_sampled import SampledShard
-from kdflow.schemas.shards import TopkShard, read_token_shard, stream_schema_ints
+from kdflow.schemas.shard_rows import ShardRows, take_rows
+from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
+from kdflow.schemas.topk_rows import TopkRows
 from kdflow.tasks.common.models import teacher_fingerprint
 from kdflow.tasks.student.model import check_token_store_tokenizer
 
@@ -36,6 +38,9 @@ class ShardPair:
     rows: int
     token_path: str
     topk_path: str
+    token_bytes: int = 0  # sizes of the data files, from their commit records
+    topk_bytes: int = 0
+    topk_batch_rows: int | None = None  # rows per record batch of the top-K shard (its micro-batch), if recorded
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,16 @@ class DistillBatch:
     # sample_logprobs (n, T, S) float32 and log_threshold (n, T) float32 (kdflow.tasks.common.sampled).
     samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def to(self, device: torch.device | str) -> DistillBatch:
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    def _map(self, move: Any) -> DistillBatch:
         return DistillBatch(*map(move, (self.input_ids, self.topk_ids, self.topk_logprobs, self.tail_logprob)),
                             samples=None if self.samples is None else tuple(map(move, self.samples)))
+
+    def to(self, device: torch.device | str) -> DistillBatch:
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pinned(self) -> DistillBatch:
+        """The same tensors in page-locked host memory, so that `to(cuda)` copies without blocking."""
+        return self._map(lambda t: t.pin_memory())
 
 
 # --- locating and verifying the stores --------------------------------------------------------------------
@@ -165,7 +176,7 @@ def _verify_pair(run_root: RunRoot, config: KDFlowConfig, token: CommitRecord, t
         raise StoreError(f"top-K shard {shown} has K={stored.get('top_k')}, precompute.top_k is {config.precompute.top_k}")
     if stored.get("seq_len") != config.seq_len:
         raise StoreError(f"top-K shard {shown} has seq_len {stored.get('seq_len')}, the token store's is {config.seq_len}")
-    return ShardPair(token.shard_id, token.rows, token_path, topk_path)
+    return ShardPair(token.shard_id, token.rows, token_path, topk_path, token.bytes, topk.bytes, topk.extra.micro_batch)
 
 
 # --- order, sharding, reading -----------------------------------------------------------------------------
@@ -177,7 +188,9 @@ def epoch_permutation(rows: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class DistillData:
-    """Training and held-out rows of verified stores; shards are read lazily (memory-mapped on local disk)."""
+    """Training and held-out rows of verified stores. A batch reads just its rows (kdflow.schemas.shard_rows):
+    gathered from memory maps on local disk, fetched as byte ranges from object stores; nothing is cached
+    but each shard's small index, so memory does not grow with the store."""
 
     def __init__(self, run_root: RunRoot, stores: DistillStores, *, eval_shards: int, eval_sequences: int, seed: int) -> None:
         shards = len(stores.pairs)
@@ -193,6 +206,10 @@ class DistillData:
         held_out = [(pair, row) for pair in self.eval_pairs for row in range(pair.rows)]
         self.eval_rows: list[tuple[ShardPair, int]] = held_out[:eval_sequences]
         self._epoch_order = functools.lru_cache(maxsize=2)(lambda epoch: epoch_permutation(self.train_rows, seed, epoch))
+        self._train_ids = np.array([pair.shard_id for pair in self.train_pairs], dtype=np.int64)  # (S,)
+        self._pairs = {pair.shard_id: pair for pair in stores.pairs}
+        self._readers: dict[int, tuple[ShardRows, TopkRows]] = {}
+        self._readers_lock = threading.Lock()
 
     def global_batch(self, position: int, batch_size: int) -> np.ndarray:
         """(batch_size,) global row indices of the batch starting at global position `position`."""
@@ -207,47 +224,70 @@ class DistillData:
     def rank_rows(self, position: int, batch_size: int, rank: int, world_size: int) -> np.ndarray:
         return self.global_batch(position, batch_size)[rank::world_size]
 
+    def step_batches(self, position: int, batch_size: int, grad_accum: int, rank: int, world_size: int,
+                     pin: bool = False) -> list[DistillBatch]:
+        """This rank's micro-batches of the optimiser step at `position` (page-locked for a CUDA copy if `pin`)."""
+        rows = self.rank_rows(position, batch_size, rank, world_size)  # this rank's rows of the global batch
+        batches = [self.train_batch(micro) for micro in np.split(rows, grad_accum)]
+        return [batch.pinned() for batch in batches] if pin else batches
+
     def locate(self, global_rows: np.ndarray) -> list[tuple[ShardPair, int]]:
         shard_index = np.searchsorted(self.offsets, global_rows, side="right") - 1
         return [(self.train_pairs[s], int(g - self.offsets[s])) for s, g in zip(shard_index, global_rows, strict=True)]
 
     def train_batch(self, global_rows: np.ndarray) -> DistillBatch:
-        return self.load(self.locate(global_rows))
+        shard_index = np.searchsorted(self.offsets, global_rows, side="right") - 1  # (n,)
+        return self.gather(self._train_ids[shard_index], global_rows - self.offsets[shard_index])
 
     def eval_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> list[list[tuple[ShardPair, int]]]:
         mine = self.eval_rows[rank::world_size]
         return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
 
     def load(self, rows: list[tuple[ShardPair, int]]) -> DistillBatch:
-        """Gather rows from their shards: v1 rows copied out of the memory map, v2 rows decoded."""
-        input_ids, topk_ids, topk_logprobs, tail_logprob, samples = [], [], [], [], []
-        for pair, row in rows:
-            tokens, topk = self._shard(pair)
-            decoded = topk.read([row])  # (1, T, K), (1, T, K), (1, T); sampled targets: the head as K, and samples
-            input_ids.append(tokens[row])
-            topk_ids.append(decoded.ids[0])
-            topk_logprobs.append(decoded.logprobs[0])
-            tail_logprob.append(decoded.tail[0])
-            if self.stores.targets != "topk":
-                samples.append((decoded.sample_ids[0], decoded.sample_logprobs[0], decoded.log_threshold[0]))
-        return DistillBatch(torch.from_numpy(np.stack(input_ids).astype(np.int64)),  # (n, T)
-                            torch.from_numpy(np.stack(topk_ids)),  # (n, T, K)
-                            torch.from_numpy(np.stack(topk_logprobs)),  # (n, T, K)
-                            torch.from_numpy(np.stack(tail_logprob)),  # (n, T)
-                            samples=tuple(torch.from_numpy(np.stack(part)) for part in zip(*samples)) if samples else None)
+        """The batch of these (shard, row) pairs, in order."""
+        return self.gather(np.array([pair.shard_id for pair, _ in rows], dtype=np.int64),
+                           np.array([row for _, row in rows], dtype=np.int64))
 
-    @functools.cache  # noqa: B019 - one DistillData per run: its shards stay mapped (local) or loaded (remote)
-    def _shard(self, pair: ShardPair) -> tuple[np.ndarray, TopkShard]:
-        tokens = read_token_shard(self.run_root, pair.token_path, self.stores.seq_len)  # (rows, T)
-        topk = (TopkShard(self.run_root, pair.topk_path, self.stores.seq_len, self.stores.top_k) if self.stores.targets == "topk"
-                else SampledShard(self.run_root, pair.topk_path, self.stores.seq_len))
-        if tokens.shape[0] != pair.rows or topk.rows != pair.rows:
-            raise StoreError(f"{self.run_root.display(pair.topk_path)}: row count differs from its commit record")
-        settings = None if topk.codec is None else topk.codec.settings()
-        if self.stores.codec is not None and settings != self.stores.codec:
-            raise StoreError(f"{topk.path} was written with codec {settings}, its store's is {self.stores.codec}: "
-                             "a store never mixes codecs; delete the shard's commit record and rerun precompute")
-        return tokens, topk
+    def gather(self, shard_ids: np.ndarray, rows: np.ndarray) -> DistillBatch:
+        """(n,) shard ids and (n,) rows within them -> the batch of those rows, in order. One read request
+        per shard and file (all shards' ranges fetched together on object stores), one decode per shard
+        (v1: the rows' bytes; v2 and sampled targets: the record batches holding the rows, decoded), and
+        numpy fancy-index assignment into the batch: no Python loop over rows."""
+        seq_len, sampled = self.stores.seq_len, self.stores.targets != "topk"
+        order = np.argsort(shard_ids, kind="stable")
+        starts = np.flatnonzero(np.r_[True, shard_ids[order][1:] != shard_ids[order][:-1]]) if len(order) else order
+        groups = np.split(order, starts[1:])  # positions in the batch, one array per shard
+        requests, readers = [], []
+        for positions in groups:
+            token_rows, topk_rows = self._shard_readers(int(shard_ids[positions[0]]))
+            requests += [(token_rows, rows[positions]), (topk_rows, rows[positions])]
+            readers.append(topk_rows)
+        fetched = take_rows(requests)
+        input_ids = np.empty((len(rows), seq_len), dtype=np.int64)  # (n, T)
+        parts_out: list[np.ndarray] = []  # ids, log-probs, tail (and sample ids, log-probs, log threshold)
+        for i, (positions, reader) in enumerate(zip(groups, readers, strict=True)):
+            input_ids[positions] = decode_token_rows(fetched[2 * i], seq_len)
+            decoded = reader.decode(fetched[2 * i + 1], rows[positions])
+            parts = [decoded.ids, decoded.logprobs, decoded.tail]
+            if sampled:
+                parts += [decoded.sample_ids, decoded.sample_logprobs, decoded.log_threshold]
+            if not parts_out:
+                parts_out = [np.empty((len(rows), *part.shape[1:]), dtype=part.dtype) for part in parts]
+            for out, part in zip(parts_out, parts, strict=True):
+                out[positions] = part
+        tensors = [torch.from_numpy(part) for part in parts_out]
+        return DistillBatch(torch.from_numpy(input_ids), *tensors[:3], samples=tuple(tensors[3:]) if sampled else None)
+
+    def _shard_readers(self, shard_id: int) -> tuple[ShardRows, TopkRows]:
+        with self._readers_lock:
+            if shard_id not in self._readers:
+                pair, stores = self._pairs[shard_id], self.stores
+                self._readers[shard_id] = (
+                    ShardRows(self.run_root, pair.token_path, pair.token_bytes or self.run_root.size(pair.token_path), pair.rows),
+                    TopkRows(self.run_root, pair.topk_path, pair.topk_bytes or self.run_root.size(pair.topk_path), pair.rows,
+                             pair.topk_batch_rows, seq_len=stores.seq_len, top_k=stores.top_k, targets=stores.targets,
+                             store_codec=stores.codec))
+            return self._readers[shard_id]
 
 
 def open_distill_data(config: KDFlowConfig, tokenizer: Any) -> DistillData:

@@ -15,21 +15,18 @@ loss run as ONE module (DistillLoss) wrapped by FSDP or DDP, and only rank 0 wri
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
-from kdflow.schemas.storage import DiskFull, RunRoot, is_no_space, remove_stale_temp_files
+from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import model_body, output_layer
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -39,10 +36,12 @@ from kdflow.tasks.student.data import DistillBatch, DistillData, DistillStores, 
 from kdflow.tasks.student.distributed import (all_reduce_sum, any_rank, barrier, choose_sharding, clip_grad_norm,
                                               full_model_state, full_optimizer_state, gradient_sync,
                                               load_full_optimizer_state, rank_device, torchrun_rank, wrap_for_training)
+from kdflow.tasks.student.jsonl_log import JsonlLog
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
-from kdflow.tasks.student.trainer_lease import hold_student
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
+from kdflow.tasks.student.prefetch import Prefetcher
+from kdflow.tasks.student.trainer_lease import hold_student
 
 IGNORE_INDEX = -100
 OnStep = Callable[[dict[str, Any]], bool | None]
@@ -149,12 +148,13 @@ def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
 
 def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
                    config: KDFlowConfig, rank: int, world_size: int, device: torch.device,
-                   autocast: contextlib.AbstractContextManager) -> dict[str, float]:
-    """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not);
-    -> global loss, kd, ce (sums of normalised parts), grad norm."""
+                   autocast: contextlib.AbstractContextManager, batches: list[DistillBatch] | None = None) -> dict[str, float]:
+    """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not); `batches`:
+    its micro-batches if already read (by the prefetcher). -> global loss, kd, ce (sums of normalised parts),
+    grad norm."""
     student = config.student
-    rows = data.rank_rows(position, student.batch_size, rank, world_size)  # this rank's rows of the global batch
-    batches = [data.train_batch(micro) for micro in np.split(rows, student.grad_accum)]
+    if batches is None:
+        batches = data.step_batches(position, student.batch_size, student.grad_accum, rank, world_size)
     global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
     sums = [0.0, 0.0, 0.0]
     for i, batch in enumerate(batches):
@@ -212,49 +212,6 @@ def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device:
             "sequences": total_rows}
 
 
-class JsonlLog:
-    """A jsonl file of records with a `step`; on resume, records after the resumed step are dropped.
-    Local files are appended line by line; on object stores the file is rewritten on `flush()`. A file
-    that needs no change is never rewritten (a rerun of a finished run touches nothing)."""
-
-    def __init__(self, run_root: RunRoot, path: str, keep_through_step: int, enabled: bool = True) -> None:
-        self.run_root, self.path, self.enabled = run_root, path, enabled
-        on_disk = read_jsonl(run_root, path)
-        self.records = [r for r in on_disk if r.get("step", 0) <= keep_through_step]
-        self._persisted = len(on_disk)  # records the file holds, in order
-        if len(self.records) != len(on_disk):
-            self._persisted = -1
-            self.flush()
-
-    def append(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-        if self.enabled and self.run_root.is_local and self._persisted == len(self.records) - 1:
-            size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-            try:
-                with open(self.path, "a", encoding="utf-8") as handle:
-                    handle.write(json.dumps(record) + "\n")
-            except OSError as error:  # a full disk: no half line stays behind for the resume to trip on
-                os.truncate(self.path, size)
-                if is_no_space(error):
-                    raise DiskFull(self.path, 4096) from error
-                raise
-            self._persisted += 1
-
-    def flush(self) -> None:
-        if self.enabled and self._persisted != len(self.records):
-            text = "".join(json.dumps(record) + "\n" for record in self.records)
-            self.run_root.write_bytes_atomic(self.path, text.encode())
-            self._persisted = len(self.records)
-
-
-def read_jsonl(run_root: RunRoot, path: str) -> list[dict[str, Any]]:
-    try:
-        text = run_root.read_bytes(path).decode("utf-8")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def check_layout(student: StudentConfig, world_size: int) -> None:
     if student.batch_size % (world_size * student.grad_accum):
         raise ConfigError(f"student.batch_size={student.batch_size} must be divisible by ranks x grad_accum = "
@@ -308,6 +265,9 @@ class StudentRun:
         self.metrics = JsonlLog(self.run_root, f"{self.student_dir}/{METRICS_FILE}", self.state.step, self.is_main)
         self.evals = JsonlLog(self.run_root, f"{self.student_dir}/{EVAL_FILE}", self.state.step, self.is_main)
         self.tokens_per_step = student.batch_size * self.data.stores.seq_len
+        self.loader = Prefetcher(lambda position: self.data.step_batches(
+            position, student.batch_size, student.grad_accum, rank, world_size, pin=self.device.type == "cuda"),
+            student.prefetch_steps)  # the next steps' batches, read while this one computes
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
 
     def step(self) -> dict[str, Any]:
@@ -315,8 +275,12 @@ class StudentRun:
         started = time.perf_counter()
         self._gathered = (-1, None)  # a full copy of old weights is no use any more
         lr = self.scheduler.get_last_lr()[0]
+        student = self.config.student
+        upcoming = [self.state.position + k * student.batch_size for k in range(1, student.prefetch_steps + 1)
+                    if self.state.step + k < student.steps]
+        batches, data_wait = self.loader.get(self.state.position, upcoming)
         result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, self.config, self.rank,
-                                self.world_size, self.device, self.autocast)
+                                self.world_size, self.device, self.autocast, batches=batches)
         self.scheduler.step()
         seconds = time.perf_counter() - started
         state = self.state
@@ -324,7 +288,8 @@ class StudentRun:
                                    state.elapsed_s + seconds, state.fingerprint)
         record = {"step": self.state.step, **result, "lr": lr, "tokens": self.tokens_per_step,
                   "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "elapsed": self.state.elapsed_s,
-                  "epoch": self.state.position / self.data.train_rows}
+                  "epoch": self.state.position / self.data.train_rows,
+                  "data_wait_s": round(data_wait, 6), "data_wait_fraction": round(data_wait / max(seconds, 1e-9), 6)}
         self.metrics.append(record)
         return record
 
@@ -429,6 +394,7 @@ def train(config: KDFlowConfig, *, rank: int = 0, world_size: int = 1, on_step: 
                 run.finish()
                 monitor.evaluated(run.metrics.records, run.evals.records)
         finally:
+            run.loader.close()
             monitor.close()
             run.flush_logs()
         return run.summary(stopped)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,23 +21,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdflow.schemas.codec import TopkCodec, encode
+from kdflow.schemas.codec import TopkCodec
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
-                                    commit_or_remove, read_complete, stage_dir, write_complete)
+                                    check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
+                                    write_complete)
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
-from kdflow.schemas.shards import (StreamShardWriter, read_token_shard, topk_batch, topk_shard_writer,
-                                   topk_v2_shard_writer)
+from kdflow.schemas.shards import read_token_shard, topk_shard_writer, topk_v2_shard_writer
 from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
-from kdflow.schemas.stores import (TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section,
-                                   write_store_info)
+from kdflow.schemas.stores import TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section, write_store_info
+from kdflow.tasks.common import faults
 from kdflow.tasks.common.model_configs import tokenizer_mismatch
 from kdflow.tasks.common.models import output_layer, resolve_device, teacher_fingerprint, teacher_identity
 from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.common import faults
+from kdflow.tasks.teacher.host_writer import WRITE_QUEUE_DEPTH, BackgroundWriter, HostCopies
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import (check_store_tokenizer, check_teacher_limits, check_tokenizer_fits,
                                           load_teacher, load_teacher_config, vocab_rows)
@@ -48,102 +46,10 @@ from kdflow.tasks.teacher.store_codec import store_codec
 from kdflow.tasks.teacher.store_report import pass_fidelity
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
-WRITE_QUEUE_DEPTH = 2
 logger = logging.getLogger("kdflow.precompute")
 
 
-# --- one shard: device -> host -> Arrow, overlapped -------------------------------------------------------
-
-
-class HostCopies:
-    """Copies a micro-batch's results to the host once: on CUDA into a ring of pinned buffers, without blocking,
-    on a copy stream of its own, so that the next micro-batch's forward runs while the copy does (an event
-    tells the writer when the copy landed); on the CPU the results already are host tensors."""
-
-    def __init__(self, device: torch.device, shape: tuple[int, int, int], logprobs_dtype: torch.dtype, slots: int) -> None:
-        self.on_cuda = device.type == "cuda"
-        self.logprobs_dtype = logprobs_dtype
-        self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = queue.Queue()
-        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
-        for _ in range(slots if self.on_cuda else 0):
-            self.free.put((torch.empty(shape, dtype=torch.int32, pin_memory=True),
-                           torch.empty(shape, dtype=logprobs_dtype, pin_memory=True),
-                           torch.empty(shape[:2], dtype=torch.float32, pin_memory=True)))
-
-    def copy(self, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, tail_logprob: torch.Tensor
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any, Callable[[], None]]:
-        """(rows, T, K), (rows, T, K), (rows, T) device tensors -> host arrays, a CUDA event (or None) and a
-        release callback."""
-        topk_logprobs = topk_logprobs.to(self.logprobs_dtype)  # on the device: halves the transfer for float16
-        if not self.on_cuda:
-            return topk_ids.numpy(), topk_logprobs.numpy(), tail_logprob.numpy(), None, lambda: None
-        slot = self.free.get()
-        rows = topk_ids.shape[0]
-        host_ids, host_logprobs, host_tail = slot[0][:rows], slot[1][:rows], slot[2][:rows]
-        self.stream.wait_stream(torch.cuda.current_stream(topk_ids.device))  # the copy starts once they are computed
-        with torch.cuda.stream(self.stream):
-            host_ids.copy_(topk_ids, non_blocking=True)
-            host_logprobs.copy_(topk_logprobs, non_blocking=True)
-            host_tail.copy_(tail_logprob, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        for tensor in (topk_ids, topk_logprobs, tail_logprob):  # their memory is not reused before the copy stream is done
-            tensor.record_stream(self.stream)
-        return host_ids.numpy(), host_logprobs.numpy(), host_tail.numpy(), event, lambda: self.free.put(slot)
-
-
-class BackgroundWriter:
-    """One thread encoding queued micro-batches (v2: `codec`) into an open shard file while the next forward runs."""
-
-    def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int,
-                 codec: TopkCodec | None = None, encode_batch: Callable[..., Any] | None = None) -> None:
-        self.writer, self.logprobs_dtype, self.run_root, self.shard_id = writer, logprobs_dtype, run_root, shard_id
-        self.encode_batch = encode_batch or (None if codec is None else lambda *arrays: encode(codec, *arrays))  # None: v1
-        self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"topk-writer-{shard_id}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
-            arrays, ready, release, micro_batch = item
-            try:
-                if self.error is None:
-                    if ready is not None:
-                        ready.synchronize()
-                    faults.maybe_fire("write", self.run_root, stage="precompute", shard=self.shard_id, micro_batch=micro_batch)
-                    if self.encode_batch is not None:
-                        self.writer.write_batch(self.encode_batch(*arrays))
-                    else:
-                        self.writer.write(*topk_batch(*arrays[:2], self.logprobs_dtype))  # v1: no tail
-            except BaseException as error:  # handed to the producer, which raises it
-                self.error = error
-            finally:
-                release()
-                self.queue.task_done()
-        self.queue.task_done()
-
-    def put(self, arrays: tuple[np.ndarray, ...], ready: Any, release: Callable[[], None], micro_batch: int) -> None:
-        self._raise()
-        self.queue.put((arrays, ready, release, micro_batch))
-
-    def drain(self, flush: bool = False) -> None:
-        """Wait until every queued micro-batch is in the file (flushed to the OS if asked); raise its error."""
-        self.queue.join()
-        self._raise()
-        if flush:
-            self.writer.sink.flush()
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the thread. Bounded: after a driver failure a CUDA call in it may never return, and the worker
-        must still exit (the daemon thread dies with the process)."""
-        with contextlib.suppress(queue.Full):
-            self.queue.put(None, timeout=timeout_s)
-        self.thread.join(timeout_s)
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise self.error
+# --- one shard: device -> host -> Arrow, overlapped (kdflow.tasks.teacher.host_writer) -------------------
 
 
 class ShardComputer:
@@ -306,7 +212,8 @@ def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.devi
     mismatch = format_mismatch(existing, cfg, run_root.display(store)) if existing is not None else None
     if mismatch is not None:  # the tag names the format, so only a damaged or foreign _store.json gets here
         raise StoreError(mismatch)
-    todo = [i for i in wanted if check_commit(run_root, store, "topk", i, tag)[0] is None]
+    committed = list_commits(run_root, store, "topk", tag)  # one listing, not a request per shard
+    todo = [i for i in wanted if i not in committed]
     return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo)
 
 
@@ -336,9 +243,10 @@ def precompute_shards(
         logger.info("precompute: loading the teacher for %d shards (%d of %d already committed)", len(plan.todo),
                     len(plan.wanted) - len(plan.todo), len(plan.wanted))
         if on_progress is not None:  # seen before the weights load, which takes minutes for a large teacher
-            on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0,
+            on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0, "tokens": 0,
                          "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo)})
-        token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, plan.tokens_done.fingerprint) for i in plan.todo}
+        token_checks = check_commits(run_root, plan.tokens_store, "tokens", plan.tokens_done.fingerprint)
+        token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, token_checks) for i in plan.todo}
         run_root.ensure_writable()
         model = model if model is not None else load_teacher(cfg.teacher, device=target)
         check_tokenizer_fits(plan.tokenizer, model)
@@ -362,7 +270,8 @@ def precompute_shards(
             fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, cfg.precompute.report_rows,
                                      cfg.precompute.micro_batch)
     complete_if_done(run_root, store, tag, plan.tokens_done)
-    committed = [r for r in (check_commit(run_root, store, "topk", i, tag)[0] for i in plan.wanted) if r is not None]
+    in_store = list_commits(run_root, store, "topk", tag)
+    committed = [in_store[i] for i in plan.wanted if i in in_store]
     return {
         "tag": tag, "store": run_root.display(store), "shards": len(plan.wanted), "written": written,
         "skipped": len(plan.wanted) - len(plan.todo), "leased_elsewhere": leased_elsewhere, "committed": len(committed),
@@ -373,8 +282,9 @@ def precompute_shards(
     }
 
 
-def _valid_token_record(run_root: RunRoot, store: str, shard_id: int, fingerprint: str) -> CommitRecord:
-    record, reason = check_commit(run_root, store, "tokens", shard_id, fingerprint)
+def _valid_token_record(run_root: RunRoot, store: str, shard_id: int,
+                        checks: dict[int, tuple[CommitRecord | None, str]]) -> CommitRecord:
+    record, reason = checks.get(shard_id, (None, "no commit record"))
     if record is None:
         raise StoreError(f"token shard {shard_id} in {run_root.display(store)} is not committed ({reason}); run tokenise again")
     return record
@@ -400,7 +310,9 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                     record = computer.compute(shard_id, token_records[shard_id], leases,
                                               on_rows=lambda done, rows, i=shard_id: progress.partial(
                                                   done, rows, i, tokens=done * computer.cfg.seq_len))
-                    commit_or_remove(run_root, store, record)
+                    if not commit_or_remove(run_root, store, record, exclusive=True):
+                        progress.update(1, 0)  # another process committed it first: its record stands
+                        continue
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)
                     progress.update(1, record.tokens, **({"peak_device_memory_mib": peak} if peak is not None else {}))
@@ -430,9 +342,10 @@ def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: Stage
     existing = read_complete(run_root, store)
     if existing is not None and existing.fingerprint == tag and existing.shards == tokens_done.shards:
         return
-    records = [check_commit(run_root, store, "topk", i, tag)[0] for i in range(tokens_done.shards)]
-    if any(r is None for r in records):
+    in_store = list_commits(run_root, store, "topk", tag)
+    if any(i not in in_store for i in range(tokens_done.shards)):
         return
+    records = [in_store[i] for i in range(tokens_done.shards)]
     first = records[0].extra if records else TopkShardInfo()
     extra = TopkCompleteInfo(tokens_fingerprint=tokens_done.fingerprint, teacher_fingerprint=first.teacher_fingerprint,
                              seq_len=first.seq_len, top_k=first.top_k)

@@ -1,0 +1,321 @@
+"""A run root on an object store at scale: conditional writes, two writers racing, one listing per store, training
+reads by byte range equal to local reads, and the store's faults (credentials, bucket, network) as one line.
+
+moto's S3 server runs in its own process (tests/s3_server.py), serving one request at a time so that its
+conditional writes are atomic as on S3, and logging every request so that the tests count them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
+pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
+
+from s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds  # noqa: E402
+
+from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit  # noqa: E402
+from kdflow.schemas.config import KDFlowConfig, dump_config  # noqa: E402
+from kdflow.schemas.layout import commit_file_name, data_file_name  # noqa: E402
+from kdflow.schemas.protocol import EXIT_USER_ERROR, RESULT_PREFIX  # noqa: E402
+from kdflow.schemas.storage import RunRoot  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Bucket:
+    moto: MotoProcess
+    name: str
+    run_root: str  # s3://NAME/run
+
+    def requests_since(self, mark: int) -> list[tuple[str, str, int]]:
+        return [r for r in self.moto.requests()[mark:] if f"/{self.name}" in r[1]]
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoProcess]:
+    server = MotoProcess(tmp_path_factory.mktemp("moto") / "requests.log", threaded=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def use_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str, **env: str) -> None:
+    import s3fs
+
+    for key, value in (CREDENTIALS | env).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()  # one S3FileSystem per set of options: a cached one has old settings
+
+
+@pytest.fixture
+def bucket(moto: MotoProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
+    import boto3
+    import s3fs
+
+    use_endpoint(monkeypatch, moto.endpoint)
+    name = f"kdflow-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto.endpoint, **{k.lower(): CREDENTIALS[k] for k in
+                                                      ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}).create_bucket(Bucket=name)
+    yield Bucket(moto, name, f"s3://{name}/run")
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def prepare(config: KDFlowConfig) -> None:
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
+
+    materialise(config)
+    tokenise(config, load_tokenizer(config))
+
+
+def worker(config_path: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config", str(config_path)],
+                            cwd=REPO, env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def lines_with(prefix: str, text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)]
+
+
+def successful_puts(requests: list[tuple[str, str, int]], pattern: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for method, path, status in requests:
+        if method == "PUT" and status == 200 and re.search(pattern, path):
+            counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+# --- conditional writes -----------------------------------------------------------------------------------
+
+
+def test_records_and_leases_are_created_only_if_absent(bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_root = RunRoot(bucket.run_root)
+    assert run_root.conditional_writes  # moto honours If-None-Match and If-Match, as S3 does
+    path = run_root.path("topk", "tag", "shard-00000.lease")
+    assert run_root.create_if_absent(path, b"first")
+    assert not run_root.create_if_absent(path, b"second") and run_root.read_bytes(path) == b"first"
+    data, version = run_root.read_versioned(path)
+    assert data == b"first" and version
+    assert run_root.replace_if_unchanged(path, b"taken over", version)
+    assert not run_root.replace_if_unchanged(path, b"too late", version)  # changed since `version` was read
+    assert run_root.read_bytes(path) == b"taken over"
+
+    # A commit record that is there and valid stands; an invalid one in the way is replaced.
+    store = run_root.path("tokens")
+    name = data_file_name("tokens", 0)
+    sha = run_root.write_bytes_atomic(f"{store}/{name}", b"data")
+    record = CommitRecord(stage="tokens", shard_id=0, data_file=name, rows=1, tokens=4, bytes=4, sha256=sha, fingerprint="f" * 16)
+    assert write_commit(run_root, store, record, exclusive=True)
+    assert not write_commit(run_root, store, record.model_copy(update={"host": "other"}), exclusive=True)
+    run_root.write_bytes_atomic(f"{store}/{commit_file_name('tokens', 0)}", b"{half a record")
+    assert write_commit(run_root, store, record, exclusive=True) and list_commits(run_root, store, "tokens") == {0: record}
+
+    # The fallback for stores without conditional writes: checked, written, read back.
+    monkeypatch.setenv("KDFLOW_CONDITIONAL_WRITES", "off")
+    fallback = RunRoot(f"s3://{bucket.name}/other")
+    assert not fallback.conditional_writes
+    target = fallback.path("shard-00001.lease")
+    assert fallback.create_if_absent(target, b"one") and not fallback.create_if_absent(target, b"two")
+    assert fallback.read_bytes(target) == b"one"
+
+
+def test_a_store_is_listed_once_and_its_records_read_without_a_request_per_data_file(bucket: Bucket) -> None:
+    run_root = RunRoot(bucket.run_root)
+    store = run_root.path("tokens")
+    for shard_id in range(30):
+        name = data_file_name("tokens", shard_id)
+        sha = run_root.write_bytes_atomic(f"{store}/{name}", b"x" * (shard_id + 1))
+        write_commit(run_root, store, CommitRecord(stage="tokens", shard_id=shard_id, data_file=name, rows=1, tokens=4,
+                                                   bytes=shard_id + 1, sha256=sha, fingerprint="f" * 16))
+    mark = len(bucket.moto.requests())
+    assert sorted(list_commits(run_root, store, "tokens", "f" * 16)) == list(range(30))
+    assert kinds(bucket.requests_since(mark)) == {"LIST": 1, "GET": 30}
+
+
+# --- two writers ------------------------------------------------------------------------------------------
+
+
+def test_two_processes_racing_on_the_same_shards_write_each_record_once(bucket: Bucket, make_config, tmp_path: Path) -> None:
+    config = make_config(run_root=bucket.run_root, dataset__max_documents=20, precompute__lease_ttl_s=10)
+    prepare(config)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(dump_config(config))
+    mark = len(bucket.moto.requests())
+    workers = [worker(config_path) for _ in range(2)]  # started together: a real race for every shard
+    outputs = [w.communicate(timeout=300) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [err[-3000:] for _, err in outputs]
+    results = [lines_with(RESULT_PREFIX, out)[0] for out, _ in outputs]
+    shards = results[0]["shards"]
+    assert shards >= 4 and sum(r["written"] for r in results) == shards  # each shard committed by one of them
+    assert all(r["complete"] and r["committed"] == shards for r in results)
+
+    requests = bucket.requests_since(mark)
+    records = successful_puts(requests, r"/topk/[0-9a-f]+/shard-\d+\.commit\.json$")
+    data = successful_puts(requests, r"/topk/[0-9a-f]+/shard-\d+\.arrow$")
+    assert len(records) == shards and set(records.values()) == {1}  # each record written once
+    assert len(data) == shards and set(data.values()) == {1}  # and no shard computed twice
+    refused = [r for r in requests if r[0] == "PUT" and r[2] == 412]  # conditional creates that lost
+    assert all(".lease" in path or "_conditional-probe" in path for _, path, _ in refused)
+
+
+# --- the student reads rows by byte range -----------------------------------------------------------------
+
+
+def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make_config, tmp_path: Path) -> None:
+    import fsspec
+
+    from kdflow.tasks.student.train import train
+    from kdflow.tasks.teacher.precompute import precompute_shards
+    from kdflow.validate import validate_run_root
+
+    on_s3 = make_config(run_root=bucket.run_root, dataset__max_documents=40, student__steps=3, student__grad_accum=2)
+    prepare(on_s3)
+    assert precompute_shards(on_s3)["complete"]
+    fsspec.filesystem("s3").get(f"{bucket.name}/run", str(tmp_path / "local"), recursive=True)
+    on_disk = make_config(run_root=str(tmp_path / "local"), dataset__max_documents=40, student__steps=3,
+                          student__grad_accum=2)
+
+    mark = len(bucket.moto.requests())
+    remote, local = train(on_s3), train(on_disk)
+    assert remote["final_loss"] == local["final_loss"] and remote["eval_after"] == local["eval_after"]
+    metrics = [json.loads(line) for line in RunRoot(on_s3.run_root).read_bytes(
+        f"{RunRoot(on_s3.run_root).path('students', 'student')}/metrics.jsonl").decode().splitlines()]
+    local_metrics = [json.loads(line) for line in (tmp_path / "local/students/student/metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in local_metrics]
+    assert all(0 <= m["data_wait_fraction"] <= 1 for m in metrics)
+    # The stage lists each store once at start-up (no listing or HEAD per shard), then reads rows by ranged GETs.
+    requests = bucket.requests_since(mark)
+    listings = [path for method, path, _ in requests if method == "GET" and "list-type=" in path]
+    assert sum("prefix=run/tokens/&" in path for path in listings) == 1
+    assert sum(bool(re.search(r"prefix=run/topk/[0-9a-f]+/&", path)) for path in listings) == 1
+    assert not [path for method, path, _ in requests if method == "HEAD" and re.search(r"/(tokens|topk)/", path)]
+    assert [path for method, path, _ in requests if method == "GET" and re.search(r"/topk/.*\.arrow", path)]
+    assert validate_run_root(on_s3.run_root) == 0
+
+
+@pytest.mark.parametrize("store", ["v1", "hybrid"])
+def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Bucket, make_config, store: str) -> None:
+    """Rows by byte range for the other formats: v1 (fixed-width, per-row ranges) and hybrid sampled targets (whole
+    record batches); the loader's batch equals the shard decoded whole, tail and samples included; validate streams."""
+    import numpy as np
+
+    from kdflow.schemas.codec_sampled import SampledShard
+    from kdflow.schemas.shards import TopkShard
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.data import open_distill_data
+    from kdflow.tasks.teacher.precompute import precompute_shards
+    from kdflow.validate import validate_run_root
+
+    overrides = ({"precompute__store__format": "v1"} if store == "v1" else
+                 {"precompute__targets": "hybrid", "precompute__sampling": {"head": 4, "samples": 6, "seed": 5}})
+    config = make_config(run_root=bucket.run_root, dataset__max_documents=24, precompute__micro_batch=3, **overrides)
+    prepare(config)
+    assert precompute_shards(config)["complete"]
+    data = open_distill_data(config, load_tokenizer(config))
+    rows = np.array([data.train_rows - 1, 0, 4, 3, 0])  # across shards, out of order, one repeated
+    batch = data.train_batch(rows)
+    run_root = RunRoot(config.run_root)
+    for i, (pair, row) in enumerate(data.locate(rows)):
+        shard = (TopkShard(run_root, pair.topk_path) if store == "v1" else SampledShard(run_root, pair.topk_path)).read([row])
+        assert np.array_equal(batch.topk_ids[i].numpy(), shard.ids[0])
+        assert np.array_equal(batch.topk_logprobs[i].numpy(), shard.logprobs[0])
+        assert np.array_equal(batch.tail_logprob[i].numpy(), shard.tail[0])
+        if store == "hybrid":
+            assert np.array_equal(batch.samples[0][i].numpy(), shard.sample_ids[0])
+            assert np.array_equal(batch.samples[2][i].numpy(), shard.log_threshold[0])
+    assert (batch.samples is None) == (store == "v1")
+    assert validate_run_root(config.run_root) == 0
+
+
+# --- faults of the store ----------------------------------------------------------------------------------
+
+
+def kdflow_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kdflow", *args], cwd=REPO, env=os.environ | env, capture_output=True,
+                          text=True, timeout=180)
+
+
+def assert_one_line(result: subprocess.CompletedProcess, *phrases: str) -> None:
+    assert result.returncode == EXIT_USER_ERROR, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kdflow: error: "), result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
+def test_missing_credentials_a_missing_bucket_and_wrong_credentials_are_one_line(bucket: Bucket, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    RunRoot(bucket.run_root).write_bytes_atomic(RunRoot(bucket.run_root).path("corpus", "x"), b"1")
+    no_credentials = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                      "AWS_CONFIG_FILE": "/nonexistent"}
+    assert_one_line(kdflow_cli("status", bucket.run_root, **no_credentials), bucket.run_root, "no credentials")
+    missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+    assert_one_line(kdflow_cli("status", missing), missing, "bucket", "does not exist")
+    assert_one_line(kdflow_cli("validate", missing), missing, "does not exist")
+
+    # Wrong credentials need a server that checks them: moto with authentication on after 3 requests (IAM set-up).
+    import boto3
+
+    server = MotoProcess(tmp_path / "auth.log", threaded=True, auth_after=3)
+    try:
+        iam = boto3.client("iam", endpoint_url=server.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing")
+        iam.create_user(UserName="kd")
+        key = iam.create_access_key(UserName="kd")["AccessKey"]
+        iam.put_user_policy(UserName="kd", PolicyName="all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=key["AccessKeyId"],
+                     aws_secret_access_key=key["SecretAccessKey"]).create_bucket(Bucket="guarded")
+        secret = "wrong-secret-value-123"
+        result = kdflow_cli("status", "s3://guarded/run", AWS_ENDPOINT_URL=server.endpoint,
+                            AWS_ACCESS_KEY_ID=key["AccessKeyId"], AWS_SECRET_ACCESS_KEY=secret)
+        assert_one_line(result, "s3://guarded/run", "access denied")
+        assert secret not in result.stderr + result.stdout
+    finally:
+        server.stop()
+
+
+def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: Bucket, make_config,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdflow.schemas.errors import StoreError
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    # In one process the lease the failed pass could not release belongs to a live pid: it lapses after its ttl.
+    config = make_config(run_root=bucket.run_root, dataset__max_documents=20, precompute__lease_ttl_s=3)
+    prepare(config)
+    proxy = TcpProxy(bucket.moto.port)
+    proxy.cut_after = (re.compile(rb"PUT /\S+/topk/\S+\.commit\.json"), 2)  # cut once two shards are committed
+    try:
+        use_endpoint(monkeypatch, proxy.endpoint, AWS_MAX_ATTEMPTS="2")  # botocore: one retry, not four
+        with pytest.raises(StoreError) as failed:
+            precompute_shards(config)
+        message = str(failed.value)
+        assert "\n" not in message and f"s3://{bucket.name}/run/topk/" in message and "unreachable" in message, message
+        use_endpoint(monkeypatch, bucket.moto.endpoint)
+        run_root = RunRoot(bucket.run_root)
+        (tag,) = run_root.listdir(run_root.path("topk"))
+        committed = sorted(list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag))
+        assert len(committed) >= 2
+
+        proxy.restore()
+        use_endpoint(monkeypatch, proxy.endpoint)
+        result = precompute_shards(config)
+        assert result["complete"] and result["skipped"] == len(committed)  # nothing committed was computed again
+        assert result["written"] == result["shards"] - len(committed) > 0
+    finally:
+        proxy.cut()
