@@ -29,11 +29,11 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.shards import read_token_shard
 from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import output_layer, resolve_device
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.common import faults
-from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config, vocab_rows
 from kdflow.tasks.teacher.host_writer import HostCopies
+from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config, vocab_rows
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
