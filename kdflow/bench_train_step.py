@@ -321,7 +321,8 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
-    from kdflow.tasks.student.train import read_jsonl, train
+    from kdflow.tasks.student.jsonl_log import read_jsonl
+    from kdflow.tasks.student.train import train
 
     name = f"bench-train-step-{os.getpid()}"
     total = warmup + steps + 1  # the last one for the tensor peak, under the profiler

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import sys
 import zipfile
 from collections.abc import Callable
@@ -98,8 +99,12 @@ def test_no_source_file_is_long() -> None:
 
 
 def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -> None:
+    # Built from a copy without build/: setuptools never removes a file it copied there earlier, so a module
+    # since moved would still be in a wheel built from the checkout itself.
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__"))
     built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                 "--wheel-dir", str(tmp_path), str(REPO)], what="pip wheel", timeout=300)
+                 "--wheel-dir", str(tmp_path), str(source)], what="pip wheel", timeout=300)
     assert built.returncode == 0, built.stderr
     wheel = next(tmp_path.glob("kdflow-*.whl"))
     with zipfile.ZipFile(wheel) as archive:

@@ -46,6 +46,13 @@ def assert_same(a: SampledTargets, b: SampledTargets, context: object = None) ->
         assert torch.equal(getattr(a, name), getattr(b, name)), (name, context)
 
 
+def assert_same_draw(a: SampledTargets, b: SampledTargets) -> None:
+    """The same ids; values within float32 rounding (a model's body rounds differently for another batch size)."""
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert torch.equal(x, y) if name.endswith("_ids") else torch.allclose(x, y, rtol=0, atol=1e-5), name
+
+
 def test_hash_matches_an_unsigned_python_reference() -> None:
     values = [0, 1, 2, 12345, -1, -(1 << 63), (1 << 63) - 1, 0x6B64666C6F772E31, -987654321987]
     got = mix64_(torch.tensor(values, dtype=torch.int64))
@@ -141,10 +148,12 @@ def test_a_tiny_teacher_step_equals_the_pass_on_its_hidden_states(tiny_teacher_d
     assert out.head_ids.shape == (3, 16, 4) and out.sample_ids.shape == (3, 16, 6) and out.log_threshold.shape == (3, 16)
     hidden = body_hidden_states(model, input_ids).flatten(0, 1)
     rows, positions = (torch.arange(3) + 8).repeat_interleave(16), torch.arange(16).repeat(3)
-    direct = chunked_sampled(hidden, model.lm_head, plan, 48, shard=5, rows=rows, positions=positions)
+    # the same cut as the step: a real lm_head's matmul may round differently for another number of rows (the
+    # draw's independence of the cut is tested above, on exact logits)
+    direct = chunked_sampled(hidden, model.lm_head, plan, 10, shard=5, rows=rows, positions=positions, vocab_chunk=100)
     assert_same(out.flatten_positions(), direct)
     later = step(input_ids[1:], shard=5, first_row=9)  # the same rows in another micro-batch: the same draw
-    assert_same(later, out.map(lambda t: t[1:]))
+    assert_same_draw(later, out.map(lambda t: t[1:]))
     other_shard = step(input_ids, shard=6, first_row=8)
     assert torch.equal(other_shard.head_ids, out.head_ids) and not torch.equal(other_shard.sample_ids, out.sample_ids)
 
