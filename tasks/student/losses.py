@@ -146,17 +146,19 @@ def fused_topk_kl(
         grad_bias=wants_grad and bias is not None and bias.requires_grad,
     )
     targets = _Targets(topk_ids, topk_logprobs.detach(), None if tail_logprob is None else tail_logprob.detach(), labels)
-    loss, kd, ce = _FusedTopKKL.apply(hidden, weight, bias, targets, options)
+    loss, kd, ce = PrecomputedGradients.apply(_chunked_loss_and_grads, hidden, weight, bias, targets, options)
     return (loss, kd, ce) if return_parts else loss
 
 
-class _FusedTopKKL(torch.autograd.Function):
-    """Loss and all gradients in one chunked pass; backward only scales the stored gradients."""
+class PrecomputedGradients(torch.autograd.Function):
+    """Loss and all gradients in one chunked pass, `compute(hidden, weight, bias, targets, options)` -> (loss,
+    kd, ce, (grad_hidden, grad_weight, grad_bias)); backward only scales the stored gradients. Shared by the
+    top-K loss and the sampled one (kdflow.tasks.student.sampled_loss)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, options):  # type: ignore[override]
+    def forward(ctx, compute, hidden, weight, bias, targets, options):  # type: ignore[override]
         with torch.autocast(hidden.device.type, enabled=False):
-            loss, kd, ce, grads = _chunked_loss_and_grads(hidden, weight, bias, targets, options)
+            loss, kd, ce, grads = compute(hidden, weight, bias, targets, options)
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(kd, ce)
         return loss, kd, ce
@@ -164,7 +166,7 @@ class _FusedTopKKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_kd, _grad_ce):  # type: ignore[override]
         scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
-        return scaled[0], scaled[1], scaled[2], None, None
+        return None, scaled[0], scaled[1], scaled[2], None, None
 
 
 def _chunked_loss_and_grads(

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from kdflow.tasks.common.sampled import SampledTargets, ht_weights
-from kdflow.tasks.student.losses import (IGNORE_INDEX, _accumulate_grads_, _check_labels, _student_logits_,
-                                         fused_topk_kl)
+from kdflow.tasks.student.losses import (IGNORE_INDEX, PrecomputedGradients, _accumulate_grads_, _check_labels,
+                                         _student_logits_, fused_topk_kl)
 
 __all__ = ["distillation_kl", "fused_sampled_kl"]
 
@@ -104,7 +104,7 @@ def fused_sampled_kl(
         grads=(wants and hidden.requires_grad, wants and weight.requires_grad,
                wants and bias is not None and bias.requires_grad),
     )
-    loss, kd, ce = _FusedSampledKL.apply(hidden, weight, bias, (targets, labels), options)
+    loss, kd, ce = PrecomputedGradients.apply(_sampled_loss_and_grads, hidden, weight, bias, (targets, labels), options)
     return (loss, kd, ce) if return_parts else loss
 
 
@@ -122,21 +122,9 @@ def distillation_kl(hidden: Tensor, weight: Tensor, topk_ids: Tensor, topk_logpr
     return fused_sampled_kl(hidden, weight, targets, scheme=scheme, **options)
 
 
-class _FusedSampledKL(torch.autograd.Function):
-    """Loss and all gradients in one chunked pass; backward only scales the stored gradients."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets_and_labels, options):  # type: ignore[override]
-        with torch.autocast(hidden.device.type, enabled=False):
-            loss, kd, ce, grads = _chunked_loss_and_grads(hidden, weight, bias, *targets_and_labels, options)
-        ctx.save_for_backward(*grads)
-        ctx.mark_non_differentiable(kd, ce)
-        return loss, kd, ce
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_kd, _grad_ce):  # type: ignore[override]
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
-        return scaled[0], scaled[1], scaled[2], None, None
+def _sampled_loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                            targets_and_labels: tuple[SampledTargets, Tensor | None], options: _Options) -> tuple:
+    return _chunked_loss_and_grads(hidden, weight, bias, *targets_and_labels, options)
 
 
 def _chunked_loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: SampledTargets,
