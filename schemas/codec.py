@@ -102,8 +102,24 @@ class Renumbering:
         return cls(np.cumsum(delta))
 
 
+class CodecIdentity:
+    """A codec is its settings: equal, hashed and serialised through `settings()` (what changes the bytes)."""
+
+    def settings(self) -> dict[str, object]:
+        raise NotImplementedError
+
+    def settings_json(self) -> str:
+        return json.dumps(self.settings(), sort_keys=True, separators=(",", ":"))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.settings() == other.settings()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self.settings_json())
+
+
 @dataclass(frozen=True, eq=False)
-class TopkCodec:
+class TopkCodec(CodecIdentity):
     """The v2 codec's settings; `settings()` is what goes in schema metadata and the store fingerprint.
     Two codecs are equal when their settings are (the renumbering table by its sha256)."""
 
@@ -137,15 +153,6 @@ class TopkCodec:
             "tail": self.tail, "keep_mass": self.keep_mass, "zstd_level": self.zstd_level,
             "renumbering": None if self.renumbering is None else "sha256:" + self.renumbering.sha256,
         }
-
-    def settings_json(self) -> str:
-        return json.dumps(self.settings(), sort_keys=True, separators=(",", ":"))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TopkCodec) and self.settings() == other.settings()
-
-    def __hash__(self) -> int:
-        return hash(self.settings_json())
 
     @property
     def extra_planes(self) -> int:

@@ -34,7 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from kdflow.schemas.codec import (CRC32, FORMAT_VERSION, META_FORMAT, META_TABLE, META_TARGETS, Renumbering, TopkCodec)
+from kdflow.schemas.codec import (CRC32, FORMAT_VERSION, META_FORMAT, META_TABLE, META_TARGETS, CodecIdentity, Renumbering,
+                                  TopkCodec)
 from kdflow.schemas.codec_rows import LOGPROB_SLACK, compress, decode_row, decompress, encode_row, from_planes, to_planes
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import StoreError
@@ -49,7 +50,7 @@ META_SAMPLED = b"kdflow.sampled_codec"
 
 
 @dataclass(frozen=True, eq=False)
-class SampledCodec:
+class SampledCodec(CodecIdentity):
     """Settings of a sampled-targets shard; equal codecs have equal `settings()` (the table by its sha256)."""
 
     seq_len: int
@@ -99,15 +100,6 @@ class SampledCodec:
             "tail": self.tail if self.head else None, "sample_values": self.sample_values, "zstd_level": self.zstd_level,
             "renumbering": None if self.renumbering is None else "sha256:" + self.renumbering.sha256,
         }
-
-    def settings_json(self) -> str:
-        return json.dumps(self.settings(), sort_keys=True, separators=(",", ":"))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SampledCodec) and self.settings() == other.settings()
-
-    def __hash__(self) -> int:
-        return hash(self.settings_json())
 
     def columns(self) -> list[str]:
         head = [f"head_{name}" for name in self.head_codec.columns()] if self.head_codec is not None else []
