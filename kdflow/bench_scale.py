@@ -180,27 +180,33 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
 
 
 def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
-    """The first `shards` token shards of the full run and their top-K shards as a run root of its own (hard
-    links: the same bytes and records; each store's _complete.json rewritten for the count). One teacher pass
-    thus serves every size, and the sizes differ in nothing but their number of shards."""
-    from kdflow.schemas.commits import list_commits, read_complete, write_complete
-    from kdflow.schemas.layout import COMPLETE_FILE
+    """A run root of `shards` token shards and their top-K shards made from the full run's (hard links: the same
+    bytes; each store's _complete.json rewritten for the count). Shard j is the full run's shard j, or, past the
+    shards the teacher computed (`--teacher-tokens`), a copy of shard j mod that count under its own id and
+    commit record. One teacher pass thus serves every size, and the sizes differ in nothing but their number
+    of shards."""
+    from kdflow.schemas.commits import list_commits, read_complete, write_commit, write_complete
+    from kdflow.schemas.layout import COMPLETE_FILE, data_file_name
     from kdflow.schemas.storage import RunRoot
 
     shutil.copytree(full / "corpus", target / "corpus")
     (tag,) = [p.name for p in (full / "topk").iterdir()]
+    source, run_root = RunRoot(str(full)), RunRoot(str(target))
     rows = tokens = 0
     for folder, stage in (("tokens", "tokens"), (f"topk/{tag}", "topk")):
         (target / folder).mkdir(parents=True)
-        for path in (full / folder).iterdir():
-            match = re.match(r"^shard-(\d{5,})\.", path.name)  # data file or commit record of a shard
-            if path.name == COMPLETE_FILE or (match and int(match.group(1)) >= shards):
-                continue
-            os.link(path, target / folder / path.name)
-        run_root = RunRoot(str(target))
+        computed = list_commits(source, str(full / folder), stage)
+        for path in (full / folder).iterdir():  # the store's own files: config.yaml, _store.json, ...
+            if path.name != COMPLETE_FILE and not re.match(r"^shard-\d{5,}\.", path.name):
+                os.link(path, target / folder / path.name)
+        for shard_id in range(shards):
+            record = computed[shard_id % len(computed)]
+            name = data_file_name(stage, shard_id)
+            os.link(full / folder / record.data_file, target / folder / name)
+            write_commit(run_root, str(target / folder), record.model_copy(update={"shard_id": shard_id, "data_file": name}))
         records = list_commits(run_root, str(target / folder), stage)
         rows, tokens = sum(r.rows for r in records.values()), sum(r.tokens for r in records.values())
-        done = read_complete(RunRoot(str(full)), str(full / folder))
+        done = read_complete(source, str(full / folder))
         write_complete(run_root, str(target / folder), done.model_copy(update={"shards": len(records), "rows": rows,
                                                                                "tokens": tokens}))
     return {"token_shards": shards, "tokens": tokens, "topk_bytes": sum(p.stat().st_size for p in (target / "topk").rglob("shard-*.arrow"))}
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prefetch-steps", type=int, default=2)
+    parser.add_argument("--teacher-tokens", help="compute at most this many tokens with the teacher (K and M suffixes); "
+                        "larger runs repeat those shards under their own ids (the teacher pass is not what is measured)")
     parser.add_argument("--workdir", help="where the runs go (default: a temporary folder, removed at the end)")
     args = parser.parse_args(argv)
     if args.child:
@@ -271,13 +279,16 @@ def main(argv: list[str] | None = None) -> int:
                 import fsspec
 
                 fsspec.filesystem("s3").mkdir(bucket)
-        corpus, teacher, per_doc = make_inputs(work, args, max(sizes))
+        corpus, teacher, per_doc = make_inputs(work, args, max(sizes) if args.teacher_tokens is None
+                                               else min(max(sizes), parse_size(args.teacher_tokens)))
         emit({"what": "setup", "vocab": args.vocab, "teacher_hidden": args.teacher_hidden, "top_k": args.top_k,
               "seq_len": args.seq_len, "sequences_per_shard": args.sequences_per_shard, "tokenizer_vocab": args.tokenizer_vocab,
               "batch_size": args.batch_size, "steps": args.steps, "cpus": os.cpu_count()})
         per_shard = args.sequences_per_shard * args.seq_len  # tokens
         shard_counts = {size: max(2, -(-size // per_shard)) for size in sizes}
-        documents = int((max(shard_counts.values()) + 0.05) * per_shard / per_doc) + 1  # what the largest run needs
+        computed_shards = max(shard_counts.values()) if args.teacher_tokens is None else max(
+            1, min(max(shard_counts.values()), -(-parse_size(args.teacher_tokens) // per_shard)))
+        documents = int((computed_shards + 0.05) * per_shard / per_doc) + 1  # what the teacher pass computes
         full_root, info = prepare_disk_run(work, "full", corpus, teacher, documents, args)
         emit({"what": "teacher_pass", **info})
         for size in sizes:
