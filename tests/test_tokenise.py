@@ -63,9 +63,11 @@ def tokenised(make_config: Callable[..., Any]) -> Callable[..., tuple[Any, Any, 
     return build
 
 
-@pytest.mark.parametrize("docs_per_batch", [1024, 7])
-def test_packing_is_exact(tokenised: Callable[..., tuple[Any, Any, Any]], monkeypatch: pytest.MonkeyPatch, docs_per_batch: int) -> None:
+@pytest.mark.parametrize(("docs_per_batch", "smallest"), [(1024, 64), (7, 64), (16, 2)])
+def test_packing_is_exact(tokenised: Callable[..., tuple[Any, Any, Any]], monkeypatch: pytest.MonkeyPatch,
+                          docs_per_batch: int, smallest: int) -> None:
     monkeypatch.setattr(tokenise_module, "DOCS_PER_BATCH", docs_per_batch)  # documents also cross batch boundaries
+    monkeypatch.setattr(tokenise_module, "SMALLEST_BATCH", smallest)  # (16, 2): the last documents in halving batches
     config, tokenizer, summary = tokenised()
     expected, dropped = reference_rows(tokenizer, sample_documents(60), SEQ_LEN)
     lengths = [len(tokenizer.encode(d, add_special_tokens=False)) for d in sample_documents(60)]
@@ -83,6 +85,26 @@ def test_packing_is_exact(tokenised: Callable[..., tuple[Any, Any, Any]], monkey
     done = read_complete(run_root, store)
     assert (done.shards, done.rows, done.extra.dropped_tokens) == (summary.shards, len(expected), dropped)
     assert (done.extra.seq_len, done.extra.vocab_size) == (SEQ_LEN, len(tokenizer))
+
+
+def test_batch_sizes_cover_the_documents_and_halve_at_the_end_of_the_corpus() -> None:
+    sizes = list(tokenise_module.batch_sizes(5000, last=True))
+    assert sum(sizes) == 5000 and sizes[:3] == [1024] * 3 and sizes[-1] <= 64
+    assert all(later <= earlier for earlier, later in zip(sizes, sizes[1:]))  # 1024 x3, then 964, 482, 241, ...
+    assert list(tokenise_module.batch_sizes(5000, last=False)) == [1024] * 4 + [904]
+    assert list(tokenise_module.batch_sizes(0, last=True)) == []
+
+
+def test_reader_thread_stops_when_closed_before_any_batch_is_taken() -> None:
+    class Encoder:
+        def encode(self, texts: list[str]) -> list[str]:
+            return texts
+
+    batches = tokenise_module.EncodedBatches(iter([["a"]] * 100), Encoder(), depth=1)  # type: ignore[arg-type]
+    batches.close()  # the thread was blocked on a full queue: it must see the stop and end
+    assert not batches._thread.is_alive()
+    with tokenise_module.EncodedBatches(iter([["a"], ["b"]]), Encoder()) as both:  # type: ignore[arg-type]
+        assert list(both) == [["a"], ["b"]]
 
 
 def test_rerun_does_no_work(tokenised: Callable[..., tuple[Any, Any, Any]]) -> None:

@@ -9,7 +9,10 @@ document's tokens), so a rerun resumes right after the last committed shard and 
 Speed: the batches go straight to the Rust tokenizer behind the fast tokenizer (`BatchEncoder`: the same
 ids as calling the tokenizer, without transformers' per-document conversion into dicts and lists of
 masks), and a reader thread reads and encodes the next batch while this one is packed and written
-(the Rust side runs without the GIL), so the stage runs at about the tokenizer's own batch speed.
+(the Rust side runs without the GIL), so the stage runs at about the tokenizer's own batch speed. Two
+fixed costs are hidden as well: on a fresh store the reader starts on the first documents while this thread
+computes the tokenizer's fingerprint (~0.1 s for a 49K vocabulary, pure Python), and the corpus's last
+documents are encoded in halving batches, so little is left to pack once the last encoding is done.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 
 DOCS_PER_BATCH = 1024
+SMALLEST_BATCH = 64  # the end of the corpus is encoded in halving batches down to this many documents
 
 
 @dataclass
@@ -82,39 +86,72 @@ class BatchEncoder:
         return encoded if self._encode_batch is None else [encoding.ids for encoding in encoded]
 
 
-def encoded_batches(batches: Iterator[list[str]], encoder: BatchEncoder, depth: int = 2) -> Iterator[Any]:
-    """The encodings of each batch, read and encoded by a thread up to `depth` batches ahead."""
-    done = object()
-    ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+class EncodedBatches:
+    """The encodings of each batch, read and encoded by a thread up to `depth` batches ahead. The thread starts
+    at construction, not at the first `next`: the caller may do other work while the first batches are
+    encoded. `close()` (also on leaving a `with`) stops the thread, whether or not iteration began."""
 
-    def produce() -> None:
+    _DONE = object()
+
+    def __init__(self, batches: Iterator[list[str]], encoder: BatchEncoder, depth: int = 2) -> None:
+        self._ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._finished = False
+        self._thread = threading.Thread(target=self._produce, args=(batches, encoder), name="tokenise-reader", daemon=True)
+        self._thread.start()
+
+    def _produce(self, batches: Iterator[list[str]], encoder: BatchEncoder) -> None:
         try:
             for texts in batches:
                 item = encoder.encode(texts)
-                while not stop.is_set():
+                while not self._stop.is_set():
                     with contextlib.suppress(queue.Full):
-                        ready.put(item, timeout=0.1)
+                        self._ready.put(item, timeout=0.1)
                         break
-                if stop.is_set():
+                if self._stop.is_set():
                     return
-            ready.put(done)
+            self._ready.put(self._DONE)
         except BaseException as error:  # handed to the consumer, which raises it
-            ready.put(error)
+            self._ready.put(error)
 
-    thread = threading.Thread(target=produce, name="tokenise-reader", daemon=True)
-    thread.start()
-    try:
-        while (item := ready.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
+    def __iter__(self) -> EncodedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        item = self._ready.get()
+        if item is self._DONE or isinstance(item, BaseException):
+            self._finished = True
+            if item is self._DONE:
+                raise StopIteration
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
         with contextlib.suppress(queue.Empty):
             while True:
-                ready.get_nowait()
-        thread.join()
+                self._ready.get_nowait()
+        self._thread.join()
+
+    def __enter__(self) -> EncodedBatches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def batch_sizes(count: int, last: bool) -> Iterator[int]:
+    """Batch sizes covering `count` documents: DOCS_PER_BATCH each, and when these are the corpus's last
+    documents, halving batches over the final ones (down to SMALLEST_BATCH), so that the work left after the
+    last encoding (packing, the last shard) is small. Batching never changes the ids."""
+    while count > 0:
+        size = min(DOCS_PER_BATCH, count)
+        if last and count < 2 * DOCS_PER_BATCH:
+            size = min(count, max(SMALLEST_BATCH, count // 2))
+        yield size
+        count -= size
 
 
 def iter_documents(run_root: RunRoot, corpus_store: str, parts: list[str], start_doc: int) -> Iterator[list[str]]:
@@ -127,8 +164,10 @@ def iter_documents(run_root: RunRoot, corpus_store: str, parts: list[str], start
             continue
         texts = table.column(TEXT).to_pylist()[max(0, start_doc - seen):]
         seen += table.num_rows
-        for i in range(0, len(texts), DOCS_PER_BATCH):
-            yield texts[i:i + DOCS_PER_BATCH]
+        start = 0
+        for size in batch_sizes(len(texts), last=name == parts[-1]):
+            yield texts[start:start + size]
+            start += size
 
 
 class Packer:
@@ -194,57 +233,63 @@ def tokenise(
         missing = committed_prefix(corpus_parts)
         raise StoreError(f"corpus store {run_root.display(corpus_store)} has no valid commit for part {missing}; run materialise again")
     parts = [data_file_name("corpus", i) for i in range(corpus_done.shards)]
-    tok_fp = tokenizer_fingerprint(tokenizer)
-    fingerprint = tokens_fingerprint(corpus_fp, tok_fp, config)
-    seq_len, per_shard = config.seq_len, config.precompute.sequences_per_shard
-    vocab_size = len(tokenizer)  # every id is below it (added tokens included): `kdflow validate` checks this
+    encoder = BatchEncoder(tokenizer)
 
     remove_stale_temp_files(run_root, store)  # what a killed run of this stage left
-    committed = list_commits(run_root, store, "tokens", fingerprint)
-    done = read_complete(run_root, store)
-    prefix = committed_prefix(committed)
-    sequences = sum(committed[i].rows for i in range(prefix))
-    if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
-        return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0, fingerprint, tok_fp)
+    with contextlib.ExitStack() as cleanup:  # the reader thread stops however this ends
+        batches = None
+        if not list_commits(run_root, store, "tokens") and read_complete(run_root, store) is None:
+            # A fresh store starts at document 0 whatever the fingerprint: encode while it is computed.
+            batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, 0), encoder))
+        seq_len, per_shard = config.seq_len, config.precompute.sequences_per_shard
+        vocab_size = len(tokenizer)  # every id is below it (added tokens included): `kdflow validate` checks this
+        tok_fp = tokenizer_fingerprint(tokenizer)
+        fingerprint = tokens_fingerprint(corpus_fp, tok_fp, config)
+        committed = list_commits(run_root, store, "tokens", fingerprint) if batches is None else {}
+        done = read_complete(run_root, store) if batches is None else None
+        prefix = committed_prefix(committed)
+        sequences = sum(committed[i].rows for i in range(prefix))
+        if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
+            return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0, fingerprint, tok_fp)
 
-    start_doc, start_offset = (committed[prefix - 1].extra.end_doc, committed[prefix - 1].extra.end_offset) if prefix else (0, 0)
-    packer = Packer(seq_len, tokenizer.eos_token_id, start_doc, start_offset)
-    written = 0
+        start_doc, start_offset = (committed[prefix - 1].extra.end_doc, committed[prefix - 1].extra.end_offset) if prefix else (0, 0)
+        if batches is None:
+            batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, start_doc), encoder))
+        packer = Packer(seq_len, tokenizer.eos_token_id, start_doc, start_offset)
+        written = 0
 
-    def write_shard(rows: int) -> None:
-        nonlocal prefix, written, sequences
-        input_ids, (end_doc, end_offset) = packer.take(rows)
-        path = f"{store}/{data_file_name('tokens', prefix)}"
-        try:
-            with token_shard_writer(run_root, path, seq_len) as writer:
-                writer.write(token_batch(input_ids))
-        except DiskFull as error:
-            raise error.needing(input_ids.nbytes) from error.__cause__
-        faults.maybe_fire("commit", run_root, stage="tokenise", shard=prefix)
-        record = CommitRecord(
-            stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
-            bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
-            extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
-                                 vocab_size=vocab_size),
-        )
-        commit_or_remove(run_root, store, record)
-        if on_shard:
-            on_shard(record)
-        prefix, written, sequences = prefix + 1, written + 1, sequences + rows
+        def write_shard(rows: int) -> None:
+            nonlocal prefix, written, sequences
+            input_ids, (end_doc, end_offset) = packer.take(rows)
+            path = f"{store}/{data_file_name('tokens', prefix)}"
+            try:
+                with token_shard_writer(run_root, path, seq_len) as writer:
+                    writer.write(token_batch(input_ids))
+            except DiskFull as error:
+                raise error.needing(input_ids.nbytes) from error.__cause__
+            faults.maybe_fire("commit", run_root, stage="tokenise", shard=prefix)
+            record = CommitRecord(
+                stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
+                bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
+                extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
+                                     vocab_size=vocab_size),
+            )
+            commit_or_remove(run_root, store, record)
+            if on_shard:
+                on_shard(record)
+            prefix, written, sequences = prefix + 1, written + 1, sequences + rows
 
-    encoder = BatchEncoder(tokenizer)
-    with contextlib.closing(encoded_batches(iter_documents(run_root, corpus_store, parts, start_doc), encoder)) as batches:
         for encoded in batches:
             packer.add(encoder.ids(encoded))
             while packer.rows_ready() >= per_shard:
                 write_shard(per_shard)
-    if packer.rows_ready():
-        write_shard(packer.rows_ready())
-    dropped = int(packer.buffer.size)
-    write_complete(run_root, store, StageComplete(
-        stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
-        extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp, corpus_fingerprint=corpus_fp,
-                                 vocab_size=vocab_size),
-    ))
-    return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
-                           time.perf_counter() - started)
+        if packer.rows_ready():
+            write_shard(packer.rows_ready())
+        dropped = int(packer.buffer.size)
+        write_complete(run_root, store, StageComplete(
+            stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
+            extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp, corpus_fingerprint=corpus_fp,
+                                     vocab_size=vocab_size),
+        ))
+        return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
+                               time.perf_counter() - started)
