@@ -182,8 +182,8 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
 def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
     """A run root of `shards` token shards and their top-K shards made from the full run's (hard links: the same
     bytes; each store's _complete.json rewritten for the count). Shard j is the full run's shard j, or, past the
-    shards the teacher computed (`--teacher-tokens`), a copy of shard j mod that count under its own id and
-    commit record. One teacher pass thus serves every size, and the sizes differ in nothing but their number
+    shards the teacher computed (`--teacher-tokens`), a copy of full shard j mod their count under its own id
+    and commit record (the short last shard of the teacher's token store is never used). One teacher pass thus serves every size, and the sizes differ in nothing but their number
     of shards."""
     from kdflow.schemas.commits import list_commits, read_complete, write_commit, write_complete
     from kdflow.schemas.layout import COMPLETE_FILE, data_file_name
@@ -196,11 +196,13 @@ def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
     for folder, stage in (("tokens", "tokens"), (f"topk/{tag}", "topk")):
         (target / folder).mkdir(parents=True)
         computed = list_commits(source, str(full / folder), stage)
+        full_size = max(r.rows for r in computed.values())
+        pool = [computed[i] for i in sorted(computed) if computed[i].rows == full_size]  # the short last shard repeats never
         for path in (full / folder).iterdir():  # the store's own files: config.yaml, _store.json, ...
             if path.name != COMPLETE_FILE and not re.match(r"^shard-\d{5,}\.", path.name):
                 os.link(path, target / folder / path.name)
         for shard_id in range(shards):
-            record = computed[shard_id % len(computed)]
+            record = pool[shard_id % len(pool)]
             name = data_file_name(stage, shard_id)
             os.link(full / folder / record.data_file, target / folder / name)
             write_commit(run_root, str(target / folder), record.model_copy(update={"shard_id": shard_id, "data_file": name}))

@@ -51,3 +51,27 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert tuned in (2, 4) and yaml.safe_load((tmp_path / "check.yaml").read_text())["precompute"]["micro_batch"] == tuned
     assert steps["precompute"]["written"] >= 2 and steps["train_bf16"]["autocast"] == "off"  # bf16 autocast: CUDA only
     assert steps["fsdp_2_process"]["steps"] == 2
+
+
+def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    """`kdflow bench scale --teacher-tokens`: a run larger than what the teacher computed repeats its full shards
+    (never the short last one), each under its own id and commit record, and the copy validates as a run root."""
+    from kdflow.bench_scale import subset_run
+    from kdflow.schemas.commits import list_commits, read_complete
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.teacher.precompute import precompute_shards
+    from kdflow.validate import validate_run_root
+
+    config = prepare(make_config(dataset__max_documents=12))
+    precompute_shards(config)
+    full = Path(config.run_root)
+    computed = list_commits(RunRoot(str(full)), str(full / "tokens"), "tokens")
+    rows = [computed[i].rows for i in sorted(computed)]
+    assert len(rows) >= 2 and rows[-1] < rows[0]  # the teacher's token store ends with a short shard
+    info = subset_run(full, tmp_path / "larger", 3 * len(rows))
+    copy = RunRoot(str(tmp_path / "larger"))
+    records = list_commits(copy, str(tmp_path / "larger" / "tokens"), "tokens")
+    assert sorted(records) == list(range(3 * len(rows))) and {r.rows for r in records.values()} == {rows[0]}
+    assert info["tokens"] == 3 * len(rows) * rows[0] * config.seq_len
+    assert read_complete(copy, str(tmp_path / "larger" / "tokens")).shards == 3 * len(rows)
+    assert validate_run_root(str(tmp_path / "larger")) == 0
