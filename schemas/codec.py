@@ -101,6 +101,19 @@ class Renumbering:
         delta = (zigzag >> 1).astype(np.int64) ^ -(zigzag & 1).astype(np.int64)
         return cls(np.cumsum(delta))
 
+    @classmethod
+    def from_metadata(cls, metadata: dict[bytes, bytes], digest: str | None, vocab_size: int, what: str) -> Renumbering | None:
+        """The table a shard's schema carries (base64 under kdflow.renumbering), checked against the sha256 its
+        codec settings (`what`) name; None when they name none."""
+        if digest is None:
+            return None
+        if META_TABLE not in metadata:
+            raise ValueError("shard names a renumbering table but does not carry it")
+        table = cls.from_bytes(base64.b64decode(metadata[META_TABLE]), vocab_size)
+        if "sha256:" + table.sha256 != digest:
+            raise ValueError(f"renumbering table does not match its sha256 in {what}")
+        return table
+
 
 class CodecIdentity:
     """A codec is its settings: equal, hashed and serialised through `settings()` (what changes the bytes)."""
@@ -219,13 +232,7 @@ class TopkCodec(CodecIdentity):
             cls(**settings)
         except (ValueError, TypeError, KeyError) as error:
             raise ValueError(f"bad kdflow.topk_codec metadata: {error}") from None
-        table = None
-        if digest is not None:
-            if META_TABLE not in metadata:
-                raise ValueError("shard names a renumbering table but does not carry it")
-            table = Renumbering.from_bytes(base64.b64decode(metadata[META_TABLE]), settings["vocab_size"])
-            if "sha256:" + table.sha256 != digest:
-                raise ValueError("renumbering table does not match its sha256 in kdflow.topk_codec")
+        table = Renumbering.from_metadata(metadata, digest, settings["vocab_size"], "kdflow.topk_codec")
         codec = cls(**settings, renumbering=table)
         if len(_CODECS) < 64:
             _CODECS[metadata[META_CODEC], metadata.get(META_TABLE)] = codec

@@ -147,13 +147,7 @@ class SampledCodec(CodecIdentity):
             settings = {key: value for key, value in settings.items() if value is not None}
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise ValueError(f"bad kdflow.sampled_codec metadata: {error}") from None
-        table = None
-        if digest is not None:
-            if META_TABLE not in metadata:
-                raise ValueError("shard names a renumbering table but does not carry it")
-            table = Renumbering.from_bytes(base64.b64decode(metadata[META_TABLE]), settings["vocab_size"])
-            if "sha256:" + table.sha256 != digest:
-                raise ValueError("renumbering table does not match its sha256 in kdflow.sampled_codec")
+        table = Renumbering.from_metadata(metadata, digest, settings["vocab_size"], "kdflow.sampled_codec")
         try:
             return cls(**settings, renumbering=table)
         except TypeError as error:

@@ -11,14 +11,24 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from kdflow.schemas.errors import ConfigError
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def _check_device(value: str) -> str:
+    if not _DEVICE_PATTERN.match(value):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
+Device = Annotated[str, AfterValidator(_check_device)]  # auto, cpu, cuda, cuda:N or mps
+
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -88,15 +98,9 @@ class TeacherConfig(_Section):
     load_in_4bit: bool = Field(default=False, description="Quantise the weights to 4 bits on load (bitsandbytes nf4)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weight dtype; auto: bfloat16 on a GPU that supports it, else float32")
-    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    device: Device = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     trust_remote_code: bool = Field(default=False, description="Run the model repository's own code (trusted models only)")
 
-    @field_validator("device")
-    @classmethod
-    def _device(cls, value: str) -> str:
-        if not _DEVICE_PATTERN.match(value):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
-        return value
 
 
 class TopkStoreConfig(_Section):
@@ -230,7 +234,7 @@ class StudentConfig(_Section):
     keep_checkpoints: PositiveInt = Field(default=2, description="Complete checkpoints kept in students/NAME (newest)")
     topk_tag: str | None = Field(default=None, description="Train on topk/TAG; default: the store made for this config")
     seed: int = Field(default=0, description="Seeds the initial weights and the data order")
-    device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    device: Device = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
     log_every: PositiveInt = Field(default=10, description="Steps between training log lines (loss, lr, tok/s, ETA)")
     tensorboard: bool = Field(default=False, description="Also write TensorBoard event files to students/NAME/tensorboard "
@@ -260,12 +264,6 @@ class StudentConfig(_Section):
             raise ValueError(f"student name must be a plain folder name (letters, digits, . _ -), got {value!r}")
         return value
 
-    @field_validator("device")
-    @classmethod
-    def _device(cls, value: str) -> str:
-        if not _DEVICE_PATTERN.match(value):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
-        return value
 
 
 class KDFlowConfig(_Section):
