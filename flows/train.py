@@ -28,7 +28,7 @@ from kdflow.tasks.common.progress import format_duration
 from kdflow.tasks.student import train_worker
 from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
 from kdflow.tasks.student.jsonl_log import read_jsonl
-from kdflow.tasks.student.monitor import step_line
+from kdflow.tasks.student.monitor import percent, step_line
 from kdflow.tasks.student.train import check_layout, train
 from kdflow.tasks.student.train_worker import EXEC_TORCHRUN
 
@@ -67,7 +67,7 @@ def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows
         for name, result in (("before", before), ("after", after)):
             if result:
                 lines.append(f"| {name} (step {result['step']}) | {result['kl']:.4f} | {result['perplexity']:.2f} | "
-                             f"{result['top1_agreement']:.1%} |")
+                             f"{percent(result['top1_agreement'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -124,7 +124,7 @@ class TrainingArtifacts:
         if self.losses:
             lines += [f"Loss {self.losses[0]:.4g} → {self.losses[-1]:.4g}: `{sparkline(self.losses)}`", ""]
         lines += ["| held-out at step | KL to teacher top-K | perplexity | top-1 agreement |", "|---:|---:|---:|---:|"]
-        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {e['top1_agreement']:.1%} |" for e in self.evals]
+        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {percent(e['top1_agreement'])} |" for e in self.evals]
         if publish_markdown(report_key(self.name), "\n".join(lines) + "\n",
                             f"training curve of student {self.name}, step {event['step']}"):
             self.curves += 1

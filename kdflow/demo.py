@@ -274,7 +274,7 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
     print(f"  {'':<34} {'before':>10} {'after':>10}")
     for label, key, fmt in (("KL to the teacher (nats/token)", "kl", "{:>10.3f}"), ("perplexity", "perplexity", "{:>10,.1f}"),
                             ("top-1 agreement with the teacher", "top1_agreement", "{:>10.1%}")):
-        values = [fmt.format(d[key]) if key in d else f"{'-':>10}" for d in (before, after)]
+        values = [fmt.format(d[key]) if d.get(key) is not None else f"{'-':>10}" for d in (before, after)]
         print(f"  {label:<34} {values[0]} {values[1]}")
     print(f"\n  the student continues {SAMPLE_PROMPT!r}:\n    {sample.strip()!r}")
     print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens teach a small student the "

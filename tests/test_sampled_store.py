@@ -172,6 +172,21 @@ def test_training_reads_sampled_targets_and_a_top_k_config_on_them_is_an_error(m
     assert "\n" not in message and "holds hybrid H4+S6 (priority, seed 5)" in message and "precompute.targets" in message
 
 
+def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_config, capfd) -> None:
+    """Sampled-only targets have no teacher argmax: top-1 agreement is None, and every place that shows it says n/a."""
+    from kdflow.flows.train import training_report
+    from kdflow.tasks.student.train import train
+
+    config = prepare(sampled_config(make_config, "sampled", student__steps=2, student__eval_shards=1))
+    precompute_shards(config)
+    summary = train(config)
+    assert summary["steps"] == 2 and summary["eval_after"]["top1_agreement"] is None and summary["eval_after"]["kl"] > 0
+    log = capfd.readouterr().err
+    assert "held-out at step 2: KL" in log and "top-1 agreement n/a" in log
+    report = training_report(summary, [])
+    assert "| after (step 2) |" in report and "| n/a |" in report
+
+
 def test_bad_settings_fail_before_any_work_with_one_line(make_config, tmp_path) -> None:
     config = prepare(make_config(dataset__max_documents=8, precompute__targets="hybrid",
                                  precompute__sampling={"head": 300, "samples": 100}))  # the tiny teacher has 384 ids

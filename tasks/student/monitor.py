@@ -25,6 +25,11 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import format_duration
 
 logger = logging.getLogger("kdflow.train")
+
+
+def percent(share: float | None) -> str:
+    """A held-out share as text; None (top-1 agreement on sampled targets, which have no teacher argmax) as n/a."""
+    return "n/a" if share is None else f"{share:.1%}"
 OnEvent = Callable[[dict[str, Any]], None]
 
 
@@ -136,12 +141,13 @@ class TrainingMonitor:
             return
         latest = evals[-1]
         self._last_eval = latest["step"]
-        logger.info("train %s: held-out at step %d: KL %.4f, perplexity %.2f, top-1 agreement %.1f%%", self.name,
-                    latest["step"], latest["kl"], latest["perplexity"], 100 * latest["top1_agreement"])
+        logger.info("train %s: held-out at step %d: KL %.4f, perplexity %.2f, top-1 agreement %s", self.name,
+                    latest["step"], latest["kl"], latest["perplexity"], percent(latest["top1_agreement"]))
         curve = f"{self.student_dir}/{TRAINING_CURVE_FILE}"
         self.run_root.write_bytes_atomic(curve, plot_training_curve(metrics, evals, f"student {self.name}"))
         if self.tensorboard is not None:
-            self.tensorboard.scalars(latest["step"], {f"eval/{k}": float(latest[k]) for k in ("kl", "perplexity", "top1_agreement")})
+            self.tensorboard.scalars(latest["step"], {f"eval/{k}": float(latest[k]) for k in ("kl", "perplexity", "top1_agreement")
+                                                              if latest[k] is not None})
             self.tensorboard.flush()
         self._emit({"stage": "train", "event": "eval", "student": self.name, "steps": self.steps,
                     "curve": self.run_root.display(curve), **latest})
