@@ -36,3 +36,40 @@ def test_summary_pairs_runs_by_seed_and_checks_the_targets(capsys: pytest.Captur
     assert codec["codec_kl_rel_to_topk128_per_seed"] == pytest.approx([0.005, 0.02 / 0.90])
     assert not codec["codec_target_met"] and codec["codec_bytes_over_topk128"] == pytest.approx(2 / 3)
     assert "+0.50% / +2.22% per seed (NOT met: within 1%), at 66.7% of its bytes" in out
+
+
+def test_online_kd_trains_and_the_dense_eval_matches_a_full_forward_of_both_models(make_config) -> None:
+    """The benchmark's own parts on the tiny teacher: online KD steps, and the held-out CE / full KL against a
+    dense reference (both models' whole logits at once, float64)."""
+    import math
+
+    import torch
+    from test_precompute import prepare
+
+    from kdflow.fidelity_runs import TeacherStates, dense_eval, teacher_heldout_ce, train_online
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.data import open_distill_data
+    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    config = prepare(make_config(dataset__max_documents=16, student__steps=3, student__eval_shards=1))
+    precompute_shards(config)
+    teacher = load_teacher(config.teacher).eval()
+    states = TeacherStates(teacher)
+    student, info = train_online(config, states)
+    assert info["steps"] == 3 and math.isfinite(info["final_loss"]) and info["final_loss"] > 0
+    data = open_distill_data(config, load_tokenizer(config))
+    result = dense_eval(student, data, states, chunk=7)  # chunks that cut rows
+    with torch.no_grad():
+        input_ids = data.load(data.eval_rows).input_ids
+        log_p = torch.log_softmax(teacher(input_ids=input_ids).logits.double(), -1).flatten(0, 1)
+        log_q = torch.log_softmax(student(input_ids=input_ids).logits.double(), -1).flatten(0, 1)
+    kl = float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+    labels = input_ids[:, 1:].flatten()
+    ce = float(-log_q.view(*input_ids.shape, -1)[:, :-1].flatten(0, 1).gather(1, labels[:, None]).mean())
+    teacher_ce = float(-log_p.view(*input_ids.shape, -1)[:, :-1].flatten(0, 1).gather(1, labels[:, None]).mean())
+    assert result["heldout_positions"] == input_ids.numel()
+    assert result["heldout_kl"] == pytest.approx(kl, rel=1e-4) and result["heldout_ce"] == pytest.approx(ce, rel=1e-4)
+    assert teacher_heldout_ce(data, states, chunk=7) == pytest.approx(teacher_ce, rel=1e-4)
+    agree = float((log_p.argmax(-1) == log_q.argmax(-1)).double().mean())
+    assert result["heldout_top1_agreement"] == pytest.approx(agree, abs=1e-9)
