@@ -172,16 +172,30 @@ def test_training_reads_sampled_targets_and_a_top_k_config_on_them_is_an_error(m
     assert "\n" not in message and "holds hybrid H4+S6 (priority, seed 5)" in message and "precompute.targets" in message
 
 
-def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_config, capfd) -> None:
+def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_config) -> None:
     """Sampled-only targets have no teacher argmax: top-1 agreement is None, and every place that shows it says n/a."""
+    import logging
+
     from kdflow.flows.train import training_report
     from kdflow.tasks.student.train import train
 
     config = prepare(sampled_config(make_config, "sampled", student__steps=2, student__eval_shards=1))
     precompute_shards(config)
-    summary = train(config)
+    # The monitor's own logger, whatever an earlier test's logging set-up did to its handlers, level or state.
+    logger, lines = logging.getLogger("kdflow.train"), []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    saved = logger.level, logger.disabled
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.disabled = False
+    try:
+        summary = train(config)
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.disabled = saved
     assert summary["steps"] == 2 and summary["eval_after"]["top1_agreement"] is None and summary["eval_after"]["kl"] > 0
-    log = capfd.readouterr().err
+    log = "\n".join(lines)
     assert "held-out at step 2: KL" in log and "top-1 agreement n/a" in log
     report = training_report(summary, [])
     assert "| after (step 2) |" in report and "| n/a |" in report
