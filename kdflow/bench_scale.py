@@ -183,8 +183,8 @@ def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
     """A run root of `shards` token shards and their top-K shards made from the full run's (hard links: the same
     bytes; each store's _complete.json rewritten for the count). Shard j is the full run's shard j, or, past the
     shards the teacher computed (`--teacher-tokens`), a copy of full shard j mod their count under its own id
-    and commit record (the short last shard of the teacher's token store is never used). One teacher pass thus serves every size, and the sizes differ in nothing but their number
-    of shards."""
+    and commit record (the short last shard of the teacher's token store is never used). One teacher pass thus
+    serves every size, and the sizes differ in nothing but their number of shards."""
     from kdflow.schemas.commits import list_commits, read_complete, write_commit, write_complete
     from kdflow.schemas.layout import COMPLETE_FILE, data_file_name
     from kdflow.schemas.storage import RunRoot
@@ -197,7 +197,7 @@ def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
         (target / folder).mkdir(parents=True)
         computed = list_commits(source, str(full / folder), stage)
         full_size = max(r.rows for r in computed.values())
-        pool = [computed[i] for i in sorted(computed) if computed[i].rows == full_size]  # the short last shard repeats never
+        pool = [computed[i] for i in sorted(computed) if computed[i].rows == full_size]  # never the short last shard
         for path in (full / folder).iterdir():  # the store's own files: config.yaml, _store.json, ...
             if path.name != COMPLETE_FILE and not re.match(r"^shard-\d{5,}\.", path.name):
                 os.link(path, target / folder / path.name)

@@ -30,6 +30,8 @@ logger = logging.getLogger("kdflow.train")
 def percent(share: float | None) -> str:
     """A held-out share as text; None (top-1 agreement on sampled targets, which have no teacher argmax) as n/a."""
     return "n/a" if share is None else f"{share:.1%}"
+
+
 OnEvent = Callable[[dict[str, Any]], None]
 
 
