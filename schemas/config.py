@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+# The config in and out of text, re-exported: every caller imports these names from here.
+from kdflow.schemas.config_io import config_from_dict, dump_config, load_config, parse_override, set_dotted
 from kdflow.schemas.errors import ConfigError
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
@@ -92,14 +92,16 @@ class DatasetConfig(_Section):
 class TeacherConfig(_Section):
     """The model whose top-K log-probabilities the student learns from."""
 
-    model: str = Field(description="Hub model id, a local folder, or package:NAME (a folder inside an installed package)")
+    model: str = Field(description="Hub model id, a local folder, or package:NAME (a folder inside an installed "
+                                   "package)")
     gguf_file: str | None = Field(default=None, description="GGUF file name inside `model` (dequantised on load)")
     revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit) of the model")
     load_in_4bit: bool = Field(default=False, description="Quantise the weights to 4 bits on load (bitsandbytes nf4)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weight dtype; auto: bfloat16 on a GPU that supports it, else float32")
     device: Device = Field(default="auto", description="auto, cpu, cuda or cuda:N")
-    trust_remote_code: bool = Field(default=False, description="Run the model repository's own code (trusted models only)")
+    trust_remote_code: bool = Field(default=False, description="Run the model repository's own code (trusted models "
+                                                               "only)")
 
 
 
@@ -108,28 +110,36 @@ class TopkStoreConfig(_Section):
     store (its tag differs); training on one whose settings differ from these is an error naming both."""
 
     format: Literal["v2", "v1"] = Field(
-        default="v2", description="v2: compact codec with the exact tail mass; v1: int32 ids + precompute.logprobs_dtype "
+        default="v2", description="v2: compact codec with the exact tail mass; v1: int32 ids + "
+                                  "precompute.logprobs_dtype "
                                   "log-probs, no tail (what stores made before v2 hold)")
     values: Literal["sqrt", "float16", "float32"] = Field(
-        default="sqrt", description="v2 log-probs: sqrt = quantised with step 1/levels on sqrt(p) (KL ~ top_k / (6 levels^2) "
+        default="sqrt", description="v2 log-probs: sqrt = quantised with step 1/levels on sqrt(p) (KL ~ top_k / (6 "
+                                    "levels^2) "
                                     "nats/position); float16 or float32 = lossless IEEE bits")
     levels: int = Field(default=400, ge=1, le=65535, description="v2 values=sqrt: quantisation levels of sqrt(p)")
     tail: Literal["float16", "float32"] = Field(
-        default="float16", description="v2: storage of tail_logprob, the log of the teacher's mass outside the stored ids")
+        default="float16", description="v2: storage of tail_logprob, the log of the teacher's mass outside the stored "
+                                       "ids")
     keep_mass: float | None = Field(
-        default=None, gt=0.0, le=1.0, description="v2 adaptive K: per position keep the fewest ids whose mass reaches this "
+        default=None, gt=0.0, le=1.0, description="v2 adaptive K: per position keep the fewest ids whose mass reaches "
+                                                  "this "
                                                   "share of the top-K mass, the rest joins the tail; None keeps all K")
-    zstd_level: int = Field(default=1, ge=1, le=22, description="v2: zstd level of the byte streams (1 is smallest here)")
+    zstd_level: int = Field(default=1, ge=1, le=22, description="v2: zstd level of the byte streams (1 is smallest "
+                                                                "here)")
     renumbering: Literal["unigram", "none"] = Field(
-        default="unigram", description="v2: code ids renumbered by their frequency in the token store (smaller gaps), or as is")
+        default="unigram", description="v2: code ids renumbered by their frequency in the token store (smaller gaps), "
+                                       "or as is")
 
 
 class SamplingConfig(_Section):
     """Sampled teacher targets (`precompute.targets: sampled | hybrid`): per position an exact top-`head` (hybrid
     only), `samples` distinct tokens drawn from the teacher outside it, and what an unbiased loss needs."""
 
-    head: PositiveInt = Field(default=16, description="hybrid: exact top-H tokens per position (sampled targets have none)")
-    samples: PositiveInt = Field(default=24, description="Tokens sampled per position from the teacher's tail (the budget)")
+    head: PositiveInt = Field(default=16, description="hybrid: exact top-H tokens per position (sampled targets have "
+                                                      "none)")
+    samples: PositiveInt = Field(default=24, description="Tokens sampled per position from the teacher's tail (the "
+                                                         "budget)")
     scheme: Literal["priority", "gumbel"] = Field(
         default="priority", description="priority: Duffield priority sampling (weights max(p, tau)); "
                                         "gumbel: sampling without replacement (Gumbel top-S)")
@@ -145,26 +155,34 @@ class PrecomputeConfig(_Section):
     targets: Literal["topk", "sampled", "hybrid"] = Field(
         default="topk", description="topk: the top-K with a tail bucket; hybrid: exact top-H head + sampled tail; "
                                     "sampled: only sampled tokens (precompute.sampling)")
-    sampling: SamplingConfig = Field(default=SamplingConfig(), description="Sampled targets: head, samples, scheme, seed")
+    sampling: SamplingConfig = Field(default=SamplingConfig(), description="Sampled targets: head, samples, scheme, "
+                                                                           "seed")
     top_k: PositiveInt = Field(default=128, description="Teacher log-probabilities kept per position (K)")
     micro_batch: PositiveInt = Field(default=8, description="Sequences per teacher forward; fixed for the whole run")
-    chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per chunk of logits; empty: from the memory budget")
+    chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per chunk of logits; empty: from "
+                                                                       "the memory budget")
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
-    sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K shards alike)")
+    sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K shards "
+                                                                       "alike)")
     logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How v1 stores keep the "
                                                           "log-probabilities (v2: precompute.store.values)")
     store: TopkStoreConfig = Field(default=TopkStoreConfig(), description="Top-K shard format and codec settings")
     report_rows: int = Field(default=4, ge=0, description="Rows the pass re-runs through the teacher for the store "
                                                           "report's KL (a Prefect artifact); 0: no re-run")
-    max_attempts: PositiveInt = Field(default=4, description="Teacher processes tried (after CUDA errors, crashes) before failing")
-    retry_delay_s: float = Field(default=10.0, ge=0, description="Wait before the first retry; doubles with each further one")
+    max_attempts: PositiveInt = Field(default=4, description="Teacher processes tried (after CUDA errors, crashes) "
+                                                             "before failing")
+    retry_delay_s: float = Field(default=10.0, ge=0, description="Wait before the first retry; doubles with each "
+                                                                 "further one")
     shards_per_flow_run: PositiveInt | None = Field(
-        default=None, description="Fan out ranges of this many shards as runs of the fan-out deployment; empty: one process"
+        default=None, description="Fan out ranges of this many shards as runs of the fan-out deployment; empty: one "
+                                  "process"
     )
-    fanout_deployment: str = Field(default="precompute-shards/gpu", description="FLOW/DEPLOYMENT that computes one shard range")
+    fanout_deployment: str = Field(default="precompute-shards/gpu", description="FLOW/DEPLOYMENT that computes one "
+                                                                                "shard range")
     lease_ttl_s: float = Field(
-        default=900.0, gt=0, description="A shard's claim expires this long after its owner last renewed it (the owner died)"
+        default=900.0, gt=0, description="A shard's claim expires this long after its owner last renewed it (the "
+                                         "owner died)"
     )
 
 
@@ -198,16 +216,21 @@ class KDConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    """Several GPUs or machines for the student, through torchrun; one process on one node trains in the flow's own process."""
+    """Several GPUs or machines for the student, through torchrun; one process on one node trains in the flow's own
+    process."""
 
-    nproc_per_node: PositiveInt = Field(default=1, title="Processes per node", description="Ranks (GPUs) on each machine")
+    nproc_per_node: PositiveInt = Field(default=1, title="Processes per node",
+                                        description="Ranks (GPUs) on each machine")
     nnodes: PositiveInt = Field(default=1, title="Nodes", description="Machines taking part")
     node_rank: int = Field(default=0, ge=0, description="This machine's number, 0 to nodes - 1")
-    rdzv_endpoint: str = Field(default="127.0.0.1:29500", description="HOST:PORT where the ranks meet; node 0's address")
-    rdzv_id: str = Field(default="kdflow", description="The job's name at the rendezvous; new for each job sharing an endpoint")
+    rdzv_endpoint: str = Field(default="127.0.0.1:29500", description="HOST:PORT where the ranks meet; node 0's "
+                                                                      "address")
+    rdzv_id: str = Field(default="kdflow", description="The job's name at the rendezvous; new for each job sharing an "
+                                                       "endpoint")
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: nccl for GPUs, gloo for CPUs")
     sharding: Literal["auto", "fsdp", "ddp"] = Field(
-        default="auto", description="fsdp: parameters, gradients and optimizer state sharded over ranks; ddp: replicated; "
+        default="auto", description="fsdp: parameters, gradients and optimizer state sharded over ranks; ddp: "
+                                    "replicated; "
                                     "auto: fsdp on CUDA, ddp on CPU")
 
 
@@ -237,7 +260,8 @@ class StudentConfig(_Section):
     device: Device = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     autocast_bf16: bool = Field(default=True, description="bf16 autocast where the device supports it (CUDA)")
     log_every: PositiveInt = Field(default=10, description="Steps between training log lines (loss, lr, tok/s, ETA)")
-    tensorboard: bool = Field(default=False, description="Also write TensorBoard event files to students/NAME/tensorboard "
+    tensorboard: bool = Field(default=False, description="Also write TensorBoard event files to "
+                                                         "students/NAME/tensorboard "
                                                           "(the tensorboard extra)")
     gradient_checkpointing: bool = Field(
         default=False, description="Keep only each decoder layer's input and recompute the layer in backward: "
@@ -255,7 +279,8 @@ class StudentConfig(_Section):
     distributed: DistributedConfig = DistributedConfig()
     lease_ttl_s: float = Field(
         default=900.0, gt=0, description="One trainer per student: another run waits while the trainer's lease is "
-                                         "renewed; a trainer on another host that stops renewing it for this long is taken over")
+                                         "renewed; a trainer on another host that stops renewing it for this long is "
+                                         "taken over")
 
     @field_validator("name")
     @classmethod
@@ -304,69 +329,3 @@ def section_hash(*parts: BaseModel | dict | str | int | None, length: int = 16) 
     payload = [p.model_dump(mode="json") if isinstance(p, BaseModel) else p for p in parts]
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
-
-
-def _config_key(loc: tuple[int | str, ...]) -> str:
-    """The dotted config key of an error location, without pydantic's union-member tags ('str', 'list[str]')."""
-    parts: list[str] = []
-    model: type[BaseModel] | None = KDFlowConfig
-    for item in loc:
-        if model is not None and isinstance(item, str):
-            parts.append(item)  # a field of this section, or the unknown key itself
-            field = model.model_fields.get(item)
-            annotation = field.annotation if field is not None else None
-            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-        elif isinstance(item, int):
-            parts.append(str(item))  # an index into a list or tuple value
-        else:
-            break  # a union member tag below a plain field
-    return ".".join(parts)
-
-
-def _format_validation_error(error: ValidationError, source: str) -> str:
-    first = error.errors()[0]
-    where = _config_key(first["loc"]) or "<root>"
-    if first["type"] == "extra_forbidden":
-        return f"{source}: unknown config key '{where}'"
-    if first["type"] == "missing":
-        return f"{source}: missing required config key '{where}'"
-    return f"{source}: invalid value for '{where}': {first['msg']}"
-
-
-def config_from_dict(data: dict[str, Any], source: str = "config") -> KDFlowConfig:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return KDFlowConfig.model_validate(data)
-    except ValidationError as error:
-        raise ConfigError(_format_validation_error(error, source)) from None
-
-
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> KDFlowConfig:
-    """Load a YAML config; `overrides` are dotted keys (`student.steps`) applied before validation."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    for dotted, value in (overrides or {}).items():
-        set_dotted(data, dotted, value)
-    return config_from_dict(data, source=str(path))
-
-
-def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = data
-    for key in parents:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override '{dotted}': '{key}' is not a section")
-    node[leaf] = value
-
-
-def dump_config(config: KDFlowConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

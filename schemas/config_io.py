@@ -1,0 +1,97 @@
+"""The config in and out of text: YAML files, dotted overrides (`--set student.steps=50`), validation errors.
+
+`kdflow.schemas.config` re-exports every public name here, so `from kdflow.schemas.config import load_config`
+keeps working; the models themselves live there (imported lazily here: that module imports this one).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from kdflow.schemas.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kdflow.schemas.config import KDFlowConfig
+
+
+def _config_key(loc: tuple[int | str, ...]) -> str:
+    """The dotted config key of an error location, without pydantic's union-member tags ('str', 'list[str]')."""
+    from kdflow.schemas.config import KDFlowConfig
+
+    parts: list[str] = []
+    model: type[BaseModel] | None = KDFlowConfig
+    for item in loc:
+        if model is not None and isinstance(item, str):
+            parts.append(item)  # a field of this section, or the unknown key itself
+            field = model.model_fields.get(item)
+            annotation = field.annotation if field is not None else None
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        elif isinstance(item, int):
+            parts.append(str(item))  # an index into a list or tuple value
+        else:
+            break  # a union member tag below a plain field
+    return ".".join(parts)
+
+
+def _format_validation_error(error: ValidationError, source: str) -> str:
+    first = error.errors()[0]
+    where = _config_key(first["loc"]) or "<root>"
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown config key '{where}'"
+    if first["type"] == "missing":
+        return f"{source}: missing required config key '{where}'"
+    return f"{source}: invalid value for '{where}': {first['msg']}"
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> KDFlowConfig:
+    from kdflow.schemas.config import KDFlowConfig
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return KDFlowConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, source)) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> KDFlowConfig:
+    """Load a YAML config; `overrides` are dotted keys (`student.steps`) applied before validation."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    for dotted, value in (overrides or {}).items():
+        set_dotted(data, dotted, value)
+    return config_from_dict(data, source=str(path))
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{key}' is not a section")
+    node[leaf] = value
+
+
+def dump_config(config: KDFlowConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """One `KEY=VALUE` override of the command line (`--set`): the dotted key and its value parsed as YAML."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--set expects KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
