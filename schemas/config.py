@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 # The config in and out of text, re-exported: every caller imports these names from here.
-from kdflow.schemas.config_io import config_from_dict, dump_config, load_config, parse_override, set_dotted
-from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.config_io import (config_from_dict, dump_config, load_config, parse_override,  # noqa: F401
+                                      set_dotted)
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
