@@ -6,18 +6,8 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
 
 from kdflow.schemas.errors import KDFlowError
-
-
-def _parse_override(text: str) -> tuple[str, Any]:
-    import yaml
-
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"--set expects KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
 
 
 def _warn(warnings: list[str]) -> None:
@@ -83,25 +73,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "precompute":
-        from kdflow.bench_precompute import main
-    elif args.what == "loss":
-        from kdflow.bench_loss import main
-    elif args.what == "store":
-        from kdflow.bench_store import main
-    elif args.what == "fidelity":
-        from kdflow.bench_fidelity import main
-    elif args.what == "teacher-pass":
-        from kdflow.bench_teacher_pass import main
-    elif args.what == "gpu":
-        from kdflow.bench_gpu import main
-    elif args.what == "train-step":
-        from kdflow.bench_train_step import main
-    elif args.what == "scale":
-        from kdflow.bench_scale import main
-    else:
-        from kdflow.bench_tokenise import main
-    return main(args.rest)
+    from kdflow.bench import run_bench
+
+    return run_bench(args.what, args.rest)
 
 
 def _version() -> str:
@@ -120,6 +94,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kdflow.bench import BENCHES
+    from kdflow.schemas.config import parse_override
+
     parser = argparse.ArgumentParser(prog="kdflow", description="Offline knowledge distillation: cached teacher top-K, "
                                      "fused chunked KL student training, orchestrated by Prefect.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
@@ -133,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the pipeline flow on a config file")
     run.add_argument("config", help="YAML config (see configs/)")
-    run.add_argument("--set", action="append", type=_parse_override, metavar="KEY=VALUE",
+    run.add_argument("--set", action="append", type=parse_override, metavar="KEY=VALUE",
                      help="override a config key, e.g. --set student.steps=50 (repeatable)")
     run.add_argument("--stages", help="comma list of stages: materialise,tokenise,precompute,train (default: all)")
     run.set_defaults(func=_cmd_run)
@@ -166,8 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=["precompute", "loss", "tokenise", "store", "fidelity", "teacher-pass", "gpu",
-                                        "train-step", "scale"])
+    bench.add_argument("what", choices=list(BENCHES))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
 

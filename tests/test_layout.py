@@ -80,6 +80,17 @@ def test_imports_run_one_way() -> None:
     assert wrong == []
 
 
+def test_only_the_command_line_imports_the_benchmarks() -> None:
+    """`kdflow bench NAME` is the way in: besides the benchmarks themselves, only kdflow.cli imports kdflow.bench."""
+    wrong = []
+    for module, path in source_modules().items():
+        if module in ("kdflow.cli", "kdflow.bench") or module.startswith("kdflow.bench."):
+            continue
+        wrong += [f"{module} imports {name}" for name in sorted(kdflow_imports(path, module))
+                  if name == "kdflow.bench" or name.startswith("kdflow.bench.")]
+    assert wrong == []
+
+
 def test_no_stage_code_imports_prefect() -> None:
     """Every module of kdflow.schemas and kdflow.tasks imports without pulling Prefect in."""
     names = [name for name in source_modules() if name.startswith(("kdflow.schemas", "kdflow.tasks"))]

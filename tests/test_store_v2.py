@@ -256,7 +256,7 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
 
 def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixture[str]) -> None:
     """The synthetic mode end to end on a small vocabulary (the numbers are its output, not asserted here)."""
-    from kdflow.bench_store import SETTINGS, main
+    from kdflow.bench.store import SETTINGS, main
 
     assert main(["--synthetic", "--vocab", "3000", "--rows", "1", "--repeats", "1"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -270,7 +270,7 @@ def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixt
 
 def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -> None:
     """The real bench's training half on the tiny teacher: same student on a v2 and a lossless store."""
-    from kdflow.bench_store_train import RealStores, train_comparison
+    from kdflow.bench.store_train import RealStores, train_comparison
 
     config, summary = prepared(make_config)
     lossless = make_config(dataset__max_documents=24, precompute__store__values="float32", precompute__store__tail="float32")

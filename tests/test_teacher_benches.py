@@ -17,7 +17,7 @@ from kdflow.schemas.config import dump_config
 
 def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
         make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kdflow.bench_teacher_pass import MODES, main
+    from kdflow.bench.teacher_pass import MODES, main
 
     config = prepare(make_config(dataset__max_documents=12))
     path = tmp_path / "config.yaml"
@@ -36,7 +36,7 @@ def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
 def test_gpu_check_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every step of `kdflow bench gpu` on CPU at small sizes: 4-bit Qwen3-MoE teacher, tune, the pass in its
     worker, both benchmarks, student steps, and the 2-process FSDP step (gloo)."""
-    from kdflow.bench_gpu import main
+    from kdflow.bench.gpu import main
 
     code = main(["--device", "cpu", "--vocab", "4096", "--work-dir", str(tmp_path), "--fsdp", "on",
                  "--out", str(tmp_path / "summary.json")])
@@ -56,7 +56,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: Callable[..., Any], tmp_path: Path) -> None:
     """`kdflow bench scale --teacher-tokens`: a run larger than what the teacher computed repeats its full shards
     (never the short last one), each under its own id and commit record, and the copy validates as a run root."""
-    from kdflow.bench_scale import subset_run
+    from kdflow.bench.scale import subset_run
     from kdflow.schemas.commits import list_commits, read_complete
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.teacher.precompute import precompute_shards

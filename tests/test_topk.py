@@ -399,7 +399,7 @@ def test_bitsandbytes_4bit_tiny_llama(tmp_path: Path) -> None:
 def test_bench_precompute_prints_one_json_line_per_mode(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from kdflow.bench_precompute import main
+    from kdflow.bench.precompute import main
 
     argv = ["--device=cpu", "--vocab=1024", "--hidden=32", "--seq-len=4", "--micro-batches=1,3", "--top-k=8"]
     assert main([*argv, "--repeats=1", "--chunk-tokens=5", "--dense-limit-gib=0.00006"]) == 0

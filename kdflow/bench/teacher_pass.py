@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def prepare_demo(run_root: str) -> Any:
     """The demo's teacher folder, text, corpus and token shards under `run_root` (kept for reruns) -> config."""
-    from kdflow.demo import demo_config, local_run_root, locate_teacher_gguf, prepare_teacher, write_corpus
+    from kdflow.demo_assets import demo_config, local_run_root, locate_teacher_gguf, prepare_teacher, write_corpus
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise

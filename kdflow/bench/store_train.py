@@ -45,7 +45,7 @@ class RealStores:
 
 def bench_config(root: str, shards: int, **overrides: Any) -> KDFlowConfig:
     """The demo's config (teacher, text, student) at K=128, seq_len 512, shards of 16 rows; dotted overrides."""
-    from kdflow.demo import demo_config
+    from kdflow.demo_assets import demo_config
 
     data = demo_config(root).model_dump(mode="json")
     settings = {"seq_len": SEQ_LEN, "dataset.max_tokens": shards * ROWS_PER_SHARD * SEQ_LEN, "precompute.top_k": TOP_K,
@@ -58,7 +58,7 @@ def bench_config(root: str, shards: int, **overrides: Any) -> KDFlowConfig:
 
 def build_real_stores(run_root: str, shards: int) -> RealStores:
     """The demo teacher and text, tokens, and both top-K stores (committed shards are kept: a rerun reuses them)."""
-    from kdflow.demo import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
+    from kdflow.demo_assets import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise

@@ -6,7 +6,7 @@ stores under `--run-root`: the default codec, and a lossless one (float32 values
 float32 capture, exactly). Every setting is then encoded from the lossless store's contents, shard by shard
 as a store would hold them, and compared with it: KL(exact || decoded) per position over the K+1 buckets
 (the decoded side normalised: what the loss fits to), `kdflow.tasks.teacher.store_report.bucket_kl`.
-`--train-steps N` also trains the same student on both stores (bench_store_train.py).
+`--train-steps N` also trains the same student on both stores (kdflow/bench/store_train.py).
 
 Synthetic (`--synthetic`): a Zipf-like teacher with V = 196,608 written here in numpy, see `synthetic_capture`.
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                           "mean_top1_p": float(np.exp(shards[0][1][..., 0].astype(np.float64)).mean())}), flush=True)
         run_settings(shards, args.vocab, counts, args.repeats, args.only, "synthetic")
         return 0
-    from kdflow.bench_store_train import build_real_stores, lossless_shards, train_comparison
+    from kdflow.bench.store_train import build_real_stores, lossless_shards, train_comparison
 
     stores = build_real_stores(args.run_root, args.shards)
     shards, counts = lossless_shards(stores)

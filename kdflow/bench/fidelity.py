@@ -8,7 +8,7 @@ The demo's teacher (SmolLM2-135M-Instruct), text (Python's documentation, `pydoc
            float16 tail): the store issue's check that a training run on it lands within 1% of topk128's KL
   hybrid   an exact top-H head + S sampled tail tokens (`precompute.targets: hybrid`, drawn with the seed)
   sampled  S sampled tokens only (`precompute.targets: sampled`, drawn with the seed)
-  online   online full-vocabulary KD, the teacher run alongside (`kdflow.fidelity_runs`)
+  online   online full-vocabulary KD, the teacher run alongside (`kdflow.bench.fidelity_runs`)
   ce       next-token cross-entropy only (kd_weight 0)
 and evaluated on the held-out shards with a dense teacher pass: next-token CE and full-vocabulary
 KL(teacher || student) per position. Stores are made by the real teacher pass and trained on by the real
@@ -76,7 +76,7 @@ def emit(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _base_config(args: argparse.Namespace, root: str) -> Any:
-    from kdflow.demo import demo_config
+    from kdflow.demo_assets import demo_config
     from kdflow.schemas.config import config_from_dict
 
     data = demo_config(root).model_dump(mode="json")
@@ -127,7 +127,7 @@ def _sampling(config: Any) -> dict[str, Any] | None:
 
 def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
     """The demo teacher (dequantised once), the docs as jsonl, corpus and token stores."""
-    from kdflow.demo import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
+    from kdflow.demo_assets import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -151,7 +151,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
 def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int]) -> list[dict[str, Any]]:
     import torch
 
-    from kdflow.fidelity_runs import TeacherStates, dense_eval, store_bytes_per_position, teacher_heldout_ce, train_online
+    from kdflow.bench.fidelity_runs import TeacherStates, dense_eval, store_bytes_per_position, teacher_heldout_ce, train_online
     from kdflow.schemas.commits import list_commits, stage_dir
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.tokenizer import load_tokenizer

@@ -18,9 +18,7 @@ import io
 import json
 import os
 import re
-import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +26,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench_stores import Moto, records_only, store_env
+from kdflow.bench import harness
+from kdflow.bench.harness import peak_rss_mib, run_fresh
+from kdflow.bench.stores import Moto, records_only, store_env
+
+MODULE = "kdflow.bench.scale"  # the child of each measurement: python -m MODULE --child KIND TARGET
 
 
 def emit(record: dict[str, Any]) -> None:
-    print(json.dumps({"bench": "scale", **record, "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+    harness.emit({"bench": "scale", **record, "loadavg": [round(x, 2) for x in os.getloadavg()]})
 
 
 def parse_size(text: str) -> int:
@@ -94,23 +96,11 @@ def child(kind: str, target: str) -> dict[str, Any]:
     return out | {"seconds": round(time.perf_counter() - started, 3), "peak_rss_mib": peak_rss_mib()}
 
 
-def peak_rss_mib() -> float:
-    """This process's resident-set high-water mark (VmHWM: reset by exec, unlike getrusage's ru_maxrss, which
-    keeps the parent's peak at fork time)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
 def run_child(kind: str, target: str, env: dict[str, str]) -> dict[str, Any]:
-    started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "kdflow.bench_scale", "--child", kind, target], env=env,
-                            capture_output=True, text=True, timeout=3600)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        return {"error": f"exit {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1][:300]}"}
-    return json.loads(lines[-1]) | {"process_wall_s": round(time.perf_counter() - started, 2)}
+    done = run_fresh(MODULE, ["--child", kind, target], env=env, timeout=3600)
+    if not done.ok:
+        return {"error": f"exit {done.returncode}: {done.stderr_tail[:300]}"}
+    return done.record | {"process_wall_s": round(done.wall_s, 2)}
 
 
 # --- the runs ---------------------------------------------------------------------------------------------
@@ -121,7 +111,7 @@ def make_inputs(work: Path, args: argparse.Namespace, tokens: int) -> tuple[Path
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from kdflow.bench_tokenise import pydoc_paragraphs, train_tiny_tokenizer
+    from kdflow.bench.tokenise import pydoc_paragraphs, train_tiny_tokenizer
 
     texts = pydoc_paragraphs(400)
     tokenizer_dir = train_tiny_tokenizer(work / "tokenizer", texts, args.tokenizer_vocab)
@@ -265,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where the runs go (default: a temporary folder, removed at the end)")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(*args.child)), flush=True)
+        harness.emit(child(*args.child))
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stores = [s.strip() for s in args.stores.split(",") if s.strip()]
@@ -334,6 +324,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print(json.dumps(child(sys.argv[2], sys.argv[3])), flush=True)
+        harness.emit(child(sys.argv[2], sys.argv[3]))
         raise SystemExit(0)
     raise SystemExit(main())

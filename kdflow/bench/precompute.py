@@ -13,12 +13,8 @@ alone; on CUDA the allocator's peak statistics are used in-process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kdflow.bench.harness import PeakMemory, emit, run_fresh
 from kdflow.tasks.teacher.topk import choose_chunk_tokens, chunked_topk
 
 MEASURED = (
@@ -35,6 +32,7 @@ MEASURED = (
     "lm_head weight and hidden states; the model body is not run"
 )
 GIB = 1 << 30
+MODULE = "kdflow.bench.precompute"  # the child of each CPU measurement (--worker-mode ...)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,39 +113,6 @@ def dense_bytes(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
     """Logits in the compute dtype (if not float32), their float32 copy, and the log_softmax output."""
     low_precision_bytes = 0 if dtype == torch.float32 else torch.finfo(dtype).bits // 8
     return n_tokens * vocab * (low_precision_bytes + 4 + 4)
-
-
-def _proc_status_kib(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"/proc/self/status has no {field}")
-    return int(match.group(1))
-
-
-class PeakMemory:
-    """Peak memory growth over a baseline taken after the inputs exist."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.baseline = torch.cuda.memory_allocated()
-            self.method = "cuda max_memory_allocated - baseline"
-            return
-        try:  # Linux: writing 5 resets VmHWM to the current RSS, so input creation does not count.
-            Path("/proc/self/clear_refs").write_text("5")
-            self.baseline = _proc_status_kib("VmRSS") * 1024
-            self.method = "VmHWM (reset after inputs) - VmRSS baseline"
-        except OSError:
-            self.baseline = _proc_status_kib("VmHWM") * 1024
-            self.method = "VmHWM - VmHWM after inputs (lower bound)"
-
-    def growth_bytes(self) -> int:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.baseline
-        return _proc_status_kib("VmHWM") * 1024 - self.baseline
 
 
 def time_runs(
@@ -233,15 +198,13 @@ def measure_in_subprocess(
     if skip_status is not None:  # no process needed to say so
         return {**base_record(args, mode, micro_batch), "status": skip_status}, None
     out_path = out_dir / f"{mode}-{micro_batch}.pt"
-    command = [sys.executable, "-m", "kdflow.bench_precompute", *_worker_argv(args)]
-    command += ["--worker-mode", mode, "--worker-micro-batch", str(micro_batch), "--worker-out", str(out_path)]
-    completed = subprocess.run(command, capture_output=True, text=True)
-    if completed.returncode != 0:
+    worker = ["--worker-mode", mode, "--worker-micro-batch", str(micro_batch), "--worker-out", str(out_path)]
+    done = run_fresh(MODULE, [*_worker_argv(args), *worker])
+    if not done.ok:
         record = base_record(args, mode, micro_batch)
-        last_error = (completed.stderr.strip().splitlines() or ["no output"])[-1]
-        record["status"] = f"error: worker exited {completed.returncode}: {last_error}"
+        record["status"] = f"error: worker exited {done.returncode}: {done.stderr_tail or 'no output'}"
         return record, None
-    record = json.loads(completed.stdout.strip().splitlines()[-1])
+    record = done.record
     result = torch.load(out_path) if out_path.exists() else None
     return record, result
 
@@ -261,7 +224,7 @@ def run_worker(args: argparse.Namespace) -> int:
     record, result = measure(args, args.worker_mode, args.worker_micro_batch)
     if result is not None:
         torch.save(result, args.worker_out)
-    print(json.dumps(record))
+    emit(record)
     return 0
 
 
@@ -319,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             compare(records["chunked"], records["dense"], results["chunked"], results["dense"])
             for mode in ("chunked", "dense"):
                 records[mode].update(loadavg_1m=round(os.getloadavg()[0], 2), measured=MEASURED)
-                print(json.dumps(records[mode]), flush=True)
+                emit(records[mode])
     return 0
 
 

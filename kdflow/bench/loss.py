@@ -15,15 +15,16 @@ import itertools
 import json
 import math
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from kdflow.bench.harness import emit, peak_bytes, reset_peak, run_fresh, synchronise
 
 GIB = 2**30
 # Dense peak over its (N, V) float32 logits, measured on CPU with this script (logits, log-softmax,
 # the scattered copy for the tail, and their gradients): used to skip runs that would not fit.
 DENSE_PEAK_PER_LOGITS = 5.5
+MODULE = "kdflow.bench.loss"  # the child of each measurement: python -m MODULE --measure SPEC
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.modes or set(args.modes) - {"fused", "dense"}:
         parser.error(f"--modes must be a comma list of fused, dense; got {','.join(args.modes)}")
     if args.measure:
-        print(json.dumps(_measure(json.loads(args.measure))), flush=True)
+        emit(_measure(json.loads(args.measure)))
         return 0
     dense_limit = min(args.dense_max_gib * GIB, 0.6 * _available_memory_bytes(args.device))
     for vocab, width, tokens in itertools.product(args.vocab, args.hidden, args.tokens):
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "estimated_peak_gib": round(estimate / GIB, 2)}
             else:
                 dense = _run_child(spec | {"mode": "dense", "compare_fused": "fused" in args.modes})
-            print(json.dumps(dense), flush=True)
+            emit(dense)
         if "fused" in args.modes:
             fused = _run_child(spec | {"mode": "fused"})
             if dense is not None and "loss_abs_diff" in dense:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 peak_ratio = dense["peak_bytes"] / max(fused["peak_bytes"], 1)
                 fused["peak_ratio_dense_over_fused"] = round(peak_ratio, 2)
                 fused["time_ratio_fused_over_dense"] = round(fused["seconds"] / dense["seconds"], 3)
-            print(json.dumps(fused), flush=True)
+            emit(fused)
     return 0
 
 
@@ -79,14 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_child(spec: dict) -> dict:
-    command = [sys.executable, "-m", "kdflow.bench_loss", "--measure", json.dumps(spec)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode == 0:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    if done.returncode in (-9, 137):  # the kernel's OOM killer
-        return spec | {"error": "out of memory", "killed": True}
-    last_line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-    return spec | {"error": last_line}
+    done = run_fresh(MODULE, ["--measure", json.dumps(spec)])
+    return done.record if done.ok else spec | done.failure()
 
 
 def _measure(spec: dict) -> dict:
@@ -110,13 +105,13 @@ def _measure(spec: dict) -> dict:
         seconds, peak = [], 0
         for _ in range(spec["repeats"]):
             inputs[0].grad = inputs[1].grad = None
-            baseline = _reset_peak(device)
+            baseline = reset_peak(device)
             start = time.perf_counter()
             loss = step()
             loss.backward()
-            _synchronise(device)
+            synchronise(device)
             seconds.append(time.perf_counter() - start)
-            peak = max(peak, _peak_bytes(device) - baseline)
+            peak = max(peak, peak_bytes(device) - baseline)
     except torch.OutOfMemoryError:
         return record | {"error": "out of memory"}
     record |= {"seconds": round(min(seconds), 3), "seconds_all": [round(s, 3) for s in seconds],
@@ -166,37 +161,6 @@ def _dense_topk_kl(hidden, weight, topk_ids, topk_logprobs):
     p_tail = (1 - p.sum(1)).clamp_min(0)
     kd = (p * (teacher_log_p - log_q_top)).sum(1) + torch.xlogy(p_tail, p_tail) - p_tail * log_q_tail
     return kd.mean()
-
-
-def _reset_peak(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    return _proc_status_bytes("VmRSS")
-
-
-def _peak_bytes(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated()
-    return _proc_status_bytes("VmHWM")
-
-
-def _synchronise(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _proc_status_bytes(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    return int(match.group(1)) * 1024
 
 
 def _available_memory_bytes(device: str) -> float:

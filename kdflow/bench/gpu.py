@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _teacher(work: Path, args: argparse.Namespace, size: dict[str, Any]) -> dict[str, Any]:
-    from kdflow.bench_tokenise import pydoc_paragraphs, train_tiny_tokenizer
+    from kdflow.bench.tokenise import pydoc_paragraphs, train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(work / "tokenizer", pydoc_paragraphs(400), 384)
     texts = pydoc_paragraphs(size["documents"])
@@ -243,9 +243,9 @@ def _precompute(config_path: Path) -> dict[str, Any]:
 
 def _bench(what: str, argv: list[str]) -> dict[str, Any]:
     if what == "precompute":
-        from kdflow.bench_precompute import main as bench_main
+        from kdflow.bench.precompute import main as bench_main
     else:
-        from kdflow.bench_loss import main as bench_main
+        from kdflow.bench.loss import main as bench_main
     code, out = captured(bench_main, argv)
     records = json_lines(out)
     errors = [r for r in records if r.get("error") or str(r.get("status", "ok")).startswith("error")]

@@ -1,0 +1,29 @@
+"""kdflow's benchmarks, each printing one JSON object per line: `kdflow bench NAME [options]`.
+
+One module per benchmark (`BENCHES` names them); `harness` holds what they share (a measurement in a fresh
+process, peak memory, JSON-line output); `store_train`, `stores` and `fidelity_runs` are helpers of the store,
+scale and fidelity benches. Only the command line (`kdflow.cli`) imports this package; a benchmark's module is
+imported when it runs, so `kdflow --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# `kdflow bench NAME` -> the module whose main(argv) runs it (the CLI's choices, in its --help order).
+BENCHES = {
+    "precompute": "kdflow.bench.precompute",
+    "loss": "kdflow.bench.loss",
+    "tokenise": "kdflow.bench.tokenise",
+    "store": "kdflow.bench.store",
+    "fidelity": "kdflow.bench.fidelity",
+    "teacher-pass": "kdflow.bench.teacher_pass",
+    "gpu": "kdflow.bench.gpu",
+    "train-step": "kdflow.bench.train_step",
+    "scale": "kdflow.bench.scale",
+}
+
+
+def run_bench(name: str, argv: list[str]) -> int:
+    """Run benchmark `name` with its own command-line options; -> its exit code."""
+    return importlib.import_module(BENCHES[name]).main(argv)

@@ -1,0 +1,157 @@
+"""What every benchmark shares: a measurement in a fresh process, peak memory, and JSON-line output.
+
+A fresh process per measurement keeps one measurement's allocations out of another's peak: the parent runs
+`python -m MODULE ARGS...` (`run_fresh`), the child prints its record as the last JSON line of its stdout,
+and the parent reads it back (`ChildResult.record`) or turns a failure into an error record
+(`ChildResult.failure`).
+
+Peak memory on CPU is the resident set's high-water mark (VmHWM in /proc/self/status, reset to the current
+resident set by writing 5 to /proc/self/clear_refs); on CUDA the allocator's peak statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+
+
+# --- JSON lines -----------------------------------------------------------------------------------------------
+
+
+def emit(record: dict[str, Any]) -> None:
+    """One record, one JSON line on stdout, flushed (a reader sees each as it is measured)."""
+    print(json.dumps(record), flush=True)
+
+
+def json_records(text: str) -> list[dict[str, Any]]:
+    """The JSON objects among a process's output lines (lines that start with "{")."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+# --- a measurement in a fresh process -------------------------------------------------------------------------
+
+
+@dataclass
+class ChildResult:
+    """How a fresh-process measurement ended: its exit code, its last JSON line, its last stderr line."""
+
+    returncode: int
+    record: dict[str, Any] | None  # the last line of stdout that starts with "{", parsed; None without one
+    stderr_tail: str  # the last line of stderr ("" when it wrote none)
+    wall_s: float  # seconds from start to exit, process start-up included
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.record is not None
+
+    @property
+    def killed(self) -> bool:
+        """Killed by SIGKILL: on a benchmark's child, the kernel's OOM killer."""
+        return self.returncode in (-9, 137)
+
+    def failure(self) -> dict[str, Any]:
+        """The error fields of a child that did not finish: out of memory when killed, else its last words."""
+        if self.killed:
+            return {"error": "out of memory", "killed": True}
+        return {"error": self.stderr_tail or f"exit {self.returncode}"}
+
+
+def run_fresh(module: str, argv: list[str], env: dict[str, str] | None = None,
+              timeout: float | None = None) -> ChildResult:
+    """Run `python -m module *argv` in a fresh interpreter and wait for it; its output is captured."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", module, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    stderr_lines = done.stderr.strip().splitlines()
+    return ChildResult(returncode=done.returncode, record=json.loads(lines[-1]) if lines else None,
+                       stderr_tail=stderr_lines[-1] if stderr_lines else "",
+                       wall_s=time.perf_counter() - started)
+
+
+# --- peak memory ----------------------------------------------------------------------------------------------
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return int(match.group(1)) * 1024
+
+
+def reset_peak(device: Any) -> int:
+    """Start a peak-memory window on a torch device; -> the bytes in use at its start (the baseline)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    return proc_status_bytes("VmRSS")
+
+
+def peak_bytes(device: Any) -> int:
+    """The most bytes in use since `reset_peak` (CUDA: allocated tensors; CPU: the resident set)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return proc_status_bytes("VmHWM")
+
+
+def synchronise(device: Any) -> None:
+    """Wait for the device's queued work (a timer must not stop before it); nothing to wait for on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_rss_mib() -> float:
+    """This process's resident-set high-water mark (VmHWM: reset by exec, unlike getrusage's ru_maxrss, which
+    keeps the parent's peak at fork time)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+class PeakMemory:
+    """Peak memory growth over a baseline taken when it is made (after the inputs exist); device "cpu"/"cuda"."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.device = device
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+            self.method = "cuda max_memory_allocated - baseline"
+            return
+        try:  # Linux: writing 5 resets VmHWM to the current RSS, so input creation does not count.
+            Path("/proc/self/clear_refs").write_text("5")
+            self.baseline = proc_status_bytes("VmRSS")
+            self.method = "VmHWM (reset after inputs) - VmRSS baseline"
+        except OSError:
+            self.baseline = proc_status_bytes("VmHWM")
+            self.method = "VmHWM - VmHWM after inputs (lower bound)"
+
+    def growth_bytes(self) -> int:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.baseline
+        return proc_status_bytes("VmHWM") - self.baseline

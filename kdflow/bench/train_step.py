@@ -1,0 +1,170 @@
+"""`kdflow bench train-step`: the student's training step against its limit, as JSON lines.
+
+For a student config (the demo's by default) at a batch and seq_len, tok/s and peak memory of
+  plain  (a) the student's forward with full (n, T, V) logits, next-token cross-entropy, backward, clipping,
+             AdamW and scheduler step: what any trainer does;
+  fused  (b) kdflow's step on the same batch: DistillLoss (the body's final hidden states into the fused
+             top-K loss with the lm_head weight), backward, clipping, AdamW and scheduler step. The batch is
+             the first training batch of the config's stores when they hold this seq_len, else a synthetic
+             top-K batch (random tokens; K distinct ids a row, 10% tail mass);
+  stage  (c) kdflow's whole training stage, `kdflow.tasks.student.train.train`, on the real shards: data
+             loading, the metrics log, progress; no evaluation and no checkpoint inside the measured steps
+             (a scratch student folder under the run root, removed afterwards);
+then the ratios b/a and c/b of tok/s. `--options` measures (b) again with options switched on
+(gradient_checkpointing, compile, attn=eager, combinations joined by '+') and prints each against (b).
+
+Every measurement runs in a fresh Python process, so that nothing of one is left in another's memory;
+`--repeats R` measures every variant R times, round robin, and keeps the fastest of each (the least disturbed
+on a shared machine: quote ratios from one run, with the load averages each record carries).
+Memory, two numbers per variant:
+  peak_bytes        the most bytes of tensors alive at once during one more step, beyond those alive before
+                    it (model, optimiser state, batch): activations, logits, gradients. On CPU from
+                    torch.profiler's allocation events (so the allocator's caching cannot hide or inflate it);
+                    on CUDA torch.cuda.max_memory_allocated over memory_allocated before the step;
+  peak_total_bytes  what the whole process held at its peak over the measured steps: on CPU the resident
+                    set's high-water mark (VmHWM, reset through /proc/self/clear_refs after the warm-up:
+                    Python, torch, model, optimiser, allocator caches, mapped shards); on CUDA
+                    torch.cuda.max_memory_allocated.
+The CUDA paths are written to the same plan but were not run on this project's machines (no GPU there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kdflow.bench.harness import emit, run_fresh
+from kdflow.bench.train_step_measure import measure, with_overrides
+
+VARIANTS = ("plain", "fused", "stage")
+OPTION_KEYS = {"gradient_checkpointing": ("student.gradient_checkpointing", True),
+               "compile": ("student.compile", True)}
+TARGETS = {"b/a": 0.95, "c/b": 0.95}
+MODULE = "kdflow.bench.train_step"  # the child of each measurement: python -m MODULE --measure SPEC
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.measure:
+        emit(measure(json.loads(args.measure)))
+        return 0
+    variants = args.variants.split(",")
+    if set(variants) - set(VARIANTS):
+        parser.error(f"--variants must be a comma list of {', '.join(VARIANTS)}; got {args.variants}")
+    options = [name for name in args.options.split(",") if name] if args.options else []
+    config = _bench_config(args)
+    base = {"config": config.model_dump(mode="json"), "warmup": args.warmup, "steps": args.steps}
+    specs = [base | {"variant": variant, "label": variant} for variant in variants]
+    for option in options:
+        overrides = _option_overrides(option, parser)
+        specs.append(base | {"variant": "fused", "label": f"fused+{option}",
+                             "config": with_overrides(config, overrides).model_dump(mode="json")})
+    runs: dict[str, list[dict[str, Any]]] = {spec["label"]: [] for spec in specs}
+    for _ in range(args.repeats):
+        for spec in specs:
+            runs[spec["label"]].append(_run_child(spec))
+    records = {label: _fastest(measured) for label, measured in runs.items()}
+    for record in records.values():
+        emit(record)
+    for name, (top, bottom) in {"b/a": ("fused", "plain"), "c/b": ("stage", "fused")}.items():
+        if _measured(records.get(top)) and _measured(records.get(bottom)):
+            emit(_ratio(name, records[top], records[bottom]) | {"target": TARGETS[name]})
+    for option in options:
+        label = f"fused+{option}"
+        if _measured(records.get(label)) and _measured(records.get("fused")):
+            emit(_ratio(f"{label}/fused", records[label], records["fused"]))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from kdflow.schemas.config import parse_override
+
+    parser = argparse.ArgumentParser(prog="kdflow bench train-step", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", help="student config (YAML); default: the demo's, configs/demo.yaml")
+    parser.add_argument("--run-root", default="runs/demo", help="the demo's run root (without a config file)")
+    parser.add_argument("--batch", type=int, help="sequences per step (default: student.batch_size)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's seq_len)")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (compile, first touch)")
+    parser.add_argument("--repeats", type=int, default=1, help="measure each variant this many times (round robin); "
+                        "report the fastest")
+    parser.add_argument("--device", help="cpu, cuda, cuda:N (default: student.device)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of plain, fused, stage")
+    parser.add_argument("--options", default="",
+                        help="comma list of options to measure with the fused step: gradient_checkpointing, compile, "
+                             "attn=sdpa|eager|flash_attention_2, or several joined by '+'")
+    parser.add_argument("--set", action="append", type=parse_override, metavar="KEY=VALUE",
+                        help="override a config key (repeatable), e.g. --set student.kd.chunk_tokens=2048")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one measurement, in a child process
+    return parser
+
+
+def _bench_config(args: argparse.Namespace) -> Any:
+    from kdflow.schemas.config import load_config
+
+    overrides = dict(args.set or [])
+    if args.config is not None:
+        config = load_config(args.config, overrides)
+    else:
+        from kdflow.demo_assets import demo_config, local_run_root
+
+        config = with_overrides(demo_config(local_run_root(args.run_root)), overrides)
+    extra: dict[str, Any] = {}
+    if args.batch is not None:
+        extra["student.batch_size"] = args.batch
+    if args.seq_len is not None:
+        extra["seq_len"] = args.seq_len
+    if args.device is not None:
+        extra["student.device"] = args.device
+    extra["student.grad_accum"] = 1  # one micro-batch per step in every variant
+    return with_overrides(config, extra)
+
+
+def _option_overrides(option: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for part in option.split("+"):
+        if part.startswith("attn="):
+            overrides["student.attn_implementation"] = part.removeprefix("attn=")
+        elif part in OPTION_KEYS:
+            key, value = OPTION_KEYS[part]
+            overrides[key] = value
+        else:
+            parser.error(f"unknown option {part!r} in --options (gradient_checkpointing, compile, attn=NAME)")
+    return overrides
+
+
+def _fastest(measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest of a variant's repeats, with every repeat's tok/s and load averages beside it."""
+    done = [record for record in measured if "tok_s" in record]
+    if not done:
+        return measured[0]
+    best = max(done, key=lambda record: record["tok_s"])
+    if len(measured) == 1:
+        return best
+    return best | {"repeats": len(measured), "tok_s_all": [record.get("tok_s") for record in measured],
+                   "load_avg_all": [record["load_avg"] for record in measured]}
+
+
+def _measured(record: dict[str, Any] | None) -> bool:
+    return record is not None and "tok_s" in record
+
+
+def _ratio(name: str, top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, Any]:
+    """tok/s of `top` over `bottom`, and peak memory of `bottom` over `top` (> 1: `top` needs less)."""
+    return {"ratio": name, "value": round(top["tok_s"] / bottom["tok_s"], 3),
+            "peak_ratio": round(bottom["peak_bytes"] / max(top["peak_bytes"], 1), 2),
+            "peak_total_ratio": round(bottom["peak_total_bytes"] / max(top["peak_total_bytes"], 1), 2),
+            "load_avg": [bottom["load_avg"][0], top["load_avg"][1]]}
+
+
+def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    head = {"variant": spec["label"], "batch": spec["config"]["student"]["batch_size"],
+            "seq_len": spec["config"]["seq_len"]}
+    done = run_fresh(MODULE, ["--measure", json.dumps(spec)])
+    return done.record if done.ok else head | done.failure()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
