@@ -8,7 +8,7 @@
 # It builds a tiny Qwen3-MoE teacher with the reference vocabulary (196,608 ids) and loads it in 4-bit
 # through bitsandbytes, runs `kdflow tune precompute` on it, the teacher pass in its worker process,
 # `kdflow bench precompute` and `kdflow bench loss` on the device, a few bf16-autocast student steps, and
-# a 2-process FSDP step when two GPUs are visible (kdflow/bench_gpu.py). Exit code 0 when every step passed.
+# a 2-process FSDP step when two GPUs are visible (kdflow/bench/gpu.py). Exit code 0 when every step passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${KDFLOW_PYTHON:-.venv/bin/python}"

@@ -62,7 +62,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     # Before torch is imported (a minute on a busy machine): a folder that is no model is one line at once.
     folder = args.student_dir
-    if not os.path.isfile(os.path.join(folder, "config.json")) and os.path.isfile(os.path.join(folder, FINAL_DIR, "config.json")):
+    if (not os.path.isfile(os.path.join(folder, "config.json"))
+            and os.path.isfile(os.path.join(folder, FINAL_DIR, "config.json"))):
         folder = os.path.join(folder, FINAL_DIR)
     problem = model_folder_problem(folder)
     if problem is not None:
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="remove the commit records of shards that fail a check, so the next run recomputes them")
     validate.set_defaults(func=_cmd_validate)
 
-    store = sub.add_parser("store", help="top-K stores: `kdflow store report RUN_ROOT` (bytes, KL to the teacher, histograms)")
+    store = sub.add_parser("store", help="top-K stores: `kdflow store report RUN_ROOT` "
+                                         "(bytes, KL to the teacher, histograms)")
     store.add_argument("action", choices=["report"])
     store.add_argument("rest", nargs=argparse.REMAINDER, help="RUN_ROOT and options (see kdflow store report --help)")
     store.set_defaults(func=_cmd_store)
@@ -147,9 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
 
-    tune = sub.add_parser("tune", help="find the teacher's fastest micro-batch that fits (each candidate in a fresh process)")
+    tune = sub.add_parser("tune", help="find the teacher's fastest micro-batch that fits "
+                                       "(each candidate in a fresh process)")
     tune.add_argument("what", choices=["precompute"])
-    tune.add_argument("rest", nargs=argparse.REMAINDER, help="CONFIG.yaml and options (see kdflow tune precompute --help)")
+    tune.add_argument("rest", nargs=argparse.REMAINDER,
+                      help="CONFIG.yaml and options (see kdflow tune precompute --help)")
     tune.set_defaults(func=_cmd_tune)
     return parser
 
@@ -157,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     existing = list(logging.getLogger().handlers)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     from kdflow.serverless import install_terminal_logging
 
     for handler in logging.getLogger().handlers:  # ours: kdflow's own errors in one line each, tracebacks with -v
@@ -179,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kdflow: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
-    except Exception as error:  # a failed stage after its retries, or a bug: one line here, the traceback in the run log
+    # A failed stage after its retries, or a bug: one line here, the traceback in the run log.
+    except Exception as error:
         if args.verbose:
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]

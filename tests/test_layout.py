@@ -113,7 +113,8 @@ def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -
     # Built from a copy without build/: setuptools never removes a file it copied there earlier, so a module
     # since moved would still be in a wheel built from the checkout itself.
     source = tmp_path / "source"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__"))
+    shutil.copytree(REPO, source,
+                    ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__"))
     built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
                  "--wheel-dir", str(tmp_path), str(source)], what="pip wheel", timeout=300)
     assert built.returncode == 0, built.stderr
@@ -176,8 +177,8 @@ def test_kdflow_runs_from_a_folder_with_its_own_tasks_flows_and_schemas(
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
     env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    result = run([sys.executable, "-m", "kdflow", "run", str(path)], what="kdflow run from the user's project", timeout=900,
-                 env=env, cwd=project)
+    result = run([sys.executable, "-m", "kdflow", "run", str(path)], what="kdflow run from the user's project",
+                 timeout=900, env=env, cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "was imported by kdflow" not in result.stdout + result.stderr
     student = Path(config.run_root) / "students" / config.student.name

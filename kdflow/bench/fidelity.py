@@ -38,11 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=50176, help="corpus token budget (the demo's); 0: all of the docs")
+    parser.add_argument("--max-tokens", type=int, default=50176,
+                        help="corpus token budget (the demo's); 0: all of the docs")
     parser.add_argument("--sequences-per-shard", type=int, default=32)
     parser.add_argument("--eval-shards", type=int, default=2, help="held-out token shards (the last ones)")
     parser.add_argument("--hybrid", default="16,12", help="H,S of the hybrid store (16,12: ~24%% of top-128's bytes)")
-    parser.add_argument("--sampled", type=int, default=24, help="S of the sampled-only store (24: about hybrid's bytes)")
+    parser.add_argument("--sampled", type=int, default=24,
+                        help="S of the sampled-only store (24: about hybrid's bytes)")
     parser.add_argument("--scheme", choices=["priority", "gumbel"], default="priority")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -83,8 +85,9 @@ def _base_config(args: argparse.Namespace, root: str) -> Any:
     data["seq_len"] = args.seq_len
     data["dataset"]["max_tokens"] = args.max_tokens or None
     data["precompute"] |= {"sequences_per_shard": args.sequences_per_shard, "micro_batch": 8, "report_rows": 0}
-    data["student"] |= {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_shards": args.eval_shards,
-                        "eval_sequences": 8, "save_every": args.steps, "keep_checkpoints": 1}
+    data["student"] |= {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+                        "eval_shards": args.eval_shards, "eval_sequences": 8, "save_every": args.steps,
+                        "keep_checkpoints": 1}
     return config_from_dict(data, source="kdflow bench fidelity")
 
 
@@ -95,7 +98,8 @@ def _store_of(variant: str, seed: int) -> str:
     return "topk128" if variant in ("topk128", "online", "ce") else f"{variant}-seed{seed}"
 
 
-def _variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int, tags: dict[str, str] | None = None) -> Any:
+def _variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int,
+                    tags: dict[str, str] | None = None) -> Any:
     """The config of one store (tags None) or of one student trained on it; sampled stores use the seed as their
     sampling seed, so the seeds' spread covers the draw as well as the initial weights and data order."""
     from kdflow.schemas.config import config_from_dict
@@ -108,7 +112,8 @@ def _variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int
     elif variant == "codec":
         pre |= {"top_k": 128}
     elif variant == "hybrid":
-        pre |= {"targets": "hybrid", "sampling": {"head": head, "samples": samples, "scheme": args.scheme, "seed": seed}}
+        pre |= {"targets": "hybrid",
+                "sampling": {"head": head, "samples": samples, "scheme": args.scheme, "seed": seed}}
     else:
         pre |= {"targets": "sampled", "sampling": {"samples": args.sampled, "scheme": args.scheme, "seed": seed}}
     if tags is not None:
@@ -151,7 +156,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
 def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int]) -> list[dict[str, Any]]:
     import torch
 
-    from kdflow.bench.fidelity_runs import TeacherStates, dense_eval, store_bytes_per_position, teacher_heldout_ce, train_online
+    from kdflow.bench.fidelity_runs import (TeacherStates, dense_eval, store_bytes_per_position, teacher_heldout_ce,
+                                            train_online)
     from kdflow.schemas.commits import list_commits, stage_dir
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -173,7 +179,8 @@ def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int
         tags[store] = summary["tag"]
         seconds = sum(r.extra.seconds or 0.0 for r in records.values())
         results.append(emit({"kind": "store", "store": store, "tag": summary["tag"], "shards": summary["shards"],
-                             "positions": summary["tokens"], "bytes_per_position": round(store_bytes_per_position(records), 2),
+                             "positions": summary["tokens"],
+                             "bytes_per_position": round(store_bytes_per_position(records), 2),
                              "teacher_seconds": round(seconds, 1), "written_now": summary["written"],
                              "targets": config.precompute.targets, "top_k": config.precompute.top_k,
                              "sampling": _sampling(config),
@@ -283,7 +290,8 @@ def print_table(summary: list[dict[str, Any]]) -> None:
         print(f"hybrid KL - top-128 KL = {record['hybrid_kl_minus_topk128_kl']:+.4f} nats, mean of the seeds' "
               f"{seeds(record['per_seed'], '{:+.4f}')} ({'met' if record['kl_target_met'] else 'NOT met'}: <= 0)")
         gaps = ", ".join(f"{k} {v:+.2%}" for k, v in record["ce_gap_to_online"].items())
-        print(f"held-out CE relative to online KD: {gaps} ({'met' if record['ce_target_met'] else 'NOT met'}: within 2%)")
+        met = "met" if record["ce_target_met"] else "NOT met"
+        print(f"held-out CE relative to online KD: {gaps} ({met}: within 2%)")
     for record in (r for r in summary if r["kind"] == "codec_target"):
         print(f"default codec's held-out KL relative to lossless top-128's: "
               f"{seeds(record['codec_kl_rel_to_topk128_per_seed'], '{:+.2%}')} per seed "

@@ -33,7 +33,8 @@ REFERENCE_VOCAB = 196_608
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdflow bench gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run")
-    parser.add_argument("--quick", action="store_true", help="small sizes (the CPU dry run's; default with --device cpu)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes (the CPU dry run's; default with --device cpu)")
     parser.add_argument("--vocab", type=int, default=REFERENCE_VOCAB, help="the teacher's vocabulary")
     parser.add_argument("--work-dir", help="keep the teacher, stores and configs here (default: a temporary folder)")
     parser.add_argument("--out", help="also write the summary to this file")
@@ -63,8 +64,9 @@ def build_teacher(folder: Path, vocab: int, size: dict[str, Any], tokenizer_fold
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
     hidden = size["hidden"]
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=size["layers"], num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=hidden // 4, num_experts=size["experts"], num_experts_per_tok=2,
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=size["layers"],
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                            num_experts=size["experts"], num_experts_per_tok=2,
                             moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden,
                             max_position_embeddings=max(1024, size["seq_len"]), tie_word_embeddings=False,
                             eos_token_id=0, bos_token_id=0, pad_token_id=1)
@@ -72,7 +74,8 @@ def build_teacher(folder: Path, vocab: int, size: dict[str, Any], tokenizer_fold
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
-    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab, "architecture": type(model).__name__}
+    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab,
+            "architecture": type(model).__name__}
 
 
 def check_config(work: Path, args: argparse.Namespace, size: dict[str, Any]) -> dict[str, Any]:
@@ -85,9 +88,9 @@ def check_config(work: Path, args: argparse.Namespace, size: dict[str, Any]) -> 
         "teacher": {"model": str(work / "teacher"), "load_in_4bit": args.four_bit, "device": args.device,
                     "dtype": "bfloat16" if on_cuda else "float32"},
         "precompute": {"top_k": 32, "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
-        "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"], "warmup_steps": 1,
-                    "eval_shards": 1, "eval_sequences": 8, "save_every": size["student_steps"], "device": args.device,
-                    "autocast_bf16": True,
+        "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"],
+                    "warmup_steps": 1, "eval_shards": 1, "eval_sequences": 8, "save_every": size["student_steps"],
+                    "device": args.device, "autocast_bf16": True,
                     "architecture": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                                      "num_key_value_heads": 1, "intermediate_size": 128}},
     }
@@ -142,7 +145,8 @@ def environment(device: str) -> dict[str, Any]:
 
         info |= {"transformers": transformers.__version__, "bitsandbytes": bitsandbytes.__version__}
     if torch.cuda.is_available():
-        info |= {"cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        info |= {"cuda": torch.version.cuda,
+                 "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                  "gpu_memory_mib": [round(torch.cuda.get_device_properties(i).total_memory / 2**20)
                                     for i in range(torch.cuda.device_count())],
                  "bf16": torch.cuda.is_bf16_supported()}
@@ -242,11 +246,9 @@ def _precompute(config_path: Path) -> dict[str, Any]:
 
 
 def _bench(what: str, argv: list[str]) -> dict[str, Any]:
-    if what == "precompute":
-        from kdflow.bench.precompute import main as bench_main
-    else:
-        from kdflow.bench.loss import main as bench_main
-    code, out = captured(bench_main, argv)
+    from kdflow.bench import run_bench
+
+    code, out = captured(lambda bench_argv: run_bench(what, bench_argv), argv)
     records = json_lines(out)
     errors = [r for r in records if r.get("error") or str(r.get("status", "ok")).startswith("error")]
     if code != 0 or not records or errors:
@@ -267,7 +269,8 @@ def _train(config_path: Path) -> dict[str, Any]:
     loss = summary["final_loss"]
     if loss is None or not torch.isfinite(torch.tensor(loss)):
         raise RuntimeError(f"training ended with loss {loss}")
-    return {"steps": summary["steps"], "final_loss": loss, "tokens": summary["tokens"], "seconds_training": summary["seconds"],
+    return {"steps": summary["steps"], "final_loss": loss, "tokens": summary["tokens"],
+            "seconds_training": summary["seconds"],
             "autocast": "bf16" if isinstance(autocast, torch.autocast) else "off"}
 
 

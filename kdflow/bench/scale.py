@@ -166,7 +166,8 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
     summary = precompute_shards(config)
     topk_bytes = sum(p.stat().st_size for p in (run_root / "topk").rglob("shard-*.arrow"))
     return run_root, {"token_shards": tokenised.shards, "tokens": summary["tokens"], "topk_bytes": topk_bytes,
-                      "teacher_pass_s": round(time.perf_counter() - started, 1), "teacher_tok_s": summary["tokens_per_s"]}
+                      "teacher_pass_s": round(time.perf_counter() - started, 1),
+                      "teacher_tok_s": summary["tokens_per_s"]}
 
 
 def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
@@ -195,13 +196,15 @@ def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
             record = pool[shard_id % len(pool)]
             name = data_file_name(stage, shard_id)
             os.link(full / folder / record.data_file, target / folder / name)
-            write_commit(run_root, str(target / folder), record.model_copy(update={"shard_id": shard_id, "data_file": name}))
+            write_commit(run_root, str(target / folder),
+                         record.model_copy(update={"shard_id": shard_id, "data_file": name}))
         records = list_commits(run_root, str(target / folder), stage)
         rows, tokens = sum(r.rows for r in records.values()), sum(r.tokens for r in records.values())
         done = read_complete(source, str(full / folder))
         write_complete(run_root, str(target / folder), done.model_copy(update={"shards": len(records), "rows": rows,
                                                                                "tokens": tokens}))
-    return {"token_shards": shards, "tokens": tokens, "topk_bytes": sum(p.stat().st_size for p in (target / "topk").rglob("shard-*.arrow"))}
+    topk_bytes = sum(p.stat().st_size for p in (target / "topk").rglob("shard-*.arrow"))
+    return {"token_shards": shards, "tokens": tokens, "topk_bytes": topk_bytes}
 
 
 def data_wait(metrics_text: str) -> dict[str, Any]:
@@ -238,20 +241,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=2, metavar=("KIND", "TARGET"), help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="0.25M,1M", help="run sizes in tokens, comma list (K and M suffixes)")
     parser.add_argument("--stores", default="disk,s3", help="disk, s3 (moto's server on loopback), or both")
-    parser.add_argument("--records", default="1000,3000,10000", help="shard counts of the records-only run roots on disk")
+    parser.add_argument("--records", default="1000,3000,10000",
+                        help="shard counts of the records-only run roots on disk")
     parser.add_argument("--s3-records", default="300,1000,3000",
                         help="the same on S3 (moto serves ~100 requests/s here: the request counts are the measure)")
     parser.add_argument("--vocab", type=int, default=196_608, help="the synthetic teacher's vocabulary")
     parser.add_argument("--teacher-hidden", type=int, default=8, help="the synthetic teacher's hidden size")
-    parser.add_argument("--tokenizer-vocab", type=int, default=4096, help="the BPE trained here (the student's vocabulary)")
+    parser.add_argument("--tokenizer-vocab", type=int, default=4096,
+                        help="the BPE trained here (the student's vocabulary)")
     parser.add_argument("--top-k", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--sequences-per-shard", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prefetch-steps", type=int, default=2)
-    parser.add_argument("--teacher-tokens", help="compute at most this many tokens with the teacher (K and M suffixes); "
-                        "larger runs repeat those shards under their own ids (the teacher pass is not what is measured)")
+    parser.add_argument("--teacher-tokens",
+                        help="compute at most this many tokens with the teacher (K and M suffixes); larger runs "
+                             "repeat those shards under their own ids (the teacher pass is not what is measured)")
     parser.add_argument("--workdir", help="where the runs go (default: a temporary folder, removed at the end)")
     args = parser.parse_args(argv)
     if args.child:
@@ -274,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         corpus, teacher, per_doc = make_inputs(work, args, max(sizes) if args.teacher_tokens is None
                                                else min(max(sizes), parse_size(args.teacher_tokens)))
         emit({"what": "setup", "vocab": args.vocab, "teacher_hidden": args.teacher_hidden, "top_k": args.top_k,
-              "seq_len": args.seq_len, "sequences_per_shard": args.sequences_per_shard, "tokenizer_vocab": args.tokenizer_vocab,
-              "batch_size": args.batch_size, "steps": args.steps, "cpus": os.cpu_count()})
+              "seq_len": args.seq_len, "sequences_per_shard": args.sequences_per_shard,
+              "tokenizer_vocab": args.tokenizer_vocab, "batch_size": args.batch_size, "steps": args.steps,
+              "cpus": os.cpu_count()})
         per_shard = args.sequences_per_shard * args.seq_len  # tokens
         shard_counts = {size: max(2, -(-size // per_shard)) for size in sizes}
         computed_shards = max(shard_counts.values()) if args.teacher_tokens is None else max(
@@ -295,14 +302,17 @@ def main(argv: list[str] | None = None) -> int:
 
                     fsspec.filesystem("s3").put(f"{disk_root}/", f"{bucket}/{name}", recursive=True)
             for store in stores:
-                url, env = (str(disk_root), dict(os.environ)) if store == "disk" else (f"s3://{bucket}/{name}", moto.env())
-                config_path = write_config(run_config(url, corpus, teacher, documents, args), work / f"{name}-{store}.yaml")
+                url, env = ((str(disk_root), dict(os.environ)) if store == "disk"
+                            else (f"s3://{bucket}/{name}", moto.env()))
+                config_path = write_config(run_config(url, corpus, teacher, documents, args),
+                                           work / f"{name}-{store}.yaml")
                 measure_run({"size": size, "store": store, "shards": shards}, url, config_path, env, shards,
                             moto if store == "s3" else None)
             if not args.workdir:  # hard links: the copy costs no disk, but --workdir keeps it for a look afterwards
                 shutil.rmtree(disk_root, ignore_errors=True)
         for store in stores:
-            for count in [int(c) for c in (args.records if store == "disk" else args.s3_records).split(",") if c.strip()]:
+            counts = (args.records if store == "disk" else args.s3_records).split(",")
+            for count in [int(c) for c in counts if c.strip()]:
                 url = str(work / f"records-{count}") if store == "disk" else f"s3://{bucket}/records-{count}"
                 env = dict(os.environ) if store == "disk" else moto.env()
                 records_only(url, count, env)

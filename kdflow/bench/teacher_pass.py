@@ -89,7 +89,8 @@ def scratch_copy(config: Any, shards: int, folder: str) -> tuple[Any, list[Any]]
     write_complete(target, target_tokens, done.model_copy(update={
         "shards": shards, "rows": sum(records[i].rows for i in range(shards)),
         "tokens": sum(records[i].tokens for i in range(shards))}))
-    arrays = [read_token_shard(target, f"{target_tokens}/{records[i].data_file}", config.seq_len) for i in range(shards)]
+    arrays = [read_token_shard(target, f"{target_tokens}/{records[i].data_file}", config.seq_len)
+              for i in range(shards)]
     return config.model_copy(update={"run_root": folder}), arrays
 
 
@@ -124,7 +125,8 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
 
     pre = config.precompute
     device = next(model.parameters()).device
-    inputs = [torch.from_numpy(ids).to(device) for ids, _ in batches]  # on the device before timing, as the stage's copy is tiny
+    # On the device before timing, as the stage's copy is tiny.
+    inputs = [torch.from_numpy(ids).to(device) for ids, _ in batches]
     vocab = getattr(output_layer(model), "out_features", None) or model.get_input_embeddings().num_embeddings
     step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     config = load_config(args.config) if args.config else prepare_demo(args.run_root)
     if args.micro_batch:
-        config = config.model_copy(update={"precompute": config.precompute.model_copy(update={"micro_batch": args.micro_batch})})
+        precompute = config.precompute.model_copy(update={"micro_batch": args.micro_batch})
+        config = config.model_copy(update={"precompute": precompute})
     device = resolve_device(args.device or config.teacher.device)
     model = load_teacher(config.teacher, device=device)
     with tempfile.TemporaryDirectory(prefix="kdflow-bench-teacher-pass-") as folder:
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                     seconds[mode].append(time.perf_counter() - wall)
                     cpu_seconds[mode].append(time.process_time() - cpu)
     common = {"bench": "teacher_pass", "teacher": config.teacher.model, "device": str(device),
-              "threads": torch.get_num_threads(), "micro_batch": config.precompute.micro_batch, "seq_len": config.seq_len,
+              "threads": torch.get_num_threads(), "micro_batch": config.precompute.micro_batch,
+              "seq_len": config.seq_len,
               "top_k": config.precompute.top_k, "shards": args.shards, "micro_batches": len(batches), "tokens": tokens,
               "padded_tokens": len(batches) * config.precompute.micro_batch * config.seq_len}
     rates = {}
@@ -208,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "seconds_all": [round(s, 3) for s in seconds[mode]],
                                    "cpu_seconds_best": round(min(cpu_seconds[mode]), 3),
                                    "loadavg_1m": round(os.getloadavg()[0], 2)}), flush=True)
-    ratios = {f"{num}/{den}": round(rates[num] / rates[den], 3) for num in ("stage", "topk") for den in ("forward", "body")
-              if num in rates and den in rates}
-    print(json.dumps({"bench": "teacher_pass", "what": "ratios", **ratios, "loadavg": [round(x, 2) for x in os.getloadavg()]}),
-          flush=True)
+    ratios = {f"{num}/{den}": round(rates[num] / rates[den], 3)
+              for num in ("stage", "topk") for den in ("forward", "body") if num in rates and den in rates}
+    loadavg = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps({"bench": "teacher_pass", "what": "ratios", **ratios, "loadavg": loadavg}), flush=True)
     return 0
 
 

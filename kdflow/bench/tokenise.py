@@ -43,7 +43,8 @@ def train_tiny_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> Pat
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<pad>").save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<pad>")
+    fast.save_pretrained(folder)
     return folder
 
 
@@ -110,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="a local tokenizer folder (default: train a tiny byte-level BPE)")
     parser.add_argument("--gguf-file", help="a GGUF file inside --tokenizer to read the tokenizer from")
     parser.add_argument("--documents", type=int, default=20_000)
-    parser.add_argument("--vocab-size", type=int, default=384, help="vocabulary of the tokenizer trained when none is given")
+    parser.add_argument("--vocab-size", type=int, default=384,
+                        help="vocabulary of the tokenizer trained when none is given")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--sequences-per-shard", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timings per side")
-    parser.add_argument("--parallelism", default="false,true", help="TOKENIZERS_PARALLELISM values to measure, comma list")
+    parser.add_argument("--parallelism", default="false,true",
+                        help="TOKENIZERS_PARALLELISM values to measure, comma list")
     args = parser.parse_args(argv)
     if args.gguf_file and not args.tokenizer:
         parser.error("--gguf-file needs --tokenizer (the folder that holds it)")
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "tokens_per_s": round(doc_tokens / call_seconds)}), flush=True)
             print(json.dumps(side | {"what": "tokenise_stage", "seconds": round(stage_seconds, 4),
                                      "tokens_per_s": round(doc_tokens / stage_seconds), "shards": summary.shards,
-                                     "sequences": summary.sequences, "dropped_tokens": summary.dropped_tokens}), flush=True)
+                                     "sequences": summary.sequences, "dropped_tokens": summary.dropped_tokens}),
+                  flush=True)
             print(json.dumps({"bench": "tokenise", "what": "ratio", "tokenizers_parallelism": parallel,
                               "stage_over_raw": round(raw_seconds / stage_seconds, 3),
                               "stage_over_transformers_call": round(call_seconds / stage_seconds, 3),

@@ -147,8 +147,8 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
     watch.start()
     one_step()  # one more, for the tensor peak (the profiler slows it: not timed)
     return {"topk": source, "seconds": round(sum(seconds), 3), "step_s": sorted(round(s, 3) for s in seconds),
-            "warmup_s": warmup_s, "loss": round(loss, 5), "peak_bytes": watch.stop(), "peak_total_bytes": int(peak_total),
-            "options": _options_of(student)}
+            "warmup_s": warmup_s, "loss": round(loss, 5), "peak_bytes": watch.stop(),
+            "peak_total_bytes": int(peak_total), "options": _options_of(student)}
 
 
 def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[str, Any]:
