@@ -4,7 +4,7 @@ This process never initialises CUDA: the teacher runs in `python -m kdflow.tasks
 process group. A CUDA driver error ends the worker with a retryable exit code and the task retries it,
 with backoff, in a new process that resumes at the first uncommitted shard; a user error (exit code 2)
 fails at once with the worker's one-line message. With `precompute.shards_per_flow_run` set, shard ranges
-fan out as flow runs of the per-range deployment instead (DESIGN.md, "Growing past one machine").
+fan out as flow runs of the per-range deployment instead (docs/architecture.md, "The pipeline").
 """
 
 from __future__ import annotations

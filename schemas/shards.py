@@ -1,6 +1,6 @@
 """Arrow schemas of the corpus, token and top-K shards, and the only code that writes or reads them.
 
-Column names and types are defined here and nowhere else (DESIGN.md, "Run root layout"):
+Column names and types are defined here and nowhere else (docs/formats.md):
 - corpus part  (Parquet):          doc_id int64, text string
 - token shard  (Arrow IPC stream): input_ids  fixed_size_list<int32>[seq_len]
 - top-K shard v1 (Arrow IPC stream): topk_ids   fixed_size_list<fixed_size_list<int32>[K]>[seq_len]

@@ -1,6 +1,6 @@
 """The student's distillation loss: forward KL over the teacher's top-K plus one tail bucket.
 
-DESIGN.md, "The student's loss". Per counted position, with teacher log-probs l_i on the top-K ids
+docs/loss.md, "The K+1-bucket KL". Per counted position, with teacher log-probs l_i on the top-K ids
 (normalised over the teacher's full vocabulary), p_i = exp(l_i), tail mass p_o (v2 stores: exp(tail_logprob),
 stored exactly at capture; without it 1 - sum p_i), and the student's full-vocabulary log-softmax log q
 (q_o = 1 - sum over the top-K of q_i):
