@@ -53,14 +53,15 @@ import hashlib
 import json
 import zlib
 from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
-from kdflow.schemas.codec_rows import (ESCAPE, TAIL_KINDS, VALUE_KINDS, RowReader, check_inputs, compress, decode_row,
-                                      decompress, encode_row, from_planes, nbytes, to_planes)
+from kdflow.schemas.codec_rows import (ESCAPE, TAIL_KINDS, VALUE_KINDS, RowReader, check_inputs, compress,
+                                      decode_row, decompress, encode_row, from_planes, nbytes, to_planes)
 
 CODEC_NAME = "kdflow.topk.v2"
 FORMAT_VERSION = 2
@@ -102,7 +103,8 @@ class Renumbering:
         return cls(np.cumsum(delta))
 
     @classmethod
-    def from_metadata(cls, metadata: dict[bytes, bytes], digest: str | None, vocab_size: int, what: str) -> Renumbering | None:
+    def from_metadata(cls, metadata: dict[bytes, bytes], digest: str | None, vocab_size: int,
+                      what: str) -> Renumbering | None:
         """The table a shard's schema carries (base64 under kdflow.renumbering), checked against the sha256 its
         codec settings (`what`) name; None when they name none."""
         if digest is None:
@@ -129,6 +131,49 @@ class CodecIdentity:
 
     def __hash__(self) -> int:
         return hash(self.settings_json())
+
+
+def shard_schema(codec: Any, settings_key: bytes, *, top_k: int, targets: str) -> pa.Schema:
+    """The Arrow schema of a v2 shard (top-K or sampled): the codec's binary columns and crc32; in its
+    metadata the v1 keys (kind, seq_len, top_k), the format, the targets, the codec's settings under
+    `settings_key` and its renumbering table."""
+    metadata = {b"kdflow.kind": b"topk", b"kdflow.seq_len": str(codec.seq_len).encode(),
+                b"kdflow.top_k": str(top_k).encode(), META_FORMAT: str(FORMAT_VERSION).encode(),
+                META_TARGETS: targets.encode(), settings_key: codec.settings_json().encode()}
+    if codec.renumbering is not None:
+        metadata[META_TABLE] = base64.b64encode(codec.renumbering.to_bytes())
+    fields = [pa.field(name, pa.binary(), nullable=False) for name in codec.columns()]
+    return pa.schema(fields + [pa.field(CRC32, pa.uint32(), nullable=False)], metadata=metadata)
+
+
+def codec_from_metadata(cls: type[_Codec], metadata: dict[bytes, bytes], settings_key: bytes, codec_name: str,
+                        normalise: Callable[[dict[str, object]], dict[str, object]]) -> _Codec:
+    """The codec `cls` that a v2 shard's metadata names under `settings_key` (its `settings_json()`, then
+    `normalise`d into `cls`'s keywords), with the renumbering table it carries, checked against the sha256
+    the settings name. ValueError on malformed metadata. Parsed once per distinct (settings, table)."""
+    key = (settings_key, metadata[settings_key], metadata.get(META_TABLE))
+    codec = _CODECS.get(key)
+    if codec is not None:
+        return codec
+    what = settings_key.decode()
+    try:
+        settings = json.loads(metadata[settings_key])
+        digest = settings.pop("renumbering")
+        if settings.pop("codec") != codec_name:
+            raise ValueError(f"codec is not {codec_name}")
+        settings = normalise(settings)
+        cls(**settings)  # every check but the table's, before the table is decoded
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise ValueError(f"bad {what} metadata: {error}") from None
+    table = Renumbering.from_metadata(metadata, digest, settings["vocab_size"], what)
+    codec = cls(**settings, renumbering=table)
+    if len(_CODECS) < 64:
+        _CODECS[key] = codec
+    return codec
+
+
+_Codec = TypeVar("_Codec", bound=CodecIdentity)
+_CODECS: dict[tuple[bytes, bytes, bytes | None], Any] = {}  # (key, settings JSON, table) -> parsed and checked
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,13 +237,7 @@ class TopkCodec(CodecIdentity):
 
     @cached_property
     def _schema(self) -> pa.Schema:
-        metadata = {b"kdflow.kind": b"topk", b"kdflow.seq_len": str(self.seq_len).encode(),
-                    b"kdflow.top_k": str(self.top_k).encode(), META_FORMAT: str(FORMAT_VERSION).encode(),
-                    META_TARGETS: TARGETS.encode(), META_CODEC: self.settings_json().encode()}
-        if self.renumbering is not None:
-            metadata[META_TABLE] = base64.b64encode(self.renumbering.to_bytes())
-        fields = [pa.field(name, pa.binary(), nullable=False) for name in self.columns()]
-        return pa.schema(fields + [pa.field(CRC32, pa.uint32(), nullable=False)], metadata=metadata)
+        return shard_schema(self, META_CODEC, top_k=self.top_k, targets=TARGETS)
 
     @cached_property
     def level_logprobs(self) -> np.ndarray:
@@ -216,30 +255,15 @@ class TopkCodec(CodecIdentity):
             raise ValueError(f"shard holds {targets!r} targets: this reader decodes {TARGETS!r} only")
         if META_CODEC not in metadata:
             raise ValueError("not a v2 top-K shard: no kdflow.topk_codec in the schema metadata")
-        codec = _CODECS.get((metadata[META_CODEC], metadata.get(META_TABLE))) or cls._parse(metadata)
+        codec = codec_from_metadata(cls, metadata, META_CODEC, CODEC_NAME, _with_levels)
         if schema.names != codec.columns() + [CRC32]:
             raise ValueError(f"columns {schema.names} are not {codec.columns() + [CRC32]}")
         return codec
 
-    @classmethod
-    def _parse(cls, metadata: dict[bytes, bytes]) -> TopkCodec:
-        try:
-            settings = json.loads(metadata[META_CODEC])
-            digest = settings.pop("renumbering")
-            if settings.pop("codec") != CODEC_NAME:
-                raise ValueError(f"codec is not {CODEC_NAME}")
-            settings["levels"] = settings["levels"] or 400
-            cls(**settings)
-        except (ValueError, TypeError, KeyError) as error:
-            raise ValueError(f"bad kdflow.topk_codec metadata: {error}") from None
-        table = Renumbering.from_metadata(metadata, digest, settings["vocab_size"], "kdflow.topk_codec")
-        codec = cls(**settings, renumbering=table)
-        if len(_CODECS) < 64:
-            _CODECS[metadata[META_CODEC], metadata.get(META_TABLE)] = codec
-        return codec
 
-
-_CODECS: dict[tuple[bytes, bytes | None], TopkCodec] = {}  # (settings JSON, table) -> parsed and checked
+def _with_levels(settings: dict[str, object]) -> dict[str, object]:
+    settings["levels"] = settings["levels"] or 400  # stored as null when values are not "sqrt"
+    return settings
 
 
 class DecodedTopk(NamedTuple):
@@ -256,16 +280,7 @@ def encode(codec: TopkCodec, topk_ids: np.ndarray, topk_logprobs: np.ndarray,
     ids, logprobs = np.asarray(topk_ids), np.asarray(topk_logprobs, dtype=np.float32)
     tail = np.asarray(tail_logprob, dtype=np.float32)
     check_inputs(codec, ids, logprobs, tail)
-    columns: list[list[bytes]] = [[] for _ in codec.columns()]
-    crcs = []
-    for row in range(len(ids)):
-        crc = 0
-        for column, cell in zip(columns, encode_row(codec, ids[row], logprobs[row], tail[row])):
-            column.append(compress(cell, codec.zstd_level))
-            crc = zlib.crc32(column[-1], crc)
-        crcs.append(crc)
-    arrays = [pa.array(column, pa.binary()) for column in columns] + [pa.array(crcs, pa.uint32())]
-    return pa.record_batch(arrays, schema=codec.schema())
+    return record_batch(codec, (encode_row(codec, ids[row], logprobs[row], tail[row]) for row in range(len(ids))))
 
 
 def decode(data: pa.RecordBatch | pa.Table, *, order: str = "logprob", dtype: type = np.float32,
@@ -284,16 +299,38 @@ def decode(data: pa.RecordBatch | pa.Table, *, order: str = "logprob", dtype: ty
     shape = (data.num_rows, codec.seq_len, codec.top_k)
     out = DecodedTopk(np.empty(shape, np.int32), np.empty(shape, dtype), np.empty(shape[:2], np.float32),
                       np.empty(shape[:2], np.int32))
+    for row, reader in row_readers(data, codec.columns(), row_offset):
+        out.tail[row], out.kept[row] = decode_row(codec, reader, order, out.ids[row], out.logprobs[row])
+    return out
+
+
+def record_batch(codec: Any, rows: Iterable[list[bytes]]) -> pa.RecordBatch:
+    """Each row's raw cells (in `codec.columns()` order) -> one record per row with `codec.schema()`: a zstd
+    frame per cell, then crc32 over the row's frames. Top-K and sampled shards are written through it."""
+    columns: list[list[bytes]] = [[] for _ in codec.columns()]
+    crcs = []
+    for cells in rows:
+        crc = 0
+        for column, cell in zip(columns, cells, strict=True):
+            column.append(compress(cell, codec.zstd_level))
+            crc = zlib.crc32(column[-1], crc)
+        crcs.append(crc)
+    arrays = [pa.array(column, pa.binary()) for column in columns] + [pa.array(crcs, pa.uint32())]
+    return pa.record_batch(arrays, schema=codec.schema())
+
+
+def row_readers(data: pa.RecordBatch | pa.Table, names: list[str],
+                row_offset: int) -> Iterator[tuple[int, RowReader]]:
+    """(row, its `RowReader`) for each row of a v2 shard's `data` with columns `names` (+ crc32); rows are
+    numbered from 0, messages from `row_offset`."""
     row = 0
     for batch in data.to_batches() if isinstance(data, pa.Table) else [data]:
-        columns = [batch.column(name) for name in codec.columns()]
+        columns = [batch.column(name) for name in names]
         crcs = batch.column(CRC32).to_numpy(zero_copy_only=False)
         for index in range(batch.num_rows):
             cells = [column[index].as_buffer() or pa.py_buffer(b"") for column in columns]
-            reader = RowReader(codec, cells, int(crcs[index]), f"row {row + row_offset}")
-            out.tail[row], out.kept[row] = decode_row(codec, reader, order, out.ids[row], out.logprobs[row])
+            yield row, RowReader(names, cells, int(crcs[index]), f"row {row + row_offset}")
             row += 1
-    return out
 
 
 def from_v1(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> DecodedTopk:
