@@ -17,7 +17,7 @@ One Arrow record per token row, like v2 top-K shards, built from the same row ma
                  may be positive). Always float32: every sub-threshold weight is tau, so its rounding would
                  bias all of a position's sampled weights the same way.
     crc32        uint32: zlib.crc32 over the row's binary cells in column order (checked first)
-Schema metadata (`codec.shard_schema`, read back by `codec.codec_from_metadata`): kdflow.kind = topk,
+Schema metadata (`codec_meta.shard_schema`, read back by `codec_meta.codec_from_metadata`): kdflow.kind = topk,
 kdflow.seq_len, kdflow.top_k = H, kdflow.format = 2, kdflow.targets = hybrid | sampled, kdflow.sampled_codec =
 `settings_json()` (codec name, H, S, scheme, seed, hash version, value settings, renumbering sha256),
 kdflow.topk_renumbering = the table (as in v2 top-K shards). The top-K reader refuses
@@ -33,8 +33,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from kdflow.schemas.codec import (CRC32, META_TARGETS, CodecIdentity, Renumbering, TopkCodec, codec_from_metadata,
-                                  record_batch, row_readers, shard_schema)
+from kdflow.schemas.codec import TopkCodec
+from kdflow.schemas.codec_meta import (CRC32, META_TARGETS, CodecIdentity, Renumbering, codec_from_metadata,
+                                       record_batch, row_readers, shard_schema)
 from kdflow.schemas.codec_rows import LOGPROB_SLACK, RowReader, decode_row, encode_row, from_planes, to_planes
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.sampled_settings import HASH_VERSION, SAMPLED_KINDS, SCHEMES, sampled_format, sampled_label
