@@ -1,6 +1,6 @@
 """Sampled teacher targets, as both sides see them: an exact top-H head plus S tokens sampled outside it.
 
-Per position (DESIGN.md, "Store format v2", sampled targets):
+Per position (docs/formats.md, sampled targets):
 - `head_ids` (H,), `head_logprobs` (H,): the H largest teacher log-probabilities (normalised over the full
   vocabulary), by descending value, ties to the lower id;
 - `tail_logprob`: log of the teacher's exact mass outside the head (a log-sum-exp at capture, never
@@ -26,7 +26,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-SCHEMES = ("priority", "gumbel")
+from kdflow.schemas.sampled_settings import SCHEMES
+
+__all__ = ["SCHEMES", "TARGET_KINDS", "SampledTargets", "cat_targets", "ht_weights", "target_kind"]
 TARGET_KINDS = ("topk", "sampled", "hybrid")
 
 
