@@ -2,7 +2,8 @@
 
 Public API: `TopkCodec` (settings, `settings()` / `settings_json()` for the fingerprint, `schema()`,
 `from_schema()`), `Renumbering`, `encode`, `decode` (the one decode function a reader needs, with plain
-pyarrow to open the IPC stream), `DecodedTopk`, `from_v1`. Row-level machinery: codec_rows.py.
+pyarrow to open the IPC stream), `DecodedTopk`, `from_v1`. Row-level machinery: codec_rows.py; what it
+shares with sampled shards (metadata keys, `Renumbering`, the metadata parser, records): codec_meta.py.
 Imports only numpy, pyarrow and the standard library.
 
 Input of `encode`: topk_ids (rows, T, K) int32, sorted by descending log-prob; topk_logprobs (rows, T, K)
@@ -48,10 +49,7 @@ kept = K.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
-import zlib
+import zlib  # noqa: F401 - tests/test_codec.py reaches zlib as codec.zlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -59,76 +57,16 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from kdflow.schemas.codec_rows import (ESCAPE, TAIL_KINDS, VALUE_KINDS, RowReader, check_inputs, compress, decode_row,
-                                      decompress, encode_row, from_planes, nbytes, to_planes)
+from kdflow.schemas.codec_meta import (CRC32, FORMAT_VERSION, META_FORMAT, META_TABLE, META_TARGETS, CodecIdentity,
+                                      Renumbering, codec_from_metadata, record_batch, row_readers, shard_schema)
+from kdflow.schemas.codec_rows import ESCAPE, TAIL_KINDS, VALUE_KINDS, check_inputs, decode_row, encode_row, nbytes
+
+__all__ = ["CODEC_NAME", "CRC32", "FORMAT_VERSION", "META_CODEC", "META_FORMAT", "META_TABLE", "META_TARGETS",
+           "TARGETS", "CodecIdentity", "DecodedTopk", "Renumbering", "TopkCodec", "decode", "encode", "from_v1"]
 
 CODEC_NAME = "kdflow.topk.v2"
-FORMAT_VERSION = 2
 TARGETS = "topk"
-META_FORMAT, META_TARGETS = b"kdflow.format", b"kdflow.targets"
-META_CODEC, META_TABLE = b"kdflow.topk_codec", b"kdflow.topk_renumbering"
-CRC32 = "crc32"
-
-
-class Renumbering:
-    """A permutation of token ids, id_of_rank[rank] = id; gaps are coded in rank space (small ranks = dense)."""
-
-    def __init__(self, id_of_rank: np.ndarray) -> None:
-        id_of_rank = np.ascontiguousarray(id_of_rank, dtype=np.int32)
-        rank_of_id = np.full(len(id_of_rank), -1, np.int32)
-        rank_of_id[id_of_rank.clip(0, len(id_of_rank) - 1)] = np.arange(len(id_of_rank), dtype=np.int32)
-        if id_of_rank.ndim != 1 or (rank_of_id < 0).any():
-            raise ValueError("renumbering table is not a permutation of range(vocab_size)")
-        self.id_of_rank, self.rank_of_id = id_of_rank, rank_of_id
-        self.id_of_rank_padded = np.append(id_of_rank, np.int32(-1))  # rank vocab_size = padding
-        self.sha256 = hashlib.sha256(id_of_rank.astype("<i4").tobytes()).hexdigest()
-
-    @classmethod
-    def from_counts(cls, counts: np.ndarray) -> Renumbering:
-        """Most frequent first, ties by id: deterministic, so parallel writers agree (e.g. unigram counts)."""
-        return cls(np.argsort(-np.asarray(counts, dtype=np.int64), kind="stable"))
-
-    def to_bytes(self) -> bytes:
-        """Zigzag deltas of id_of_rank as byte planes, zstd level 19: once per store, 10-180 KB."""
-        delta = np.diff(self.id_of_rank.astype(np.int64), prepend=0)
-        zigzag = ((delta << 1) ^ (delta >> 63)).astype(np.uint32)
-        return compress(b"".join(to_planes(zigzag, nbytes(2 * len(delta)))), 19)
-
-    @classmethod
-    def from_bytes(cls, data: bytes, vocab_size: int) -> Renumbering:
-        planes = nbytes(2 * vocab_size)
-        zigzag = from_planes(decompress(data, planes * vocab_size, "renumbering table"), vocab_size, planes)
-        delta = (zigzag >> 1).astype(np.int64) ^ -(zigzag & 1).astype(np.int64)
-        return cls(np.cumsum(delta))
-
-    @classmethod
-    def from_metadata(cls, metadata: dict[bytes, bytes], digest: str | None, vocab_size: int, what: str) -> Renumbering | None:
-        """The table a shard's schema carries (base64 under kdflow.renumbering), checked against the sha256 its
-        codec settings (`what`) name; None when they name none."""
-        if digest is None:
-            return None
-        if META_TABLE not in metadata:
-            raise ValueError("shard names a renumbering table but does not carry it")
-        table = cls.from_bytes(base64.b64decode(metadata[META_TABLE]), vocab_size)
-        if "sha256:" + table.sha256 != digest:
-            raise ValueError(f"renumbering table does not match its sha256 in {what}")
-        return table
-
-
-class CodecIdentity:
-    """A codec is its settings: equal, hashed and serialised through `settings()` (what changes the bytes)."""
-
-    def settings(self) -> dict[str, object]:
-        raise NotImplementedError
-
-    def settings_json(self) -> str:
-        return json.dumps(self.settings(), sort_keys=True, separators=(",", ":"))
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.settings() == other.settings()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(self.settings_json())
+META_CODEC = b"kdflow.topk_codec"
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,13 +130,7 @@ class TopkCodec(CodecIdentity):
 
     @cached_property
     def _schema(self) -> pa.Schema:
-        metadata = {b"kdflow.kind": b"topk", b"kdflow.seq_len": str(self.seq_len).encode(),
-                    b"kdflow.top_k": str(self.top_k).encode(), META_FORMAT: str(FORMAT_VERSION).encode(),
-                    META_TARGETS: TARGETS.encode(), META_CODEC: self.settings_json().encode()}
-        if self.renumbering is not None:
-            metadata[META_TABLE] = base64.b64encode(self.renumbering.to_bytes())
-        fields = [pa.field(name, pa.binary(), nullable=False) for name in self.columns()]
-        return pa.schema(fields + [pa.field(CRC32, pa.uint32(), nullable=False)], metadata=metadata)
+        return shard_schema(self, META_CODEC, top_k=self.top_k, targets=TARGETS)
 
     @cached_property
     def level_logprobs(self) -> np.ndarray:
@@ -216,30 +148,15 @@ class TopkCodec(CodecIdentity):
             raise ValueError(f"shard holds {targets!r} targets: this reader decodes {TARGETS!r} only")
         if META_CODEC not in metadata:
             raise ValueError("not a v2 top-K shard: no kdflow.topk_codec in the schema metadata")
-        codec = _CODECS.get((metadata[META_CODEC], metadata.get(META_TABLE))) or cls._parse(metadata)
+        codec = codec_from_metadata(cls, metadata, META_CODEC, CODEC_NAME, _with_levels)
         if schema.names != codec.columns() + [CRC32]:
             raise ValueError(f"columns {schema.names} are not {codec.columns() + [CRC32]}")
         return codec
 
-    @classmethod
-    def _parse(cls, metadata: dict[bytes, bytes]) -> TopkCodec:
-        try:
-            settings = json.loads(metadata[META_CODEC])
-            digest = settings.pop("renumbering")
-            if settings.pop("codec") != CODEC_NAME:
-                raise ValueError(f"codec is not {CODEC_NAME}")
-            settings["levels"] = settings["levels"] or 400
-            cls(**settings)
-        except (ValueError, TypeError, KeyError) as error:
-            raise ValueError(f"bad kdflow.topk_codec metadata: {error}") from None
-        table = Renumbering.from_metadata(metadata, digest, settings["vocab_size"], "kdflow.topk_codec")
-        codec = cls(**settings, renumbering=table)
-        if len(_CODECS) < 64:
-            _CODECS[metadata[META_CODEC], metadata.get(META_TABLE)] = codec
-        return codec
 
-
-_CODECS: dict[tuple[bytes, bytes | None], TopkCodec] = {}  # (settings JSON, table) -> parsed and checked
+def _with_levels(settings: dict[str, object]) -> dict[str, object]:
+    settings["levels"] = settings["levels"] or 400  # stored as null when values are not "sqrt"
+    return settings
 
 
 class DecodedTopk(NamedTuple):
@@ -256,16 +173,7 @@ def encode(codec: TopkCodec, topk_ids: np.ndarray, topk_logprobs: np.ndarray,
     ids, logprobs = np.asarray(topk_ids), np.asarray(topk_logprobs, dtype=np.float32)
     tail = np.asarray(tail_logprob, dtype=np.float32)
     check_inputs(codec, ids, logprobs, tail)
-    columns: list[list[bytes]] = [[] for _ in codec.columns()]
-    crcs = []
-    for row in range(len(ids)):
-        crc = 0
-        for column, cell in zip(columns, encode_row(codec, ids[row], logprobs[row], tail[row])):
-            column.append(compress(cell, codec.zstd_level))
-            crc = zlib.crc32(column[-1], crc)
-        crcs.append(crc)
-    arrays = [pa.array(column, pa.binary()) for column in columns] + [pa.array(crcs, pa.uint32())]
-    return pa.record_batch(arrays, schema=codec.schema())
+    return record_batch(codec, (encode_row(codec, ids[row], logprobs[row], tail[row]) for row in range(len(ids))))
 
 
 def decode(data: pa.RecordBatch | pa.Table, *, order: str = "logprob", dtype: type = np.float32,
@@ -284,15 +192,8 @@ def decode(data: pa.RecordBatch | pa.Table, *, order: str = "logprob", dtype: ty
     shape = (data.num_rows, codec.seq_len, codec.top_k)
     out = DecodedTopk(np.empty(shape, np.int32), np.empty(shape, dtype), np.empty(shape[:2], np.float32),
                       np.empty(shape[:2], np.int32))
-    row = 0
-    for batch in data.to_batches() if isinstance(data, pa.Table) else [data]:
-        columns = [batch.column(name) for name in codec.columns()]
-        crcs = batch.column(CRC32).to_numpy(zero_copy_only=False)
-        for index in range(batch.num_rows):
-            cells = [column[index].as_buffer() or pa.py_buffer(b"") for column in columns]
-            reader = RowReader(codec, cells, int(crcs[index]), f"row {row + row_offset}")
-            out.tail[row], out.kept[row] = decode_row(codec, reader, order, out.ids[row], out.logprobs[row])
-            row += 1
+    for row, reader in row_readers(data, codec.columns(), row_offset):
+        out.tail[row], out.kept[row] = decode_row(codec, reader, order, out.ids[row], out.logprobs[row])
     return out
 
 

@@ -1,4 +1,5 @@
-"""One row of a v2 top-K shard <-> its byte streams: the row-level machinery behind codec.encode/decode.
+"""One row of a v2 top-K shard <-> its byte streams: the row-level machinery behind codec.encode/decode
+(and, part by part, codec_sampled's).
 
 See codec.py's docstring for the byte layout. Imports only numpy, pyarrow and the standard library.
 """
@@ -146,15 +147,16 @@ def encode_row(codec: TopkCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np
 
 
 class RowReader:
-    """Hands out one row's decompressed streams in column order, after checking the row's crc32."""
+    """Hands out one row's decompressed streams in column order (`names`: the columns, for messages), after
+    checking the row's crc32. Top-K and sampled shards read their rows through it."""
 
-    def __init__(self, codec: TopkCodec, cells: list[pa.Buffer], crc: int, where: str) -> None:
+    def __init__(self, names: list[str], cells: list[pa.Buffer], crc: int, where: str) -> None:
         check = 0
         for cell in cells:
             check = zlib.crc32(cell, check)
         if check != crc:
             raise ValueError(f"{where}: crc32 mismatch, the row's bytes are corrupt or truncated")
-        self.cells, self.names, self.where = iter(cells), iter(codec.columns()), where
+        self.cells, self.names, self.where = iter(cells), iter(names), where
 
     def take(self, size: int) -> bytes:
         return decompress(next(self.cells), size, f"{self.where}, column {next(self.names)}")

@@ -3,7 +3,8 @@
 What the fields mean and why the loss on them is unbiased: `kdflow.tasks.common.sampled`. Here, the bytes.
 Public API: `SampledCodec` (settings, `settings()` for the fingerprint, `schema()`, `from_schema()`),
 `encode_sampled`, `decode_sampled` (the one decode function a reader needs, with plain pyarrow to open the
-IPC stream), `DecodedSampled`, `SampledShard`, `shard_targets`. Imports only numpy, pyarrow, the stdlib.
+IPC stream), `DecodedSampled`, `SampledShard`, `shard_targets`; the names and store settings of sampled
+targets: `kdflow.schemas.sampled_settings` (re-exported here).
 
 One Arrow record per token row, like v2 top-K shards, built from the same row machinery
 (`kdflow.schemas.codec_rows`, the same unigram renumbering table):
@@ -16,17 +17,15 @@ One Arrow record per token row, like v2 top-K shards, built from the same row ma
                  may be positive). Always float32: every sub-threshold weight is tau, so its rounding would
                  bias all of a position's sampled weights the same way.
     crc32        uint32: zlib.crc32 over the row's binary cells in column order (checked first)
-Schema metadata: kdflow.kind = topk, kdflow.seq_len, kdflow.top_k = H, kdflow.format = 2, kdflow.targets = hybrid | sampled,
-kdflow.sampled_codec = `settings_json()` (codec name, H, S, scheme, seed, hash version, value settings,
-renumbering sha256), kdflow.topk_renumbering = the table (as in v2 top-K shards). The top-K reader refuses
+Schema metadata (`codec_meta.shard_schema`, read back by `codec_meta.codec_from_metadata`): kdflow.kind = topk,
+kdflow.seq_len, kdflow.top_k = H, kdflow.format = 2, kdflow.targets = hybrid | sampled, kdflow.sampled_codec =
+`settings_json()` (codec name, H, S, scheme, seed, hash version, value settings, renumbering sha256),
+kdflow.topk_renumbering = the table (as in v2 top-K shards). The top-K reader refuses
 these shards (their kdflow.targets is not topk), so no top-K loss ever reads sampled targets by mistake.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import zlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -34,18 +33,19 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from kdflow.schemas.codec import (CRC32, FORMAT_VERSION, META_FORMAT, META_TABLE, META_TARGETS, CodecIdentity, Renumbering,
-                                  TopkCodec)
-from kdflow.schemas.codec_rows import LOGPROB_SLACK, compress, decode_row, decompress, encode_row, from_planes, to_planes
-from kdflow.schemas.config import PrecomputeConfig
+from kdflow.schemas.codec import TopkCodec
+from kdflow.schemas.codec_meta import (CRC32, META_TARGETS, CodecIdentity, Renumbering, codec_from_metadata,
+                                       record_batch, row_readers, shard_schema)
+from kdflow.schemas.codec_rows import LOGPROB_SLACK, RowReader, decode_row, encode_row, from_planes, to_planes
 from kdflow.schemas.errors import StoreError
+from kdflow.schemas.sampled_settings import HASH_VERSION, SAMPLED_KINDS, SCHEMES, sampled_format, sampled_label
 from kdflow.schemas.shards import _schema_int, read_stream_table
 from kdflow.schemas.storage import RunRoot
 
+__all__ = ["CODEC_NAME", "HASH_VERSION", "META_SAMPLED", "SAMPLED_KINDS", "SCHEMES", "DecodedSampled",
+           "SampledCodec", "SampledShard", "decode_sampled", "encode_sampled", "sampled_format", "sampled_label",
+           "sampled_problems", "shard_targets"]
 CODEC_NAME = "kdflow.sampled.v2"
-SAMPLED_KINDS = ("hybrid", "sampled")
-SCHEMES = ("priority", "gumbel")
-HASH_VERSION = "kdflow.1"  # the noise hash's constants (kdflow.tasks.teacher.sampling)
 META_SAMPLED = b"kdflow.sampled_codec"
 
 
@@ -69,9 +69,11 @@ class SampledCodec(CodecIdentity):
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.head < 0 or self.head + self.samples > self.vocab_size:
-            raise ValueError(f"need samples >= 1, head >= 0 and head + samples <= vocab_size, got {self.settings()}")
+            raise ValueError(f"need samples >= 1, head >= 0 and head + samples <= vocab_size, "
+                             f"got {self.settings()}")
         if self.scheme not in SCHEMES or self.sample_values not in ("float16", "float32"):
-            raise ValueError(f"scheme must be one of {SCHEMES}, sample_values float16 or float32, got {self.settings()}")
+            raise ValueError(f"scheme must be one of {SCHEMES}, sample_values float16 or float32, "
+                             f"got {self.settings()}")
         self.sample_codec  # noqa: B018 - TopkCodec checks the rest
         self.head_codec  # noqa: B018
 
@@ -93,11 +95,12 @@ class SampledCodec(CodecIdentity):
 
     def settings(self) -> dict[str, object]:
         return {
-            "codec": CODEC_NAME, "targets": self.kind, "seq_len": self.seq_len, "head": self.head, "samples": self.samples,
-            "vocab_size": self.vocab_size, "scheme": self.scheme, "seed": self.seed, "hash_version": self.hash_version,
-            "head_values": self.head_values if self.head else None,
+            "codec": CODEC_NAME, "targets": self.kind, "seq_len": self.seq_len, "head": self.head,
+            "samples": self.samples, "vocab_size": self.vocab_size, "scheme": self.scheme, "seed": self.seed,
+            "hash_version": self.hash_version, "head_values": self.head_values if self.head else None,
             "levels": self.levels if self.head and self.head_values == "sqrt" else None,
-            "tail": self.tail if self.head else None, "sample_values": self.sample_values, "zstd_level": self.zstd_level,
+            "tail": self.tail if self.head else None, "sample_values": self.sample_values,
+            "zstd_level": self.zstd_level,
             "renumbering": None if self.renumbering is None else "sha256:" + self.renumbering.sha256,
         }
 
@@ -109,69 +112,27 @@ class SampledCodec(CodecIdentity):
         return self._schema
 
     @cached_property
-    def _schema(self) -> pa.Schema:
-        metadata = {b"kdflow.kind": b"topk", b"kdflow.seq_len": str(self.seq_len).encode(),
-                    b"kdflow.top_k": str(self.head).encode(),  # the head's K, so top-K readers get to kdflow.targets
-                    META_FORMAT: str(FORMAT_VERSION).encode(), META_TARGETS: self.kind.encode(),
-                    META_SAMPLED: self.settings_json().encode()}
-        if self.renumbering is not None:
-            metadata[META_TABLE] = base64.b64encode(self.renumbering.to_bytes())
-        fields = [pa.field(name, pa.binary(), nullable=False) for name in self.columns()]
-        return pa.schema(fields + [pa.field(CRC32, pa.uint32(), nullable=False)], metadata=metadata)
+    def _schema(self) -> pa.Schema:  # top_k: the head's K, so top-K readers get to kdflow.targets
+        return shard_schema(self, META_SAMPLED, top_k=self.head, targets=self.kind)
 
     @classmethod
     def from_schema(cls, schema: pa.Schema) -> SampledCodec:
-        """The codec a shard was written with; ValueError when the shard holds no sampled targets or is malformed."""
+        """The codec a shard was written with; ValueError when the shard holds no sampled targets or is
+        malformed."""
         metadata = schema.metadata or {}
         targets = metadata.get(META_TARGETS, b"topk").decode(errors="replace")
         if targets not in SAMPLED_KINDS or META_SAMPLED not in metadata:
             raise ValueError(f"shard holds {targets!r} targets, not sampled ones ({', '.join(SAMPLED_KINDS)})")
-        key = (metadata[META_SAMPLED], metadata.get(META_TABLE))
-        codec = _CODECS.get(key)
-        if codec is None:
-            codec = cls._parse(metadata)
-            if len(_CODECS) < 64:
-                _CODECS[key] = codec
+        codec = codec_from_metadata(cls, metadata, META_SAMPLED, CODEC_NAME, _keywords)
         if codec.kind != targets or schema.names != codec.columns() + [CRC32]:
             raise ValueError(f"columns {schema.names} (targets {targets}) do not fit kdflow.sampled_codec")
         return codec
 
-    @classmethod
-    def _parse(cls, metadata: dict[bytes, bytes]) -> SampledCodec:
-        try:
-            settings = json.loads(metadata[META_SAMPLED])
-            digest = settings.pop("renumbering")
-            if settings.pop("codec") != CODEC_NAME:
-                raise ValueError(f"codec is not {CODEC_NAME}")
-            settings.pop("targets")
-            settings = {key: value for key, value in settings.items() if value is not None}
-        except (ValueError, TypeError, KeyError, AttributeError) as error:
-            raise ValueError(f"bad kdflow.sampled_codec metadata: {error}") from None
-        table = Renumbering.from_metadata(metadata, digest, settings["vocab_size"], "kdflow.sampled_codec")
-        try:
-            return cls(**settings, renumbering=table)
-        except TypeError as error:
-            raise ValueError(f"bad kdflow.sampled_codec metadata: {error}") from None
 
-
-_CODECS: dict[tuple[bytes, bytes | None], SampledCodec] = {}
-
-
-def sampled_format(precompute: PrecomputeConfig) -> dict[str, object]:
-    """What `precompute.targets: sampled | hybrid` adds to a store's format settings (`stores.store_format`):
-    so a store's fingerprint and `_store.json` name the kind of targets and every parameter of the draw."""
-    sampling = precompute.sampling
-    head = sampling.head if precompute.targets == "hybrid" else 0
-    return {"targets": precompute.targets, "sampling": {"head": head, "samples": sampling.samples, "scheme": sampling.scheme,
-                                                        "seed": sampling.seed, "values": sampling.values,
-                                                        "hash_version": HASH_VERSION}}
-
-
-def sampled_label(settings: dict[str, object]) -> str:
-    """"hybrid H16+S24 (priority, seed 0)" for messages."""
-    sampling = settings.get("sampling") or {}
-    head = f"H{sampling.get('head')}+" if settings.get("targets") == "hybrid" else ""
-    return f"{settings.get('targets')} {head}S{sampling.get('samples')} ({sampling.get('scheme')}, seed {sampling.get('seed')})"
+def _keywords(settings: dict[str, object]) -> dict[str, object]:
+    """Stored settings -> SampledCodec's keywords: the kind follows from the head; nulls are the defaults."""
+    settings.pop("targets")
+    return {key: value for key, value in settings.items() if value is not None}
 
 
 class DecodedSampled(NamedTuple):
@@ -227,34 +188,17 @@ def encode_sampled(codec: SampledCodec, targets: DecodedSampled) -> pa.RecordBat
                              tail_logprob=arrays.tail_logprob.astype(np.float32, copy=False))
     _check(codec, arrays)
     zeros = np.zeros(codec.seq_len, np.float32)
-    columns: list[list[bytes]] = [[] for _ in codec.columns()]
-    crcs = []
-    for row in range(len(arrays.sample_ids)):
-        cells = []
+
+    def cells(row: int) -> list[bytes]:
+        out = []
         if codec.head_codec is not None:
-            cells += encode_row(codec.head_codec, arrays.head_ids[row], arrays.head_logprobs[row], arrays.tail_logprob[row])
-        cells += encode_row(codec.sample_codec, arrays.sample_ids[row], arrays.sample_logprobs[row], zeros)[:-1]
-        cells.append(b"".join(to_planes(arrays.log_threshold[row].astype(np.float32).view(np.uint32), 4)))
-        crc = 0
-        for column, cell in zip(columns, cells, strict=True):
-            column.append(compress(cell, codec.zstd_level))
-            crc = zlib.crc32(column[-1], crc)
-        crcs.append(crc)
-    return pa.record_batch([pa.array(c, pa.binary()) for c in columns] + [pa.array(crcs, pa.uint32())],
-                           schema=codec.schema())
+            out += encode_row(codec.head_codec, arrays.head_ids[row], arrays.head_logprobs[row],
+                              arrays.tail_logprob[row])
+        out += encode_row(codec.sample_codec, arrays.sample_ids[row], arrays.sample_logprobs[row], zeros)[:-1]
+        out.append(b"".join(to_planes(arrays.log_threshold[row].astype(np.float32).view(np.uint32), 4)))
+        return out
 
-
-class _Cells:
-    """Hands out a row's decompressed cells in order: the reader `codec_rows.decode_row` expects."""
-
-    def __init__(self, cells: list[pa.Buffer], names: list[str], where: str) -> None:
-        self.cells, self.names, self.where = iter(cells), iter(names), where
-
-    def take(self, size: int) -> bytes:
-        return decompress(next(self.cells), size, f"{self.where}, column {next(self.names)}")
-
-    def fail(self, problem: str) -> ValueError:
-        return ValueError(f"{self.where}: {problem}")
+    return record_batch(codec, (cells(row) for row in range(len(arrays.sample_ids))))
 
 
 def decode_sampled(data: pa.RecordBatch | pa.Table, *, codec: SampledCodec | None = None,
@@ -268,32 +212,19 @@ def decode_sampled(data: pa.RecordBatch | pa.Table, *, codec: SampledCodec | Non
     n, t, h, s = data.num_rows, codec.seq_len, codec.head, codec.samples
     out = DecodedSampled(np.empty((n, t, h), np.int32), np.empty((n, t, h), np.float32), np.zeros((n, t), np.float32),
                          np.empty((n, t, s), np.int32), np.empty((n, t, s), np.float32), np.empty((n, t), np.float32))
-    row = 0
-    for batch in data.to_batches() if isinstance(data, pa.Table) else [data]:
-        columns = [batch.column(name) for name in names]
-        crcs = batch.column(CRC32).to_numpy(zero_copy_only=False)
-        for index in range(batch.num_rows):
-            where = f"row {row + row_offset}"
-            cells = [column[index].as_buffer() or pa.py_buffer(b"") for column in columns]
-            check = 0
-            for cell in cells:
-                check = zlib.crc32(cell, check)
-            if check != int(crcs[index]):
-                raise ValueError(f"{where}: crc32 mismatch, the row's bytes are corrupt or truncated")
-            reader = _Cells(cells, names, where)
-            if codec.head_codec is not None:
-                out.tail_logprob[row], _ = decode_row(codec.head_codec, reader, "logprob", out.head_ids[row],
-                                                      out.head_logprobs[row])
-            _decode_samples(codec, reader, out, row)
-            threshold = from_planes(reader.take(4 * t), t, 4).view(np.float32)
-            if np.isnan(threshold).any():
-                raise reader.fail("decoded log_threshold is NaN")
-            out.log_threshold[row] = threshold
-            row += 1
+    for row, reader in row_readers(data, names, row_offset):
+        if codec.head_codec is not None:
+            out.tail_logprob[row], _ = decode_row(codec.head_codec, reader, "logprob", out.head_ids[row],
+                                                  out.head_logprobs[row])
+        _decode_samples(codec, reader, out, row)
+        threshold = from_planes(reader.take(4 * t), t, 4).view(np.float32)
+        if np.isnan(threshold).any():
+            raise reader.fail("decoded log_threshold is NaN")
+        out.log_threshold[row] = threshold
     return out
 
 
-def _decode_samples(codec: SampledCodec, reader: _Cells, out: DecodedSampled, row: int) -> None:
+def _decode_samples(codec: SampledCodec, reader: RowReader, out: DecodedSampled, row: int) -> None:
     class _SampleReader:  # the sample part's streams, then a zero tail where a top-K row has its tail
         def __init__(self) -> None:
             self.left = len(codec.sample_codec.columns()) - 1

@@ -19,9 +19,10 @@ maps of it. H = 0 (`sampled` targets): p_o = 1, lse_T = lse, the first line is 0
 estimate of the whole KL. The K+1 loss alone has the tail gradient e_k (q_o - p_o): right in total, blind
 to the tail's shape.
 
-Chunked like `fused_topk_kl` (whose matmul and gradient helpers it shares): logits exist for
+Chunked by the same core as `fused_topk_kl` (`kdflow.tasks.student.chunked_loss`): logits exist for
 `chunk_tokens` rows at a time, gradients are computed during the forward pass, backward only scales them;
-next-token cross-entropy mixes in with `kd_weight`, and under autocast the matmuls run in its dtype.
+next-token cross-entropy mixes in with `kd_weight`, and under autocast the matmuls run in its dtype. This
+module supplies the per-chunk teacher term: the head's K+1 term (`losses.bucket_kd`) plus the samples'.
 Samples are drawn at the teacher's temperature 1, so the estimate is unbiased there only: T must be 1.
 """
 
@@ -34,37 +35,12 @@ import torch
 from torch import Tensor
 
 from kdflow.tasks.common.sampled import SampledTargets, ht_weights
-from kdflow.tasks.student.losses import (IGNORE_INDEX, PrecomputedGradients, _accumulate_grads_, _check_labels,
-                                         _student_logits_, fused_topk_kl)
+from kdflow.tasks.student.chunked_loss import (ChunkOptions, KDTerm, StudentChunk, check_labels, check_options,
+                                               check_student_inputs, chunk_options, counted_rows,
+                                               fused_distillation_loss)
+from kdflow.tasks.student.losses import bucket_kd, fused_topk_kl
 
 __all__ = ["distillation_kl", "fused_sampled_kl"]
-
-
-@dataclass(frozen=True)
-class _Options:
-    scheme: str
-    kd_weight: float
-    chunk_tokens: int
-    kd_count: float  # denominators, at least 1
-    ce_count: float
-    matmul_dtype: torch.dtype
-    math_dtype: torch.dtype
-    grads: tuple[bool, bool, bool]  # hidden, weight, bias
-
-
-@dataclass(frozen=True)
-class _Teacher:
-    """One chunk's targets in the math dtype; ids outside the student's vocabulary neutralised."""
-
-    head_ids: Tensor  # (c, H) long, folded ids replaced by 0
-    head_valid: Tensor  # (c, H) bool
-    p_head: Tensor  # (c, H), 0 on folded ids
-    log_p_head: Tensor  # (c, H), -inf on folded ids
-    p_tail: Tensor  # (c,) exact tail mass plus folded head mass; 0 if the student's tail is empty
-    log_p_tail: Tensor  # (c,)
-    sample_ids: Tensor  # (c, S) long, folded ids replaced by 0
-    weights: Tensor  # (c, S) HT weights, 0 on folded ids
-    log_p_samples: Tensor  # (c, S), 0 where the weight is 0
 
 
 def fused_sampled_kl(
@@ -80,31 +56,23 @@ def fused_sampled_kl(
     n_ce)` replaces those denominators (data parallel). `return_parts=True` -> (loss, kd, ce), the parts
     detached. Teacher ids >= V (warned): head ids fold into the tail bucket, sampled ids get weight 0.
     """
-    _check(hidden, weight, targets, bias, mask, labels, kd_weight, temperature, chunk_tokens)
-    if mask is not None and not bool(mask.all()):
-        rows = mask.nonzero().squeeze(1)  # (M,)
+    check_student_inputs(hidden, weight, bias, mask, labels)
+    _check_targets(hidden, targets)
+    check_options(kd_weight, chunk_tokens, labels)
+    if temperature != 1.0:
+        raise ValueError(f"temperature must be 1 with sampled targets (drawn at the teacher's temperature 1), "
+                         f"got {temperature}")
+    rows = counted_rows(mask)
+    if rows is not None:  # (M,)
         hidden = hidden.index_select(0, rows)
         targets = targets.map(lambda t: t.index_select(0, rows))
         labels = None if labels is None else labels.index_select(0, rows)
     _warn_folded(targets, weight.shape[0])
     if labels is not None:
-        _check_labels(labels, weight.shape[0])
-    kd_count = float(hidden.shape[0])
-    ce_count = float((labels != IGNORE_INDEX).sum()) if labels is not None else 0.0
-    if global_counts is not None:
-        kd_count, ce_count = (float(count) for count in global_counts)
-    device_type = hidden.device.type
-    wants = torch.is_grad_enabled()
-    math_dtype = torch.promote_types(torch.float32, torch.promote_types(hidden.dtype, weight.dtype))
-    options = _Options(
-        scheme=scheme, kd_weight=float(kd_weight), chunk_tokens=int(chunk_tokens),
-        kd_count=max(kd_count, 1.0), ce_count=max(ce_count, 1.0),
-        matmul_dtype=torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else math_dtype,
-        math_dtype=math_dtype,
-        grads=(wants and hidden.requires_grad, wants and weight.requires_grad,
-               wants and bias is not None and bias.requires_grad),
-    )
-    loss, kd, ce = PrecomputedGradients.apply(_sampled_loss_and_grads, hidden, weight, bias, (targets, labels), options)
+        check_labels(labels, weight.shape[0])
+    options = chunk_options(hidden, weight, bias, labels, kd_weight=kd_weight, temperature=1.0,
+                            chunk_tokens=chunk_tokens, global_counts=global_counts)
+    loss, kd, ce = fused_distillation_loss(hidden, weight, bias, _SampledTeacher(targets, scheme), labels, options)
     return (loss, kd, ce) if return_parts else loss
 
 
@@ -122,52 +90,48 @@ def distillation_kl(hidden: Tensor, weight: Tensor, topk_ids: Tensor, topk_logpr
     return fused_sampled_kl(hidden, weight, targets, scheme=scheme, **options)
 
 
-def _sampled_loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None,
-                            targets_and_labels: tuple[SampledTargets, Tensor | None], options: _Options) -> tuple:
-    return _chunked_loss_and_grads(hidden, weight, bias, *targets_and_labels, options)
+@dataclass(frozen=True)
+class _SampledTeacher:
+    """Sampled targets of the counted rows and the scheme they were drawn with: a chunked-loss `Teacher`."""
+
+    targets: SampledTargets
+    scheme: str
+
+    def chunk(self, start: int, end: int, vocab: int, options: ChunkOptions) -> _Teacher:
+        return _teacher_chunk(self.targets.map(lambda t: t[start:end]), vocab, self.scheme, options.math_dtype)
 
 
-def _chunked_loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: SampledTargets,
-                            labels: Tensor | None, options: _Options) -> tuple[Tensor, Tensor, Tensor, list]:
-    rows, vocab, math_dtype = hidden.shape[0], weight.shape[0], options.math_dtype
-    weight_mm = weight.detach().to(options.matmul_dtype)  # (V, D); a copy only if dtypes differ
-    bias_math = None if bias is None else bias.detach().to(math_dtype)
-    chunk = max(1, min(options.chunk_tokens, rows))
-    logits_buffer = hidden.new_empty((chunk, vocab), dtype=math_dtype)  # reused: (chunk, V)
-    grad_hidden = torch.empty_like(hidden) if options.grads[0] else None  # (M, D)
-    grad_weight = weight.new_zeros(weight.shape, dtype=math_dtype) if options.grads[1] else None
-    grad_bias = bias.new_zeros((vocab,), dtype=math_dtype) if options.grads[2] else None
-    wants_grad = any(options.grads)
-    kd_coef = options.kd_weight / options.kd_count
-    kd_sum = hidden.new_zeros((), dtype=torch.float64)
-    ce_sum = hidden.new_zeros((), dtype=torch.float64)
-    for start in range(0, rows, chunk):
-        end = min(start + chunk, rows)
-        hidden_mm = hidden[start:end].detach().to(options.matmul_dtype)  # (c, D)
-        logits = logits_buffer[: end - start]  # (c, V)
-        _student_logits_(logits, hidden_mm, weight_mm, bias_math)
-        teacher = _teacher_chunk(targets.map(lambda t: t[start:end]), vocab, options)
-        chunk_labels = None if labels is None else labels[start:end]
-        ce_coef = None
-        if chunk_labels is not None:
-            ce_coef = (chunk_labels != IGNORE_INDEX).to(math_dtype) * ((1 - options.kd_weight) / options.ce_count)
-        kd_rows, ce_rows = _sampled_pass_(logits, teacher, kd_coef, ce_coef, chunk_labels, wants_grad)
-        kd_sum += kd_rows.sum(dtype=torch.float64)
-        if ce_rows is not None:
-            ce_sum += torch.where(chunk_labels != IGNORE_INDEX, ce_rows, 0).sum(dtype=torch.float64)
-        if wants_grad:  # logits now hold d loss / d logits, (c, V)
-            _accumulate_grads_(logits, hidden_mm, weight_mm, start, end, grad_hidden, grad_weight, grad_bias,
-                               options.matmul_dtype)
-    kd_mean, ce_mean = kd_sum / options.kd_count, ce_sum / options.ce_count
-    loss = options.kd_weight * kd_mean + (1 - options.kd_weight) * ce_mean
-    grads = [grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-             None if grad_bias is None else grad_bias.to(bias.dtype)]
-    return loss.to(math_dtype), kd_mean.to(math_dtype), ce_mean.to(math_dtype), grads
+@dataclass(frozen=True)
+class _Teacher:
+    """One chunk's targets in the math dtype, ids outside the student's vocabulary neutralised: a `TeacherChunk`
+    whose exact ids are the head and whose tail ids are the samples."""
+
+    ids: Tensor  # (c, H) long, the head; folded ids replaced by 0
+    valid: Tensor  # (c, H) bool
+    p_head: Tensor  # (c, H), 0 on folded ids
+    log_p_head: Tensor  # (c, H), -inf on folded ids
+    p_tail: Tensor  # (c,) exact tail mass plus folded head mass; 0 if the student's tail is empty
+    log_p_tail: Tensor  # (c,)
+    tail_ids: Tensor  # (c, S) long, the samples; folded ids replaced by 0
+    weights: Tensor  # (c, S) HT weights, 0 on folded ids
+    log_p_samples: Tensor  # (c, S), 0 where the weight is 0
+    has_folded_ids: bool = True  # column 0 is always looked after (cheap)
+
+    def kd_term(self, student: StudentChunk, wants_grad: bool) -> KDTerm:
+        """The K+1 term of the head plus p_o x the within-tail KL, estimated from the samples."""
+        head = bucket_kd(self.p_head, self.log_p_head, self.p_tail, self.log_p_tail, student, wants_grad)
+        w = self.weights
+        within = self.log_p_samples - torch.where(self.p_tail > 0, self.log_p_tail, 0.0)[:, None]
+        within = within - (student.tail_logits - student.lse_tail[:, None])  # log(p_s / p_o) - log(q_s / q_o)
+        rows = head.rows
+        rows += torch.where(w > 0, w * within, 0.0).sum(1)
+        if not wants_grad:
+            return KDTerm(rows)
+        return KDTerm(rows, tail=head.tail + w.sum(1), head=head.head, tail_ids=-w)
 
 
-def _teacher_chunk(targets: SampledTargets, vocab: int, options: _Options) -> _Teacher:
+def _teacher_chunk(targets: SampledTargets, vocab: int, scheme: str, dtype: torch.dtype) -> _Teacher:
     """A chunk's targets in the math dtype, with ids outside the student's vocabulary neutralised."""
-    dtype = options.math_dtype
     head_ids = targets.head_ids.long()  # (c, H)
     head_valid = head_ids < vocab
     log_p_head = targets.head_logprobs.to(dtype).masked_fill(~head_valid, -torch.inf)
@@ -180,100 +144,30 @@ def _teacher_chunk(targets: SampledTargets, vocab: int, options: _Options) -> _T
     sample_ids = targets.sample_ids.long()  # (c, S)
     sample_valid = sample_ids < vocab
     log_p_samples = targets.sample_logprobs.to(dtype)
-    weights = ht_weights(log_p_samples, targets.log_threshold.to(dtype), options.scheme).masked_fill(~sample_valid, 0.0)
+    weights = ht_weights(log_p_samples, targets.log_threshold.to(dtype), scheme).masked_fill(~sample_valid, 0.0)
     return _Teacher(
-        head_ids=torch.where(head_valid, head_ids, 0), head_valid=head_valid, p_head=log_p_head.exp(),
+        ids=torch.where(head_valid, head_ids, 0), valid=head_valid, p_head=log_p_head.exp(),
         log_p_head=log_p_head, p_tail=log_p_tail.exp(), log_p_tail=log_p_tail,
-        sample_ids=torch.where(sample_valid, sample_ids, 0), weights=weights,
+        tail_ids=torch.where(sample_valid, sample_ids, 0), weights=weights,
         log_p_samples=log_p_samples.masked_fill(weights == 0, 0.0),
     )
-
-
-def _remove_head_(logits: Tensor, teacher: _Teacher) -> None:
-    """Set the head entries of logits (c, V) to -inf; folded ids point at column 0, which is restored."""
-    column_zero = logits[:, 0].clone()
-    logits.scatter_(1, teacher.head_ids, -torch.inf)
-    zero_in_head = ((teacher.head_ids == 0) & teacher.head_valid).any(1)
-    logits[:, 0] = torch.where(zero_in_head, -torch.inf, column_zero)
-
-
-def _sampled_pass_(logits: Tensor, teacher: _Teacher, kd_coef: float, ce_coef: Tensor | None, labels: Tensor | None,
-                   wants_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """Per-row KD^ (and CE with labels) for logits (c, V); overwrites logits with d loss / d logits."""
-    z_head = logits.gather(1, teacher.head_ids).masked_fill(~teacher.head_valid, -torch.inf)  # (c, H)
-    z_samples = logits.gather(1, teacher.sample_ids)  # (c, S)
-    label_logits = None
-    if labels is not None:
-        safe_labels = labels.clamp_min(0)[:, None]  # (c, 1)
-        label_logits = logits.gather(1, safe_labels).squeeze(1)  # (c,)
-    _remove_head_(logits, teacher)
-    shift = logits.amax(1, keepdim=True)  # (c, 1); -inf for an empty tail
-    shift = torch.where(torch.isfinite(shift), shift, 0.0)
-    tail_exp = logits.sub_(shift).exp_()  # (c, V): exp(z - shift) on the tail, 0 on the head
-    tail_sum = tail_exp.sum(1)  # (c,)
-    lse_tail = shift.squeeze(1) + tail_sum.log()  # (c,)
-    lse = torch.logaddexp(lse_tail, z_head.logsumexp(1)) if z_head.shape[1] else lse_tail
-    log_q_head, log_q_tail = z_head - lse[:, None], lse_tail - lse  # (c, H), (c,)
-
-    p_head, p_tail, w = teacher.p_head, teacher.p_tail, teacher.weights
-    kd_rows = torch.where(p_head > 0, p_head * (teacher.log_p_head - log_q_head), 0.0).sum(1)
-    kd_rows += torch.where(p_tail > 0, p_tail * (teacher.log_p_tail - log_q_tail), 0.0)
-    within = teacher.log_p_samples - torch.where(p_tail > 0, teacher.log_p_tail, 0.0)[:, None]
-    within = within - (z_samples - lse_tail[:, None])  # log(p_s / p_o) - log(q_s / q_o)
-    kd_rows += torch.where(w > 0, w * within, 0.0).sum(1)
-    ce_rows = None if label_logits is None else lse - label_logits
-    if not wants_grad:
-        return kd_rows, ce_rows
-
-    q_head, q_tail = log_q_head.exp(), log_q_tail.exp()
-    mass = p_head.sum(1) + p_tail  # (c,) m
-    tail_coef = kd_coef * (mass * q_tail - p_tail + w.sum(1))  # (c,)
-    head_grad = kd_coef * (mass[:, None] * q_head - p_head)  # (c, H)
-    if ce_coef is not None:
-        tail_coef = tail_coef + ce_coef * q_tail
-        head_grad = head_grad + ce_coef[:, None] * q_head
-    logits.mul_(torch.where(tail_sum > 0, tail_coef / tail_sum, 0.0)[:, None])  # exp(z - shift) -> e_k * coef
-    logits.scatter_add_(1, teacher.head_ids, head_grad.masked_fill(~teacher.head_valid, 0.0))
-    logits.scatter_add_(1, teacher.sample_ids, -kd_coef * w)
-    if labels is not None:
-        logits.scatter_add_(1, safe_labels, -ce_coef[:, None])
-    return kd_rows, ce_rows
 
 
 def _warn_folded(targets: SampledTargets, vocab: int) -> None:
     head, samples = (int((ids >= vocab).sum()) for ids in (targets.head_ids, targets.sample_ids))
     if head or samples:
-        warnings.warn(f"{head} head and {samples} sampled teacher ids are >= the student's vocabulary size {vocab}: "
-                      "head mass folds into the tail bucket, samples get weight 0", stacklevel=3)
+        warnings.warn(f"{head} head and {samples} sampled teacher ids are >= the student's vocabulary size "
+                      f"{vocab}: head mass folds into the tail bucket, samples get weight 0", stacklevel=3)
 
 
-def _check(hidden: Tensor, weight: Tensor, targets: SampledTargets, bias: Tensor | None, mask: Tensor | None,
-           labels: Tensor | None, kd_weight: float, temperature: float, chunk_tokens: int) -> None:
-    if hidden.ndim != 2 or not hidden.is_floating_point():
-        raise ValueError(f"hidden must be a float (N, D) tensor, got {hidden.dtype} {tuple(hidden.shape)}")
-    rows, width = hidden.shape
-    if weight.ndim != 2 or weight.shape[1] != width or not weight.is_floating_point():
-        raise ValueError(f"weight must be a float (V, {width}) tensor, got {weight.dtype} {tuple(weight.shape)}")
+def _check_targets(hidden: Tensor, targets: SampledTargets) -> None:
+    rows = hidden.shape[0]
     for name in ("head_ids", "head_logprobs", "tail_logprob", "sample_ids", "sample_logprobs", "log_threshold"):
         tensor = getattr(targets, name)
         if tensor.shape[0] != rows or tensor.device != hidden.device:
-            raise ValueError(f"targets.{name} has {tensor.shape[0]} rows on {tensor.device}, hidden {rows} on {hidden.device}")
+            raise ValueError(f"targets.{name} has {tensor.shape[0]} rows on {tensor.device}, "
+                             f"hidden {rows} on {hidden.device}")
     if targets.samples < 1:
         raise ValueError("sampled targets need at least one sample per position")
     if bool((targets.head_ids < 0).any()) or bool((targets.sample_ids < 0).any()):
         raise ValueError("targets have negative token ids")
-    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a float ({weight.shape[0]},) tensor, got {bias.dtype} {tuple(bias.shape)}")
-    if mask is not None and (mask.shape != (rows,) or mask.dtype != torch.bool):
-        raise ValueError(f"mask must be a bool ({rows},) tensor, got {mask.dtype} {tuple(mask.shape)}")
-    if labels is not None and (labels.shape != (rows,) or labels.is_floating_point() or labels.dtype == torch.bool):
-        raise ValueError(f"labels must be an integer ({rows},) tensor, got {labels.dtype} {tuple(labels.shape)}")
-    if not 0.0 <= kd_weight <= 1.0:
-        raise ValueError(f"kd_weight must be in [0, 1], got {kd_weight}")
-    if kd_weight < 1.0 and labels is None:
-        raise ValueError(f"labels are required when kd_weight < 1 (got kd_weight={kd_weight})")
-    if temperature != 1.0:
-        raise ValueError(f"temperature must be 1 with sampled targets (drawn at the teacher's temperature 1), "
-                         f"got {temperature}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")

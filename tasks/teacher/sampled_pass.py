@@ -36,12 +36,15 @@ def sampled_chunk_tokens(cfg: KDFlowConfig, vocab: int) -> int:
     """Rows per chunk: precompute.chunk_tokens, else ~3x fewer than the top-K pass takes in the same budget
     (the sampler holds ~24 bytes per logit, the top-K pass ~8)."""
     pre = cfg.precompute
-    return pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20, logits_dtype_bytes=SAMPLER_BYTES_PER_LOGIT)
+    return pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20,
+                                                   logits_dtype_bytes=SAMPLER_BYTES_PER_LOGIT)
 
 
-def sampled_codec(cfg: KDFlowConfig, run_root: RunRoot, store: str, tokens_done: StageComplete, vocab: int) -> SampledCodec:
+def sampled_codec(cfg: KDFlowConfig, run_root: RunRoot, store: str, tokens_done: StageComplete,
+                  vocab: int) -> SampledCodec:
     """The codec of this config's sampled store: H, S, scheme, seed, the head's values as precompute.store."""
-    plan, store_settings, sampling = SamplingPlan.from_config(cfg.precompute), cfg.precompute.store, cfg.precompute.sampling
+    plan = SamplingPlan.from_config(cfg.precompute)
+    store_settings, sampling = cfg.precompute.store, cfg.precompute.sampling
     table = renumbering_table(run_root, store, tokens_done, vocab) if store_settings.renumbering == "unigram" else None
     codec = SampledCodec(cfg.seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed,
                          hash_version=HASH_VERSION, head_values=store_settings.values, levels=store_settings.levels,
@@ -60,9 +63,10 @@ class SampledPass:
     """Everything fixed for a pass of sampled targets: the step, the codec, the host buffers."""
 
     @classmethod
-    def create(cls, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str, tokens_done: StageComplete,
-               vocab: int, slots: int) -> SampledPass:
-        return cls(cfg, model, sampled_codec(cfg, run_root, store, tokens_done, vocab), sampled_chunk_tokens(cfg, vocab), slots)
+    def create(cls, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str,
+               tokens_done: StageComplete, vocab: int, slots: int) -> SampledPass:
+        return cls(cfg, model, sampled_codec(cfg, run_root, store, tokens_done, vocab),
+                   sampled_chunk_tokens(cfg, vocab), slots)
 
     def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, codec: SampledCodec, chunk_tokens: int,
                  slots: int) -> None:
@@ -70,8 +74,8 @@ class SampledPass:
         self.step = TeacherSampledStep(model, SamplingPlan.from_config(cfg.precompute), chunk_tokens)
         self.device = next(model.parameters()).device
         self.free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
-        shapes = {"head_ids": (codec.head,), "head_logprobs": (codec.head,), "tail_logprob": (), "sample_ids": (codec.samples,),
-                  "sample_logprobs": (codec.samples,), "log_threshold": ()}
+        shapes = {"head_ids": (codec.head,), "head_logprobs": (codec.head,), "tail_logprob": (),
+                  "sample_ids": (codec.samples,), "sample_logprobs": (codec.samples,), "log_threshold": ()}
         for _ in range(slots if self.device.type == "cuda" else 0):
             self.free.put({name: torch.empty((self.micro_batch, cfg.seq_len, *shape), dtype=_HOST_DTYPES[name],
                                              pin_memory=True) for name, shape in shapes.items()})

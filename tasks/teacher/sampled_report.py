@@ -82,7 +82,8 @@ def sampled_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
         exact.append(DecodedSampled(*(getattr(drawn, f).cpu().numpy()[row - first:row - first + 1]
                                       for f in DecodedSampled._fields)))
         stored.append(SampledShard(run_root, f"{store}/{records[shard_id].data_file}").read([row]))
-    exact, stored = (DecodedSampled(*(np.concatenate(f) for f in zip(*parts, strict=True))) for parts in (exact, stored))
+    exact, stored = (DecodedSampled(*(np.concatenate(f) for f in zip(*parts, strict=True)))
+                     for parts in (exact, stored))
     same = (np.sort(exact.sample_ids, -1) == np.sort(stored.sample_ids, -1)).all(-1)  # (n, T)
     result = {"kl_rows": len(picks), "kl_positions": int(same.size), "positions_with_other_samples": int((~same).sum())}
     if exact.head_ids.shape[-1]:
@@ -101,8 +102,8 @@ def sampled_markdown(summary: dict[str, Any]) -> list[str]:
              f"| sampled tokens drawn for sure (p >= tau) | {summary['samples_drawn_for_sure']:.2%} |",
              f"| positions whose whole tail was sampled | {summary['positions_whole_tail_sampled']} |"]
     if summary.get("weight_sum_over_tail_mean") is not None:
-        lines.append(f"| sum of weights / exact tail mass (1 in expectation) | mean {summary['weight_sum_over_tail_mean']:.4f}, "
-                     f"sd {summary['weight_sum_over_tail_sd']:.4f} |")
+        lines.append(f"| sum of weights / exact tail mass (1 in expectation) | "
+                     f"mean {summary['weight_sum_over_tail_mean']:.4f}, sd {summary['weight_sum_over_tail_sd']:.4f} |")
     if "positions_with_other_samples" in summary:
         lines.append(f"| re-drawn positions with other samples | {summary['positions_with_other_samples']} of "
                      f"{summary['kl_positions']:,} |")

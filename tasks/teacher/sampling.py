@@ -11,11 +11,11 @@ among the H+S+1 largest keys overall, so each slab keeps that many. Ordering is 
 everywhere, so ties go to the lower id whatever the cut. Log-sum-exps are float64; the tail's is the sum
 of each slab's mass outside its own top-H plus what falls out of the running head, never `1 - sum`.
 
-The noise is a counter-based hash of (seed, shard, row, position, token id) (splitmix64's finaliser, on
-int64: multiplications wrap modulo 2**64), not torch's RNG: it does not depend on the chunk, the slab, the
-micro-batch or the device, so a rerun or a retry after a GPU reset writes the same shard, given the same
-logits. (Logits themselves are the same for the same config, device type and torch version; a GEMM of
-another shape may round differently and flip a near-tie.)
+The noise is a counter-based hash of (seed, shard, row, position, token id) (`sampling_noise`), not
+torch's RNG: it does not depend on the chunk, the slab, the micro-batch or the device, so a rerun or a
+retry after a GPU reset writes the same shard, given the same logits. (Logits themselves are the same for
+the same config, device type and torch version; a GEMM of another shape may round differently and flip a
+near-tie.)
 """
 
 from __future__ import annotations
@@ -30,25 +30,17 @@ from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.sampled import SCHEMES, SampledTargets, cat_targets
+from kdflow.tasks.teacher.sampling_noise import (HASH_VERSION, key_noise_, mix64_, position_streams, token_keys,
+                                                 uniform_noise_)
 from kdflow.tasks.teacher.topk import _SlabLogits, _vocab_size
+
+__all__ = ["HASH_VERSION", "SAMPLER_BYTES_PER_LOGIT", "RunningSample", "SamplingPlan", "TeacherSampledStep",
+           "check_sampling_fits", "chunked_sampled", "key_noise_", "merge_ordered", "mix64_", "position_streams",
+           "sample_slabs", "token_keys", "top_ordered", "uniform_noise_"]
 
 # Bytes per (row, id) the sampler holds, in units of topk.choose_chunk_tokens' `logits_dtype_bytes`
 # (which it doubles): float32 logits, the float64 noise/keys, its int64 scratch, a bool mask: ~24 bytes.
 SAMPLER_BYTES_PER_LOGIT = 12
-
-
-def _signed(value: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_MIX_1 = _signed(0xBF58476D1CE4E5B9)
-_MIX_2 = _signed(0x94D049BB133111EB)
-_STREAM_DOMAIN = _signed(0x6B64666C6F772E31)  # "kdflow.1": where position streams start
-_TOKEN_DOMAIN = _signed(0x9E3779B97F4A7C15)  # xor-ed into token ids before mixing
-_ONE_BITS = 0x3FF0000000000000  # the float64 bits of 1.0
-HASH_VERSION = "kdflow.1"  # names the constants above; a store records it
 
 
 @dataclass(frozen=True)
@@ -101,56 +93,6 @@ def check_sampling_fits(precompute: PrecomputeConfig, teacher: object) -> None:
         SamplingPlan.from_config(precompute).check(vocab_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-
-
-# --- the noise --------------------------------------------------------------------------------------------
-
-
-def _shift_right_(out: Tensor, z: Tensor, bits: int) -> Tensor:
-    """out <- z >>> bits (logical): torch's >> on int64 is arithmetic, so the sign copies are masked off."""
-    torch.bitwise_right_shift(z, bits, out=out)
-    return out.bitwise_and_((1 << (64 - bits)) - 1)
-
-
-def mix64_(z: Tensor, scratch: Tensor | None = None) -> Tensor:
-    """splitmix64's finaliser, in place on an int64 tensor."""
-    tmp = torch.empty_like(z) if scratch is None else scratch
-    z.bitwise_xor_(_shift_right_(tmp, z, 30)).mul_(_MIX_1)
-    z.bitwise_xor_(_shift_right_(tmp, z, 27)).mul_(_MIX_2)
-    return z.bitwise_xor_(_shift_right_(tmp, z, 31))
-
-
-def position_streams(seed: int, shard: int, rows: Tensor, positions: Tensor) -> Tensor:
-    """One 64-bit stream key per position: rows (C,) (sequence index in the shard), positions (C,) -> (C,) int64."""
-    stream = torch.full(rows.shape, _STREAM_DOMAIN, dtype=torch.int64, device=rows.device)
-    for part in (seed, shard):
-        mix64_(stream.bitwise_xor_(_signed(int(part))))
-    mix64_(stream.bitwise_xor_(rows.to(torch.int64)))
-    return mix64_(stream.bitwise_xor_(positions.to(torch.int64)))
-
-
-def token_keys(first_id: int, width: int, device: torch.device) -> Tensor:
-    """(width,) int64: mix64(id ^ domain) for ids first_id..first_id + width - 1."""
-    ids = torch.arange(first_id, first_id + width, dtype=torch.int64, device=device)
-    return mix64_(ids.bitwise_xor_(_TOKEN_DOMAIN))
-
-
-def uniform_noise_(streams: Tensor, keys: Tensor, bits: Tensor, out: Tensor) -> Tensor:
-    """u in (0, 1) per (position, id): streams (C,), token keys (s,) -> out (C, s) float64 view of an int64 buffer.
-
-    u = (m + 1/2) 2^-52 with m the top 52 bits of mix64(stream ^ token key), built through the float64 bits
-    of [1, 2) minus 1: exact, and no allocation (bits and out are (C, s) int64 buffers we may overwrite).
-    """
-    torch.bitwise_xor(streams[:, None], keys[None, :], out=bits)
-    mix64_(bits, out)
-    _shift_right_(out, bits, 12).bitwise_or_(_ONE_BITS)
-    return out.view(torch.float64).sub_(1.0).add_(2.0**-53)
-
-
-def key_noise_(u: Tensor, scheme: str) -> Tensor:
-    """Uniforms -> key noise, in place: Exp(1) = -log u (priority) or Gumbel(0, 1) = -log(-log u)."""
-    u.log_().neg_()
-    return u.log_().neg_() if scheme == "gumbel" else u
 
 
 # --- ordered top lists ------------------------------------------------------------------------------------
@@ -222,7 +164,8 @@ class RunningSample:
     def add(self, logits: Tensor, first_id: int) -> None:
         """Fold in one slab's float32 logits (c, s) for ids first_id.. (not modified)."""
         if first_id != self.next_id:
-            raise ValueError(f"slabs must be contiguous and in id order: expected first id {self.next_id}, got {first_id}")
+            raise ValueError(f"slabs must be contiguous and in id order: expected first id {self.next_id}, "
+                             f"got {first_id}")
         rows, width = logits.shape
         self.next_id += width
         workspace = self.workspace or _Workspace(rows, width, logits.device)
@@ -290,7 +233,8 @@ def _slab_lse(logits: Tensor, head_cols: Tensor, scratch: Tensor) -> tuple[Tenso
 
 
 @torch.inference_mode()
-def sample_slabs(slabs: Iterable[tuple[int, Tensor]], plan: SamplingPlan, streams: Tensor, vocab_size: int) -> SampledTargets:
+def sample_slabs(slabs: Iterable[tuple[int, Tensor]], plan: SamplingPlan, streams: Tensor,
+                 vocab_size: int) -> SampledTargets:
     """Sampled targets of one block of rows from its float32 logits, given as (first id, (c, s)) slabs in id order."""
     plan.check(vocab_size)
     running = RunningSample(plan, streams)
@@ -313,7 +257,8 @@ def chunked_sampled(
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
     if rows.shape != (hidden.shape[0],) or positions.shape != rows.shape:
-        raise ValueError(f"rows and positions must be ({hidden.shape[0]},), got {tuple(rows.shape)}, {tuple(positions.shape)}")
+        raise ValueError(f"rows and positions must be ({hidden.shape[0]},), "
+                         f"got {tuple(rows.shape)}, {tuple(positions.shape)}")
     if chunk_tokens < 1 or (vocab_chunk is not None and vocab_chunk < 1):
         raise ValueError(f"chunk_tokens and vocab_chunk must be >= 1, got {chunk_tokens}, {vocab_chunk}")
     vocab_size = _vocab_size(lm_head, hidden)
@@ -334,7 +279,8 @@ def chunked_sampled(
             running.add(logits, first_id)
         parts.append(running.finish(vocab_size))
     if not parts:
-        empty = hidden.new_empty((0, plan.head), dtype=torch.int32), hidden.new_empty((0, plan.samples), dtype=torch.int32)
+        empty = (hidden.new_empty((0, plan.head), dtype=torch.int32),
+                 hidden.new_empty((0, plan.samples), dtype=torch.int32))
         zero = hidden.new_empty(0, dtype=torch.float32)
         return SampledTargets(empty[0], empty[0].float(), zero, empty[1], empty[1].float(), zero)
     return cat_targets(parts)
@@ -344,7 +290,8 @@ class TeacherSampledStep:
     """One micro-batch through the teacher: body hidden states, then chunked sampled targets with the model's
     own final-logit transform. Results stay on the model's device."""
 
-    def __init__(self, model: nn.Module, plan: SamplingPlan, chunk_tokens: int, *, vocab_chunk: int | None = None) -> None:
+    def __init__(self, model: nn.Module, plan: SamplingPlan, chunk_tokens: int, *,
+                 vocab_chunk: int | None = None) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model, self.plan, self.chunk_tokens, self.vocab_chunk = model, plan, chunk_tokens, vocab_chunk
