@@ -26,7 +26,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-SCHEMES = ("priority", "gumbel")
+from kdflow.schemas.sampled_settings import SCHEMES
+
+__all__ = ["SCHEMES", "TARGET_KINDS", "SampledTargets", "cat_targets", "ht_weights", "target_kind"]
 TARGET_KINDS = ("topk", "sampled", "hybrid")
 
 
