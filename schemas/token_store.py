@@ -38,8 +38,8 @@ def check_store_tokenizer(store_tokenizer_fp: str | None, tokenizer_fp: str, sto
         raise FingerprintMismatch(f"token store {store} does not record its tokenizer fingerprint")
     if store_tokenizer_fp != tokenizer_fp:
         raise FingerprintMismatch(
-            f"token store {store} was made with tokenizer {store_tokenizer_fp}, but this config's tokenizer is "
-            f"{tokenizer_fp}; rerun tokenise with the teacher's tokenizer"
+            f"token store {store} was made with tokenizer fingerprint {store_tokenizer_fp}, but this config's "
+            f"tokenizer is {tokenizer_fp}; rerun tokenise with the teacher's tokenizer"
         )
 
 

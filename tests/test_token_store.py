@@ -41,7 +41,7 @@ def test_missing_foreign_tokenizer_and_other_inputs_are_one_line_each(tmp_path: 
     with pytest.raises(StoreError, match="is not complete; run tokenise first"):
         open_token_store(open_run_root(config), config, "tok")
     complete_store(config, "other", tokens_fingerprint(corpus_fingerprint(config), "other", config))
-    with pytest.raises(FingerprintMismatch, match="was made with tokenizer other, but this config's tokenizer is tok"):
+    with pytest.raises(FingerprintMismatch, match="tokenizer fingerprint other, but this config's tokenizer is tok"):
         open_token_store(open_run_root(config), config, "tok")
     complete_store(config, None, "whatever")
     with pytest.raises(FingerprintMismatch, match="does not record its tokenizer fingerprint"):

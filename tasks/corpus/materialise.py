@@ -16,9 +16,9 @@ from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPart
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import DatasetConfig, KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
-from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import corpus_table, write_corpus_part
+from kdflow.schemas.stage_settings import MaterialiseSettings, materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
@@ -186,15 +186,24 @@ def materialise(
     count_tokens: CountTokens | None = None,
     on_part: Callable[[CommitRecord], None] | None = None,
 ) -> MaterialiseSummary:
+    """Write (or resume) the corpus store of this config's run root (materialise_into)."""
+    return materialise_into(open_run_root(config), materialise_settings(config), count_tokens, on_part)
+
+
+def materialise_into(
+    run_root: RunRoot,
+    settings: MaterialiseSettings,
+    count_tokens: CountTokens | None = None,
+    on_part: Callable[[CommitRecord], None] | None = None,
+) -> MaterialiseSummary:
     """Write (or resume) the corpus store. `count_tokens` is needed for the `max_tokens` budget."""
-    dataset = config.dataset
+    dataset = settings.dataset
     if dataset.max_tokens is not None and count_tokens is None:
         raise ConfigError("dataset.max_tokens needs a tokenizer to count tokens")
-    run_root = RunRoot(config.run_root)
     run_root.ensure_writable()
     store = stage_dir(run_root, "corpus")
     remove_stale_temp_files(run_root, store)  # what a killed run of this stage left
-    fingerprint = corpus_fingerprint(config)
+    fingerprint = settings.corpus_fingerprint
     committed = list_commits(run_root, store, "corpus", fingerprint)
     done = read_complete(run_root, store)
     prefix = committed_prefix(committed)
@@ -282,8 +291,8 @@ def materialise(
         totals["skipped"] += part.skipped_empty  # trailing empty documents belong to no part
     flush(next_index)
     if not totals["documents"]:
-        raise DataError(f"{_describe(config.dataset, _local_files(config.dataset))} holds no documents: "
-                        f"{totals['skipped']} record(s), all with an empty {config.dataset.text_field!r}")
+        raise DataError(f"{_describe(dataset, _local_files(dataset))} holds no documents: "
+                        f"{totals['skipped']} record(s), all with an empty {dataset.text_field!r}")
     write_complete(run_root, store, StageComplete(
         stage="corpus", shards=prefix, rows=totals["documents"], tokens=totals["tokens"], fingerprint=fingerprint,
         extra=CorpusCompleteInfo(skipped_empty=totals["skipped"], source_exhausted=exhausted),

@@ -33,9 +33,10 @@ from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteI
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
+from kdflow.schemas.fingerprints import tokenizer_fingerprint, tokens_fingerprint_of
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import TEXT, read_corpus_part, token_batch, token_shard_writer
+from kdflow.schemas.stage_settings import TokeniseSettings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 
@@ -221,17 +222,29 @@ def tokenise(
     tokenizer: Any,
     on_shard: Callable[[CommitRecord], None] | None = None,
 ) -> TokeniseSummary:
+    """Write (or resume) the token store of this config's run root (tokenise_into)."""
+    return tokenise_into(open_run_root(config), tokenise_settings(config), tokenizer, on_shard)
+
+
+def tokenise_into(
+    run_root: RunRoot,
+    settings: TokeniseSettings,
+    tokenizer: Any,
+    on_shard: Callable[[CommitRecord], None] | None = None,
+) -> TokeniseSummary:
+    """Pack the corpus store's documents into token shards of `seq_len` ids, `sequences_per_shard` rows each."""
     started = time.perf_counter()
-    run_root = RunRoot(config.run_root)
     corpus_store, store = stage_dir(run_root, "corpus"), stage_dir(run_root, "tokens")
     corpus_done = read_complete(run_root, corpus_store)
-    corpus_fp = corpus_fingerprint(config)
+    corpus_fp = settings.corpus_fingerprint
     if corpus_done is None or corpus_done.fingerprint != corpus_fp:
-        raise StoreError(f"corpus store {run_root.display(corpus_store)} is not complete for this config; run materialise first")
+        raise StoreError(f"corpus store {run_root.display(corpus_store)} is not complete for this config; "
+                         "run materialise first")
     corpus_parts = list_commits(run_root, corpus_store, "corpus", corpus_fp)
     if committed_prefix(corpus_parts) < corpus_done.shards:
         missing = committed_prefix(corpus_parts)
-        raise StoreError(f"corpus store {run_root.display(corpus_store)} has no valid commit for part {missing}; run materialise again")
+        raise StoreError(f"corpus store {run_root.display(corpus_store)} has no valid commit for part {missing}; "
+                         "run materialise again")
     parts = [data_file_name("corpus", i) for i in range(corpus_done.shards)]
     encoder = BatchEncoder(tokenizer)
 
@@ -241,10 +254,10 @@ def tokenise(
         if not list_commits(run_root, store, "tokens") and read_complete(run_root, store) is None:
             # A fresh store starts at document 0 whatever the fingerprint: encode while it is computed.
             batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, 0), encoder))
-        seq_len, per_shard = config.seq_len, config.precompute.sequences_per_shard
+        seq_len, per_shard = settings.seq_len, settings.sequences_per_shard
         vocab_size = len(tokenizer)  # every id is below it (added tokens included): `kdflow validate` checks this
         tok_fp = tokenizer_fingerprint(tokenizer)
-        fingerprint = tokens_fingerprint(corpus_fp, tok_fp, config)
+        fingerprint = tokens_fingerprint_of(corpus_fp, tok_fp, seq_len, per_shard)
         committed = list_commits(run_root, store, "tokens", fingerprint) if batches is None else {}
         done = read_complete(run_root, store) if batches is None else None
         prefix = committed_prefix(committed)
