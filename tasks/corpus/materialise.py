@@ -91,14 +91,16 @@ def _first_malformed_json(files: list[str]) -> str | None:
             try:  # JSON lines in a .json file: report the line; else the document's own position
                 json.loads(first)
             except ValueError:
-                return f"{name}: not valid JSON at line {getattr(whole, 'lineno', '?')}, column {getattr(whole, 'colno', '?')} ({whole.msg if hasattr(whole, 'msg') else whole})"
+                return (f"{name}: not valid JSON at line {getattr(whole, 'lineno', '?')}, "
+                        f"column {getattr(whole, 'colno', '?')} ({whole.msg if hasattr(whole, 'msg') else whole})")
         for line_no, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 json.loads(line)
             except ValueError as error:
-                return f"{name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)}, column {getattr(error, 'colno', '?')})"
+                return (f"{name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)}, "
+                        f"column {getattr(error, 'colno', '?')})")
     return None
 
 
@@ -151,10 +153,12 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             source = source.skip(start)
         for record in source:
             if dataset.text_field not in record:
-                raise DataError(f"dataset has no text field {dataset.text_field!r} (fields: {', '.join(sorted(record))})")
+                raise DataError(f"dataset has no text field {dataset.text_field!r} "
+                                f"(fields: {', '.join(sorted(record))})")
             text = record[dataset.text_field]
             if text is not None and not isinstance(text, str):
-                raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text (record {index})")
+                raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text "
+                                f"(record {index})")
             yield index, text or ""
             index += 1
     except KDFlowError:
@@ -167,7 +171,8 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             raise DataError(f"dataset file {where}" if where else f"{_describe(dataset, local_files)}: not valid JSON: "
                             f"{str(error).splitlines()[0]}") from None
         if _caused_by_no_data(error) and index == start:
-            raise DataError(f"{_describe(dataset, local_files)} holds no records{' after record ' + str(start) if start else ''} "
+            after = f" after record {start}" if start else ""
+            raise DataError(f"{_describe(dataset, local_files)} holds no records{after} "
                             f"(split {dataset.split!r})") from None
         raise
 
@@ -207,7 +212,8 @@ def materialise_into(
     committed = list_commits(run_root, store, "corpus", fingerprint)
     done = read_complete(run_root, store)
     prefix = committed_prefix(committed)
-    totals = dict(documents=sum(committed[i].rows for i in range(prefix)), tokens=sum(committed[i].tokens for i in range(prefix)),
+    totals = dict(documents=sum(committed[i].rows for i in range(prefix)),
+                  tokens=sum(committed[i].tokens for i in range(prefix)),
                   skipped=sum(committed[i].extra.skipped_empty or 0 for i in range(prefix)))
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
         return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], 0, fingerprint)
@@ -227,8 +233,8 @@ def materialise_into(
         record = CommitRecord(
             stage="corpus", shard_id=prefix, data_file=data_file_name("corpus", prefix), rows=len(part.texts),
             tokens=part.tokens, bytes=writer.nbytes, sha256=writer.sha256, fingerprint=fingerprint,
-            extra=CorpusPartInfo(source_start=part.source_start, source_end=source_end, skipped_empty=part.skipped_empty,
-                                 chars=sum(map(len, part.texts))),
+            extra=CorpusPartInfo(source_start=part.source_start, source_end=source_end,
+                                 skipped_empty=part.skipped_empty, chars=sum(map(len, part.texts))),
         )
         commit_or_remove(run_root, store, record)
         if on_part:

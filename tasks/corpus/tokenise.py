@@ -98,7 +98,8 @@ class EncodedBatches:
         self._ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
-        self._thread = threading.Thread(target=self._produce, args=(batches, encoder), name="tokenise-reader", daemon=True)
+        self._thread = threading.Thread(target=self._produce, args=(batches, encoder), name="tokenise-reader",
+                                        daemon=True)
         self._thread.start()
 
     def _produce(self, batches: Iterator[list[str]], encoder: BatchEncoder) -> None:
@@ -263,11 +264,14 @@ def tokenise_into(
         prefix = committed_prefix(committed)
         sequences = sum(committed[i].rows for i in range(prefix))
         if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
-            return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0, fingerprint, tok_fp)
+            return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0,
+                                   fingerprint, tok_fp)
 
-        start_doc, start_offset = (committed[prefix - 1].extra.end_doc, committed[prefix - 1].extra.end_offset) if prefix else (0, 0)
+        start_doc, start_offset = ((committed[prefix - 1].extra.end_doc, committed[prefix - 1].extra.end_offset)
+                                   if prefix else (0, 0))
         if batches is None:
-            batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, start_doc), encoder))
+            batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, start_doc),
+                                                           encoder))
         packer = Packer(seq_len, tokenizer.eos_token_id, start_doc, start_offset)
         written = 0
 
@@ -282,10 +286,10 @@ def tokenise_into(
                 raise error.needing(input_ids.nbytes) from error.__cause__
             faults.maybe_fire("commit", run_root, stage="tokenise", shard=prefix)
             record = CommitRecord(
-                stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
-                bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
-                extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
-                                     vocab_size=vocab_size),
+                stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows,
+                tokens=rows * seq_len, bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
+                extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len,
+                                     tokenizer_fingerprint=tok_fp, vocab_size=vocab_size),
             )
             commit_or_remove(run_root, store, record)
             if on_shard:
@@ -301,8 +305,8 @@ def tokenise_into(
         dropped = int(packer.buffer.size)
         write_complete(run_root, store, StageComplete(
             stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
-            extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp, corpus_fingerprint=corpus_fp,
-                                     vocab_size=vocab_size),
+            extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
+                                     corpus_fingerprint=corpus_fp, vocab_size=vocab_size),
         ))
         return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
                                time.perf_counter() - started)

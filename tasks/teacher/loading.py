@@ -46,7 +46,8 @@ def check_teacher_limits(model_config: Any, *, top_k: int, seq_len: int) -> None
     """top_k within the vocabulary, seq_len within the context the teacher was trained for."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     problem = teacher_limits_problem(getattr(text_config, "vocab_size", None),
-                                     getattr(text_config, "max_position_embeddings", None), top_k=top_k, seq_len=seq_len)
+                                     getattr(text_config, "max_position_embeddings", None), top_k=top_k,
+                                     seq_len=seq_len)
     if problem is not None:
         raise ConfigError(problem)
 
