@@ -83,7 +83,8 @@ class KeyedTable(_Keyed):
                 self.artifact_id = create_table_artifact(rows, key=self.key, description=description)
             else:
                 with get_client(sync_client=True) as client:
-                    client.update_artifact(self.artifact_id, ArtifactUpdate(data=json.dumps(rows), description=description))
+                    client.update_artifact(self.artifact_id,
+                                           ArtifactUpdate(data=json.dumps(rows), description=description))
             self.rows = rows
         except Exception as error:  # noqa: BLE001 - a table is a view; the run goes on without it
             self._off(error)

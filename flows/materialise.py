@@ -11,14 +11,15 @@ from prefect.cache_policies import NONE
 from kdflow.flows.common import as_config, write_stage_config
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.materialise import materialise_into
 
 
 @task(name="materialise-corpus", cache_policy=NONE)
-def materialise_corpus(config: KDFlowConfig) -> dict[str, Any]:
+def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     count_tokens = None
     if config.dataset.max_tokens is not None:
         tokenizer = load_tokenizer(config)
@@ -27,19 +28,20 @@ def materialise_corpus(config: KDFlowConfig) -> dict[str, Any]:
             encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
             return [len(ids) + 1 for ids in encoded]  # + the EOS that joins documents
 
-    run_root = RunRoot(config.run_root)
     run_root.ensure_writable()
-    write_stage_config(config, stage_dir(run_root, "corpus"))
+    write_stage_config(run_root, config, stage_dir(run_root, "corpus"))
     progress = Progress("materialise", None, unit="part")
     try:
-        summary = materialise(config, count_tokens, on_part=lambda r: progress.update(1, r.tokens))
+        summary = materialise_into(run_root, materialise_settings(config), count_tokens,
+                                   on_part=lambda r: progress.update(1, r.tokens))
     finally:
         progress.close()
     result = asdict(summary) | {"seconds": progress.elapsed}
     if summary.parts and not summary.parts_written:
         get_run_logger().info("materialise: %d/%d parts already committed, nothing to do", summary.parts, summary.parts)
     get_run_logger().info("materialise: %d parts, %d documents (%d written now, %d empty skipped) in %.1f s",
-                          summary.parts, summary.documents, summary.parts_written, summary.skipped_empty, progress.elapsed)
+                          summary.parts, summary.documents, summary.parts_written, summary.skipped_empty,
+                          progress.elapsed)
     return result
 
 
@@ -51,4 +53,5 @@ def materialise_flow(config: KDFlowConfig) -> dict[str, Any]:
         config: The run's settings, section by section; this stage reads `dataset` (a hub dataset id needs hub
             access; local files do not). The first stage: nothing runs before it.
     """
-    return materialise_corpus(as_config(config))
+    config = as_config(config)
+    return materialise_corpus(open_run_root(config), config)

@@ -12,13 +12,17 @@ from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
 from kdflow.schemas.config import STAGES, KDFlowConfig
 from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.storage import RunRoot
 
 
 def _stage_line(stage: str, result: dict[str, Any]) -> str:
     if stage == "materialise":
-        return f"| materialise | {result['parts']} corpus parts, {result['documents']:,} documents | {result['parts_written']} |"
+        return (f"| materialise | {result['parts']} corpus parts, {result['documents']:,} documents | "
+                f"{result['parts_written']} |")
     if stage == "tokenise":
-        return f"| tokenise | {result['shards']} token shards, {result['tokens']:,} tokens | {result['shards_written']} |"
+        return (f"| tokenise | {result['shards']} token shards, {result['tokens']:,} tokens | "
+                f"{result['shards_written']} |")
     if stage == "precompute":
         return (f"| precompute | {result['shards']} top-K shards in `{result['store']}` (manifest: "
                 f"{ui_link('topk-manifest-' + result['tag'])}) | {result.get('written') or 0} |")
@@ -26,7 +30,7 @@ def _stage_line(stage: str, result: dict[str, Any]) -> str:
             f"{result.get('final_loss') or 0:.4g} | {result['steps'] - result['start_step']} steps |")
 
 
-def pipeline_report(config: KDFlowConfig, results: dict[str, Any]) -> str:
+def pipeline_report(run_root: RunRoot, config: KDFlowConfig, results: dict[str, Any]) -> str:
     """Markdown for the parent run: what each stage holds and did, links to the stages' own artifacts, and the
     student's report repeated (it is what a person opening the pipeline run wants to see)."""
     lines = [f"# Pipeline on `{config.run_root}`", "", "| stage | holds | written now |", "|---|---|---:|"]
@@ -36,7 +40,7 @@ def pipeline_report(config: KDFlowConfig, results: dict[str, Any]) -> str:
         from kdflow.flows.train import report_key, student_report
 
         lines += ["", f"Training curve and evaluation: {ui_link(report_key(config.student.name))}", "", "---", "",
-                  student_report(config, train)]
+                  student_report(run_root, config, train)]
     return "\n".join(lines) + "\n"
 
 
@@ -67,6 +71,7 @@ def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict
         from kdflow.flows.train import train_student_flow
 
         results["train"] = train_student_flow(config)
-    publish_markdown(artifact_key("pipeline", config.student.name), pipeline_report(config, results),
+    report = pipeline_report(open_run_root(config), config, results)
+    publish_markdown(artifact_key("pipeline", config.student.name), report,
                      f"every stage of the pipeline on {config.run_root}")
     return results

@@ -19,37 +19,19 @@ from prefect.runtime import task_run as current_task_run
 from prefect.tasks import exponential_backoff
 
 from kdflow.flows.common import as_config
-from kdflow.flows.launch import config_file, run_child
 from kdflow.flows.precompute_progress import FanOutBoard, TeacherProgress
-from kdflow.schemas.commits import check_commit, list_commits, manifest_frame, read_complete, stage_dir, validate_manifest
+from kdflow.schemas.commits import (check_commit, list_commits, manifest_frame, read_complete, stage_dir,
+                                    validate_manifest)
 from kdflow.schemas.config import KDFlowConfig
-from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
-from kdflow.schemas.protocol import (EXIT_NO_SPACE, EXIT_UNEXPECTED, EXIT_USER_ERROR, LEASE_OWNER_ENV, describe_exit_code,
-                                     format_shard_ids, is_retryable, parse_shard_ids)
+from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.protocol import LEASE_OWNER_ENV, describe_exit_code, format_shard_ids, is_retryable, parse_shard_ids
+from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
+from kdflow.tasks.common.launch import WorkerFailed, WorkerUserError, config_file, outcome_error, run_child
 from kdflow.tasks.teacher.precompute_worker import MODULE as WORKER_MODULE
 
-
-class WorkerFailed(RuntimeError):
-    """The teacher worker exited with a non-zero code; retried iff the code is in RETRYABLE_EXIT_CODES."""
-
-    def __init__(self, exit_code: int, message: str = "") -> None:
-        self.exit_code, self.message = exit_code, message
-        self.rerun_resumes = is_retryable(exit_code)  # a rerun starts a fresh worker at the first uncommitted shard
-        super().__init__(f"teacher worker failed with exit code {exit_code} ({describe_exit_code(exit_code)})"
-                         + (f": {message}" if message else ""))
-
-
-class WorkerUserError(WorkerFailed, KDFlowError):
-    """Exit code 2: bad config or input. The message is the worker's own one-line error."""
-
-    def __str__(self) -> str:
-        return self.message or super().__str__()
-
-
-class WorkerNoSpace(WorkerUserError):
-    """Exit code 3: the disk (or bucket) is full. The worker's message names where, and what it needed."""
+__all__ = ["WorkerFailed", "WorkerUserError", "precompute_flow", "precompute_shards_flow", "run_teacher_worker"]
 
 
 def _retry_if_retryable(task: Any, task_run: Any, state: Any) -> bool:
@@ -70,15 +52,13 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
             on_started=lambda pid: logger.info("attempt %d: teacher worker pid %d on shards %s", attempt, pid,
                                                format_shard_ids(shard_ids) if shard_ids else "all"),
             on_progress=artifact.update, on_log=lambda pid, line: logger.info("worker %d: %s", pid, line))
-    code, error = outcome.exit_code, (outcome.errors or [None])[-1]
-    if code == 0 and outcome.result is None:
-        code, error = EXIT_UNEXPECTED, {"message": "the worker exited without reporting a result"}
-    if code != 0:
-        message = (error or {}).get("message", "")
-        failure = {EXIT_USER_ERROR: WorkerUserError, EXIT_NO_SPACE: WorkerNoSpace}.get(code, WorkerFailed)
+    failure = outcome_error(outcome, worker="teacher worker")
+    if failure is not None:
+        code = failure.exit_code
         logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, outcome.pid, code,
-                     describe_exit_code(code), ", retryable in a new process" if is_retryable(code) else ", not retryable")
-        raise failure(code, message)
+                     describe_exit_code(code),
+                     ", retryable in a new process" if is_retryable(code) else ", not retryable")
+        raise failure
     return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid}
 
 
@@ -92,7 +72,7 @@ def _run_worker_with_retries(config: KDFlowConfig, shard_ids: list[int] | None) 
     return worker(config, shard_ids)
 
 
-def _fan_out(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
+def _fan_out(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
     """Shard ranges as flow runs of the per-range deployment; waits for all of them; -> the store's tag."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
@@ -100,7 +80,6 @@ def _fan_out(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any
     from kdflow.tasks.teacher.precompute import complete_if_done
 
     logger = get_run_logger()
-    run_root = RunRoot(config.run_root)
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     if tokens_done is None:
         raise StoreError(f"token store in {config.run_root} is not complete; run tokenise first")
@@ -126,18 +105,19 @@ def _fan_out(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any
                         failed.append(f"{run_id} ({state.type.value})")
             board.refresh(client, states, time.perf_counter() - waiting_since)
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(runs)} shard-range flow runs did not complete: {', '.join(failed[:5])}")
+        raise RuntimeError(f"{len(failed)} of {len(runs)} shard-range flow runs did not complete: "
+                           f"{', '.join(failed[:5])}")
     tags = find_topk_stores(run_root, config)
     if len(tags) != 1:
-        raise StoreError(f"expected one top-K store for this config after the fan-out, found {len(tags)} ({', '.join(tags) or 'none'}); "
-                         "with teacher.dtype auto, hosts with and without a GPU make different stores: set teacher.dtype")
+        raise StoreError(f"expected one top-K store for this config after the fan-out, found {len(tags)} "
+                         f"({', '.join(tags) or 'none'}); with teacher.dtype auto, hosts with and without a GPU make "
+                         "different stores: set teacher.dtype")
     complete_if_done(run_root, stage_dir(run_root, "topk", tags[0]), tags[0], tokens_done)
     return {"tag": tags[0]}
 
 
-def _verify(config: KDFlowConfig, tag: str, shard_ids: list[int] | None) -> dict[str, Any]:
+def _verify(run_root: RunRoot, config: KDFlowConfig, tag: str, shard_ids: list[int] | None) -> dict[str, Any]:
     """Every asked-for shard committed and aligned with its token shard; the manifest validates."""
-    run_root = RunRoot(config.run_root)
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
     tokens_done = read_complete(run_root, tokens_store)
     ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards if tokens_done else 0))
@@ -145,15 +125,18 @@ def _verify(config: KDFlowConfig, tag: str, shard_ids: list[int] | None) -> dict
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_done.fingerprint if tokens_done else None)
     missing = [i for i in ids if i not in records]
     if missing:
-        raise StoreError(f"top-K store {run_root.display(store)} lacks committed shards {format_shard_ids(missing)} after the pass")
+        raise StoreError(f"top-K store {run_root.display(store)} lacks committed shards {format_shard_ids(missing)} "
+                         "after the pass")
     unaligned = [i for i in ids if alignment_problem(token_records.get(i), records[i]) is not None]
     if unaligned:
-        raise StoreError(f"top-K shards {format_shard_ids(unaligned)} do not match their token shards; rerun precompute")
+        raise StoreError(f"top-K shards {format_shard_ids(unaligned)} do not match their token shards; "
+                         "rerun precompute")
     frame = validate_manifest(manifest_frame(records), "topk", config.seq_len, name=run_root.display(store))
     if not shard_ids and read_complete(run_root, store) is None:
         raise StoreError(f"top-K store {run_root.display(store)} has every shard but no _complete.json")
     _manifest_artifact(frame, tag)
-    return {"tag": tag, "store": run_root.display(store), "shards": len(ids), "tokens": int(sum(records[i].tokens for i in ids))}
+    return {"tag": tag, "store": run_root.display(store), "shards": len(ids),
+            "tokens": int(sum(records[i].tokens for i in ids))}
 
 
 def _manifest_artifact(frame: Any, tag: str) -> None:
@@ -161,12 +144,13 @@ def _manifest_artifact(frame: Any, tag: str) -> None:
         from prefect.artifacts import create_table_artifact
 
         rows = json.loads(frame.to_json(orient="records"))
-        create_table_artifact(rows, key=f"topk-manifest-{tag}", description=f"top-K store {tag}: {len(rows)} committed shards")
+        create_table_artifact(rows, key=f"topk-manifest-{tag}",
+                              description=f"top-K store {tag}: {len(rows)} committed shards")
     except Exception as error:  # noqa: BLE001 - an artifact is a convenience, the manifest file is the truth
         get_run_logger().debug("manifest artifact not created: %s", error)
 
 
-def _store_report_artifact(config: KDFlowConfig, tag: str, fidelity: dict[str, Any] | None) -> dict[str, Any]:
+def _store_report_artifact(run_root: RunRoot, tag: str, fidelity: dict[str, Any] | None) -> dict[str, Any]:
     """The store report (kdflow.tasks.teacher.store_report) as a Markdown artifact; the KL comes from the worker,
     which re-ran its teacher on a few rows (none in a fan-out coordinator: see the range runs' artifacts)."""
     try:
@@ -174,7 +158,7 @@ def _store_report_artifact(config: KDFlowConfig, tag: str, fidelity: dict[str, A
 
         from kdflow.tasks.teacher.store_report import report_markdown, store_summary
 
-        summary = store_summary(RunRoot(config.run_root), tag, rows=64) | (fidelity or {})
+        summary = store_summary(run_root, tag, rows=64) | (fidelity or {})
         create_markdown_artifact(report_markdown(summary), key=f"topk-store-report-{tag}",
                                  description=f"top-K store {tag}: bytes/position, KL to the teacher, histograms")
         return {k: summary[k] for k in ("bytes_per_position", "kl_mean", "kl_max") if k in summary}
@@ -185,7 +169,8 @@ def _store_report_artifact(config: KDFlowConfig, tag: str, fidelity: dict[str, A
 
 def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -> dict[str, Any]:
     seconds = time.perf_counter() - started
-    return verified | {"written": worker.get("written"), "attempt": worker.get("attempt"), "worker_pid": worker.get("worker_pid"),
+    return verified | {"written": worker.get("written"), "attempt": worker.get("attempt"),
+                       "worker_pid": worker.get("worker_pid"),
                        "seconds": round(seconds, 3),
                        "tokens_per_s": worker.get("tokens_per_s", round(verified["tokens"] / max(seconds, 1e-9), 1))}
 
@@ -209,10 +194,9 @@ def _same_teacher(config: KDFlowConfig, info: TopkStoreInfo | None) -> bool:
     return now == stored
 
 
-def _committed_already(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any] | None:
+def _committed_already(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any] | None:
     """{'tag', 'written': 0} when this config's top-K store already holds every asked-for shard (read from the
     store's files: no worker started, no teacher loaded), else None."""
-    run_root = RunRoot(config.run_root)
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     tags = find_topk_stores(run_root, config) if tokens_done is not None else []
     if len(tags) != 1:
@@ -229,13 +213,15 @@ def _committed_already(config: KDFlowConfig, shard_ids: list[int] | None) -> dic
 
 def _precompute(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
     started = time.perf_counter()
-    worker = _committed_already(config, shard_ids)
+    run_root = open_run_root(config)  # the worker, a child process, opens its own
+    worker = _committed_already(run_root, config, shard_ids)
     if worker is None and config.precompute.shards_per_flow_run and not shard_ids:
-        worker = _fan_out(config, shard_ids)
+        worker = _fan_out(run_root, config, shard_ids)
     elif worker is None:
         worker = _run_worker_with_retries(config, shard_ids)
-    verified = _verify(config, worker["tag"], shard_ids)
-    return _summary(verified, worker, started) | _store_report_artifact(config, worker["tag"], worker.get("fidelity"))
+    verified = _verify(run_root, config, worker["tag"], shard_ids)
+    return _summary(verified, worker, started) | _store_report_artifact(run_root, worker["tag"],
+                                                                        worker.get("fidelity"))
 
 
 @flow(name="precompute", log_prints=True)

@@ -11,19 +11,21 @@ from prefect.cache_policies import NONE
 from kdflow.flows.common import as_config, write_stage_config
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.stage_settings import open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.tokenise import tokenise
+from kdflow.tasks.corpus.tokenise import tokenise_into
 
 
 @task(name="tokenise-corpus", cache_policy=NONE)
-def tokenise_corpus(config: KDFlowConfig) -> dict[str, Any]:
+def tokenise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(config)
-    write_stage_config(config, stage_dir(RunRoot(config.run_root), "tokens"))
+    write_stage_config(run_root, config, stage_dir(run_root, "tokens"))
     progress = Progress("tokenise", None, unit="shard")
     try:
-        summary = tokenise(config, tokenizer, on_shard=lambda r: progress.update(1, r.tokens))
+        summary = tokenise_into(run_root, tokenise_settings(config), tokenizer,
+                                on_shard=lambda r: progress.update(1, r.tokens))
     finally:
         progress.close()
     if summary.shards and not summary.shards_written:
@@ -44,4 +46,5 @@ def tokenise_flow(config: KDFlowConfig) -> dict[str, Any]:
         config: The run's settings, section by section; this stage reads `tokenizer` (the teacher's by default)
             and `seq_len`. Run materialise first.
     """
-    return tokenise_corpus(as_config(config))
+    config = as_config(config)
+    return tokenise_corpus(open_run_root(config), config)

@@ -1,10 +1,11 @@
 """Flow `train-student`: train (or resume) a student against the cached teacher top-K.
 
-One process (student.distributed: nproc_per_node * nnodes == 1): the task calls `kdflow.tasks.student.train.train` in the
-flow's worker. More: the task launches torchrun for this node (`python -m torch.distributed.run ... -m
-kdflow.tasks.student.train_worker --config FILE`) in its own process group, which dies with the flow, forwards its lines to
-the run log and fails with its exit code. Several nodes: the same flow runs on every node, each with its
-`student.distributed.node_rank` (kdflow.tasks.student.distributed, README "Training on several GPUs").
+One process (student.distributed: nproc_per_node * nnodes == 1): the task calls
+`kdflow.tasks.student.train.train` in the flow's worker. More: the task launches torchrun for this node
+(`python -m torch.distributed.run ... -m kdflow.tasks.student.train_worker --config FILE`) in its own process
+group, which dies with the flow, forwards its lines to the run log and fails with its exit code. Several
+nodes: the same flow runs on every node, each with its `student.distributed.node_rank`
+(kdflow.tasks.student.distributed, README "Training on several GPUs").
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ from prefect.cache_policies import NONE
 
 from kdflow.flows.artifacts import KeyedProgress, artifact_key, png_markdown, publish_markdown
 from kdflow.flows.common import as_config, write_stage_config
-from kdflow.flows.launch import config_file, run_child
 from kdflow.schemas.config import KDFlowConfig, dump_config
-from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR, TRAINING_CURVE_FILE
-from kdflow.schemas.protocol import EXIT_NO_SPACE, EXIT_USER_ERROR, describe_exit_code, is_retryable
+from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.common.launch import config_file, outcome_error, run_child
 from kdflow.tasks.common.progress import format_duration
-from kdflow.tasks.student import train_worker
 from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
 from kdflow.tasks.student.jsonl_log import read_jsonl
 from kdflow.tasks.student.monitor import percent, step_line
 from kdflow.tasks.student.train import check_layout, train
-from kdflow.tasks.student.train_worker import EXEC_TORCHRUN
+from kdflow.tasks.student.train_worker import EXEC_TORCHRUN, MODULE as TRAIN_WORKER_MODULE
 
 _SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -47,10 +47,12 @@ def sparkline(values: list[float], width: int = 60) -> str:
     return "".join(_SPARKS[round((v - low) / span * (len(_SPARKS) - 1))] if math.isfinite(v) else " " for v in sampled)
 
 
-def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows: int = 12, png: bytes | None = None) -> str:
+def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows: int = 12,
+                    png: bytes | None = None) -> str:
     """Markdown: the loss curve, a table of sampled steps and the held-out evaluation before and after."""
     lines = [f"# Student `{summary['student']}`: {summary['steps']} steps", "",
-             f"Model: `{summary['final_dir'] or summary['student_dir']}`  ", f"Top-K store: `{summary['topk_store']}`", ""]
+             f"Model: `{summary['final_dir'] or summary['student_dir']}`  ",
+             f"Top-K store: `{summary['topk_store']}`", ""]
     if png:
         lines += [png_markdown(png, f"training curve of {summary['student']}"), ""]
     if metrics:
@@ -83,9 +85,8 @@ def _curve_png(run_root: RunRoot, student_dir: str) -> bytes | None:
         return None
 
 
-def student_report(config: KDFlowConfig, summary: dict[str, Any]) -> str:
+def student_report(run_root: RunRoot, config: KDFlowConfig, summary: dict[str, Any]) -> str:
     """The final report of a training run (training_report), with its metrics and curve read from the run root."""
-    run_root = RunRoot(config.run_root)
     student_dir = run_root.path(STUDENTS_DIR, config.student.name)
     metrics = read_jsonl(run_root, f"{student_dir}/{METRICS_FILE}")
     return training_report(summary, metrics, png=_curve_png(run_root, student_dir))
@@ -96,9 +97,9 @@ class TrainingArtifacts:
     in this process or from torchrun's rank 0: a progress bar under `train-NAME-progress`, updated in place, and
     the curve under `train-NAME`, a new version after every evaluation (the final report is its last one)."""
 
-    def __init__(self, config: KDFlowConfig) -> None:
+    def __init__(self, run_root: RunRoot, config: KDFlowConfig) -> None:
         self.name = config.student.name
-        self.run_root = RunRoot(config.run_root)
+        self.run_root = run_root
         self.student_dir = self.run_root.path(STUDENTS_DIR, self.name)
         self.progress = KeyedProgress(artifact_key("train", self.name, "progress"))
         self.losses: list[float] = []
@@ -124,7 +125,8 @@ class TrainingArtifacts:
         if self.losses:
             lines += [f"Loss {self.losses[0]:.4g} → {self.losses[-1]:.4g}: `{sparkline(self.losses)}`", ""]
         lines += ["| held-out at step | KL to teacher top-K | perplexity | top-1 agreement |", "|---:|---:|---:|---:|"]
-        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {percent(e['top1_agreement'])} |" for e in self.evals]
+        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {percent(e['top1_agreement'])} |"
+                  for e in self.evals]
         if publish_markdown(report_key(self.name), "\n".join(lines) + "\n",
                             f"training curve of student {self.name}, step {event['step']}"):
             self.curves += 1
@@ -135,64 +137,46 @@ class TrainingArtifacts:
         self.progress.set(100.0, f"{summary['steps']}/{config.student.steps} steps done in "
                                  f"{format_duration(summary.get('seconds') or 0.0)}"
                                  + (f", final loss {loss:.4f}" if loss is not None else ""), force=True)
-        publish_markdown(report_key(self.name), student_report(config, summary),
+        publish_markdown(report_key(self.name), student_report(self.run_root, config, summary),
                          f"training curve and evaluation of student {self.name}")
 
 
-def _write_config_if_changed(config: KDFlowConfig, folder: str) -> None:
+def _write_config_if_changed(run_root: RunRoot, config: KDFlowConfig, folder: str) -> None:
     """The resolved config beside the student; left alone when it says the same (reruns touch nothing)."""
-    run_root = RunRoot(config.run_root)
     try:
         unchanged = run_root.read_bytes(f"{folder}/{CONFIG_FILE}") == dump_config(config).encode()
     except FileNotFoundError:
         unchanged = False
     if not unchanged:
-        write_stage_config(config, folder)
-
-
-class TrainingFailed(RuntimeError):
-    """torchrun ended with a non-zero exit code."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.rerun_resumes = is_retryable(exit_code)  # killed or a CUDA failure: a rerun resumes from the checkpoint
-
-
-class TrainingUserError(TrainingFailed, KDFlowError):
-    """A rank failed on bad config or input (exit code 2): its own one-line message."""
+        write_stage_config(run_root, config, folder)
 
 
 def run_torchrun(config: KDFlowConfig, on_event: Any = lambda event: None) -> dict[str, Any] | None:
     """torchrun for this node, its lines forwarded to the run log; -> rank 0's summary (None when rank 0
-    ran on another node). Raises TrainingUserError / TrainingFailed on a non-zero exit code."""
+    ran on another node). Raises WorkerUserError / WorkerFailed on a non-zero exit code."""
     logger = get_run_logger()
     distributed = config.student.distributed
     with config_file(config, "kdflow-train") as config_path:
         logger.info("node %d of %d: %s", distributed.node_rank, distributed.nnodes,
                     shlex.join(torchrun_command(distributed, config_path)))
-        outcome = run_child(train_worker.MODULE, [EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)],
+        outcome = run_child(TRAIN_WORKER_MODULE, [EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)],
                             on_progress=on_event, on_log=lambda pid, line: logger.info("torchrun: %s", line))
-    code, errors = outcome.exit_code, outcome.errors
-    if code != 0:
-        user = next((e for e in errors if e.get("exit_code") in (EXIT_USER_ERROR, EXIT_NO_SPACE)), None)
-        if user is not None:
-            raise TrainingUserError(user["message"])
-        first = f": rank {errors[0].get('rank')}: {errors[0].get('message')}" if errors else ""
-        raise TrainingFailed(f"torchrun failed with exit code {code} ({describe_exit_code(code)}){first}", code)
+    failure = outcome_error(outcome, worker="torchrun", needs_result=False)
+    if failure is not None:
+        raise failure
     return outcome.result
 
 
 @task(name="train-student", cache_policy=NONE)
-def train_student(config: KDFlowConfig) -> dict[str, Any]:
-    run_root = RunRoot(config.run_root)
+def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     run_root.ensure_writable()
     distributed = config.student.distributed
     world_size = world_size_of(distributed)
     if distributed.node_rank == 0:  # one writer: the configs of other nodes differ in node_rank only
-        _write_config_if_changed(config, run_root.path(STUDENTS_DIR, config.student.name))
-    artifacts = TrainingArtifacts(config)
+        _write_config_if_changed(run_root, config, run_root.path(STUDENTS_DIR, config.student.name))
+    artifacts = TrainingArtifacts(run_root, config)
     if world_size == 1:
-        summary = train(config, on_event=artifacts.update)
+        summary = train(config, on_event=artifacts.update, run_root=run_root)
     else:
         check_layout(config.student, world_size)  # a one-line error here, before any process starts
         summary = run_torchrun(config, on_event=artifacts.update)
@@ -222,5 +206,6 @@ def train_student_flow(config: KDFlowConfig) -> dict[str, Any]:
     config = as_config(config)
     distributed = config.student.distributed
     if distributed.node_rank >= distributed.nnodes:
-        raise ConfigError(f"student.distributed.node_rank={distributed.node_rank} must be below nnodes={distributed.nnodes}")
-    return train_student(config)
+        raise ConfigError(f"student.distributed.node_rank={distributed.node_rank} must be below "
+                          f"nnodes={distributed.nnodes}")
+    return train_student(open_run_root(config), config)

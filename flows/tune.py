@@ -1,6 +1,6 @@
 """Flow `tune-precompute`: `kdflow tune precompute` as a deployment on the `gpu` pool, so it runs on the GPU
 that will run the teacher pass. Each candidate is a task run that starts one tune worker process
-(`kdflow.flows.tuning`); the table becomes a Prefect artifact and the flow returns the summary. It never
+(`kdflow.tasks.teacher.tuning`); the table becomes a Prefect artifact and the flow returns the summary. It never
 edits a config: copy the recommended `precompute.micro_batch` into the deployment's parameters (or run
 `kdflow tune precompute CONFIG.yaml --write` on that machine).
 """
@@ -12,11 +12,12 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from kdflow.flows import tuning
 from kdflow.flows.common import as_config
-from kdflow.flows.launch import config_file
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.stage_settings import open_run_root
+from kdflow.tasks.common.launch import config_file
+from kdflow.tasks.teacher import tuning
 
 
 @task(name="tune-candidate", cache_policy=NONE, task_run_name="micro-batch-{micro_batch}")
@@ -37,8 +38,9 @@ def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | 
     config = as_config(config)
     if not 0.0 <= headroom < 1.0 or batches < 1 or warmup < 0 or timeout_s <= 0:
         raise ConfigError("headroom must be in [0, 1), batches >= 1, warmup >= 0 and timeout_s > 0")
-    sizes = tuning.parse_micro_batches(micro_batches) if micro_batches is not None else tuning.default_micro_batches(config)
-    rows_from = tuning.check_tune_inputs(config)
+    sizes = (tuning.parse_micro_batches(micro_batches) if micro_batches is not None
+             else tuning.default_micro_batches(config))
+    rows_from = tuning.check_tune_inputs(config, run_root=open_run_root(config))
     logger = get_run_logger()
     logger.info("candidates %s; rows: %s", ",".join(map(str, sizes)), rows_from)
     with config_file(config, "kdflow-tune-") as path:
@@ -59,7 +61,8 @@ def _table_artifact(markdown: str, result: dict[str, Any]) -> None:
         from prefect.artifacts import create_markdown_artifact
 
         chosen = result["recommended_micro_batch"]
-        verdict = (f"**recommended: `precompute.micro_batch: {chosen}`** ({result['recommended_tokens_per_s']:,.0f} tok/s)"
+        verdict = (f"**recommended: `precompute.micro_batch: {chosen}`** "
+                   f"({result['recommended_tokens_per_s']:,.0f} tok/s)"
                    if chosen is not None else "**no candidate left the required headroom**")
         create_markdown_artifact(f"{markdown}\n\n{verdict}\n", key="tune-precompute",
                                  description="micro-batch candidates of the teacher pass")

@@ -1,7 +1,7 @@
 """`kdflow tune precompute CONFIG.yaml`: the teacher's fastest micro-batch that fits, measured on this machine.
 
 Each candidate loads the configured teacher in a fresh process and times a few real micro-batches
-(`kdflow.flows.tuning`); the table shows tok/s, peak memory and headroom, and the recommendation is the
+(`kdflow.tasks.teacher.tuning`); the table shows tok/s, peak memory and headroom, and the recommendation is the
 fastest candidate that leaves `--headroom` of the memory free. `--write` puts it into CONFIG.yaml as
 `precompute.micro_batch`, editing that one value in place (comments and layout kept), so that the run
 uses it from its first shard to its last.
@@ -27,23 +27,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="YAML config (see configs/)")
     parser.add_argument("--micro-batches", help="comma list of candidates (default: half, 1x, 2x and 4x the config's)")
     parser.add_argument("--headroom", type=float, default=0.10,
-                        help="fraction of the device's memory (CPU: the machine's) left free at the peak (default 0.10)")
+                        help="fraction of the device's memory (CPU: the machine's) left free at the peak "
+                             "(default 0.10)")
     parser.add_argument("--batches", type=int, default=3, help="timed micro-batches per candidate (after one warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-batches per candidate first")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="a candidate's process is killed after this")
     parser.add_argument("--keep-going", action="store_true", help="try larger candidates after an out-of-memory too")
-    parser.add_argument("--write", action="store_true", help="write the recommendation into CONFIG as precompute.micro_batch")
+    parser.add_argument("--write", action="store_true",
+                        help="write the recommendation into CONFIG as precompute.micro_batch")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line after the table")
     parser.add_argument("--verbose", action="store_true", help="show the candidates' own log lines (stderr)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (repeatable)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from kdflow.flows import tuning
     from kdflow.schemas.config import load_config
+    from kdflow.schemas.stage_settings import open_run_root
+    from kdflow.tasks.teacher import tuning
 
     if not 0.0 <= args.headroom < 1.0:
         raise ConfigError(f"--headroom must be a fraction in [0, 1), got {args.headroom}")
@@ -53,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, overrides)
     sizes = (tuning.parse_micro_batches(args.micro_batches) if args.micro_batches is not None
              else tuning.default_micro_batches(config))
-    rows_from = tuning.check_tune_inputs(config, seq_len_given=_seq_len_given(args.config, overrides))
+    run_root = open_run_root(config)
+    rows_from = tuning.check_tune_inputs(config, seq_len_given=_seq_len_given(args.config, overrides),
+                                         run_root=run_root)
     if args.write:
-        _check_writable(Path(args.config), config, tuning)
+        _check_writable(Path(args.config), config, tuning, run_root)
     print(f"kdflow tune precompute: {config.teacher.model} on {config.teacher.device}, seq_len {config.seq_len}, "
           f"top_k {config.precompute.top_k}; candidates {','.join(map(str, sizes))}; rows: {rows_from}", flush=True)
 
@@ -67,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  micro-batch {candidate.micro_batch}: {candidate.status}: {detail}", flush=True)
 
     candidates = tuning.tune(config, sizes, batches=args.batches, warmup=args.warmup, timeout_s=args.timeout_s,
-                             keep_going=args.keep_going, on_candidate=report, on_log=_worker_log if args.verbose else _quiet)
+                             keep_going=args.keep_going, on_candidate=report,
+                             on_log=_worker_log if args.verbose else _quiet)
     print()
     print(tuning.table(candidates, args.headroom))
     result = tuning.summary(candidates, args.headroom)
     chosen = result["recommended_micro_batch"]
     if chosen is None:
-        print(f"\nno candidate ran with {args.headroom:.0%} headroom; try smaller micro-batches or teacher.load_in_4bit")
+        print(f"\nno candidate ran with {args.headroom:.0%} headroom; try smaller micro-batches or "
+              "teacher.load_in_4bit")
     else:
         print(f"\nrecommended: precompute.micro_batch: {chosen} ({result['recommended_tokens_per_s']:,.0f} tok/s, "
               f"{result['recommended_over_fastest']:.1%} of the fastest candidate)")
@@ -105,14 +113,15 @@ def _seq_len_given(path: str, overrides: dict[str, Any]) -> bool:
     return "seq_len" in data or "seq_len" in overrides
 
 
-def _check_writable(path: Path, config: Any, tuning: Any) -> None:
+def _check_writable(path: Path, config: Any, tuning: Any, run_root: Any) -> None:
     """--write must be able to edit the file, and must not change the micro-batch of a run already under way."""
     if not os.access(path, os.W_OK):
         raise ConfigError(f"--write: {path} is not writable")
-    computed = tuning.committed_micro_batches(config)
+    computed = tuning.committed_micro_batches(config, run_root)
     if computed:
         raise ConfigError(f"--write: this config's top-K store already has shards computed with micro_batch "
-                          f"{','.join(map(str, sorted(computed)))}; the micro-batch stays fixed for a run (tune without --write)")
+                          f"{','.join(map(str, sorted(computed)))}; the micro-batch stays fixed for a run "
+                          "(tune without --write)")
 
 
 # --- editing one value of a YAML file in place -----------------------------------------------------------
@@ -137,7 +146,8 @@ def set_nested_value(text: str, section: str, key: str, value: Any) -> str:
         end += 1
     children = [line for line in lines[start + 1:end] if line.strip() and not line.lstrip().startswith("#")]
     indent = re.match(r"^[ \t]*", children[0]).group(0) if children else "  "
-    pattern = re.compile(rf"^{re.escape(indent)}{re.escape(key)}\s*:(?P<value>[^#\n]*?)(?P<comment>\s+#.*)?(?P<eol>\r?\n?)$")
+    pattern = re.compile(rf"^{re.escape(indent)}{re.escape(key)}\s*:"
+                         rf"(?P<value>[^#\n]*?)(?P<comment>\s+#.*)?(?P<eol>\r?\n?)$")
     for i in range(start + 1, end):
         match = pattern.match(lines[i])
         if match:
@@ -162,7 +172,8 @@ def write_micro_batch(path: Path, micro_batch: int) -> None:
     except yaml.YAMLError:
         after = None
     if after != expected:
-        raise ConfigError(f"--write: cannot edit {path} in place; set precompute.micro_batch: {micro_batch} there by hand")
+        raise ConfigError(f"--write: cannot edit {path} in place; set precompute.micro_batch: {micro_batch} "
+                          "there by hand")
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temporary.write_text(edited, encoding="utf-8")
     os.chmod(temporary, path.stat().st_mode & 0o7777)

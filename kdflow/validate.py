@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
-from kdflow.schemas.codec import DecodedTopk, TopkCodec
 from kdflow.schemas.codec_sampled import sampled_problems
 from kdflow.schemas.commits import CommitRecord, StageComplete, check_commits, load_manifest, read_complete
 from kdflow.schemas.errors import KDFlowError, StoreError
@@ -31,12 +30,11 @@ from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
 from kdflow.schemas.topk_rows import iter_topk_rows
+from kdflow.validate_checks import token_id_problems, topk_problems, topk_v2_problems
+
+__all__ = ["StoreReport", "topk_problems", "validate_corpus", "validate_run_root", "validate_tokens", "validate_topk"]
 
 STAGE_COMMAND = {"corpus": "materialise", "tokens": "tokenise", "topk": "precompute"}
-# Log-probs may exceed 0 by rounding only; the tail mass 1 - sum(exp) may dip below 0 by the rounding of K
-# values (float16 keeps 11 bits: the error of sum p_i * l_i stays under ~1e-2 even at high entropy).
-LOGPROB_SLACK = {"float16": 1e-3, "float32": 1e-5}
-TAIL_SLACK = {"float16": 1e-2, "float32": 1e-4}
 ROWS_PER_CHECK = 16  # bounds the temporaries of the content checks on large shards
 
 
@@ -63,87 +61,6 @@ class StoreReport:
         self.problems.append((f"{self.label} shard {shard_id}: {message}", shard_id))
         self.broken[shard_id] = f"{self.store}/{commit_file_name(self.stage, shard_id)}"
         self.records.pop(shard_id, None)
-
-
-# --- content checks (pure numpy) --------------------------------------------------------------------------
-
-
-def _where(mask: np.ndarray, row_offset: int = 0) -> str:
-    """'row r, position t' of the first True in a (rows, T) mask."""
-    row, position = np.argwhere(mask)[0][:2]
-    return f"row {row_offset + row}, position {position}"
-
-
-def token_id_problems(input_ids: np.ndarray, vocab: int | None) -> list[str]:
-    """input_ids (rows, T): every id within [0, vocab)."""
-    problems = []
-    if (input_ids < 0).any():
-        problems.append(f"negative token id at {_where(input_ids < 0)}")
-    if vocab is not None and (input_ids >= vocab).any():
-        problems.append(f"token id {int(input_ids.max())} >= vocabulary {vocab} at {_where(input_ids >= vocab)}")
-    return problems
-
-
-def topk_problems(topk_ids: np.ndarray, topk_logprobs: np.ndarray, vocab: int | None, row_offset: int = 0) -> list[str]:
-    """topk_ids (rows, T, K) int32, topk_logprobs (rows, T, K) float16|float32: the top-K contract, one line per failed check."""
-    dtype = "float16" if topk_logprobs.dtype == np.float16 else "float32"
-    logprobs = topk_logprobs.astype(np.float32)  # (rows, T, K)
-
-    def at(mask: np.ndarray) -> str:  # mask (rows, T)
-        return _where(mask, row_offset)
-
-    problems = []
-    if (topk_ids < 0).any():
-        problems.append(f"negative top-K id at {at((topk_ids < 0).any(-1))}")
-    if vocab is not None and (topk_ids >= vocab).any():
-        problems.append(f"top-K id {int(topk_ids.max())} >= vocabulary {vocab} at {at((topk_ids >= vocab).any(-1))}")
-    sorted_ids = np.sort(topk_ids, axis=-1)  # (rows, T, K)
-    duplicate = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any(-1)  # (rows, T)
-    if duplicate.any():
-        problems.append(f"a top-K id appears twice at {at(duplicate)}")
-    finite = np.isfinite(logprobs).all(-1)  # (rows, T)
-    if not finite.all():
-        problems.append(f"non-finite log-prob at {at(~finite)}")
-        # Such positions get a harmless stand-in (sorted, <= 0, tiny mass) so the checks below report other problems only.
-        logprobs = np.where(finite[..., None], logprobs, np.float32(-30.0))
-    positive = (logprobs > LOGPROB_SLACK[dtype]).any(-1)  # (rows, T)
-    if positive.any():
-        problems.append(f"positive log-prob {float(logprobs.max()):.4g} at {at(positive)}")
-    unsorted = (np.diff(logprobs, axis=-1) > 0).any(-1)  # (rows, T): ties are fine
-    if unsorted.any():
-        problems.append(f"log-probs not sorted descending along K at {at(unsorted)}")
-    tail_mass = 1.0 - np.exp(logprobs.astype(np.float64)).sum(-1)  # (rows, T)
-    negative_tail = tail_mass < -TAIL_SLACK[dtype]
-    if negative_tail.any():
-        problems.append(f"tail mass 1 - sum(exp(log-probs)) = {float(tail_mass.min()):.4g} < 0 at {at(negative_tail)}")
-    return problems
-
-
-def mass_tolerance(codec: TopkCodec) -> float:
-    """How far sum(p) + exp(tail) of a decoded v2 position may be from 1: the values' quantisation bound
-    (|sqrt(p) error| <= 1/2L per entry sums to at most sqrt(K)/L + K/4L^2), plus the tail's float16 rounding."""
-    if codec.values == "sqrt":
-        values = codec.top_k**0.5 / codec.levels + codec.top_k / (4 * codec.levels**2)
-    else:
-        values = TAIL_SLACK[codec.values]
-    return values + (1e-3 if codec.tail == "float16" else 1e-5)
-
-
-def topk_v2_problems(decoded: DecodedTopk, codec: TopkCodec, vocab: int | None, row_offset: int = 0) -> list[str]:
-    """Rows of a decoded v2 shard: kept ids within the teacher's vocabulary, each position's mass 1 within
-    `mass_tolerance` (the decoder already checked ids, order, ranges and the tail's sign)."""
-    kept = np.arange(codec.top_k) < decoded.kept[..., None]  # (rows, T, K)
-    problems = []
-    beyond = (np.where(kept, decoded.ids, 0) >= vocab).any(-1) if vocab is not None else None  # (rows, T)
-    if beyond is not None and beyond.any():
-        problems.append(f"top-K id {int(decoded.ids.max())} >= vocabulary {vocab} at {_where(beyond, row_offset)}")
-    mass = np.where(kept, np.exp(decoded.logprobs.astype(np.float64)), 0.0).sum(-1) + np.exp(decoded.tail.astype(np.float64))
-    tolerance = mass_tolerance(codec)
-    wrong = np.abs(mass - 1.0) > tolerance  # (rows, T)
-    if wrong.any():
-        worst = float(mass.flat[np.abs(mass - 1.0).argmax()])
-        problems.append(f"stored ids and tail hold mass {worst:.4g}, not 1 (+-{tolerance:.2g}) at {_where(wrong, row_offset)}")
-    return problems
 
 
 # --- one store --------------------------------------------------------------------------------------------
@@ -193,11 +110,12 @@ def _check_hashes(run_root: RunRoot, report: StoreReport) -> None:
     for shard_id, record in sorted(report.records.items()):
         actual = sha256_of(run_root, f"{report.store}/{record.data_file}")
         if actual != record.sha256:
-            report.shard_problem(shard_id, f"{record.data_file} has sha256 {actual[:12]}..., its record says {record.sha256[:12]}... "
-                                 "(changed after it was committed)")
+            report.shard_problem(shard_id, f"{record.data_file} has sha256 {actual[:12]}..., its record says "
+                                 f"{record.sha256[:12]}... (changed after it was committed)")
 
 
-def _check_contents(run_root: RunRoot, report: StoreReport, check_shard: Callable[[int, CommitRecord], list[str]]) -> None:
+def _check_contents(run_root: RunRoot, report: StoreReport,
+                    check_shard: Callable[[int, CommitRecord], list[str]]) -> None:
     for shard_id, record in sorted(report.records.items()):
         try:
             problems = check_shard(shard_id, record)
@@ -234,7 +152,8 @@ def validate_corpus(run_root: RunRoot) -> StoreReport:
     return report
 
 
-def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None, records: dict[int, CommitRecord]) -> tuple[int | None, str]:
+def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None,
+                 records: dict[int, CommitRecord]) -> tuple[int | None, str]:
     """-> (vocabulary size of the token store's tokenizer, where it came from) or (None, why not)."""
     for extra in ([done.extra] if done else []) + [r.extra for r in records.values()]:
         if extra.vocab_size:
@@ -281,7 +200,8 @@ def validate_tokens(run_root: RunRoot) -> tuple[StoreReport, int | None, int | N
     return report, seq_len, vocab
 
 
-def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int | None, token_vocab: int | None) -> StoreReport:
+def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int | None,
+                  token_vocab: int | None) -> StoreReport:
     report = StoreReport(f"topk/{tag}", "topk", run_root.path(TOPK_DIR, tag))
     done = _read_done(run_root, report)
     fingerprint = done.fingerprint if done else tag  # a top-K store's fingerprint is its tag
@@ -293,8 +213,8 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
     made_from = {r.extra.tokens_fingerprint for r in report.records.values()} - {None}
     aligned = not made_from or tokens.fingerprint in made_from
     if not aligned:
-        report.notes.append(f"made from another token store ({', '.join(sorted(made_from))}, not {tokens.fingerprint}): "
-                            "alignment not checked")
+        report.notes.append(f"made from another token store ({', '.join(sorted(made_from))}, "
+                            f"not {tokens.fingerprint}): alignment not checked")
     if done is not None and aligned and tokens.expected is not None and done.shards != tokens.expected:
         report.store_problem(f"{done.shards} shards, the token store has {tokens.expected}")
     info = read_store_info(run_root, report.store)
@@ -303,8 +223,9 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
     vocab = next((int(v) for v in recorded if v), None)
     if vocab is None and report.records:
         vocab = token_vocab
-        report.notes.append("no teacher vocabulary size recorded: top-K ids checked against the token store's vocabulary"
-                            if vocab is not None else "vocabulary size unknown: top-K ids checked for >= 0 only")
+        report.notes.append("no teacher vocabulary size recorded: top-K ids checked against the token store's "
+                            "vocabulary" if vocab is not None
+                            else "vocabulary size unknown: top-K ids checked for >= 0 only")
 
     def check_shard(shard_id: int, record: CommitRecord) -> list[str]:
         problems = []
@@ -322,8 +243,10 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
         for codec, first, decoded in iter_topk_rows(run_root, f"{report.store}/{record.data_file}", seq_len, targets,
                                                     ROWS_PER_CHECK):
             settings = None if codec is None else codec.settings()
-            if first == 0 and (targets != "topk" or (info is not None and info.format == "v2")) and settings != store_codec:
-                return problems + [f"written as {'v1' if settings is None else settings}, the store's codec is {store_codec}"]
+            coded = targets != "topk" or (info is not None and info.format == "v2")
+            if first == 0 and coded and settings != store_codec:
+                return problems + [f"written as {'v1' if settings is None else settings}, "
+                                   f"the store's codec is {store_codec}"]
             if targets != "topk":
                 problems += sampled_problems(decoded, vocab, row_offset=first)
             elif codec is None:

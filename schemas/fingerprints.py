@@ -33,7 +33,12 @@ def corpus_fingerprint(config: KDFlowConfig) -> str:
 
 
 def tokens_fingerprint(corpus_fp: str, tokenizer_fp: str, config: KDFlowConfig) -> str:
-    return section_hash("tokens", corpus_fp, tokenizer_fp, config.seq_len, config.precompute.sequences_per_shard)
+    return tokens_fingerprint_of(corpus_fp, tokenizer_fp, config.seq_len, config.precompute.sequences_per_shard)
+
+
+def tokens_fingerprint_of(corpus_fp: str, tokenizer_fp: str, seq_len: int, sequences_per_shard: int) -> str:
+    """tokens_fingerprint from the values it reads (tokenise's view of the config)."""
+    return section_hash("tokens", corpus_fp, tokenizer_fp, seq_len, sequences_per_shard)
 
 
 def topk_fingerprint(teacher_fp: str, tokens_fp: str, config: KDFlowConfig) -> str:

@@ -16,11 +16,11 @@ import pytest
 import yaml
 from test_precompute import prepare
 
-import kdflow.flows.launch as launch
+import kdflow.tasks.common.launch as launch
 from kdflow.cli import main as cli_main
-from kdflow.flows import tuning
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.tasks.teacher import tuning
 from kdflow.tasks.teacher.tune import measure_candidate
 from kdflow.tune import set_nested_value, write_micro_batch
 

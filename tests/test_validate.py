@@ -264,7 +264,7 @@ def test_older_token_store_without_vocab_size(tokenised_run: tuple[Any, Any], ca
         write_commit(run_root, store, record.model_copy(update={"extra": record.extra.model_copy(update={"vocab_size": None})}))
     code, out = run_validate(capsys, config.run_root)
     assert code == 0 and "note: vocabulary size unknown" in out  # no config.yaml: the upper bound is skipped, with a note
-    write_stage_config(config, store)
+    write_stage_config(run_root, config, store)
     code, out = run_validate(capsys, config.run_root)
     assert code == 0 and "vocabulary size unknown" not in out
 

@@ -234,7 +234,7 @@ def _tune(config_path: Path, size: dict[str, Any]) -> dict[str, Any]:
 
 def _precompute(config_path: Path) -> dict[str, Any]:
     """The teacher pass in its worker process, as the precompute flow starts it (the tuned micro-batch if written)."""
-    from kdflow.flows.launch import run_child
+    from kdflow.tasks.common.launch import run_child
     from kdflow.tasks.teacher.precompute_worker import MODULE
 
     outcome = run_child(MODULE, ["--config", str(config_path)], on_log=lambda pid, line: print(line, file=sys.stderr))
@@ -280,7 +280,7 @@ def _fsdp(config_path: Path) -> dict[str, Any]:
 
     import yaml
 
-    from kdflow.flows.launch import config_file, run_child
+    from kdflow.tasks.common.launch import config_file, run_child
     from kdflow.schemas.config import load_config
     from kdflow.tasks.student.distributed import torchrun_arguments
     from kdflow.tasks.student.train_worker import EXEC_TORCHRUN, MODULE

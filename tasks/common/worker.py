@@ -1,9 +1,11 @@
 """The child-process side of the worker protocol, shared by the teacher worker and every torchrun rank.
 
 A worker asks the kernel to SIGKILL it when its parent dies (Linux PR_SET_PDEATHSIG), so killing the flow
-never leaves a teacher holding a GPU. `run_worker` turns whatever the worker's body raises into an exit
-code and a `KDFLOW_ERROR` line, and its successful summary into a `KDFLOW_RESULT` line; `exit_now` ends
-the process without interpreter teardown. Stdlib imports only at the top: no torch before the body runs.
+never leaves a teacher holding a GPU. `run_worker_main` is every worker's guarded main: the parent-death
+signal, then the worker's `run` (its arguments, logging set-up and body), then `exit_now`. `run_worker`
+turns whatever the worker's body raises into an exit code and a `KDFLOW_ERROR` line, and its successful
+summary into a `KDFLOW_RESULT` line; `exit_now` ends the process without interpreter teardown.
+Stdlib imports only at the top: no torch before the body runs.
 """
 
 from __future__ import annotations
@@ -81,3 +83,10 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_worker_main(run: Callable[[], int]) -> NoReturn:
+    """A worker's `__main__`: die with the parent, run (which never raises: see `run_worker`), exit with its code
+    without interpreter teardown."""
+    set_parent_death_signal()
+    exit_now(run())

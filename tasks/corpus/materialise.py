@@ -16,9 +16,9 @@ from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPart
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import DatasetConfig, KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
-from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import corpus_table, write_corpus_part
+from kdflow.schemas.stage_settings import MaterialiseSettings, materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
@@ -91,14 +91,16 @@ def _first_malformed_json(files: list[str]) -> str | None:
             try:  # JSON lines in a .json file: report the line; else the document's own position
                 json.loads(first)
             except ValueError:
-                return f"{name}: not valid JSON at line {getattr(whole, 'lineno', '?')}, column {getattr(whole, 'colno', '?')} ({whole.msg if hasattr(whole, 'msg') else whole})"
+                return (f"{name}: not valid JSON at line {getattr(whole, 'lineno', '?')}, "
+                        f"column {getattr(whole, 'colno', '?')} ({whole.msg if hasattr(whole, 'msg') else whole})")
         for line_no, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 json.loads(line)
             except ValueError as error:
-                return f"{name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)}, column {getattr(error, 'colno', '?')})"
+                return (f"{name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)}, "
+                        f"column {getattr(error, 'colno', '?')})")
     return None
 
 
@@ -151,10 +153,12 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             source = source.skip(start)
         for record in source:
             if dataset.text_field not in record:
-                raise DataError(f"dataset has no text field {dataset.text_field!r} (fields: {', '.join(sorted(record))})")
+                raise DataError(f"dataset has no text field {dataset.text_field!r} "
+                                f"(fields: {', '.join(sorted(record))})")
             text = record[dataset.text_field]
             if text is not None and not isinstance(text, str):
-                raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text (record {index})")
+                raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text "
+                                f"(record {index})")
             yield index, text or ""
             index += 1
     except KDFlowError:
@@ -167,7 +171,8 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             raise DataError(f"dataset file {where}" if where else f"{_describe(dataset, local_files)}: not valid JSON: "
                             f"{str(error).splitlines()[0]}") from None
         if _caused_by_no_data(error) and index == start:
-            raise DataError(f"{_describe(dataset, local_files)} holds no records{' after record ' + str(start) if start else ''} "
+            after = f" after record {start}" if start else ""
+            raise DataError(f"{_describe(dataset, local_files)} holds no records{after} "
                             f"(split {dataset.split!r})") from None
         raise
 
@@ -186,19 +191,29 @@ def materialise(
     count_tokens: CountTokens | None = None,
     on_part: Callable[[CommitRecord], None] | None = None,
 ) -> MaterialiseSummary:
+    """Write (or resume) the corpus store of this config's run root (materialise_into)."""
+    return materialise_into(open_run_root(config), materialise_settings(config), count_tokens, on_part)
+
+
+def materialise_into(
+    run_root: RunRoot,
+    settings: MaterialiseSettings,
+    count_tokens: CountTokens | None = None,
+    on_part: Callable[[CommitRecord], None] | None = None,
+) -> MaterialiseSummary:
     """Write (or resume) the corpus store. `count_tokens` is needed for the `max_tokens` budget."""
-    dataset = config.dataset
+    dataset = settings.dataset
     if dataset.max_tokens is not None and count_tokens is None:
         raise ConfigError("dataset.max_tokens needs a tokenizer to count tokens")
-    run_root = RunRoot(config.run_root)
     run_root.ensure_writable()
     store = stage_dir(run_root, "corpus")
     remove_stale_temp_files(run_root, store)  # what a killed run of this stage left
-    fingerprint = corpus_fingerprint(config)
+    fingerprint = settings.corpus_fingerprint
     committed = list_commits(run_root, store, "corpus", fingerprint)
     done = read_complete(run_root, store)
     prefix = committed_prefix(committed)
-    totals = dict(documents=sum(committed[i].rows for i in range(prefix)), tokens=sum(committed[i].tokens for i in range(prefix)),
+    totals = dict(documents=sum(committed[i].rows for i in range(prefix)),
+                  tokens=sum(committed[i].tokens for i in range(prefix)),
                   skipped=sum(committed[i].extra.skipped_empty or 0 for i in range(prefix)))
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
         return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], 0, fingerprint)
@@ -218,8 +233,8 @@ def materialise(
         record = CommitRecord(
             stage="corpus", shard_id=prefix, data_file=data_file_name("corpus", prefix), rows=len(part.texts),
             tokens=part.tokens, bytes=writer.nbytes, sha256=writer.sha256, fingerprint=fingerprint,
-            extra=CorpusPartInfo(source_start=part.source_start, source_end=source_end, skipped_empty=part.skipped_empty,
-                                 chars=sum(map(len, part.texts))),
+            extra=CorpusPartInfo(source_start=part.source_start, source_end=source_end,
+                                 skipped_empty=part.skipped_empty, chars=sum(map(len, part.texts))),
         )
         commit_or_remove(run_root, store, record)
         if on_part:
@@ -282,8 +297,8 @@ def materialise(
         totals["skipped"] += part.skipped_empty  # trailing empty documents belong to no part
     flush(next_index)
     if not totals["documents"]:
-        raise DataError(f"{_describe(config.dataset, _local_files(config.dataset))} holds no documents: "
-                        f"{totals['skipped']} record(s), all with an empty {config.dataset.text_field!r}")
+        raise DataError(f"{_describe(dataset, _local_files(dataset))} holds no documents: "
+                        f"{totals['skipped']} record(s), all with an empty {dataset.text_field!r}")
     write_complete(run_root, store, StageComplete(
         stage="corpus", shards=prefix, rows=totals["documents"], tokens=totals["tokens"], fingerprint=fingerprint,
         extra=CorpusCompleteInfo(skipped_empty=totals["skipped"], source_exhausted=exhausted),

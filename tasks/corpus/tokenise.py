@@ -33,9 +33,10 @@ from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteI
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
+from kdflow.schemas.fingerprints import tokenizer_fingerprint, tokens_fingerprint_of
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import TEXT, read_corpus_part, token_batch, token_shard_writer
+from kdflow.schemas.stage_settings import TokeniseSettings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 
@@ -97,7 +98,8 @@ class EncodedBatches:
         self._ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
-        self._thread = threading.Thread(target=self._produce, args=(batches, encoder), name="tokenise-reader", daemon=True)
+        self._thread = threading.Thread(target=self._produce, args=(batches, encoder), name="tokenise-reader",
+                                        daemon=True)
         self._thread.start()
 
     def _produce(self, batches: Iterator[list[str]], encoder: BatchEncoder) -> None:
@@ -221,17 +223,29 @@ def tokenise(
     tokenizer: Any,
     on_shard: Callable[[CommitRecord], None] | None = None,
 ) -> TokeniseSummary:
+    """Write (or resume) the token store of this config's run root (tokenise_into)."""
+    return tokenise_into(open_run_root(config), tokenise_settings(config), tokenizer, on_shard)
+
+
+def tokenise_into(
+    run_root: RunRoot,
+    settings: TokeniseSettings,
+    tokenizer: Any,
+    on_shard: Callable[[CommitRecord], None] | None = None,
+) -> TokeniseSummary:
+    """Pack the corpus store's documents into token shards of `seq_len` ids, `sequences_per_shard` rows each."""
     started = time.perf_counter()
-    run_root = RunRoot(config.run_root)
     corpus_store, store = stage_dir(run_root, "corpus"), stage_dir(run_root, "tokens")
     corpus_done = read_complete(run_root, corpus_store)
-    corpus_fp = corpus_fingerprint(config)
+    corpus_fp = settings.corpus_fingerprint
     if corpus_done is None or corpus_done.fingerprint != corpus_fp:
-        raise StoreError(f"corpus store {run_root.display(corpus_store)} is not complete for this config; run materialise first")
+        raise StoreError(f"corpus store {run_root.display(corpus_store)} is not complete for this config; "
+                         "run materialise first")
     corpus_parts = list_commits(run_root, corpus_store, "corpus", corpus_fp)
     if committed_prefix(corpus_parts) < corpus_done.shards:
         missing = committed_prefix(corpus_parts)
-        raise StoreError(f"corpus store {run_root.display(corpus_store)} has no valid commit for part {missing}; run materialise again")
+        raise StoreError(f"corpus store {run_root.display(corpus_store)} has no valid commit for part {missing}; "
+                         "run materialise again")
     parts = [data_file_name("corpus", i) for i in range(corpus_done.shards)]
     encoder = BatchEncoder(tokenizer)
 
@@ -241,20 +255,23 @@ def tokenise(
         if not list_commits(run_root, store, "tokens") and read_complete(run_root, store) is None:
             # A fresh store starts at document 0 whatever the fingerprint: encode while it is computed.
             batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, 0), encoder))
-        seq_len, per_shard = config.seq_len, config.precompute.sequences_per_shard
+        seq_len, per_shard = settings.seq_len, settings.sequences_per_shard
         vocab_size = len(tokenizer)  # every id is below it (added tokens included): `kdflow validate` checks this
         tok_fp = tokenizer_fingerprint(tokenizer)
-        fingerprint = tokens_fingerprint(corpus_fp, tok_fp, config)
+        fingerprint = tokens_fingerprint_of(corpus_fp, tok_fp, seq_len, per_shard)
         committed = list_commits(run_root, store, "tokens", fingerprint) if batches is None else {}
         done = read_complete(run_root, store) if batches is None else None
         prefix = committed_prefix(committed)
         sequences = sum(committed[i].rows for i in range(prefix))
         if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
-            return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0, fingerprint, tok_fp)
+            return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0,
+                                   fingerprint, tok_fp)
 
-        start_doc, start_offset = (committed[prefix - 1].extra.end_doc, committed[prefix - 1].extra.end_offset) if prefix else (0, 0)
+        start_doc, start_offset = ((committed[prefix - 1].extra.end_doc, committed[prefix - 1].extra.end_offset)
+                                   if prefix else (0, 0))
         if batches is None:
-            batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, start_doc), encoder))
+            batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, start_doc),
+                                                           encoder))
         packer = Packer(seq_len, tokenizer.eos_token_id, start_doc, start_offset)
         written = 0
 
@@ -269,10 +286,10 @@ def tokenise(
                 raise error.needing(input_ids.nbytes) from error.__cause__
             faults.maybe_fire("commit", run_root, stage="tokenise", shard=prefix)
             record = CommitRecord(
-                stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows, tokens=rows * seq_len,
-                bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
-                extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
-                                     vocab_size=vocab_size),
+                stage="tokens", shard_id=prefix, data_file=data_file_name("tokens", prefix), rows=rows,
+                tokens=rows * seq_len, bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=fingerprint,
+                extra=TokenShardInfo(end_doc=end_doc, end_offset=end_offset, seq_len=seq_len,
+                                     tokenizer_fingerprint=tok_fp, vocab_size=vocab_size),
             )
             commit_or_remove(run_root, store, record)
             if on_shard:
@@ -288,8 +305,8 @@ def tokenise(
         dropped = int(packer.buffer.size)
         write_complete(run_root, store, StageComplete(
             stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
-            extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp, corpus_fingerprint=corpus_fp,
-                                     vocab_size=vocab_size),
+            extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
+                                     corpus_fingerprint=corpus_fp, vocab_size=vocab_size),
         ))
         return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
                                time.perf_counter() - started)

@@ -18,18 +18,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, read_complete, stage_dir
+from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint, topk_fingerprint
+from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
 from kdflow.schemas.shard_rows import ShardRows, take_rows
 from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
+from kdflow.schemas.stage_settings import StudentDataSettings, open_run_root, student_data_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
+from kdflow.schemas.token_store import open_token_store
 from kdflow.schemas.topk_rows import TopkRows
 from kdflow.tasks.common.models import teacher_fingerprint
-from kdflow.tasks.student.model import check_token_store_tokenizer
 
 
 @dataclass(frozen=True)
@@ -124,19 +125,13 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
                      f"{tokens_fp}{found}; run precompute first")
 
 
-def open_stores(config: KDFlowConfig, tokenizer: Any) -> DistillStores:
+def open_stores(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None = None) -> DistillStores:
     """Find the token and top-K stores for this config and check that they belong together, shard by shard."""
-    run_root = RunRoot(config.run_root)
-    tokens_store = stage_dir(run_root, "tokens")
+    run_root = run_root if run_root is not None else open_run_root(config)
+    settings = student_data_settings(config)
+    tokens = open_token_store(run_root, config, tokenizer_fingerprint(tokenizer))
+    tokens_store, complete, tokens_fp = tokens.path, tokens.complete, tokens.fingerprint
     shown = run_root.display(tokens_store)
-    complete = read_complete(run_root, tokens_store)
-    if complete is None:
-        raise StoreError(f"token store {shown} is not complete; run tokenise first")
-    tok_fp = check_token_store_tokenizer(tokenizer, complete.extra.tokenizer_fingerprint, shown)
-    tokens_fp = tokens_fingerprint(corpus_fingerprint(config), tok_fp, config)
-    if complete.fingerprint != tokens_fp:
-        raise StoreError(f"token store {shown} (fingerprint {complete.fingerprint}) was made from another dataset, "
-                         f"seq_len or shard size than this config ({tokens_fp}); run tokenise first")
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_fp)
     missing = [i for i in range(complete.shards) if i not in token_records]
     if missing or not token_records:
@@ -151,14 +146,15 @@ def open_stores(config: KDFlowConfig, tokenizer: Any) -> DistillStores:
     fingerprints = {record.fingerprint for record in topk_records.values()}
     if len(fingerprints) > 1:
         raise StoreError(f"top-K store {run_root.display(topk_store)} mixes fingerprints {sorted(fingerprints)}")
-    pairs = tuple(_verify_pair(run_root, config, token_records[i], topk_records.get(i), tokens_store, topk_store)
+    pairs = tuple(_verify_pair(run_root, settings, token_records[i], topk_records.get(i), tokens_store, topk_store)
                   for i in range(complete.shards))
-    return DistillStores(tokens_store, topk_store, tokens_fp, tok_fp, fingerprints.pop(), config.seq_len,
-                         config.precompute.top_k, pairs, info.codec if info is not None else None,
-                         info.targets if info is not None else "topk", info.store_format().get("sampling") if info else None)
+    return DistillStores(tokens_store, topk_store, tokens_fp, tokens.tokenizer_fingerprint, fingerprints.pop(),
+                         settings.seq_len, settings.top_k, pairs, info.codec if info is not None else None,
+                         info.targets if info is not None else "topk",
+                         info.store_format().get("sampling") if info else None)
 
 
-def _verify_pair(run_root: RunRoot, config: KDFlowConfig, token: CommitRecord, topk: CommitRecord | None,
+def _verify_pair(run_root: RunRoot, settings: StudentDataSettings, token: CommitRecord, topk: CommitRecord | None,
                  tokens_store: str, topk_store: str) -> ShardPair:
     """Top-K shard i must be made from token shard i, with this config's K and seq_len."""
     token_path = f"{tokens_store}/{token.data_file}"
@@ -172,10 +168,11 @@ def _verify_pair(run_root: RunRoot, config: KDFlowConfig, token: CommitRecord, t
     stored = {"top_k": topk.extra.top_k, "seq_len": topk.extra.seq_len}
     if None in stored.values():  # not recorded by the writer: read the shard's stream header (one small read)
         stored = stream_schema_ints(run_root, topk_path)
-    if stored.get("top_k") != config.precompute.top_k:
-        raise StoreError(f"top-K shard {shown} has K={stored.get('top_k')}, precompute.top_k is {config.precompute.top_k}")
-    if stored.get("seq_len") != config.seq_len:
-        raise StoreError(f"top-K shard {shown} has seq_len {stored.get('seq_len')}, the token store's is {config.seq_len}")
+    if stored.get("top_k") != settings.top_k:
+        raise StoreError(f"top-K shard {shown} has K={stored.get('top_k')}, precompute.top_k is {settings.top_k}")
+    if stored.get("seq_len") != settings.seq_len:
+        raise StoreError(f"top-K shard {shown} has seq_len {stored.get('seq_len')}, the token store's is "
+                         f"{settings.seq_len}")
     return ShardPair(token.shard_id, token.rows, token_path, topk_path, token.bytes, topk.bytes, topk.extra.micro_batch)
 
 
@@ -192,10 +189,12 @@ class DistillData:
     gathered from memory maps on local disk, fetched as byte ranges from object stores; nothing is cached
     but each shard's small index, so memory does not grow with the store."""
 
-    def __init__(self, run_root: RunRoot, stores: DistillStores, *, eval_shards: int, eval_sequences: int, seed: int) -> None:
+    def __init__(self, run_root: RunRoot, stores: DistillStores, *, eval_shards: int, eval_sequences: int,
+                 seed: int) -> None:
         shards = len(stores.pairs)
         if eval_shards >= shards:
-            raise ConfigError(f"student.eval_shards={eval_shards} leaves no training shard: the token store has {shards}")
+            raise ConfigError(f"student.eval_shards={eval_shards} leaves no training shard: the token store has "
+                              f"{shards}")
         self.run_root, self.stores, self.seed = run_root, stores, seed
         self.train_pairs = stores.pairs[: shards - eval_shards]
         self.eval_pairs = stores.pairs[shards - eval_shards:]
@@ -205,7 +204,8 @@ class DistillData:
             raise StoreError("the training shards hold no rows")
         held_out = [(pair, row) for pair in self.eval_pairs for row in range(pair.rows)]
         self.eval_rows: list[tuple[ShardPair, int]] = held_out[:eval_sequences]
-        self._epoch_order = functools.lru_cache(maxsize=2)(lambda epoch: epoch_permutation(self.train_rows, seed, epoch))
+        self._epoch_order = functools.lru_cache(maxsize=2)(
+            lambda epoch: epoch_permutation(self.train_rows, seed, epoch))
         self._train_ids = np.array([pair.shard_id for pair in self.train_pairs], dtype=np.int64)  # (S,)
         self._pairs = {pair.shard_id: pair for pair in stores.pairs}
         self._readers: dict[int, tuple[ShardRows, TopkRows]] = {}
@@ -283,15 +283,17 @@ class DistillData:
             if shard_id not in self._readers:
                 pair, stores = self._pairs[shard_id], self.stores
                 self._readers[shard_id] = (
-                    ShardRows(self.run_root, pair.token_path, pair.token_bytes or self.run_root.size(pair.token_path), pair.rows),
-                    TopkRows(self.run_root, pair.topk_path, pair.topk_bytes or self.run_root.size(pair.topk_path), pair.rows,
-                             pair.topk_batch_rows, seq_len=stores.seq_len, top_k=stores.top_k, targets=stores.targets,
-                             store_codec=stores.codec))
+                    ShardRows(self.run_root, pair.token_path,
+                              pair.token_bytes or self.run_root.size(pair.token_path), pair.rows),
+                    TopkRows(self.run_root, pair.topk_path, pair.topk_bytes or self.run_root.size(pair.topk_path),
+                             pair.rows, pair.topk_batch_rows, seq_len=stores.seq_len, top_k=stores.top_k,
+                             targets=stores.targets, store_codec=stores.codec))
             return self._readers[shard_id]
 
 
-def open_distill_data(config: KDFlowConfig, tokenizer: Any) -> DistillData:
-    student = config.student
-    stores = open_stores(config, tokenizer)
-    return DistillData(RunRoot(config.run_root), stores, eval_shards=student.eval_shards,
-                       eval_sequences=student.eval_sequences, seed=student.seed)
+def open_distill_data(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None = None) -> DistillData:
+    run_root = run_root if run_root is not None else open_run_root(config)
+    settings = student_data_settings(config)
+    stores = open_stores(config, tokenizer, run_root)
+    return DistillData(run_root, stores, eval_shards=settings.eval_shards, eval_sequences=settings.eval_sequences,
+                       seed=settings.seed)

@@ -3,10 +3,11 @@ and the full state dicts a checkpoint holds. No Prefect here.
 
 Sharding (`student.distributed.sharding`):
 - fsdp (auto on CUDA): FSDP2 `fully_shard`. Every decoder layer is one unit and the module that runs the
-  student AND its loss (kdflow.tasks.student.train.DistillLoss) is the root unit, holding the embeddings, the final norm and
-  lm_head. Parameters, gradients and AdamW state live as 1/W shards; a unit's weights are all-gathered for its
-  forward and backward only. Because the loss runs inside the root's forward, the `lm_head.weight` it reads is
-  the gathered full weight, never a shard, and its gradient is reduce-scattered like any other.
+  student AND its loss (kdflow.tasks.student.train.DistillLoss) is the root unit, holding the embeddings, the
+  final norm and lm_head. Parameters, gradients and AdamW state live as 1/W shards; a unit's weights are
+  all-gathered for its forward and backward only. Because the loss runs inside the root's forward, the
+  `lm_head.weight` it reads is the gathered full weight, never a shard, and its
+  gradient is reduce-scattered like any other.
 - ddp (auto on CPU, the gloo backend): the model is replicated and gradients are all-reduced.
 Both average gradients over ranks; the loss is normalised by the global count of positions and multiplied by
 the world size before backward (kdflow.tasks.student.train), so the result is the gradient of the one global batch.
@@ -34,8 +35,9 @@ from torch import nn
 
 from kdflow.schemas.config import DistributedConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.student import train_worker
 
+# Every rank starts by this namespaced module name (`python -m ...`); a name, not an import: the worker imports this.
+TRAIN_WORKER_MODULE = "kdflow.tasks.student.train_worker"
 NO_SHARDING = "none"  # one process: the module is used as it is
 COLLECTIVE_TIMEOUT_MIN = 30
 
@@ -217,12 +219,14 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, sh
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    named = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    named = get_optimizer_state_dict(module, optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not named:
         return {}
     index = {name: i for i, name in enumerate(name for group in named["param_groups"] for name in group["params"])}
     return {"state": {index[name]: value for name, value in named["state"].items()},
-            "param_groups": [group | {"params": [index[name] for name in group["params"]]} for group in named["param_groups"]]}
+            "param_groups": [group | {"params": [index[name] for name in group["params"]]}
+                             for group in named["param_groups"]]}
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
@@ -238,7 +242,8 @@ def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimize
         raise ValueError(f"the saved optimizer state has {sum(len(g['params']) for g in state['param_groups'])} "
                          f"parameters, the student has {len(names)}")
     named = {"state": {names[i]: value for i, value in state["state"].items()},
-             "param_groups": [group | {"params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
+             "param_groups": [group | {"params": [names[i] for i in group["params"]]}
+                              for group in state["param_groups"]]}
     set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
@@ -251,7 +256,7 @@ def torchrun_arguments(distributed: DistributedConfig, config_path: str, *worker
     return ["--nproc_per_node", str(distributed.nproc_per_node), "--nnodes", str(distributed.nnodes),
             "--node_rank", str(distributed.node_rank), "--rdzv_backend", "c10d",
             "--rdzv_endpoint", distributed.rdzv_endpoint, "--rdzv_id", distributed.rdzv_id,
-            "-m", train_worker.MODULE, "--config", config_path, *worker_args]
+            "-m", TRAIN_WORKER_MODULE, "--config", config_path, *worker_args]
 
 
 def torchrun_command(distributed: DistributedConfig, config_path: str, *worker_args: str) -> list[str]:

@@ -110,17 +110,6 @@ def check_init_tokenizer(folder: str, tokenizer: Any) -> None:
                                   f"the run's tokenizer has {run_fp}")
 
 
-def check_token_store_tokenizer(tokenizer: Any, store_fingerprint: str | None, store: str) -> str:
-    """-> the tokenizer's fingerprint; an error unless it is the one the token store was made with."""
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    if store_fingerprint is None:
-        raise FingerprintMismatch(f"token store {store} does not record its tokenizer fingerprint")
-    if fingerprint != store_fingerprint:
-        raise FingerprintMismatch(f"the student's tokenizer (fingerprint {fingerprint}) is not the one token store "
-                                  f"{store} was made with ({store_fingerprint})")
-    return fingerprint
-
-
 def student_tokenizer(config: KDFlowConfig, tokenizer: Any) -> Any:
     """The tokenizer saved with the student. A base student (built from `architecture`) gets no chat
     template, so `kdflow chat` continues text; an `init_from` student keeps its own template, if any."""

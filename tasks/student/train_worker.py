@@ -1,7 +1,8 @@
 """One rank of a multi-process student training run: what torchrun starts on every rank.
 
     python -m torch.distributed.run --nproc_per_node N --nnodes M --node_rank R --rdzv_backend c10d \\
-        --rdzv_endpoint HOST:PORT --rdzv_id ID -m kdflow.tasks.student.train_worker --config RESOLVED.yaml [--stop-at-step S]
+        --rdzv_endpoint HOST:PORT --rdzv_id ID -m kdflow.tasks.student.train_worker --config RESOLVED.yaml \\
+        [--stop-at-step S]
 
 Each rank joins the process group (backend from `student.distributed.backend`), then calls
 `kdflow.tasks.student.train.train(config, rank=RANK, world_size=WORLD_SIZE)`. `--stop-at-step S` ends the run
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from kdflow.schemas.protocol import PARENT_PID_ENV, PROGRESS_PREFIX, emit
-from kdflow.tasks.common.worker import configure_logging, exit_now, run_worker, set_parent_death_signal
+from kdflow.tasks.common.worker import configure_logging, run_worker, run_worker_main, set_parent_death_signal
 
 MODULE = "kdflow.tasks.student.train_worker"
 EXEC_TORCHRUN = "--exec-torchrun"
@@ -58,6 +59,7 @@ def run(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as transformers_logging
 
         from kdflow.schemas.config import load_config
+        from kdflow.schemas.stage_settings import open_run_root
         from kdflow.tasks.student.distributed import barrier, init_process_group, rank_device, shutdown, torchrun_rank
         from kdflow.tasks.student.train import train
 
@@ -68,7 +70,8 @@ def run(argv: list[str] | None = None) -> int:
         backend = init_process_group(config.student.distributed, ranks, device)
         logging.getLogger("kdflow").info("rank %d of %d on %s (%s)", ranks.rank, ranks.world_size, device, backend)
         summary = train(config, rank=ranks.rank, world_size=ranks.world_size, on_step=_stop_at(args.stop_at_step),
-                        on_event=lambda event: emit(PROGRESS_PREFIX, event))  # rank 0's steps and evaluations
+                        on_event=lambda event: emit(PROGRESS_PREFIX, event),  # rank 0's steps and evaluations
+                        run_root=open_run_root(config))
         barrier()  # rank 0 has written everything when any rank reports success
         shutdown()
         return summary | {"world_size": ranks.world_size, "backend": backend} if ranks.rank == 0 else None
@@ -76,12 +79,7 @@ def run(argv: list[str] | None = None) -> int:
     return run_worker(body, label=f"kdflow train worker rank {rank}", error_fields={"rank": int(rank)})
 
 
-def main() -> None:
+if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == EXEC_TORCHRUN:
         exec_torchrun(sys.argv[2:])
-    set_parent_death_signal()  # torchrun is the parent: a killed launcher leaves no rank behind
-    exit_now(run())
-
-
-if __name__ == "__main__":
-    main()
+    run_worker_main(run)  # torchrun is the parent: a killed launcher leaves no rank behind

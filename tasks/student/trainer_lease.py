@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterator
 
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import StudentConfig
 from kdflow.schemas.layout import STUDENTS_DIR, TRAINER_LEASE
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.leases import Leases
@@ -40,11 +40,10 @@ class _TrainerLeases(Leases):
 
 
 @contextlib.contextmanager
-def hold_student(config: KDFlowConfig, rank: int = 0, poll_s: float | None = None) -> Iterator[TrainerLease]:
+def hold_student(run_root: RunRoot, student: StudentConfig, rank: int = 0,
+                 poll_s: float | None = None) -> Iterator[TrainerLease]:
     """Wait until this process (rank 0) holds the student's lease, then train inside the block; every rank
     passes a barrier first, so that no rank reads a checkpoint while another job still writes them."""
-    student = config.student
-    run_root = RunRoot(config.run_root)
     folder = run_root.path(STUDENTS_DIR, student.name)
     leases = _TrainerLeases(run_root, folder, student.lease_ttl_s) if rank == 0 else None
     if leases is not None:

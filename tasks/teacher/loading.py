@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kdflow.schemas.config import TeacherConfig
-from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
+from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.tasks.common.model_configs import teacher_limits_problem
 from kdflow.tasks.common.models import check_teacher_source, resolve_device, resolve_dtype
 
@@ -46,7 +46,8 @@ def check_teacher_limits(model_config: Any, *, top_k: int, seq_len: int) -> None
     """top_k within the vocabulary, seq_len within the context the teacher was trained for."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     problem = teacher_limits_problem(getattr(text_config, "vocab_size", None),
-                                     getattr(text_config, "max_position_embeddings", None), top_k=top_k, seq_len=seq_len)
+                                     getattr(text_config, "max_position_embeddings", None), top_k=top_k,
+                                     seq_len=seq_len)
     if problem is not None:
         raise ConfigError(problem)
 
@@ -110,12 +111,3 @@ def check_tokenizer_fits(tokenizer: Any, model: nn.Module) -> None:
     rows = vocab_rows(model)
     if largest >= rows:
         raise ConfigError(f"the tokenizer has ids up to {largest} but the teacher's embedding has only {rows} rows")
-
-
-def check_store_tokenizer(store_tokenizer_fp: str | None, tokenizer_fp: str, store: str) -> None:
-    """The token store must have been made with the tokenizer this config names (the teacher's by default)."""
-    if store_tokenizer_fp != tokenizer_fp:
-        raise FingerprintMismatch(
-            f"token store {store} was made with tokenizer {store_tokenizer_fp}, but this config's tokenizer is "
-            f"{tokenizer_fp}; rerun tokenise with the teacher's tokenizer"
-        )

@@ -1,4 +1,5 @@
-"""The teacher worker process: `python -m kdflow.tasks.teacher.precompute_worker --config RESOLVED.yaml [--shards 0,3,5-9]`.
+"""The teacher worker process: `python -m kdflow.tasks.teacher.precompute_worker --config RESOLVED.yaml
+[--shards 0,3,5-9]`.
 
 One process per attempt: it loads the teacher once, computes every uncommitted shard it was given, and
 exits with a code of the worker protocol (`kdflow.schemas.protocol`: 0 done, 2 user error, distinct
@@ -15,7 +16,7 @@ import os
 from typing import Any
 
 from kdflow.schemas.protocol import PROGRESS_PREFIX, emit, parse_shard_ids
-from kdflow.tasks.common.worker import configure_logging, exit_now, run_worker, set_parent_death_signal
+from kdflow.tasks.common.worker import configure_logging, run_worker, run_worker_main
 
 MODULE = "kdflow.tasks.teacher.precompute_worker"
 
@@ -37,6 +38,7 @@ def run(argv: list[str] | None = None) -> int:
 
         from kdflow.schemas.config import load_config
         from kdflow.schemas.errors import ConfigError
+        from kdflow.schemas.stage_settings import open_run_root
         from kdflow.tasks.teacher.precompute import precompute_shards
 
         transformers_logging.disable_progress_bar()  # weight-loading bars are noise in the flow's run log
@@ -46,16 +48,12 @@ def run(argv: list[str] | None = None) -> int:
             shard_ids = parse_shard_ids(args.shards)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        summary = precompute_shards(config, shard_ids, on_progress=lambda update: emit(PROGRESS_PREFIX, update))
+        summary = precompute_shards(config, shard_ids, on_progress=lambda update: emit(PROGRESS_PREFIX, update),
+                                    run_root=open_run_root(config))
         return summary | {"pid": os.getpid()}
 
     return run_worker(body, label="kdflow worker", writes_under=lambda: run_root[0] if run_root else None)
 
 
-def main() -> None:
-    set_parent_death_signal()
-    exit_now(run())
-
-
 if __name__ == "__main__":
-    main()
+    run_worker_main(run)

@@ -28,12 +28,14 @@ from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.shards import read_token_shard
+from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import output_layer, resolve_device
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.host_writer import HostCopies
-from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config, vocab_rows
+from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config,
+                                          vocab_rows)
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
@@ -47,9 +49,8 @@ def committed_token_shards(run_root: RunRoot) -> list[str]:
     return [f"{store}/{records[i].data_file}" for i in sorted(records)]
 
 
-def token_rows(config: KDFlowConfig, tokenizer: Any, rows: int) -> tuple[np.ndarray, str]:
+def token_rows(run_root: RunRoot, config: KDFlowConfig, tokenizer: Any, rows: int) -> tuple[np.ndarray, str]:
     """`rows` sequences of `seq_len` ids (repeated when there are fewer) -> (ids (rows, T), where they came from)."""
-    run_root = RunRoot(config.run_root)
     parts, have = [], 0
     for path in committed_token_shards(run_root):
         parts.append(read_token_shard(run_root, path, config.seq_len))
@@ -103,10 +104,14 @@ def pass_step(config: KDFlowConfig, model: torch.nn.Module) -> TeacherTopkStep:
     return TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
 
 
-def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warmup: int = 1) -> dict[str, Any]:
-    """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record."""
+def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warmup: int = 1,
+                      run_root: RunRoot | None = None) -> dict[str, Any]:
+    """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record.
+    `run_root`: the one the caller opened (default: the config's)."""
     if micro_batch < 1 or batches < 1 or warmup < 0:
-        raise ConfigError(f"micro_batch and batches must be >= 1 and warmup >= 0, got {micro_batch}, {batches}, {warmup}")
+        raise ConfigError(f"micro_batch and batches must be >= 1 and warmup >= 0, got {micro_batch}, {batches}, "
+                          f"{warmup}")
+    run_root = run_root if run_root is not None else open_run_root(config)
     device = resolve_device(config.teacher.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"teacher.device is {config.teacher.device} but this machine has no CUDA device")
@@ -116,13 +121,13 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
     model = load_teacher(config.teacher, device=device)
     load_seconds = time.perf_counter() - started
     check_tokenizer_fits(tokenizer, model)
-    ids, source = token_rows(config, tokenizer, (warmup + batches) * micro_batch)
+    ids, source = token_rows(run_root, config, tokenizer, (warmup + batches) * micro_batch)
     if ids.min() < 0 or ids.max() >= vocab_rows(model):
-        raise StoreError(f"{source} hold id {int(ids.max())}, outside the teacher's embedding of {vocab_rows(model)} rows")
+        raise StoreError(f"{source} hold id {int(ids.max())}, outside the teacher's embedding of {vocab_rows(model)} "
+                         "rows")
     step = pass_step(config, model)
     storage = torch.float16 if config.precompute.logprobs_dtype == "float16" else torch.float32
     host = HostCopies(device, (micro_batch, config.seq_len, config.precompute.top_k), storage, slots=2)
-    run_root = RunRoot(config.run_root)
     timed_from = 0.0
     with deterministic_algorithms():
         for index in range(warmup + batches):
@@ -131,7 +136,8 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
                     torch.cuda.synchronize(device)
                 timed_from = time.perf_counter()
             rows = torch.from_numpy(ids[index * micro_batch:(index + 1) * micro_batch].astype(np.int64))
-            topk_ids, topk_logprobs, tail_logprob = step(rows.to(device, non_blocking=True))  # (B, T, K), (B, T, K), (B, T)
+            # (B, T, K), (B, T, K), (B, T)
+            topk_ids, topk_logprobs, tail_logprob = step(rows.to(device, non_blocking=True))
             faults.maybe_fire("micro_batch", run_root, micro_batch=index, micro_batch_size=micro_batch)
             *_, ready, release = host.copy(topk_ids, topk_logprobs, tail_logprob)
             if ready is not None:

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from kdflow.tasks.common.worker import exit_now, run_worker, set_parent_death_signal
+from kdflow.tasks.common.worker import run_worker, run_worker_main
 
 MODULE = "kdflow.tasks.teacher.tune_worker"
 
@@ -36,19 +36,16 @@ def run(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as transformers_logging
 
         from kdflow.schemas.config import load_config
+        from kdflow.schemas.stage_settings import open_run_root
         from kdflow.tasks.teacher.tune import measure_candidate
 
         transformers_logging.disable_progress_bar()
         config = load_config(args.config)
-        return measure_candidate(config, args.micro_batch, args.batches, args.warmup) | {"pid": os.getpid()}
+        return measure_candidate(config, args.micro_batch, args.batches, args.warmup,
+                                 run_root=open_run_root(config)) | {"pid": os.getpid()}
 
     return run_worker(body, label=f"kdflow tune worker (micro-batch {args.micro_batch})")
 
 
-def main() -> None:
-    set_parent_death_signal()
-    exit_now(run())
-
-
 if __name__ == "__main__":
-    main()
+    run_worker_main(run)

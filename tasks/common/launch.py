@@ -1,4 +1,6 @@
-"""Child processes started by flows (the teacher worker, torchrun): launched, followed and supervised here.
+"""The parent half of the worker protocol (the child half is `kdflow.tasks.common.worker`): child processes
+(the teacher worker, the tune worker, torchrun) launched, followed and supervised, and how they ended mapped
+to one family of errors.
 
 A child starts by its namespaced module name (`python -m kdflow.tasks...`) in its own process group, with
 the resolved config in a temporary file. Its protocol lines (`kdflow.schemas.protocol`) are parsed, its
@@ -21,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdflow.schemas.config import KDFlowConfig, dump_config
-from kdflow.schemas.protocol import PARENT_PID_ENV, normalise_returncode, parse_line
+from kdflow.schemas.errors import KDFlowError
+from kdflow.schemas.protocol import (EXIT_NO_SPACE, EXIT_UNEXPECTED, EXIT_USER_ERROR, PARENT_PID_ENV,
+                                     describe_exit_code, is_retryable, normalise_returncode, parse_line)
 from kdflow.tasks.common.scratch import scratch_dir
 
 _LIVE_GROUPS: set[int] = set()  # process groups of running children, killed if this process exits
@@ -121,3 +125,46 @@ def run_child(module: str, args: list[str], *, env: dict[str, str] | None = None
                 outcome.errors.append(parsed[1])
         outcome.exit_code = normalise_returncode(process.wait())
     return outcome
+
+
+class WorkerFailed(RuntimeError):
+    """A worker (or torchrun) exited with a non-zero code; retried, and a rerun resumes, iff the code is retryable
+    (a fresh worker starts at the first uncommitted shard, a training run from its checkpoint)."""
+
+    def __init__(self, exit_code: int, message: str = "", *, worker: str = "worker") -> None:
+        self.exit_code, self.message = exit_code, message
+        self.rerun_resumes = is_retryable(exit_code)
+        super().__init__(f"{worker} failed with exit code {exit_code} ({describe_exit_code(exit_code)})"
+                         + (f": {message}" if message else ""))
+
+
+class WorkerUserError(WorkerFailed, KDFlowError):
+    """Exit code 2: bad config or input. The message is the worker's own one-line error."""
+
+    def __str__(self) -> str:
+        return self.message or super().__str__()
+
+
+class WorkerNoSpace(WorkerUserError):
+    """Exit code 3: the disk (or bucket) is full. The worker's message names where, and what it needed."""
+
+
+def outcome_error(outcome: ChildOutcome, *, worker: str, needs_result: bool = True) -> WorkerFailed | None:
+    """How a child ended -> the error to raise (None: it succeeded). A rank's or worker's user error (exit code
+    2, or 3 for a full disk, on its error line or as the exit code) is that error's own one-line message; any
+    other failure names the exit code and the first error line. needs_result: exit code 0 without a result
+    line is a failure too (torchrun's rank 0 may report on another node)."""
+    code, errors = outcome.exit_code, outcome.errors
+    if code == 0:
+        if outcome.result is not None or not needs_result:
+            return None
+        return WorkerFailed(EXIT_UNEXPECTED, "the worker exited without reporting a result", worker=worker)
+    user_codes = (EXIT_USER_ERROR, EXIT_NO_SPACE)
+    user = next((e for e in errors if e.get("exit_code") in user_codes), None)
+    if user is not None or code in user_codes:
+        user_code = user.get("exit_code") if user is not None else code
+        failure = WorkerNoSpace if user_code == EXIT_NO_SPACE else WorkerUserError
+        return failure(user_code, (user or {}).get("message", ""), worker=worker)
+    first = errors[0] if errors else {}
+    where = f"rank {first['rank']}: " if "rank" in first else ""
+    return WorkerFailed(code, f"{where}{first.get('message', '')}" if first else "", worker=worker)

@@ -15,13 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdflow.flows.launch import config_file, kill_group, run_child
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError, first_line
 from kdflow.schemas.protocol import EXIT_CUDA_OOM, EXIT_USER_ERROR, describe_exit_code
+from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import find_topk_stores
+from kdflow.tasks.common.launch import config_file, kill_group, run_child
 
 TUNE_WORKER = "kdflow.tasks.teacher.tune_worker"
 OUT_OF_MEMORY_EXIT_CODES = frozenset({EXIT_CUDA_OOM, 128 + 9})  # CUDA OOM; SIGKILL, what the kernel's OOM killer sends
@@ -69,10 +70,11 @@ def default_micro_batches(config: KDFlowConfig) -> list[int]:
     return sorted({max(1, current // 2), current, 2 * current, 4 * current})
 
 
-def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True) -> str:
+def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True, run_root: RunRoot | None = None) -> str:
     """What can be checked without a process: the teacher's config loads and admits top_k and seq_len; there are
-    token shards of seq_len, or seq_len was given. -> where the candidates' rows will come from."""
-    run_root = RunRoot(config.run_root)
+    token shards of seq_len, or seq_len was given. -> where the candidates' rows will come from. `run_root`: the
+    one the caller opened (default: the config's)."""
+    run_root = run_root if run_root is not None else open_run_root(config)
     store = stage_dir(run_root, "tokens")
     records = list_commits(run_root, store, "tokens")
     if records:
@@ -103,9 +105,9 @@ def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True) -> st
     return rows_from
 
 
-def committed_micro_batches(config: KDFlowConfig) -> set[int]:
+def committed_micro_batches(config: KDFlowConfig, run_root: RunRoot | None = None) -> set[int]:
     """Micro-batches the committed shards of this config's top-K stores were computed with."""
-    run_root = RunRoot(config.run_root)
+    run_root = run_root if run_root is not None else open_run_root(config)
     sizes = set()
     for tag in find_topk_stores(run_root, config):
         for record in list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag).values():
@@ -129,7 +131,8 @@ def run_candidate(config_path: str, micro_batch: int, *, batches: int, warmup: i
         timer[0].daemon = True
         timer[0].start()
 
-    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(batches), "--warmup", str(warmup)]
+    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(batches),
+            "--warmup", str(warmup)]
     try:
         outcome = run_child(TUNE_WORKER, args, on_started=started, on_log=lambda pid, line: on_log(line))
     finally:
@@ -201,7 +204,8 @@ def table(candidates: list[Candidate], headroom: float, markdown: bool = False) 
     chosen = recommend(candidates, headroom)
     cuda = any(c.record.get("memory") == "cuda" for c in candidates)
     memory_keys = ["peak_allocated_mib", "peak_reserved_mib"] if cuda else ["peak_rss_mib"]
-    header = ["micro_batch", "status", "tok/s", *(["peak alloc MiB", "peak reserved MiB"] if cuda else ["peak RSS MiB"]),
+    header = ["micro_batch", "status", "tok/s",
+              *(["peak alloc MiB", "peak reserved MiB"] if cuda else ["peak RSS MiB"]),
               "total MiB", "headroom", ""]
     rows = []
     for c in candidates:

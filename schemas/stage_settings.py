@@ -1,0 +1,56 @@
+"""What each stage reads of the config, in one place: a small frozen view per stage, and the run root opened.
+
+A stage entry takes the run root and its own view, so what it depends on is its signature. Reads across
+sections are resolved here: tokenise's shard size is `precompute.sequences_per_shard` (token and top-K shards
+have the same rows), the student's data takes the teacher's K. Fingerprints keep reading the config (their
+values name stores already written), so a view carries the fingerprints its stage needs, computed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kdflow.schemas.config import DatasetConfig, KDFlowConfig
+from kdflow.schemas.fingerprints import corpus_fingerprint
+from kdflow.schemas.storage import RunRoot
+
+
+def open_run_root(config: KDFlowConfig) -> RunRoot:
+    """The run root a config names: opened once by each flow, worker or command, and passed down."""
+    return RunRoot(config.run_root)
+
+
+@dataclass(frozen=True)
+class MaterialiseSettings:
+    dataset: DatasetConfig
+    corpus_fingerprint: str
+
+
+def materialise_settings(config: KDFlowConfig) -> MaterialiseSettings:
+    return MaterialiseSettings(config.dataset, corpus_fingerprint(config))
+
+
+@dataclass(frozen=True)
+class TokeniseSettings:
+    seq_len: int
+    sequences_per_shard: int  # precompute.sequences_per_shard: a top-K shard holds the rows of one token shard
+    corpus_fingerprint: str
+
+
+def tokenise_settings(config: KDFlowConfig) -> TokeniseSettings:
+    return TokeniseSettings(config.seq_len, config.precompute.sequences_per_shard, corpus_fingerprint(config))
+
+
+@dataclass(frozen=True)
+class StudentDataSettings:
+    seq_len: int
+    top_k: int  # precompute.top_k: what every top-K shard must hold
+    eval_shards: int
+    eval_sequences: int
+    seed: int
+
+
+def student_data_settings(config: KDFlowConfig) -> StudentDataSettings:
+    student = config.student
+    return StudentDataSettings(config.seq_len, config.precompute.top_k, student.eval_shards, student.eval_sequences,
+                               student.seed)

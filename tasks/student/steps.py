@@ -1,0 +1,194 @@
+"""The pieces of one training step and one evaluation (kdflow.tasks.student.train runs them): the optimiser and
+its schedule, the student and its loss as one module, this rank's share of a step, the held-out evaluation, and
+the fingerprint a checkpoint must share with the config to be resumed. Pure torch, no Prefect, no files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.common.models import model_body, output_layer
+from kdflow.tasks.student.data import DistillBatch, DistillData, DistillStores
+from kdflow.tasks.student.distributed import all_reduce_sum, clip_grad_norm, gradient_sync
+
+IGNORE_INDEX = -100
+
+
+def autocast_for(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA devices that support it; on CPU bf16 is slower than fp32, so never there."""
+    if enabled and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lr_factor(step: int, student: StudentConfig) -> float:
+    """Multiplier of `lr` for optimiser step `step` (0-based): linear warmup, then cosine to min_lr_ratio."""
+    if step < student.warmup_steps:
+        return (step + 1) / student.warmup_steps
+    decay_steps = max(1, student.steps - student.warmup_steps - 1)
+    progress = min(1.0, (step - student.warmup_steps) / decay_steps)
+    return student.min_lr_ratio + (1 - student.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, student: StudentConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW with decoupled weight decay on matrices only (not on norms, biases or embeddings)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for param in model.parameters():  # deduplicated: a tied lm_head appears once, as the embedding
+        if param.requires_grad:
+            (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": student.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=student.lr, betas=student.betas)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, student))
+    return optimizer, scheduler
+
+
+def training_fingerprint(config: KDFlowConfig, stores: DistillStores) -> str:
+    """What a checkpoint must share with this config to be resumed: data, model and optimisation settings.
+    Steps, saving, evaluation and device settings may change between runs, and so may the ones that change
+    how the student computes but not what (attn_implementation, gradient_checkpointing, compile: equal up to
+    float rounding, like the number of ranks)."""
+    student = config.student
+    fields = student.model_dump(mode="json", include={"init_from": True, "architecture": True, "batch_size": True,
+                                                      "lr": True, "min_lr_ratio": True, "warmup_steps": True,
+                                                      "weight_decay": True, "betas": True, "grad_clip": True,
+                                                      "eval_shards": True, "seed": True,
+                                                      "kd": {"kd_weight", "temperature"}})
+    return section_hash("student", stores.topk_fingerprint, stores.tokens_fingerprint, fields)
+
+
+def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """(n, T) -> (n, T): the token after each position; the last position's is unknown (IGNORE_INDEX)."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels
+
+
+class DistillLoss(nn.Module):
+    """The student's body and the fused top-K loss in one forward, so that a data-parallel wrapper sees one
+    module: FSDP gathers the root's weights (embeddings, norm, lm_head) for this forward, so the loss reads
+    the full `lm_head.weight`, and DDP's gradient hooks fire. Never materialises (n, T, vocab) logits."""
+
+    def __init__(self, student: nn.Module, scheme: str | None = None) -> None:
+        super().__init__()
+        self.student, self.scheme = student, scheme  # scheme: a store of sampled targets (its loss: sampled_loss.py)
+
+    def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
+                tail_logprob: torch.Tensor | None = None, samples: tuple[torch.Tensor, ...] | None = None, *,
+                global_counts: tuple[float, float], kd_weight: float, temperature: float, chunk_tokens: int,
+                predict: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(n, T), (n, T, K), (n, T, K), (n, T), sampled targets' (n, T, S), (n, T, S), (n, T) or None -> loss, kd,
+        ce, and with `predict` the student's argmax (n*T,)."""
+        from kdflow.tasks.student.sampled_loss import distillation_kl
+
+        head = output_layer(self.student)
+        outputs = model_body(self.student)(input_ids=input_ids, use_cache=False)
+        hidden = outputs.last_hidden_state.flatten(0, 1)  # (n * T, H)
+        loss, kd_part, ce_part = distillation_kl(
+            hidden, head.weight, topk_ids.flatten(0, 1), topk_logprobs.flatten(0, 1), bias=getattr(head, "bias", None),
+            tail_logprob=None if tail_logprob is None else tail_logprob.flatten(), scheme=self.scheme,
+            samples=None if samples is None else tuple(t.flatten(0, 1) for t in samples),
+            labels=next_token_labels(input_ids).flatten(), kd_weight=kd_weight, temperature=temperature,
+            chunk_tokens=chunk_tokens, global_counts=global_counts, return_parts=True)
+        predicted = _chunked_argmax(hidden.detach(), head, chunk_tokens) if predict else None
+        return loss, kd_part, ce_part, predicted
+
+
+def distill_loss(module: nn.Module, batch: DistillBatch, kd: KDConfig, global_counts: tuple[float, float],
+                 autocast: contextlib.AbstractContextManager, *, kd_weight: float | None = None,
+                 temperature: float | None = None, predict: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One micro-batch through `module` (a DistillLoss, wrapped or not) -> (loss, kd, ce, predicted | None)."""
+    with autocast:
+        return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logprob, batch.samples,
+                      global_counts=global_counts,
+                      kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
+                      temperature=kd.temperature if temperature is None else temperature,
+                      chunk_tokens=kd.chunk_tokens, predict=predict)
+
+
+def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
+    """(KD positions, CE positions): every position has a teacher distribution, all but the last a label."""
+    rows = sum(batch.input_ids.shape[0] for batch in batches)
+    seq_len = batches[0].input_ids.shape[1]
+    return rows * seq_len, rows * (seq_len - 1)
+
+
+def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
+                   config: KDFlowConfig, rank: int, world_size: int, device: torch.device,
+                   autocast: contextlib.AbstractContextManager,
+                   batches: list[DistillBatch] | None = None) -> dict[str, float]:
+    """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not); `batches`:
+    its micro-batches if already read (by the prefetcher). -> global loss, kd, ce (sums of normalised parts),
+    grad norm."""
+    student = config.student
+    if batches is None:
+        batches = data.step_batches(position, student.batch_size, student.grad_accum, rank, world_size)
+    global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
+    sums = [0.0, 0.0, 0.0]
+    for i, batch in enumerate(batches):
+        with gradient_sync(module, enabled=i == len(batches) - 1):
+            loss, kd_part, ce_part, _ = distill_loss(module, batch.to(device), student.kd, global_counts, autocast)
+            # Data-parallel wrappers average gradients over ranks; the global-count loss wants their sum.
+            (loss * world_size).backward()
+        for j, value in enumerate((loss.detach(), kd_part, ce_part)):
+            sums[j] += float(value)
+    grad_norm = clip_grad_norm(list(module.parameters()), student.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss, kd_sum, ce_sum = all_reduce_sum(sums, device)
+    return {"loss": loss, "kd": kd_sum, "ce": ce_sum, "grad_norm": grad_norm}
+
+
+@torch.no_grad()
+def _chunked_argmax(hidden: torch.Tensor, head: nn.Module, chunk: int) -> torch.Tensor:
+    """(N, H) -> (N,) the student's most likely next token, one chunk of logits at a time."""
+    return torch.cat([head(hidden[i:i + chunk]).argmax(-1) for i in range(0, hidden.shape[0], chunk)])
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device: torch.device, *, rank: int = 0,
+             world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None) -> dict[str, float] | None:
+    """Held-out KL to the teacher's top-K (T = 1, mean per position), perplexity, top-1 agreement, through
+    `module` (a DistillLoss, wrapped or not)."""
+    if not data.eval_rows:
+        return None
+    autocast = autocast if autocast is not None else contextlib.nullcontext()
+    seq_len = data.stores.seq_len
+    total_rows = len(data.eval_rows)
+    global_counts = (float(total_rows * seq_len), float(total_rows * (seq_len - 1)))
+    micro = max(1, config.student.batch_size // (world_size * config.student.grad_accum))
+    mine = data.eval_batches(micro, rank, world_size)
+    # Every rank runs the same number of forwards (FSDP gathers weights in each): rank 0 holds the most rows;
+    # a rank out of rows runs a spare batch whose results it drops.
+    rounds = math.ceil(math.ceil(total_rows / world_size) / micro)
+    was_training = module.training
+    module.eval()
+    sums = [0.0, 0.0, 0.0]  # kd, ce, top-1 matches
+    for i in range(rounds):
+        spare = i >= len(mine)
+        batch = data.load(data.eval_rows[:1] if spare else mine[i]).to(device)
+        _, kd_part, ce_part, predicted = distill_loss(module, batch, config.student.kd, global_counts, autocast,
+                                                      kd_weight=1.0, temperature=1.0, predict=True)  # predicted (n*T,)
+        if spare:
+            continue
+        matches = (predicted == batch.topk_ids[..., 0].flatten().long()).sum() if batch.topk_ids.shape[-1] else 0
+        sums = [sums[0] + float(kd_part), sums[1] + float(ce_part), sums[2] + float(matches)]
+    module.train(was_training)
+    kl, ce, matches = all_reduce_sum(sums, device)
+    top1 = matches / global_counts[0] if data.stores.targets != "sampled" else None  # sampled targets: no argmax
+    return {"kl": kl, "ce": ce, "perplexity": math.exp(min(ce, 700.0)), "top1_agreement": top1,
+            "sequences": total_rows}
+
+
+def check_layout(student: StudentConfig, world_size: int) -> None:
+    if student.batch_size % (world_size * student.grad_accum):
+        raise ConfigError(f"student.batch_size={student.batch_size} must be divisible by ranks x grad_accum = "
+                          f"{world_size} x {student.grad_accum}")
