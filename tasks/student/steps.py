@@ -15,11 +15,9 @@ from torch import nn
 from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.models import model_body, output_layer
+from kdflow.tasks.student.chunked_loss import IGNORE_INDEX
 from kdflow.tasks.student.data import DistillBatch, DistillData, DistillStores
 from kdflow.tasks.student.distributed import all_reduce_sum, clip_grad_norm, gradient_sync
-
-IGNORE_INDEX = -100
-
 
 def autocast_for(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA devices that support it; on CPU bf16 is slower than fp32, so never there."""
