@@ -159,7 +159,7 @@ def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int
     from kdflow.bench.fidelity_runs import (TeacherStates, dense_eval, store_bytes_per_position, teacher_heldout_ce,
                                             train_online)
     from kdflow.schemas.commits import list_commits, stage_dir
-    from kdflow.schemas.storage import RunRoot
+    from kdflow.schemas.stage_settings import open_run_root
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.student.model import load_causal_lm
@@ -168,7 +168,7 @@ def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     root, base = _prepare(args)
-    run_root = RunRoot(root)
+    run_root = open_run_root(base)
     teacher = load_teacher(base.teacher)
     results, tags = [], {}
     stores = {_store_of(v, seed): (v, seed) for seed in seeds for v in variants}

@@ -1,4 +1,4 @@
-"""What every benchmark shares: a measurement in a fresh process, peak memory, and JSON-line output.
+"""What every benchmark shares: a measurement in a fresh process, peak memory, JSON-line output, run roots.
 
 A fresh process per measurement keeps one measurement's allocations out of another's peak: the parent runs
 `python -m MODULE ARGS...` (`run_fresh`), the child prints its record as the last JSON line of its stdout,
@@ -7,6 +7,9 @@ and the parent reads it back (`ChildResult.record`) or turns a failure into an e
 
 Peak memory on CPU is the resident set's high-water mark (VmHWM in /proc/self/status, reset to the current
 resident set by writing 5 to /proc/self/clear_refs); on CUDA the allocator's peak statistics.
+
+A benchmark opens a config's run root with `kdflow.schemas.stage_settings.open_run_root(config)`, and one it
+names by URL or path alone (a scratch copy, a records-only root) with `open_root`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kdflow.schemas.storage import RunRoot
 
 GIB = 2**30
 
@@ -35,6 +41,16 @@ def emit(record: dict[str, Any]) -> None:
 def json_records(text: str) -> list[dict[str, Any]]:
     """The JSON objects among a process's output lines (lines that start with "{")."""
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+# --- run roots ------------------------------------------------------------------------------------------------
+
+
+def open_root(url: str) -> RunRoot:
+    """The run root at a URL or local path that no config names (with a config: `open_run_root(config)`)."""
+    from kdflow.schemas.storage import RunRoot
+
+    return RunRoot(url)
 
 
 # --- a measurement in a fresh process -------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kdflow.bench import harness
-from kdflow.bench.harness import peak_rss_mib, run_fresh
+from kdflow.bench.harness import open_root, peak_rss_mib, run_fresh
 from kdflow.bench.stores import Moto, records_only, store_env
 
 MODULE = "kdflow.bench.scale"  # the child of each measurement: python -m MODULE --child KIND TARGET
@@ -82,11 +82,10 @@ def child(kind: str, target: str) -> dict[str, Any]:
         out |= {"exit_code": code, "output_lines": len(printed.getvalue().splitlines())}
     elif kind == "startup":
         from kdflow.schemas.commits import list_commits, stage_dir
-        from kdflow.schemas.storage import RunRoot
         from kdflow.schemas.stores import topk_tags
 
         started = time.perf_counter()
-        run_root = RunRoot(target)
+        run_root = open_root(target)
         shards = len(list_commits(run_root, stage_dir(run_root, "tokens"), "tokens"))
         for tag in topk_tags(run_root):
             shards += len(list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag))
@@ -178,11 +177,10 @@ def subset_run(full: Path, target: Path, shards: int) -> dict[str, int]:
     serves every size, and the sizes differ in nothing but their number of shards."""
     from kdflow.schemas.commits import list_commits, read_complete, write_commit, write_complete
     from kdflow.schemas.layout import COMPLETE_FILE, data_file_name
-    from kdflow.schemas.storage import RunRoot
 
     shutil.copytree(full / "corpus", target / "corpus")
     (tag,) = [p.name for p in (full / "topk").iterdir()]
-    source, run_root = RunRoot(str(full)), RunRoot(str(target))
+    source, run_root = open_root(str(full)), open_root(str(target))
     rows = tokens = 0
     for folder, stage in (("tokens", "tokens"), (f"topk/{tag}", "topk")):
         (target / folder).mkdir(parents=True)
@@ -220,8 +218,6 @@ def data_wait(metrics_text: str) -> dict[str, Any]:
 
 def measure_run(label: dict[str, Any], run_root: str, config_path: Path, env: dict[str, str], shards: int,
                 moto: Moto | None) -> None:
-    from kdflow.schemas.storage import RunRoot
-
     for kind, target in (("plan", str(config_path)), ("train", str(config_path)), ("validate", run_root),
                          ("status", run_root)):
         mark = moto.mark() if moto else 0
@@ -231,7 +227,7 @@ def measure_run(label: dict[str, Any], run_root: str, config_path: Path, env: di
             result |= {"requests": requests, "requests_per_shard": round(sum(requests.values()) / shards, 1)}
         if kind == "train" and "error" not in result:
             with store_env(env):
-                root = RunRoot(run_root)
+                root = open_root(run_root)
                 result |= data_wait(root.read_bytes(root.path("students", "student", "metrics.jsonl")).decode())
         emit(label | {"what": kind} | result)
 

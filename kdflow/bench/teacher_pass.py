@@ -65,23 +65,26 @@ def prepare_demo(run_root: str) -> Any:
 
 def scratch_copy(config: Any, shards: int, folder: str) -> tuple[Any, list[Any]]:
     """A run root in `folder` holding the first `shards` token shards (and the store's records) -> (config, token
-    arrays). The stage computes there, so the real run root is never written. Its token store is complete with
-    those shards (the v2 codec's renumbering counts a whole token store)."""
-    from kdflow.schemas.commits import list_commits, read_complete, stage_dir, write_complete
+    arrays). The stage computes there, so the real run root is never written. The config's token store must be
+    complete and made for this config and its tokenizer (`open_token_store`); the copy is complete with those
+    shards (the v2 codec's renumbering counts a whole token store)."""
+    from kdflow.bench.harness import open_root
+    from kdflow.schemas.commits import list_commits, stage_dir, write_complete
     from kdflow.schemas.errors import StoreError
+    from kdflow.schemas.fingerprints import tokenizer_fingerprint
     from kdflow.schemas.shards import read_token_shard
-    from kdflow.schemas.storage import RunRoot
+    from kdflow.schemas.stage_settings import open_run_root
+    from kdflow.schemas.token_store import open_token_store
+    from kdflow.tasks.common.tokenizer import load_tokenizer
 
-    source = RunRoot(config.run_root)
-    tokens = stage_dir(source, "tokens")
-    done = read_complete(source, tokens)
-    if done is None:
-        raise StoreError(f"token store {source.display(tokens)} is not complete; run tokenise first")
+    source = open_run_root(config)
+    store = open_token_store(source, config, tokenizer_fingerprint(load_tokenizer(config)))
+    tokens, done = store.path, store.complete
     records = list_commits(source, tokens, "tokens", done.fingerprint)
     missing = [i for i in range(shards) if i not in records]
     if shards > done.shards or missing:
         raise StoreError(f"--shards {shards}: the token store has {done.shards} shards ({len(records)} committed)")
-    target = RunRoot(folder)
+    target = open_root(folder)
     target_tokens = stage_dir(target, "tokens")
     target.makedirs(target_tokens)
     for name in [n for i in range(shards) for n in (records[i].data_file, _commit_name(i))]:

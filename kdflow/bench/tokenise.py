@@ -84,9 +84,9 @@ def stage_rows_match(config: Any, ids: list[list[int]], eos_id: int) -> bool:
 
     from kdflow.schemas.commits import list_commits, stage_dir
     from kdflow.schemas.shards import read_token_shard
-    from kdflow.schemas.storage import RunRoot
+    from kdflow.schemas.stage_settings import open_run_root
 
-    run_root = RunRoot(config.run_root)
+    run_root = open_run_root(config)
     store = stage_dir(run_root, "tokens")
     records = list_commits(run_root, store, "tokens")
     rows = [read_token_shard(run_root, f"{store}/{records[i].data_file}", config.seq_len) for i in sorted(records)]

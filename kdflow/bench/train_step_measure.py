@@ -155,7 +155,7 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
     """(c) `train()` on the real shards with a scratch student; timed between the on_step calls of steps
     `warmup` and `warmup + steps`, so everything the loop does between two steps is inside."""
     from kdflow.schemas.layout import STUDENTS_DIR
-    from kdflow.schemas.storage import RunRoot
+    from kdflow.schemas.stage_settings import open_run_root
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
     from kdflow.tasks.student.jsonl_log import read_jsonl
@@ -166,7 +166,7 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
     config = with_overrides(config, {"student.name": name, "student.steps": total, "student.eval_every": 0,
                                       "student.save_every": total + 1, "student.eval_sequences": 1})
     open_stores(config, load_tokenizer(config))  # no stores at this seq_len: skipped, with the reason
-    run_root = RunRoot(config.run_root)
+    run_root = open_run_root(config)
     student_dir = run_root.path(STUDENTS_DIR, name)
     timed_end = warmup + steps
     marks: dict[int, tuple[float, int]] = {}
