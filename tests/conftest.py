@@ -1,34 +1,76 @@
-"""Shared test fixtures: tiny real tokenizers and teachers built from configs (no hub), corpora, configs.
+"""Shared test fixtures: tiny real tokenizers and teachers built from configs (no hub), corpora, configs;
+the test tiers.
 
 The Prefect test harness (a temporary server on SQLite) is started once per test session, and only
 when a test asks for it (`prefect_harness`), because it costs ~10 s.
+
+Tiers follow from the fixtures a test uses (`pytest_collection_modifyitems`), so a new test lands in its tier
+by what it needs: `e2e` (whole pipeline runs, the Prefect server, PostgreSQL, the demo), else `process`
+(child processes through `children`, the S3 servers of moto), else `unit`. A unit test that starts a child
+process fails and names the fixture to ask for. `pytest -m unit` is the fast tier; plain `pytest` runs all.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.corpus import TINY_VOCAB, sample_documents, write_jsonl
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-TINY_VOCAB = 384
+pytest_plugins = ["support.fixtures"]
+
+TIERS = ("unit", "process", "e2e")
+E2E_FIXTURES = {"prefect_harness", "prefect_api_url", "demo_run_root", "infra_env", "prefect_stack"}
+PROCESS_FIXTURES = {"children", "moto", "s3_endpoint"}
+# Programs a library may start on its own inside a unit test (ctypes.util.find_library runs these).
+LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "ld", "objdump", "uname"}
 
 
-def sample_documents(count: int = 60) -> list[str]:
-    """Real English text that ships with Python: its documentation topics, one paragraph a document."""
-    from pydoc_data.topics import topics
+def tier_of(fixturenames: list[str]) -> str:
+    if E2E_FIXTURES.intersection(fixturenames):
+        return "e2e"
+    return "process" if PROCESS_FIXTURES.intersection(fixturenames) else "unit"
 
-    paragraphs = [p.strip() for text in topics.values() for p in text.split("\n\n") if len(p.strip()) > 40]
-    return paragraphs[:count]
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers set here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(getattr(item, "fixturenames", []))))
+
+
+@pytest.fixture(scope="session")
+def children() -> Any:
+    """Child processes of a test (`support.children`: run, started, finish, ...): asking for it makes the test
+    a `process` test."""
+    from support import children as helpers
+
+    return helpers
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_child(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("unit") is None:
+        return
+    popen = subprocess.Popen
+
+    class NoChild(popen):  # type: ignore[misc,valid-type]
+        def __init__(self, args: Any, *more: Any, **options: Any) -> None:
+            program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
+            if os.path.basename(os.fsdecode(program)).split()[0] not in LIBRARY_HELPERS:
+                pytest.fail(f"a unit test started a child process ({program}): ask for the `children` fixture "
+                            "(tests/conftest.py), which makes it a `process` test", pytrace=False)
+            super().__init__(args, *more, **options)
+
+    monkeypatch.setattr(subprocess, "Popen", NoChild)
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -81,14 +123,6 @@ def tiny_moe_teacher_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenize
                             intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False,
                             eos_token_id=0, bos_token_id=0, pad_token_id=1)
     return _save_teacher(tmp_path_factory.mktemp("teacher-moe"), config, tiny_tokenizer_dir)
-
-
-def write_jsonl(path: Path, documents: list[Any], field: str = "text") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        for doc in documents:
-            handle.write(json.dumps(doc if isinstance(doc, dict) else {field: doc}) + "\n")
-    return path
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ def test_online_kd_trains_and_the_dense_eval_matches_a_full_forward_of_both_mode
     import math
 
     import torch
-    from test_precompute import prepare
+    from support.runs import prepare
 
     from kdflow.fidelity_runs import TeacherStates, dense_eval, teacher_heldout_ce, train_online
     from kdflow.tasks.common.tokenizer import load_tokenizer

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from test_train import fresh_run, prepared_run, sharp_teacher_dir  # noqa: F401
+import pytest
 
 from kdflow.schemas.config import dump_config
 
@@ -23,6 +23,7 @@ def bench(*args: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
+@pytest.mark.usefixtures("children")
 def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_path: Path) -> None:  # noqa: F811
     config = fresh_run()
     path = tmp_path / "bench.yaml"

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from children import run
-from conftest import sample_documents, write_jsonl
-from test_train import make_tokens, run_config, write_dense_topk
+from support.children import run
+from support.corpus import sample_documents, write_jsonl
+from support.runs import make_tokens, run_config, write_dense_topk
 
 from kdflow.schemas.errors import KDFlowError
 
@@ -37,6 +37,7 @@ def kdflow_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedPro
     return run([sys.executable, "-m", "kdflow", "chat", *args], what="kdflow chat", input=stdin, timeout=300)
 
 
+@pytest.mark.usefixtures("children")
 def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:
     from kdflow.tasks.student.chat import generate
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from children import run
+from support.children import run
 
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.layout import CONFIG_FILE
@@ -30,6 +30,7 @@ def store_mtimes(run_root: Path) -> dict[str, int]:
             if p.is_file() and p.name != CONFIG_FILE}
 
 
+@pytest.mark.usefixtures("children")
 def test_help_lists_the_commands() -> None:
     result = kdflow("--help")
     assert result.returncode == 0
@@ -39,6 +40,7 @@ def test_help_lists_the_commands() -> None:
     assert version.returncode == 0 and version.stdout.strip() == f"kdflow {importlib.metadata.version('kdflow')}"
 
 
+@pytest.mark.usefixtures("children")
 def test_unknown_config_key_is_one_line_without_traceback(tmp_path: Path) -> None:
     valid = "run_root: runs/x\ndataset: {path: docs.jsonl}\nteacher: {model: m}\n"
     config = tmp_path / "typo.yaml"
@@ -52,6 +54,7 @@ def test_unknown_config_key_is_one_line_without_traceback(tmp_path: Path) -> Non
         f"kdflow: error: {config}: invalid value for 'seq_len': Input should be greater than 0"]
 
 
+@pytest.mark.usefixtures("children")
 def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     config = make_config(tokenizer=str(tiny_tokenizer_dir))
     path = tmp_path / "config.yaml"

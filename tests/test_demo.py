@@ -84,7 +84,6 @@ def test_write_corpus_keeps_every_paragraph_in_order_and_is_idempotent(tmp_path:
     assert demo.write_corpus(path)["written"] is False and path.stat().st_mtime_ns == mtime
 
 
-@pytest.mark.slow
 def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness: None, capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.schemas.commits import list_commits, load_manifest, read_complete
     from kdflow.schemas.storage import RunRoot

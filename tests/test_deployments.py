@@ -39,7 +39,6 @@ INFRA = REPO / "infra"
 PREFECT = str(Path(sys.executable).parent / "prefect")
 FLOWS = {"materialise", "tokenise", "precompute", "precompute-shards", "train-student", "pipeline", "tune-precompute"}
 
-pytestmark = pytest.mark.slow
 
 
 def free_port() -> int:

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 import torch
-from children import run
-from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
-from test_train import make_tokens, run_config, write_dense_topk
+from support.children import run
+from support.corpus import sample_documents, write_jsonl
+from support.runs import make_tokens, run_config, write_dense_topk
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
@@ -145,6 +145,7 @@ TRAIN_KEYS = ("loss", "kd", "ce", "grad_norm", "lr")
 EVAL_KEYS = ("kl", "ce", "top1_agreement")
 
 
+@pytest.mark.usefixtures("children")
 def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, one_rank) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -170,6 +171,7 @@ def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, o
     assert isinstance(text, str) and text.strip()
 
 
+@pytest.mark.usefixtures("children")
 def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(fresh_run, one_rank) -> None:
     from kdflow.tasks.student.train import train
 
@@ -202,6 +204,7 @@ def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(f
               f"max |w - w1| {max_difference(weights, one_rank['weights']):.3g}")
 
 
+@pytest.mark.usefixtures("children")
 def test_gradient_checkpointing_under_fsdp_matches_one_rank_without_it(fresh_run, one_rank) -> None:
     """Each FSDP unit (a decoder layer) is recomputed in backward while its weights are gathered again."""
     config = fresh_run(student__name="fsdp-checkpointing", student__distributed__sharding="fsdp",
@@ -235,6 +238,7 @@ def _pids_running(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+@pytest.mark.usefixtures("children")
 def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fresh_run) -> None:
     from kdflow.tasks.student.distributed import torchrun_arguments
     from kdflow.tasks.student.train import train

@@ -24,11 +24,10 @@ from typing import Any
 
 import pytest
 import torch
-from children import finish, kill_group, run
-from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
-from test_precompute import prepare
-from test_validate import flip_byte
+from support.children import finish, kill_group, run
+from support.corpus import flip_byte, sample_documents, write_jsonl
+from support.runs import prepare
 
 from kdflow.schemas.commits import list_commits, load_manifest
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, set_dotted
@@ -255,7 +254,7 @@ class SmallDisk:
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[tuple[SmallDisk | None, str]]:
+def small_disk(tmp_path: Path, children: Any) -> Iterator[tuple[SmallDisk | None, str]]:
     """-> (disk, "") or (None, why no tmpfs could be mounted here)."""
     try:
         disk = SmallDisk(tmp_path / "disk")
@@ -268,6 +267,7 @@ def small_disk(tmp_path: Path) -> Iterator[tuple[SmallDisk | None, str]]:
         subprocess.run(["umount", "-l", str(disk.path)], check=False)
 
 
+@pytest.mark.usefixtures("children")
 def test_disk_full_mid_pass_fails_with_exit_code_3_and_a_rerun_after_freeing_space_completes(small_disk, run_copy, prepared,
                                                                                                tmp_path) -> None:
     disk, why = small_disk
@@ -339,6 +339,7 @@ def test_a_failed_write_probe_leaves_nothing_behind(full_disk_run) -> None:
     assert not list(Path(full_disk_run.run_root).glob("*write-probe*"))
 
 
+@pytest.mark.usefixtures("children")
 def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpoint(small_disk, run_copy, tmp_path) -> None:
     from kdflow.tasks.student.train import train
 
@@ -363,6 +364,7 @@ def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpo
 # --- two workers on one run root --------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("children")
 def test_two_workers_racing_on_one_run_root_compute_each_shard_once(run_copy, prepared, tmp_path, capsys) -> None:
     config = run_copy(precompute__lease_ttl_s=10)  # a worker waiting on the other's lease polls every ttl/10 s
     config_path = write_config(config, tmp_path / "config.yaml")
@@ -398,6 +400,7 @@ TRAIN_SLOWLY = ("import sys, time\n"
                 "train(load_config(sys.argv[1]), on_step=lambda record: time.sleep(0.25))\n")
 
 
+@pytest.mark.usefixtures("children")
 def test_student_killed_mid_run_resumes_to_the_same_weights(run_copy, prepared, tmp_path) -> None:
     from kdflow.tasks.student.train import train
 
@@ -459,6 +462,7 @@ def files_containing(folder: Path, needle: bytes) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
+@pytest.mark.usefixtures("children")
 def test_cli_error_inside_a_stage_is_one_line_without_traceback_and_leaks_no_secret(prepared, tmp_path) -> None:
     """A malformed line deep in the source passes the pre-flight look at the first record; materialise finds it
     under Prefect: the run ends Failed with that line as its message, and the terminal shows no traceback."""
@@ -482,6 +486,7 @@ def test_cli_error_inside_a_stage_is_one_line_without_traceback_and_leaks_no_sec
     assert SECRET not in done.stdout + done.stderr
 
 
+@pytest.mark.usefixtures("children")
 def test_cli_student_name_that_escapes_the_run_root_is_a_config_error(prepared, tmp_path) -> None:
     config_path = write_config(fault_config(tmp_path / "run", prepared.teacher, prepared.corpus), tmp_path / "config.yaml")
     done = cli(["run", str(config_path), "--set", "student.name=../x"], tmp_path)

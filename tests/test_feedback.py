@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import sample_documents, write_jsonl
+from support.corpus import sample_documents, write_jsonl
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from children import kill_group, processes_with_env, started, wait_until
-from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
+from support.children import kill_group, processes_with_env, started, wait_until
+from support.corpus import sample_documents, write_jsonl
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
 from kdflow.schemas.owners import parse_owner_tag
@@ -121,7 +121,6 @@ def no_process_left(marker: str) -> None:
                timeout=60)
 
 
-@pytest.mark.slow
 def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_result(
         prefect_harness, reference, tiny_teacher_dir, tmp_path, capsys) -> None:
     from prefect.settings import PREFECT_API_URL
@@ -160,7 +159,7 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
     assert [name for name in scratch_names() if scratch_pid(name) in pids] == []
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("children")
 def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, tiny_teacher_dir, tmp_path, capsys) -> None:
     """No server given: each run starts Prefect's temporary server, both on one PREFECT_HOME, on busy cores."""
     config = tiny_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
@@ -205,6 +204,7 @@ TRAIN_GATED = ("import json, logging, os, sys, time\n"
                "print('SUMMARY', json.dumps({k: summary[k] for k in ('start_step', 'steps')}), flush=True)\n")
 
 
+@pytest.mark.usefixtures("children")
 def test_two_trainers_on_one_student_train_every_step_once(reference, tiny_teacher_dir, tmp_path, capsys) -> None:
     """The stages' output of the uninterrupted run, then two trainers of the same student at the same time: the
     second waits for the first one's lease, then resumes from its final checkpoint with nothing left to do."""

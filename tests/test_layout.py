@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from children import run
+from support.children import run
 
 from kdflow.schemas.config import config_from_dict, dump_config, load_config
 
@@ -80,6 +80,7 @@ def test_imports_run_one_way() -> None:
     assert wrong == []
 
 
+@pytest.mark.usefixtures("children")
 def test_no_stage_code_imports_prefect() -> None:
     """Every module of kdflow.schemas and kdflow.tasks imports without pulling Prefect in."""
     names = [name for name in source_modules() if name.startswith(("kdflow.schemas", "kdflow.tasks"))]
@@ -98,6 +99,7 @@ def test_no_source_file_is_long() -> None:
     assert long == {}
 
 
+@pytest.mark.usefixtures("children")
 def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -> None:
     # Built from a copy without build/: setuptools never removes a file it copied there earlier, so a module
     # since moved would still be in a wheel built from the checkout itself.
@@ -117,6 +119,7 @@ def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -
     assert len(files) == len(source_modules())  # every module, no stray file
 
 
+@pytest.mark.usefixtures("children")
 def test_top_level_names_are_not_importable_from_a_clean_folder(tmp_path: Path) -> None:
     code = ("import importlib.util as u\n"
             "print([n for n in ('tasks', 'flows', 'schemas') if u.find_spec(n) is not None])\n"
@@ -149,7 +152,7 @@ def test_prefect_yaml_carries_the_values_of_the_configs() -> None:
     assert checked == 7
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("children")
 def test_kdflow_runs_from_a_folder_with_its_own_tasks_flows_and_schemas(
         make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     """A user's Prefect project beside kdflow: the teacher worker and both torchrun ranks import kdflow's code."""

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import sample_documents, write_jsonl
+from support.corpus import sample_documents, write_jsonl
 
 from kdflow.schemas.commits import list_commits, read_complete
 from kdflow.schemas.errors import KDFlowError

@@ -1,7 +1,7 @@
 """A run root on an object store at scale: conditional writes, two writers racing, one listing per store, training
 reads by byte range equal to local reads, and the store's faults (credentials, bucket, network) as one line.
 
-moto's S3 server runs in its own process (tests/s3_server.py), serving one request at a time so that its
+moto's S3 server runs in its own process (tests/support/s3_server.py), serving one request at a time so that its
 conditional writes are atomic as on S3, and logging every request so that the tests count them.
 """
 
@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
 
-from s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds  # noqa: E402
+from support.s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds  # noqa: E402
 
 from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit  # noqa: E402
 from kdflow.schemas.config import KDFlowConfig, dump_config  # noqa: E402

@@ -26,7 +26,6 @@ INFRA = REPO / "infra"
 # Characters that must be percent-encoded in a URL, so the test also covers the server's URL building.
 PASSWORD = "kd fl@w:p%ss/" + os.urandom(6).hex()
 
-pytestmark = pytest.mark.slow
 
 
 def _missing_tools() -> str | None:

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from children import run
+from support.children import run
+from support.runs import prepare
 
 from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
 from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
@@ -30,22 +31,12 @@ from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import find_topk_stores
 from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.models import teacher_fingerprint
-from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.materialise import materialise
-from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import TeacherPlacementError, check_placement, load_teacher
 from kdflow.tasks.teacher.precompute import precompute_shards
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def prepare(config: Any) -> Any:
-    """materialise + tokenise: the token store the teacher pass reads."""
-    materialise(config, None)
-    tokenise(config, load_tokenizer(config))
-    return config
 
 
 def store_files(config: Any, tag: str) -> dict[str, bytes]:
@@ -269,6 +260,7 @@ def _worker(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProce
                what="the teacher worker", timeout=300, cwd=REPO, env=os.environ | env)
 
 
+@pytest.mark.usefixtures("children")
 def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path) -> None:
     from kdflow.schemas.config import dump_config
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_precompute import prepare
+from support.runs import prepare
 
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.protocol import EXIT_USER_ERROR

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from children import run
-from conftest import write_jsonl
+from support.children import run
+from support.corpus import write_jsonl
 
 from kdflow.preflight import CHECKS, check, run_preflight
 from kdflow.schemas.config import dump_config
@@ -172,6 +172,7 @@ def cli(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, l
     return done, imported[0] if imported else ["?"]
 
 
+@pytest.mark.usefixtures("children")
 def test_cli_fails_in_one_line_before_prefect_or_torch(make_config, tmp_path, tiny_teacher_dir, tiny_tokenizer_dir,
                                                        other_tokenizer) -> None:
     cases = bad_cases(tmp_path, tiny_teacher_dir, tiny_tokenizer_dir, other_tokenizer)
@@ -188,6 +189,7 @@ def test_cli_fails_in_one_line_before_prefect_or_torch(make_config, tmp_path, ti
         assert not Path(config.run_root).exists() and not (tmp_path / "ph").exists(), name
 
 
+@pytest.mark.usefixtures("children")
 def test_chat_on_a_folder_that_is_no_model_fails_before_torch(tmp_path, tiny_tokenizer_dir) -> None:
     done, imported = cli(["chat", str(tiny_tokenizer_dir), "--prompt", "hi"], tmp_path)
     assert done.returncode == 2 and imported == []

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from children import run
+from support.children import run
 
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")

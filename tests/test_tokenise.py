@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import sample_documents
+from support.corpus import sample_documents
 
 import kdflow.tasks.corpus.tokenise as tokenise_module
 from kdflow.schemas.commits import list_commits, read_complete

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_precompute import prepare
+from support.runs import prepare
 
 import kdflow.flows.launch as launch
 from kdflow.cli import main as cli_main
@@ -188,6 +188,7 @@ def test_one_candidate_in_process_reads_the_runs_token_shards(make_config: Calla
     assert 0 < record["peak_rss_mib"] < record["total_mib"] and 0 < record["headroom"] < 1
 
 
+@pytest.mark.usefixtures("children")
 def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendation(
         make_config: Callable[..., Any], tmp_path: Path) -> None:
     """Two candidates fail by injected faults (a driver error, an out-of-memory), one is then skipped; the

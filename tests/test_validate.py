@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TINY_VOCAB
+from support.corpus import TINY_VOCAB, flip_byte
 
 from kdflow.cli import main as cli_main
 from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_complete, stage_dir, write_commit,
@@ -72,12 +72,6 @@ def tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, Any]:
 def run_validate(capsys: pytest.CaptureFixture[str], url: str, fix: bool = False) -> tuple[int, str]:
     code = validate_run_root(url, fix=fix)
     return code, capsys.readouterr().out
-
-
-def flip_byte(path: str, offset: int = -40) -> None:
-    data = bytearray(Path(path).read_bytes())
-    data[offset] ^= 0x01
-    Path(path).write_bytes(bytes(data))
 
 
 def test_clean_run_root_passes(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
