@@ -1,6 +1,6 @@
-"""Fixtures of tiny student runs, registered by tests/conftest.py (`pytest_plugins`).
+"""Fixtures of tiny runs, registered by tests/conftest.py (`pytest_plugins`).
 
-The sharpened teacher and the prepared run root are built once per session (each test copies the run root).
+The sharpened teacher and the prepared run roots are built once per session; each test copies a run root.
 """
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.corpus import sample_documents, write_jsonl
+from support.faults import Prepared, build_prepared, fault_config
 from support.runs import SHARPEN, make_tokens, run_config, write_dense_topk
 
 from kdflow.schemas.config import KDFlowConfig
@@ -48,3 +50,22 @@ def fresh_run(prepared_run: tuple[Path, Path], sharp_teacher_dir: Path, tmp_path
     run_root, corpus = prepared_run
     shutil.copytree(run_root, tmp_path / "run")
     return lambda **overrides: run_config(tmp_path / "run", sharp_teacher_dir, corpus, **overrides)
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> Prepared:
+    """The fault tests' token store and uninterrupted top-K store (support.faults.build_prepared)."""
+    return build_prepared(tmp_path_factory.mktemp("faults"), tiny_teacher_dir)
+
+
+@pytest.fixture
+def run_copy(prepared: Prepared, tmp_path: Path) -> Callable[..., KDFlowConfig]:
+    """-> copy(source='tokens-only'|'reference', run_root=None, **overrides): a private copy of a prepared run
+    root."""
+
+    def copy(source: str = "tokens-only", run_root: Path | None = None, **overrides: Any) -> KDFlowConfig:
+        target = run_root or tmp_path / "run"
+        shutil.copytree(prepared.base / source, target, dirs_exist_ok=True)
+        return fault_config(target, prepared.teacher, prepared.corpus, **overrides)
+
+    return copy
