@@ -11,6 +11,7 @@ from support.losses import assert_matches_reference, loss_and_grads, make_case
 
 from kdflow.tasks.student.losses import fused_topk_kl
 
+
 @pytest.mark.parametrize(
     ("rows", "vocab", "width", "top_k", "chunk_tokens"),
     [(1, 50, 8, 4, 1), (7, 50, 8, 1, 3), (37, 64, 16, 8, 16), (130, 97, 12, 20, 64), (37, 31, 8, 31, 5)],
