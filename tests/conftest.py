@@ -28,8 +28,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 pytest_plugins = ["support.fixtures"]
 
-TIERS = ("unit", "process", "e2e")
-E2E_FIXTURES = {"prefect_harness", "prefect_api_url", "demo_run_root", "infra_env", "prefect_stack"}
+# The tier of a test is that of the first of these sets holding one of its fixtures (direct or indirect), else unit.
+E2E_FIXTURES = {"prefect_harness", "prefect_api_url", "infra_env", "prefect_stack"}
 PROCESS_FIXTURES = {"children", "moto", "s3_endpoint"}
 # Programs a library may start on its own inside a unit test (ctypes.util.find_library runs these).
 LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "ld", "objdump", "uname"}
@@ -71,6 +71,7 @@ def _unit_tests_start_no_child(request: pytest.FixtureRequest, monkeypatch: pyte
             super().__init__(args, *more, **options)
 
     monkeypatch.setattr(subprocess, "Popen", NoChild)
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -160,3 +161,12 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url(prefect_harness: None) -> str:
+    """The API of the session's Prefect server, for child processes (`PREFECT_API_URL`): a `kdflow run` child
+    given it starts no temporary server of its own (~10 s each)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()

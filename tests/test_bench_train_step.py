@@ -18,7 +18,8 @@ from kdflow.schemas.config import dump_config
 
 def bench(*args: str) -> list[dict[str, Any]]:
     command = [sys.executable, "-m", "kdflow", "bench", "train-step", *args, "--steps", "2", "--warmup", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
 

@@ -49,8 +49,8 @@ def test_worker_killed_mid_shard_is_retried_by_the_flow_with_identical_output(pr
     fired = json.loads((Path(config.run_root) / "_faults" / "kill.micro_batch-1.shard-1.fired").read_text())
     assert result["attempt"] == 2 and result["worker_pid"] != fired["pid"]  # a second, fresh process finished
     assert result["written"] == prepared.shards - 1 and result["tag"] == prepared.tag
-    # Committed exactly once each: shard 0 by the killed worker, before the kill, and never again; the rest by the retry,
-    # which took over the killed worker's lease and temp file of shard 1.
+    # Committed exactly once each: shard 0 by the killed worker, before the kill, and never again; the rest by the
+    # retry, which took over the killed worker's lease and temp file of shard 1.
     records = list_commits(RunRoot(config.run_root), str(topk_store(config, prepared)), "topk", prepared.tag)
     assert records[0].created_at < fired["time"] < min(r.created_at for i, r in records.items() if i > 0)
     assert_clean_and_identical(config, prepared)
@@ -70,8 +70,8 @@ def test_validate_fix_makes_the_next_run_recompute_exactly_the_damaged_shards(ru
     problems = [line for line in capsys.readouterr().out.splitlines() if "PROBLEM" in line]
     assert len(problems) == 2, problems
     assert any(f"topk/{prepared.tag} shard 1: shard-00001.arrow has sha256" in line for line in problems)
-    assert any(f"topk/{prepared.tag} shard 3: invalid commit record: data file has {size - 100} bytes, its record says {size}"
-               in line for line in problems)
+    assert any(f"topk/{prepared.tag} shard 3: invalid commit record: data file has {size - 100} bytes, its record "
+               f"says {size}" in line for line in problems)
 
     assert validate_run_root(config.run_root, fix=True) == 1
     assert "removed 2 commit record(s)" in capsys.readouterr().out
@@ -80,7 +80,8 @@ def test_validate_fix_makes_the_next_run_recompute_exactly_the_damaged_shards(ru
 
     capsys.readouterr()
     assert validate_run_root(config.run_root) == 0  # right after --fix: what the next run recomputes, as a note
-    assert "shard(s) 1,3 have no commit record: the next run of precompute computes what is missing" in capsys.readouterr().out
+    assert ("shard(s) 1,3 have no commit record: the next run of precompute computes what is missing"
+            in capsys.readouterr().out)
 
     summary = precompute_shards(config)
     assert (summary["written"], summary["skipped"]) == (2, prepared.shards - 2)
@@ -166,7 +167,8 @@ def test_student_killed_mid_run_resumes_to_the_same_weights(run_copy, prepared, 
 
     log = tmp_path / "killed.log"
     with open(log, "w") as stderr:
-        process = subprocess.Popen([sys.executable, "-c", TRAIN_SLOWLY, str(write_config(killed, tmp_path / "killed.yaml"))],
+        process = subprocess.Popen([sys.executable, "-c", TRAIN_SLOWLY,
+                                    str(write_config(killed, tmp_path / "killed.yaml"))],
                                    cwd=REPO, env=worker_env(), stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.monotonic() + 240

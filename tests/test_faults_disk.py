@@ -68,7 +68,8 @@ def small_disk(tmp_path: Path, children: Any) -> Iterator[tuple[SmallDisk | None
     try:
         disk = SmallDisk(tmp_path / "disk")
     except (OSError, subprocess.CalledProcessError) as error:
-        yield None, f"cannot mount a tmpfs here: {(getattr(error, 'stderr', None) or str(error)).strip().splitlines()[0]}"
+        why = (getattr(error, 'stderr', None) or str(error)).strip().splitlines()[0]
+        yield None, f"cannot mount a tmpfs here: {why}"
         return
     try:
         yield disk, ""
@@ -77,12 +78,13 @@ def small_disk(tmp_path: Path, children: Any) -> Iterator[tuple[SmallDisk | None
 
 
 @pytest.mark.usefixtures("children")
-def test_disk_full_mid_pass_fails_with_exit_code_3_and_a_rerun_after_freeing_space_completes(small_disk, run_copy, prepared,
-                                                                                               tmp_path) -> None:
+def test_disk_full_mid_pass_fails_with_exit_code_3_and_a_rerun_after_freeing_space_completes(
+        small_disk, run_copy, prepared, tmp_path) -> None:
     disk, why = small_disk
     if disk is not None:  # a real full filesystem: the top-K writes fail where the kernel says so
         config = run_copy(run_root=disk.path / "run")
-        shard_pages = disk.pages((prepared.base / "reference" / "topk" / prepared.tag / "shard-00000.arrow").stat().st_size)
+        reference_shard = prepared.base / "reference" / "topk" / prepared.tag / "shard-00000.arrow"
+        shard_pages = disk.pages(reference_shard.stat().st_size)
         # Room for config.yaml, _store.json, _renumbering.bin, shard 0 (data, lease, then its commit record) and all
         # but one page of shard 1.
         disk.resize(disk.used_pages() + 3 + shard_pages + 2 + shard_pages - 1)
@@ -131,8 +133,8 @@ def test_disk_already_full_is_exit_code_3_and_a_lease_leaves_no_temp_file(full_d
     # The worker's own code path, in this process (its exit code is returned, not exited with).
     assert run_worker_here(["--config", str(write_config(config, tmp_path / "config.yaml"))]) == EXIT_NO_SPACE
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last_line == (f"kdflow worker: no space left on device: disk full at {config.run_root} (0 MB free); free space "
-                         "there and rerun to resume: committed work is kept")
+    assert last_line == (f"kdflow worker: no space left on device: disk full at {config.run_root} (0 MB free); "
+                         "free space there and rerun to resume: committed work is kept")
     assert not (Path(config.run_root) / "topk").exists()
 
     store = Path(config.run_root, "lease-store")
@@ -149,7 +151,8 @@ def test_a_failed_write_probe_leaves_nothing_behind(full_disk_run) -> None:
 
 
 @pytest.mark.usefixtures("children")
-def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpoint(small_disk, run_copy, tmp_path) -> None:
+def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpoint(small_disk, run_copy,
+                                                                                    tmp_path) -> None:
     from kdflow.tasks.student.train import train
 
     disk, why = small_disk
@@ -177,7 +180,8 @@ def cli(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProc
     """`python -m kdflow ARGS` with a private Prefect home and no server: a temporary one is started if needed."""
     clean = {k: v for k, v in worker_env().items() if not k.startswith("PREFECT_")}
     clean |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
-    return run([sys.executable, "-m", "kdflow", *args], what=f"kdflow {args[0]}", timeout=420, cwd=REPO, env=clean | env)
+    return run([sys.executable, "-m", "kdflow", *args], what=f"kdflow {args[0]}", timeout=420, cwd=REPO,
+               env=clean | env)
 
 
 def files_containing(folder: Path, needle: bytes) -> list[Path]:
@@ -210,7 +214,8 @@ def test_cli_error_inside_a_stage_is_one_line_without_traceback_and_leaks_no_sec
 
 @pytest.mark.usefixtures("children")
 def test_cli_student_name_that_escapes_the_run_root_is_a_config_error(prepared, tmp_path) -> None:
-    config_path = write_config(fault_config(tmp_path / "run", prepared.teacher, prepared.corpus), tmp_path / "config.yaml")
+    config_path = write_config(fault_config(tmp_path / "run", prepared.teacher, prepared.corpus),
+                               tmp_path / "config.yaml")
     done = cli(["run", str(config_path), "--set", "student.name=../x"], tmp_path)
     assert done.returncode == EXIT_USER_ERROR
     assert done.stderr.strip().splitlines() == [
@@ -224,8 +229,8 @@ def test_cli_student_name_that_escapes_the_run_root_is_a_config_error(prepared, 
     (None, ["--shards", "2,99"], "shard 99 does not exist: the token store has shards 0-"),
     ("tiny_tokenizer_dir", [], "not a model folder (no config.json)"),  # a tokenizer folder given as the teacher
 ])
-def test_worker_bad_input_is_exit_code_2_one_line_and_commits_nothing(run_copy, tmp_path, capsys, request, teacher, args,
-                                                                      message) -> None:
+def test_worker_bad_input_is_exit_code_2_one_line_and_commits_nothing(run_copy, tmp_path, capsys, request, teacher,
+                                                                      args, message) -> None:
     config = run_copy(**({"teacher__model": str(request.getfixturevalue(teacher))} if teacher else {}))
     assert run_worker_here(["--config", str(write_config(config, tmp_path / "config.yaml")), *args]) == EXIT_USER_ERROR
     captured = capsys.readouterr()

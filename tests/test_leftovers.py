@@ -59,7 +59,8 @@ def test_a_stage_folder_loses_only_its_dead_writers_temp_files(tmp_path: Path) -
         removed = remove_stale_temp_files(run_root, str(folder))
         assert sorted(removed) == sorted([names["dead"], names["dead record"], staging.name])
         left = {p.name for p in folder.iterdir()}
-        assert left == {names["live"], names["mine"], names["foreign, fresh"], names["old style, fresh"], "part-00000.parquet"}
+        assert left == {names["live"], names["mine"], names["foreign, fresh"], names["old style, fresh"],
+                        "part-00000.parquet"}
 
 
 def test_atomic_writes_name_their_writer_and_leave_nothing_on_failure(tmp_path: Path) -> None:

@@ -44,15 +44,18 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 0 and summary["ok"], summary["failed"]
     steps = summary["steps"]
     assert {name: step["status"] for name, step in steps.items()} == {name: "ok" for name in (
-        "teacher", "tokens", "tune_precompute", "precompute", "bench_precompute", "bench_loss", "train_bf16", "fsdp_2_process")}
+        "teacher", "tokens", "tune_precompute", "precompute", "bench_precompute", "bench_loss", "train_bf16",
+        "fsdp_2_process")}
     assert steps["teacher"]["architecture"] == "Qwen3MoeForCausalLM" and steps["teacher"]["load_in_4bit"]
     tuned = steps["tune_precompute"]["recommended_micro_batch"]
-    assert tuned in (2, 4) and yaml.safe_load((tmp_path / "check.yaml").read_text())["precompute"]["micro_batch"] == tuned
+    assert tuned in (2, 4)
+    assert yaml.safe_load((tmp_path / "check.yaml").read_text())["precompute"]["micro_batch"] == tuned
     assert steps["precompute"]["written"] >= 2 and steps["train_bf16"]["autocast"] == "off"  # bf16 autocast: CUDA only
     assert steps["fsdp_2_process"]["steps"] == 2
 
 
-def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: Callable[..., Any], tmp_path: Path) -> None:
+def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: Callable[..., Any],
+                                                                  tmp_path: Path) -> None:
     """`kdflow bench scale --teacher-tokens`: a run larger than what the teacher computed repeats its full shards
     (never the short last one), each under its own id and commit record, and the copy validates as a run root."""
     from kdflow.bench_scale import subset_run

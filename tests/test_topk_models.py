@@ -64,7 +64,8 @@ def test_tiny_model_teacher_step_equals_full_logits(kind: str) -> None:
     model = tiny_model(kind)
     input_ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(1))
     vocab_chunk = 200 if kind == "llama" else None  # slabs through the whole-model path too
-    topk_ids, topk_logprobs, tail_logprob = TeacherTopkStep(model, k=16, chunk_tokens=7, vocab_chunk=vocab_chunk)(input_ids)
+    topk_ids, topk_logprobs, tail_logprob = TeacherTopkStep(model, k=16, chunk_tokens=7,
+                                                            vocab_chunk=vocab_chunk)(input_ids)
     ref_ids, ref_logprobs = model_reference(model, input_ids, 16)
     assert topk_ids.shape == (3, 11, 16) and tail_logprob.shape == (3, 11) and tail_logprob.dtype == torch.float32
     assert torch.equal(topk_ids.long(), ref_ids)

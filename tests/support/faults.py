@@ -21,7 +21,8 @@ from support.corpus import sample_documents, write_jsonl
 from support.runs import prepare
 
 REPO = Path(__file__).resolve().parents[2]
-STORE_FILES = {"_complete.json", "_store.json", "config.yaml", "_renumbering.bin"}  # besides shard-N.arrow, .commit.json
+# besides shard-N.arrow, .commit.json
+STORE_FILES = {"_complete.json", "_store.json", "config.yaml", "_renumbering.bin"}
 SECRET = "sekrit-value"
 
 
