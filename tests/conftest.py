@@ -31,8 +31,10 @@ pytest_plugins = ["support.fixtures"]
 # The tier of a test is that of the first of these sets holding one of its fixtures (direct or indirect), else unit.
 E2E_FIXTURES = {"prefect_harness", "prefect_api_url", "infra_env", "prefect_stack"}
 PROCESS_FIXTURES = {"children", "moto", "s3_endpoint"}
-# Programs a library may start on its own inside a unit test (ctypes.util.find_library runs these).
-LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "ld", "objdump", "uname"}
+# Programs a library may start on its own inside a unit test: ctypes.util.find_library runs ldconfig or gcc,
+# torch.compile runs the C++ compiler, openssl and Python probes of what it compiled.
+LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "g++", "c++", "clang", "clang++", "ld", "objdump", "uname", "openssl"}
+LIBRARY_MODULES = ("torchinductor", "torch/_inductor/", "torch._inductor.")
 
 
 def tier_of(fixturenames: list[str]) -> str:
@@ -64,8 +66,10 @@ def _unit_tests_start_no_child(request: pytest.FixtureRequest, monkeypatch: pyte
 
     class NoChild(popen):  # type: ignore[misc,valid-type]
         def __init__(self, args: Any, *more: Any, **options: Any) -> None:
-            program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
-            if os.path.basename(os.fsdecode(program)).split()[0] not in LIBRARY_HELPERS:
+            one = isinstance(args, (str, bytes, os.PathLike))
+            program, words = (args, [args]) if one else (args[0], list(args))
+            helper = os.path.basename(os.fsdecode(program)).split()[0] in LIBRARY_HELPERS
+            if not helper and not any(m in os.fsdecode(w) for w in words for m in LIBRARY_MODULES):
                 pytest.fail(f"a unit test started a child process ({program}): ask for the `children` fixture "
                             "(tests/conftest.py), which makes it a `process` test", pytrace=False)
             super().__init__(args, *more, **options)

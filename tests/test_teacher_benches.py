@@ -32,6 +32,7 @@ def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
     assert not (Path(config.run_root) / "topk").exists()  # the stage computed in a scratch copy
 
 
+@pytest.mark.usefixtures("children")  # the pass in its worker, the 2-process FSDP step
 def test_gpu_check_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every step of `kdflow bench gpu` on CPU at small sizes: 4-bit Qwen3-MoE teacher, tune, the pass in its
     worker, both benchmarks, student steps, and the 2-process FSDP step (gloo)."""
