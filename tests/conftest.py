@@ -1,33 +1,80 @@
-"""Shared test fixtures: tiny real tokenizers and teachers built from configs (no hub), corpora, configs.
+"""Shared test fixtures: tiny real tokenizers and teachers built from configs (no hub), corpora, configs;
+the test tiers.
 
 The Prefect test harness (a temporary server on SQLite) is started once per test session, and only
 when a test asks for it (`prefect_harness`), because it costs ~10 s.
+
+Tiers follow from the fixtures a test uses (`pytest_collection_modifyitems`), so a new test lands in its tier
+by what it needs: `e2e` (whole pipeline runs, the Prefect server, PostgreSQL, the demo), else `process`
+(child processes through `children`, the S3 servers of moto), else `unit`. A unit test that starts a child
+process fails and names the fixture to ask for. `pytest -m unit` is the fast tier; plain `pytest` runs all.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.corpus import TINY_VOCAB, sample_documents, write_jsonl
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-TINY_VOCAB = 384
+pytest_plugins = ["support.fixtures"]
+
+# The tier of a test is that of the first of these sets holding one of its fixtures (direct or indirect), else unit.
+E2E_FIXTURES = {"prefect_harness", "prefect_api_url", "infra_env", "prefect_stack"}
+PROCESS_FIXTURES = {"children", "moto", "s3_endpoint"}
+# Programs a library may start on its own inside a unit test: ctypes.util.find_library runs ldconfig or gcc,
+# torch.compile runs the C++ compiler, openssl and Python probes of what it compiled.
+LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "g++", "c++", "clang", "clang++", "ld", "objdump", "uname", "openssl"}
+LIBRARY_MODULES = ("torchinductor", "torch/_inductor/", "torch._inductor.")
 
 
-def sample_documents(count: int = 60) -> list[str]:
-    """Real English text that ships with Python: its documentation topics, one paragraph a document."""
-    from pydoc_data.topics import topics
+def tier_of(fixturenames: list[str]) -> str:
+    if E2E_FIXTURES.intersection(fixturenames):
+        return "e2e"
+    return "process" if PROCESS_FIXTURES.intersection(fixturenames) else "unit"
 
-    paragraphs = [p.strip() for text in topics.values() for p in text.split("\n\n") if len(p.strip()) > 40]
-    return paragraphs[:count]
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers set here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(getattr(item, "fixturenames", []))))
+
+
+@pytest.fixture(scope="session")
+def children() -> Any:
+    """Child processes of a test (`support.children`: run, started, finish, ...): asking for it makes the test
+    a `process` test."""
+    from support import children as helpers
+
+    return helpers
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_child(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("unit") is None:
+        return
+    popen = subprocess.Popen
+
+    class NoChild(popen):  # type: ignore[misc,valid-type]
+        def __init__(self, args: Any, *more: Any, **options: Any) -> None:
+            one = isinstance(args, (str, bytes, os.PathLike))
+            program, words = (args, [args]) if one else (args[0], list(args))
+            helper = os.path.basename(os.fsdecode(program)).split()[0] in LIBRARY_HELPERS
+            if not helper and not any(m in os.fsdecode(w) for w in words for m in LIBRARY_MODULES):
+                pytest.fail(f"a unit test started a child process ({program}): ask for the `children` fixture "
+                            "(tests/conftest.py), which makes it a `process` test", pytrace=False)
+            super().__init__(args, *more, **options)
+
+    monkeypatch.setattr(subprocess, "Popen", NoChild)
 
 
 @pytest.fixture(scope="session")
@@ -83,14 +130,6 @@ def tiny_moe_teacher_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenize
     return _save_teacher(tmp_path_factory.mktemp("teacher-moe"), config, tiny_tokenizer_dir)
 
 
-def write_jsonl(path: Path, documents: list[Any], field: str = "text") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        for doc in documents:
-            handle.write(json.dumps(doc if isinstance(doc, dict) else {field: doc}) + "\n")
-    return path
-
-
 @pytest.fixture
 def corpus_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "data" / "docs.jsonl", sample_documents(60))
@@ -126,3 +165,12 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url(prefect_harness: None) -> str:
+    """The API of the session's Prefect server, for child processes (`PREFECT_API_URL`): a `kdflow run` child
+    given it starts no temporary server of its own (~10 s each)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()

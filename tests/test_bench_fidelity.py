@@ -6,8 +6,10 @@ import pytest
 
 from kdflow.bench.fidelity import VARIANTS, print_table, summarise
 
-KL = {"topk128": (1.00, 0.90), "codec": (1.005, 0.92), "hybrid": (0.98, 0.91), "sampled": (1.05, 0.95), "online": (0.95, 0.85), "ce": (2.0, 1.9)}
-CE = {"topk128": (5.00, 4.90), "codec": (5.00, 4.91), "hybrid": (5.05, 4.92), "sampled": (5.10, 5.00), "online": (4.95, 4.90), "ce": (5.5, 5.4)}
+KL = {"topk128": (1.00, 0.90), "codec": (1.005, 0.92), "hybrid": (0.98, 0.91), "sampled": (1.05, 0.95),
+      "online": (0.95, 0.85), "ce": (2.0, 1.9)}
+CE = {"topk128": (5.00, 4.90), "codec": (5.00, 4.91), "hybrid": (5.05, 4.92), "sampled": (5.10, 5.00),
+      "online": (4.95, 4.90), "ce": (5.5, 5.4)}
 
 
 def runs() -> list[dict]:
@@ -44,7 +46,7 @@ def test_online_kd_trains_and_the_dense_eval_matches_a_full_forward_of_both_mode
     import math
 
     import torch
-    from test_precompute import prepare
+    from support.runs import prepare
 
     from kdflow.bench.fidelity_runs import TeacherStates, dense_eval, teacher_heldout_ce, train_online
     from kdflow.tasks.common.tokenizer import load_tokenizer

@@ -11,18 +11,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from test_train import fresh_run, prepared_run, sharp_teacher_dir  # noqa: F401
+import pytest
 
 from kdflow.schemas.config import dump_config
 
 
 def bench(*args: str) -> list[dict[str, Any]]:
     command = [sys.executable, "-m", "kdflow", "bench", "train-step", *args, "--steps", "2", "--warmup", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
+@pytest.mark.usefixtures("children")
 def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_path: Path) -> None:  # noqa: F811
     config = fresh_run()
     path = tmp_path / "bench.yaml"

@@ -1,5 +1,6 @@
-"""`kdflow chat` and `kdflow.tasks.student.chat.generate` on a student that `kdflow.tasks.student.train` trained and saved: the saved
-`final/` loads in a fresh process and generates; prompts, the interactive loop, templates, bad folders."""
+"""`kdflow chat` and `kdflow.tasks.student.chat.generate` on a student that `kdflow.tasks.student.train` trained
+and saved: the saved `final/` loads in a fresh process and generates; prompts, the interactive loop, templates,
+bad folders."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from children import run
-from conftest import sample_documents, write_jsonl
-from test_train import make_tokens, run_config, write_dense_topk
+from support.children import run
+from support.corpus import sample_documents, write_jsonl
+from support.runs import make_tokens, run_config, write_dense_topk
 
 from kdflow.schemas.errors import KDFlowError
 
@@ -37,6 +38,7 @@ def kdflow_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedPro
     return run([sys.executable, "-m", "kdflow", "chat", *args], what="kdflow chat", input=stdin, timeout=300)
 
 
+@pytest.mark.usefixtures("children")
 def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:
     from kdflow.tasks.student.chat import generate
 
@@ -73,7 +75,8 @@ def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys
     assert main(["chat", str(tmp_path), "--prompt", PROMPT]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.strip().splitlines() == [f"kdflow: error: student '{tmp_path}' is not a model: no config.json in it"]
+    assert captured.err.strip().splitlines() == [
+        f"kdflow: error: student '{tmp_path}' is not a model: no config.json in it"]
 
 
 def test_sampling_is_reproducible_with_a_seed(student_dir: Path) -> None:
@@ -86,7 +89,8 @@ def test_sampling_is_reproducible_with_a_seed(student_dir: Path) -> None:
         continue_text(student, PROMPT, temperature=0.0)
 
 
-def test_base_student_continues_text_and_a_chat_template_is_used_when_present(student_dir: Path, tmp_path: Path) -> None:
+def test_base_student_continues_text_and_a_chat_template_is_used_when_present(
+        student_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from kdflow.tasks.student.chat import encode_prompt, load_student

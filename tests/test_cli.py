@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from children import run
+from support.children import run
 
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.layout import CONFIG_FILE
@@ -30,6 +30,7 @@ def store_mtimes(run_root: Path) -> dict[str, int]:
             if p.is_file() and p.name != CONFIG_FILE}
 
 
+@pytest.mark.usefixtures("children")
 def test_help_lists_the_commands() -> None:
     result = kdflow("--help")
     assert result.returncode == 0
@@ -39,6 +40,7 @@ def test_help_lists_the_commands() -> None:
     assert version.returncode == 0 and version.stdout.strip() == f"kdflow {importlib.metadata.version('kdflow')}"
 
 
+@pytest.mark.usefixtures("children")
 def test_unknown_config_key_is_one_line_without_traceback(tmp_path: Path) -> None:
     valid = "run_root: runs/x\ndataset: {path: docs.jsonl}\nteacher: {model: m}\n"
     config = tmp_path / "typo.yaml"
@@ -52,7 +54,9 @@ def test_unknown_config_key_is_one_line_without_traceback(tmp_path: Path) -> Non
         f"kdflow: error: {config}: invalid value for 'seq_len': Input should be greater than 0"]
 
 
-def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("children")
+def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tiny_tokenizer_dir: Path,
+                                            tmp_path: Path) -> None:
     config = make_config(tokenizer=str(tiny_tokenizer_dir))
     path = tmp_path / "config.yaml"
     path.write_text(dump_config(config), encoding="utf-8")
@@ -70,7 +74,8 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
     second = kdflow("run", str(path), "--stages", "materialise,tokenise", env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     log = second.stdout + second.stderr
-    assert "materialise: 4 parts, 60 documents (0 written now" in log and "(0 written now, " in log.split("tokenise:")[-1]
+    assert ("materialise: 4 parts, 60 documents (0 written now" in log
+            and "(0 written now, " in log.split("tokenise:")[-1])
     assert "materialise: 4/4 parts already committed, nothing to do" in log
     assert "tokenise: 27/27 shards already committed, nothing to do" in log
     assert store_mtimes(run_root) == before
@@ -105,9 +110,11 @@ def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) ->
 
     from kdflow.bench.tokenise import main
 
-    assert main(["--documents", "40", "--repeats", "1", "--parallelism", "false", "--seq-len", "32", "--sequences-per-shard", "4"]) == 0
+    assert main(["--documents", "40", "--repeats", "1", "--parallelism", "false", "--seq-len", "32",
+                 "--sequences-per-shard", "4"]) == 0
     raw, call, stage, ratio = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert (raw["what"], call["what"], stage["what"], ratio["what"]) == ("raw_tokenizer", "transformers_call", "tokenise_stage", "ratio")
+    assert ((raw["what"], call["what"], stage["what"], ratio["what"])
+            == ("raw_tokenizer", "transformers_call", "tokenise_stage", "ratio"))
     assert raw["doc_tokens"] == call["doc_tokens"] == stage["doc_tokens"] > 0 and raw["documents"] == 40
     assert ratio["same_ids"] is True  # the stage's rows hold exactly the transformers call's ids, packed
     # Every document's tokens plus one EOS each end up in a row or in the dropped tail.

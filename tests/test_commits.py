@@ -111,7 +111,8 @@ def test_atomic_writer_leaves_nothing_on_error(run_root: RunRoot) -> None:
         writer.write(b"all of ")
         writer.write(memoryview(b"the data"))
     assert open(target, "rb").read() == b"all of the data"
-    assert writer.nbytes == 15 and writer.sha256 == hashlib.sha256(b"all of the data").hexdigest() == sha256_of(run_root, target)
+    assert writer.nbytes == 15
+    assert writer.sha256 == hashlib.sha256(b"all of the data").hexdigest() == sha256_of(run_root, target)
     assert os.listdir(os.path.dirname(target)) == ["shard-00000.arrow"]
 
 
@@ -126,7 +127,8 @@ def test_failed_rewrite_keeps_the_old_file(run_root: RunRoot) -> None:
 
 
 def good_records(count: int = 3) -> list[CommitRecord]:
-    return [CommitRecord(stage="tokens", shard_id=i, data_file=data_file_name("tokens", i), rows=2, tokens=2 * SEQ_LEN, bytes=10 + i,
+    return [CommitRecord(stage="tokens", shard_id=i, data_file=data_file_name("tokens", i), rows=2, tokens=2 * SEQ_LEN,
+                         bytes=10 + i,
                          sha256=hashlib.sha256(b"%d" % i).hexdigest(), fingerprint=FINGERPRINT) for i in range(count)]
 
 
@@ -192,7 +194,8 @@ def test_run_root_path_rejects_escaping_components(run_root: RunRoot, part: str)
 
 
 def test_run_root_path_joins_safe_components(run_root: RunRoot) -> None:
-    assert run_root.path("topk", "abc123/shard-00000.arrow") == os.path.join(run_root.root, "topk", "abc123/shard-00000.arrow")
+    assert (run_root.path("topk", "abc123/shard-00000.arrow")
+            == os.path.join(run_root.root, "topk", "abc123/shard-00000.arrow"))
     assert run_root.path("tokens", "_complete.json") == os.path.join(run_root.root, "tokens", "_complete.json")
     assert RunRoot("file:///tmp/kd").root == "/tmp/kd"
 
@@ -215,4 +218,5 @@ def test_listdir_and_remove_tolerate_missing_paths(run_root: RunRoot) -> None:
     run_root.write_bytes_atomic(run_root.path("tokens", "a"), b"2")
     assert run_root.listdir(run_root.path("tokens")) == ["a", "b"]
     run_root.remove(run_root.path("tokens", "a"))
-    assert not run_root.exists(run_root.path("tokens", "a")) and run_root.read_bytes(run_root.path("tokens", "b")) == b"1"
+    assert (not run_root.exists(run_root.path("tokens", "a"))
+            and run_root.read_bytes(run_root.path("tokens", "b")) == b"1")

@@ -202,7 +202,8 @@ def test_form_schema_keeps_field_order_titles_and_descriptions_through_jsonb() -
             assert entry.get("description"), f"{name}.{key} has no description"
             assert entry["title"] and "_" not in entry["title"], f"{name}.{key}: title {entry['title']!r}"
     assert list(schema["properties"]) != list(models["KDFlowConfig"].model_fields)  # the scramble is real
-    titles = {key: entry["title"] for section in _sections(schema).values() for key, entry in section["properties"].items()}
+    titles = {key: entry["title"] for section in _sections(schema).values()
+              for key, entry in section["properties"].items()}
     assert titles["lease_ttl_s"] == "Lease TTL (s)" and titles["rdzv_id"] == "Rendezvous ID"
     assert titles["seq_len"] == "Sequence length" and titles["top_k"] == "Top-K" and titles["lr"] == "Learning rate"
     assert titles["chunk_memory_mib"] == "Chunk memory (MiB)" and titles["student"] == "Student"

@@ -84,8 +84,8 @@ def test_write_corpus_keeps_every_paragraph_in_order_and_is_idempotent(tmp_path:
     assert demo.write_corpus(path)["written"] is False and path.stat().st_mtime_ns == mtime
 
 
-@pytest.mark.slow
-def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness: None,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.schemas.commits import list_commits, load_manifest, read_complete
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.models import teacher_fingerprint
@@ -100,7 +100,8 @@ def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness
     # Every store's manifest validates, and so does the whole run root.
     for stage, store in (("corpus", "corpus"), ("tokens", "tokens")):
         done = read_complete(run_root, run_root.path(store))
-        assert done is not None and len(load_manifest(run_root, run_root.path(store), stage, done.fingerprint)) == done.shards
+        assert done is not None and len(load_manifest(run_root, run_root.path(store), stage,
+                                                      done.fingerprint)) == done.shards
     (tag,) = os.listdir(root / "topk")
     assert len(load_manifest(run_root, run_root.path("topk", tag), "topk", tag, config.seq_len)) == len(
         list_commits(run_root, run_root.path("tokens"), "tokens"))
@@ -129,7 +130,8 @@ def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness
     settings["kdflow_source"]["gguf_sha256"] = "0" * 64
     (other / "config.json").write_text(json.dumps(settings))
     (other / "model.safetensors").symlink_to(teacher_dir / "model.safetensors")
-    assert teacher_fingerprint(config.teacher) != teacher_fingerprint(config.teacher.model_copy(update={"model": str(other)}))
+    moved = config.teacher.model_copy(update={"model": str(other)})
+    assert teacher_fingerprint(config.teacher) != teacher_fingerprint(moved)
 
     # A rerun does no work: no file changes, and it says every stage skipped.
     before = _snapshot(root)

@@ -39,7 +39,6 @@ INFRA = REPO / "infra"
 PREFECT = str(Path(sys.executable).parent / "prefect")
 FLOWS = {"materialise", "tokenise", "precompute", "precompute-shards", "train-student", "pipeline", "tune-precompute"}
 
-pytestmark = pytest.mark.slow
 
 
 def free_port() -> int:
@@ -57,7 +56,8 @@ class PrefectStack:
 
     def run(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
         result = subprocess.run(args, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
-        assert result.returncode == 0, f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, (f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                                        f"{result.stderr[-3000:]}")
         return result
 
     def client_call(self, make_coroutine: Callable[[Any], Any]) -> Any:
@@ -178,7 +178,8 @@ def test_deploy_all_creates_every_deployment(prefect_stack: PrefectStack, deploy
     assert deployed["train-student/llmjp"].work_pool_name == "gpu"
     assert deployed["tune-precompute/llmjp"].work_pool_name == "gpu"  # it measures the GPU that runs the teacher
     teacher = deployed["precompute/llmjp"].parameters["config"]["teacher"]
-    assert teacher == {"model": "llm-jp/llm-jp-4-32b-a3b-base", "load_in_4bit": True, "dtype": "bfloat16", "device": "cuda"}
+    assert teacher == {"model": "llm-jp/llm-jp-4-32b-a3b-base", "load_in_4bit": True, "dtype": "bfloat16",
+                       "device": "cuda"}
     # Schedules are written down but off; the pull step runs flows from this repository.
     schedules = [s for d in deployed.values() for s in d.schedules]
     assert schedules and not any(s.active for s in schedules)
@@ -189,7 +190,8 @@ def test_deploy_all_creates_every_deployment(prefect_stack: PrefectStack, deploy
         return await client.read_automations()
 
     owned = [a for a in prefect_stack.client_call(automations)
-             if any(getattr(action, "deployment_id", None) == deployed["train-student/llmjp"].id for action in a.actions)]
+             if any(getattr(action, "deployment_id", None) == deployed["train-student/llmjp"].id
+                    for action in a.actions)]
     assert len(owned) == 1 and owned[0].trigger.expect == {"prefect.flow-run.Completed"}
     print(json.dumps({k: round(v, 1) for k, v in prefect_stack.timings.items()}))
 
@@ -250,7 +252,8 @@ def _runs_of(stack: PrefectStack, deployment_id: Any) -> list[Any]:
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     async def read(client: Any) -> list[Any]:
-        return await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+        return await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
 
     return stack.client_call(read)
 
@@ -296,7 +299,8 @@ def test_precompute_deployment_fans_out_over_both_gpu_workers(
     _pause_queue(prefect_stack, "gpu", "student")  # the triggered training run is checked, not run
     _wait_workers_online(prefect_stack, {"test-gpu-0": "gpu", "test-gpu-1": "gpu", "test-cpu": "cpu"})
     started = time.perf_counter()
-    output = prefect_stack.run(PREFECT, "deployment", "run", "precompute/llmjp", "--params", json.dumps(parameters)).stdout
+    output = prefect_stack.run(PREFECT, "deployment", "run", "precompute/llmjp", "--params",
+                               json.dumps(parameters)).stdout
     parent_id = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
     parent = _wait_final(prefect_stack, parent_id, timeout=240)
     timings = prefect_stack.timings | {"precompute_run_s": time.perf_counter() - started}
@@ -324,7 +328,8 @@ def test_precompute_deployment_fans_out_over_both_gpu_workers(
     key = precompute_key(config)
 
     async def artifacts(client: Any) -> dict[str, Any]:
-        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key, f"{key}-ranges"])))
+        found = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key, f"{key}-ranges"])))
         return {artifact.key: artifact for artifact in found}
 
     board = prefect_stack.client_call(artifacts)

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 import torch
-from children import run
-from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
-from test_train import make_tokens, run_config, write_dense_topk
+from support.children import run
+from support.corpus import sample_documents, write_jsonl
+from support.runs import make_tokens, run_config, write_dense_topk
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
@@ -83,7 +83,8 @@ def one_rank(prepared_run: tuple[Path, Path], tiny_teacher_dir: Path, tmp_path_f
     shutil.copytree(run_root, copy)
     config = run_config(copy, tiny_teacher_dir, corpus, **(COMMON | {"student__grad_accum": 1}))
     train(config)
-    return {"metrics": read_lines(student_path(config, "metrics.jsonl")), "evals": read_lines(student_path(config, "eval.jsonl")),
+    return {"metrics": read_lines(student_path(config, "metrics.jsonl")),
+            "evals": read_lines(student_path(config, "eval.jsonl")),
             "weights": final_weights(config), "optimizer": load_optimizer_state(config, STEPS)}
 
 
@@ -118,7 +119,8 @@ def torchrun(config: KDFlowConfig, *worker_args: str) -> dict[str, Any]:
     done = run(command, what="the 2-rank torchrun", timeout=TORCHRUN_TIMEOUT_S)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    results = [json.loads(line[len(RESULT_PREFIX):])
+               for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert len(results) == 1, output[-4000:]  # rank 0 reports, rank 1 does not
     return results[0]
 
@@ -145,6 +147,7 @@ TRAIN_KEYS = ("loss", "kd", "ce", "grad_norm", "lr")
 EVAL_KEYS = ("kl", "ce", "top1_agreement")
 
 
+@pytest.mark.usefixtures("children")
 def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, one_rank) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -170,6 +173,7 @@ def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, o
     assert isinstance(text, str) and text.strip()
 
 
+@pytest.mark.usefixtures("children")
 def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(fresh_run, one_rank) -> None:
     from kdflow.tasks.student.train import train
 
@@ -202,6 +206,7 @@ def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(f
               f"max |w - w1| {max_difference(weights, one_rank['weights']):.3g}")
 
 
+@pytest.mark.usefixtures("children")
 def test_gradient_checkpointing_under_fsdp_matches_one_rank_without_it(fresh_run, one_rank) -> None:
     """Each FSDP unit (a decoder layer) is recomputed in backward while its weights are gathered again."""
     config = fresh_run(student__name="fsdp-checkpointing", student__distributed__sharding="fsdp",
@@ -235,6 +240,7 @@ def _pids_running(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+@pytest.mark.usefixtures("children")
 def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fresh_run) -> None:
     from kdflow.tasks.student.distributed import torchrun_arguments
     from kdflow.tasks.student.train import train
@@ -250,8 +256,10 @@ def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fres
         # wait for a complete checkpoint at step >= 2, whichever it is, not for one that may already be gone.
         deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
         while newest_checkpoint_step(config) < 2:
-            assert launcher.poll() is None, f"the 2-rank run exited ({launcher.returncode}) before a checkpoint at step >= 2"
-            assert time.monotonic() < deadline, f"no checkpoint at step >= 2 from the 2-rank run in {TORCHRUN_TIMEOUT_S} s"
+            assert launcher.poll() is None, (f"the 2-rank run exited ({launcher.returncode}) before a checkpoint "
+                                             "at step >= 2")
+            assert time.monotonic() < deadline, (f"no checkpoint at step >= 2 from the 2-rank run in "
+                                                 f"{TORCHRUN_TIMEOUT_S} s")
             time.sleep(0.2)
         assert len(_pids_running(config_path)) >= 3  # the launcher (now torchrun) and two ranks
     finally:
@@ -295,15 +303,18 @@ def test_flow_launches_torchrun_and_reports(fresh_run, one_rank, prefect_harness
 def test_launch_command_backend_and_sharding_choices() -> None:
     from kdflow.tasks.student.distributed import choose_backend, choose_sharding, torchrun_command
 
-    distributed = config_from_dict({"run_root": "runs/x", "dataset": {"path": "x"}, "teacher": {"model": "x"}, "student": {"distributed": {
+    distributed = config_from_dict({"run_root": "runs/x", "dataset": {"path": "x"}, "teacher": {"model": "x"},
+                                    "student": {"distributed": {
         "nproc_per_node": 8, "nnodes": 2, "node_rank": 1, "rdzv_endpoint": "10.0.0.1:29400", "rdzv_id": "job7"}}}
     ).student.distributed
     command = torchrun_command(distributed, "/shared/run.yaml", "--stop-at-step", "5")
     assert command[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1",
                            "--rdzv_backend", "c10d", "--rdzv_endpoint", "10.0.0.1:29400", "--rdzv_id", "job7",
-                           "-m", "kdflow.tasks.student.train_worker", "--config", "/shared/run.yaml", "--stop-at-step", "5"]
+                           "-m", "kdflow.tasks.student.train_worker", "--config", "/shared/run.yaml",
+                           "--stop-at-step", "5"]
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert (choose_backend("auto", cpu), choose_backend("auto", gpu), choose_backend("gloo", gpu)) == ("gloo", "nccl", "gloo")
+    assert ((choose_backend("auto", cpu), choose_backend("auto", gpu), choose_backend("gloo", gpu))
+            == ("gloo", "nccl", "gloo"))
     with pytest.raises(ConfigError, match="backend=nccl needs CUDA devices"):
         choose_backend("nccl", cpu)
     assert [choose_sharding("auto", d, 2) for d in (cpu, gpu)] == ["ddp", "fsdp"]

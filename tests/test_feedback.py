@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import sample_documents, write_jsonl
+from support.corpus import sample_documents, write_jsonl
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict
 
@@ -112,7 +112,8 @@ def test_training_logs_every_n_steps_and_updates_its_artifacts_while_it_runs(pre
     # A rerun of the finished training trains nothing and says so.
     again = train_student_flow(tokenised, return_state=True)
     assert again.result()["steps"] == 8
-    assert "train-student watched: 8/8 steps already done, nothing to do" in flow_run_logs(again.state_details.flow_run_id)
+    assert ("train-student watched: 8/8 steps already done, nothing to do"
+            in flow_run_logs(again.state_details.flow_run_id))
 
 
 def _as_jsonb(value: Any) -> Any:
@@ -183,7 +184,8 @@ def test_a_store_counts_as_done_only_for_the_teacher_it_was_made_from(tokenised)
     from kdflow.tasks.common.models import teacher_identity
 
     identity = teacher_identity(tokenised.teacher, device=torch.device("cpu"))
-    info = TopkStoreInfo(tag="t", teacher_fingerprint="f", tokens_fingerprint="k", teacher={}, teacher_identity=identity,
+    info = TopkStoreInfo(tag="t", teacher_fingerprint="f", tokens_fingerprint="k", teacher={},
+                         teacher_identity=identity,
                          top_k=8, logprobs_dtype="float16", seq_len=32)
     assert _same_teacher(tokenised, info)
     assert not _same_teacher(tokenised, info.model_copy(update={"teacher_identity": identity | {"weights": "other"}}))

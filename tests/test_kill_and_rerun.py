@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from children import kill_group, processes_with_env, started, wait_until
-from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
+from support.children import kill_group, processes_with_env, started, wait_until
+from support.corpus import sample_documents, write_jsonl
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
 from kdflow.schemas.owners import parse_owner_tag
@@ -50,7 +50,8 @@ def tiny_config(run_root: Path, teacher: Path, corpus: Path) -> KDFlowConfig:
         "teacher": {"model": str(teacher), "device": "cpu", "dtype": "float32"},
         "precompute": {"top_k": 8, "micro_batch": 4, "sequences_per_shard": 8, "max_attempts": 1},
         "student": {"steps": 6, "batch_size": 4, "eval_sequences": 8, "warmup_steps": 1, "save_every": 2,
-                    "device": "cpu", "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "device": "cpu", "architecture": {"hidden_size": 32, "num_hidden_layers": 1,
+                                                      "num_attention_heads": 2,
                                                       "num_key_value_heads": 1, "intermediate_size": 64}},
     })
 
@@ -78,14 +79,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
 def data_hashes(run_root: Path) -> dict[str, str]:
     """sha256 of every data file of the stores (commit records hold times and hosts, so they differ)."""
     return {str(p.relative_to(run_root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for pattern in ("corpus/part-*.parquet", "tokens/shard-*.arrow", "topk/*/shard-*.arrow") for p in sorted(run_root.glob(pattern))}
+            for pattern in ("corpus/part-*.parquet", "tokens/shard-*.arrow",
+                            "topk/*/shard-*.arrow") for p in sorted(run_root.glob(pattern))}
 
 
 def final_weights(config: KDFlowConfig) -> dict[str, torch.Tensor]:
     return load_file(Path(config.run_root) / "students" / config.student.name / "final" / "model.safetensors")
 
 
-def assert_like_the_reference(config: KDFlowConfig, reference: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def assert_like_the_reference(config: KDFlowConfig, reference: dict[str, Any],
+                              capsys: pytest.CaptureFixture[str]) -> None:
     run_root = Path(config.run_root)
     assert validate_run_root(config.run_root) == 0, capsys.readouterr().out
     assert data_hashes(run_root) == reference["files"]
@@ -117,11 +120,11 @@ def run_env(tmp_path: Path, marker: str, **extra: str) -> dict[str, str]:
 
 
 def no_process_left(marker: str) -> None:
-    wait_until(lambda: not processes_with_env(f"KDFLOW_TEST_RUN={marker}"), what="end of every process of the killed run",
+    wait_until(lambda: not processes_with_env(f"KDFLOW_TEST_RUN={marker}"),
+               what="end of every process of the killed run",
                timeout=60)
 
 
-@pytest.mark.slow
 def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_result(
         prefect_harness, reference, tiny_teacher_dir, tmp_path, capsys) -> None:
     from prefect.settings import PREFECT_API_URL
@@ -138,7 +141,8 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
         env = run_env(tmp_path, marker, PREFECT_API_URL=PREFECT_API_URL.value(), KDFLOW_FAULT=";".join(MOMENTS))
         before = set(fired.glob("*.fired"))
         log = tmp_path / f"run-{attempt}.log"
-        with open(log, "w") as sink, started([sys.executable, "-m", "kdflow", "run", str(config_path)], cwd=REPO, env=env,
+        with open(log, "w") as sink, started([sys.executable, "-m", "kdflow", "run", str(config_path)], cwd=REPO,
+                                             env=env,
                                              stdout=sink, stderr=subprocess.STDOUT) as process:
             pids.append(process.pid)
             wait_until(lambda: process.poll() is not None or set(fired.glob("*.fired")) - before, process=None,
@@ -153,15 +157,18 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
             break
         [new] = set(fired.glob("*.fired")) - before  # stopped exactly where the next fault is
         assert new.name == f"{parse_faults(MOMENTS[attempt])[0].name}.fired", log.read_text()[-3000:]
-    assert attempt == len(MOMENTS), f"the run completed after {attempt} kills, expected {len(MOMENTS)}:\n{log.read_text()[-3000:]}"
+    assert attempt == len(MOMENTS), (f"the run completed after {attempt} kills, expected {len(MOMENTS)}:\n"
+                                     f"{log.read_text()[-3000:]}")
     assert len(list(fired.glob("*.fired"))) == len(MOMENTS)
     assert_like_the_reference(config, reference, capsys)
-    assert any(name.startswith("kdflow-worker-") for name in killed_scratch)  # the kill mid-pass left its worker's config
+    # the kill mid-pass left its worker's config
+    assert any(name.startswith("kdflow-worker-") for name in killed_scratch)
     assert [name for name in scratch_names() if scratch_pid(name) in pids] == []
 
 
-@pytest.mark.slow
-def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, tiny_teacher_dir, tmp_path, capsys) -> None:
+@pytest.mark.usefixtures("children")
+def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, tiny_teacher_dir, tmp_path,
+                                                                   capsys) -> None:
     """No server given: each run starts Prefect's temporary server, both on one PREFECT_HOME, on busy cores."""
     config = tiny_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
     config_path = tmp_path / "config.yaml"
@@ -173,11 +180,14 @@ def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, ti
     with contextlib.ExitStack() as stack:
         busy = contextlib.ExitStack()  # one busy loop per core, until both temporary servers have answered
         stack.enter_context(busy)
-        loops = [busy.enter_context(started([sys.executable, "-c", "while True: pass"])) for _ in range(os.cpu_count() or 2)]
+        loops = [busy.enter_context(started([sys.executable, "-c", "while True: pass"]))
+                 for _ in range(os.cpu_count() or 2)]
         sinks = [stack.enter_context(open(log, "w")) for log in logs]
-        runs = [stack.enter_context(started(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)) for sink in sinks]
+        runs = [stack.enter_context(started(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT))
+                for sink in sinks]
         both = lambda: "".join(log.read_text()[-3000:] for log in logs)  # noqa: E731
-        wait_until(lambda: all("Beginning flow run" in log.read_text() or run.poll() is not None for log, run in zip(logs, runs)),
+        wait_until(lambda: all("Beginning flow run" in log.read_text() or run.poll() is not None
+                               for log, run in zip(logs, runs)),
                    what="both runs beginning their flows (their temporary servers up)", timeout=600, output=both)
         busy.close()
         for run in runs:
@@ -205,6 +215,7 @@ TRAIN_GATED = ("import json, logging, os, sys, time\n"
                "print('SUMMARY', json.dumps({k: summary[k] for k in ('start_step', 'steps')}), flush=True)\n")
 
 
+@pytest.mark.usefixtures("children")
 def test_two_trainers_on_one_student_train_every_step_once(reference, tiny_teacher_dir, tmp_path, capsys) -> None:
     """The stages' output of the uninterrupted run, then two trainers of the same student at the same time: the
     second waits for the first one's lease, then resumes from its final checkpoint with nothing left to do."""
@@ -223,7 +234,8 @@ def test_two_trainers_on_one_student_train_every_step_once(reference, tiny_teach
     with open(logs[0], "w") as first, open(logs[1], "w") as second, \
             started([sys.executable, "-c", TRAIN_GATED, str(config_path), str(gate)], cwd=REPO, env=env, stdout=first,
                     stderr=subprocess.STDOUT) as one:
-        wait_until(lambda: lease.exists(), what="the first trainer's lease", timeout=300, process=one, output=logs[0].read_text)
+        wait_until(lambda: lease.exists(), what="the first trainer's lease", timeout=300, process=one,
+                   output=logs[0].read_text)
         with started([sys.executable, "-c", TRAIN_GATED, str(config_path)], cwd=REPO, env=env, stdout=second,
                      stderr=subprocess.STDOUT) as two:
             wait_until(lambda: "is being trained by pid" in logs[1].read_text(), what="the second trainer waiting",

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from children import run
+from support.children import run
 
 from kdflow.schemas.config import config_from_dict, dump_config, load_config
 
@@ -91,6 +91,7 @@ def test_only_the_command_line_imports_the_benchmarks() -> None:
     assert wrong == []
 
 
+@pytest.mark.usefixtures("children")
 def test_no_stage_code_imports_prefect() -> None:
     """Every module of kdflow.schemas and kdflow.tasks imports without pulling Prefect in."""
     names = [name for name in source_modules() if name.startswith(("kdflow.schemas", "kdflow.tasks"))]
@@ -109,6 +110,7 @@ def test_no_source_file_is_long() -> None:
     assert long == {}
 
 
+@pytest.mark.usefixtures("children")
 def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -> None:
     # Built from a copy without build/: setuptools never removes a file it copied there earlier, so a module
     # since moved would still be in a wheel built from the checkout itself.
@@ -129,6 +131,7 @@ def test_every_package_folder_is_in_the_wheel_and_nothing_else(tmp_path: Path) -
     assert len(files) == len(source_modules())  # every module, no stray file
 
 
+@pytest.mark.usefixtures("children")
 def test_top_level_names_are_not_importable_from_a_clean_folder(tmp_path: Path) -> None:
     code = ("import importlib.util as u\n"
             "print([n for n in ('tasks', 'flows', 'schemas') if u.find_spec(n) is not None])\n"
@@ -161,9 +164,8 @@ def test_prefect_yaml_carries_the_values_of_the_configs() -> None:
     assert checked == 7
 
 
-@pytest.mark.slow
 def test_kdflow_runs_from_a_folder_with_its_own_tasks_flows_and_schemas(
-        make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+        make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path, prefect_api_url: str) -> None:
     """A user's Prefect project beside kdflow: the teacher worker and both torchrun ranks import kdflow's code."""
     project = tmp_path / "user-project"
     for name in ("tasks.py", "flows/__init__.py", "schemas/__init__.py"):
@@ -175,8 +177,8 @@ def test_kdflow_runs_from_a_folder_with_its_own_tasks_flows_and_schemas(
     path = project / "config.yaml"
     path.write_text(dump_config(config), encoding="utf-8")
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # Against the session's Prefect server: what is tested is the user's folder, not another temporary server.
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api_url}
     result = run([sys.executable, "-m", "kdflow", "run", str(path)], what="kdflow run from the user's project",
                  timeout=900, env=env, cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from children import started
+import pytest
+from support.children import started
 
 from kdflow.schemas.layout import temp_name
 from kdflow.schemas.owners import FOREIGN_STALE_AFTER_S, host_tag, is_stale, owner_tag
@@ -24,6 +25,7 @@ def dead_pid() -> int:
     return process.pid
 
 
+@pytest.mark.usefixtures("children")
 def test_staleness_rule() -> None:
     now = time.time()
     here, dead = host_tag(), dead_pid()
@@ -34,6 +36,7 @@ def test_staleness_rule() -> None:
     assert not is_stale("deadbeef0123", now, now) and is_stale("deadbeef0123", now - FOREIGN_STALE_AFTER_S - 1, now)
 
 
+@pytest.mark.usefixtures("children")
 def test_a_stage_folder_loses_only_its_dead_writers_temp_files(tmp_path: Path) -> None:
     run_root = RunRoot(str(tmp_path))
     folder = tmp_path / "corpus"
@@ -56,7 +59,8 @@ def test_a_stage_folder_loses_only_its_dead_writers_temp_files(tmp_path: Path) -
         removed = remove_stale_temp_files(run_root, str(folder))
         assert sorted(removed) == sorted([names["dead"], names["dead record"], staging.name])
         left = {p.name for p in folder.iterdir()}
-        assert left == {names["live"], names["mine"], names["foreign, fresh"], names["old style, fresh"], "part-00000.parquet"}
+        assert left == {names["live"], names["mine"], names["foreign, fresh"], names["old style, fresh"],
+                        "part-00000.parquet"}
 
 
 def test_atomic_writes_name_their_writer_and_leave_nothing_on_failure(tmp_path: Path) -> None:
@@ -74,6 +78,7 @@ def test_atomic_writes_name_their_writer_and_leave_nothing_on_failure(tmp_path: 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.usefixtures("children")
 def test_scratch_folders_of_dead_processes_go_with_the_next_one(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile

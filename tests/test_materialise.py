@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import sample_documents, write_jsonl
+from support.corpus import sample_documents, write_jsonl
 
 from kdflow.schemas.commits import list_commits, read_complete
 from kdflow.schemas.errors import KDFlowError
@@ -42,7 +42,8 @@ def store_files(config: Any) -> dict[str, tuple[int, str]]:
     """name -> (mtime_ns, sha256) of every file in the corpus store."""
     run_root = RunRoot(config.run_root)
     store = run_root.path(CORPUS_DIR)
-    return {name: (os.stat(f"{store}/{name}").st_mtime_ns, sha256_of(run_root, f"{store}/{name}")) for name in run_root.listdir(store)}
+    return {name: (os.stat(f"{store}/{name}").st_mtime_ns, sha256_of(run_root, f"{store}/{name}"))
+            for name in run_root.listdir(store)}
 
 
 def write_source(folder: Path, kind: str, docs: list[str]) -> str:
@@ -135,8 +136,8 @@ def test_missing_text_field_is_one_line_error(make_config: Callable[..., Any], t
     (".txt", b"fine\nalso fine\nbad \xfe byte\nfine again\n", 3),
 ])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_invalid_utf8_names_file_and_line(make_config: Callable[..., Any], tmp_path: Path, suffix: str, content: bytes, line: int,
-                                          streaming: bool) -> None:
+def test_invalid_utf8_names_file_and_line(make_config: Callable[..., Any], tmp_path: Path, suffix: str, content: bytes,
+                                          line: int, streaming: bool) -> None:
     path = tmp_path / f"broken{suffix}"
     path.write_bytes(content)
     config = make_config(dataset__path=str(path), dataset__streaming=streaming)
@@ -159,7 +160,8 @@ def test_a_malformed_json_line_names_its_file_and_line(make_config: Callable[...
     config = make_config(dataset__path=str(path), dataset__streaming=streaming, dataset__documents_per_part=8)
     with pytest.raises(DataError) as caught:
         materialise(config)
-    assert str(caught.value).startswith(f"dataset file {path}: line 30 is not valid JSON (") and "\n" not in str(caught.value)
+    assert str(caught.value).startswith(f"dataset file {path}: line 30 is not valid JSON (")
+    assert "\n" not in str(caught.value)
     run_root = RunRoot(config.run_root)
     assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
 
@@ -191,8 +193,8 @@ def test_rerun_does_no_work(make_config: Callable[..., Any]) -> None:
 
 
 @pytest.mark.parametrize("budget", ["max_documents", "max_tokens"])
-def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., Any], tiny_tokenizer_dir: Path, tmp_path: Path,
-                                                    budget: str) -> None:
+def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., Any], tiny_tokenizer_dir: Path,
+                                                    tmp_path: Path, budget: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
@@ -232,5 +234,6 @@ def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., A
     assert committed_documents(interrupted) == committed_documents(reference)
     assert {n: sha for n, (_, sha) in store_files(interrupted).items() if n.endswith(".parquet")} == \
         {n: sha for n, (_, sha) in store_files(reference).items() if n.endswith(".parquet")}
-    records = [list_commits(RunRoot(c.run_root), RunRoot(c.run_root).path(CORPUS_DIR), "corpus") for c in (reference, interrupted)]
+    records = [list_commits(RunRoot(c.run_root), RunRoot(c.run_root).path(CORPUS_DIR), "corpus")
+               for c in (reference, interrupted)]
     assert [r.extra for _, r in sorted(records[0].items())] == [r.extra for _, r in sorted(records[1].items())]

@@ -1,7 +1,7 @@
 """A run root on an object store at scale: conditional writes, two writers racing, one listing per store, training
 reads by byte range equal to local reads, and the store's faults (credentials, bucket, network) as one line.
 
-moto's S3 server runs in its own process (tests/s3_server.py), serving one request at a time so that its
+moto's S3 server runs in its own process (tests/support/s3_server.py), serving one request at a time so that its
 conditional writes are atomic as on S3, and logging every request so that the tests count them.
 """
 
@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
 
-from s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds  # noqa: E402
+from support.s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds  # noqa: E402
 
 from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit  # noqa: E402
 from kdflow.schemas.config import KDFlowConfig, dump_config  # noqa: E402
@@ -69,8 +69,8 @@ def bucket(moto: MotoProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucke
 
     use_endpoint(monkeypatch, moto.endpoint)
     name = f"kdflow-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto.endpoint, **{k.lower(): CREDENTIALS[k] for k in
-                                                      ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}).create_bucket(Bucket=name)
+    keys = {k.lower(): CREDENTIALS[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    boto3.client("s3", endpoint_url=moto.endpoint, **keys).create_bucket(Bucket=name)
     yield Bucket(moto, name, f"s3://{name}/run")
     s3fs.S3FileSystem.clear_instance_cache()
 
@@ -85,7 +85,8 @@ def prepare(config: KDFlowConfig) -> None:
 
 
 def worker(config_path: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config", str(config_path)],
+    return subprocess.Popen([sys.executable, "-m", "kdflow.tasks.teacher.precompute_worker", "--config",
+                             str(config_path)],
                             cwd=REPO, env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -120,11 +121,13 @@ def test_records_and_leases_are_created_only_if_absent(bucket: Bucket, monkeypat
     store = run_root.path("tokens")
     name = data_file_name("tokens", 0)
     sha = run_root.write_bytes_atomic(f"{store}/{name}", b"data")
-    record = CommitRecord(stage="tokens", shard_id=0, data_file=name, rows=1, tokens=4, bytes=4, sha256=sha, fingerprint="f" * 16)
+    record = CommitRecord(stage="tokens", shard_id=0, data_file=name, rows=1, tokens=4, bytes=4, sha256=sha,
+                          fingerprint="f" * 16)
     assert write_commit(run_root, store, record, exclusive=True)
     assert not write_commit(run_root, store, record.model_copy(update={"host": "other"}), exclusive=True)
     run_root.write_bytes_atomic(f"{store}/{commit_file_name('tokens', 0)}", b"{half a record")
-    assert write_commit(run_root, store, record, exclusive=True) and list_commits(run_root, store, "tokens") == {0: record}
+    assert (write_commit(run_root, store, record, exclusive=True)
+            and list_commits(run_root, store, "tokens") == {0: record})
 
     # The fallback for stores without conditional writes: checked, written, read back.
     monkeypatch.setenv("KDFLOW_CONDITIONAL_WRITES", "off")
@@ -151,7 +154,8 @@ def test_a_store_is_listed_once_and_its_records_read_without_a_request_per_data_
 # --- two writers ------------------------------------------------------------------------------------------
 
 
-def test_two_processes_racing_on_the_same_shards_write_each_record_once(bucket: Bucket, make_config, tmp_path: Path) -> None:
+def test_two_processes_racing_on_the_same_shards_write_each_record_once(
+        bucket: Bucket, make_config, tmp_path: Path) -> None:
     config = make_config(run_root=bucket.run_root, dataset__max_documents=20, precompute__lease_ttl_s=10)
     prepare(config)
     config_path = tmp_path / "config.yaml"
@@ -196,7 +200,8 @@ def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make
     assert remote["final_loss"] == local["final_loss"] and remote["eval_after"] == local["eval_after"]
     metrics = [json.loads(line) for line in RunRoot(on_s3.run_root).read_bytes(
         f"{RunRoot(on_s3.run_root).path('students', 'student')}/metrics.jsonl").decode().splitlines()]
-    local_metrics = [json.loads(line) for line in (tmp_path / "local/students/student/metrics.jsonl").read_text().splitlines()]
+    local_metrics = [json.loads(line)
+                     for line in (tmp_path / "local/students/student/metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == [m["loss"] for m in local_metrics]
     assert all(0 <= m["data_wait_fraction"] <= 1 for m in metrics)
     # The stage lists each store once at start-up (no listing or HEAD per shard), then reads rows by ranged GETs.
@@ -232,7 +237,8 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
     batch = data.train_batch(rows)
     run_root = RunRoot(config.run_root)
     for i, (pair, row) in enumerate(data.locate(rows)):
-        shard = (TopkShard(run_root, pair.topk_path) if store == "v1" else SampledShard(run_root, pair.topk_path)).read([row])
+        shard = (TopkShard(run_root, pair.topk_path) if store == "v1"
+                 else SampledShard(run_root, pair.topk_path)).read([row])
         assert np.array_equal(batch.topk_ids[i].numpy(), shard.ids[0])
         assert np.array_equal(batch.topk_logprobs[i].numpy(), shard.logprobs[0])
         assert np.array_equal(batch.tail_logprob[i].numpy(), shard.tail[0])
@@ -259,10 +265,11 @@ def assert_one_line(result: subprocess.CompletedProcess, *phrases: str) -> None:
         assert phrase in lines[0], lines[0]
 
 
-def test_missing_credentials_a_missing_bucket_and_wrong_credentials_are_one_line(bucket: Bucket, tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_credentials_a_missing_bucket_and_wrong_credentials_are_one_line(
+        bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     RunRoot(bucket.run_root).write_bytes_atomic(RunRoot(bucket.run_root).path("corpus", "x"), b"1")
-    no_credentials = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    no_credentials = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+                      "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
                       "AWS_CONFIG_FILE": "/nonexistent"}
     assert_one_line(kdflow_cli("status", bucket.run_root, **no_credentials), bucket.run_root, "no credentials")
     missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
@@ -274,7 +281,8 @@ def test_missing_credentials_a_missing_bucket_and_wrong_credentials_are_one_line
 
     server = MotoProcess(tmp_path / "auth.log", threaded=True, auth_after=3)
     try:
-        iam = boto3.client("iam", endpoint_url=server.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing")
+        iam = boto3.client("iam", endpoint_url=server.endpoint, aws_access_key_id="testing",
+                           aws_secret_access_key="testing")
         iam.create_user(UserName="kd")
         key = iam.create_access_key(UserName="kd")["AccessKey"]
         iam.put_user_policy(UserName="kd", PolicyName="all", PolicyDocument=json.dumps(

@@ -26,7 +26,6 @@ INFRA = REPO / "infra"
 # Characters that must be percent-encoded in a URL, so the test also covers the server's URL building.
 PASSWORD = "kd fl@w:p%ss/" + os.urandom(6).hex()
 
-pytestmark = pytest.mark.slow
 
 
 def _missing_tools() -> str | None:
@@ -82,7 +81,8 @@ def infra_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 def psql(env: dict[str, str], sql: str) -> str:
     """A query over TCP as the Prefect database user, with the password from the environment."""
     result = subprocess.run(
-        ["psql", "-h", "127.0.0.1", "-p", env["KDFLOW_PG_PORT"], "-U", "prefect", "-d", "prefect", "-X", "-tA", "-c", sql],
+        ["psql", "-h", "127.0.0.1", "-p", env["KDFLOW_PG_PORT"], "-U", "prefect", "-d", "prefect", "-X", "-tA", "-c",
+         sql],
         env=env | {"PGPASSWORD": PASSWORD}, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -110,7 +110,8 @@ def test_prefect_server_on_postgres(infra_env: dict[str, str]) -> None:
                                      headers={"Content-Type": "application/json"}, method="POST")
     flow_id = json.load(urllib.request.urlopen(request, timeout=10))["id"]
     assert psql(env, f"SELECT name FROM flow WHERE id = '{flow_id}'") == "kdflow-postgres-check"
-    assert int(psql(env, "SELECT count(*) FROM information_schema.tables WHERE table_name IN ('flow_run', 'deployment')")) == 2
+    tables = "SELECT count(*) FROM information_schema.tables WHERE table_name IN ('flow_run', 'deployment')"
+    assert int(psql(env, tables)) == 2
     # A deployment's parameter schema comes back from jsonb with its keys reordered (by length); the form's
     # `position` still gives every nested section in definition order, which is how Prefect's UI sorts it.
     from prefect.utilities.callables import parameter_schema
@@ -118,15 +119,18 @@ def test_prefect_server_on_postgres(infra_env: dict[str, str]) -> None:
     from kdflow.flows.precompute import precompute_flow
     from kdflow.schemas.config import StudentConfig
 
-    body = {"name": "form-check", "flow_id": flow_id, "parameter_openapi_schema": parameter_schema(precompute_flow.fn).model_dump()}
+    body = {"name": "form-check", "flow_id": flow_id,
+            "parameter_openapi_schema": parameter_schema(precompute_flow.fn).model_dump()}
     request = urllib.request.Request(f"{api_url}/deployments/", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
     deployment_id = json.load(urllib.request.urlopen(request, timeout=10))["id"]
-    stored = json.load(urllib.request.urlopen(f"{api_url}/deployments/{deployment_id}", timeout=10))["parameter_openapi_schema"]
+    stored = json.load(urllib.request.urlopen(f"{api_url}/deployments/{deployment_id}",
+                                              timeout=10))["parameter_openapi_schema"]
     fields = stored["definitions"]["StudentConfig"]["properties"]
     assert list(fields) != list(StudentConfig.model_fields)  # jsonb's order
     assert sorted(fields, key=lambda key: fields[key]["position"]) == list(StudentConfig.model_fields)
-    listing = subprocess.run([str(Path(sys.executable).parent / "prefect"), "flow-run", "ls"], env=env | {"PREFECT_API_URL": api_url},
+    listing = subprocess.run([str(Path(sys.executable).parent / "prefect"), "flow-run", "ls"],
+                             env=env | {"PREFECT_API_URL": api_url},
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0, listing.stderr
 

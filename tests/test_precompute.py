@@ -1,9 +1,8 @@
 """The teacher pass without Prefect: top-K shards against a dense reference, commits, reruns, leases, errors,
-the worker process, exit-code classification and fault specs."""
+the worker process. (Exit-code classification, fault specs and shard id lists: test_precompute_codes.py.)"""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -16,36 +15,23 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from children import run
+from support.children import run
+from support.runs import prepare
 
 from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
 from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
 from kdflow.schemas.layout import commit_file_name
-from kdflow.schemas.protocol import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_ILLEGAL_ADDRESS,
-                                     EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY, EXIT_CUDA_OOM, EXIT_NO_SPACE,
-                                     EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES, format_shard_ids,
-                                     normalise_returncode, parse_shard_ids)
+from kdflow.schemas.protocol import EXIT_NO_SPACE, RETRYABLE_EXIT_CODES, normalise_returncode
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import find_topk_stores
 from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.models import teacher_fingerprint
-from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.materialise import materialise
-from kdflow.tasks.corpus.tokenise import tokenise
-from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import TeacherPlacementError, check_placement, load_teacher
 from kdflow.tasks.teacher.precompute import precompute_shards
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def prepare(config: Any) -> Any:
-    """materialise + tokenise: the token store the teacher pass reads."""
-    materialise(config, None)
-    tokenise(config, load_tokenizer(config))
-    return config
 
 
 def store_files(config: Any, tag: str) -> dict[str, bytes]:
@@ -79,7 +65,8 @@ def assert_matches_dense(config: Any, tag: str, model: torch.nn.Module) -> None:
         ids = torch.tensor(np.where(kept, decoded.ids, 0), dtype=torch.long)
         stored = torch.from_numpy(np.where(kept, decoded.logprobs, -np.inf).astype(np.float64))
         at_ids = torch.where(torch.from_numpy(kept), reference.gather(-1, ids), -torch.inf)
-        exact_tail = reference.scatter(-1, ids, -torch.inf).logsumexp(-1)  # (rows, T) log of the mass outside the kept ids
+        # (rows, T) log of the mass outside the kept ids
+        exact_tail = reference.scatter(-1, ids, -torch.inf).logsumexp(-1)
         # The kept ids are the teacher's largest (ties may swap ids), stored in descending order of their values.
         assert (np.diff(np.where(kept, decoded.logprobs, -np.inf), axis=-1) <= 0).all()
         largest = torch.where(torch.from_numpy(kept), reference.topk(k, dim=-1).values, -torch.inf)
@@ -113,7 +100,8 @@ def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config
     assert summary["written"] == summary["shards"] == tokens_done.shards >= 3
     assert summary["tokens"] == tokens_done.tokens and summary["complete"]
     assert_matches_dense(config, summary["tag"], load_teacher(config.teacher))
-    manifest = load_manifest(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"], config.seq_len)
+    manifest = load_manifest(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"],
+                             config.seq_len)
     assert len(manifest) == tokens_done.shards
     done = read_complete(run_root, stage_dir(run_root, "topk", summary["tag"]))
     assert done.shards == tokens_done.shards and done.fingerprint == summary["tag"]
@@ -135,7 +123,8 @@ def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_co
     assert third["written"] == 1
     after = store_files(config, first["tag"])
     assert after["shard-00001.arrow"] == before["shard-00001.arrow"]
-    assert json.loads(after["shard-00001.commit.json"])["sha256"] == json.loads(before["shard-00001.commit.json"])["sha256"]
+    assert (json.loads(after["shard-00001.commit.json"])["sha256"]
+            == json.loads(before["shard-00001.commit.json"])["sha256"])
     assert {n for n in after if n.endswith(".lease") or ".tmp-" in n} == set()
 
 
@@ -143,7 +132,8 @@ def test_two_run_roots_give_identical_shards(make_config, tmp_path) -> None:
     configs = [prepare(make_config(run_root=str(tmp_path / name), dataset__max_documents=16)) for name in ("a", "b")]
     tags = [precompute_shards(c)["tag"] for c in configs]
     assert tags[0] == tags[1]  # the teacher's fingerprint does not depend on where a run root lies
-    hashes = [{i: r.sha256 for i, r in list_commits(RunRoot(c.run_root), stage_dir(RunRoot(c.run_root), "topk", t), "topk").items()}
+    hashes = [{i: r.sha256
+               for i, r in list_commits(RunRoot(c.run_root), stage_dir(RunRoot(c.run_root), "topk", t), "topk").items()}
               for c, t in zip(configs, tags)]
     assert hashes[0] == hashes[1] and len(hashes[0]) >= 2
 
@@ -197,13 +187,16 @@ def test_bad_inputs_give_one_line_errors_and_commit_nothing(make_config, tmp_pat
     empty.mkdir()
     cases: list[tuple[dict[str, Any], bool, type, str]] = [
         ({}, False, KDFlowError, "is not complete; run tokenise first"),
-        ({"precompute__top_k": 500}, False, ConfigError, "top_k=500 must be between 1 and the teacher's vocabulary size 384"),
+        ({"precompute__top_k": 500}, False, ConfigError,
+         "top_k=500 must be between 1 and the teacher's vocabulary size 384"),
         ({"teacher__model": str(tmp_path / "missing")}, False, ConfigError,
          f"teacher.model={str(tmp_path / 'missing')!r}: model path does not exist"),
         ({"teacher__model": str(empty)}, False, ConfigError, "not a model folder (no config.json)"),
-        ({"seq_len": 300}, False, ConfigError, "seq_len=300 exceeds the teacher's context length (max_position_embeddings=256)"),
+        ({"seq_len": 300}, False, ConfigError,
+         "seq_len=300 exceeds the teacher's context length (max_position_embeddings=256)"),
         # Another vocabulary than the teacher's (here one token more): refused before any weight loads.
-        ({"tokenizer": other}, True, ConfigError, "is not the teacher's own: 1 of its 385 tokens have another id (or none)"),
+        ({"tokenizer": other}, True, ConfigError,
+         "is not the teacher's own: 1 of its 385 tokens have another id (or none)"),
     ]
     for number, (overrides, tokenise_first, error_type, message) in enumerate(cases):
         config = make_config(run_root=str(tmp_path / f"case-{number}"), dataset__max_documents=8, **overrides)
@@ -218,7 +211,8 @@ def test_bad_inputs_give_one_line_errors_and_commit_nothing(make_config, tmp_pat
     made_with_other = prepare(make_config(tokenizer=other, dataset__max_documents=8))
     config = make_config(dataset__max_documents=8)
     assert config.run_root == made_with_other.run_root
-    with pytest.raises(FingerprintMismatch, match="was made with tokenizer .* but this config's tokenizer is") as caught:
+    with pytest.raises(FingerprintMismatch,
+                       match="was made with tokenizer .* but this config's tokenizer is") as caught:
         precompute_shards(config)
     assert "\n" not in str(caught.value) and not list(Path(config.run_root).glob("topk/*/*.commit.json"))
 
@@ -244,7 +238,8 @@ def test_teacher_fingerprint_ignores_the_folder_location_but_not_dtype(tiny_teac
 def test_placement_check_names_the_modules_left_behind(make_config) -> None:
     model = load_teacher(make_config().teacher)
     check_placement(model, torch.device("cpu"))
-    with pytest.raises(TeacherPlacementError, match=r"not wholly on cuda:0: \d+ module\(s\) left elsewhere: lm_head \(cpu\)"):
+    with pytest.raises(TeacherPlacementError,
+                       match=r"not wholly on cuda:0: \d+ module\(s\) left elsewhere: lm_head \(cpu\)"):
         check_placement(model, torch.device("cuda", 0))  # a pure check of tensor devices: no GPU needed
     model.model.layers[1].mlp.to("meta")  # never loaded (what an offload to disk leaves on the model)
     with pytest.raises(TeacherPlacementError, match=r"model\.layers\.1\.mlp\.down_proj \(meta\)"):
@@ -269,6 +264,7 @@ def _worker(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProce
                what="the teacher worker", timeout=300, cwd=REPO, env=os.environ | env)
 
 
+@pytest.mark.usefixtures("children")
 def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path) -> None:
     from kdflow.schemas.config import dump_config
 
@@ -287,7 +283,8 @@ def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path)
 
     resumed = _worker(config_path, {"KDFLOW_FAULT": "kill@shard=1,micro_batch=1"})  # fired once: off now
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    [result] = [json.loads(line.split(" ", 1)[1]) for line in resumed.stdout.splitlines() if line.startswith("KDFLOW_RESULT ")]
+    [result] = [json.loads(line.split(" ", 1)[1])
+                for line in resumed.stdout.splitlines() if line.startswith("KDFLOW_RESULT ")]
     assert result["complete"] and result["written"] == result["shards"] - 1
     names = run_root.listdir(store)
     assert not [n for n in names if ".tmp-" in n or n.endswith(".lease")]
@@ -295,62 +292,5 @@ def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path)
     precompute_shards(reference)
     reference_root = RunRoot(reference.run_root)
     for shard_id, record in list_commits(run_root, store, "topk", tag).items():
-        assert record.sha256 == sha256_of(reference_root, f"{stage_dir(reference_root, 'topk', tag)}/{record.data_file}")
-
-
-@pytest.mark.parametrize(("error", "code"), [
-    (RuntimeError("CUDA driver error: device not ready"), EXIT_CUDA_NOT_READY),
-    (RuntimeError("CUDA error: unspecified launch failure\nCUDA kernel errors might be asynchronously reported"),
-     EXIT_CUDA_LAUNCH_FAILURE),
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), EXIT_CUDA_ILLEGAL_ADDRESS),
-    (RuntimeError("CUDA error: uncorrectable ECC error encountered"), EXIT_CUDA_ECC),
-    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), EXIT_CUDA_OOM),
-    (RuntimeError("CUDA error: out of memory"), EXIT_CUDA_OOM),
-    (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx"), EXIT_CUDA_ERROR),
-    (RuntimeError("NCCL error: unhandled cuda error"), EXIT_CUDA_ERROR),
-    (RuntimeError("CUDA error: device-side assert triggered"), EXIT_UNEXPECTED),  # the same input fails again
-    (RuntimeError("DefaultCPUAllocator: can't allocate memory"), EXIT_UNEXPECTED),
-    (ConfigError("precompute.top_k=500 is too large"), EXIT_USER_ERROR),
-    (OSError(errno.ENOSPC, "No space left on device"), EXIT_NO_SPACE),
-    (ValueError("a bug"), EXIT_UNEXPECTED),
-])
-def test_exit_code_classification(error: BaseException, code: int) -> None:
-    assert exit_code_for(error) == code
-    assert (code in RETRYABLE_EXIT_CODES) == (code >= 70)
-
-
-def test_a_wrapped_driver_error_is_still_retryable() -> None:
-    try:
-        try:
-            raise RuntimeError("CUDA driver error: device not ready")
-        except RuntimeError as inner:
-            raise ValueError("the forward pass failed") from inner
-    except ValueError as outer:
-        assert exit_code_for(outer) == EXIT_CUDA_NOT_READY
-
-
-def test_fault_specs_and_fire_once(tmp_path, monkeypatch) -> None:
-    parsed = faults.parse_faults("cuda_error@shard=1,micro_batch=2; kill@micro_batch=0;enospc")
-    assert [f.name for f in parsed] == ["cuda_error.micro_batch-2.shard-1", "kill.micro_batch-0", "enospc"]
-    for bad in ("explode@shard=1", "kill@shard=x", "kill@row=1"):
-        with pytest.raises(ConfigError, match="KDFLOW_FAULT"):
-            faults.parse_faults(bad)
-    run_root = RunRoot(str(tmp_path))
-    monkeypatch.setenv("KDFLOW_FAULT", "cuda_error@shard=1")
-    faults.maybe_fire("micro_batch", run_root, shard=0, micro_batch=0)  # another shard: nothing
-    with pytest.raises(RuntimeError, match="CUDA driver error: device not ready"):
-        faults.maybe_fire("micro_batch", run_root, shard=1, micro_batch=0)
-    faults.maybe_fire("micro_batch", run_root, shard=1, micro_batch=0)  # fired once in this run root
-    assert json.loads((tmp_path / "_faults" / "cuda_error.shard-1.fired").read_text())["pid"] == os.getpid()
-    monkeypatch.setenv("KDFLOW_FAULT", "enospc@shard=2")
-    with pytest.raises(OSError) as caught:
-        faults.maybe_fire("write", run_root, shard=2, micro_batch=0)
-    assert caught.value.errno == errno.ENOSPC
-
-
-def test_shard_id_lists_round_trip() -> None:
-    assert parse_shard_ids("0,3,5") == [0, 3, 5] and parse_shard_ids("3-6") == [3, 4, 5, 6] and parse_shard_ids(None) is None
-    assert format_shard_ids([5, 0, 1, 2, 9, 10]) == "0-2,5,9-10"
-    assert parse_shard_ids(format_shard_ids([0, 1, 2, 7])) == [0, 1, 2, 7]
-    with pytest.raises(ValueError, match="--shards"):
-        parse_shard_ids("3-x")
+        assert record.sha256 == sha256_of(reference_root,
+                                          f"{stage_dir(reference_root, 'topk', tag)}/{record.data_file}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_precompute import prepare
+from support.runs import prepare
 
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.protocol import EXIT_USER_ERROR
@@ -55,7 +55,8 @@ def test_a_user_error_fails_at_once_with_the_workers_message(prefect_harness, ma
     assert isinstance(error, KDFlowError) and error.exit_code == EXIT_USER_ERROR
     assert str(error) == "precompute.top_k=1000 must be between 1 and the teacher's vocabulary size 384"
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     [worker_run] = [r for r in runs if r.task_key.startswith("teacher-worker") or r.name.startswith("teacher-worker")]
     assert worker_run.run_count == 1  # not retried
 
@@ -76,7 +77,8 @@ def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect
     from kdflow.flows.precompute_progress import precompute_key
 
     kinds = {(a.type, a.key) for a in artifacts}
-    assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress", precompute_key(config, [0, 2])) in kinds
+    assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress",
+                                                                     precompute_key(config, [0, 2])) in kinds
     [progress] = [a for a in artifacts if a.type == "progress"]
     assert progress.data == 100.0  # the last update of the worker's progress reached the artifact
     [report] = [a for a in artifacts if a.key == f"topk-store-report-{result['tag']}"]

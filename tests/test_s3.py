@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from children import run
+from support.children import run
 
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
@@ -104,7 +104,8 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
     corpus_store, tokens_store = stage_dir(run_root, "corpus"), stage_dir(run_root, "tokens")
     topk_store = stage_dir(run_root, "topk", topk["tag"])
     assert len(load_manifest(run_root, corpus_store, "corpus", corpus.fingerprint)) == corpus.parts
-    assert len(load_manifest(run_root, tokens_store, "tokens", tokens.fingerprint, seq_len=config.seq_len)) == tokens.shards
+    assert len(load_manifest(run_root, tokens_store, "tokens", tokens.fingerprint,
+                             seq_len=config.seq_len)) == tokens.shards
     topk_manifest = load_manifest(run_root, topk_store, "topk", topk["tag"], seq_len=config.seq_len)
     assert sorted(topk_manifest["shard_id"]) == list(range(tokens.shards))
     assert read_complete(run_root, tokens_store).shards == tokens.shards
@@ -112,9 +113,11 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
 
     # `kdflow status` in a fresh process, which finds the endpoint through fsspec's own variable this time.
     env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"} | {"FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
-    result = run([sys.executable, "-m", "kdflow", "status", s3_run_root], what="kdflow status on S3", timeout=120, env=env)
+    result = run([sys.executable, "-m", "kdflow", "status", s3_run_root], what="kdflow status on S3", timeout=120,
+                 env=env)
     assert result.returncode == 0, result.stderr
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
     assert "complete" in lines["corpus"]
     assert f"{tokens.shards}/{tokens.shards}" in lines["tokens"] and "complete" in lines["tokens"]
-    assert f"{tokens.shards}/{tokens.shards}" in lines[f"topk/{topk['tag']}"] and "complete" in lines[f"topk/{topk['tag']}"]
+    topk_line = lines[f"topk/{topk['tag']}"]
+    assert f"{tokens.shards}/{tokens.shards}" in topk_line and "complete" in topk_line

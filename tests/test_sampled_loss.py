@@ -25,7 +25,8 @@ def draw(logits: Tensor, plan: SamplingPlan, rows: Tensor | None = None, positio
     n, vocab = logits.shape
     rows = torch.zeros(n, dtype=torch.long) if rows is None else rows
     positions = torch.arange(n) if positions is None else positions
-    return chunked_sampled(logits.float(), torch.eye(vocab), plan, chunk_tokens, shard=3, rows=rows, positions=positions)
+    return chunked_sampled(logits.float(), torch.eye(vocab), plan, chunk_tokens, shard=3, rows=rows,
+                           positions=positions)
 
 
 def z_bound(coordinates: int, alpha: float = 1e-4) -> float:
@@ -181,7 +182,8 @@ def dense_reference(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
     p_head = torch.where(head_ok, log_p_head.exp(), 0.0)
     kd = (p_head * (log_p_head - log_q.gather(1, head_ids.clamp(max=vocab - 1)))).nan_to_num().sum(1)
     kd = kd + torch.where(p_o > 0, p_o * (log_p_o - log_q_o), 0.0)
-    w = torch.where(sample_ok, ht_weights(targets.sample_logprobs.double(), targets.log_threshold.double(), scheme), 0.0)
+    w = torch.where(sample_ok, ht_weights(targets.sample_logprobs.double(), targets.log_threshold.double(), scheme),
+                    0.0)
     log_q_s = log_q.gather(1, sample_ids.clamp(max=vocab - 1))
     within = (targets.sample_logprobs.double() - log_p_o[:, None]) - (log_q_s - log_q_o[:, None])
     kd = kd + torch.where(w > 0, w * within, 0.0).sum(1)
@@ -232,7 +234,8 @@ def assert_matches_reference(case: dict, scheme: str, chunk_tokens: int, **kwarg
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(("rows", "vocab", "width", "head", "samples", "chunk_tokens"),
                          [(1, 50, 8, 16, 24, 1), (7, 37, 5, 0, 11, 3), (23, 61, 12, 9, 7, 8), (13, 31, 4, 1, 30, 5)])
-def test_fused_loss_matches_the_dense_reference(scheme, rows, vocab, width, head, samples, chunk_tokens) -> None:  # noqa: ANN001
+# noqa: ANN001
+def test_fused_loss_matches_the_dense_reference(scheme, rows, vocab, width, head, samples, chunk_tokens) -> None:
     case = make_case(rows, vocab, width, SamplingPlan(head=head, samples=samples, scheme=scheme, seed=rows), seed=vocab)
     assert target_kind(case["targets"]) == ("hybrid" if head else "sampled")
     assert_matches_reference(case, scheme, chunk_tokens)

@@ -35,7 +35,8 @@ def random_targets(rows: int, seq_len: int, head: int, samples: int, vocab: int,
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((rows, seq_len, vocab)), -1)[..., :head + samples].astype(np.int32)
     logprobs = -np.sort(rng.exponential(3.0, (rows, seq_len, head + samples)), -1).astype(np.float32)
-    tail = np.log(rng.uniform(0.01, 0.5, (rows, seq_len))).astype(np.float32) if head else np.zeros((rows, seq_len), np.float32)
+    tail = (np.log(rng.uniform(0.01, 0.5, (rows, seq_len))).astype(np.float32) if head
+            else np.zeros((rows, seq_len), np.float32))
     threshold = rng.normal(-6.0, 2.0, (rows, seq_len)).astype(np.float32)
     threshold[0, 0], threshold[-1, -1] = -np.inf, 0.75  # the whole tail sampled; a positive log tau
     return DecodedSampled(ids[..., :head], logprobs[..., :head], tail, ids[..., head:], logprobs[..., head:], threshold)
@@ -56,7 +57,8 @@ def as_sets(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray
 @pytest.mark.parametrize(("head", "head_values", "sample_values"), [(5, "sqrt", "float16"), (5, "float32", "float32"),
                                                                     (0, "sqrt", "float16")])
 @pytest.mark.parametrize("renumber", [False, True])
-def test_codec_round_trips_ids_exactly_values_within_their_precision(head, head_values, sample_values, renumber) -> None:
+def test_codec_round_trips_ids_exactly_values_within_their_precision(head, head_values, sample_values,
+                                                                     renumber) -> None:
     rows, seq_len, samples, vocab = 3, 7, 9, 70_000  # ids need escapes beyond 255 and a third byte plane
     targets = random_targets(rows, seq_len, head, samples, vocab)
     table = Renumbering(np.random.default_rng(1).permutation(vocab)) if renumber else None
@@ -64,7 +66,8 @@ def test_codec_round_trips_ids_exactly_values_within_their_precision(head, head_
                          tail="float32", renumbering=table)
     decoded = decode_sampled(through_a_stream(codec, targets))
     assert np.array_equal(decoded.head_ids, targets.head_ids)  # the head keeps its descending order
-    got, want = as_sets(decoded.sample_ids, decoded.sample_logprobs), as_sets(targets.sample_ids, targets.sample_logprobs)
+    got, want = (as_sets(decoded.sample_ids, decoded.sample_logprobs),
+                 as_sets(targets.sample_ids, targets.sample_logprobs))
     assert np.array_equal(got[0], want[0])
     assert np.allclose(got[1], want[1], rtol=1e-3 if sample_values == "float16" else 0, atol=0)
     assert np.array_equal(decoded.log_threshold, targets.log_threshold)  # float32 bit for bit, -inf and > 0 too
@@ -80,7 +83,8 @@ def test_a_corrupt_row_is_named_and_the_top_k_reader_refuses_sampled_shards() ->
     table = through_a_stream(codec, random_targets(3, 4, 3, 5, 300))
     column = table.column("sample_gap_token").to_pylist()
     column[1] = column[1][:-1] + bytes([column[1][-1] ^ 0xFF])
-    broken = table.set_column(table.schema.get_field_index("sample_gap_token"), "sample_gap_token", pa.array(column, pa.binary()))
+    broken = table.set_column(table.schema.get_field_index("sample_gap_token"), "sample_gap_token",
+                              pa.array(column, pa.binary()))
     with pytest.raises(ValueError, match="^row 1: crc32 mismatch"):
         decode_sampled(broken)
     with pytest.raises(ValueError, match="holds 'hybrid' targets"):
@@ -119,7 +123,8 @@ def test_the_pass_writes_what_the_sampler_draws_and_a_rerun_writes_the_same_byte
     step = TeacherSampledStep(model, SamplingPlan.from_config(config.precompute), chunk_tokens=50)
     records = list_commits(run_root, store, "topk", summary["tag"])
     for shard_id, record in records.items():
-        input_ids = read_token_shard(run_root, f"{stage_dir(run_root, 'tokens')}/shard-{shard_id:05d}.arrow", config.seq_len)
+        input_ids = read_token_shard(run_root, f"{stage_dir(run_root, 'tokens')}/shard-{shard_id:05d}.arrow",
+                                     config.seq_len)
         stored = SampledShard(run_root, f"{store}/{record.data_file}", config.seq_len).read()
         for start in range(0, len(input_ids), 3):  # the pass's micro-batches: 3 rows, the last one padded
             batch = np.zeros((3, config.seq_len), np.int64)
@@ -148,7 +153,8 @@ def test_the_fingerprint_names_the_kind_and_its_parameters(make_config) -> None:
     from kdflow.schemas.fingerprints import topk_fingerprint
 
     tags = {topk_fingerprint("teacher", "tokens", sampled_config(make_config, kind, precompute__sampling=sampling))
-            for kind in ("hybrid", "sampled") for sampling in ({"seed": 1}, {"seed": 2}, {"samples": 7}, {"scheme": "gumbel"})}
+            for kind in ("hybrid", "sampled") for sampling in ({"seed": 1}, {"seed": 2}, {"samples": 7},
+                                                               {"scheme": "gumbel"})}
     assert len(tags | {topk_fingerprint("teacher", "tokens", make_config())}) == 9
 
 
@@ -165,11 +171,13 @@ def test_training_reads_sampled_targets_and_a_top_k_config_on_them_is_an_error(m
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
     assert 0.0 <= summary["eval_after"]["top1_agreement"] <= 1.0 and summary["eval_after"]["kl"] > 0
     as_top_k = config.model_copy(update={"precompute": config.precompute.model_copy(update={"targets": "topk"}),
-                                         "student": config.student.model_copy(update={"topk_tag": tag, "name": "other"})})
+                                         "student": config.student.model_copy(
+                                             update={"topk_tag": tag, "name": "other"})})
     with pytest.raises(StoreError) as error:
         train(as_top_k)
     message = str(error.value)
-    assert "\n" not in message and "holds hybrid H4+S6 (priority, seed 5)" in message and "precompute.targets" in message
+    assert ("\n" not in message and "holds hybrid H4+S6 (priority, seed 5)" in message
+            and "precompute.targets" in message)
 
 
 def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_config) -> None:
@@ -204,7 +212,8 @@ def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_con
 def test_bad_settings_fail_before_any_work_with_one_line(make_config, tmp_path) -> None:
     config = prepare(make_config(dataset__max_documents=8, precompute__targets="hybrid",
                                  precompute__sampling={"head": 300, "samples": 100}))  # the tiny teacher has 384 ids
-    with pytest.raises(ConfigError, match=r"^precompute.sampling.head \+ samples = 300 \+ 100 must be <= the teacher's"):
+    with pytest.raises(ConfigError,
+                       match=r"^precompute.sampling.head \+ samples = 300 \+ 100 must be <= the teacher's"):
         precompute_shards(config)
     assert not (tmp_path / "run" / "topk").exists() or not any((tmp_path / "run" / "topk").iterdir())
     base = json.loads(make_config().model_dump_json())

@@ -145,7 +145,8 @@ def test_a_tiny_teacher_step_equals_the_pass_on_its_hidden_states(tiny_teacher_d
     input_ids = torch.randint(0, 384, (3, 16), generator=torch.Generator().manual_seed(0))
     step = TeacherSampledStep(model, plan, chunk_tokens=10, vocab_chunk=100)
     out = step(input_ids, shard=5, first_row=8)  # rows 8, 9, 10 of shard 5
-    assert out.head_ids.shape == (3, 16, 4) and out.sample_ids.shape == (3, 16, 6) and out.log_threshold.shape == (3, 16)
+    assert (out.head_ids.shape == (3, 16, 4) and out.sample_ids.shape == (3, 16, 6)
+            and out.log_threshold.shape == (3, 16))
     hidden = body_hidden_states(model, input_ids).flatten(0, 1)
     rows, positions = (torch.arange(3) + 8).repeat_interleave(16), torch.arange(16).repeat(3)
     # the same cut as the step: a real lm_head's matmul may round differently for another number of rows (the

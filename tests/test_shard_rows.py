@@ -25,7 +25,8 @@ def run_root(tmp_path: Path) -> RunRoot:
     return RunRoot(str(tmp_path / "run"))
 
 
-def write_topk(run_root: RunRoot, name: str, batch_sizes: list[int], seed: int = 0) -> tuple[str, np.ndarray, np.ndarray]:
+def write_topk(run_root: RunRoot, name: str, batch_sizes: list[int],
+               seed: int = 0) -> tuple[str, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     rows = sum(batch_sizes)
     ids = rng.integers(0, 196_608, size=(rows, SEQ_LEN, TOP_K)).astype(np.int32)  # (rows, T, K)
@@ -71,7 +72,8 @@ def test_index_agrees_with_pyarrow_and_rows_come_back_exact(run_root: RunRoot, b
     assert np.array_equal(got_ids, ids[rows]) and np.array_equal(got_logprobs, logprobs[rows])
     plan = shard.plan(rows)  # the object-store path: byte ranges, adjacent and repeated rows in one range
     wanted, batch = set(rows.tolist()), index.batch_of(np.arange(len(ids)))
-    runs = sum(1 for r in wanted if r - 1 not in wanted or batch[r - 1] != batch[r])  # neighbours in one batch: one range
+    # neighbours in one batch: one range
+    runs = sum(1 for r in wanted if r - 1 not in wanted or batch[r - 1] != batch[r])
     assert len(plan.starts) == 2 * runs  # per column
     got_ids, got_logprobs = decode_topk_rows(plan.finish(run_root.read_ranges([path] * len(plan.starts), plan.starts,
                                                                                 plan.ends)), SEQ_LEN, TOP_K)
@@ -142,7 +144,8 @@ def test_merged_ranges_join_touching_and_repeated_rows() -> None:
     assert list(zip(starts.tolist(), ends.tolist())) == [(0, 4), (5, 9), (100, 104)] and which.tolist() == [2, 0, 1]
 
 
-def test_variable_width_batches_are_located_one_by_one_even_when_their_sizes_fool_a_prediction(run_root: RunRoot) -> None:
+def test_variable_width_batches_are_located_one_by_one_even_when_their_sizes_fool_a_prediction(
+        run_root: RunRoot) -> None:
     """Binary cells (v2 top-K shards) make record batches of equal rows differ in size. Here the first three sum to
     three times the first, so a prediction from batch 0 finds a valid last batch where it expects it, and would
     misplace the middle ones: such streams must be indexed batch by batch."""

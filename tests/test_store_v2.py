@@ -132,7 +132,8 @@ def _rewrite_record(run_root: RunRoot, store: str, shard_id: int) -> None:
     """Make the commit record match the (edited) data file: only decoding can catch what follows."""
     record = CommitRecord.model_validate_json(run_root.read_bytes(f"{store}/{commit_file_name('topk', shard_id)}"))
     data = f"{store}/{record.data_file}"
-    write_commit(run_root, store, record.model_copy(update={"bytes": run_root.size(data), "sha256": sha256_of(run_root, data)}))
+    write_commit(run_root, store,
+                 record.model_copy(update={"bytes": run_root.size(data), "sha256": sha256_of(run_root, data)}))
 
 
 def test_validate_catches_corrupt_and_truncated_v2_shards_and_fix_repairs(
@@ -233,7 +234,8 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
 
     config, summary = prepared(make_config, precompute__store__keep_mass=0.5)
     assert summary["fidelity"]["kl_rows"] == config.precompute.report_rows  # measured by the pass itself
-    lossless = make_config(dataset__max_documents=24, precompute__store__values="float32", precompute__store__tail="float32")
+    lossless = make_config(dataset__max_documents=24, precompute__store__values="float32",
+                           precompute__store__tail="float32")
     lossless_tag = precompute_shards(lossless)["tag"]
     capsys.readouterr()
     assert cli_main(["store", "report", config.run_root, "--json", "--kl-rows", "6", "--device", "cpu"]) == 0
@@ -250,8 +252,9 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     out = capsys.readouterr().out
     assert out.startswith(f"### top-K store {lossless_tag}: v2 float32") and "tail mass |" in out
     assert cli_main(["store", "report", config.run_root, "--tag", "nosuchstore"]) == 2
+    topk_dir = RunRoot(config.run_root).display(RunRoot(config.run_root).path('topk'))
     assert capsys.readouterr().err.strip() == (f"kdflow: error: no top-K store nosuchstore under "
-                                               f"{RunRoot(config.run_root).display(RunRoot(config.run_root).path('topk'))}")
+                                               f"{topk_dir}")
 
 
 def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,7 +276,8 @@ def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -
     from kdflow.bench.store_train import RealStores, train_comparison
 
     config, summary = prepared(make_config)
-    lossless = make_config(dataset__max_documents=24, precompute__store__values="float32", precompute__store__tail="float32")
+    lossless = make_config(dataset__max_documents=24, precompute__store__values="float32",
+                           precompute__store__tail="float32")
     stores = RealStores(config, lossless, summary["tag"], precompute_shards(lossless)["tag"], 384, {})
     records = train_comparison(stores, steps=3)
     assert [r.get("student") for r in records[:2]] == ["v2 default", "lossless"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_precompute import prepare
+from support.runs import prepare
 
 from kdflow.schemas.config import dump_config
 
@@ -32,7 +32,7 @@ def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
     assert not (Path(config.run_root) / "topk").exists()  # the stage computed in a scratch copy
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("children")  # the pass in its worker, the 2-process FSDP step
 def test_gpu_check_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every step of `kdflow bench gpu` on CPU at small sizes: 4-bit Qwen3-MoE teacher, tune, the pass in its
     worker, both benchmarks, student steps, and the 2-process FSDP step (gloo)."""
@@ -45,15 +45,18 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 0 and summary["ok"], summary["failed"]
     steps = summary["steps"]
     assert {name: step["status"] for name, step in steps.items()} == {name: "ok" for name in (
-        "teacher", "tokens", "tune_precompute", "precompute", "bench_precompute", "bench_loss", "train_bf16", "fsdp_2_process")}
+        "teacher", "tokens", "tune_precompute", "precompute", "bench_precompute", "bench_loss", "train_bf16",
+        "fsdp_2_process")}
     assert steps["teacher"]["architecture"] == "Qwen3MoeForCausalLM" and steps["teacher"]["load_in_4bit"]
     tuned = steps["tune_precompute"]["recommended_micro_batch"]
-    assert tuned in (2, 4) and yaml.safe_load((tmp_path / "check.yaml").read_text())["precompute"]["micro_batch"] == tuned
+    assert tuned in (2, 4)
+    assert yaml.safe_load((tmp_path / "check.yaml").read_text())["precompute"]["micro_batch"] == tuned
     assert steps["precompute"]["written"] >= 2 and steps["train_bf16"]["autocast"] == "off"  # bf16 autocast: CUDA only
     assert steps["fsdp_2_process"]["steps"] == 2
 
 
-def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: Callable[..., Any], tmp_path: Path) -> None:
+def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: Callable[..., Any],
+                                                                  tmp_path: Path) -> None:
     """`kdflow bench scale --teacher-tokens`: a run larger than what the teacher computed repeats its full shards
     (never the short last one), each under its own id and commit record, and the copy validates as a run root."""
     from kdflow.bench.scale import subset_run

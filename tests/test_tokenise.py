@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import sample_documents
+from support.corpus import sample_documents
 
 import kdflow.tasks.corpus.tokenise as tokenise_module
 from kdflow.schemas.commits import list_commits, read_complete
@@ -43,7 +43,8 @@ def all_rows(config: Any) -> np.ndarray:
     run_root, store = token_store(config)
     records = list_commits(run_root, store, "tokens")
     assert sorted(records) == list(range(len(records)))
-    return np.concatenate([read_token_shard(run_root, f"{store}/{records[i].data_file}", SEQ_LEN) for i in sorted(records)])
+    return np.concatenate([read_token_shard(run_root, f"{store}/{records[i].data_file}", SEQ_LEN)
+                           for i in sorted(records)])
 
 
 def shard_hashes(config: Any) -> dict[str, str]:
@@ -114,14 +115,15 @@ def test_rerun_does_no_work(tokenised: Callable[..., tuple[Any, Any, Any]]) -> N
     hashes = shard_hashes(config)
     again = tokenise(config, tokenizer)
     assert again.shards_written == 0
-    assert (again.shards, again.sequences, again.dropped_tokens, again.fingerprint) == (first.shards, first.sequences,
-                                                                                        first.dropped_tokens, first.fingerprint)
+    assert ((again.shards, again.sequences, again.dropped_tokens, again.fingerprint)
+            == (first.shards, first.sequences, first.dropped_tokens, first.fingerprint))
     assert {name: os.stat(f"{store}/{name}").st_mtime_ns for name in run_root.listdir(store)} == before
     assert shard_hashes(config) == hashes
 
 
 @pytest.mark.parametrize("which", ["last", "middle", "first"])
-def test_lost_commit_record_is_recomputed_identically(tokenised: Callable[..., tuple[Any, Any, Any]], which: str) -> None:
+def test_lost_commit_record_is_recomputed_identically(tokenised: Callable[..., tuple[Any, Any, Any]],
+                                                      which: str) -> None:
     config, tokenizer, first = tokenised()
     run_root, store = token_store(config)
     hashes = shard_hashes(config)
@@ -167,7 +169,8 @@ def test_interrupted_run_resumes_to_identical_shards(make_config: Callable[..., 
     assert records[5].extra.end_offset > 0  # the resume point lies inside a document
     resumed = tokenise(interrupted, tokenizer)
     assert resumed.shards_written == expected.shards - 6
-    assert (resumed.shards, resumed.sequences, resumed.dropped_tokens) == (expected.shards, expected.sequences, expected.dropped_tokens)
+    assert ((resumed.shards, resumed.sequences, resumed.dropped_tokens)
+            == (expected.shards, expected.sequences, expected.dropped_tokens))
     assert shard_hashes(interrupted) == shard_hashes(reference)
 
 

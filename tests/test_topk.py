@@ -2,46 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from support.topk import VOCAB, dense_reference, dense_tail, random_head, random_hidden
 from torch import Tensor, nn
 
-from kdflow.tasks.common.models import body_hidden_states, output_layer
-from kdflow.tasks.common.models import LogitTransform, final_logit_transform
-from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens, chunked_topk
-
-HIDDEN, VOCAB = 48, 512
-
-
-def dense_reference(hidden: Tensor, weight: Tensor, bias: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k of the full-vocabulary log-softmax, computed in float64 from whatever precision the inputs have."""
-    logits = hidden.double() @ weight.double().T  # (N, V)
-    if bias is not None:
-        logits = logits + bias.double()
-    top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-    return top.indices, top.values
-
-
-def dense_tail(log_softmax: Tensor, topk_ids: Tensor) -> Tensor:
-    """float64 log of the mass outside the given ids: log-sum-exp over the complement of a full log-softmax (..., V)."""
-    outside = log_softmax.scatter(-1, topk_ids.long(), float("-inf"))
-    return outside.logsumexp(-1)
-
-
-def random_head(seed: int, bias: bool = True) -> nn.Linear:
-    torch.manual_seed(seed)
-    head = nn.Linear(HIDDEN, VOCAB, bias=bias)
-    with torch.no_grad():
-        head.weight.normal_(0.0, 0.3)  # logits of std ~2: a peaked distribution, ties very unlikely
-        if bias:
-            head.bias.normal_(0.0, 1.0)
-    return head
-
-
-def random_hidden(n_tokens: int, seed: int = 1) -> Tensor:
-    return torch.randn(n_tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
+from kdflow.tasks.common.models import LogitTransform
+from kdflow.tasks.teacher.topk import choose_chunk_tokens, chunked_topk
 
 
 @pytest.mark.parametrize(
@@ -262,140 +229,10 @@ def test_choose_chunk_tokens_fits_budget_and_rounds() -> None:
         choose_chunk_tokens(vocab, 0)
 
 
-# ---- whole (tiny) models: body hidden states + chunked top-K == the model's own logits -----------------
-
-TINY_DECODER = dict(
-    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=128,
-)
-
-
-def tiny_config(kind: str) -> object:
-    import transformers
-
-    if kind == "llama":
-        return transformers.LlamaConfig(**TINY_DECODER)
-    if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **TINY_DECODER, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
-        )
-    if kind == "gemma2_softcap":
-        return transformers.Gemma2Config(**TINY_DECODER, head_dim=16, final_logit_softcapping=1.5)
-    if kind == "cohere_scale":
-        return transformers.CohereConfig(**TINY_DECODER, logit_scale=0.5)
-    if kind == "granite_scaling":
-        return transformers.GraniteConfig(**TINY_DECODER, logits_scaling=2.0)
-    raise AssertionError(kind)
-
-
-def tiny_model(kind: str) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
-    with torch.no_grad():
-        # Random init gives near-uniform logits; sharpen them so top-K order and transforms really matter.
-        model.get_output_embeddings().weight.mul_(20.0)
-    return model
-
-
-def model_reference(model: nn.Module, input_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    with torch.no_grad():
-        logits = model(input_ids).logits  # (B, T, V)
-    top = torch.log_softmax(logits.double(), dim=-1).topk(k, dim=-1)
-    return top.indices, top.values
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma2_softcap", "cohere_scale", "granite_scaling"])
-def test_tiny_model_teacher_step_equals_full_logits(kind: str) -> None:
-    model = tiny_model(kind)
-    input_ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(1))
-    vocab_chunk = 200 if kind == "llama" else None  # slabs through the whole-model path too
-    topk_ids, topk_logprobs, tail_logprob = TeacherTopkStep(model, k=16, chunk_tokens=7, vocab_chunk=vocab_chunk)(input_ids)
-    ref_ids, ref_logprobs = model_reference(model, input_ids, 16)
-    assert topk_ids.shape == (3, 11, 16) and tail_logprob.shape == (3, 11) and tail_logprob.dtype == torch.float32
-    assert torch.equal(topk_ids.long(), ref_ids)
-    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
-    with torch.no_grad():
-        full = torch.log_softmax(model(input_ids).logits.double(), dim=-1)  # (B, T, V)
-    torch.testing.assert_close(tail_logprob.double(), dense_tail(full, topk_ids), atol=1e-4, rtol=1e-5)
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_body_hidden_states_then_chunked_topk(kind: str) -> None:
-    """The call the precompute worker makes, spelled out."""
-    model = tiny_model(kind)
-    input_ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(2))
-    hidden = body_hidden_states(model, input_ids)  # (B, T, H)
-    assert hidden.shape == (2, 9, 64)
-    topk_ids, topk_logprobs = chunked_topk(hidden.flatten(0, 1), output_layer(model), 8, 5)
-    ref_ids, ref_logprobs = model_reference(model, input_ids, 8)
-    assert torch.equal(topk_ids.view(2, 9, 8).long(), ref_ids)
-    torch.testing.assert_close(topk_logprobs.view(2, 9, 8).double(), ref_logprobs, atol=1e-5, rtol=0)
-
-
-def test_final_logit_transform_reads_config() -> None:
-    assert final_logit_transform(tiny_config("llama")) == LogitTransform()
-    assert final_logit_transform(tiny_config("gemma2_softcap")) == LogitTransform(softcap=1.5)
-    assert final_logit_transform(tiny_config("cohere_scale")) == LogitTransform(scale=0.5)
-    assert final_logit_transform(tiny_config("granite_scaling")) == LogitTransform(scale=0.5)
-
-
-def test_unsupported_final_logit_change_is_named() -> None:
-    from transformers import MptConfig
-
-    with pytest.raises(NotImplementedError, match="logit_scale"):
-        final_logit_transform(MptConfig(logit_scale=2.0))
-
-
-def test_model_without_body_or_head_is_a_clear_error() -> None:
-    body_only = tiny_model("llama").model  # LlamaModel: no lm_head, and no body below it
-    with pytest.raises(ValueError, match="output embeddings"):
-        output_layer(body_only)
-    with pytest.raises(ValueError, match="cannot find the body"):
-        body_hidden_states(nn.Linear(2, 2), torch.zeros(1, 1, dtype=torch.long))
-
-
-# ---- bitsandbytes 4-bit (runs on CPU) ------------------------------------------------------------------
-
-
-def test_quantised_linear4bit_head_is_called_as_a_module() -> None:
-    bnb = pytest.importorskip("bitsandbytes")
-    head = random_head(10, bias=False)
-    quantised = bnb.nn.Linear4bit(HIDDEN, VOCAB, bias=False, quant_type="nf4", compute_dtype=torch.float32)
-    quantised.weight = bnb.nn.Params4bit(head.weight.detach().clone(), requires_grad=False, quant_type="nf4")
-    quantised = quantised.to("cpu")  # quantises the weight
-    assert quantised.weight.dtype == torch.uint8
-    hidden = random_hidden(25)
-    topk_ids, topk_logprobs = chunked_topk(hidden, quantised, 10, 6)
-    with torch.no_grad():
-        logits = quantised(hidden)  # (N, V): the dequantised weight, as the module computes it
-    ref = torch.log_softmax(logits.double(), dim=-1).topk(10, dim=-1)
-    assert torch.equal(topk_ids.long(), ref.indices)
-    torch.testing.assert_close(topk_logprobs.double(), ref.values, atol=1e-5, rtol=0)
-
-
-def test_bitsandbytes_4bit_tiny_llama(tmp_path: Path) -> None:
-    pytest.importorskip("bitsandbytes")
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    tiny_model("llama").save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        tmp_path,
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
-        device_map={"": "cpu"},
-    ).eval()
-    assert any(type(module).__name__ == "Linear4bit" for module in model.modules())
-    input_ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(3))
-    topk_ids, topk_logprobs, _ = TeacherTopkStep(model, k=12, chunk_tokens=5)(input_ids)
-    ref_ids, ref_logprobs = model_reference(model, input_ids, 12)
-    assert torch.equal(topk_ids.long(), ref_ids)
-    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
-
-
 # ---- the benchmark runs end to end (numbers are its output, not asserted here) --------------------------
 
 
+@pytest.mark.usefixtures("children")  # measures in fresh processes
 def test_bench_precompute_prints_one_json_line_per_mode(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 

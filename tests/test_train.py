@@ -1,14 +1,14 @@
 """Student training on a tiny teacher's top-K: learning, metrics, exact resume, accumulation, data order,
-one-line errors for mismatched stores, checkpoints on an object store, the flow, and the real precompute.
+one-line errors for mismatched stores, checkpoints on an object store. (The flow and the real precompute:
+test_train_flow.py.)
 
 The top-K stores here are written by the test itself from a dense `log_softmax(logits).topk(k)` of a tiny
-teacher, with the schema writers, so these tests do not depend on the precompute code (one test does).
+teacher, with the schema writers (tests/support/runs.py), so these tests do not depend on the precompute code.
 The tiny teacher's lm_head is scaled up so that its distributions are peaked enough to learn from.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from collections.abc import Callable
@@ -18,117 +18,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import sample_documents, write_jsonl
 from safetensors.torch import load_file
+from support.corpus import sample_documents, write_jsonl
+from support.runs import DENSE_TAG, final_weights, make_tokens, read_lines, student_path, write_dense_topk
 
-from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_commit, read_complete, stage_dir,
-                                    write_commit, write_complete)
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.commits import read_commit, stage_dir, write_commit
 from kdflow.schemas.errors import FingerprintMismatch, KDFlowError, StoreError
-from kdflow.schemas.layout import data_file_name
-from kdflow.schemas.shards import read_token_shard, read_topk_shard, topk_batch, topk_shard_writer
+from kdflow.schemas.shards import read_token_shard, read_topk_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.materialise import materialise
-from kdflow.tasks.corpus.tokenise import tokenise
-
-SHARPEN = 40.0  # lm_head scale of the test teacher: peaked distributions, a clear signal in a few steps
-DENSE_TAG = "dense"
-
-
-@pytest.fixture(scope="module")
-def sharp_teacher_dir(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_teacher_dir)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(SHARPEN)
-    folder = tmp_path_factory.mktemp("sharp-teacher")
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_teacher_dir).save_pretrained(folder)
-    return folder
-
-
-def run_config(run_root: Path, teacher_dir: Path, corpus: Path, **overrides: Any) -> KDFlowConfig:
-    """A tiny run: seq_len 32, K 8, 8 sequences per shard, a 1-layer student of width 32."""
-    data: dict[str, Any] = {
-        "run_root": str(run_root),
-        "dataset": {"path": str(corpus), "documents_per_part": 16},
-        "seq_len": 32,
-        "teacher": {"model": str(teacher_dir), "device": "cpu", "dtype": "float32"},
-        "precompute": {"top_k": 8, "micro_batch": 4, "sequences_per_shard": 8},
-        "student": {"steps": 6, "batch_size": 4, "eval_sequences": 16, "eval_shards": 2, "warmup_steps": 2, "lr": 1e-2,
-                    "save_every": 2, "device": "cpu",
-                    "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                     "num_key_value_heads": 1, "intermediate_size": 64}},
-    }
-    for key, value in overrides.items():
-        set_dotted(data, key.replace("__", "."), value)
-    return config_from_dict(data)
-
-
-def make_tokens(config: KDFlowConfig) -> None:
-    """The real corpus and tokenise stages."""
-    materialise(config)
-    tokenise(config, load_tokenizer(config))
-
-
-def write_dense_topk(config: KDFlowConfig, teacher_dir: Path, *, tag: str = DENSE_TAG, top_k: int | None = None,
-                     seq_len: int | None = None) -> str:
-    """topk/TAG from the teacher's dense log-softmax over the full vocabulary, one shard per token shard."""
-    from transformers import AutoModelForCausalLM
-
-    run_root = RunRoot(config.run_root)
-    tokens_store, store = stage_dir(run_root, "tokens"), stage_dir(run_root, "topk", tag)
-    done = read_complete(run_root, tokens_store)
-    records = list_commits(run_root, tokens_store, "tokens", done.fingerprint)
-    model = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
-    k, length = top_k or config.precompute.top_k, seq_len or config.seq_len
-    for shard_id in range(done.shards):
-        input_ids = read_token_shard(run_root, f"{tokens_store}/{records[shard_id].data_file}")[:, :length]  # (rows, T)
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor(input_ids, dtype=torch.long)).logits.float(), dim=-1)  # (rows, T, V)
-        values, ids = logprobs.topk(k, dim=-1)  # (rows, T, K), sorted descending
-        name = data_file_name("topk", shard_id)
-        with topk_shard_writer(run_root, f"{store}/{name}", length, k, "float16") as writer:
-            writer.write(*topk_batch(ids.numpy(), values.numpy(), "float16"))
-        write_commit(run_root, store, CommitRecord(
-            stage="topk", shard_id=shard_id, data_file=name, rows=len(input_ids), tokens=input_ids.size,
-            bytes=writer.sink.nbytes, sha256=writer.sink.sha256, input_sha256=records[shard_id].sha256, fingerprint=tag))
-    write_complete(run_root, store, StageComplete(stage="topk", shards=done.shards, rows=done.rows, tokens=done.tokens,
-                                                  fingerprint=tag, extra={"tokens_fingerprint": done.fingerprint}))
-    return store
-
-
-@pytest.fixture(scope="module")
-def prepared_run(tmp_path_factory: pytest.TempPathFactory, sharp_teacher_dir: Path) -> tuple[Path, Path]:
-    """(run root with corpus, tokens and a dense top-K store, corpus file): copied by each test."""
-    base = tmp_path_factory.mktemp("prepared")
-    corpus = write_jsonl(base / "docs.jsonl", sample_documents(60))
-    config = run_config(base / "run", sharp_teacher_dir, corpus)
-    make_tokens(config)
-    write_dense_topk(config, sharp_teacher_dir)
-    return base / "run", corpus
-
-
-@pytest.fixture
-def fresh_run(prepared_run: tuple[Path, Path], sharp_teacher_dir: Path, tmp_path: Path) -> Callable[..., KDFlowConfig]:
-    """A private copy of the prepared run root; -> a config builder for it (dotted overrides)."""
-    run_root, corpus = prepared_run
-    shutil.copytree(run_root, tmp_path / "run")
-    return lambda **overrides: run_config(tmp_path / "run", sharp_teacher_dir, corpus, **overrides)
-
-
-def student_path(config: KDFlowConfig, *parts: str) -> Path:
-    return Path(config.run_root, "students", config.student.name, *parts)
-
-
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def final_weights(config: KDFlowConfig) -> dict[str, torch.Tensor]:
-    return load_file(student_path(config, "final", "model.safetensors"))
 
 
 def assert_one_line(error: BaseException, *phrases: str) -> None:
@@ -200,7 +98,8 @@ def test_interrupted_and_resumed_runs_end_with_the_same_weights(fresh_run) -> No
 
     stopped = fresh_run(student__name="stopped", **common)
     first = train(stopped, on_step=stop_at(3, crash=False))
-    assert first["stopped"] and first["steps"] == 3 and student_path(stopped, "checkpoint-3", "checkpoint.json").exists()
+    assert first["stopped"] and first["steps"] == 3 and student_path(stopped, "checkpoint-3",
+                                                                     "checkpoint.json").exists()
     assert train(stopped)["start_step"] == 3
 
     reference = final_weights(whole)
@@ -227,7 +126,8 @@ def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:
     train(accumulated)
     for key in ("loss", "kd", "ce", "grad_norm"):
         expected = [r[key] for r in read_lines(student_path(one_batch, "metrics.jsonl"))]
-        assert [r[key] for r in read_lines(student_path(accumulated, "metrics.jsonl"))] == pytest.approx(expected, rel=1e-5)
+        assert ([r[key] for r in read_lines(student_path(accumulated, "metrics.jsonl"))]
+                == pytest.approx(expected, rel=1e-5))
     reference = final_weights(one_batch)
     for name, tensor in final_weights(accumulated).items():
         torch.testing.assert_close(tensor, reference[name], atol=1e-6, rtol=0)
@@ -252,13 +152,15 @@ def test_order_covers_every_training_row_once_per_epoch_and_ranks_split_batches(
     data = open_distill_data(config, load_tokenizer(config))
     pairs = data.stores.pairs
     rows = data.train_rows
-    assert rows == sum(p.rows for p in pairs[:-2]) and [p.shard_id for p in data.eval_pairs] == [len(pairs) - 2, len(pairs) - 1]
+    assert (rows == sum(p.rows for p in pairs[:-2])
+            and [p.shard_id for p in data.eval_pairs] == [len(pairs) - 2, len(pairs) - 1])
     assert [(pair.shard_id, row) for pair, row in data.eval_rows] == [(pair.shard_id, r) for pair in data.eval_pairs
                                                                        for r in range(pair.rows)][:10]
 
     batch = 6  # does not divide the row count: batches straddle the epoch boundary
     epochs = 2
-    seen = np.concatenate([data.global_batch(p, batch) for p in range(0, epochs * rows + batch, batch)])[: epochs * rows]
+    seen = np.concatenate([data.global_batch(p, batch)
+                           for p in range(0, epochs * rows + batch, batch)])[: epochs * rows]
     for epoch in range(epochs):
         order = seen[epoch * rows:(epoch + 1) * rows]
         assert sorted(order.tolist()) == list(range(rows))
@@ -316,7 +218,8 @@ def test_topk_store_with_other_k_or_seq_len_is_an_error(fresh_run, sharp_teacher
     write_dense_topk(config, sharp_teacher_dir, tag="other", **{what: 4 if what == "top_k" else 16})
     with pytest.raises(StoreError) as caught:
         open_stores(config, load_tokenizer(config))
-    assert_one_line(caught.value, "K=4, precompute.top_k is 8" if what == "top_k" else "seq_len 16, the token store's is 32")
+    assert_one_line(caught.value,
+                    "K=4, precompute.top_k is 8" if what == "top_k" else "seq_len 16, the token store's is 32")
 
 
 def test_tokenizer_other_than_the_token_stores_is_an_error(fresh_run, tmp_path: Path, sharp_teacher_dir: Path) -> None:
@@ -338,7 +241,8 @@ def test_init_from_that_is_not_a_model_is_an_error(fresh_run, tmp_path: Path) ->
     (tmp_path / "empty").mkdir()
     (tmp_path / "config-only").mkdir()
     (tmp_path / "config-only" / "config.json").write_text("{}")
-    for folder, phrase in (("empty", "no config.json"), ("config-only", "no model weights"), ("missing", "no such folder")):
+    for folder, phrase in (("empty", "no config.json"), ("config-only", "no model weights"),
+                           ("missing", "no such folder")):
         with pytest.raises(KDFlowError) as caught:
             train(fresh_run(student__init_from=str(tmp_path / folder)))
         assert_one_line(caught.value, "student.init_from", "is not a model", phrase)
@@ -386,7 +290,8 @@ def test_checkpoints_on_an_object_store_roundtrip_and_half_written_ones_are_igno
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     fresh_optimizer, fresh_scheduler = build_optimizer(loaded, config.student)
-    assert load_training_state(run_root, latest_checkpoint(run_root, student_dir), fresh_optimizer, fresh_scheduler) == state
+    assert load_training_state(run_root, latest_checkpoint(run_root, student_dir), fresh_optimizer,
+                               fresh_scheduler) == state
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
     restored, saved = (list(o.state_dict()["state"].values()) for o in (fresh_optimizer, optimizer))
     assert len(restored) == len(saved)
@@ -395,50 +300,3 @@ def test_checkpoints_on_an_object_store_roundtrip_and_half_written_ones_are_igno
     assert prune_checkpoints(run_root, student_dir, keep=2) == [half]
     assert not run_root.exists(half)
     fsspec.filesystem("memory").rm("/kdflow-test-checkpoints", recursive=True)
-
-
-# --- the flow and the real precompute ---------------------------------------------------------------------
-
-
-def test_flow_trains_writes_its_config_and_returns_a_small_summary(fresh_run, prefect_harness) -> None:
-    from kdflow.flows.train import train_student_flow
-
-    config = fresh_run(student__steps=3)
-    result = train_student_flow(config.model_dump(mode="json"))
-    assert result["steps"] == 3 and result["final_dir"].endswith("final")
-    assert result["eval_after"]["kl"] < result["eval_before"]["kl"]
-    assert student_path(config, "config.yaml").read_text().startswith("run_root:")
-    assert len(json.dumps(result)) < 4000
-    from prefect.artifacts import Artifact
-
-    report = Artifact.get("train-student")  # the markdown report of this run (student name "student")
-    assert report is not None and "| after (step 3) |" in report.data and "Loss " in report.data
-
-
-def test_training_report_shows_the_curve_and_evaluation() -> None:
-    from kdflow.flows.train import sparkline, training_report
-
-    assert sparkline([8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]) == "█▇▆▅▄▃▂▁"
-    assert sparkline([1.0] * 200, width=50) == "▁" * 50
-    metrics = [{"step": s, "loss": 5.0 / s, "kd": 4.0 / s, "ce": 6.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0}
-               for s in range(1, 31)]
-    evaluation = {"kl": 1.0, "ce": 2.0, "perplexity": 7.39, "top1_agreement": 0.25}
-    summary = {"student": "s", "steps": 30, "final_dir": "runs/x/students/s/final", "student_dir": "runs/x/students/s",
-               "topk_store": "runs/x/topk/t", "eval_before": {"step": 0, **evaluation}, "eval_after": {"step": 30, **evaluation}}
-    report = training_report(summary, metrics)
-    assert "| 30 | 0.1667 |" in report and "| 1 | 5.0000 |" in report  # first and last steps are in the table
-    assert "| after (step 30) | 1.0000 | 7.39 | 25.0% |" in report
-
-
-def test_training_on_the_real_precompute_output(tmp_path: Path, sharp_teacher_dir: Path) -> None:
-    from kdflow.tasks.student.train import train
-    from kdflow.tasks.teacher.precompute import precompute_shards
-
-    corpus = write_jsonl(tmp_path / "docs.jsonl", sample_documents(16))
-    config = run_config(tmp_path / "run", sharp_teacher_dir, corpus, student__steps=2, student__eval_shards=1)
-    make_tokens(config)
-    precompute_shards(config)
-    summary = train(config)
-    assert summary["topk_store"].startswith(str(tmp_path / "run" / "topk"))
-    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
-    assert (tmp_path / "run" / "students" / "student" / "final" / "model.safetensors").exists()

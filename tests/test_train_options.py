@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_train import final_weights, fresh_run, prepared_run, read_lines, sharp_teacher_dir, student_path  # noqa: F401
+from support.runs import final_weights, read_lines, student_path
 
 from kdflow.schemas.errors import ConfigError
 
@@ -31,11 +31,11 @@ def stop_at(step: int) -> Callable[[dict[str, Any]], bool]:
 
 
 @pytest.fixture(scope="module")
-def default_run(prepared_run, sharp_teacher_dir, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
+def default_run(prepared_run, sharp_teacher_dir, tmp_path_factory) -> dict[str, Any]:
     """The run every option is compared with: no option set."""
     import shutil
 
-    from test_train import run_config
+    from support.runs import run_config
 
     from kdflow.tasks.student.train import train
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_precompute import prepare
+from support.runs import prepare
 
 import kdflow.tasks.common.launch as launch
 from kdflow.cli import main as cli_main
@@ -34,7 +34,8 @@ def config_yaml(config: Any, path: Path, *, drop: tuple[str, ...] = (), comment:
         data.pop(key)
     text = yaml.safe_dump(data, sort_keys=False)
     if comment:
-        text = "# my run: keep this comment\n" + text.replace("  micro_batch: 4\n", "  micro_batch: 4   # tuned by hand\n")
+        text = "# my run: keep this comment\n" + text.replace("  micro_batch: 4\n",
+                                                              "  micro_batch: 4   # tuned by hand\n")
     path.write_text(text, encoding="utf-8")
     return path
 
@@ -73,7 +74,8 @@ def test_a_teacher_that_cannot_load_is_one_line(make_config: Callable[..., Any],
                                                capsys: pytest.CaptureFixture[str]) -> None:
     missing = config_yaml(make_config(teacher__model=str(tmp_path / "nowhere")), tmp_path / "missing.yaml")
     assert run_cli(capsys, str(missing)) == (
-        2, [f"kdflow: error: teacher.model='{tmp_path / 'nowhere'}': model path does not exist: {tmp_path / 'nowhere'}"])
+        2, [f"kdflow: error: teacher.model='{tmp_path / 'nowhere'}': model path does not exist: "
+            f"{tmp_path / 'nowhere'}"])
     broken = tmp_path / "broken-teacher"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}', encoding="utf-8")
@@ -94,8 +96,8 @@ def test_no_token_shards_and_no_seq_len_is_one_line(make_config: Callable[..., A
     config = make_config(seq_len=64)
     path = config_yaml(config, tmp_path / "c.yaml", drop=("seq_len",))
     assert run_cli(capsys, str(path)) == (2, [
-        f"kdflow: error: no token shards in {Path(config.run_root) / 'tokens'} and no seq_len in the config: set seq_len "
-        "(tokens of that length are made up from Python's documentation) or run tokenise first"])
+        f"kdflow: error: no token shards in {Path(config.run_root) / 'tokens'} and no seq_len in the config: "
+        "set seq_len (tokens of that length are made up from Python's documentation) or run tokenise first"])
 
 
 def test_token_shards_of_another_length_and_a_run_under_way_are_refused(
@@ -159,10 +161,12 @@ def test_after_an_out_of_memory_larger_candidates_are_skipped_other_failures_do_
 def test_write_replaces_the_value_and_keeps_comments(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     original = ("# top comment\nrun_root: runs/x   # where\nprecompute:\n  # the teacher's batch\n"
-                "  top_k: 32\n  micro_batch: 8    # tuned by hand\n  sequences_per_shard: 32\nstudent:\n  micro_batch: 3\n")
+                "  top_k: 32\n  micro_batch: 8    # tuned by hand\n  sequences_per_shard: 32\n"
+                "student:\n  micro_batch: 3\n")
     path.write_text(original, encoding="utf-8")
     write_micro_batch(path, 28)
-    assert path.read_text(encoding="utf-8") == original.replace("  micro_batch: 8    # tuned", "  micro_batch: 28    # tuned")
+    assert path.read_text(encoding="utf-8") == original.replace("  micro_batch: 8    # tuned",
+                                                                "  micro_batch: 28    # tuned")
 
 
 def test_write_inserts_a_missing_key_or_section_and_refuses_flow_style(tmp_path: Path) -> None:
@@ -188,6 +192,7 @@ def test_one_candidate_in_process_reads_the_runs_token_shards(make_config: Calla
     assert 0 < record["peak_rss_mib"] < record["total_mib"] and 0 < record["headroom"] < 1
 
 
+@pytest.mark.usefixtures("children")
 def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendation(
         make_config: Callable[..., Any], tmp_path: Path) -> None:
     """Two candidates fail by injected faults (a driver error, an out-of-memory), one is then skipped; the
@@ -195,7 +200,8 @@ def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendati
     path = config_yaml(make_config(), tmp_path / "c.yaml")
     before = path.read_text(encoding="utf-8")
     env = os.environ | {"KDFLOW_FAULT": "cuda_error@micro_batch_size=1;cuda_oom@micro_batch_size=4"}
-    result = subprocess.run([sys.executable, "-m", "kdflow", "tune", "precompute", str(path), "--micro-batches", "1,2,4,8",
+    result = subprocess.run([sys.executable, "-m", "kdflow", "tune", "precompute", str(path), "--micro-batches",
+                             "1,2,4,8",
                              "--batches", "1", "--write", "--json"], capture_output=True, text=True, timeout=600,
                             cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""`kdflow validate`: catches changed, truncated, misaligned and malformed shards; `--fix` makes the next run redo them."""
+"""`kdflow validate`: catches changed, truncated, misaligned and malformed shards; `--fix` makes the next run
+redo them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TINY_VOCAB
+from support.corpus import TINY_VOCAB, flip_byte
 
 from kdflow.cli import main as cli_main
 from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_complete, stage_dir, write_commit,
@@ -26,15 +27,18 @@ TAG, TOP_K = "abcdef012345", 8
 Corruption = Callable[[np.ndarray, np.ndarray], None]
 
 
-def reference_topk(rng: np.random.Generator, rows: int, seq_len: int, vocab: int, top_k: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def reference_topk(rng: np.random.Generator, rows: int, seq_len: int, vocab: int, top_k: int,
+                   dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """A valid top-K from random logits: full-vocabulary log-softmax, the K largest, sorted descending."""
     logits = rng.normal(scale=3.0, size=(rows, seq_len, vocab))  # (rows, T, V)
-    logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    peak = logits.max(-1, keepdims=True)
+    logprobs = logits - np.log(np.exp(logits - peak).sum(-1, keepdims=True)) - peak
     ids = np.argsort(-logprobs, axis=-1, kind="stable")[..., :top_k]  # (rows, T, K)
     return ids.astype(np.int32), np.take_along_axis(logprobs, ids, -1).astype(dtype)
 
 
-def write_topk_store(config: Any, corrupt: dict[int, Corruption] | None = None, vocab_size: int | None = TINY_VOCAB) -> str:
+def write_topk_store(config: Any, corrupt: dict[int, Corruption] | None = None,
+                     vocab_size: int | None = TINY_VOCAB) -> str:
     """A top-K store aligned with the token store, written with the schema writers; `corrupt[i]` edits shard i first."""
     run_root = RunRoot(config.run_root)
     tokens_store = stage_dir(run_root, "tokens")
@@ -74,12 +78,6 @@ def run_validate(capsys: pytest.CaptureFixture[str], url: str, fix: bool = False
     return code, capsys.readouterr().out
 
 
-def flip_byte(path: str, offset: int = -40) -> None:
-    data = bytearray(Path(path).read_bytes())
-    data[offset] ^= 0x01
-    Path(path).write_bytes(bytes(data))
-
-
 def test_clean_run_root_passes(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
     config, _ = tokenised_run
     write_topk_store(config)
@@ -91,7 +89,8 @@ def test_clean_run_root_passes(tokenised_run: tuple[Any, Any], capsys: pytest.Ca
     assert all(line.rstrip().endswith("ok") for line in lines[1:4]) and "PROBLEM" not in out
 
 
-def test_changed_token_shard_is_found_fixed_and_recomputed(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_changed_token_shard_is_found_fixed_and_recomputed(tokenised_run: tuple[Any, Any],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     config, tokenizer = tokenised_run
     write_topk_store(config)
     run_root = RunRoot(config.run_root)
@@ -112,7 +111,8 @@ def test_changed_token_shard_is_found_fixed_and_recomputed(tokenised_run: tuple[
     assert not os.path.exists(f"{store}/{commit_file_name('tokens', 2)}")
     code, out = run_validate(capsys, config.run_root)  # what will be recomputed, as notes: not an error
     assert code == 0 and "PROBLEM" not in out, out
-    assert "tokens" in out and "shard(s) 2 have no commit record: the next run of tokenise computes what is missing" in out
+    assert "tokens" in out
+    assert "shard(s) 2 have no commit record: the next run of tokenise computes what is missing" in out
     assert f"topk/{TAG}" in out and "shard(s) 2: their token shards are not committed yet" in out
 
     summary = tokenise(config, tokenizer)
@@ -122,7 +122,8 @@ def test_changed_token_shard_is_found_fixed_and_recomputed(tokenised_run: tuple[
     assert code == 0, out  # the recomputed shard is identical, so the top-K store is still aligned with it
 
 
-def test_truncated_shard_is_caught_by_its_size(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_truncated_shard_is_caught_by_its_size(tokenised_run: tuple[Any, Any],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     config, tokenizer = tokenised_run
     run_root = RunRoot(config.run_root)
     shard = run_root.path(TOKENS_DIR, data_file_name("tokens", 1))
@@ -135,7 +136,8 @@ def test_truncated_shard_is_caught_by_its_size(tokenised_run: tuple[Any, Any], c
     assert run_validate(capsys, config.run_root)[0] == 0
 
 
-def test_changed_corpus_part_is_recomputed_by_materialise(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_changed_corpus_part_is_recomputed_by_materialise(tokenised_run: tuple[Any, Any],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     config, _ = tokenised_run
     run_root = RunRoot(config.run_root)
     part = run_root.path("corpus", data_file_name("corpus", 0))
@@ -179,7 +181,8 @@ def _negative_tail(ids: np.ndarray, logprobs: np.ndarray) -> None:
     (_beyond_vocab, f"top-K id {TINY_VOCAB} >= vocabulary {TINY_VOCAB}"),
     (_negative_tail, "tail mass 1 - sum(exp(log-probs)) = -0.600")  # float16 rounds log(0.2),
 ])
-def test_topk_content_failures(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str], corruption: Corruption,
+def test_topk_content_failures(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str],
+                               corruption: Corruption,
                                message: str) -> None:
     config, _ = tokenised_run
     store = write_topk_store(config, corrupt={1: corruption})
@@ -187,7 +190,8 @@ def test_topk_content_failures(tokenised_run: tuple[Any, Any], capsys: pytest.Ca
     problems = [line for line in out.splitlines() if "PROBLEM" in line]
     assert code == 1 and len(problems) == 1, out
     assert f"topk/{TAG} shard 1: {message}" in problems[0] and " at row 1, position 3" in problems[0]
-    assert sorted(list_commits(RunRoot(config.run_root), store, "topk", TAG)) == [0] + list(range(2, len(_token_ids(config))))
+    assert (sorted(list_commits(RunRoot(config.run_root), store, "topk", TAG))
+            == [0] + list(range(2, len(_token_ids(config)))))
 
 
 def _token_ids(config: Any) -> list[int]:
@@ -195,7 +199,8 @@ def _token_ids(config: Any) -> list[int]:
     return sorted(list_commits(run_root, stage_dir(run_root, "tokens"), "tokens"))
 
 
-def test_topk_misaligned_with_its_token_shard(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_topk_misaligned_with_its_token_shard(tokenised_run: tuple[Any, Any],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     config, _ = tokenised_run
     store = write_topk_store(config)
     run_root = RunRoot(config.run_root)
@@ -206,7 +211,8 @@ def test_topk_misaligned_with_its_token_shard(tokenised_run: tuple[Any, Any], ca
     assert code == 1 and f"topk/{TAG} shard 0: not aligned with token shard 0" in out
 
 
-def test_topk_vocabulary_falls_back_to_the_token_store(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_topk_vocabulary_falls_back_to_the_token_store(tokenised_run: tuple[Any, Any],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     config, _ = tokenised_run
     write_topk_store(config, corrupt={2: _beyond_vocab}, vocab_size=None)
     code, out = run_validate(capsys, config.run_root)
@@ -228,7 +234,8 @@ def test_token_ids_beyond_the_vocabulary(tokenised_run: tuple[Any, Any], capsys:
         writer.write(token_batch(input_ids))
     write_commit(run_root, store, record.model_copy(update={"sha256": writer.sink.sha256, "bytes": writer.sink.nbytes}))
     code, out = run_validate(capsys, config.run_root)
-    assert code == 1 and f"tokens shard 0: token id {TINY_VOCAB + 10} >= vocabulary {TINY_VOCAB} at row 2, position 5" in out
+    assert code == 1
+    assert f"tokens shard 0: token id {TINY_VOCAB + 10} >= vocabulary {TINY_VOCAB} at row 2, position 5" in out
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -251,7 +258,8 @@ def test_missing_run_root_and_empty_run_root(tmp_path: Path, capsys: pytest.Capt
     assert code == 1 and "nothing to validate" in out
 
 
-def test_older_token_store_without_vocab_size(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_older_token_store_without_vocab_size(tokenised_run: tuple[Any, Any],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Stores written before tokenise recorded `vocab_size`: the tokenizer named by config.yaml gives it, if present."""
     from kdflow.flows.common import write_stage_config
 
@@ -259,17 +267,21 @@ def test_older_token_store_without_vocab_size(tokenised_run: tuple[Any, Any], ca
     run_root = RunRoot(config.run_root)
     store = run_root.path(TOKENS_DIR)
     done = read_complete(run_root, store)
-    write_complete(run_root, store, done.model_copy(update={"extra": done.extra.model_copy(update={"vocab_size": None})}))
+    write_complete(run_root, store,
+                   done.model_copy(update={"extra": done.extra.model_copy(update={"vocab_size": None})}))
     for record in list_commits(run_root, store, "tokens").values():
-        write_commit(run_root, store, record.model_copy(update={"extra": record.extra.model_copy(update={"vocab_size": None})}))
+        write_commit(run_root, store,
+                     record.model_copy(update={"extra": record.extra.model_copy(update={"vocab_size": None})}))
     code, out = run_validate(capsys, config.run_root)
-    assert code == 0 and "note: vocabulary size unknown" in out  # no config.yaml: the upper bound is skipped, with a note
+    # no config.yaml: the upper bound is skipped, with a note
+    assert code == 0 and "note: vocabulary size unknown" in out
     write_stage_config(run_root, config, store)
     code, out = run_validate(capsys, config.run_root)
     assert code == 0 and "vocabulary size unknown" not in out
 
 
-def test_unparseable_files_are_findings_not_crashes(tokenised_run: tuple[Any, Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_unparseable_files_are_findings_not_crashes(tokenised_run: tuple[Any, Any],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     config, _ = tokenised_run
     store = write_topk_store(config)
     run_root = RunRoot(config.run_root)

@@ -31,16 +31,19 @@ def _tail(text: str | bytes | None, chars: int = 4000) -> str:
     return (text or "")[-chars:]
 
 
-def run(args: list[str], *, what: str, timeout: float, input: str | None = None, **popen: Any) -> subprocess.CompletedProcess:
+def run(args: list[str], *, what: str, timeout: float, input: str | None = None,
+        **popen: Any) -> subprocess.CompletedProcess:
     """`subprocess.run(args, capture_output=True, text=True)` in a fresh process group, killed afterwards."""
     process = subprocess.Popen(args, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **popen)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               **popen)
     try:
         stdout, stderr = process.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(process)
         stdout, stderr = process.communicate()
-        pytest.fail(f"{what} did not finish within {timeout:.0f} s (killed); its last output:\n{_tail(stdout)}\n{_tail(stderr)}")
+        pytest.fail(f"{what} did not finish within {timeout:.0f} s (killed); its last output:\n{_tail(stdout)}\n"
+                    f"{_tail(stderr)}")
     finally:
         kill_group(process)  # whatever it started in its group and left running
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
@@ -98,6 +101,7 @@ def finish(process: subprocess.Popen, *, what: str, timeout: float) -> tuple[Any
     except subprocess.TimeoutExpired:
         kill_group(process)
         stdout, stderr = process.communicate()
-        pytest.fail(f"{what} did not finish within {timeout:.0f} s (killed); its last output:\n{_tail(stdout)}\n{_tail(stderr)}")
+        pytest.fail(f"{what} did not finish within {timeout:.0f} s (killed); its last output:\n{_tail(stdout)}\n"
+                    f"{_tail(stderr)}")
     finally:
         kill_group(process)

@@ -28,7 +28,8 @@ SERVE = ("import os, sys, threading, time\n"
          "    os._exit(0)\n"
          "threading.Thread(target=orphaned, daemon=True).start()\n"
          "from werkzeug.serving import run_simple\n"
-         "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app\n"
+         "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, "
+         "create_backend_app\n"
          "run_simple('127.0.0.1', int(sys.argv[1]), DomainDispatcherApplication(create_backend_app),\n"
          "           threaded=sys.argv[2] == '1', request_handler=MotoRequestHandler)\n")
 REQUEST_LINE = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP/[\d.]+" (\d{3})')
@@ -59,7 +60,8 @@ class MotoProcess:
         self.log_path, self.port = log_path, free_port()
         env = os.environ | ({"INITIAL_NO_AUTH_ACTION_COUNT": str(auth_after)} if auth_after is not None else {})
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen([sys.executable, "-c", SERVE, str(self.port), "1" if threaded else "0", str(os.getpid())],
+        self.process = subprocess.Popen([sys.executable, "-c", SERVE, str(self.port), "1" if threaded else "0",
+                                         str(os.getpid())],
                                         stdout=subprocess.DEVNULL, stderr=self._log, env=env, start_new_session=True)
         try:
             wait_for_port(self.port, 60, "moto's S3 server")
