@@ -183,16 +183,18 @@ def check_tokenizer(context: Preflight) -> None:
         source = resolve_model_source(config.teacher.model, config.teacher.gguf_file)
         if os.path.isdir(source) and not config.teacher.gguf_file and not any(
                 os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
-            raise ConfigError(f"teacher.model {config.teacher.model!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, "
-                              "...): set `tokenizer:` to the teacher's tokenizer")
-        tokenizer_vocab(config.teacher.model, config.teacher.gguf_file, config.teacher.revision)  # it parses (or says why)
+            raise ConfigError(f"teacher.model {config.teacher.model!r} has no tokenizer files "
+                              f"({', '.join(_TOKENIZER_FILES[:3])}, ...): set `tokenizer:` to the teacher's tokenizer")
+        # it parses (or says why)
+        tokenizer_vocab(config.teacher.model, config.teacher.gguf_file, config.teacher.revision)
         return
     try:
         source = resolve_model_source(config.tokenizer)
     except ConfigError as error:
         raise ConfigError(f"tokenizer: {error}") from None
     if os.path.isdir(source) and not any(os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
-        raise ConfigError(f"tokenizer={config.tokenizer!r} is not a tokenizer folder (no {', '.join(_TOKENIZER_FILES[:3])}, ...)")
+        raise ConfigError(f"tokenizer={config.tokenizer!r} is not a tokenizer folder "
+                          f"(no {', '.join(_TOKENIZER_FILES[:3])}, ...)")
     vocab = tokenizer_vocab(config.tokenizer)
     if vocab is not None and not vocab:
         raise ConfigError(f"tokenizer={config.tokenizer!r} has an empty vocabulary")
@@ -207,7 +209,8 @@ def check_distributed(context: Preflight) -> None:
     student = context.config.student
     distributed = student.distributed
     if distributed.node_rank >= distributed.nnodes:
-        raise ConfigError(f"student.distributed.node_rank={distributed.node_rank} must be below nnodes={distributed.nnodes}")
+        raise ConfigError(f"student.distributed.node_rank={distributed.node_rank} "
+                          f"must be below nnodes={distributed.nnodes}")
     world_size = distributed.nproc_per_node * distributed.nnodes
     if student.batch_size % (world_size * student.grad_accum):
         raise ConfigError(f"student.batch_size={student.batch_size} must be divisible by ranks x grad_accum = "
@@ -255,7 +258,8 @@ def check_disk(context: Preflight) -> None:
     if tokens and "tokenise" in stages and tokens_done is None:
         parts["tokens"] = tokens * 4
     if tokens and "precompute" in stages:
-        parts["top-K"] = tokens * config.precompute.top_k * (4 + (2 if config.precompute.logprobs_dtype == "float16" else 4))
+        parts["top-K"] = tokens * config.precompute.top_k * (4 + (2 if config.precompute.logprobs_dtype == "float16"
+                                                                  else 4))
     if "train" in stages:
         parts["student"] = _student_bytes(context)
     needed, free = sum(parts.values()), free_bytes(context.run_root.root)

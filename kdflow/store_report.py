@@ -55,7 +55,8 @@ def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int
         store = stage_dir(run_root, "topk", name)
         if kl_rows and summary["shards"]:
             try:
-                config = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")), f"{name}/{CONFIG_FILE}")
+                config = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")),
+                                          f"{name}/{CONFIG_FILE}")
             except FileNotFoundError:
                 summary["kl_note"] = f"no {CONFIG_FILE} beside the store: teacher unknown, KL not measured"
             else:

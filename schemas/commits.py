@@ -87,7 +87,8 @@ class TopkCompleteInfo(_Info):
 
 
 _SHARD_INFO: dict[str, type[_Info]] = {"corpus": CorpusPartInfo, "tokens": TokenShardInfo, "topk": TopkShardInfo}
-_COMPLETE_INFO: dict[str, type[_Info]] = {"corpus": CorpusCompleteInfo, "tokens": TokensCompleteInfo, "topk": TopkCompleteInfo}
+_COMPLETE_INFO: dict[str, type[_Info]] = {"corpus": CorpusCompleteInfo, "tokens": TokensCompleteInfo,
+                                          "topk": TopkCompleteInfo}
 
 
 class _StageRecord(BaseModel):
@@ -184,7 +185,8 @@ def commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord, *, exc
         raise
 
 
-def read_commit(run_root: RunRoot, store: str, stage: Stage, shard_id: int, fingerprint: str | None = None) -> CommitRecord | None:
+def read_commit(run_root: RunRoot, store: str, stage: Stage, shard_id: int,
+                fingerprint: str | None = None) -> CommitRecord | None:
     """The shard's record if it is valid for this store, else None (the shard must be recomputed)."""
     record, _ = check_commit(run_root, store, stage, shard_id, fingerprint)
     return record
@@ -241,7 +243,8 @@ def check_commits(run_root: RunRoot, store: str, stage: Stage, fingerprint: str 
     return checked
 
 
-def list_commits(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None) -> dict[int, CommitRecord]:
+def list_commits(run_root: RunRoot, store: str, stage: Stage,
+                 fingerprint: str | None = None) -> dict[int, CommitRecord]:
     """All valid commit records of a store, by shard id. Data files without a record are invisible."""
     return {shard_id: record for shard_id, (record, _) in check_commits(run_root, store, stage, fingerprint).items()
             if record is not None}
@@ -309,18 +312,22 @@ def validate_manifest(frame: pd.DataFrame, stage: Stage, seq_len: int | None = N
         first = cases.iloc[0]
         # Frame-wide checks report the model's name as their column: name a column only when there is one.
         where = f" on column {first['column']}" if first["column"] in frame.columns else ""
-        raise StoreError(f"manifest of {label} is invalid: {first['check']} failed{where} ({len(cases)} failure(s))") from None
+        raise StoreError(f"manifest of {label} is invalid: {first['check']} failed{where} "
+                         f"({len(cases)} failure(s))") from None
     if stage in ("tokens", "topk") and seq_len is not None and len(validated):
         bad = validated[validated["tokens"] != validated["rows"] * seq_len]
         if len(bad):
-            raise StoreError(f"manifest of {label} is invalid: shard {int(bad['shard_id'].iloc[0])} has tokens != rows x seq_len")
+            raise StoreError(f"manifest of {label} is invalid: shard {int(bad['shard_id'].iloc[0])} "
+                             "has tokens != rows x seq_len")
     if stage == "topk" and validated["input_sha256"].isna().any():
         raise StoreError(f"manifest of {label} is invalid: a top-K shard does not name its token shard")
     return validated
 
 
-def load_manifest(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None, seq_len: int | None = None) -> pd.DataFrame:
-    return validate_manifest(manifest_frame(list_commits(run_root, store, stage, fingerprint)), stage, seq_len, name=store)
+def load_manifest(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None,
+                  seq_len: int | None = None) -> pd.DataFrame:
+    return validate_manifest(manifest_frame(list_commits(run_root, store, stage, fingerprint)), stage, seq_len,
+                             name=store)
 
 
 def dump_json(data: Any) -> bytes:

@@ -11,7 +11,8 @@ RUN_ROOT/
   _faults/         markers of injected faults that fired (KDFLOW_FAULT)
 ```
 Temporary files are `.NAME.tmp-PID-HOSTTAG-TOKEN` beside NAME (`temp_name`); the next run of the stage
-that writes a folder removes those whose writer is gone. Names only (no I/O): `kdflow.schemas.commits` and `kdflow.schemas.storage` do the reading and writing.
+that writes a folder removes those whose writer is gone. Names only (no I/O): `kdflow.schemas.commits` and
+`kdflow.schemas.storage` do the reading and writing.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from kdflow.schemas.errors import KDFlowError, StoreError
 from kdflow.schemas.layout import temp_name
 from kdflow.schemas.owners import owner_tag
 
-CONDITIONAL_WRITES_ENV = "KDFLOW_CONDITIONAL_WRITES"  # "off": use the fallback (write, read back) even where S3 has them
+# "off": use the fallback (write, read back) even where S3 has them
+CONDITIONAL_WRITES_ENV = "KDFLOW_CONDITIONAL_WRITES"
 _CONDITIONAL: dict[str, bool] = {}  # run root URL -> whether its store honours If-None-Match / If-Match (probed once)
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
                 "ProxyConnectionError", "ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}
@@ -125,7 +126,8 @@ class ObjectStoreOps:
                 return {}
             finally:
                 self.fs.invalidate_cache(path)  # later size()/exists() calls ask the store, not this listing
-        return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0) for e in entries if e.get("type") == "file"}
+        return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0) for e in entries
+                if e.get("type") == "file"}
 
     def read_many(self, paths: Sequence[str]) -> list[bytes | None]:
         """Whole small files (records), concurrently on object stores; None for a missing one."""
@@ -174,7 +176,8 @@ class ObjectStoreOps:
         if self.is_local:
             return True
         if self.url not in _CONDITIONAL:
-            _CONDITIONAL[self.url] = os.environ.get(CONDITIONAL_WRITES_ENV, "auto") != "off" and self._probe_conditional()
+            _CONDITIONAL[self.url] = (os.environ.get(CONDITIONAL_WRITES_ENV, "auto") != "off"
+                                      and self._probe_conditional())
         return _CONDITIONAL[self.url]
 
     def _probe_conditional(self) -> bool:

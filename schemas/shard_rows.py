@@ -63,7 +63,8 @@ class ShardRows:
     """The rows of one committed shard file (`size` bytes, `rows` rows; `batch_rows`: the rows of each record
     batch but the last, when its writer recorded them)."""
 
-    def __init__(self, run_root: RunRoot, path: str, size: int, rows: int | None = None, batch_rows: int | None = None) -> None:
+    def __init__(self, run_root: RunRoot, path: str, size: int, rows: int | None = None,
+                 batch_rows: int | None = None) -> None:
         self.run_root, self.path, self.size, self.rows, self.batch_rows = run_root, path, size, rows, batch_rows
         self._index: StreamIndex | None = None
         self._lock = threading.Lock()
@@ -77,15 +78,18 @@ class ShardRows:
                 try:
                     self._index = index_stream(read_at, self.size, rows=self.rows, batch_rows=self.batch_rows)
                 except NotIndexable as error:
-                    raise StoreError(f"{self.run_root.display(self.path)}: not an Arrow IPC stream shard: {error}") from None
+                    raise StoreError(f"{self.run_root.display(self.path)}: not an Arrow IPC stream shard: "
+                                     f"{error}") from None
                 if self.rows is not None and self._index.rows != self.rows:
-                    raise StoreError(f"{self.run_root.display(self.path)}: {self._index.rows} rows, its commit record says {self.rows}")
+                    raise StoreError(f"{self.run_root.display(self.path)}: {self._index.rows} rows, "
+                                     f"its commit record says {self.rows}")
             return self._index
 
     def _check(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.index().rows):
-            raise StoreError(f"{self.run_root.display(self.path)}: row {int(rows.max())} outside its {self.index().rows} rows")
+            raise StoreError(f"{self.run_root.display(self.path)}: row {int(rows.max())} "
+                             f"outside its {self.index().rows} rows")
         return rows
 
     def take(self, rows: np.ndarray) -> pa.RecordBatch | pa.Table:
@@ -145,8 +149,8 @@ class ShardRows:
             slot = np.searchsorted(batches, index.batch_of(rows))
             return table.take(pa.array(first_of[slot] + rows - index.first_rows[batches[slot]]))
 
-        return RangePlan(self.path, index.offsets[batches].tolist(), (index.offsets[batches] + index.sizes[batches]).tolist(),
-                         finish)
+        return RangePlan(self.path, index.offsets[batches].tolist(),
+                         (index.offsets[batches] + index.sizes[batches]).tolist(), finish)
 
     def iter_batches(self) -> Iterator[pa.RecordBatch]:
         """The shard's record batches in order; memory one batch (a bounded read cache on object stores)."""
@@ -183,7 +187,8 @@ def take_rows(requests: Sequence[tuple[ShardRows, np.ndarray]]) -> list[pa.Recor
         return [reader.take(rows) for reader, rows in requests]
     plans = [reader.plan(rows) for reader, rows in requests]
     paths = [plan.path for plan in plans for _ in plan.starts]
-    blobs = run_root.read_ranges(paths, [s for plan in plans for s in plan.starts], [e for plan in plans for e in plan.ends])
+    blobs = run_root.read_ranges(paths, [s for plan in plans for s in plan.starts],
+                                 [e for plan in plans for e in plan.ends])
     out, first = [], 0
     for plan in plans:
         out.append(plan.finish(blobs[first:first + len(plan.starts)]))

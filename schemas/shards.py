@@ -274,7 +274,8 @@ def decode_topk_rows(rows: pa.RecordBatch | pa.Table, seq_len: int, top_k: int) 
     return _unnest(rows.column(TOPK_IDS), seq_len, top_k), _unnest(rows.column(TOPK_LOGPROBS), seq_len, top_k)
 
 
-def iter_topk_shard(run_root: RunRoot, path: str, seq_len: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def iter_topk_shard(run_root: RunRoot, path: str,
+                    seq_len: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """A v1 top-K shard record batch by record batch: (topk_ids, topk_logprobs), each (rows, T, K); memory one batch
     (any format, decoded: kdflow.schemas.topk_rows `iter_topk_rows`)."""
     from kdflow.schemas.shard_rows import ShardRows

@@ -146,7 +146,8 @@ class RunRoot(ObjectStoreOps):
                     handle.write(b"ok")
         except (OSError, PermissionError) as error:
             if is_no_space(error):
-                raise DiskFull(self.display(self.root), free=free_bytes(self.root) if self.is_local else None) from error
+                raise DiskFull(self.display(self.root),
+                               free=free_bytes(self.root) if self.is_local else None) from error
             raise StoreError(f"run root {self.url!r} cannot be written: {error.strerror or error}") from None
         finally:
             with contextlib.suppress(OSError):

@@ -52,8 +52,8 @@ def store_format(config: KDFlowConfig) -> dict[str, Any]:
     if store.format == "v1":
         return {"format": "v1", "logprobs_dtype": pre.logprobs_dtype}
     settings = {"format": "v2", "codec": "kdflow.topk.v2", "values": store.values,
-                "levels": store.levels if store.values == "sqrt" else None, "tail": store.tail, "keep_mass": store.keep_mass,
-                "zstd_level": store.zstd_level, "renumbering": store.renumbering}
+                "levels": store.levels if store.values == "sqrt" else None, "tail": store.tail,
+                "keep_mass": store.keep_mass, "zstd_level": store.zstd_level, "renumbering": store.renumbering}
     return settings if pre.targets == "topk" else settings | sampled_format(pre)
 
 
@@ -78,7 +78,8 @@ def format_mismatch(info: TopkStoreInfo, config: KDFlowConfig, shown: str) -> st
         return (f"top-K store {shown} holds {format_label(made)} targets, the config asks for {format_label(asked)} "
                 "(precompute.targets, precompute.sampling): the loss follows the config; set them to the store's")
     return (f"top-K store {shown} was made as {format_label(made)}, the config asks for {format_label(asked)} "
-            "(precompute.store); set precompute.store to the store's settings, or run precompute to make the store asked for")
+            "(precompute.store); set precompute.store to the store's settings, "
+            "or run precompute to make the store asked for")
 
 
 def teacher_section(config: KDFlowConfig) -> dict[str, Any]:
@@ -127,8 +128,8 @@ def alignment_problem(token: CommitRecord | None, topk: CommitRecord) -> str | N
     if token is None:
         return f"has no valid token shard {topk.shard_id} to align with"
     if topk.input_sha256 != token.sha256:
-        return (f"was made from another token shard (input sha256 {str(topk.input_sha256)[:12]}, token shard {token.shard_id} "
-                f"has {token.sha256[:12]})")
+        return (f"was made from another token shard (input sha256 {str(topk.input_sha256)[:12]}, "
+                f"token shard {token.shard_id} has {token.sha256[:12]})")
     if topk.rows != token.rows:
         return f"has {topk.rows} rows, token shard {token.shard_id} has {token.rows}"
     return None

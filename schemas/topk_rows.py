@@ -45,8 +45,8 @@ def shard_codec(schema: pa.Schema, shown: str, seq_len: int | None, top_k: int |
     return codec
 
 
-def decode_rows(codec: TopkCodec | SampledCodec | None, fetched: pa.RecordBatch | pa.Table, rows: np.ndarray, shown: str,
-                seq_len: int, top_k: int) -> DecodedTopk | DecodedSampled:
+def decode_rows(codec: TopkCodec | SampledCodec | None, fetched: pa.RecordBatch | pa.Table, rows: np.ndarray,
+                shown: str, seq_len: int, top_k: int) -> DecodedTopk | DecodedSampled:
     """Rows of a top-K store shard (`rows`: their numbers in the shard) decoded with the shard's codec (None: v1,
     `seq_len` x `top_k`); a corrupt row raises StoreError naming the shard and the row."""
     if codec is None:
@@ -76,7 +76,8 @@ def iter_topk_rows(run_root: RunRoot, path: str, seq_len: int | None = None, tar
         stored_k = _schema_int(batch.schema, b"kdflow.top_k", shown)
         for start in range(0, batch.num_rows, part_rows):
             part = batch.slice(start, part_rows)
-            yield codec, first + start, decode_rows(codec, part, np.arange(first + start, first + start + part.num_rows),
+            yield codec, first + start, decode_rows(codec, part,
+                                                    np.arange(first + start, first + start + part.num_rows),
                                                     shown, stored_len, stored_k)
         first += batch.num_rows
 
@@ -86,8 +87,9 @@ class TopkRows(ShardRows):
     DecodedTopk (v1, v2) or DecodedSampled (`targets` hybrid or sampled), checking once per shard that its
     format, shape and codec are the store's (`store_codec`: the codec settings of its _store.json)."""
 
-    def __init__(self, run_root: RunRoot, path: str, size: int, rows: int | None = None, batch_rows: int | None = None, *,
-                 seq_len: int, top_k: int, targets: str = "topk", store_codec: dict | None = None) -> None:
+    def __init__(self, run_root: RunRoot, path: str, size: int, rows: int | None = None,
+                 batch_rows: int | None = None, *, seq_len: int, top_k: int, targets: str = "topk",
+                 store_codec: dict | None = None) -> None:
         super().__init__(run_root, path, size, rows, batch_rows)
         self.seq_len, self.top_k, self.targets, self.store_codec = seq_len, top_k, targets, store_codec
         self._codec: TopkCodec | SampledCodec | None = None
@@ -99,7 +101,8 @@ class TopkRows(ShardRows):
     def codec(self) -> TopkCodec | SampledCodec | None:
         """The shard's codec (None: v1), checked against the store on first use."""
         if not self._checked:
-            codec = shard_codec(self.index().schema, self.run_root.display(self.path), self.seq_len, self.top_k, self.targets)
+            codec = shard_codec(self.index().schema, self.run_root.display(self.path), self.seq_len, self.top_k,
+                                self.targets)
             settings = None if codec is None else codec.settings()
             if self.store_codec is not None and settings != self.store_codec:
                 raise self._fail(f"written with codec {settings}, its store's is {self.store_codec}: a store never "

@@ -23,7 +23,8 @@ _CUDA_PATTERNS: tuple[tuple[tuple[str, ...], int], ...] = (
      EXIT_CUDA_ILLEGAL_ADDRESS),
     (("ecc error", "cudaerrorecc", "cuda_error_ecc"), EXIT_CUDA_ECC),
     (("launch failure", "cudaerrorlaunchfailure", "cuda_error_launch_failed"), EXIT_CUDA_LAUNCH_FAILURE),
-    (("cuda out of memory", "cuda error: out of memory", "cudaerrormemoryallocation", "cuda_error_out_of_memory", "cublas_status_alloc_failed"),
+    (("cuda out of memory", "cuda error: out of memory", "cudaerrormemoryallocation", "cuda_error_out_of_memory",
+      "cublas_status_alloc_failed"),
      EXIT_CUDA_OOM),
 )
 _GENERIC_CUDA_MARKERS = ("cuda error", "cuda driver error", "cuda runtime error", "cudaerror", "cuda_error",

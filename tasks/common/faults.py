@@ -47,7 +47,9 @@ from kdflow.schemas.layout import FAULTS_DIR
 from kdflow.schemas.storage import RunRoot
 
 ENV_VAR = "KDFLOW_FAULT"
-_KINDS = {"cuda_error": "micro_batch", "cuda_oom": "micro_batch", "kill": "micro_batch", "enospc": "write", "pause": None}  # kind -> default site
+# kind -> default site
+_KINDS = {"cuda_error": "micro_batch", "cuda_oom": "micro_batch", "kill": "micro_batch", "enospc": "write",
+          "pause": None}
 _INT_KEYS = ("shard", "micro_batch", "micro_batch_size", "step")
 _WORD_KEYS = {"stage": ("materialise", "tokenise", "precompute", "train"),
               "at": ("micro_batch", "write", "commit", "step", "save", "final")}
@@ -83,8 +85,8 @@ def _parse_one(text: str) -> Fault:
         elif sep and value in _WORD_KEYS.get(key, ()):
             where.append((key, value))
         else:
-            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N, micro_batch=N, micro_batch_size=N, step=N, "
-                              f"stage=NAME or at=SITE)")
+            raise ConfigError(f"{ENV_VAR}: bad condition {item!r} in {text!r} (expected shard=N, micro_batch=N, "
+                              f"micro_batch_size=N, step=N, stage=NAME or at=SITE)")
     fault = Fault(kind, tuple(sorted(where)))
     if fault.site is None:
         raise ConfigError(f"{ENV_VAR}: {text!r} needs at=SITE (one of {', '.join(_WORD_KEYS['at'])})")

@@ -89,7 +89,8 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
         return ModelShape(None, None, teacher.model)  # not cached yet (or a GGUF on the hub): checked at load time
     config = read_json(path, "teacher.model")
     if "model_type" not in config and local is not None:
-        raise ConfigError(f"teacher.model {teacher.model!r}: its config.json names no model_type: not a transformers model")
+        raise ConfigError(f"teacher.model {teacher.model!r}: its config.json names no model_type: "
+                          "not a transformers model")
     text = _text_config(config)
     return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), path)
 
@@ -104,7 +105,8 @@ def tokenizer_vocab(source: str, gguf_file: str | None = None, revision: str | N
             return None
         tokens = _gguf(file, "tokenizer").get("tokens")
         return {token: index for index, token in enumerate(tokens)} if tokens else None
-    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else _cached_hub_file(source, "tokenizer.json", revision)
+    file = (os.path.join(path, "tokenizer.json") if os.path.isdir(path)
+            else _cached_hub_file(source, "tokenizer.json", revision))
     if file is None or not os.path.isfile(file):
         return None
     from tokenizers import Tokenizer
@@ -131,6 +133,6 @@ def tokenizer_mismatch(tokenizer: str | None, teacher: TeacherConfig, load_vocab
     if mine is None or theirs is None or mine == theirs:
         return None
     moved = sum(1 for token, index in mine.items() if theirs.get(token) != index)
-    return (f"tokenizer {tokenizer!r} is not the teacher's own: {moved} of its {len(mine)} tokens have another id (or none) "
-            f"in teacher.model {teacher.model!r} ({len(theirs)} tokens), so the teacher would read ids of another "
-            "vocabulary; remove `tokenizer:` to use the teacher's tokenizer")
+    return (f"tokenizer {tokenizer!r} is not the teacher's own: {moved} of its {len(mine)} tokens "
+            f"have another id (or none) in teacher.model {teacher.model!r} ({len(theirs)} tokens), "
+            "so the teacher would read ids of another vocabulary; remove `tokenizer:` to use the teacher's tokenizer")

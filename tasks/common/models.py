@@ -62,7 +62,8 @@ def _local_weights_hash(folder: str, gguf_file: str | None) -> str:
     if gguf_file:
         path = os.path.join(folder, gguf_file)
         return section_hash("gguf", gguf_file, os.path.getsize(path), _file_sha256(path, 1 << 20), length=32)
-    weights = sorted((n, os.path.getsize(os.path.join(folder, n))) for n in os.listdir(folder) if n.endswith(WEIGHT_SUFFIXES))
+    weights = sorted((n, os.path.getsize(os.path.join(folder, n))) for n in os.listdir(folder)
+                     if n.endswith(WEIGHT_SUFFIXES))
     return section_hash("folder", _file_sha256(os.path.join(folder, "config.json")), json.dumps(weights), length=32)
 
 
@@ -80,7 +81,8 @@ def _hub_revision(teacher: TeacherConfig) -> str | None:
     return match.group(1) if match else None
 
 
-def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> dict[str, Any]:
+def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *,
+                     device: torch.device | None = None) -> dict[str, Any]:
     """What decides the teacher's numbers: its weights, dtype and quantisation (not where the folder lies)."""
     if device is None:
         device = next(model.parameters()).device if model is not None else resolve_device(teacher.device)
@@ -97,7 +99,8 @@ def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *, 
     return identity
 
 
-def teacher_fingerprint(teacher: TeacherConfig, model: nn.Module | None = None, *, device: torch.device | None = None) -> str:
+def teacher_fingerprint(teacher: TeacherConfig, model: nn.Module | None = None, *,
+                        device: torch.device | None = None) -> str:
     """16 hex characters; the same weights, dtype and quantisation give the same value on any host."""
     return section_hash("teacher", teacher_identity(teacher, model, device=device))
 

@@ -18,13 +18,15 @@ from kdflow.schemas.errors import ConfigError
 PACKAGE_PREFIX = "package:"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 # The weight files a Hugging Face model folder saved by transformers holds (one of them).
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
     """-> a local folder or a hub id that transformers' `from_pretrained` accepts."""
     if not model.startswith(PACKAGE_PREFIX):
-        looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(os.path.dirname(model) or ".")
+        looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(
+            os.path.dirname(model) or ".")
         if looks_local and not os.path.exists(os.path.expanduser(model)):
             raise ConfigError(f"model path does not exist: {model}")
         return os.path.expanduser(model)

@@ -29,11 +29,13 @@ def _first_json_record(handle: Any, name: str) -> dict[str, Any] | None:
         except ValueError as error:
             if stripped.startswith("[") or stripped in ("{",):  # one JSON document over many lines: not probed
                 return None
-            raise ConfigError(f"dataset file {name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)})") from None
+            raise ConfigError(f"dataset file {name}: line {line_no} is not valid JSON "
+                              f"({getattr(error, 'msg', error)})") from None
         if isinstance(record, list):
             record = record[0] if record else None
         if record is not None and not isinstance(record, dict):
-            raise ConfigError(f"dataset file {name}: line {line_no} is a JSON {type(record).__name__}, not an object with fields")
+            raise ConfigError(f"dataset file {name}: line {line_no} is a JSON {type(record).__name__}, "
+                              "not an object with fields")
         return record
     raise ConfigError(f"dataset file {name} is empty: no documents to read")
 
@@ -80,8 +82,8 @@ def probe_hub(dataset: DatasetConfig, timeout_s: float = HUB_PROBE_TIMEOUT_S) ->
         try:
             import datasets
 
-            source = datasets.load_dataset(dataset.path, dataset.name, data_files=dataset.data_files, split=dataset.split,
-                                           streaming=True, revision=dataset.revision)
+            source = datasets.load_dataset(dataset.path, dataset.name, data_files=dataset.data_files,
+                                           split=dataset.split, streaming=True, revision=dataset.revision)
             outcome["record"] = next(iter(source), None)
         except BaseException as error:  # noqa: BLE001 - reported below, in one line
             outcome["error"] = error
@@ -90,7 +92,8 @@ def probe_hub(dataset: DatasetConfig, timeout_s: float = HUB_PROBE_TIMEOUT_S) ->
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        return f"dataset.path={dataset.path!r}: no first record within {timeout_s:.0f} s (slow hub?); materialise will tell"
+        return (f"dataset.path={dataset.path!r}: no first record within {timeout_s:.0f} s (slow hub?); "
+                "materialise will tell")
     if "error" in outcome:
         raise ConfigError(f"dataset.path={dataset.path!r} cannot be read: {type(outcome['error']).__name__}: "
                           f"{first_line(outcome['error'])}")

@@ -26,7 +26,8 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
         is_local_dir = "://" not in name and os.path.isdir(name)
         if builder is None and not is_local_dir:
             if dataset.data_files is not None:
-                raise ConfigError(f"dataset.data_files: cannot tell the format of {name!r} (use .jsonl, .json, .parquet or .txt)")
+                raise ConfigError(f"dataset.data_files: cannot tell the format of {name!r} "
+                                  "(use .jsonl, .json, .parquet or .txt)")
             return None
         if is_local_dir:
             for ext, b in FILE_BUILDERS.items():

@@ -7,8 +7,8 @@ filled under a hidden temporary name and renamed into place; on object stores th
 and `checkpoint.json` goes last. Either way a checkpoint without `checkpoint.json` is never resumed from.
 `students/NAME/final/` holds the final model and tokenizer only: what `kdflow chat` loads.
 
-Several ranks (kdflow.tasks.student.distributed): rank 0 alone writes, from full states (gathered first under FSDP), so a
-checkpoint is the same whatever the number of ranks and resumes on any number. The optimizer state is always
+Several ranks (kdflow.tasks.student.distributed): rank 0 alone writes, from full states (gathered first under FSDP),
+so a checkpoint is the same whatever the number of ranks and resumes on any number. The optimizer state is always
 an unsharded optimizer's `state_dict()`. The RNG states are rank 0's (CPU and its current GPU); on resume
 every rank restores them. The student has no dropout and the data order is a function of (seed, epoch,
 position), so nothing else in a checkpoint depends on the number of ranks.
@@ -212,7 +212,8 @@ def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, token
                 "scheduler": scheduler.state_dict(), "rng": capture_rng(), "state": asdict(state)}
     needed = _tensor_bytes(model_state if model_state is not None else model.state_dict()) + _tensor_bytes(training)
     with _folder_writer(run_root, path, needed_bytes=needed, hint=keep_hint, step=state.step) as folder:
-        model.save_pretrained(folder, state_dict=_copy(model_state))  # safetensors (transformers 5); it pops what it wrote
+        # safetensors (transformers 5); it pops what it wrote
+        model.save_pretrained(folder, state_dict=_copy(model_state))
         tokenizer.save_pretrained(folder)
         torch.save(training, os.path.join(folder, TRAINING_STATE_FILE))
         with open(os.path.join(folder, CHECKPOINT_MARKER), "w", encoding="utf-8") as handle:

@@ -51,9 +51,11 @@ def plot_training_curve(metrics: list[dict[str, Any]], evals: list[dict[str, Any
     axes = figure.add_subplot()
     steps = [record["step"] for record in metrics]
     if metrics:
-        for part, color in (("kd", "tab:orange"), ("ce", "tab:green")):  # dashed under the loss (kd = loss at kd_weight 1)
+        # dashed under the loss (kd = loss at kd_weight 1)
+        for part, color in (("kd", "tab:orange"), ("ce", "tab:green")):
             axes.plot(steps, [record[part] for record in metrics], "--", label=part, color=color, linewidth=1.0)
-        axes.plot(steps, [record["loss"] for record in metrics], label="loss", color="tab:blue", linewidth=1.2, zorder=3)
+        axes.plot(steps, [record["loss"] for record in metrics], label="loss", color="tab:blue", linewidth=1.2,
+                  zorder=3)
     if evals:
         axes.plot([e["step"] for e in evals], [e["kl"] for e in evals], "o--", label="held-out KL", color="tab:red")
     axes.set_xlabel("step")
@@ -77,7 +79,8 @@ class _TensorBoard:
         except ImportError as error:
             from kdflow.schemas.errors import ConfigError
 
-            raise ConfigError("student.tensorboard needs the tensorboard package: pip install 'kdflow[tensorboard]'") from error
+            raise ConfigError("student.tensorboard needs the tensorboard package: "
+                              "pip install 'kdflow[tensorboard]'") from error
         self.run_root, self.target = run_root, f"{student_dir}/{TENSORBOARD_DIR}"
         self.local = run_root.local_path(self.target) or tempfile.mkdtemp(prefix="kdflow-tensorboard-")
         self.writer = SummaryWriter(log_dir=self.local)
@@ -126,7 +129,8 @@ class TrainingMonitor:
         self._window[0] += tokens
         self._window[1] += tokens / max(record.get("tokens_per_s", 0.0), 1e-9) if tokens else 0.0
         if self.tensorboard is not None:
-            self.tensorboard.scalars(step, {f"train/{k}": float(record[k]) for k in ("loss", "kd", "ce", "lr", "grad_norm")})
+            self.tensorboard.scalars(step, {f"train/{k}": float(record[k])
+                                            for k in ("loss", "kd", "ce", "lr", "grad_norm")})
         if step % self.log_every and step < self.steps:
             return
         (tokens, seconds), self._window = self._window, [0, 0.0]
@@ -148,8 +152,9 @@ class TrainingMonitor:
         curve = f"{self.student_dir}/{TRAINING_CURVE_FILE}"
         self.run_root.write_bytes_atomic(curve, plot_training_curve(metrics, evals, f"student {self.name}"))
         if self.tensorboard is not None:
-            self.tensorboard.scalars(latest["step"], {f"eval/{k}": float(latest[k]) for k in ("kl", "perplexity", "top1_agreement")
-                                                              if latest[k] is not None})
+            self.tensorboard.scalars(latest["step"], {f"eval/{k}": float(latest[k])
+                                                      for k in ("kl", "perplexity", "top1_agreement")
+                                                      if latest[k] is not None})
             self.tensorboard.flush()
         self._emit({"stage": "train", "event": "eval", "student": self.name, "steps": self.steps,
                     "curve": self.run_root.display(curve), **latest})

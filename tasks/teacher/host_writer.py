@@ -26,7 +26,8 @@ class HostCopies:
     on a copy stream of its own, so that the next micro-batch's forward runs while the copy does (an event
     tells the writer when the copy landed); on the CPU the results already are host tensors."""
 
-    def __init__(self, device: torch.device, shape: tuple[int, int, int], logprobs_dtype: torch.dtype, slots: int) -> None:
+    def __init__(self, device: torch.device, shape: tuple[int, int, int], logprobs_dtype: torch.dtype,
+                 slots: int) -> None:
         self.on_cuda = device.type == "cuda"
         self.logprobs_dtype = logprobs_dtype
         self.free: queue.Queue[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = queue.Queue()
@@ -53,7 +54,8 @@ class HostCopies:
             host_tail.copy_(tail_logprob, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        for tensor in (topk_ids, topk_logprobs, tail_logprob):  # their memory is not reused before the copy stream is done
+        # their memory is not reused before the copy stream is done
+        for tensor in (topk_ids, topk_logprobs, tail_logprob):
             tensor.record_stream(self.stream)
         return host_ids.numpy(), host_logprobs.numpy(), host_tail.numpy(), event, lambda: self.free.put(slot)
 
@@ -64,7 +66,8 @@ class BackgroundWriter:
     def __init__(self, writer: StreamShardWriter, logprobs_dtype: str, run_root: RunRoot, shard_id: int,
                  codec: TopkCodec | None = None, encode_batch: Callable[..., Any] | None = None) -> None:
         self.writer, self.logprobs_dtype, self.run_root, self.shard_id = writer, logprobs_dtype, run_root, shard_id
-        self.encode_batch = encode_batch or (None if codec is None else lambda *arrays: encode(codec, *arrays))  # None: v1
+        # None: v1
+        self.encode_batch = encode_batch or (None if codec is None else lambda *arrays: encode(codec, *arrays))
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"topk-writer-{shard_id}", daemon=True)
@@ -77,7 +80,8 @@ class BackgroundWriter:
                 if self.error is None:
                     if ready is not None:
                         ready.synchronize()
-                    faults.maybe_fire("write", self.run_root, stage="precompute", shard=self.shard_id, micro_batch=micro_batch)
+                    faults.maybe_fire("write", self.run_root, stage="precompute", shard=self.shard_id,
+                                      micro_batch=micro_batch)
                     if self.encode_batch is not None:
                         self.writer.write_batch(self.encode_batch(*arrays))
                     else:

@@ -26,7 +26,8 @@ def unigram_counts(run_root: RunRoot, tokens_done: StageComplete, vocab_size: in
     records = list_commits(run_root, tokens_store, "tokens", tokens_done.fingerprint)
     missing = [i for i in range(tokens_done.shards) if i not in records]
     if missing:
-        raise StoreError(f"token shard {missing[0]} in {run_root.display(tokens_store)} is not committed; run tokenise again")
+        raise StoreError(f"token shard {missing[0]} in {run_root.display(tokens_store)} is not committed; "
+                         "run tokenise again")
     counts = np.zeros(vocab_size, dtype=np.int64)
     for shard_id in range(tokens_done.shards):
         input_ids = read_token_shard(run_root, f"{tokens_store}/{records[shard_id].data_file}")  # (rows, T)
@@ -55,6 +56,7 @@ def store_codec(cfg: KDFlowConfig, run_root: RunRoot, store: str, tokens_done: S
         return None
     table = renumbering_table(run_root, store, tokens_done, vocab_size) if settings.renumbering == "unigram" else None
     codec = TopkCodec(cfg.seq_len, cfg.precompute.top_k, vocab_size, values=settings.values, levels=settings.levels,
-                      tail=settings.tail, keep_mass=settings.keep_mass, zstd_level=settings.zstd_level, renumbering=table)
+                      tail=settings.tail, keep_mass=settings.keep_mass, zstd_level=settings.zstd_level,
+                      renumbering=table)
     codec.schema()  # built once here (compresses the table), shared by every shard and the writer thread
     return codec

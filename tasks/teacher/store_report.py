@@ -128,7 +128,8 @@ def bucket_kl(exact: DecodedTopk, stored: DecodedTopk) -> tuple[np.ndarray, np.n
     return kl, agree
 
 
-def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[int, int]], micro_batch: int) -> dict[str, Any]:
+def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[int, int]],
+                     micro_batch: int) -> dict[str, Any]:
     """Re-run `step` (a TeacherTopkStep: the teacher, float32 logits over the full vocabulary) on the picked
     (shard, row) pairs and compare with what the store decodes. -> mean / max / p99 KL and agreement."""
     import torch
@@ -137,7 +138,8 @@ def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
         return sampled_fidelity(step, run_root, tag, picks, micro_batch)
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
     token_records, records = list_commits(run_root, tokens_store, "tokens"), list_commits(run_root, store, "topk")
-    input_ids = np.stack([read_token_shard(run_root, f"{tokens_store}/{token_records[s].data_file}")[r] for s, r in picks])
+    input_ids = np.stack([read_token_shard(run_root, f"{tokens_store}/{token_records[s].data_file}")[r]
+                          for s, r in picks])
     stored = [TopkShard(run_root, f"{store}/{records[s].data_file}").read([r]) for s, r in picks]
     stored = DecodedTopk(*(np.concatenate(field) for field in zip(*stored)))
     device = next(step.model.parameters()).device
@@ -167,11 +169,13 @@ def report_markdown(summary: dict[str, Any]) -> str:
     lines = [f"### top-K store {summary['tag']}: {summary['format_label']}", "",
              "| | |", "|---|---|",
              f"| shards | {summary['shards']} |", f"| positions | {summary['positions']:,} |",
-             f"| bytes / position | {summary['bytes_per_position']} (v1 at this K: {summary.get('v1_bytes_per_position', '-')}) |"]
+             f"| bytes / position | {summary['bytes_per_position']} "
+             f"(v1 at this K: {summary.get('v1_bytes_per_position', '-')}) |"]
     lines += sampled_markdown(summary)
     if "kl_mean" in summary:
         lines.append(f"| KL(teacher re-run \u2016 store), nats/position | mean {summary['kl_mean']:.3g}, p99 "
-                     f"{summary['kl_p99']:.3g}, max {summary['kl_max']:.3g} over {summary['kl_positions']:,} positions |")
+                     f"{summary['kl_p99']:.3g}, max {summary['kl_max']:.3g} "
+                     f"over {summary['kl_positions']:,} positions |")
     if "mean_tail_mass" in summary:
         lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) |",
                   f"| mean ids kept | {summary['mean_kept']:.1f} |", "",

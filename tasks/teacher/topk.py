@@ -139,7 +139,8 @@ class _SlabLogits:
             yield first_id, logits_f32
 
 
-def _buffer(workspace: dict[str, Tensor] | None, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _buffer(workspace: dict[str, Tensor] | None, name: str, numel: int, dtype: torch.dtype,
+            device: torch.device) -> Tensor:
     """A flat buffer of `numel` elements; kept in `workspace` across calls when one is given. On CPU a fresh
     (chunk, vocab) buffer per micro-batch is hundreds of MB of new pages to fault in every time (~2% of the
     demo teacher's pass on this machine's CPU)."""
@@ -271,7 +272,8 @@ class TeacherTopkStep:
         self.workspace: dict[str, Tensor] = {}  # the chunk's logits buffers, reused by every micro-batch
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32, tail_logprob (B, T) float32."""
+        """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32,
+        tail_logprob (B, T) float32."""
         batch, seq_len = input_ids.shape
         hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
         topk_ids, topk_logprobs, tail_logprob = chunked_topk(
