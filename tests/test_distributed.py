@@ -25,10 +25,9 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from support.children import run
 from support.corpus import sample_documents, write_jsonl
-from support.runs import make_tokens, run_config, write_dense_topk
+from support.runs import final_weights, make_tokens, read_lines, run_config, student_path, write_dense_topk
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
@@ -86,18 +85,6 @@ def one_rank(prepared_run: tuple[Path, Path], tiny_teacher_dir: Path, tmp_path_f
     return {"metrics": read_lines(student_path(config, "metrics.jsonl")),
             "evals": read_lines(student_path(config, "eval.jsonl")),
             "weights": final_weights(config), "optimizer": load_optimizer_state(config, STEPS)}
-
-
-def student_path(config: KDFlowConfig, *parts: str) -> Path:
-    return Path(config.run_root, "students", config.student.name, *parts)
-
-
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def final_weights(config: KDFlowConfig) -> dict[str, torch.Tensor]:
-    return load_file(student_path(config, "final", "model.safetensors"))
 
 
 def load_optimizer_state(config: KDFlowConfig, step: int) -> dict[str, Any]:
