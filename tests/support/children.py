@@ -37,15 +37,7 @@ def run(args: list[str], *, what: str, timeout: float, input: str | None = None,
     process = subprocess.Popen(args, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                **popen)
-    try:
-        stdout, stderr = process.communicate(input=input, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(process)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{what} did not finish within {timeout:.0f} s (killed); its last output:\n{_tail(stdout)}\n"
-                    f"{_tail(stderr)}")
-    finally:
-        kill_group(process)  # whatever it started in its group and left running
+    stdout, stderr = finish(process, what=what, timeout=timeout, input=input)
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
@@ -93,11 +85,12 @@ def processes_with_env(marker: str) -> list[int]:
     return found
 
 
-def finish(process: subprocess.Popen, *, what: str, timeout: float) -> tuple[Any, Any]:
-    """`process.communicate()` within `timeout`; on overrun the group is killed and the test fails naming `what`.
-    The group is killed afterwards either way. -> (stdout, stderr)."""
+def finish(process: subprocess.Popen, *, what: str, timeout: float, input: str | None = None) -> tuple[Any, Any]:
+    """`process.communicate(input)` within `timeout`; on overrun the group is killed and the test fails naming
+    `what`. The group is killed afterwards either way (whatever it started there and left running).
+    -> (stdout, stderr)."""
     try:
-        return process.communicate(timeout=timeout)
+        return process.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(process)
         stdout, stderr = process.communicate()
