@@ -45,8 +45,30 @@ def tier_of(fixturenames: list[str]) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(getattr(pytest.mark, tier_of(getattr(item, "fixturenames", []))))
+    tiers = {item: tier_of(getattr(item, "fixturenames", [])) for item in items}
+    for item, tier in tiers.items():
+        item.add_marker(getattr(pytest.mark, tier))
+    # The suite runs on two workers (`-n 2 --dist loadgroup`, pyproject.toml). Each module is one group (its
+    # module-scoped fixtures are built once), except that every test on the session's Prefect server is in one
+    # group, so one pytest run starts one such server. Longest first: groups holding end-to-end tests start first
+    # and the many short unit modules fill the end.
+    rank = {"e2e": 0, "process": 1, "unit": 2}
+    module_rank: dict[str, int] = {}
+    for item, tier in tiers.items():
+        module = item.nodeid.split("::", 1)[0]
+        module_rank[module] = min(module_rank.get(module, 2), rank[tier])
+        on_server = "prefect_harness" in getattr(item, "fixturenames", [])
+        item.add_marker(pytest.mark.xdist_group("prefect-server" if on_server else module))
+    items.sort(key=lambda item: module_rank[item.nodeid.split("::", 1)[0]])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Prefect binds its console log handler to whatever `sys.stderr` is when its logging is first set up. Were
+    that inside a test using `capsys`, every later flow would log into that test's closed stream ("I/O operation on
+    closed file"), depending on which test a worker happened to run first. So a run that will start flows sets up
+    Prefect's logging now, against the session's own capture stream."""
+    if any(item.get_closest_marker("unit") is None for item in session.items):
+        import prefect.main  # noqa: F401  (its import configures Prefect's logging)
 
 
 @pytest.fixture(scope="session")
