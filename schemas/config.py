@@ -211,7 +211,8 @@ class KDConfig(_Section):
     """The loss: KL to the teacher's top-K, optionally mixed with next-token cross-entropy."""
 
     kd_weight: float = Field(default=1.0, ge=0.0, le=1.0, description="1.0: pure KD; 0.0: pure cross-entropy")
-    temperature: float = Field(default=1.0, gt=0.0, description="Softens teacher and student alike; 1.0: none")
+    temperature: float = Field(default=1.0, gt=0.0, description="Softens teacher and student alike; only 1.0 for "
+                               "now: no store keeps the teacher's tempered tail (docs/loss.md)")
     chunk_tokens: PositiveInt = Field(default=4096, description="Positions per chunk of student logits in the loss")
 
 
@@ -310,6 +311,9 @@ class KDFlowConfig(_Section):
         if self.precompute.targets != "topk" and self.student.kd.temperature != 1.0:
             raise ValueError(f"student.kd.temperature={self.student.kd.temperature} needs precompute.targets: topk; "
                              f"{self.precompute.targets} targets are sampled at temperature 1 and unbiased only there")
+        if self.student.kd.temperature != 1.0:
+            raise ValueError(f"student.kd.temperature={self.student.kd.temperature} is refused: no store keeps the "
+                             f"teacher's tempered tail, which softening teacher and student alike needs (docs/loss.md)")
         return self
 
     @property
