@@ -212,7 +212,7 @@ class KDConfig(_Section):
 
     kd_weight: float = Field(default=1.0, ge=0.0, le=1.0, description="1.0: pure KD; 0.0: pure cross-entropy")
     temperature: float = Field(default=1.0, gt=0.0, description="Softens teacher and student alike; only 1.0 for "
-                               "now: no store keeps the teacher's tempered tail (docs/loss.md)")
+                               "now: no store keeps the teacher's tempered tail that T != 1 needs")
     chunk_tokens: PositiveInt = Field(default=4096, description="Positions per chunk of student logits in the loss")
 
 
