@@ -5,6 +5,7 @@ bad folders."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import subprocess
 import sys
@@ -49,21 +50,40 @@ def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:
     assert done.stdout == expected + "\n"
 
 
-def test_prompts_from_stdin_until_an_empty_line(student_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def greedy_after(model_dir: Path, input_ids: list[int], new_tokens: int) -> str:
+    """The reference reply: plain transformers, greedy, after exactly these ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([input_ids])
+    with torch.no_grad():
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(output[0, len(input_ids):], skip_special_tokens=True)
+
+
+def test_lines_from_stdin_are_one_conversation_that_continues_the_running_text(
+        student_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoTokenizer
+
     from kdflow.cli import main
-    from kdflow.tasks.student.chat import generate
 
-    prompts = ["The class", "A module"]
-    expected = "".join(generate(str(student_dir), p, max_new_tokens=5, greedy=True) + "\n" for p in prompts)
+    final = student_dir / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    first = greedy_after(final, tokenizer("The class")["input_ids"], 5)
+    second = greedy_after(final, tokenizer("The class" + first + "\nA module")["input_ids"], 5)
+    transcript = tmp_path / "talk.jsonl"
     capsys.readouterr()
-    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(prompts) + "\n\nnot read\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"The class\n\nA module\n/save {transcript}\n/nope\n"))
     assert main(["chat", str(student_dir), "--greedy", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out == expected  # the students/NAME folder resolves to its final/ model
-
-    monkeypatch.setattr(sys, "stdin", io.StringIO(prompts[0]))  # end of input also ends the loop
-    assert main(["chat", str(student_dir), "--greedy", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out == expected.splitlines(keepends=True)[0]
+    captured = capsys.readouterr()
+    assert captured.out == first + "\n" + second + "\n"  # replies only; an empty line is skipped, EOF ends
+    assert f"[saved 4 messages to {transcript}]" in captured.err and "unknown command /nope" in captured.err
+    messages = [json.loads(line) for line in transcript.read_text().splitlines()]
+    assert [(m["role"], m["content"]) for m in messages] == [("user", "The class"), ("assistant", first),
+                                                             ("user", "A module"), ("assistant", second)]
 
 
 def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
