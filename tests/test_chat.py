@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.children import run
+from support.chat import Terminal, with_chat_template
+from support.children import run, wait_until
 from support.corpus import sample_documents, write_jsonl
 from support.runs import make_tokens, run_config, write_dense_topk
 
@@ -146,3 +147,79 @@ def test_only_an_init_from_student_keeps_a_chat_template(tmp_path: Path, tiny_te
     with_template.save_pretrained(init_dir)
     config = run_config(tmp_path, tiny_teacher_dir, corpus, student__init_from=str(init_dir))
     assert student_tokenizer(config, AutoTokenizer.from_pretrained(tiny_teacher_dir)).chat_template == template
+
+
+TERMINAL_USERS = ["What does the with statement do in Python?", "And what does a for loop do?",
+                  "Tell me about the classes of objects.", "What is a module and how is it imported?",
+                  "How are exceptions raised and caught?"]
+
+
+def chat_on_terminal(model_dir: Path, *args: str) -> Terminal:
+    terminal = Terminal([sys.executable, "-m", "kdflow", "chat", str(model_dir), "--device", "cpu", *args])
+    terminal.expect("Ctrl-D ends")
+    return terminal
+
+
+@pytest.mark.usefixtures("children")
+def test_on_a_terminal_each_answer_sees_the_history_until_it_is_cut(student_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model_dir = with_chat_template(student_dir / "final", tmp_path / "chat-student")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    new_tokens = 6
+
+    def template(messages: list[tuple[str, str]]) -> list[int]:
+        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                             add_generation_prompt=True, tokenize=True)["input_ids"]
+
+    # Room for the second turn with the first (reply of up to 6 tokens, re-tokenised), not for five turns.
+    budget = len(template([("user", TERMINAL_USERS[0]), ("assistant", ""), ("user", TERMINAL_USERS[1])])) + 12
+    transcript = tmp_path / "talk.jsonl"
+    with chat_on_terminal(model_dir, "--greedy", "--max-new-tokens", str(new_tokens), "--max-positions",
+                          str(budget + new_tokens)) as terminal:
+        for turn, message in enumerate(TERMINAL_USERS, start=1):
+            terminal.send(f"{message}\r/settings\r")
+            terminal.expect(f"history   {turn} turn(s)")
+        terminal.send(f"/save {transcript}\r")
+        terminal.expect(f"saved {2 * len(TERMINAL_USERS)} messages")
+        terminal.send("\x04")  # Ctrl-D at the prompt ends the conversation
+        assert terminal.wait() == 0, terminal.output()
+        output = terminal.output()
+    assert "history cut: the 1 oldest turn(s) no longer fit" in output
+
+    messages = [json.loads(line) for line in transcript.read_text().splitlines()]
+    users, replies = messages[0::2], messages[1::2]
+    assert [m["content"] for m in users] == TERMINAL_USERS
+    assert all(m["input_tokens"] <= budget for m in replies)
+    second_input = template([("user", TERMINAL_USERS[0]), ("assistant", replies[0]["content"]),
+                             ("user", TERMINAL_USERS[1])])
+    assert replies[0]["content"].strip()
+    assert replies[1]["input_tokens"] == len(second_input)  # the first reply was in the second turn's input
+    assert replies[1]["content"] == greedy_after(model_dir, second_input, new_tokens)
+    cut = [bool(m.get("cut")) for m in users]
+    assert cut[0] and not cut[-1] and cut == sorted(cut, reverse=True)  # the oldest turns, whole
+
+
+@pytest.mark.usefixtures("children")
+def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(student_dir: Path, tmp_path: Path) -> None:
+    model_dir = with_chat_template(student_dir / "final", tmp_path / "endless")
+    for name in ("config.json", "generation_config.json"):  # no end-of-sequence token: only Ctrl-C ends a reply
+        path = model_dir / name
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps(data | {"eos_token_id": None}))
+    transcript = tmp_path / "talk.jsonl"
+    with chat_on_terminal(model_dir, "--max-new-tokens", "100000", "--max-positions", "200000") as terminal:
+        start = len(terminal.output())
+        terminal.send("Tell me everything.\r")
+        wait_until(lambda: len(terminal.output()) > start + 300, what="300 characters of the reply", timeout=300,
+                   process=terminal.process, output=terminal.output)
+        terminal.send("\x03")
+        after = terminal.expect("[reply stopped]")
+        terminal.send("/settings\r")
+        terminal.expect("history   1 turn(s)", after=after)
+        terminal.send(f"/save {transcript}\r")
+        terminal.expect("saved 2 messages", after=after)
+        terminal.send("/quit\r")
+        assert terminal.wait() == 0, terminal.output()
+    reply = json.loads(transcript.read_text().splitlines()[1])
+    assert reply["stopped"] is True and 0 < reply["new_tokens"] < 100000 and reply["content"].strip()
