@@ -5,7 +5,8 @@
 `checkpoint.json` (step, global data position, fingerprint), written last. On local disk the folder is
 filled under a hidden temporary name and renamed into place; on object stores the files are uploaded
 and `checkpoint.json` goes last. Either way a checkpoint without `checkpoint.json` is never resumed from.
-`students/NAME/final/` holds the final model and tokenizer only: what `kdflow chat` loads.
+`students/NAME/final/` holds the final model and tokenizer, what `kdflow chat` loads, and the model card
+(kdflow.tasks.student.model_card).
 
 Several ranks (kdflow.tasks.student.distributed): rank 0 alone writes, from full states (gathered first under FSDP),
 so a checkpoint is the same whatever the number of ranks and resumes on any number. The optimizer state is always
