@@ -68,7 +68,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     problem = model_folder_problem(folder)
     if problem is not None:
         raise KDFlowError(f"student {folder!r} is not a model: {problem}")
-    from kdflow.tasks.student.chat import chat_main
+    from kdflow.chat import chat_main
 
     return chat_main(args)
 
@@ -132,10 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("rest", nargs=argparse.REMAINDER, help="RUN_ROOT and options (see kdflow store report --help)")
     store.set_defaults(func=_cmd_store)
 
-    chat = sub.add_parser("chat", help="generate with a saved student (interactive without --prompt)")
+    chat = sub.add_parser("chat", help="a conversation with a saved student (one reply with --prompt)")
     chat.add_argument("student_dir")
-    chat.add_argument("--prompt", help="one prompt; without it, read prompts from the terminal")
+    chat.add_argument("--prompt", help="one prompt, answered alone; without it, a conversation read line by line")
+    chat.add_argument("--system", help="system text: the system message (chat template) or the start of the text")
     chat.add_argument("--max-new-tokens", type=int, default=64)
+    chat.add_argument("--max-positions", type=int,
+                      help="positions the history is cut to fit (default: the model's max_position_embeddings)")
     chat.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
     chat.add_argument("--temperature", type=float, default=0.8)
     chat.add_argument("--top-p", type=float, default=0.95)

@@ -36,6 +36,7 @@ from kdflow.tasks.student.distributed import (any_rank, barrier, choose_sharding
                                               torchrun_rank, wrap_for_training)
 from kdflow.tasks.student.jsonl_log import JsonlLog
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
+from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_installed
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
@@ -167,7 +168,16 @@ class StudentRun:
         if self.state.step > self.start_step or final_missing:
             model_state = self.full_model_state()
             if self.is_main:
-                save_final(self.run_root, self.student_dir, self.model, self.tokenizer, model_state=model_state)
+                save_final(self.run_root, self.student_dir, self.model, self.tokenizer, model_state=model_state,
+                           files=self.card_files())
+
+    def card_files(self) -> dict[str, bytes]:
+        """The model card (README.md) and its curve, for final/ (kdflow.tasks.student.model_card)."""
+        facts = card_facts(self.config, self.run_root, self.data.stores, step=self.state.step,
+                           elapsed_s=self.state.elapsed_s, tokens_per_step=self.tokens_per_step,
+                           evals=self.evals.records, device=self.device, world_size=self.world_size,
+                           parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed())
+        return card_files(facts, self.metrics.records, self.evals.records)
 
     def flush_logs(self) -> None:
         self.metrics.flush()
