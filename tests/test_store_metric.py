@@ -114,3 +114,41 @@ def test_full_kl_from_topk_refuses_ids_outside_the_teacher_top_k() -> None:
     other = exact._replace(ids=np.where(ids == ids[0, 0, 0], VOCAB - 1 - ids, ids))
     with pytest.raises(ValueError, match="outside the teacher's top-K"):
         full_kl_from_topk(exact, np.zeros(tail.shape), VOCAB, other)
+
+
+def test_store_bytes_count_every_file_a_reader_needs_the_renumbering_table_included(tmp_path) -> None:
+    import os
+
+    from kdflow.bench.store import written_store_bytes
+    from kdflow.schemas.codec import Renumbering
+    from kdflow.schemas.commits import list_commits
+    from kdflow.schemas.layout import RENUMBERING_FILE
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.schemas.store_bytes import store_bytes
+
+    log_p = teacher(2)
+    table = Renumbering.from_counts(np.random.default_rng(0).integers(0, 1000, VOCAB))
+    codec = TopkCodec(SEQ, K, VOCAB, renumbering=table)
+    batches = [encode(codec, *capture(log_p[i:i + 1])) for i in range(2)]
+    sizes = written_store_bytes(codec, codec.schema(), batches, table, {"config.yaml": b"x" * 100})
+    table_bytes = len(table.to_bytes())
+    assert sizes.positions == 2 * SEQ and sizes.store_files > table_bytes + 100  # _renumbering.bin, config, complete
+    assert sizes.data > sum(b.nbytes for b in batches) + 2 * table_bytes  # each shard's schema carries the table
+    assert sizes.records > 0 and sizes.per_position == sizes.total / (2 * SEQ)
+    # a store on disk: every file counted once, leases and temporary files not at all
+    folder = tmp_path / "store"
+    folder.mkdir()
+    for name, data in (("shard-00000.arrow", b"d" * 50), ("shard-00000.commit.json", None),
+                       (RENUMBERING_FILE, b"t" * 30), ("_store.json", b"s" * 7), ("shard-00001.lease", b"l" * 1000),
+                       (".shard-00001.arrow.tmp-1-h-x", b"z" * 1000)):
+        if data is not None:
+            (folder / name).write_bytes(data)
+    from kdflow.schemas.commits import CommitRecord, write_commit
+
+    record = CommitRecord(stage="topk", shard_id=0, data_file="shard-00000.arrow", rows=1, tokens=SEQ, bytes=50,
+                          sha256="0" * 64, input_sha256="0" * 64, fingerprint="f" * 12)
+    run_root = RunRoot(str(tmp_path))
+    write_commit(run_root, str(folder), record)
+    counted = store_bytes(run_root, str(folder), list_commits(run_root, str(folder), "topk"))
+    record_size = os.path.getsize(folder / "shard-00000.commit.json")
+    assert (counted.data, counted.records, counted.store_files) == (50, record_size, 37)

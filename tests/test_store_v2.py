@@ -242,8 +242,10 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     reports = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert set(reports) == {summary["tag"], lossless_tag}
     quantised, exact = reports[summary["tag"]], reports[lossless_tag]
-    assert exact["kl_mean"] < 1e-9 and exact["positions_with_other_ids"] == 0  # lossless: the re-run is the store
-    assert 1e-6 < quantised["kl_mean"] < 2e-4 and quantised["kl_positions"] == 6 * config.seq_len
+    assert exact["kl_buckets_lower_bound_mean"] < 1e-9 and exact["positions_with_other_ids"] == 0  # the re-run
+    assert 1e-6 < quantised["kl_buckets_lower_bound_mean"] < 2e-4 and quantised["kl_positions"] == 6 * config.seq_len
+    # the store metric: the adaptive store (keep_mass 0.5) holds fewer ids, so it is further from the teacher
+    assert 0 < exact["kl_full_mean"] < quantised["kl_full_mean"] and exact["kl_full_infinite_positions"] == 0
     assert quantised["bytes_per_position"] < exact["bytes_per_position"] < quantised["v1_bytes_per_position"] * 2
     assert quantised["mean_kept"] < config.precompute.top_k == exact["mean_kept"]
     assert sum(quantised["kept_histogram"].values()) == quantised["sampled_positions"]
@@ -267,8 +269,14 @@ def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixt
     assert [r["setting"] for r in records[2:]] == [label for label, _ in SETTINGS]
     by_label = {r["setting"]: r for r in records[2:]}
     default, lossless = by_label["sqrt400/unigram (default)"], by_label["float32/unigram/tail32 (lossless)"]
-    assert default["invalid_positions"] == 0 and default["total_B"] < lossless["total_B"] < records[1]["total_B"]
-    assert lossless["kl_mean"] < 1e-9 < default["kl_mean"] and by_label["sqrt400/unigram/keep0.99"]["mean_kept"] < 128
+    sizes = [r["bytes_per_position"] for r in (default, lossless, records[1])]
+    assert default["invalid_positions"] == 0 and sizes == sorted(sizes)
+    assert lossless["kl_buckets_lower_bound_mean"] < 1e-9 < default["kl_buckets_lower_bound_mean"]
+    adaptive = by_label["sqrt400/unigram/keep0.99"]
+    assert adaptive["mean_kept"] < 128 and adaptive["kl_full_mean"] > default["kl_full_mean"] > lossless["kl_full_mean"]
+    # every byte of the store: the renumbering table (in the shard's schema and _renumbering.bin) included
+    payload = default["ids_B"] + default["values_B"] + default["tail_B"]
+    assert default["bytes_per_position"] > default["data_B"] > payload
 
 
 def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -> None:
