@@ -19,7 +19,7 @@ from kdflow.schemas.codec import CODEC_NAME, TopkCodec, decode, encode
 from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir, write_commit
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE, commit_file_name
-from kdflow.schemas.shards import TopkShard
+from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import read_store_info, store_format
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -293,3 +293,21 @@ def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -
     comparison = records[2]
     assert comparison["heldout_kl_lossless"] > 0 and abs(comparison["relative_difference"]) < 0.05
     assert comparison["decode_to_train_ratio"] > 0
+    # the store metric's dense pass: the tail's sum of p log p against a plain full forward of the teacher
+    import torch
+
+    from kdflow.bench.store_train import default_store_files, dense_tail_plogp, lossless_shards
+    from kdflow.tasks.teacher.loading import load_teacher
+
+    shards, _ = lossless_shards(stores)
+    got = dense_tail_plogp(stores, shards)
+    run_root = RunRoot(config.run_root)
+    model = load_teacher(lossless.teacher, device="cpu")
+    for shard_id, (ids, _, _) in enumerate(shards):
+        rows = read_token_shard(run_root, f"{stage_dir(run_root, 'tokens')}/shard-{shard_id:05d}.arrow")
+        with torch.no_grad():
+            log_p = torch.log_softmax(model(torch.from_numpy(rows.astype(np.int64))).logits.double(), -1).numpy()
+        terms = np.exp(log_p) * log_p
+        np.put_along_axis(terms, ids.astype(np.int64), 0.0, -1)
+        np.testing.assert_allclose(got[shard_id], terms.sum(-1), rtol=1e-4, atol=1e-6)
+    assert set(default_store_files(stores)) == {"_store.json", "config.yaml"}
