@@ -12,8 +12,8 @@ The demo's teacher (SmolLM2-135M-Instruct), text (Python's documentation, `pydoc
   ce       next-token cross-entropy only (kd_weight 0)
 and evaluated on the held-out shards with a dense teacher pass: next-token CE and full-vocabulary
 KL(teacher || student) per position. Stores are made by the real teacher pass and trained on by the real
-training loop; bytes/position are their data files over their positions. Prints one JSON object per line
-(each run, each variant's mean over seeds, the targets) and a table. Differences between variants are
+training loop; bytes/position count every byte of each store (`kdflow.schemas.store_bytes`). Prints one JSON
+object per line (each run, each variant's mean over seeds, the targets) and a table. Differences between variants are
 compared with the spread between seeds (the run-to-run noise).
 """
 
@@ -175,12 +175,13 @@ def run_benchmark(args: argparse.Namespace, variants: list[str], seeds: list[int
     for store, (variant, seed) in stores.items():
         config = _variant_config(base, variant, args, seed)
         summary = precompute_shards(config, model=teacher)
-        records = list_commits(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"])
+        store_dir = stage_dir(run_root, "topk", summary["tag"])
+        records = list_commits(run_root, store_dir, "topk", summary["tag"])
         tags[store] = summary["tag"]
         seconds = sum(r.extra.seconds or 0.0 for r in records.values())
         results.append(emit({"kind": "store", "store": store, "tag": summary["tag"], "shards": summary["shards"],
                              "positions": summary["tokens"],
-                             "bytes_per_position": round(store_bytes_per_position(records), 2),
+                             "bytes_per_position": round(store_bytes_per_position(run_root, store_dir, records), 2),
                              "teacher_seconds": round(seconds, 1), "written_now": summary["written"],
                              "targets": config.precompute.targets, "top_k": config.precompute.top_k,
                              "sampling": _sampling(config),

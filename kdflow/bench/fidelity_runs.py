@@ -15,7 +15,6 @@ import math
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -142,6 +141,9 @@ def teacher_heldout_ce(data: DistillData, teacher: TeacherStates, chunk: int = 5
     return total / max(count, 1)
 
 
-def store_bytes_per_position(records: dict[int, Any]) -> float:
-    """Data-file bytes of a store's committed shards per stored position."""
-    return float(np.sum([r.bytes for r in records.values()]) / max(sum(r.tokens for r in records.values()), 1))
+def store_bytes_per_position(run_root: Any, store: str, records: dict[int, Any]) -> float:
+    """Every byte of the store (data files, commit records, `_store.json`, `_complete.json`, `config.yaml`,
+    `_renumbering.bin`) per stored position: `kdflow.schemas.store_bytes`, as `bench store` and `store report`."""
+    from kdflow.schemas.store_bytes import store_bytes
+
+    return store_bytes(run_root, store, records).per_position
