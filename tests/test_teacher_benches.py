@@ -17,7 +17,7 @@ from kdflow.schemas.config import dump_config
 
 def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
         make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kdflow.bench.teacher_pass import MODES, main
+    from kdflow.bench.teacher_pass import MODES, main, scratch_copy
 
     config = prepare(make_config(dataset__max_documents=12))
     path = tmp_path / "config.yaml"
@@ -30,6 +30,22 @@ def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
     assert modes[0]["micro_batches"] == 4 and modes[0]["padded_tokens"] == 4 * 4 * 32  # 2 shards of 8 rows, 4 a batch
     assert set(ratios) >= {"stage/forward", "topk/forward", "stage/body", "topk/body"}
     assert not (Path(config.run_root) / "topk").exists()  # the stage computed in a scratch copy
+    assert config.precompute.report_rows > 0  # the pass's store report: not part of what the stage times
+    assert scratch_copy(config, 1, str(tmp_path / "scratch"))[0].precompute.report_rows == 0
+
+
+def test_the_stage_keeps_only_the_renumbering_tables_between_rounds(tmp_path: Path) -> None:
+    from kdflow.bench.teacher_pass import empty_store
+    from kdflow.schemas.layout import RENUMBERING_FILE
+
+    for name in ("_store.json", "_complete.json", "shard-00000.arrow", "shard-00000.commit.json", RENUMBERING_FILE):
+        (tmp_path / "topk" / "tag").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "topk" / "tag" / name).write_bytes(b"x")
+    (tmp_path / "topk" / "other").mkdir()
+    (tmp_path / "topk" / "other" / "shard-00000.arrow").write_bytes(b"x")
+    empty_store(tmp_path / "topk")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "topk", "topk/tag", f"topk/tag/{RENUMBERING_FILE}"]
 
 
 @pytest.mark.usefixtures("children")  # the pass in its worker, the 2-process FSDP step

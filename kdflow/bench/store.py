@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from kdflow.bench.harness import note
 from kdflow.schemas.codec import CRC32, DecodedTopk, Renumbering, TopkCodec, decode, encode, from_v1
 from kdflow.schemas.commits import CommitRecord, StageComplete, TopkShardInfo, write_commit, write_complete
 from kdflow.schemas.layout import RENUMBERING_FILE, data_file_name
@@ -301,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.synthetic:
         started = time.perf_counter()
         shards, counts, tail_plogp = synthetic_capture(args.vocab, args.rows, 512, 128)
-        print(json.dumps({"source": "synthetic", "vocab": args.vocab, "positions": shards[0][2].size,
-                          "seconds_to_build": round(time.perf_counter() - started, 1),
-                          "mean_tail_mass": float(np.exp(shards[0][2].astype(np.float64)).mean()),
-                          "mean_top1_p": float(np.exp(shards[0][1][..., 0].astype(np.float64)).mean())}), flush=True)
+        note({"source": "synthetic", "vocab": args.vocab, "positions": shards[0][2].size,
+              "seconds_to_build": round(time.perf_counter() - started, 1),
+              "mean_tail_mass": float(np.exp(shards[0][2].astype(np.float64)).mean()),
+              "mean_top1_p": float(np.exp(shards[0][1][..., 0].astype(np.float64)).mean())})
         run_settings(shards, args.vocab, counts, args.repeats, args.only, "synthetic", tail_plogp)
         return 0
     from kdflow.bench.store_train import (build_real_stores, default_store_files, dense_tail_plogp, lossless_shards,
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stores = build_real_stores(args.run_root, args.shards)
     shards, counts = lossless_shards(stores)
-    print(json.dumps({"source": "real", **stores.describe()}), flush=True)
+    note({"source": "real", **stores.describe()})
     run_settings(shards, stores.vocab, counts, args.repeats, args.only, "real", dense_tail_plogp(stores, shards),
                  default_store_files(stores))
     if args.train_steps:
