@@ -102,6 +102,12 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
         open_stores(config, tokenizer)
     assert len([r for r in caplog.records if "without tail mass" in r.getMessage()]) == 1
 
+    import datasets  # the same rows as a Hugging Face dataset folder: the same arrays, the same store
+
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    again = import_store(_at(tmp_path / "again", fresh_run, **V1), str(tmp_path / "saved"), "stacked", "sharp-tiny")
+    assert again["tag"] == summary["tag"] and again["rows"] == len(rows)
+
 
 def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -> None:
     _, out = _exported(fresh_run, tmp_path)
@@ -161,3 +167,31 @@ def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
         import_store(config, str(_source(tmp_path, change)), "kdflow" if change == "text" else "axolotl", "t")
     assert "\n" not in str(error.value) and where in str(error.value), str(error.value)
     assert not (tmp_path / "imported").exists() or not any((tmp_path / "imported").rglob("*.arrow"))
+
+
+@pytest.mark.usefixtures("children")
+def test_the_commands_export_and_import(fresh_run, tmp_path: Path) -> None:
+    import sys
+
+    from support.children import run
+    from support.faults import write_config
+
+    original = fresh_run(**V1)
+    out = tmp_path / "export"
+
+    def kdflow(*args: str):
+        return run([sys.executable, "-m", "kdflow", "store", *args], what="kdflow store", timeout=600)
+
+    exported = kdflow("export", str(original.run_root), str(out), "--tag", DENSE_TAG, "--layout", "axolotl")
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(exported.stdout)["layout"] == "axolotl"
+    config = write_config(_at(tmp_path / "imported", fresh_run, **V1), tmp_path / "imported.yaml")
+    bad = kdflow("import", str(_source(tmp_path, "unsorted")), "--config", str(config), "--layout", "axolotl",
+                 "--teacher", "t")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "kdflow: error: row 1 field target_logprobs: log-probs not sorted by descending value at position 6"]
+    done = kdflow("import", str(out / "data"), "--config", str(config), "--layout", "axolotl", "--teacher", "t")
+    assert done.returncode == 0, done.stderr
+    tag = json.loads(done.stdout.splitlines()[0])["tag"]
+    assert f"student.topk_tag={tag}" in done.stdout
+    assert (tmp_path / "imported" / "topk" / tag / "_complete.json").exists()
