@@ -123,6 +123,9 @@ def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -
     again = import_store(config, str(out / "data"), "kdflow", "sharp-tiny")
     assert again["tag"] == first["tag"] and again["written"] == 2 and again["complete"]
     assert {p: p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))} == files
+    from kdflow.validate import validate_run_root
+
+    assert validate_run_root(str(root)) == 0  # validated like a computed store: hashes, alignment, contents
 
 
 def _source(tmp_path: Path, change: str) -> Path:
