@@ -126,6 +126,10 @@ def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -
     from kdflow.validate import validate_run_root
 
     assert validate_run_root(str(root)) == 0  # validated like a computed store: hashes, alignment, contents
+    from kdflow.store_report import store_report
+
+    (report,) = store_report(str(root), first["tag"], rows=8, kl_rows=4)
+    assert "no teacher to re-run" in report["kl_note"]
 
 
 def _source(tmp_path: Path, change: str) -> Path:
