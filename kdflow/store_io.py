@@ -29,7 +29,8 @@ def import_main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, dict(args.set or []))
     summary = import_store(config, args.source, args.layout, args.teacher)
     print(json.dumps(summary))
-    print(f"imported as top-K store {summary['tag']}: train on it with --set student.topk_tag={summary['tag']}")
+    print(f"imported as top-K store {summary['tag']}: train on it with "
+          f"`kdflow run {args.config} --stages train --set student.topk_tag={summary['tag']}`")
     return 0
 
 
