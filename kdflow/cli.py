@@ -51,6 +51,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
+    if args.action in ("import", "export"):
+        from kdflow.store_io import export_main, import_main
+
+        return (import_main if args.action == "import" else export_main)(args.rest)
     from kdflow.store_report import main
 
     return main(args.rest)
@@ -126,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="remove the commit records of shards that fail a check, so the next run recomputes them")
     validate.set_defaults(func=_cmd_validate)
 
-    store = sub.add_parser("store", help="top-K stores: `kdflow store report RUN_ROOT` "
-                                         "(bytes, KL to the teacher, histograms)")
-    store.add_argument("action", choices=["report"])
-    store.add_argument("rest", nargs=argparse.REMAINDER, help="RUN_ROOT and options (see kdflow store report --help)")
+    store = sub.add_parser("store", help="top-K stores: `kdflow store report RUN_ROOT` (bytes, KL to the teacher, "
+                                         "histograms); `import SOURCE` / `export RUN_ROOT OUT_DIR` (logit datasets)")
+    store.add_argument("action", choices=["report", "import", "export"])
+    store.add_argument("rest", nargs=argparse.REMAINDER, help="arguments (see kdflow store ACTION --help)")
     store.set_defaults(func=_cmd_store)
 
     chat = sub.add_parser("chat", help="a conversation with a saved student (one reply with --prompt)")
