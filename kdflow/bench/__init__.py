@@ -1,9 +1,9 @@
 """kdflow's benchmarks, each printing one JSON object per line: `kdflow bench NAME [options]`.
 
 One module per benchmark (`BENCHES` names them); `harness` holds what they share (a measurement in a fresh
-process, peak memory, JSON-line output); `store_train`, `stores` and `fidelity_runs` are helpers of the store,
-scale and fidelity benches. Only the command line (`kdflow.cli`) imports this package; a benchmark's module is
-imported when it runs, so `kdflow --help` stays instant.
+process, peak memory, JSON-line output); `store_train`, `stores` and the `fidelity_*` modules are helpers of
+the store, scale and fidelity benches. Only the command line (`kdflow.cli`) imports this package; a benchmark's
+module is imported when it runs, so `kdflow --help` stays instant.
 """
 
 from __future__ import annotations
