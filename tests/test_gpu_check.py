@@ -165,3 +165,19 @@ def test_gpu_check_script_installs_kdflow_from_the_tree_without_an_index(childre
     assert setup["setup_kdflow"]["status"] == "ok" and setup["setup_import"]["status"] == "ok"
     assert (tmp_path / "site" / "kdflow" / "bench" / "gpu_plan.py").is_file()
     assert json.loads(done.stdout.strip().splitlines()[-1])["would_skip"] == ["loss_dense_32768"]
+
+
+@pytest.mark.unit
+def test_bench_loss_under_bf16_autocast_checks_fused_against_a_float32_reference(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`kdflow bench loss --autocast-bf16`: the dense step under autocast, the agreement of the fused loss under
+    autocast with a float32 dense reference; a dense run over its limit is a skip record, not an error."""
+    from kdflow.bench.loss import _measure, main
+
+    spec = {"mode": "dense", "tokens": 64, "vocab": 512, "hidden": 32, "top_k": 16, "chunk_tokens": 16,
+            "device": "cpu", "repeats": 1, "autocast_bf16": True, "compare_fused": True}
+    record = _measure(spec)
+    assert record["autocast_bf16"] and 0 < record["loss_abs_diff"] < 2e-2 and record["grad_max_rel_diff"] < 5e-2
+    assert main(["--tokens", "64", "--vocab", "512", "--hidden", "32", "--modes", "dense", "--dense-max-gib", "0"]) == 0
+    skipped = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "error" not in skipped and skipped["skipped"].startswith("estimated peak")

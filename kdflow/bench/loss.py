@@ -125,7 +125,7 @@ def _measure(spec: dict) -> dict:
     except torch.OutOfMemoryError:
         return record | {"error": "out of memory"}
     record |= {"seconds": round(min(seconds), 3), "seconds_all": [round(s, 3) for s in seconds],
-               "peak_bytes": int(peak), "peak_gib": round(peak / GIB, 3), "loss": float(loss)}
+               "peak_bytes": int(peak), "peak_gib": round(peak / GIB, 3), "loss": float(loss.detach())}
     if spec.get("compare_fused"):
         record |= _agreement(inputs, loss, spec["chunk_tokens"], autocast)
     return record
