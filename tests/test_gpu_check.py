@@ -181,3 +181,19 @@ def test_bench_loss_under_bf16_autocast_checks_fused_against_a_float32_reference
     assert main(["--tokens", "64", "--vocab", "512", "--hidden", "32", "--modes", "dense", "--dense-max-gib", "0"]) == 0
     skipped = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "error" not in skipped and skipped["skipped"].startswith("estimated peak")
+
+
+@pytest.mark.unit
+def test_full_depth_extrapolation_is_linear_in_depth_and_none_when_depth_got_faster() -> None:
+    """Seconds a token grow linearly with depth through both measured points; a deeper teacher that measured
+    faster extrapolates to None, never to a negative or infinite rate."""
+    from kdflow.bench.gpu_plan import REFERENCE_SHAPES
+    from kdflow.bench.gpu_steps import extrapolate
+
+    results = {"teacher_pass_L2_4bit": {"tokens_per_s": {"forward": 100.0, "stage": 90.0}},
+               "teacher_pass_L4_4bit": {"tokens_per_s": {"forward": 120.0, "stage": 60.0}}}
+    out = extrapolate(results, (2, 4), REFERENCE_SHAPES, "4bit")
+    per_layer = (1 / 60 - 1 / 90) / 2
+    assert out["stage_tokens_per_s"] == pytest.approx(1 / (1 / 90 + 30 * per_layer), abs=0.05)
+    assert out["forward_tokens_per_s"] is None and out["what"].startswith("extrapolation")
+    assert out["bf16_roofline_tokens_per_s"] == pytest.approx(790e12 / (2 * 3_324_160_512), abs=0.1)

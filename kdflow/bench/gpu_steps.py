@@ -197,7 +197,8 @@ def extrapolate(results: dict[str, dict[str, Any]], depths: tuple[int, int], sha
         out[f"{mode}_seconds_per_layer_per_mtok"] = round(per_layer * 1e6, 4)
     roofline = BF16_PEAK_TFLOPS * 1e12 / (2 * matmul_parameters(shapes, full))
     out |= {"bf16_roofline_tokens_per_s": round(roofline, 1),
-            "stage_share_of_roofline": round(out["stage_tokens_per_s"] / roofline, 4)}
+            "stage_share_of_roofline": None if out["stage_tokens_per_s"] is None
+            else round(out["stage_tokens_per_s"] / roofline, 4)}
     return out
 
 
