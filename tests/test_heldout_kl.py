@@ -118,3 +118,22 @@ def test_full_kl_off_loads_no_teacher_and_auto_follows_the_teachers_size(fresh_r
     assert not heldout_teacher.full_kl_wanted(auto)  # one byte over the limit: off
     hub = fresh_run(teacher__model="some-org/some-32b-teacher")
     assert heldout_teacher.teacher_weight_bytes(hub) is None and not heldout_teacher.full_kl_wanted(hub)
+
+
+def test_demo_summary_names_each_kl_for_what_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kdflow import demo
+
+    config = demo.demo_config(str(tmp_path / "demo"), quick=True)
+    assert config.student.eval_full_kl is True
+    before = {"kl": 2.5, "kl_stored": 2.5, "kl_full": 3.25, "perplexity": 900.0, "top1_agreement": 0.1,
+              "sequences": 16}
+    old_record = {"kl": 1.5, "perplexity": 300.0, "top1_agreement": 0.2, "sequences": 16}  # before kl_stored existed
+    train = {"eval_before": before, "eval_after": old_record, "steps": 20, "train_rows": 48}
+    demo.print_summary(str(tmp_path / "demo"), config, {"precompute": {"store": "topk/x"}, "train": train}, {},
+                       "sample", 1.0)
+    lines = capsys.readouterr().out.splitlines()
+    full = next(line for line in lines if "KL to the teacher, full vocabulary" in line)
+    stored = next(line for line in lines if f"KL to the stored top-{config.precompute.top_k} + 1 rest bucket" in line)
+    assert full.split()[-2:] == ["3.250", "-"] and stored.split()[-2:] == ["2.500", "1.500"]
+    assert not [line for line in lines if "KL to the teacher (nats/token)" in line]  # the old, misleading label
+    assert any("understates" in line for line in lines)
