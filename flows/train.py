@@ -65,12 +65,18 @@ def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows
                          f"{record['lr']:.3g} | {record['grad_norm']:.3g} | {record['tokens_per_s']:.0f} |")
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before or after:
-        lines += ["", "| held-out | KL to teacher top-K | perplexity | top-1 agreement |", "|---|---:|---:|---:|"]
+        lines += ["", "| held-out | KL to stored targets | perplexity | top-1 agreement | full KL to teacher |",
+                  "|---|---:|---:|---:|---:|"]
         for name, result in (("before", before), ("after", after)):
             if result:
                 lines.append(f"| {name} (step {result['step']}) | {result['kl']:.4f} | {result['perplexity']:.2f} | "
-                             f"{percent(result['top1_agreement'])} |")
+                             f"{percent(result['top1_agreement'])} | {_full_kl(result)} |")
     return "\n".join(lines) + "\n"
+
+
+def _full_kl(record: dict[str, Any]) -> str:
+    """eval.jsonl's kl_full (student.eval_full_kl), or "-" where it was not computed."""
+    return f"{record['kl_full']:.4f}" if record.get("kl_full") is not None else "-"
 
 
 def report_key(student_name: str) -> str:
@@ -124,9 +130,10 @@ class TrainingArtifacts:
             lines += [png_markdown(png, f"training curve of {self.name}"), ""]
         if self.losses:
             lines += [f"Loss {self.losses[0]:.4g} → {self.losses[-1]:.4g}: `{sparkline(self.losses)}`", ""]
-        lines += ["| held-out at step | KL to teacher top-K | perplexity | top-1 agreement |", "|---:|---:|---:|---:|"]
-        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {percent(e['top1_agreement'])} |"
-                  for e in self.evals]
+        lines += ["| held-out at step | KL to stored targets | perplexity | top-1 agreement | full KL to teacher |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {percent(e['top1_agreement'])} | "
+                  f"{_full_kl(e)} |" for e in self.evals]
         if publish_markdown(report_key(self.name), "\n".join(lines) + "\n",
                             f"training curve of student {self.name}, step {event['step']}"):
             self.curves += 1
@@ -189,9 +196,10 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
         get_run_logger().info("train-student %s: %d/%d steps already done, nothing to do", config.student.name,
                               summary["steps"], config.student.steps)
     before, after = summary["eval_before"] or {}, summary["eval_after"] or {}
-    get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, held-out KL %s -> %s, model in %s",
-                          config.student.name, summary["start_step"], summary["steps"], summary["final_loss"],
-                          before.get("kl"), after.get("kl"), summary["final_dir"])
+    get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, held-out KL to stored targets %s -> %s, "
+                          "full KL %s -> %s, model in %s", config.student.name, summary["start_step"],
+                          summary["steps"], summary["final_loss"], before.get("kl"), after.get("kl"),
+                          before.get("kl_full", "-"), after.get("kl_full", "-"), summary["final_dir"])
     return summary
 
 

@@ -1,16 +1,88 @@
 #!/usr/bin/env bash
-# The GPU check: every CUDA path of kdflow in a few minutes, with no hub access, ending in one JSON line.
+# The GPU check, as it runs on the lent GPU machine: no network, the machine's own python3 (torch, transformers,
+# pyarrow, pandas... from its image), kdflow installed from this working tree and the missing packages from the
+# wheels carried in .whl/ (infra/gpu-wheels.sh downloads them here; infra/gpu-wheels.txt lists them), both with
+# `pip --no-index` into a folder put first on PYTHONPATH. Then `kdflow bench gpu` (kdflow/bench/gpu.py) within
+# what is left of the time limit. Every step, set-up included, is recorded as ok, skipped (with its reason) or
+# failed (with its error), and the rest go on; one JSON summary is written to a file and printed last.
 #
-#   infra/gpu-check.sh                      # on a CUDA machine, from the repository (after infra/setup.sh)
-#   infra/gpu-check.sh --out gpu-check.json # also keep the summary in a file
-#   infra/gpu-check.sh --device cpu         # the dry run: the same steps at small sizes on the CPU
+#   infra/gpu-check.sh                          # on the GPU machine, from the repository root
+#   infra/gpu-check.sh --device cpu             # the same at the rehearsal's sizes on a CPU
+#   infra/gpu-check.sh --plan                   # only the plan at full size (sizes, memory, what would skip)
 #
-# It builds a tiny Qwen3-MoE teacher with the reference vocabulary (196,608 ids) and loads it in 4-bit
-# through bitsandbytes, runs `kdflow tune precompute` on it, the teacher pass in its worker process,
-# `kdflow bench precompute` and `kdflow bench loss` on the device, a few bf16-autocast student steps, and
-# a 2-process FSDP step when two GPUs are visible (kdflow/bench/gpu.py). Exit code 0 when every step passed.
-set -euo pipefail
+# Environment: KDFLOW_PYTHON (default python3), KDFLOW_GPU_CHECK_TIMEOUT_S (the whole check, set-up included;
+# default 540, under the 600 s one command may run there), KDFLOW_GPU_CHECK_OUT (the summary file, default
+# gpu-check.json), KDFLOW_GPU_SITE (the install folder, default /tmp/kdflow-gpu-site), WHEEL_DIR (default .whl).
+# Exit code 0 when no step failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${KDFLOW_PYTHON:-.venv/bin/python}"
+PYTHON="${KDFLOW_PYTHON:-python3}"
+LIMIT="${KDFLOW_GPU_CHECK_TIMEOUT_S:-540}"
+SUMMARY="${KDFLOW_GPU_CHECK_OUT:-gpu-check.json}"
+SITE="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-site}"
+WHEELS="${WHEEL_DIR:-.whl}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
-exec timeout "${KDFLOW_GPU_CHECK_TIMEOUT_S:-900}" "$PYTHON" -m kdflow bench gpu "$@"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+started=$SECONDS
+LOG="$(mktemp)"
+trap 'rm -f "$LOG"' EXIT
+
+# record NAME STATUS SECONDS [DETAIL]: one set-up step as a JSON line (status ok | skipped | failed).
+record() {
+    "$PYTHON" -c 'import json, sys
+name, status, seconds, detail = sys.argv[1:5]
+key = {"failed": "error", "skipped": "reason"}.get(status, "detail")
+print(json.dumps({"name": name, "status": status, "seconds": float(seconds)} | ({key: detail} if detail else {})))' \
+        "$1" "$2" "$3" "${4:-}" >>"$LOG"
+}
+
+step() {  # step NAME COMMAND...: run it, record ok or failed with its last line of output
+    local name=$1 t0=$SECONDS out
+    shift
+    if out=$("$@" 2>&1); then
+        record "$name" ok $((SECONDS - t0))
+    else
+        record "$name" failed $((SECONDS - t0)) "$(printf '%s\n' "$out" | grep -v '^\s*$' | tail -1)"
+        printf '%s\n' "$out" >&2
+        return 1
+    fi
+}
+
+rm -rf "$SITE" && mkdir -p "$SITE"
+rm -f "$SUMMARY"
+shopt -s nullglob
+wheels=("$WHEELS"/*.whl)
+if ((${#wheels[@]})); then
+    step setup_wheels "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+        "${wheels[@]}"
+else
+    record setup_wheels skipped 0 "no wheels in $WHEELS (infra/gpu-wheels.sh downloads them)"
+fi
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# kdflow itself, from this tree (its dependencies are the image's and the wheels: --no-deps).
+step setup_kdflow "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+    --no-cache-dir --target "$SITE" . || true
+step setup_import "$PYTHON" -c "import kdflow.bench.gpu, kdflow.schemas.config, torch, transformers" || true
+if [[ " $* " == *" --plan "* ]]; then
+    cat "$LOG" >&2
+    exec "$PYTHON" -m kdflow bench gpu "$@"
+fi
+
+left=$((LIMIT - (SECONDS - started)))
+budget=$((left - 30))  # the check's own steps stop starting this long before the limit, for the summary
+timeout --kill-after=10 "$left" "$PYTHON" -m kdflow bench gpu --budget-s "$budget" --setup-log "$LOG" \
+    --out "$SUMMARY" "$@"
+code=$?
+if ((code == 124 || code == 137)) || [[ ! -s "$SUMMARY" ]]; then
+    # The check itself did not write its summary (killed, or it could not start): write one from the set-up.
+    record check failed $((SECONDS - started)) "kdflow bench gpu exited $code (limit ${LIMIT} s)"
+    "$PYTHON" -c 'import json, sys
+steps = [json.loads(line) for line in open(sys.argv[1])]
+results = {s.pop("name"): s for s in steps}
+failed = [n for n, s in results.items() if s["status"] == "failed"]
+text = json.dumps({"bench": "gpu_check", "ok": False, "failed": failed, "steps": results})
+open(sys.argv[2], "w").write(text + "\n")
+print(text)' "$LOG" "$SUMMARY"
+    exit 1
+fi
+exit "$code"

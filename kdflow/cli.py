@@ -51,6 +51,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
+    if args.action in ("import", "export"):
+        from kdflow.store_io import export_main, import_main
+
+        return (import_main if args.action == "import" else export_main)(args.rest)
     from kdflow.store_report import main
 
     return main(args.rest)
@@ -68,7 +72,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     problem = model_folder_problem(folder)
     if problem is not None:
         raise KDFlowError(f"student {folder!r} is not a model: {problem}")
-    from kdflow.tasks.student.chat import chat_main
+    from kdflow.chat import chat_main
 
     return chat_main(args)
 
@@ -126,16 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
                           help="remove the commit records of shards that fail a check, so the next run recomputes them")
     validate.set_defaults(func=_cmd_validate)
 
-    store = sub.add_parser("store", help="top-K stores: `kdflow store report RUN_ROOT` "
-                                         "(bytes, KL to the teacher, histograms)")
-    store.add_argument("action", choices=["report"])
-    store.add_argument("rest", nargs=argparse.REMAINDER, help="RUN_ROOT and options (see kdflow store report --help)")
+    store = sub.add_parser("store", help="top-K stores: `kdflow store report RUN_ROOT` (bytes, KL to the teacher, "
+                                         "histograms); `import SOURCE` / `export RUN_ROOT OUT_DIR` (logit datasets)")
+    store.add_argument("action", choices=["report", "import", "export"])
+    store.add_argument("rest", nargs=argparse.REMAINDER, help="arguments (see kdflow store ACTION --help)")
     store.set_defaults(func=_cmd_store)
 
-    chat = sub.add_parser("chat", help="generate with a saved student (interactive without --prompt)")
+    chat = sub.add_parser("chat", help="a conversation with a saved student (one reply with --prompt)")
     chat.add_argument("student_dir")
-    chat.add_argument("--prompt", help="one prompt; without it, read prompts from the terminal")
+    chat.add_argument("--prompt", help="one prompt, answered alone; without it, a conversation read line by line")
+    chat.add_argument("--system", help="system text: the system message (chat template) or the start of the text")
     chat.add_argument("--max-new-tokens", type=int, default=64)
+    chat.add_argument("--max-positions", type=int,
+                      help="positions the history is cut to fit (default: the model's max_position_embeddings)")
     chat.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
     chat.add_argument("--temperature", type=float, default=0.8)
     chat.add_argument("--top-p", type=float, default=0.95)

@@ -19,7 +19,7 @@ from kdflow.schemas.config import config_from_dict
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CONFIG_FILE
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import topk_tags
+from kdflow.schemas.stores import read_store_info, topk_tags
 
 
 def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any:
@@ -53,7 +53,10 @@ def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int
     for name in tags:
         summary = store_summary(run_root, name, rows)
         store = stage_dir(run_root, "topk", name)
-        if kl_rows and summary["shards"]:
+        info = read_store_info(run_root, store)
+        if kl_rows and summary["shards"] and info is not None and info.model_extra.get("imported"):
+            summary["kl_note"] = "imported targets (kdflow store import): no teacher to re-run, KL not measured"
+        elif kl_rows and summary["shards"]:
             try:
                 config = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")),
                                           f"{name}/{CONFIG_FILE}")

@@ -31,6 +31,10 @@ Device = Annotated[str, AfterValidator(_check_device)]  # auto, cpu, cuda, cuda:
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+# student.eval_full_kl: auto loads the teacher for the held-out evaluation only when its local weight files total at
+# most this (a teacher of a few hundred million parameters: seconds of one pass over the held-out rows on a CPU).
+EVAL_FULL_KL_AUTO_BYTES = 1 << 30
+
 
 # Words of field names as a person reads them in the form; the rest are capitalised as they are.
 _TITLE_WORDS = {"id": "ID", "ttl": "TTL", "kd": "KD", "ce": "CE", "lr": "LR", "gguf": "GGUF", "rdzv": "rendezvous",
@@ -211,7 +215,8 @@ class KDConfig(_Section):
     """The loss: KL to the teacher's top-K, optionally mixed with next-token cross-entropy."""
 
     kd_weight: float = Field(default=1.0, ge=0.0, le=1.0, description="1.0: pure KD; 0.0: pure cross-entropy")
-    temperature: float = Field(default=1.0, gt=0.0, description="Softens teacher and student alike; 1.0: none")
+    temperature: float = Field(default=1.0, gt=0.0, description="Softens teacher and student alike; only 1.0 for "
+                               "now: no store keeps the teacher's tempered tail that T != 1 needs")
     chunk_tokens: PositiveInt = Field(default=4096, description="Positions per chunk of student logits in the loss")
 
 
@@ -253,6 +258,12 @@ class StudentConfig(_Section):
     eval_shards: int = Field(default=1, ge=0, description="Last N token shards held out for evaluation")
     eval_sequences: PositiveInt = Field(default=64, description="Held-out sequences per evaluation")
     eval_every: int = Field(default=0, ge=0, description="0: evaluate at the start and the end only")
+    eval_full_kl: bool | Literal["auto"] = Field(
+        default="auto", title="Evaluate the full-vocabulary KL",
+        description="Also report kl_full, the KL to the teacher's whole distribution on the held-out rows, from one "
+                    "teacher pass over them per run (the teacher loaded on the student's device while it runs). "
+                    "auto: on when the teacher is a local folder whose weight files total at most "
+                    "EVAL_FULL_KL_AUTO_BYTES (1 GiB); true: always; false: never")
     save_every: PositiveInt = Field(default=100, description="Steps between checkpoints")
     keep_checkpoints: PositiveInt = Field(default=2, description="Complete checkpoints kept in students/NAME (newest)")
     topk_tag: str | None = Field(default=None, description="Train on topk/TAG; default: the store made for this config")
@@ -310,6 +321,9 @@ class KDFlowConfig(_Section):
         if self.precompute.targets != "topk" and self.student.kd.temperature != 1.0:
             raise ValueError(f"student.kd.temperature={self.student.kd.temperature} needs precompute.targets: topk; "
                              f"{self.precompute.targets} targets are sampled at temperature 1 and unbiased only there")
+        if self.student.kd.temperature != 1.0:
+            raise ValueError(f"student.kd.temperature={self.student.kd.temperature} is refused: no store keeps the "
+                             f"teacher's tempered tail, which softening teacher and student alike needs (docs/loss.md)")
         return self
 
     @property

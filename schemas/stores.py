@@ -40,6 +40,13 @@ class TopkStoreInfo(BaseModel):
         return self.store if self.store is not None else {"format": "v1", "logprobs_dtype": self.logprobs_dtype}
 
     @property
+    def tail_computed(self) -> bool:
+        """An imported store whose source had no tail mass: the tail stored is log(1 - sum p) of the kept ids,
+        which counts the teacher's rounding as mass outside them (`kdflow store import`)."""
+        imported = (self.model_extra or {}).get("imported")
+        return isinstance(imported, dict) and imported.get("tail") == "computed"
+
+    @property
     def targets(self) -> str:
         """topk, or hybrid / sampled (then `store_format()["sampling"]` holds H, S, scheme, seed)."""
         return self.store_format().get("targets", "topk")

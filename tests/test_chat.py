@@ -5,13 +5,15 @@ bad folders."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.children import run
+from support.chat import Terminal, with_chat_template
+from support.children import run, wait_until
 from support.corpus import sample_documents, write_jsonl
 from support.runs import make_tokens, run_config, write_dense_topk
 
@@ -49,21 +51,40 @@ def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:
     assert done.stdout == expected + "\n"
 
 
-def test_prompts_from_stdin_until_an_empty_line(student_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def greedy_after(model_dir: Path, input_ids: list[int], new_tokens: int) -> str:
+    """The reference reply: plain transformers, greedy, after exactly these ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([input_ids])
+    with torch.no_grad():
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(output[0, len(input_ids):], skip_special_tokens=True)
+
+
+def test_lines_from_stdin_are_one_conversation_that_continues_the_running_text(
+        student_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoTokenizer
+
     from kdflow.cli import main
-    from kdflow.tasks.student.chat import generate
 
-    prompts = ["The class", "A module"]
-    expected = "".join(generate(str(student_dir), p, max_new_tokens=5, greedy=True) + "\n" for p in prompts)
+    final = student_dir / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    first = greedy_after(final, tokenizer("The class")["input_ids"], 5)
+    second = greedy_after(final, tokenizer("The class" + first + "\nA module")["input_ids"], 5)
+    transcript = tmp_path / "talk.jsonl"
     capsys.readouterr()
-    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(prompts) + "\n\nnot read\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"The class\n\nA module\n/save {transcript}\n/nope\n"))
     assert main(["chat", str(student_dir), "--greedy", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out == expected  # the students/NAME folder resolves to its final/ model
-
-    monkeypatch.setattr(sys, "stdin", io.StringIO(prompts[0]))  # end of input also ends the loop
-    assert main(["chat", str(student_dir), "--greedy", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out == expected.splitlines(keepends=True)[0]
+    captured = capsys.readouterr()
+    assert captured.out == first + "\n" + second + "\n"  # replies only; an empty line is skipped, EOF ends
+    assert f"[saved 4 messages to {transcript}]" in captured.err and "unknown command /nope" in captured.err
+    messages = [json.loads(line) for line in transcript.read_text().splitlines()]
+    assert [(m["role"], m["content"]) for m in messages] == [("user", "The class"), ("assistant", first),
+                                                             ("user", "A module"), ("assistant", second)]
 
 
 def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,3 +147,79 @@ def test_only_an_init_from_student_keeps_a_chat_template(tmp_path: Path, tiny_te
     with_template.save_pretrained(init_dir)
     config = run_config(tmp_path, tiny_teacher_dir, corpus, student__init_from=str(init_dir))
     assert student_tokenizer(config, AutoTokenizer.from_pretrained(tiny_teacher_dir)).chat_template == template
+
+
+TERMINAL_USERS = ["What does the with statement do in Python?", "And what does a for loop do?",
+                  "Tell me about the classes of objects.", "What is a module and how is it imported?",
+                  "How are exceptions raised and caught?"]
+
+
+def chat_on_terminal(model_dir: Path, *args: str) -> Terminal:
+    terminal = Terminal([sys.executable, "-m", "kdflow", "chat", str(model_dir), "--device", "cpu", *args])
+    terminal.expect("Ctrl-D ends")
+    return terminal
+
+
+@pytest.mark.usefixtures("children")
+def test_on_a_terminal_each_answer_sees_the_history_until_it_is_cut(student_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model_dir = with_chat_template(student_dir / "final", tmp_path / "chat-student")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    new_tokens = 6
+
+    def template(messages: list[tuple[str, str]]) -> list[int]:
+        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                             add_generation_prompt=True, tokenize=True)["input_ids"]
+
+    # Room for the second turn with the first (reply of up to 6 tokens, re-tokenised), not for five turns.
+    budget = len(template([("user", TERMINAL_USERS[0]), ("assistant", ""), ("user", TERMINAL_USERS[1])])) + 12
+    transcript = tmp_path / "talk.jsonl"
+    with chat_on_terminal(model_dir, "--greedy", "--max-new-tokens", str(new_tokens), "--max-positions",
+                          str(budget + new_tokens)) as terminal:
+        for turn, message in enumerate(TERMINAL_USERS, start=1):
+            terminal.send(f"{message}\r/settings\r")
+            terminal.expect(f"history   {turn} turn(s)")
+        terminal.send(f"/save {transcript}\r")
+        terminal.expect(f"saved {2 * len(TERMINAL_USERS)} messages")
+        terminal.send("\x04")  # Ctrl-D at the prompt ends the conversation
+        assert terminal.wait() == 0, terminal.output()
+        output = terminal.output()
+    assert "history cut: the 1 oldest turn(s) no longer fit" in output
+
+    messages = [json.loads(line) for line in transcript.read_text().splitlines()]
+    users, replies = messages[0::2], messages[1::2]
+    assert [m["content"] for m in users] == TERMINAL_USERS
+    assert all(m["input_tokens"] <= budget for m in replies)
+    second_input = template([("user", TERMINAL_USERS[0]), ("assistant", replies[0]["content"]),
+                             ("user", TERMINAL_USERS[1])])
+    assert replies[0]["content"].strip()
+    assert replies[1]["input_tokens"] == len(second_input)  # the first reply was in the second turn's input
+    assert replies[1]["content"] == greedy_after(model_dir, second_input, new_tokens)
+    cut = [bool(m.get("cut")) for m in users]
+    assert cut[0] and not cut[-1] and cut == sorted(cut, reverse=True)  # the oldest turns, whole
+
+
+@pytest.mark.usefixtures("children")
+def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(student_dir: Path, tmp_path: Path) -> None:
+    model_dir = with_chat_template(student_dir / "final", tmp_path / "endless")
+    for name in ("config.json", "generation_config.json"):  # no end-of-sequence token: only Ctrl-C ends a reply
+        path = model_dir / name
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps(data | {"eos_token_id": None}))
+    transcript = tmp_path / "talk.jsonl"
+    with chat_on_terminal(model_dir, "--max-new-tokens", "100000", "--max-positions", "200000") as terminal:
+        start = len(terminal.output())
+        terminal.send("Tell me everything.\r")
+        wait_until(lambda: len(terminal.output()) > start + 300, what="300 characters of the reply", timeout=300,
+                   process=terminal.process, output=terminal.output)
+        terminal.send("\x03")
+        after = terminal.expect("[reply stopped]")
+        terminal.send("/settings\r")
+        terminal.expect("history   1 turn(s)", after=after)
+        terminal.send(f"/save {transcript}\r")
+        terminal.expect("saved 2 messages", after=after)
+        terminal.send("/quit\r")
+        assert terminal.wait() == 0, terminal.output()
+    reply = json.loads(transcript.read_text().splitlines()[1])
+    assert reply["stopped"] is True and 0 < reply["new_tokens"] < 100000 and reply["content"].strip()

@@ -19,7 +19,7 @@ EXAMPLE: dict[str, Any] = {
     "seq_len": 256,
     "teacher": {"model": "org/teacher", "load_in_4bit": True, "device": "cuda:1"},
     "precompute": {"top_k": 64, "micro_batch": 4, "sequences_per_shard": 128},
-    "student": {"name": "tiny-1", "steps": 50, "kd": {"kd_weight": 0.5, "temperature": 2.0},
+    "student": {"name": "tiny-1", "steps": 50, "kd": {"kd_weight": 0.5, "chunk_tokens": 1024},
                 "architecture": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}},
 }
 
@@ -54,7 +54,7 @@ def test_example_loads_with_values_and_defaults(tmp_path: Path) -> None:
     assert config.dataset.name == "ja" and config.dataset.streaming and config.dataset.max_documents == 1000
     assert config.teacher.device == "cuda:1" and config.teacher.load_in_4bit
     assert config.precompute.top_k == 64 and config.precompute.logprobs_dtype == "float16"
-    assert config.student.kd.temperature == 2.0 and config.student.architecture.hidden_size == 64
+    assert config.student.kd.chunk_tokens == 1024 and config.student.architecture.hidden_size == 64
     assert config.student.lr == 1e-3  # a default from the field definition
     assert config.tokenizer_source == ("org/teacher", None)
     assert config_from_dict(with_changes(tokenizer="tok/dir")).tokenizer_source == ("tok/dir", None)
@@ -104,6 +104,14 @@ def test_student_name_that_could_escape(name: str) -> None:
     assert "student.name" in config_error(with_changes(student__name=name))
 
 
+def test_a_temperature_other_than_one_is_refused_in_one_line() -> None:
+    """No store keeps the teacher's tempered tail (docs/loss.md): T != 1 would soften teacher and student unalike."""
+    with pytest.raises(ConfigError, match=r"student.kd.temperature=2.0 is refused: no store keeps") as error:
+        config_from_dict(with_changes(student__kd__temperature=2.0))
+    assert "\n" not in str(error.value)
+    assert config_from_dict(with_changes(student__kd__temperature=1.0)).student.kd.temperature == 1.0
+
+
 def test_missing_required_key() -> None:
     data = with_changes()
     del data["teacher"]
@@ -132,9 +140,9 @@ def test_file_errors(tmp_path: Path) -> None:
 
 def test_overrides_with_dotted_keys(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "c.yaml", EXAMPLE)
-    config = load_config(path, {"student.steps": 7, "student.kd.temperature": 3.0, "seq_len": 64,
+    config = load_config(path, {"student.steps": 7, "student.kd.kd_weight": 0.25, "seq_len": 64,
                                 "precompute.chunk_tokens": 512})
-    assert config.student.steps == 7 and config.student.kd.temperature == 3.0
+    assert config.student.steps == 7 and config.student.kd.kd_weight == 0.25
     assert config.seq_len == 64 and config.precompute.chunk_tokens == 512
     assert config.student.name == "tiny-1"  # untouched keys keep the file's value
     with pytest.raises(ConfigError, match="unknown config key 'student.stesp'"):

@@ -114,6 +114,9 @@ def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness
     evals = [json.loads(line) for line in (student_dir / "eval.jsonl").read_text().splitlines()]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == config.student.steps
     assert evals[-1]["kl"] < 0.85 * evals[0]["kl"], evals
+    # the full-vocabulary KL is reported too, above the stored top-K one (which merges the tail into one bucket)
+    assert all(e["kl_full"] > e["kl_stored"] for e in evals) and evals[-1]["kl_full"] < evals[0]["kl_full"], evals
+    assert "KL to the teacher, full vocabulary" in first
     assert evals[-1]["perplexity"] < evals[0]["perplexity"]
     text = generate(str(student_dir / "final"), demo.SAMPLE_PROMPT, max_new_tokens=8, device="cpu")
     assert isinstance(text, str) and text  # new tokens decoded (may be mostly punctuation and newlines)

@@ -54,6 +54,9 @@ def test_golden_value() -> None:
         ({"kd_weight": 1.5}, "kd_weight"),
         ({"kd_weight": 0.5, "labels": None}, "labels are required"),
         ({"temperature": 0.0}, "temperature"),
+        ({"temperature": 2.0}, "temperature=2.0 needs tail_tempered"),
+        ({"temperature": 2.0, "tail_tempered": torch.zeros(6)}, "tail_tempered"),
+        ({"temperature": 2.0, "tail_tempered": torch.zeros(7, dtype=torch.long)}, "tail_tempered"),
         ({"chunk_tokens": 0}, "chunk_tokens"),
     ],
 )

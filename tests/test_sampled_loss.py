@@ -66,17 +66,38 @@ def exact_kl(teacher: Tensor, student: Tensor) -> tuple[Tensor, Tensor]:
     return (log_p.exp() * (log_p - log_q)).sum(1), log_q.exp() - log_p.exp()
 
 
+def through_default_codec(out: SampledTargets, replicas: int, scheme: str) -> SampledTargets:
+    """The targets written and read back as a store keeps them: the default SampledCodec (head sqrt/400 levels,
+    tail and sample log-probs float16), one row per replica of the N positions."""
+    from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, decode_sampled, encode_sampled
+
+    codec = SampledCodec(N, out.head, out.samples, V, scheme=scheme)
+    assert (codec.sample_values, codec.tail) == ("float16", "float16")
+    arrays = DecodedSampled(*(t.reshape(replicas, N, *t.shape[1:]).numpy() for t in (
+        out.head_ids, out.head_logprobs.float(), out.tail_logprob.float(), out.sample_ids,
+        out.sample_logprobs.float(), out.log_threshold.float())))
+    decoded = decode_sampled(encode_sampled(codec, arrays))
+    back = SampledTargets(*(torch.from_numpy(a.reshape(replicas * N, *a.shape[2:])) for a in decoded))
+    assert torch.equal(back.log_threshold, out.log_threshold.float())  # float32 on disk: bit for bit
+    assert not torch.equal(back.sample_logprobs, out.sample_logprobs.float())  # rounded: float16 on disk
+    return back
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["as_computed", "default_codec"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_weights_estimate_every_tail_probability_without_bias(scheme: str) -> None:
+def test_weights_estimate_every_tail_probability_without_bias(scheme: str, stored: bool) -> None:
     replicas = 3000
     teacher, out = replicated(SamplingPlan(head=H, samples=6, scheme=scheme, seed=1), replicas)
+    exact_tail = out.tail_logprob[:N].double().exp()  # as computed (float32), before any store
+    if stored:
+        out = through_default_codec(out, replicas, scheme)
     weights = ht_weights(out.sample_logprobs.double(), out.log_threshold.double(), scheme)  # (R * N, S)
     per_token = torch.zeros(replicas * N, V, dtype=torch.float64).scatter_add_(1, out.sample_ids.long(), weights)
     in_head = torch.zeros(N, V, dtype=torch.bool).scatter_(1, out.head_ids[:N].long(), True)
     p = torch.softmax(teacher.float().double(), 1)
     z, _ = z_scores(per_token.view(replicas, N, V), p.masked_fill(in_head, 0.0), fixed=in_head)
     assert z.abs().max() < z_bound(z.numel())
-    z_mass, _ = z_scores(weights.sum(1).view(replicas, N), out.tail_logprob[:N].double().exp())
+    z_mass, _ = z_scores(weights.sum(1).view(replicas, N), exact_tail)
     assert z_mass.abs().max() < z_bound(N)
 
 

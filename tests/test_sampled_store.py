@@ -250,7 +250,9 @@ def test_validate_checks_sampled_stores_by_their_own_contract(make_config, capsy
     summary = precompute_shards(config)
     assert validate_run_root(config.run_root) == 0, capsys.readouterr().out
     # The store report: the pass re-ran a few rows (same micro-batches, same seed) and drew the same samples.
-    assert summary["fidelity"]["positions_with_other_samples"] == 0 and summary["fidelity"]["kl_mean"] < 1e-3
+    fidelity = summary["fidelity"]
+    assert fidelity["positions_with_other_samples"] == 0 and fidelity["kl_buckets_lower_bound_mean"] < 1e-3
+    assert fidelity["kl_full_mean"] > 0 and fidelity["kl_full_infinite_positions"] == 0  # the store metric
     from kdflow.store_report import store_report
     from kdflow.tasks.teacher.store_report import report_markdown
 

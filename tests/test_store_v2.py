@@ -19,7 +19,7 @@ from kdflow.schemas.codec import CODEC_NAME, TopkCodec, decode, encode
 from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir, write_commit
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE, commit_file_name
-from kdflow.schemas.shards import TopkShard
+from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import read_store_info, store_format
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -242,8 +242,10 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     reports = {r["tag"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert set(reports) == {summary["tag"], lossless_tag}
     quantised, exact = reports[summary["tag"]], reports[lossless_tag]
-    assert exact["kl_mean"] < 1e-9 and exact["positions_with_other_ids"] == 0  # lossless: the re-run is the store
-    assert 1e-6 < quantised["kl_mean"] < 2e-4 and quantised["kl_positions"] == 6 * config.seq_len
+    assert exact["kl_buckets_lower_bound_mean"] < 1e-9 and exact["positions_with_other_ids"] == 0  # the re-run
+    assert 1e-6 < quantised["kl_buckets_lower_bound_mean"] < 2e-4 and quantised["kl_positions"] == 6 * config.seq_len
+    # the store metric: the adaptive store (keep_mass 0.5) holds fewer ids, so it is further from the teacher
+    assert 0 < exact["kl_full_mean"] < quantised["kl_full_mean"] and exact["kl_full_infinite_positions"] == 0
     assert quantised["bytes_per_position"] < exact["bytes_per_position"] < quantised["v1_bytes_per_position"] * 2
     assert quantised["mean_kept"] < config.precompute.top_k == exact["mean_kept"]
     assert sum(quantised["kept_histogram"].values()) == quantised["sampled_positions"]
@@ -267,8 +269,14 @@ def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixt
     assert [r["setting"] for r in records[2:]] == [label for label, _ in SETTINGS]
     by_label = {r["setting"]: r for r in records[2:]}
     default, lossless = by_label["sqrt400/unigram (default)"], by_label["float32/unigram/tail32 (lossless)"]
-    assert default["invalid_positions"] == 0 and default["total_B"] < lossless["total_B"] < records[1]["total_B"]
-    assert lossless["kl_mean"] < 1e-9 < default["kl_mean"] and by_label["sqrt400/unigram/keep0.99"]["mean_kept"] < 128
+    sizes = [r["bytes_per_position"] for r in (default, lossless, records[1])]
+    assert default["invalid_positions"] == 0 and sizes == sorted(sizes)
+    assert lossless["kl_buckets_lower_bound_mean"] < 1e-9 < default["kl_buckets_lower_bound_mean"]
+    adaptive = by_label["sqrt400/unigram/keep0.99"]
+    assert adaptive["mean_kept"] < 128 and adaptive["kl_full_mean"] > default["kl_full_mean"] > lossless["kl_full_mean"]
+    # every byte of the store: the renumbering table (in the shard's schema and _renumbering.bin) included
+    payload = default["ids_B"] + default["values_B"] + default["tail_B"]
+    assert default["bytes_per_position"] > default["data_B"] > payload
 
 
 def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -> None:
@@ -285,3 +293,21 @@ def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -
     comparison = records[2]
     assert comparison["heldout_kl_lossless"] > 0 and abs(comparison["relative_difference"]) < 0.05
     assert comparison["decode_to_train_ratio"] > 0
+    # the store metric's dense pass: the tail's sum of p log p against a plain full forward of the teacher
+    import torch
+
+    from kdflow.bench.store_train import default_store_files, dense_tail_plogp, lossless_shards
+    from kdflow.tasks.teacher.loading import load_teacher
+
+    shards, _ = lossless_shards(stores)
+    got = dense_tail_plogp(stores, shards)
+    run_root = RunRoot(config.run_root)
+    model = load_teacher(lossless.teacher, device="cpu")
+    for shard_id, (ids, _, _) in enumerate(shards):
+        rows = read_token_shard(run_root, f"{stage_dir(run_root, 'tokens')}/shard-{shard_id:05d}.arrow")
+        with torch.no_grad():
+            log_p = torch.log_softmax(model(torch.from_numpy(rows.astype(np.int64))).logits.double(), -1).numpy()
+        terms = np.exp(log_p) * log_p
+        np.put_along_axis(terms, ids.astype(np.int64), 0.0, -1)
+        np.testing.assert_allclose(got[shard_id], terms.sum(-1), rtol=1e-4, atol=1e-6)
+    assert set(default_store_files(stores)) == {"_store.json", "config.yaml"}

@@ -40,7 +40,9 @@ def test_training_report_shows_the_curve_and_evaluation() -> None:
                "eval_after": {"step": 30, **evaluation}}
     report = training_report(summary, metrics)
     assert "| 30 | 0.1667 |" in report and "| 1 | 5.0000 |" in report  # first and last steps are in the table
-    assert "| after (step 30) | 1.0000 | 7.39 | 25.0% |" in report
+    assert "| after (step 30) | 1.0000 | 7.39 | 25.0% | - |" in report  # no full KL computed
+    summary["eval_after"] = summary["eval_after"] | {"kl_full": 1.5}
+    assert "| after (step 30) | 1.0000 | 7.39 | 25.0% | 1.5000 |" in training_report(summary, metrics)
 
 
 def test_training_on_the_real_precompute_output(tmp_path: Path, sharp_teacher_dir: Path) -> None:

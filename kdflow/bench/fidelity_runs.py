@@ -6,7 +6,8 @@ Online KD runs the teacher body once per row (`TeacherStates`), keeps its final 
 the teacher's lm_head live at every step: the teacher's full distribution exactly as a live forward gives
 it (the teacher is deterministic), without paying its 30 layers again for every epoch and every seed. The
 student side is the training loop's own: `StudentRun` (same initial weights, data order, AdamW and
-schedule as `train`), `clip_grad_norm`, one optimiser step per global batch.
+schedule as `train`), `clip_grad_norm`, one optimiser step per global batch. `train_with_curve` runs either
+kind of student and evaluates it at several steps of the one run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import math
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -67,31 +67,72 @@ def _chunked_full_kl(hidden: Tensor, weight: Tensor, teacher: TeacherStates, row
     return total
 
 
-def train_online(config: KDFlowConfig, teacher: TeacherStates, chunk: int = 512) -> tuple[nn.Module, dict[str, Any]]:
-    """Online full-vocabulary KD (kd_weight 1, T = 1) for `student.steps` steps; -> the student, a summary."""
-    student = config.student
-    if student.grad_accum != 1 or student.kd.kd_weight != 1.0 or student.kd.temperature != 1.0:
-        raise ValueError("online KD here mirrors one process, grad_accum 1, pure KD at temperature 1")
-    run = StudentRun(config, 0, 1)  # the same initial weights, data order, optimiser and schedule as train()
+def _online_step(run: StudentRun, teacher: TeacherStates, position: int, chunk: int) -> float:
+    """One optimiser step of online full-vocabulary KD on the global batch at `position`; -> its loss."""
+    student = run.config.student
     model, data = run.model, run.data
     body, head = model_body(model), output_layer(model)
-    position, losses, started = 0, [], time.perf_counter()
-    for _ in range(student.steps):
-        rows = data.locate(data.rank_rows(position, student.batch_size, 0, 1))
-        teacher.fill(data, rows)
-        input_ids = data.load(rows).input_ids  # (n, T)
-        hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state.flatten(0, 1)  # (n * T, D)
-        leaf = hidden.detach().requires_grad_()
-        losses.append(_chunked_full_kl(leaf, head.weight, teacher, rows, chunk, hidden.shape[0]))
-        hidden.backward(leaf.grad)
-        clip_grad_norm(list(model.parameters()), student.grad_clip)
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step()
-        position += student.batch_size
-    model.eval()
-    return model, {"steps": student.steps, "final_loss": losses[-1], "seconds": time.perf_counter() - started,
-                   "teacher_seconds": teacher.seconds}
+    rows = data.locate(data.rank_rows(position, student.batch_size, 0, 1))
+    teacher.fill(data, rows)
+    input_ids = data.load(rows).input_ids  # (n, T)
+    hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state.flatten(0, 1)  # (n * T, D)
+    leaf = hidden.detach().requires_grad_()
+    loss = _chunked_full_kl(leaf, head.weight, teacher, rows, chunk, hidden.shape[0])
+    hidden.backward(leaf.grad)
+    clip_grad_norm(list(model.parameters()), student.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    return loss
+
+
+Curve = list[dict[str, Any]]
+
+
+def train_with_curve(config: KDFlowConfig, teacher: TeacherStates, heldout: DistillData, eval_steps: set[int], *,
+                     online: bool = False, chunk: int = 512) -> tuple[nn.Module, Curve, dict[str, Any]]:
+    """One run of `student.steps` optimiser steps from scratch, the student evaluated (`dense_eval` on `heldout`)
+    after each step in `eval_steps` (0: the initial student) and the last; -> (student, the curve, a summary).
+
+    The steps are the training loop's own (`StudentRun.step`: same initial weights, data order, AdamW, schedule,
+    loss picked from the store) or, `online`, full-vocabulary KD (kd_weight 1, T = 1) with the teacher run
+    alongside. `train_seconds` is the same quantity in both: wall seconds of the optimiser steps only (data,
+    forward, loss, backward, optimiser; online: the teacher's lm_head applied live), without the evaluations and
+    without the teacher's body passes (computed once per row and shared by every seed; `teacher_body_seconds`).
+    Nothing is saved: the caller stores the result; the student's folder is written fresh (no resume).
+    """
+    student = config.student
+    if online and (student.grad_accum != 1 or student.kd.kd_weight != 1.0 or student.kd.temperature != 1.0):
+        raise ValueError("online KD here mirrors one process, grad_accum 1, pure KD at temperature 1")
+    run = StudentRun(config, 0, 1)
+    if run.start_step:
+        raise RuntimeError(f"{run.student_dir} holds a checkpoint: the benchmark's runs start from scratch")
+    curve: Curve = []
+
+    def evaluate(step: int) -> None:
+        run.model.eval()
+        curve.append({"step": step} | dense_eval(run.model, heldout, teacher, chunk))
+        run.model.train()
+
+    train_seconds, teacher_body, loss, position = 0.0, teacher.seconds, float("nan"), 0
+    try:
+        if 0 in eval_steps:
+            evaluate(0)
+        for step in range(1, student.steps + 1):
+            before, started = teacher.seconds, time.perf_counter()
+            if online:
+                loss = _online_step(run, teacher, position, chunk)
+                position += student.batch_size
+            else:
+                loss = float(run.step()["loss"])
+            train_seconds += time.perf_counter() - started - (teacher.seconds - before)
+            if step in eval_steps or step == student.steps:
+                evaluate(step)
+    finally:
+        run.loader.close()
+    run.model.eval()
+    return run.model, curve, {"steps": student.steps, "final_train_loss": loss, "train_seconds": train_seconds,
+                   "teacher_body_seconds": teacher.seconds - teacher_body, "train_rows": run.data.train_rows}
 
 
 @torch.no_grad()
@@ -142,6 +183,9 @@ def teacher_heldout_ce(data: DistillData, teacher: TeacherStates, chunk: int = 5
     return total / max(count, 1)
 
 
-def store_bytes_per_position(records: dict[int, Any]) -> float:
-    """Data-file bytes of a store's committed shards per stored position."""
-    return float(np.sum([r.bytes for r in records.values()]) / max(sum(r.tokens for r in records.values()), 1))
+def store_bytes_per_position(run_root: Any, store: str, records: dict[int, Any]) -> float:
+    """Every byte of the store (data files, commit records, `_store.json`, `_complete.json`, `config.yaml`,
+    `_renumbering.bin`) per stored position: `kdflow.schemas.store_bytes`, as `bench store` and `store report`."""
+    from kdflow.schemas.store_bytes import store_bytes
+
+    return store_bytes(run_root, store, records).per_position

@@ -1,22 +1,25 @@
-"""`kdflow bench gpu`: the CUDA paths in one run of a few minutes, with no hub, ending in one JSON summary.
+"""`kdflow bench gpu`: the GPU check. Every CUDA path of kdflow at the reference teacher's shapes, within the lent
+machine's minutes, with no network and no Prefect, ending in one JSON summary (`infra/gpu-check.sh` runs it).
 
-For the first time a GPU is lent (`infra/gpu-check.sh` runs this): a tiny Qwen3-MoE teacher is built from a
-config with the reference vocabulary (196,608 ids) and a tokenizer trained on Python's docs, and loaded in
-4-bit through bitsandbytes. Then, each step timed and its failure recorded without stopping the others:
-corpus and token shards; `kdflow tune precompute` on that teacher (candidates in fresh processes, the
-recommendation written into the check's config); the teacher pass in its worker process with it;
-`kdflow bench precompute` and `kdflow bench loss` on the device; a few student steps with bf16 autocast;
-a 2-process FSDP step when two GPUs are visible. The last stdout line is the summary (also `--out`).
+Random Qwen3-MoE teachers with llm-jp-4-32b-a3b-base's per-layer shapes and 196,608-id vocabulary
+(kdflow/bench/gpu_plan.py says where the shapes come from) at two depths, in 4-bit (bitsandbytes) and bf16.
+Then, each step timed, its outcome recorded (ok, skipped with its reason, failed with its error) and the rest
+run on: token shards; `kdflow tune precompute`; the pass in its worker; `kdflow bench teacher-pass` at the
+tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active parameters) and the
+full-depth tok/s extrapolated from both depths; sampled and hybrid targets; `kdflow bench precompute`
+(chunked vs dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked against a float32
+dense reference); `kdflow bench train-step` with a student of the teacher's vocabulary; the training stage;
+a 2-process FSDP step when two GPUs are visible. A step that would not finish within `--budget-s` is
+skipped. The last stdout line is the summary (also `--out`); exit 0 when no step failed (skips included).
 
-`--device cpu` is the dry run: the same steps at small sizes (`--quick`), so that only the CUDA-specific
-parts (the allocator's numbers, pinned copies, bf16 autocast, NCCL) go untested without a GPU.
+`--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
+estimates, what would skip) at full size without building anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import sys
@@ -27,168 +30,122 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REFERENCE_VOCAB = 196_608
+from kdflow.bench import gpu_steps as steps_
+from kdflow.bench.gpu_plan import H200_MEMORY_GIB, plan, sizes
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdflow bench gpu", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run")
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes (the CPU dry run's; default with --device cpu)")
-    parser.add_argument("--vocab", type=int, default=REFERENCE_VOCAB, help="the teacher's vocabulary")
-    parser.add_argument("--work-dir", help="keep the teacher, stores and configs here (default: a temporary folder)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the rehearsal")
+    parser.add_argument("--quick", action="store_true", help="small sizes (the rehearsal's; default with --device cpu)")
+    parser.add_argument("--plan", action="store_true", help="print the plan at these sizes and exit (builds nothing)")
+    parser.add_argument("--memory-gib", type=float, default=H200_MEMORY_GIB, help="--plan: the device's memory")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="skip steps that would end after this (default: 480 on cuda, none on cpu)")
+    parser.add_argument("--work-dir", help="keep the teachers, stores and configs here (default: a temporary folder)")
     parser.add_argument("--out", help="also write the summary to this file")
+    parser.add_argument("--setup-log", help="JSON lines of set-up steps (infra/gpu-check.sh) put in the summary")
     parser.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
                         help="the 2-process FSDP step: auto runs it when two GPUs are visible")
-    parser.add_argument("--no-4bit", dest="four_bit", action="store_false", help="load the teacher unquantised")
     return parser
 
 
-def sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """Every size of the check; the quick (dry-run) ones keep it to a minute or two on two CPU cores."""
-    if args.quick:
-        return {"hidden": 64, "layers": 2, "experts": 4, "seq_len": 32, "documents": 16, "per_shard": 16,
-                "micro_batches": "2,4", "topk_bench": ["--vocab", "4096", "--hidden", "64", "--seq-len", "32",
-                                                       "--micro-batches", "2", "--repeats", "1"],
-                "loss_bench": ["--tokens", "256", "--vocab", "4096", "--hidden", "64", "--repeats", "1"],
-                "student_steps": 3, "batch_size": 4}
-    return {"hidden": 256, "layers": 2, "experts": 8, "seq_len": 512, "documents": 1000, "per_shard": 64,
-            "micro_batches": "8,16,32,64", "topk_bench": ["--micro-batches", "14,28", "--repeats", "3"],
-            "loss_bench": ["--tokens", "2048,8192", "--vocab", "196608", "--hidden", "2048", "--repeats", "2"],
-            "student_steps": 8, "batch_size": 8}
-
-
-def build_teacher(folder: Path, vocab: int, size: dict[str, Any], tokenizer_folder: Path) -> dict[str, Any]:
-    """A random Qwen3-MoE with `vocab` ids (the reference teacher's architecture family) and the check's tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
-
-    hidden = size["hidden"]
-    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=size["layers"],
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                            num_experts=size["experts"], num_experts_per_tok=2,
-                            moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden,
-                            max_position_embeddings=max(1024, size["seq_len"]), tie_word_embeddings=False,
-                            eos_token_id=0, bos_token_id=0, pad_token_id=1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
-    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab,
-            "architecture": type(model).__name__}
-
-
-def check_config(work: Path, args: argparse.Namespace, size: dict[str, Any]) -> dict[str, Any]:
-    """The check's config as a plain dict (written to work/check.yaml, which `kdflow tune --write` edits)."""
-    on_cuda = args.device == "cuda"
-    return {
-        "run_root": str(work / "run"),
-        "dataset": {"path": str(work / "docs.jsonl"), "documents_per_part": 64},
-        "seq_len": size["seq_len"],
-        "teacher": {"model": str(work / "teacher"), "load_in_4bit": args.four_bit, "device": args.device,
-                    "dtype": "bfloat16" if on_cuda else "float32"},
-        "precompute": {"top_k": 32, "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
-        "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"],
-                    "warmup_steps": 1, "eval_shards": 1, "eval_sequences": 8, "save_every": size["student_steps"],
-                    "device": args.device, "autocast_bf16": True,
-                    "architecture": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                     "num_key_value_heads": 1, "intermediate_size": 128}},
-    }
-
-
 class Steps:
-    """Runs each step, timing it; a failing step is recorded (its first line; the traceback on stderr)."""
+    """Runs each step, timing it. A step that raises `Skipped`, or would start with less than its `needs_s`
+    left of the budget, is skipped with its reason; one that raises otherwise is failed (its first line; the
+    traceback on stderr). Neither stops the others."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_s: float) -> None:
         self.results: dict[str, dict[str, Any]] = {}
+        self.deadline = time.perf_counter() + budget_s
 
-    def run(self, name: str, step: Callable[[], dict[str, Any] | None], *, needs: tuple[str, ...] = ()) -> None:
-        failed = [n for n in needs if self.results.get(n, {}).get("status") != "ok"]
-        if failed:
-            self.results[name] = {"status": "skipped", "reason": f"needs {', '.join(failed)}"}
+    def run(self, name: str, step: Callable[[], dict[str, Any] | None], *, needs: tuple[str, ...] = (),
+            needs_s: float = 0.0) -> None:
+        missing = [n for n in needs if self.results.get(n, {}).get("status") != "ok"]
+        left = self.deadline - time.perf_counter()
+        if missing or left < needs_s:
+            reason = f"needs {', '.join(missing)}" if missing else f"budget: {left:.0f} s left, needs ~{needs_s:.0f} s"
+            self.results[name] = {"status": "skipped", "reason": reason}
             return
         print(f"kdflow bench gpu: {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
-            result = step() or {}
-            self.results[name] = {"status": "ok", "seconds": round(time.perf_counter() - started, 2), **result}
+            self.results[name] = {"status": "ok", **(step() or {})}
+        except steps_.Skipped as skip:
+            self.results[name] = {"status": "skipped", "reason": str(skip)}
         except BaseException as error:  # noqa: BLE001 - one step's failure must not hide the others
             if isinstance(error, KeyboardInterrupt):
                 raise
             traceback.print_exc(file=sys.stderr)
             message = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            self.results[name] = {"status": "failed", "seconds": round(time.perf_counter() - started, 2),
-                                  "error": f"{type(error).__name__}: {message}"}
+            self.results[name] = {"status": "failed", "error": f"{type(error).__name__}: {message}"}
+        self.results[name]["seconds"] = round(time.perf_counter() - started, 2)
 
 
-def json_lines(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+def check_config(work: Path, device: str, size: dict[str, Any], depth: int, four_bit: bool) -> dict[str, Any]:
+    """One teacher's config as a plain dict (`kdflow tune --write` edits the file it is written to)."""
+    on_cuda = device == "cuda"
+    shapes = size["shapes"]
+    return {
+        "run_root": str(work / "run"),
+        "dataset": {"path": str(work / "docs.jsonl"), "documents_per_part": 64},
+        "seq_len": size["seq_len"],
+        "teacher": {"model": str(steps_.teacher_folder(work, depth)), "load_in_4bit": four_bit, "device": device,
+                    "dtype": "bfloat16" if on_cuda else "float32"},
+        "precompute": {"top_k": 32, "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
+        "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"],
+                    "warmup_steps": 1, "eval_shards": 1, "eval_sequences": 8, "save_every": size["student_steps"],
+                    "device": device, "autocast_bf16": True,
+                    "architecture": {"hidden_size": min(512, shapes["hidden_size"]), "num_hidden_layers": 2,
+                                     "num_attention_heads": 4, "num_key_value_heads": 2,
+                                     "intermediate_size": 2 * min(512, shapes["hidden_size"])}},
+    }
 
 
-def captured(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str]:
-    """Run a `kdflow` subcommand's main in this process, its stdout captured (and echoed to stderr)."""
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = main(argv)
-    sys.stderr.write(buffer.getvalue())
-    return code, buffer.getvalue()
-
-
-def environment(device: str) -> dict[str, Any]:
+def environment() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
                             "python": sys.version.split()[0], "cpus": os.cpu_count()}
-    with contextlib.suppress(ImportError):
-        import bitsandbytes
-        import transformers
-
-        info |= {"transformers": transformers.__version__, "bitsandbytes": bitsandbytes.__version__}
+    for name in ("transformers", "bitsandbytes", "pydantic"):
+        with contextlib.suppress(ImportError):
+            info[name] = __import__(name).__version__
     if torch.cuda.is_available():
         info |= {"cuda": torch.version.cuda,
                  "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                  "gpu_memory_mib": [round(torch.cuda.get_device_properties(i).total_memory / 2**20)
-                                    for i in range(torch.cuda.device_count())],
-                 "bf16": torch.cuda.is_bf16_supported()}
+                                    for i in range(torch.cuda.device_count())]}
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.quick = args.quick or args.device == "cpu"
-    if args.vocab < 1024:
-        raise SystemExit(f"--vocab must be >= 1024, got {args.vocab}")
+    if args.budget_s is None:
+        args.budget_s = 480.0 if args.device == "cuda" else float("inf")
+    if args.plan:
+        print(json.dumps(plan(args.quick, args.memory_gib, args.budget_s)), flush=True)
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
-    import yaml
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kdflow bench gpu: no CUDA device is visible (use --device cpu for the dry run)")
+        raise SystemExit("kdflow bench gpu: no CUDA device is visible (use --device cpu for the rehearsal)")
     started = time.perf_counter()
-    size = sizes(args)
+    size = sizes(args.quick)
+    setup = [json.loads(line) for line in Path(args.setup_log).read_text().splitlines()] if args.setup_log else []
     with contextlib.ExitStack() as stack:
         work = Path(args.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kdflow-gpu-")))
         work.mkdir(parents=True, exist_ok=True)
-        config_path = work / "check.yaml"
-        config_path.write_text(yaml.safe_dump(check_config(work, args, size), sort_keys=False), encoding="utf-8")
-        steps = Steps()
-        steps.run("teacher", lambda: _teacher(work, args, size))
-        steps.run("tokens", lambda: _tokens(work, config_path), needs=("teacher",))
-        steps.run("tune_precompute", lambda: _tune(config_path, size), needs=("tokens",))
-        steps.run("precompute", lambda: _precompute(config_path), needs=("tokens",))
-        steps.run("bench_precompute", lambda: _bench("precompute", ["--device", args.device, *size["topk_bench"]]))
-        steps.run("bench_loss", lambda: _bench("loss", ["--device", args.device, *size["loss_bench"]]))
-        steps.run("train_bf16", lambda: _train(config_path), needs=("precompute",))
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
-            steps.run("fsdp_2_process", lambda: _fsdp(config_path), needs=("precompute",))
-        else:
-            steps.results["fsdp_2_process"] = {"status": "skipped", "reason": f"{gpus} GPU(s) visible"}
-    failed = [name for name, result in steps.results.items() if result["status"] == "failed"]
+        steps = Steps(args.budget_s)
+        _run_steps(steps, work, args, size)
+    results = {step["name"]: {k: v for k, v in step.items() if k != "name"} for step in setup} | steps.results
+    failed = [name for name, result in results.items() if result["status"] == "failed"]
     summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick, "ok": not failed, "failed": failed,
+               "skipped": [name for name, result in results.items() if result["status"] == "skipped"],
                "seconds": round(time.perf_counter() - started, 1), "loadavg": [round(x, 2) for x in os.getloadavg()],
-               "environment": environment(args.device), "steps": steps.results}
+               "environment": environment(), "steps": results}
     text = json.dumps(summary)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
@@ -196,114 +153,60 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not failed else 1
 
 
-# --- the steps ----------------------------------------------------------------------------------------------
+def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> None:
+    device, quick, (low, high) = args.device, args.quick, size["depths"]
+    configs = {(depth, bits): steps_.write_yaml(work / f"check-L{depth}-{bits}.yaml",
+                                                check_config(work, device, size, depth, bits == "4bit"))
+               for bits in ("4bit", "bf16") for depth in (low, high)}
+    main_config = configs[(high, "4bit")]
+    long_s = 0 if quick else 60  # what a teacher step needs at full size, at the least
+    loss_argv = ["--device", device, "--tokens", ",".join(map(str, size["loss_tokens"])), "--vocab",
+                 str(size["loss_vocab"]), "--hidden", str(size["loss_hidden"]), "--repeats", str(size["pass_repeats"]),
+                 "--autocast-bf16", "--dense-max-gib", "100"]
+    steps.run("bench_loss", lambda: steps_.bench("loss", loss_argv), needs_s=long_s / 2)
+    steps.run("bench_precompute", lambda: steps_.bench("precompute", ["--device", device, *size["topk_bench"]]),
+              needs_s=long_s / 2)
+    steps.run("teacher", lambda: steps_.build_teachers(work, size, device))
+    steps.run("tokens", lambda: steps_.tokens(main_config), needs=("teacher",))
+    steps.run("tune_precompute", lambda: steps_.tune(main_config, size), needs=("tokens",), needs_s=2 * long_s)
+    steps.run("precompute", lambda: steps_.precompute(main_config), needs=("tokens",), needs_s=long_s)
+    tuned = steps.results["tune_precompute"].get("recommended_micro_batch")
+    for (depth, bits), path in configs.items():
+        if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
+            steps.results[f"teacher_pass_L{depth}_{bits}"] = {"status": "skipped", "reason": "quick: 4bit only"}
+            continue
+        steps.run(f"teacher_pass_L{depth}_{bits}",
+                  lambda path=path, depth=depth: steps_.teacher_pass(path, tuned, size["pass_shards"], depth,
+                                                                     size["shapes"], size["pass_repeats"]),
+                  needs=("tokens",), needs_s=long_s)
+    for bits in ("4bit", "bf16"):
+        names = tuple(f"teacher_pass_L{d}_{bits}" for d in (low, high))
+        steps.run(f"extrapolated_{bits}",
+                  lambda bits=bits: steps_.extrapolate(steps.results, (low, high), size["shapes"], bits), needs=names,
+                  needs_s=float("-inf"))  # arithmetic on what was measured: never skipped for time
+    steps.run("logits_precision", lambda: steps_.logits_precision(steps_.teacher_folder(work, low), device,
+                                                                  size["precision_tokens"]),
+              needs=("teacher",), needs_s=long_s / 2)
+    train_steps = ["--steps", "3", "--warmup", "1"] if not quick else ["--steps", "1", "--warmup", "0"]
+    train_argv = [str(main_config), "--variants", "plain,fused", *train_steps, "--device", device,
+                  "--seq-len", str(size["train_seq_len"])]
+    steps.run("bench_train_step", lambda: steps_.bench("train-step", train_argv), needs=("precompute",),
+              needs_s=long_s / 2)
+    steps.run("train_bf16", lambda: steps_.train(main_config), needs=("precompute",), needs_s=long_s / 2)
+    for mode in ("sampled", "hybrid"):
+        steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),
+                  needs_s=long_s)
+    gpus = torch_gpus()
+    if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
+        steps.run("fsdp_2_process", lambda: steps_.fsdp(main_config), needs=("precompute",), needs_s=long_s / 2)
+    else:
+        steps.results["fsdp_2_process"] = {"status": "skipped", "reason": f"{gpus} GPU(s) visible"}
 
 
-def _teacher(work: Path, args: argparse.Namespace, size: dict[str, Any]) -> dict[str, Any]:
-    from kdflow.bench.tokenise import pydoc_paragraphs, train_tiny_tokenizer
-
-    tokenizer = train_tiny_tokenizer(work / "tokenizer", pydoc_paragraphs(400), 384)
-    texts = pydoc_paragraphs(size["documents"])
-    (work / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return build_teacher(work / "teacher", args.vocab, size, tokenizer) | {"load_in_4bit": args.four_bit}
-
-
-def _tokens(work: Path, config_path: Path) -> dict[str, Any]:
-    from kdflow.schemas.config import load_config
-    from kdflow.tasks.common.tokenizer import load_tokenizer
-    from kdflow.tasks.corpus.materialise import materialise
-    from kdflow.tasks.corpus.tokenise import tokenise
-
-    config = load_config(config_path)
-    materialise(config)
-    summary = tokenise(config, load_tokenizer(config))
-    return {"shards": summary.shards, "sequences": summary.sequences, "tokens": summary.tokens}
-
-
-def _tune(config_path: Path, size: dict[str, Any]) -> dict[str, Any]:
-    from kdflow.tune import main as tune_main
-
-    code, out = captured(tune_main, [str(config_path), "--micro-batches", size["micro_batches"], "--batches", "2",
-                                     "--write", "--json", "--timeout-s", "300"])
-    result = json_lines(out)[-1]
-    if code != 0:
-        raise RuntimeError(f"kdflow tune precompute exited {code}: no recommendation")
-    return {key: result[key] for key in ("recommended_micro_batch", "recommended_tokens_per_s", "fastest_micro_batch",
-                                         "recommended_over_fastest", "candidates")}
-
-
-def _precompute(config_path: Path) -> dict[str, Any]:
-    """The teacher pass in its worker process, as the precompute flow starts it (the tuned micro-batch if written)."""
-    from kdflow.tasks.common.launch import run_child
-    from kdflow.tasks.teacher.precompute_worker import MODULE
-
-    outcome = run_child(MODULE, ["--config", str(config_path)], on_log=lambda pid, line: print(line, file=sys.stderr))
-    if outcome.exit_code != 0 or outcome.result is None:
-        message = outcome.errors[-1]["message"] if outcome.errors else ""
-        raise RuntimeError(f"the teacher worker exited {outcome.exit_code}: {message}")
-    keys = ("tag", "written", "tokens", "tokens_per_s", "peak_device_memory_mib", "device")
-    return {key: outcome.result.get(key) for key in keys}
-
-
-def _bench(what: str, argv: list[str]) -> dict[str, Any]:
-    from kdflow.bench import run_bench
-
-    code, out = captured(lambda bench_argv: run_bench(what, bench_argv), argv)
-    records = json_lines(out)
-    errors = [r for r in records if r.get("error") or str(r.get("status", "ok")).startswith("error")]
-    if code != 0 or not records or errors:
-        raise RuntimeError(f"kdflow bench {what} exited {code}: {errors[0] if errors else 'no records'}")
-    return {"records": records}
-
-
-def _train(config_path: Path) -> dict[str, Any]:
+def torch_gpus() -> int:
     import torch
 
-    from kdflow.schemas.config import load_config
-    from kdflow.tasks.student.train import autocast_for, train
-
-    config = load_config(config_path)
-    device = torch.device(config.student.device)
-    autocast = autocast_for(device, config.student.autocast_bf16)
-    summary = train(config)
-    loss = summary["final_loss"]
-    if loss is None or not torch.isfinite(torch.tensor(loss)):
-        raise RuntimeError(f"training ended with loss {loss}")
-    return {"steps": summary["steps"], "final_loss": loss, "tokens": summary["tokens"],
-            "seconds_training": summary["seconds"],
-            "autocast": "bf16" if isinstance(autocast, torch.autocast) else "off"}
-
-
-def _fsdp(config_path: Path) -> dict[str, Any]:
-    """Two ranks through torchrun, FSDP-sharded, for two more steps of a separate student."""
-    import socket
-
-    import yaml
-
-    from kdflow.tasks.common.launch import config_file, run_child
-    from kdflow.schemas.config import load_config
-    from kdflow.tasks.student.distributed import torchrun_arguments
-    from kdflow.tasks.student.train_worker import EXEC_TORCHRUN, MODULE
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    data = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-    data["student"] |= {"name": "gpu-check-fsdp", "steps": 2, "save_every": 2,
-                        "distributed": {"nproc_per_node": 2, "sharding": "fsdp", "rdzv_endpoint": f"127.0.0.1:{port}"}}
-    config = load_config(_write(config_path.with_name("fsdp.yaml"), yaml.safe_dump(data, sort_keys=False)))
-    with config_file(config, "kdflow-gpu-fsdp-") as path:
-        outcome = run_child(MODULE, [EXEC_TORCHRUN, *torchrun_arguments(config.student.distributed, path)],
-                            on_log=lambda pid, line: print(line, file=sys.stderr))
-    if outcome.exit_code != 0 or outcome.result is None:
-        message = outcome.errors[0].get("message") if outcome.errors else ""
-        raise RuntimeError(f"torchrun exited {outcome.exit_code}: {message}")
-    return {"steps": outcome.result.get("steps"), "final_loss": outcome.result.get("final_loss"), "world_size": 2}
-
-
-def _write(path: Path, text: str) -> Path:
-    path.write_text(text, encoding="utf-8")
-    return path
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 if __name__ == "__main__":

@@ -8,18 +8,25 @@ and the parent reads it back (`ChildResult.record`) or turns a failure into an e
 Peak memory on CPU is the resident set's high-water mark (VmHWM in /proc/self/status, reset to the current
 resident set by writing 5 to /proc/self/clear_refs); on CUDA the allocator's peak statistics.
 
+The rule every `kdflow bench NAME` exits by (`run_main`): a benchmark that printed no measurement exits 1,
+with one line on stderr naming what it did not measure, even where its own `main` returned 0. A measurement is
+a JSON line on stdout without an "error" or a "skipped" key (nor a "status" of "skipped"/"error"); a line that
+only describes the setting is printed with `note` and counts as none.
+
 A benchmark opens a config's run root with `kdflow.schemas.stage_settings.open_run_root(config)`, and one it
 names by URL or path alone (a scratch copy, a records-only root) with `open_root`.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +48,77 @@ def emit(record: dict[str, Any]) -> None:
 def json_records(text: str) -> list[dict[str, Any]]:
     """The JSON objects among a process's output lines (lines that start with "{")."""
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def note(record: dict[str, Any]) -> None:
+    """A JSON line that describes the setting (sizes, the machine), not a measurement: the exit rule ignores it."""
+    if isinstance(sys.stdout, _Tally):
+        sys.stdout.notes += 1
+    emit(record)
+
+
+def is_measurement(record: dict[str, Any]) -> bool:
+    """Whether a JSON line reports something measured: not an error, not a skip."""
+    status = str(record.get("status", ""))
+    return not ("error" in record or "skipped" in record or status.startswith(("error", "skipped", "failed")))
+
+
+# --- the exit rule --------------------------------------------------------------------------------------------
+
+
+class _Tally(io.TextIOBase):
+    """stdout while a benchmark runs: every write passes through; each complete JSON line is classified."""
+
+    def __init__(self, out: Any) -> None:
+        super().__init__()
+        self.out = out
+        self.measured = 0
+        self.notes = 0  # `note` lines still to come (each is counted when its line is complete)
+        self.unmeasured: list[str] = []  # why each unmeasured line measured nothing
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.out.write(text)
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self._count(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def _count(self, line: str) -> None:
+        if not line.startswith("{"):
+            return
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return
+        if self.notes:
+            self.notes -= 1
+        elif is_measurement(record):
+            self.measured += 1
+        else:
+            what = next((str(record[k]) for k in ("variant", "mode", "setting", "what") if k in record), "a record")
+            why = record.get("error") or record.get("skipped") or record.get("reason") or record.get("status")
+            self.unmeasured.append(f"{what}: {why}")
+
+
+def run_main(name: str, main: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run a benchmark's `main(argv)` under the exit rule: -> its exit code, or 1 where it measured nothing."""
+    tally = _Tally(sys.stdout)
+    sys.stdout = tally
+    try:
+        code = main(argv)
+    finally:
+        sys.stdout = tally.out
+        tally._count(tally.pending)
+    if code or tally.measured:
+        return code
+    reasons = "; ".join(tally.unmeasured) or "it printed no measurement"
+    print(f"kdflow bench {name}: measured nothing ({reasons})", file=sys.stderr, flush=True)
+    return 1
 
 
 # --- run roots ------------------------------------------------------------------------------------------------

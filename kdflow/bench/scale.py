@@ -33,8 +33,10 @@ from kdflow.bench.stores import Moto, records_only, store_env
 MODULE = "kdflow.bench.scale"  # the child of each measurement: python -m MODULE --child KIND TARGET
 
 
-def emit(record: dict[str, Any]) -> None:
-    harness.emit({"bench": "scale", **record, "loadavg": [round(x, 2) for x in os.getloadavg()]})
+def emit(record: dict[str, Any], note: bool = False) -> None:
+    """One JSON line; `note`: it describes the setting, no measurement (`harness.note`)."""
+    (harness.note if note else harness.emit)({"bench": "scale", **record,
+                                              "loadavg": [round(x, 2) for x in os.getloadavg()]})
 
 
 def parse_size(text: str) -> int:
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         emit({"what": "setup", "vocab": args.vocab, "teacher_hidden": args.teacher_hidden, "top_k": args.top_k,
               "seq_len": args.seq_len, "sequences_per_shard": args.sequences_per_shard,
               "tokenizer_vocab": args.tokenizer_vocab, "batch_size": args.batch_size, "steps": args.steps,
-              "cpus": os.cpu_count()})
+              "cpus": os.cpu_count()}, note=True)
         per_shard = args.sequences_per_shard * args.seq_len  # tokens
         shard_counts = {size: max(2, -(-size // per_shard)) for size in sizes}
         computed_shards = max(shard_counts.values()) if args.teacher_tokens is None else max(
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             disk_root = work / name
             info = subset_run(full_root, disk_root, shard_counts[size])
             shards = 2 * info["token_shards"]  # token and top-K shards
-            emit({"what": "prepared", "size": size, **info})
+            emit({"what": "prepared", "size": size, **info}, note=True)
             if "s3" in stores:  # before any training writes a student into the disk copy
                 with store_env(moto.env()):
                     import fsspec

@@ -113,6 +113,37 @@ def lossless_shards(stores: RealStores) -> tuple[list[tuple[np.ndarray, np.ndarr
     return shards, unigram_counts(run_root, done, stores.vocab)
 
 
+def dense_tail_plogp(stores: RealStores, shards: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """A dense teacher pass (on the CPU) over every row of the lossless store: per position the sum of p log p
+    over the ids outside its top-K (what the store metric needs beyond the top-K), one (rows, T) array a shard."""
+    from kdflow.schemas.layout import data_file_name
+    from kdflow.schemas.shards import read_token_shard
+    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.teacher.store_metric import tail_plogp_dense
+    from kdflow.tasks.teacher.store_report import dense_logprobs
+
+    run_root = open_run_root(stores.lossless)
+    model = load_teacher(stores.lossless.teacher, device="cpu")
+    out = []
+    for shard_id, (ids, _, _) in enumerate(shards):
+        tokens = read_token_shard(run_root, f"{stage_dir(run_root, 'tokens')}/{data_file_name('tokens', shard_id)}")
+        flat_ids, parts, done = ids.reshape(-1, ids.shape[-1]), [], 0
+        for logprobs in dense_logprobs(model, tokens, stores.lossless.precompute.micro_batch):
+            parts.append(tail_plogp_dense(logprobs, flat_ids[done:done + len(logprobs)]))
+            done += len(logprobs)
+        out.append(np.concatenate(parts).reshape(ids.shape[:2]))
+    return out
+
+
+def default_store_files(stores: RealStores) -> dict[str, bytes]:
+    """The real default store's `_store.json` and `config.yaml`, for the bench's written stores."""
+    from kdflow.schemas.layout import CONFIG_FILE, STORE_FILE
+
+    run_root = open_run_root(stores.default)
+    store = stage_dir(run_root, "topk", stores.default_tag)
+    return {name: run_root.read_bytes(f"{store}/{name}") for name in (STORE_FILE, CONFIG_FILE)}
+
+
 def _student_config(config: KDFlowConfig, name: str, steps: int) -> KDFlowConfig:
     """The student of the comparison; the last full shard is held out (with a short remainder shard after it)."""
     run_root = open_run_root(config)

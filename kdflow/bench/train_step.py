@@ -10,8 +10,19 @@ For a student config (the demo's by default) at a batch and seq_len, tok/s and p
   stage  (c) kdflow's whole training stage, `kdflow.tasks.student.train.train`, on the real shards: data
              loading, the metrics log, progress; no evaluation and no checkpoint inside the measured steps
              (a scratch student folder under the run root, removed afterwards);
-then the ratios b/a and c/b of tok/s. `--options` measures (b) again with options switched on
-(gradient_checkpointing, compile, attn=eager, combinations joined by '+') and prints each against (b).
+then the ratios b/a and c/b of tok/s (`value`: numerator's tok_s / denominator's; `peak_ratio`,
+`peak_total_ratio`: denominator's peak over the numerator's, > 1 where the numerator needs less).
+Every variant's `tok_s` is tokens_per_step x steps / `seconds`, the wall seconds of its measured steps (after
+`--warmup` untimed ones); plain and fused time the step alone, stage times everything the loop does between two
+steps (its `step_only_s` is the part inside the step).
+
+Inputs: without a config file, the demo's (teacher, text, token shards and the teacher's top-K store) are
+prepared under `--run-root` first, as `kdflow demo` would (kept for reruns: a second run reuses them). With a
+config, its tokenizer must load and, for the stage variant, its stores must exist: else the bench fails at
+once, in one line naming what is missing, before measuring anything.
+
+`--options` measures (b) again with options switched on (gradient_checkpointing, compile, attn=eager,
+combinations joined by '+') and prints each against (b).
 
 Every measurement runs in a fresh Python process, so that nothing of one is left in another's memory;
 `--repeats R` measures every variant R times, round robin, and keeps the fastest of each (the least disturbed
@@ -55,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants must be a comma list of {', '.join(VARIANTS)}; got {args.variants}")
     options = [name for name in args.options.split(",") if name] if args.options else []
     config = _bench_config(args)
+    check_inputs(config, variants)
     base = {"config": config.model_dump(mode="json"), "warmup": args.warmup, "steps": args.steps}
     specs = [base | {"variant": variant, "label": variant} for variant in variants]
     for option in options:
@@ -83,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="kdflow bench train-step", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help="student config (YAML); default: the demo's, configs/demo.yaml")
-    parser.add_argument("--run-root", default="runs/demo", help="the demo's run root (without a config file)")
+    parser.add_argument("--run-root", default="runs/bench-train-step",
+                        help="where the demo's inputs are prepared and kept (without a config file)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: student.batch_size)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's seq_len)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per variant")
@@ -108,9 +121,7 @@ def _bench_config(args: argparse.Namespace) -> Any:
     if args.config is not None:
         config = load_config(args.config, overrides)
     else:
-        from kdflow.demo_assets import demo_config, local_run_root
-
-        config = with_overrides(demo_config(local_run_root(args.run_root)), overrides)
+        config = with_overrides(prepare_demo_stores(args.run_root), overrides)
     extra: dict[str, Any] = {}
     if args.batch is not None:
         extra["student.batch_size"] = args.batch
@@ -120,6 +131,32 @@ def _bench_config(args: argparse.Namespace) -> Any:
         extra["student.device"] = args.device
     extra["student.grad_accum"] = 1  # one micro-batch per step in every variant
     return with_overrides(config, extra)
+
+
+def prepare_demo_stores(run_root: str) -> Any:
+    """The demo's teacher, text, token shards and top-K store under `run_root` (what is there and matches is
+    kept) -> its config."""
+    from kdflow.bench.teacher_pass import prepare_demo
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    config = prepare_demo(run_root)
+    precompute_shards(config)
+    return config
+
+
+def check_inputs(config: Any, variants: list[str]) -> None:
+    """A KDFlowError naming what is missing: the tokenizer every variant needs, the stores the stage trains on."""
+    from kdflow.schemas.errors import KDFlowError, StoreError
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.data import open_stores
+
+    tokenizer = load_tokenizer(config)
+    if "stage" in variants:
+        try:
+            open_stores(config, tokenizer)
+        except KDFlowError as error:
+            raise StoreError(f"the stage variant trains on the config's stores: {error} (or leave stage out of "
+                             "--variants)") from None
 
 
 def _option_overrides(option: str, parser: argparse.ArgumentParser) -> dict[str, Any]:

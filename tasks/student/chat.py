@@ -1,24 +1,28 @@
-"""Generate with a saved student: `kdflow chat STUDENT_DIR` and the `generate()` the demo calls.
+"""Generate with a saved student: the replies of `kdflow chat` (kdflow.chat), streamed and stoppable, and the
+`generate()` the demo calls.
 
 A student folder is what `kdflow.tasks.student.train` writes to `students/NAME/final/` (HF model + tokenizer); the
 `students/NAME` folder itself is accepted too. A tokenizer with a chat template means an instruction-tuned
 student (an `init_from` chat model): prompts go through the template. A base student is saved without
-one (kdflow.tasks.student.model.student_tokenizer), so its prompts are plain text to continue.
+one (kdflow.tasks.student.model.student_tokenizer), so its prompts are plain text to continue. The history of a
+conversation and its cut to the model's positions: kdflow.tasks.student.conversation.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from kdflow.schemas.errors import first_line
 from kdflow.schemas.layout import FINAL_DIR
+from kdflow.tasks.student.conversation import has_template, running_text, template_ids, text_ids
 from kdflow.tasks.student.model import StudentError, load_causal_lm
 
 
@@ -63,39 +67,110 @@ def load_student(path: str, device: str = "auto") -> LoadedStudent:
     return LoadedStudent(model, tokenizer, target, folder)
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids to continue: through the chat template when the tokenizer has one, else the plain text."""
-    if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                tokenize=True)
-        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
-        return list(ids)
-    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    if not ids:  # nothing to condition on: start a document, as after the EOS that separates training documents
-        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        ids = [start]
-    return list(ids)
+def max_positions(student: LoadedStudent) -> int | None:
+    """The positions the student was made for (`max_position_embeddings`; a kdflow student: its seq_len)."""
+    config = getattr(student.model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text_config, "max_position_embeddings", None)
+    return int(positions) if positions else None
+
+
+def encode_prompt(tokenizer: Any, prompt: str, system: str | None = None) -> list[int]:
+    """Token ids to continue: through the chat template when the tokenizer has one, else the plain text (after the
+    system text on its own line)."""
+    if has_template(tokenizer):
+        messages = [{"role": "system", "content": system}] if system else []
+        return template_ids(tokenizer, [*messages, {"role": "user", "content": prompt}])
+    return text_ids(tokenizer, running_text(system, [], prompt))
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How replies are drawn: greedy, or sampled with temperature, top-p and top-k."""
+
+    max_new_tokens: int = 64
+    greedy: bool = False
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 50
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature} (use --greedy)")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        self.check()
+        if self.greedy:
+            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_new_tokens": self.max_new_tokens}
+
+    def describe(self) -> str:
+        if self.greedy:
+            return f"greedy, up to {self.max_new_tokens} new tokens"
+        return (f"sampling (temperature {self.temperature}, top-p {self.top_p}, top-k {self.top_k}), "
+                f"up to {self.max_new_tokens} new tokens")
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str  # the new text, special tokens removed
+    new_tokens: int
+    stopped: bool  # `stop` was set before the reply's end
+
+
+class _Stop(StoppingCriteria):
+    """Ends generation after the current token once `event` is set (Ctrl-C in `kdflow chat`)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _Streamer(TextStreamer):
+    """transformers' streamer, handing each finished piece of text to `on_text` instead of printing it."""
+
+    def __init__(self, tokenizer: Any, on_text: Callable[[str], None]) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.on_text = on_text
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if text:
+            self.on_text(text)
 
 
 @torch.no_grad()
-def continue_text(student: LoadedStudent, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False,
-                  temperature: float = 0.8, top_p: float = 0.95, top_k: int = 50, seed: int | None = 0) -> str:
-    """The student's continuation of `prompt` (new text only, special tokens removed)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+def reply_to(student: LoadedStudent, input_ids: list[int], decoding: Decoding, *,
+             on_text: Callable[[str], None] | None = None, stop: threading.Event | None = None) -> Reply:
+    """Generate after `input_ids`; `on_text` gets the text as it is generated, `stop` ends the reply early."""
     tokenizer = student.tokenizer
-    input_ids = torch.tensor([encode_prompt(tokenizer, prompt)], device=student.device)  # (1, n)
+    options = decoding.generate_kwargs()
+    ids = torch.tensor([input_ids], device=student.device)  # (1, n)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampling: dict[str, Any] = {"do_sample": False}
-    if not greedy:
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {temperature} (use --greedy)")
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-        if seed is not None:
-            torch.manual_seed(seed)
-    output = student.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                                    pad_token_id=pad_id, **sampling)  # (1, n + new)
-    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+    if on_text is not None:
+        options["streamer"] = _Streamer(tokenizer, on_text)
+    if stop is not None:
+        options["stopping_criteria"] = StoppingCriteriaList([_Stop(stop)])
+    output = student.model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=pad_id,
+                                    **options)  # (1, n + new)
+    new = output[0, ids.shape[1]:]
+    return Reply(tokenizer.decode(new, skip_special_tokens=True), int(new.shape[0]),
+                 stop is not None and stop.is_set())
+
+
+def continue_text(student: LoadedStudent, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False,
+                  temperature: float = 0.8, top_p: float = 0.95, top_k: int = 50, seed: int | None = 0,
+                  system: str | None = None) -> str:
+    """The student's continuation of `prompt` alone (new text only, special tokens removed)."""
+    decoding = Decoding(max_new_tokens, greedy, temperature, top_p, top_k)
+    decoding.check()
+    if seed is not None and not greedy:
+        torch.manual_seed(seed)
+    return reply_to(student, encode_prompt(student.tokenizer, prompt, system), decoding).text
 
 
 def generate(student_dir: str, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
@@ -104,26 +179,3 @@ def generate(student_dir: str, prompt: str, *, max_new_tokens: int = 64, greedy:
     student = load_student(student_dir, device)
     return continue_text(student, prompt, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
                          top_p=top_p, top_k=top_k, seed=seed)
-
-
-def chat_main(args: argparse.Namespace) -> int:
-    """`kdflow chat`: one --prompt, or prompts read from stdin until EOF or an empty line."""
-    student = load_student(args.student_dir, args.device)
-    options = {"max_new_tokens": args.max_new_tokens, "greedy": args.greedy, "temperature": args.temperature,
-               "top_p": args.top_p, "top_k": args.top_k}
-    if args.prompt is not None:
-        print(continue_text(student, args.prompt, seed=args.seed, **options), flush=True)
-        return 0
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"student {student.folder}: type a prompt, an empty line or Ctrl-D ends", file=sys.stderr)
-    torch.manual_seed(args.seed)  # seeded once: each reply continues the same random stream
-    while True:
-        try:
-            prompt = input("> " if interactive else "")
-        except EOFError:
-            break
-        if not prompt.strip():
-            break
-        print(continue_text(student, prompt, seed=None, **options), flush=True)
-    return 0

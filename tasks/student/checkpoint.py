@@ -5,7 +5,8 @@
 `checkpoint.json` (step, global data position, fingerprint), written last. On local disk the folder is
 filled under a hidden temporary name and renamed into place; on object stores the files are uploaded
 and `checkpoint.json` goes last. Either way a checkpoint without `checkpoint.json` is never resumed from.
-`students/NAME/final/` holds the final model and tokenizer only: what `kdflow chat` loads.
+`students/NAME/final/` holds the final model and tokenizer, what `kdflow chat` loads, and the model card
+(kdflow.tasks.student.model_card).
 
 Several ranks (kdflow.tasks.student.distributed): rank 0 alone writes, from full states (gathered first under FSDP),
 so a checkpoint is the same whatever the number of ranks and resumes on any number. The optimizer state is always
@@ -287,12 +288,16 @@ def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch
 
 
 def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any, *,
-               model_state: dict[str, torch.Tensor] | None = None) -> str:
-    """students/NAME/final/: the model and tokenizer that `kdflow chat` loads (`model_state`: see save_checkpoint)."""
+               model_state: dict[str, torch.Tensor] | None = None, files: dict[str, bytes] | None = None) -> str:
+    """students/NAME/final/: the model and tokenizer that `kdflow chat` loads (`model_state`: see save_checkpoint),
+    with `files` (name -> bytes: the model card and its curve) beside them."""
     path = f"{student_dir}/{FINAL_DIR}"
     needed = _tensor_bytes(model_state if model_state is not None else model.state_dict())
     with _folder_writer(run_root, path, needed_bytes=needed, site="final") as folder:
         model.save_pretrained(folder, state_dict=_copy(model_state))  # it pops the tensors it wrote from the dict
         tokenizer.save_pretrained(folder)
+        for name, data in (files or {}).items():
+            with open(os.path.join(folder, name), "wb") as handle:
+                handle.write(data)
     return path
 

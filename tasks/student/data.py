@@ -11,6 +11,7 @@ resumed on another number of ranks continues exactly where the last one stopped.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,9 @@ from kdflow.schemas.stores import alignment_problem, find_topk_stores, format_mi
 from kdflow.schemas.token_store import open_token_store
 from kdflow.schemas.topk_rows import TopkRows
 from kdflow.tasks.common.models import teacher_fingerprint
+
+logger = logging.getLogger("kdflow.train")
+_TAIL_WARNED: set[str] = set()  # stores whose computed tail was warned about in this process
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,11 @@ def open_stores(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None =
     mismatch = format_mismatch(info, config, run_root.display(topk_store)) if info is not None else None
     if mismatch is not None:  # student.topk_tag named a store of other format settings
         raise StoreError(mismatch)
+    if info is not None and info.tail_computed and topk_store not in _TAIL_WARNED:
+        _TAIL_WARNED.add(topk_store)
+        logger.warning("top-K store %s was imported without tail mass: its tail is 1 - sum(p) of the kept ids, "
+                       "so the loss's tail bucket is only as exact as the source's log-probs",
+                       run_root.display(topk_store))
     topk_records = list_commits(run_root, topk_store, "topk")
     fingerprints = {record.fingerprint for record in topk_records.values()}
     if len(fingerprints) > 1:

@@ -10,6 +10,11 @@ stored exactly at capture; without it 1 - sum p_i), and the student's full-vocab
 Its gradient on the top-K logits equals the full-vocabulary KL's; renormalising the teacher over K
 instead would push the student's tail mass to zero.
 
+At a temperature T != 1 both sides are softened exactly: the student's logits are divided by T, and the
+teacher's K+1 buckets are exp(l_i / T) and exp(tail_tempered), renormalised over the K+1, where
+tail_tempered = log sum_{j outside the top-K} exp(l_j / T) comes from the teacher's full logits (a store
+column). Without it T != 1 is refused: the tail's tempered mass is not a function of its untempered mass.
+
 The loss takes the student's final hidden states and its lm_head weight, never logits: the chunked core
 (`kdflow.tasks.student.chunked_loss`) makes logits for `chunk_tokens` rows at a time and computes the
 gradients for hidden, weight and bias chunk by chunk during the forward pass (one matmul forward, two for
@@ -42,6 +47,7 @@ def fused_topk_kl(
     topk_logprobs: Tensor,
     *,
     tail_logprob: Tensor | None = None,
+    tail_tempered: Tensor | None = None,
     bias: Tensor | None = None,
     mask: Tensor | None = None,
     labels: Tensor | None = None,
@@ -60,9 +66,11 @@ def fused_topk_kl(
     `global_counts=(n_kd, n_ce)` replaces those local denominators (data parallel: each rank sums its
     part, every rank divides by the global count). With no counted position the loss is 0.
 
-    Temperature T != 1 uses the bucket approximation: student logits / T, teacher buckets
-    exp(l_i / T) and exp(log p_o / T) renormalised over the K+1 buckets, KD scaled by T^2. CE always
-    uses the untempered logits. `return_parts=True` returns (loss, kd, ce) with kd (already T^2
+    Temperature T != 1 needs `tail_tempered` (N,): log sum over the ids outside the top-K of exp(l_j / T),
+    l the teacher's full-vocabulary log-probs (a store's column for that T). Then the student's logits are
+    divided by T, the teacher's buckets are exp(l_i / T) and exp(tail_tempered) renormalised over the K+1
+    (the teacher's exact tempered softmax, bucketed), and KD is scaled by T^2. CE always uses the
+    untempered logits. `return_parts=True` returns (loss, kd, ce) with kd (already T^2
     scaled) and ce detached, so that loss = kd_weight * kd + (1 - kd_weight) * ce.
 
     Teacher ids >= V fold into the tail bucket (with a warning); if a row's top-K covers the whole
@@ -71,10 +79,15 @@ def fused_topk_kl(
     the softmax/KL math in float32.
     """
     check_student_inputs(hidden, weight, bias, mask, labels)
-    _check_targets(hidden, topk_ids, topk_logprobs, tail_logprob)
+    _check_targets(hidden, topk_ids, topk_logprobs, tail_logprob, tail_tempered)
     check_options(kd_weight, chunk_tokens, labels)
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature != 1.0 and tail_tempered is None:
+        raise ValueError(f"temperature={temperature} needs tail_tempered, the teacher's log-sum-exp of l / T over "
+                         f"the ids outside its top-K: the top-K and the tail's mass cannot soften the tail exactly")
+    if temperature == 1.0:
+        tail_tempered = None  # at T = 1 the tail's own log-mass is the tempered one
     vocab = weight.shape[0]
     rows = counted_rows(mask)
     if rows is not None:  # (M,)
@@ -82,13 +95,14 @@ def fused_topk_kl(
         topk_ids, topk_logprobs = topk_ids.index_select(0, rows), topk_logprobs.index_select(0, rows)
         labels = None if labels is None else labels.index_select(0, rows)
         tail_logprob = None if tail_logprob is None else tail_logprob.index_select(0, rows)
+        tail_tempered = None if tail_tempered is None else tail_tempered.index_select(0, rows)
     has_folded_ids = _check_teacher_ids(topk_ids, topk_logprobs, vocab)
     if labels is not None:
         check_labels(labels, vocab)
     options = chunk_options(hidden, weight, bias, labels, kd_weight=kd_weight, temperature=temperature,
                             chunk_tokens=chunk_tokens, global_counts=global_counts)
     teacher = _TopkTeacher(topk_ids, topk_logprobs.detach(), None if tail_logprob is None else tail_logprob.detach(),
-                           has_folded_ids)
+                           None if tail_tempered is None else tail_tempered.detach(), has_folded_ids)
     loss, kd, ce = fused_distillation_loss(hidden, weight, bias, teacher, labels, options)
     return (loss, kd, ce) if return_parts else loss
 
@@ -100,12 +114,14 @@ class _TopkTeacher:
     topk_ids: Tensor  # (M, K) integer
     topk_logprobs: Tensor  # (M, K) float
     tail_logprob: Tensor | None  # (M,) float, log of the teacher's mass outside the top-K; None: 1 - sum
+    tail_tempered: Tensor | None  # (M,) float, log sum of exp(l_j / T) outside the top-K; None at T = 1
     has_folded_ids: bool  # ids outside [0, V): beyond the student's vocabulary, or padding
 
     def chunk(self, start: int, end: int, vocab: int, options: ChunkOptions) -> _Buckets:
         tail_logprob = None if self.tail_logprob is None else self.tail_logprob[start:end]
+        tempered = None if self.tail_tempered is None else (self.tail_tempered[start:end], options.temperature)
         return _teacher_buckets(self.topk_ids[start:end], self.topk_logprobs[start:end], tail_logprob, vocab,
-                                options.temperature, options.math_dtype, self.has_folded_ids)
+                                tempered, options.math_dtype, self.has_folded_ids)
 
 
 @dataclass(frozen=True)
@@ -140,10 +156,11 @@ def bucket_kd(p: Tensor, log_p: Tensor, p_tail: Tensor, log_p_tail: Tensor, stud
 
 
 def _teacher_buckets(
-    topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor | None, vocab: int, temperature: float,
-    math_dtype: torch.dtype, has_folded_ids: bool,
+    topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor | None, vocab: int,
+    tempered: tuple[Tensor, float] | None, math_dtype: torch.dtype, has_folded_ids: bool,
 ) -> _Buckets:
-    """The teacher's K+1 bucket probabilities for a chunk: (C, K) top-K and (C,) tail."""
+    """The teacher's K+1 bucket probabilities for a chunk: (C, K) top-K and (C,) tail; with `tempered`
+    (tail_tempered (C,), T) those of the teacher's softmax at temperature T."""
     ids = topk_ids.long()  # (C, K)
     valid = (ids < vocab) & (ids >= 0) if has_folded_ids else torch.ones_like(ids, dtype=torch.bool)
     safe_ids = torch.where(valid, ids, 0) if has_folded_ids else ids
@@ -157,10 +174,8 @@ def _teacher_buckets(
     p_tail = torch.where(tail_is_empty, 0.0, p_tail)
     log_p_tail = p_tail.log().to(math_dtype)
     p_tail = p_tail.to(math_dtype)
-    if temperature != 1.0:
-        tempered = torch.cat([log_p, log_p_tail[:, None]], dim=1) / temperature  # (C, K + 1)
-        tempered = torch.log_softmax(tempered, dim=1)
-        log_p, log_p_tail = tempered[:, :-1], tempered[:, -1]
+    if tempered is not None:
+        log_p, log_p_tail = _tempered_buckets(log_p, topk_logprobs, valid, tail_is_empty, *tempered, math_dtype)
         p_tail = log_p_tail.exp()
     return _Buckets(
         ids=safe_ids, valid=valid, p=log_p.exp(), log_p=log_p,
@@ -168,7 +183,22 @@ def _teacher_buckets(
     )
 
 
-def _check_targets(hidden: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor | None) -> None:
+def _tempered_buckets(log_p: Tensor, topk_logprobs: Tensor, valid: Tensor, tail_is_empty: Tensor,
+                      tail_tempered: Tensor, temperature: float, math_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """log_p (C, K) of the valid ids (-inf elsewhere) -> the log of the teacher's tempered K+1 buckets:
+    exp(l_i / T) and the tail's exp(tail_tempered) plus exp(l_i / T) of folded ids, over their sum (the
+    teacher's full tempered normaliser, since the buckets partition its vocabulary)."""
+    scaled = log_p / temperature  # (C, K)
+    tail = tail_tempered.to(math_dtype)  # (C,)
+    folded = torch.where(valid, float("-inf"), topk_logprobs.to(math_dtype) / temperature)  # padding: -inf
+    tail = torch.logaddexp(tail, folded.logsumexp(1))
+    tail = torch.where(tail_is_empty, float("-inf"), tail)
+    normaliser = torch.logaddexp(scaled.logsumexp(1), tail)  # (C,)
+    return scaled - normaliser[:, None], tail - normaliser
+
+
+def _check_targets(hidden: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor | None,
+                   tail_tempered: Tensor | None) -> None:
     rows = hidden.shape[0]
     if topk_ids.ndim != 2 or topk_ids.shape[0] != rows or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must be (N={rows}, K >= 1), got {tuple(topk_ids.shape)}")
@@ -177,10 +207,12 @@ def _check_targets(hidden: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail
     if topk_logprobs.shape != topk_ids.shape or not topk_logprobs.is_floating_point():
         raise ValueError(f"topk_logprobs must be a float tensor shaped like topk_ids "
                          f"{tuple(topk_ids.shape)}, got {topk_logprobs.dtype} {tuple(topk_logprobs.shape)}")
-    if tail_logprob is not None and (tail_logprob.shape != (rows,) or not tail_logprob.is_floating_point()):
-        raise ValueError(f"tail_logprob must be a float (N={rows},) tensor, "
-                         f"got {tail_logprob.dtype} {tuple(tail_logprob.shape)}")
-    named = {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs, "tail_logprob": tail_logprob}
+    named = {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs, "tail_logprob": tail_logprob,
+             "tail_tempered": tail_tempered}
+    for name in ("tail_logprob", "tail_tempered"):
+        tensor = named[name]
+        if tensor is not None and (tensor.shape != (rows,) or not tensor.is_floating_point()):
+            raise ValueError(f"{name} must be a float (N={rows},) tensor, got {tensor.dtype} {tuple(tensor.shape)}")
     for name, tensor in named.items():
         if tensor is not None and tensor.device != hidden.device:
             raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")

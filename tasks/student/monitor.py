@@ -57,7 +57,12 @@ def plot_training_curve(metrics: list[dict[str, Any]], evals: list[dict[str, Any
         axes.plot(steps, [record["loss"] for record in metrics], label="loss", color="tab:blue", linewidth=1.2,
                   zorder=3)
     if evals:
-        axes.plot([e["step"] for e in evals], [e["kl"] for e in evals], "o--", label="held-out KL", color="tab:red")
+        axes.plot([e["step"] for e in evals], [e["kl"] for e in evals], "o--", label="held-out KL to stored targets",
+                  color="tab:red")
+        full = [e for e in evals if e.get("kl_full") is not None]
+        if full:
+            axes.plot([e["step"] for e in full], [e["kl_full"] for e in full], "s--", label="held-out full KL",
+                      color="tab:purple")
     axes.set_xlabel("step")
     axes.set_ylabel("nats per position")
     axes.set_title(title)
@@ -147,14 +152,16 @@ class TrainingMonitor:
             return
         latest = evals[-1]
         self._last_eval = latest["step"]
-        logger.info("train %s: held-out at step %d: KL %.4f, perplexity %.2f, top-1 agreement %s", self.name,
-                    latest["step"], latest["kl"], latest["perplexity"], percent(latest["top1_agreement"]))
+        full = f", full KL {latest['kl_full']:.4f}" if latest.get("kl_full") is not None else ""
+        logger.info("train %s: held-out at step %d: KL to stored targets %.4f%s, perplexity %.2f, top-1 agreement %s",
+                    self.name, latest["step"], latest["kl"], full, latest["perplexity"],
+                    percent(latest["top1_agreement"]))
         curve = f"{self.student_dir}/{TRAINING_CURVE_FILE}"
         self.run_root.write_bytes_atomic(curve, plot_training_curve(metrics, evals, f"student {self.name}"))
         if self.tensorboard is not None:
             self.tensorboard.scalars(latest["step"], {f"eval/{k}": float(latest[k])
-                                                      for k in ("kl", "perplexity", "top1_agreement")
-                                                      if latest[k] is not None})
+                                                      for k in ("kl", "kl_full", "perplexity", "top1_agreement")
+                                                      if latest.get(k) is not None})
             self.tensorboard.flush()
         self._emit({"stage": "train", "event": "eval", "student": self.name, "steps": self.steps,
                     "curve": self.run_root.display(curve), **latest})

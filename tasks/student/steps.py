@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ from kdflow.tasks.common.models import model_body, output_layer
 from kdflow.tasks.student.chunked_loss import IGNORE_INDEX
 from kdflow.tasks.student.data import DistillBatch, DistillData, DistillStores
 from kdflow.tasks.student.distributed import all_reduce_sum, clip_grad_norm, gradient_sync
+from kdflow.tasks.student.heldout_teacher import HeldoutTeacher
+
+Probe = Callable[[torch.Tensor, nn.Module], Any]
 
 def autocast_for(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA devices that support it; on CPU bf16 is slower than fp32, so never there."""
@@ -81,9 +85,12 @@ class DistillLoss(nn.Module):
     def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
                 tail_logprob: torch.Tensor | None = None, samples: tuple[torch.Tensor, ...] | None = None, *,
                 global_counts: tuple[float, float], kd_weight: float, temperature: float, chunk_tokens: int,
-                predict: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                predict: bool = False, probe: Probe | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """(n, T), (n, T, K), (n, T, K), (n, T), sampled targets' (n, T, S), (n, T, S), (n, T) or None -> loss, kd,
-        ce, and with `predict` the student's argmax (n*T,)."""
+        ce, and with `predict` the student's argmax (n*T,), with `probe` what `probe(hidden (n*T, H) detached,
+        lm_head)` returns (the evaluation's look at the student's full logits, while a wrapper has gathered the
+        weights), else None."""
         from kdflow.tasks.student.sampled_loss import distillation_kl
 
         head = output_layer(self.student)
@@ -95,21 +102,23 @@ class DistillLoss(nn.Module):
             samples=None if samples is None else tuple(t.flatten(0, 1) for t in samples),
             labels=next_token_labels(input_ids).flatten(), kd_weight=kd_weight, temperature=temperature,
             chunk_tokens=chunk_tokens, global_counts=global_counts, return_parts=True)
+        if probe is not None:
+            return loss, kd_part, ce_part, probe(hidden.detach(), head)
         predicted = _chunked_argmax(hidden.detach(), head, chunk_tokens) if predict else None
         return loss, kd_part, ce_part, predicted
 
 
 def distill_loss(module: nn.Module, batch: DistillBatch, kd: KDConfig, global_counts: tuple[float, float],
                  autocast: contextlib.AbstractContextManager, *, kd_weight: float | None = None,
-                 temperature: float | None = None, predict: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One micro-batch through `module` (a DistillLoss, wrapped or not) -> (loss, kd, ce, predicted | None)."""
+                 temperature: float | None = None, predict: bool = False, probe: Probe | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """One micro-batch through `module` (a DistillLoss, wrapped or not) -> (loss, kd, ce, predicted | probed | None)."""
     with autocast:
         return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logprob, batch.samples,
                       global_counts=global_counts,
                       kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
                       temperature=kd.temperature if temperature is None else temperature,
-                      chunk_tokens=kd.chunk_tokens, predict=predict)
+                      chunk_tokens=kd.chunk_tokens, predict=predict, probe=probe)
 
 
 def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
@@ -153,9 +162,12 @@ def _chunked_argmax(hidden: torch.Tensor, head: nn.Module, chunk: int) -> torch.
 
 @torch.no_grad()
 def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device: torch.device, *, rank: int = 0,
-             world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None) -> dict[str, float] | None:
-    """Held-out KL to the teacher's top-K (T = 1, mean per position), perplexity, top-1 agreement, through
-    `module` (a DistillLoss, wrapped or not)."""
+             world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None,
+             teacher: HeldoutTeacher | None = None) -> dict[str, float] | None:
+    """Held-out evaluation through `module` (a DistillLoss, wrapped or not), means per position: `kl_stored`, the KL
+    to the stored targets at T = 1 (top-K stores: the K+1-bucket KL to the stored, quantised top-K, which can only
+    understate the true KL; `kl` is its old name, kept for readers of older logs), `kl_full` with a `teacher`
+    (every rank passes one or none): the KL to the teacher's full distribution, perplexity, top-1 agreement."""
     if not data.eval_rows:
         return None
     autocast = autocast if autocast is not None else contextlib.nullcontext()
@@ -169,21 +181,35 @@ def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device:
     rounds = math.ceil(math.ceil(total_rows / world_size) / micro)
     was_training = module.training
     module.eval()
-    sums = [0.0, 0.0, 0.0]  # kd, ce, top-1 matches
+    sums = [0.0, 0.0, 0.0, 0.0]  # kd, ce, top-1 matches, full KL
+    chunk = config.student.kd.chunk_tokens
     for i in range(rounds):
         spare = i >= len(mine)
-        batch = data.load(data.eval_rows[:1] if spare else mine[i]).to(device)
-        _, kd_part, ce_part, predicted = distill_loss(module, batch, config.student.kd, global_counts, autocast,
-                                                      kd_weight=1.0, temperature=1.0, predict=True)  # predicted (n*T,)
+        rows = data.eval_rows[:1] if spare else mine[i]
+        batch = data.load(rows).to(device)
+        full = teacher is not None and not spare
+        if full:
+            teacher.fill(rows, batch.input_ids)
+
+        def probe(hidden: torch.Tensor, head: nn.Module, rows: list = rows, full: bool = full) -> tuple[Any, Any]:
+            return _chunked_argmax(hidden, head, chunk), teacher.kl_sum(rows, hidden, head) if full else 0.0
+
+        _, kd_part, ce_part, (predicted, kl_full) = distill_loss(
+            module, batch, config.student.kd, global_counts, autocast, kd_weight=1.0, temperature=1.0,
+            probe=probe)  # predicted (n*T,)
         if spare:
             continue
         matches = (predicted == batch.topk_ids[..., 0].flatten().long()).sum() if batch.topk_ids.shape[-1] else 0
-        sums = [sums[0] + float(kd_part), sums[1] + float(ce_part), sums[2] + float(matches)]
+        sums = [sums[0] + float(kd_part), sums[1] + float(ce_part), sums[2] + float(matches),
+                sums[3] + float(kl_full)]
+    if teacher is not None:
+        teacher.release_body()  # every row of this rank is held now: the body is not needed again
     module.train(was_training)
-    kl, ce, matches = all_reduce_sum(sums, device)
+    kl, ce, matches, kl_full = all_reduce_sum(sums, device)
     top1 = matches / global_counts[0] if data.stores.targets != "sampled" else None  # sampled targets: no argmax
-    return {"kl": kl, "ce": ce, "perplexity": math.exp(min(ce, 700.0)), "top1_agreement": top1,
-            "sequences": total_rows}
+    full = {"kl_full": kl_full / global_counts[0]} if teacher is not None else {}
+    return {"kl": kl, "kl_stored": kl, **full, "ce": ce, "perplexity": math.exp(min(ce, 700.0)),
+            "top1_agreement": top1, "sequences": total_rows}
 
 
 def check_layout(student: StudentConfig, world_size: int) -> None:

@@ -5,7 +5,8 @@ it, `grad_accum` micro-batches; per micro-batch the student body's final hidden 
 top-K loss with the lm_head weight (logits never exist beyond one chunk). Every micro-batch loss is
 divided by the GLOBAL count of counted positions of the whole optimiser step, so accumulation and ranks
 sum to exactly the gradient of one big batch. Then clipping, AdamW, the LR schedule (linear warmup,
-cosine to min_lr_ratio * lr). Metrics per step go to metrics.jsonl, evaluations to eval.jsonl.
+cosine to min_lr_ratio * lr). Metrics per step go to metrics.jsonl, evaluations to eval.jsonl (with
+`student.eval_full_kl` on, the full-vocabulary KL too: kdflow.tasks.student.heldout_teacher).
 
 Data parallel (kdflow.tasks.student.distributed, processes started by torchrun through
 kdflow.tasks.student.train_worker): `rank` and `world_size` pick the rows of each global batch, counts and
@@ -34,8 +35,10 @@ from kdflow.tasks.student.data import open_distill_data
 from kdflow.tasks.student.distributed import (any_rank, barrier, choose_sharding, full_model_state,
                                               full_optimizer_state, load_full_optimizer_state, rank_device,
                                               torchrun_rank, wrap_for_training)
+from kdflow.tasks.student.heldout_teacher import HeldoutTeacher, full_kl_wanted
 from kdflow.tasks.student.jsonl_log import JsonlLog
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
+from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_installed
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
@@ -102,6 +105,9 @@ class StudentRun:
             position, student.batch_size, student.grad_accum, rank, world_size, pin=self.device.type == "cuda"),
             student.prefetch_steps)  # the next steps' batches, read while this one computes
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
+        # The held-out kl_full: the teacher loaded at the first evaluation, on every rank or none.
+        self.full_kl = bool(self.data.eval_rows) and not any_rank(not full_kl_wanted(config), self.device)
+        self.heldout_teacher: HeldoutTeacher | None = None
 
     def step(self) -> dict[str, Any]:
         """One optimiser step at the current data position; -> its metrics record (also logged)."""
@@ -127,8 +133,10 @@ class StudentRun:
         return record
 
     def evaluate(self) -> None:
+        if self.full_kl and self.heldout_teacher is None:
+            self.heldout_teacher = HeldoutTeacher.load(self.config, self.device)
         result = evaluate(self.module, self.data, self.config, self.device, rank=self.rank, world_size=self.world_size,
-                          autocast=self.autocast)
+                          autocast=self.autocast, teacher=self.heldout_teacher)
         if result is not None:
             self.evals.append({"step": self.state.step} | result)
 
@@ -167,7 +175,16 @@ class StudentRun:
         if self.state.step > self.start_step or final_missing:
             model_state = self.full_model_state()
             if self.is_main:
-                save_final(self.run_root, self.student_dir, self.model, self.tokenizer, model_state=model_state)
+                save_final(self.run_root, self.student_dir, self.model, self.tokenizer, model_state=model_state,
+                           files=self.card_files())
+
+    def card_files(self) -> dict[str, bytes]:
+        """The model card (README.md) and its curve, for final/ (kdflow.tasks.student.model_card)."""
+        facts = card_facts(self.config, self.run_root, self.data.stores, step=self.state.step,
+                           elapsed_s=self.state.elapsed_s, tokens_per_step=self.tokens_per_step,
+                           evals=self.evals.records, device=self.device, world_size=self.world_size,
+                           parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed())
+        return card_files(facts, self.metrics.records, self.evals.records)
 
     def flush_logs(self) -> None:
         self.metrics.flush()

@@ -5,9 +5,11 @@ Without a teacher (`sampled_summary`, over sampled rows): the tail mass outside 
 tokens carry their own probability as weight (p >= tau, drawn for sure), how many positions had their
 whole tail sampled, and the Horvitz-Thompson check sum W / p_o (sum of the weights over the exact tail
 mass: 1 in expectation, its spread is the estimator's noise). With the teacher (`sampled_fidelity`): the
-picked rows' micro-batches re-run exactly as the pass ran them (same shapes, same seed), the head compared
-as a K+1 bucket KL (what the codec's quantisation lost), and the draws compared id for id (a rerun must
-draw the same samples: positions that differ are counted).
+picked rows' micro-batches re-run exactly as the pass ran them (same shapes, same seed), the store metric (the
+full-vocabulary KL to what the store implies: head and sampled ids at their stored probabilities, the rest of
+the head's tail spread evenly over the other ids; `kdflow.tasks.teacher.store_metric`), the head's K+1 bucket
+KL (what the codec's quantisation lost; a lower bound), and the draws compared id for id (a rerun must draw
+the same samples: positions that differ are counted).
 """
 
 from __future__ import annotations
@@ -65,13 +67,13 @@ def sampled_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
     compare with the store: the head's K+1 bucket KL and the draws, id for id."""
     import torch
 
-    from kdflow.tasks.teacher.store_report import bucket_kl
+    from kdflow.tasks.teacher.store_report import bucket_fields, bucket_kl, full_fidelity
 
     step = getattr(step, "step", step)  # SampledPass -> its TeacherSampledStep
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
     token_records, records = list_commits(run_root, tokens_store, "tokens"), list_commits(run_root, store, "topk")
     device = next(step.model.parameters()).device
-    exact, stored = [], []
+    exact, stored, input_ids = [], [], []
     for shard_id, row in picks:
         tokens = read_token_shard(run_root, f"{tokens_store}/{token_records[shard_id].data_file}")  # (rows, T)
         first = row - row % micro_batch  # the pass's micro-batch holding `row`, padded as the pass padded it
@@ -82,14 +84,19 @@ def sampled_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
         exact.append(DecodedSampled(*(getattr(drawn, f).cpu().numpy()[row - first:row - first + 1]
                                       for f in DecodedSampled._fields)))
         stored.append(SampledShard(run_root, f"{store}/{records[shard_id].data_file}").read([row]))
+        input_ids.append(tokens[row])
     exact, stored = (DecodedSampled(*(np.concatenate(f) for f in zip(*parts, strict=True)))
                      for parts in (exact, stored))
     same = (np.sort(exact.sample_ids, -1) == np.sort(stored.sample_ids, -1)).all(-1)  # (n, T)
     result = {"kl_rows": len(picks), "kl_positions": int(same.size), "positions_with_other_samples": int((~same).sum())}
+    sample_p = np.exp(stored.sample_logprobs.astype(np.float64)).sum(-1)
+    with np.errstate(divide="ignore"):  # the head's tail less the samples; 0 (an infinite KL) only if rounded away
+        rest = np.log(np.maximum(np.exp(stored.tail_logprob.astype(np.float64)) - sample_p, 0.0))
+    result |= full_fidelity(step.model, np.stack(input_ids), np.concatenate([stored.head_ids, stored.sample_ids], -1),
+                            np.concatenate([stored.head_logprobs, stored.sample_logprobs], -1), rest, micro_batch)
     if exact.head_ids.shape[-1]:
         kl, agree = bucket_kl(_head(exact), _head(stored))
-        result |= {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "kl_p99": float(np.quantile(kl, 0.99)),
-                   "positions_with_other_ids": int((~agree).sum())}
+        result |= bucket_fields(kl) | {"positions_with_other_ids": int((~agree).sum())}
     return result
 
 

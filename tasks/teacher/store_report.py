@@ -1,12 +1,17 @@
 """What a top-K store costs and how close it stays to the teacher: the store report (no Prefect here).
 
-Without a teacher (`store_summary`): bytes per position over every committed shard, the format and codec,
-and over a sample of rows the tail-mass histogram and how many positions keep how many ids (adaptive K).
-With the teacher (`teacher_fidelity`): a few rows re-run through it, float32 logits over the full
-vocabulary as at capture, and per position KL(exact || stored) over the K+1 buckets "each id both hold,
-everything else", with the stored side normalised (what the loss fits the student to). When the ids
-agree (the usual case) that is the K+1-bucket KL; where a re-run picks other ids, the partition is the
-common ids plus one rest bucket, a lower bound, and the report counts those positions.
+Without a teacher (`store_summary`): bytes per position, every byte of the store (`kdflow.schemas.store_bytes`),
+the format and codec, and over a sample of rows the tail-mass histogram and how many positions keep how many
+ids (adaptive K). With the teacher (`teacher_fidelity`): a few rows re-run through it, float32 logits over the
+full vocabulary as at capture, and two figures per position:
+- `kl_full_*`: the store metric, KL(teacher || what the store implies) over the whole vocabulary, from a dense
+  teacher pass (`kdflow.tasks.teacher.store_metric`): one definition for every store kind, comparable across
+  stores (smaller is more faithful);
+- `kl_buckets_lower_bound_*`: KL(exact || stored) over the K+1 buckets "each id both hold, everything else",
+  the stored side normalised (what the loss fits the student to). It depends on the partition (a store holding
+  fewer ids merges more of them into the rest bucket, which can only lower it): a lower bound of the full KL,
+  not comparable across stores. Where a re-run picks other ids it is over the common ids plus one rest bucket,
+  and the report counts those positions.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from kdflow.schemas.codec import DecodedTopk
 from kdflow.schemas.commits import CommitRecord, list_commits, read_complete, stage_dir
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.store_bytes import store_bytes
 from kdflow.schemas.stores import format_label, read_store_info
 from kdflow.tasks.teacher.sampled_report import sampled_fidelity, sampled_markdown, sampled_summary
 from kdflow.tasks.teacher.sampling import TeacherSampledStep
+from kdflow.tasks.teacher.store_metric import full_kl_dense, kl_summary
 
 TAIL_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # tail-mass histogram: 0, then below each edge, then the rest
 
@@ -57,7 +64,8 @@ def kept_histogram(kept: np.ndarray, top_k: int) -> dict[str, int]:
 
 
 def store_summary(run_root: RunRoot, tag: str, rows: int = 256) -> dict[str, Any]:
-    """Bytes/position (whole store), format and codec, and the tail and kept-id histograms over `rows` rows."""
+    """Bytes/position (every byte of the store: `kdflow.schemas.store_bytes`), format and codec, and the tail and
+    kept-id histograms over `rows` rows."""
     store = stage_dir(run_root, "topk", tag)
     done = read_complete(run_root, store)
     records = list_commits(run_root, store, "topk", done.fingerprint if done else tag)
@@ -65,8 +73,7 @@ def store_summary(run_root: RunRoot, tag: str, rows: int = 256) -> dict[str, Any
     positions = sum(r.tokens for r in records.values())
     summary: dict[str, Any] = {
         "tag": tag, "store": run_root.display(store), "shards": len(records), "positions": positions,
-        "bytes": sum(r.bytes for r in records.values()),
-        "bytes_per_position": round(sum(r.bytes for r in records.values()) / max(positions, 1), 2),
+        **store_bytes(run_root, store, records).fields(),
         "format": info.format if info is not None else None,
         "format_label": format_label(info.store_format()) if info is not None else "unknown (no _store.json)",
         "codec": info.codec if info is not None else None,
@@ -128,10 +135,45 @@ def bucket_kl(exact: DecodedTopk, stored: DecodedTopk) -> tuple[np.ndarray, np.n
     return kl, agree
 
 
+def dense_logprobs(model: Any, input_ids: np.ndarray, micro_batch: int, chunk: int = 256) -> Any:
+    """The teacher's float32 log-probs over the full vocabulary (its own final-logit transform applied), (<= chunk,
+    V) at a time, positions in row-major order: a dense pass, for the store metric."""
+    import torch
+
+    from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
+
+    lm_head, transform = output_layer(model), final_logit_transform(model.config)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for start in range(0, len(input_ids), micro_batch):
+            batch = torch.from_numpy(input_ids[start:start + micro_batch].astype(np.int64)).to(device)
+            hidden = body_hidden_states(model, batch).flatten(0, 1)  # (b * T, H)
+            for first in range(0, hidden.shape[0], chunk):
+                logits = lm_head(hidden[first:first + chunk]).float()
+                if not transform.is_identity:
+                    transform.apply_(logits)
+                yield torch.log_softmax(logits, -1).cpu().numpy()
+
+
+def full_fidelity(model: Any, input_ids: np.ndarray, held_ids: np.ndarray, held_logprobs: np.ndarray,
+                  rest_logprob: np.ndarray, micro_batch: int) -> dict[str, Any]:
+    """The store metric on the picked rows: held_ids (n, T, M) (-1: none) with their stored log-probs, rest (n, T)
+    the log of the store's mass for every other id. -> kl_full_mean / _p99 / _max / _infinite_positions."""
+    held_ids = held_ids.reshape(-1, held_ids.shape[-1])
+    held_logprobs = held_logprobs.reshape(held_ids.shape)
+    rest_logprob, parts, done = rest_logprob.ravel(), [], 0
+    for logprobs in dense_logprobs(model, input_ids, micro_batch):
+        stop = done + len(logprobs)
+        parts.append(full_kl_dense(logprobs, held_ids[done:stop], held_logprobs[done:stop], rest_logprob[done:stop]))
+        done = stop
+    return kl_summary(np.concatenate(parts), "kl_full")
+
+
 def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[int, int]],
                      micro_batch: int) -> dict[str, Any]:
     """Re-run `step` (a TeacherTopkStep: the teacher, float32 logits over the full vocabulary) on the picked
-    (shard, row) pairs and compare with what the store decodes. -> mean / max / p99 KL and agreement."""
+    (shard, row) pairs and compare with what the store decodes: the full KL (a dense pass) and the K+1-bucket
+    lower bound, mean / max / p99, and agreement."""
     import torch
 
     if isinstance(getattr(step, "step", step), TeacherSampledStep):  # a store of sampled targets
@@ -152,8 +194,17 @@ def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
     exact_ids, exact_logprobs, exact_tail = (np.concatenate(p) for p in zip(*parts))
     exact = DecodedTopk(exact_ids, exact_logprobs, exact_tail, np.full(exact_tail.shape, exact_ids.shape[-1], np.int32))
     kl, agree = bucket_kl(exact, stored)
-    return {"kl_rows": len(picks), "kl_positions": int(kl.size), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "kl_p99": float(np.quantile(kl, 0.99)), "positions_with_other_ids": int((~agree).sum())}
+    kept = np.arange(stored.ids.shape[-1]) < stored.kept[..., None]
+    full = full_fidelity(step.model, input_ids, np.where(kept, stored.ids, -1), stored.logprobs, stored.tail,
+                         micro_batch)
+    return {"kl_rows": len(picks), "kl_positions": int(kl.size), **full, **bucket_fields(kl),
+            "positions_with_other_ids": int((~agree).sum())}
+
+
+def bucket_fields(kl: np.ndarray) -> dict[str, float]:
+    """The K+1-bucket KL's summary, named for what it is."""
+    return {"kl_buckets_lower_bound_mean": float(kl.mean()), "kl_buckets_lower_bound_max": float(kl.max()),
+            "kl_buckets_lower_bound_p99": float(np.quantile(kl, 0.99))}
 
 
 def pass_fidelity(step: Any, run_root: RunRoot, tag: str, shard_ids: list[int], rows: int, micro_batch: int
@@ -169,13 +220,15 @@ def report_markdown(summary: dict[str, Any]) -> str:
     lines = [f"### top-K store {summary['tag']}: {summary['format_label']}", "",
              "| | |", "|---|---|",
              f"| shards | {summary['shards']} |", f"| positions | {summary['positions']:,} |",
-             f"| bytes / position | {summary['bytes_per_position']} "
+             f"| bytes / position (every file of the store) | {summary['bytes_per_position']} "
              f"(v1 at this K: {summary.get('v1_bytes_per_position', '-')}) |"]
     lines += sampled_markdown(summary)
-    if "kl_mean" in summary:
-        lines.append(f"| KL(teacher re-run \u2016 store), nats/position | mean {summary['kl_mean']:.3g}, p99 "
-                     f"{summary['kl_p99']:.3g}, max {summary['kl_max']:.3g} "
-                     f"over {summary['kl_positions']:,} positions |")
+    for key, name in (("kl_full", "full-vocabulary KL(teacher \u2016 store), the store metric"),
+                      ("kl_buckets_lower_bound", "K+1-bucket KL (a lower bound, depends on the ids held)")):
+        if f"{key}_mean" in summary:
+            lines.append(f"| {name}, nats/position | mean {summary[f'{key}_mean']:.3g}, p99 "
+                         f"{summary[f'{key}_p99']:.3g}, max {summary[f'{key}_max']:.3g} "
+                         f"over {summary['kl_positions']:,} positions |")
     if "mean_tail_mass" in summary:
         lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) |",
                   f"| mean ids kept | {summary['mean_kept']:.1f} |", "",

@@ -1,0 +1,149 @@
+"""The GPU check's sizes, its reference shapes and its plan: what each step will run, at which size, with which
+memory estimate, and which steps would be skipped (and why) on a device of a given memory.
+
+The reference teacher is `llm-jp/llm-jp-4-32b-a3b-base` (Qwen3-MoE). Its model card's architecture table gives
+32 layers, hidden size 2,560, 40 attention heads, 128 routed experts of which 8 are active, a 65,536-token
+context, 503,316,480 embedding parameters (= 196,608 x 2,560), 31,635,712,512 non-embedding, 3,827,476,992
+activated and 32,139,028,992 total parameters (read from a mirror of the card, llmsreview.com/models/
+llm-jp--llm-jp-4-32b-a3b-thinking; its config.json could not be downloaded here). The card gives neither the
+KV heads nor the expert width: with head_dim 128 (Qwen3-MoE's), the parameter counts are met exactly by 4 KV
+heads and an expert width (moe_intermediate_size) of 960, and by no other integer pair; both are derived,
+`derived_shapes_check` recomputes the card's four counts from them (tested).
+
+`--plan` prints this plan at full size without building anything (tested here, on a CPU), so a step that would
+skip on the GPU machine is known before a minute of it is spent, and a skip is never counted as a failure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 2**30
+REFERENCE_VOCAB = 196_608
+REFERENCE_SHAPES: dict[str, int] = {
+    "hidden_size": 2560, "num_attention_heads": 40, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 960, "num_hidden_layers": 32,
+    "vocab_size": REFERENCE_VOCAB,
+}
+REFERENCE_CARD = {"embedding": 503_316_480, "non_embedding": 31_635_712_512, "activated": 3_827_476_992,
+                  "total": 32_139_028_992}
+# The shapes at the CPU rehearsal's sizes (same family, every dimension small).
+QUICK_SHAPES: dict[str, int] = {
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_hidden_layers": 2, "vocab_size": 4096,
+}
+H200_MEMORY_GIB = 139.0
+BF16_PEAK_TFLOPS = 790.0  # the H200's measured bf16 matmul rate on the lent machine (KINDS.md), the MFU roofline
+
+
+def layer_parameters(shapes: dict[str, int]) -> dict[str, int]:
+    """Parameters of one decoder layer: all of them and those one token uses (attention, router, 8 experts)."""
+    hidden, head_dim = shapes["hidden_size"], shapes["head_dim"]
+    attention = hidden * head_dim * (2 * shapes["num_attention_heads"] + 2 * shapes["num_key_value_heads"])
+    norms = 2 * hidden + 2 * head_dim
+    router = shapes["num_experts"] * hidden
+    expert = 3 * hidden * shapes["moe_intermediate_size"]
+    shared = attention + norms + router
+    return {"total": shared + shapes["num_experts"] * expert, "active": shared + shapes["num_experts_per_tok"] * expert,
+            "attention": attention, "experts": shapes["num_experts"] * expert}
+
+
+def model_parameters(shapes: dict[str, int], layers: int | None = None) -> dict[str, int]:
+    """Whole-model counts at `layers` (default: the config's), untied embedding and lm_head."""
+    layers = shapes["num_hidden_layers"] if layers is None else layers
+    per_layer = layer_parameters(shapes)
+    embedding = shapes["vocab_size"] * shapes["hidden_size"]
+    final_norm = shapes["hidden_size"]
+    return {"embedding": embedding, "non_embedding": layers * per_layer["total"] + final_norm + embedding,
+            "activated": layers * per_layer["active"] + final_norm + 2 * embedding,
+            "total": layers * per_layer["total"] + final_norm + 2 * embedding}
+
+
+def derived_shapes_check() -> dict[str, bool]:
+    """The card's four parameter counts, recomputed from REFERENCE_SHAPES: each True when it matches exactly."""
+    counts = model_parameters(REFERENCE_SHAPES)
+    return {key: counts[key] == value for key, value in REFERENCE_CARD.items()}
+
+
+def sizes(quick: bool) -> dict[str, Any]:
+    """Every size of the check; the quick ones keep the CPU rehearsal to about a minute on two cores."""
+    if quick:
+        return {"shapes": QUICK_SHAPES, "depths": (1, 2), "seq_len": 32, "documents": 16, "per_shard": 16,
+                "micro_batches": "2,4", "topk_bench": ["--vocab", "4096", "--hidden", "64", "--seq-len", "32",
+                                                       "--micro-batches", "2", "--repeats", "1"],
+                "loss_tokens": [256], "loss_hidden": 64, "loss_vocab": 4096, "pass_shards": 1,
+                "pass_bits": ("4bit",), "pass_repeats": 1, "precision_tokens": 64,
+                "student_steps": 3, "batch_size": 4, "train_seq_len": 32}
+    return {"shapes": REFERENCE_SHAPES, "depths": (2, 4), "seq_len": 1024, "documents": 3000, "per_shard": 32,
+            "micro_batches": "16,32", "topk_bench": ["--hidden", "2560", "--micro-batches", "16,32",
+                                                       "--repeats", "3", "--dense-limit-gib", "60"],
+            "loss_tokens": [8192, 32768], "loss_hidden": 2560, "loss_vocab": REFERENCE_VOCAB, "pass_shards": 2,
+            "pass_bits": ("4bit", "bf16"), "pass_repeats": 2, "precision_tokens": 8192,
+            "student_steps": 6, "batch_size": 8, "train_seq_len": 1024}
+
+
+def teacher_bytes(shapes: dict[str, int], layers: int, four_bit: bool) -> int:
+    """Weights on the device. 4-bit: bitsandbytes quantises nn.Linear weights only (0.5 byte + absmax per 64);
+    Qwen3-MoE's experts are fused 3-D parameters in transformers 5 and stay bf16, as do embedding and norms."""
+    per_layer = layer_parameters(shapes)
+    counts = model_parameters(shapes, layers)
+    if not four_bit:
+        return 2 * counts["total"]
+    linear = layers * per_layer["attention"] + shapes["vocab_size"] * shapes["hidden_size"]  # + lm_head
+    return int(2 * (counts["total"] - linear) + linear * (0.5 + 4 / 64))
+
+
+def pass_activation_bytes(shapes: dict[str, int], micro_batch: int, seq_len: int) -> int:
+    """A rough upper bound of the pass's working memory at one micro-batch: the hidden states of a layer in bf16
+    with the MoE's routed copies (x experts per token), attention scores and one vocabulary chunk of logits."""
+    tokens = micro_batch * seq_len
+    hidden = 2 * tokens * shapes["hidden_size"] * (8 + 2 * shapes["num_experts_per_tok"])
+    routed = 2 * tokens * shapes["num_experts_per_tok"] * 2 * shapes["moe_intermediate_size"]
+    logits = 4 * min(tokens, 8192) * shapes["vocab_size"]
+    return hidden + routed + logits
+
+
+def dense_loss_bytes(tokens: int, vocab: int) -> int:
+    from kdflow.bench.loss import DENSE_PEAK_PER_LOGITS
+
+    return int(DENSE_PEAK_PER_LOGITS * tokens * vocab * 4)
+
+
+def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480.0) -> dict[str, Any]:
+    """What the check will run at these sizes on a device of `memory_gib`: one entry per step, each with its
+    sizes, its memory estimate and `would` ('run' or 'skip: why'). Nothing is built or allocated."""
+    size = sizes(quick)
+    shapes = size["shapes"]
+    limit = memory_gib * GIB
+    largest_mb = max(int(m) for m in size["micro_batches"].split(","))
+    steps: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, estimate: int, **fields: Any) -> None:
+        would = "run" if estimate <= 0.9 * limit else f"skip: estimated {estimate / GIB:.1f} GiB > 90% of device"
+        steps[name] = {"estimated_gib": round(estimate / GIB, 2), "would": would, **fields}
+
+    for depth in size["depths"]:
+        for four_bit in (True, False):
+            weights = teacher_bytes(shapes, depth, four_bit)
+            add(f"teacher_pass_L{depth}_{'4bit' if four_bit else 'bf16'}",
+                weights + pass_activation_bytes(shapes, largest_mb, size["seq_len"]), layers=depth,
+                weights_gib=round(weights / GIB, 2), micro_batch_max=largest_mb, seq_len=size["seq_len"])
+    full_4bit = teacher_bytes(shapes, shapes["num_hidden_layers"], True)
+    steps["full_depth_teacher"] = {"estimated_gib": round(full_4bit / GIB, 2), "would": "extrapolated, not built",
+                                   "layers": shapes["num_hidden_layers"]}
+    dense_limit = 0.6 * limit
+    for tokens in size["loss_tokens"]:
+        dense = dense_loss_bytes(tokens, size["loss_vocab"])
+        steps[f"loss_dense_{tokens}"] = {
+            "estimated_gib": round(dense / GIB, 2), "tokens": tokens, "vocab": size["loss_vocab"],
+            "would": "run" if dense <= dense_limit else f"skip: estimated {dense / GIB:.1f} GiB > 60% of device"}
+        add(f"loss_fused_{tokens}", 4 * tokens * (size["loss_hidden"] * 2 + 8192) + 8 * size["loss_vocab"]
+            * size["loss_hidden"], tokens=tokens)
+    add("train_step", 16 * size["loss_vocab"] * 256 + dense_loss_bytes(size["batch_size"] * size["train_seq_len"],
+                                                                        size["loss_vocab"]) // 2,
+        vocab=size["loss_vocab"], batch=size["batch_size"], seq_len=size["train_seq_len"])
+    counts = model_parameters(shapes)
+    return {"bench": "gpu_check_plan", "quick": quick, "device_memory_gib": memory_gib, "budget_s": budget_s,
+            "shapes": shapes, "depths": list(size["depths"]), "parameters_full_depth": counts,
+            "card_counts_match": derived_shapes_check() if not quick else None,
+            "steps": steps, "would_skip": sorted(n for n, s in steps.items() if str(s["would"]).startswith("skip"))}

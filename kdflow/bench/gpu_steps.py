@@ -1,0 +1,282 @@
+"""The steps of `kdflow bench gpu` (kdflow/bench/gpu.py runs them): each returns its record or raises.
+
+None of them imports Prefect: they call the tasks layer and the benches directly, so that on the GPU machine
+only the image's packages and the carried wheels (infra/gpu-wheels.txt) are needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, model_parameters
+
+
+class Skipped(Exception):
+    """Raised by a step that decides not to run (its reason is recorded; a skip is never a failure)."""
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def captured(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str]:
+    """Run a `kdflow` subcommand's main in this process, its stdout captured (and echoed to stderr)."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main(argv)
+    sys.stderr.write(buffer.getvalue())
+    return code, buffer.getvalue()
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def teacher_folder(work: Path, depth: int) -> Path:
+    return work / f"teacher-L{depth}"
+
+
+def build_teachers(work: Path, size: dict[str, Any], device: str) -> dict[str, Any]:
+    """Random Qwen3-MoE teachers with the check's shapes at each depth, and a tokenizer of exactly their
+    vocabulary (a tiny BPE trained on Python's docs, its vocabulary padded with ids it never produces), so
+    that the student's vocabulary is the teacher's."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from kdflow.bench.tokenise import pydoc_paragraphs, train_tiny_tokenizer
+
+    shapes = size["shapes"]
+    tokenizer = train_tiny_tokenizer(work / "tokenizer", pydoc_paragraphs(400), 384)
+    _pad_vocabulary(tokenizer / "tokenizer.json", shapes["vocab_size"])
+    texts = pydoc_paragraphs(size["documents"])
+    (work / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    built = {}
+    for depth in size["depths"]:
+        config = Qwen3MoeConfig(**(shapes | {"num_hidden_layers": depth}), intermediate_size=4 * shapes["hidden_size"],
+                                max_position_embeddings=max(4096, size["seq_len"]), tie_word_embeddings=False,
+                                eos_token_id=0, bos_token_id=0, pad_token_id=1)
+        torch.manual_seed(depth)
+        build_on = device if device == "cuda" else "cpu"  # random init of billions of weights: on the GPU there
+        with torch.device(build_on):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        folder = teacher_folder(work, depth)
+        model.save_pretrained(folder)
+        for name in tokenizer.iterdir():
+            shutil.copy(name, folder / name.name)
+        built[f"L{depth}"] = {"parameters": sum(p.numel() for p in model.parameters())}
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"architecture": "Qwen3MoeForCausalLM", "shapes": shapes, "depths": built}
+
+
+def _pad_vocabulary(tokenizer_json: Path, vocab: int) -> None:
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    entries = data["model"]["vocab"]
+    for index in range(len(entries), vocab):
+        entries[f"<|unused{index}|>"] = index
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+def tokens(config_path: Path) -> dict[str, Any]:
+    from kdflow.schemas.config import load_config
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
+
+    config = load_config(config_path)
+    materialise(config)
+    summary = tokenise(config, load_tokenizer(config))
+    return {"shards": summary.shards, "sequences": summary.sequences, "tokens": summary.tokens}
+
+
+def tune(config_path: Path, size: dict[str, Any]) -> dict[str, Any]:
+    from kdflow.tune import main as tune_main
+
+    code, out = captured(tune_main, [str(config_path), "--micro-batches", size["micro_batches"], "--batches", "2",
+                                     "--write", "--json", "--timeout-s", "150"])
+    result = json_lines(out)[-1]
+    if code != 0:
+        raise RuntimeError(f"kdflow tune precompute exited {code}: no recommendation")
+    return {key: result[key] for key in ("recommended_micro_batch", "recommended_tokens_per_s", "fastest_micro_batch",
+                                         "recommended_over_fastest", "candidates")}
+
+
+def precompute(config_path: Path) -> dict[str, Any]:
+    """The teacher pass in its worker process, as the precompute flow starts it (the tuned micro-batch if written)."""
+    from kdflow.tasks.common.launch import run_child
+    from kdflow.tasks.teacher.precompute_worker import MODULE
+
+    outcome = run_child(MODULE, ["--config", str(config_path)], on_log=lambda pid, line: print(line, file=sys.stderr))
+    if outcome.exit_code != 0 or outcome.result is None:
+        message = outcome.errors[-1]["message"] if outcome.errors else ""
+        raise RuntimeError(f"the teacher worker exited {outcome.exit_code}: {message}")
+    keys = ("tag", "written", "tokens", "tokens_per_s", "peak_device_memory_mib", "device")
+    return {key: outcome.result.get(key) for key in keys}
+
+
+def targets(config_path: Path, mode: str) -> dict[str, Any]:
+    """Sampled or hybrid targets: the pass in its worker on a copy of the token store (its own run root)."""
+    import yaml
+
+    from kdflow.schemas.layout import TOPK_DIR
+
+    data = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    source = Path(data["run_root"])
+    root = source.with_name(f"{source.name}-{mode}")
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(source, root, ignore=lambda folder, names: [TOPK_DIR] if Path(folder) == source else [])
+    data["run_root"] = str(root)
+    data["precompute"] |= {"targets": mode, "store": {"format": "v2"}}
+    return precompute(write_yaml(config_path.with_name(f"check-{mode}.yaml"), data)) | {"targets": mode}
+
+
+def bench(what: str, argv: list[str]) -> dict[str, Any]:
+    """A `kdflow bench` run: failed when it exits non-zero or a record holds an error; records that say they were
+    skipped (planned, nothing attempted) are listed, never counted as errors."""
+    from kdflow.bench import run_bench
+
+    code, out = captured(lambda bench_argv: run_bench(what, bench_argv), argv)
+    records = json_lines(out)
+    skipped = [r for r in records if r.get("skipped") or str(r.get("status", "")).startswith("skipped")]
+    errors = [r for r in records
+              if r not in skipped and (r.get("error") or str(r.get("status", "")).startswith("error"))]
+    if code != 0 or not records or errors:
+        raise RuntimeError(f"kdflow bench {what} exited {code}: {errors[0] if errors else 'no records'}")
+    if len(skipped) == len(records):
+        raise Skipped(f"every record skipped: {skipped[0].get('skipped') or skipped[0].get('status')}")
+    return {"records": records, "skipped_records": len(skipped)}
+
+
+def teacher_pass(config_path: Path, micro_batch: int | None, shards: int, depth: int,
+                 shapes: dict[str, int], repeats: int = 2) -> dict[str, Any]:
+    """`kdflow bench teacher-pass` (body, forward, topk, stage) on one teacher; with MFU from its active params."""
+    argv = ["--config", str(config_path), "--shards", str(shards), "--repeats", str(repeats)]
+    if micro_batch:
+        argv += ["--micro-batch", str(micro_batch)]
+    result = bench("teacher-pass", argv)
+    modes = {r["mode"]: r for r in result["records"] if "mode" in r}
+    ratios = next((r for r in result["records"] if r.get("what") == "ratios"), {})
+    active = matmul_parameters(shapes, depth)
+    mfu = {mode: round(2 * active * r["tokens_per_s"] / (BF16_PEAK_TFLOPS * 1e12), 4) for mode, r in modes.items()}
+    return {"layers": depth, "micro_batch": next(iter(modes.values()))["micro_batch"],
+            "tokens_per_s": {mode: r["tokens_per_s"] for mode, r in modes.items()},
+            "ratios": {k: v for k, v in ratios.items() if "/" in k}, "mfu_of_bf16_peak": mfu,
+            "active_parameters": active}
+
+
+def matmul_parameters(shapes: dict[str, int], depth: int) -> int:
+    """The active parameters a token multiplies with (the embedding lookup is no matmul; the lm_head is)."""
+    counts = model_parameters(shapes, depth)
+    return counts["activated"] - counts["embedding"]
+
+
+def extrapolate(results: dict[str, dict[str, Any]], depths: tuple[int, int], shapes: dict[str, int],
+                quant: str) -> dict[str, Any]:
+    """Full depth from two depths: seconds a token = a + b x layers, fitted through both; an EXTRAPOLATION."""
+    low, high = (results[f"teacher_pass_L{d}_{quant}"] for d in depths)
+    full = shapes["num_hidden_layers"]
+    out: dict[str, Any] = {"what": "extrapolation to full depth, not a measurement", "layers": full}
+    for mode in ("forward", "stage"):
+        t_low, t_high = 1 / low["tokens_per_s"][mode], 1 / high["tokens_per_s"][mode]
+        per_layer = (t_high - t_low) / (depths[1] - depths[0])
+        seconds = t_low + per_layer * (full - depths[0])
+        # A deeper teacher that ran faster (noise, or a cost that does not grow with depth) extrapolates to nothing.
+        out[f"{mode}_tokens_per_s"] = round(1 / seconds, 1) if per_layer > 0 else None
+        out[f"{mode}_seconds_per_layer_per_mtok"] = round(per_layer * 1e6, 4)
+    roofline = BF16_PEAK_TFLOPS * 1e12 / (2 * matmul_parameters(shapes, full))
+    out |= {"bf16_roofline_tokens_per_s": round(roofline, 1),
+            "stage_share_of_roofline": None if out["stage_tokens_per_s"] is None
+            else round(out["stage_tokens_per_s"] / roofline, 4)}
+    return out
+
+
+def train(config_path: Path) -> dict[str, Any]:
+    import torch
+
+    from kdflow.schemas.config import load_config
+    from kdflow.tasks.student.train import autocast_for, train as train_stage
+
+    config = load_config(config_path)
+    device = torch.device(config.student.device)
+    autocast = autocast_for(device, config.student.autocast_bf16)
+    summary = train_stage(config)
+    loss = summary["final_loss"]
+    if loss is None or not torch.isfinite(torch.tensor(loss)):
+        raise RuntimeError(f"training ended with loss {loss}")
+    return {"steps": summary["steps"], "final_loss": loss, "tokens": summary["tokens"],
+            "seconds_training": summary["seconds"],
+            "autocast": "bf16" if isinstance(autocast, torch.autocast) else "off"}
+
+
+def fsdp(config_path: Path) -> dict[str, Any]:
+    """Two ranks through torchrun, FSDP-sharded, for two more steps of a separate student."""
+    import socket
+
+    import yaml
+
+    from kdflow.schemas.config import load_config
+    from kdflow.tasks.common.launch import config_file, run_child
+    from kdflow.tasks.student.distributed import torchrun_arguments
+    from kdflow.tasks.student.train_worker import EXEC_TORCHRUN, MODULE
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    data = copy.deepcopy(yaml.safe_load(config_path.read_text(encoding="utf-8")))
+    data["student"] |= {"name": "gpu-check-fsdp", "steps": 2, "save_every": 2,
+                        "distributed": {"nproc_per_node": 2, "sharding": "fsdp", "rdzv_endpoint": f"127.0.0.1:{port}"}}
+    config = load_config(write_yaml(config_path.with_name("fsdp.yaml"), data))
+    with config_file(config, "kdflow-gpu-fsdp-") as path:
+        outcome = run_child(MODULE, [EXEC_TORCHRUN, *torchrun_arguments(config.student.distributed, path)],
+                            on_log=lambda pid, line: print(line, file=sys.stderr))
+    if outcome.exit_code != 0 or outcome.result is None:
+        message = outcome.errors[0].get("message") if outcome.errors else ""
+        raise RuntimeError(f"torchrun exited {outcome.exit_code}: {message}")
+    return {"steps": outcome.result.get("steps"), "final_loss": outcome.result.get("final_loss"), "world_size": 2}
+
+
+CODEC_BUDGET_NATS = 1.3e-4  # the store codec's whole KL budget per position (issue 24): what rounding may cost
+
+
+def logits_precision(teacher: Path, device: str, tokens: int, top_k: int = 128) -> dict[str, Any]:
+    """How far bf16 logits move what the pass stores, against a float32 lm_head on the same hidden states:
+    KL(float32 || bf16) per position over the full vocabulary, the top-K id sets' overlap and the tail mass.
+    The teacher's weights are random, so its distributions are flatter than a trained one's: a lower bound of
+    the reference's error, not its value."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.bfloat16).to(device).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 384, (max(1, tokens // 512), min(tokens, 512)), generator=generator).to(device)
+    kl, overlap, tail_diff = [], [], []
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state.flatten(0, 1)
+        weight = model.lm_head.weight
+        for rows in hidden.split(2048):
+            exact = torch.log_softmax(rows.float() @ weight.float().T, dim=-1)
+            rounded = torch.log_softmax((rows @ weight.T).float(), dim=-1)
+            kl.append((exact.exp() * (exact - rounded)).sum(-1))
+            top_exact, top_rounded = exact.topk(top_k).indices, rounded.topk(top_k).indices
+            same = (top_exact.unsqueeze(-1) == top_rounded.unsqueeze(-2)).any(-1).float().mean(-1)
+            overlap.append(same)
+            kept_exact = exact.gather(-1, top_exact).exp().sum(-1)
+            tail_diff.append((kept_exact - rounded.gather(-1, top_rounded).exp().sum(-1)).abs())
+    kl_all, overlap_all, tail_all = torch.cat(kl), torch.cat(overlap), torch.cat(tail_diff)
+    mean_kl = float(kl_all.mean())
+    return {"positions": int(kl_all.numel()), "top_k": top_k, "kl_mean_nats": mean_kl,
+            "kl_max_nats": float(kl_all.max()), "topk_id_overlap_mean": float(overlap_all.mean()),
+            "topk_id_overlap_min": float(overlap_all.min()), "tail_mass_abs_diff_mean": float(tail_all.mean()),
+            "codec_budget_nats": CODEC_BUDGET_NATS, "above_codec_budget": mean_kl > CODEC_BUDGET_NATS}

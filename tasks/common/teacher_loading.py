@@ -1,0 +1,84 @@
+"""Loading the teacher as one whole model on one device, shared by the teacher pass (kdflow.tasks.teacher) and the
+student's held-out evaluation (kdflow.tasks.student.heldout_teacher), which must not import each other.
+
+The reference teacher (a 32B MoE in 4-bit on a 24 GB GPU) taught us that `device_map="auto"` may silently
+offload layers to CPU or disk (9 MoE layers ran from disk in fp16, hours slower), so we place the whole model
+on one device and treat anything left elsewhere as an error that names the modules.
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from kdflow.schemas.config import TeacherConfig
+from kdflow.schemas.errors import KDFlowError
+from kdflow.tasks.common.models import resolve_device, resolve_dtype
+from kdflow.tasks.common.sources import check_teacher_source
+
+
+class TeacherPlacementError(KDFlowError):
+    """Part of the teacher is not on the target device (offloaded to CPU/disk, or never loaded)."""
+
+
+def source_kwargs(teacher: TeacherConfig) -> dict[str, Any]:
+    """What `from_pretrained` needs to find the teacher's files: revision, GGUF file, remote code."""
+    kwargs: dict[str, Any] = {"trust_remote_code": teacher.trust_remote_code}
+    if teacher.revision:
+        kwargs["revision"] = teacher.revision
+    if teacher.gguf_file:
+        kwargs["gguf_file"] = teacher.gguf_file
+    return kwargs
+
+
+def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = None) -> nn.Module:
+    """The teacher on one device, in eval mode with gradients off; raises if any part was placed elsewhere."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    local = check_teacher_source(teacher)
+    target = resolve_device(str(device) if device is not None else teacher.device)
+    dtype = resolve_dtype(teacher, target)
+    kwargs = source_kwargs(teacher) | {"dtype": dtype, "device_map": {"": str(target)}}
+    if local is not None and not teacher.gguf_file and any(n.endswith(".safetensors") for n in os.listdir(local)):
+        # Prefer safetensors (hub ids prefer them by default); transformers reads .bin files only with
+        # torch.load(weights_only=True), never unpickling arbitrary objects.
+        kwargs["use_safetensors"] = True
+    if teacher.load_in_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(local or teacher.model, **kwargs)
+    model.eval()
+    model.requires_grad_(False)
+    check_placement(model, target)
+    return model
+
+
+def misplaced_modules(model: nn.Module, target: torch.device) -> dict[str, str]:
+    """Module name -> where its tensors are, for every module not wholly on `target` (meta is never fine)."""
+    misplaced: dict[str, str] = {}
+    for name, tensor in chain(model.named_parameters(), model.named_buffers()):
+        where = tensor.device
+        wrong_type = where.type != target.type
+        wrong_index = target.index is not None and where.index is not None and where.index != target.index
+        if where.type == "meta" or wrong_type or wrong_index:
+            misplaced.setdefault(name.rpartition(".")[0] or name, str(where))
+    for module, where in (getattr(model, "hf_device_map", None) or {}).items():
+        if str(where) == "disk" or (target.type != "cpu" and str(where) == "cpu"):
+            misplaced.setdefault(module or "<whole model>", str(where))
+    return misplaced
+
+
+def check_placement(model: nn.Module, target: torch.device) -> None:
+    misplaced = misplaced_modules(model, target)
+    if misplaced:
+        names = sorted(misplaced)
+        listed = ", ".join(f"{n} ({misplaced[n]})" for n in names[:8])
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise TeacherPlacementError(
+            f"teacher is not wholly on {target}: {len(names)} module(s) left elsewhere: {listed}{more} "
+            "(not enough device memory? try teacher.load_in_4bit)"
+        )

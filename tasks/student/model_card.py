@@ -1,0 +1,170 @@
+"""The model card written with the final model: `students/NAME/final/README.md`, in the Hugging Face card layout.
+
+YAML front matter (`library_name: transformers`, `base_model` when the student was initialised from a hub model,
+`datasets` when the corpus is a hub dataset, `tags: [distillation, kdflow]`, `pipeline_tag: text-generation`),
+then what made the student (teacher, corpus, top-K store, steps, tokens, hardware), its held-out metrics against
+the teacher (every value `eval.jsonl` holds, first and last evaluation), the training curve
+(`training_curve.png` beside the card, when matplotlib is installed) and how to load it and chat with it.
+`card_facts` gathers the facts of a run (rank 0, at the end of training); `render_card` is a pure function of
+them. Both are written with the final model each time it is written, so a resumed run's card shows its last step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import torch
+import yaml
+
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.layout import TRAINING_CURVE_FILE
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import format_label, read_store_info
+
+CARD_FILE = "README.md"
+# Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
+METRIC_NAMES = {"kl": "KL to the teacher's top-K (K+1 buckets)", "kl_full": "full-vocabulary KL to the teacher",
+                "ce": "cross-entropy (nats/token)", "perplexity": "perplexity", "top1_agreement": "top-1 agreement"}
+NOT_METRICS = {"step", "sequences"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id(name: str | None) -> str | None:
+    """`name` when it is a Hugging Face hub id (owner/name, not a local path or URL), else None."""
+    if not name or "://" in name or name.startswith(("package:", ".", "/", "~")) or os.path.exists(name):
+        return None
+    return name if _HUB_ID.match(name) else None
+
+
+def hardware(device: torch.device, world_size: int) -> str:
+    """The machine that trained: accelerator (or CPU cores) times ranks, and the torch version."""
+    ranks = f"{world_size} x " if world_size > 1 else ""
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device)
+    else:
+        what = f"{device.type.upper()} ({os.cpu_count()} cores)"
+    return f"{ranks}{what}, torch {torch.__version__}"
+
+
+def card_facts(config: KDFlowConfig, run_root: RunRoot, stores: Any, *, step: int, elapsed_s: float,
+               tokens_per_step: int, evals: list[dict[str, Any]], device: torch.device, world_size: int,
+               parameters: int, curve: bool) -> dict[str, Any]:
+    """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores)."""
+    info = read_store_info(run_root, stores.topk_store)
+    positions = sum(pair.rows for pair in stores.pairs) * stores.seq_len
+    stored = sum(pair.topk_bytes for pair in stores.pairs)
+    sampling = stores.sampling or {}
+    if stores.targets == "topk":
+        kept = f"top-{stores.top_k}" + (f" (adaptive: keep_mass {stores.codec['keep_mass']})"
+                                        if stores.codec and stores.codec.get("keep_mass") is not None else "")
+    elif stores.targets == "hybrid":
+        kept = f"exact head of {sampling.get('head')} + {sampling.get('samples')} sampled tokens"
+    else:
+        kept = f"{sampling.get('samples')} sampled tokens"
+    teacher, dataset, student = config.teacher, config.dataset, config.student
+    return {
+        "name": student.name, "teacher": teacher.model, "teacher_gguf": teacher.gguf_file,
+        "teacher_4bit": teacher.load_in_4bit, "dataset": dataset.path, "dataset_name": dataset.name,
+        "dataset_split": dataset.split, "init_from": student.init_from, "seq_len": stores.seq_len,
+        "store": run_root.display(stores.topk_store), "targets": stores.targets, "kept": kept,
+        "format": format_label(info.store_format()) if info is not None else "v1 (no _store.json)",
+        "bytes_per_position": stored / positions if positions and stored else None, "store_positions": positions,
+        "steps": step, "tokens": step * tokens_per_step, "batch_size": student.batch_size,
+        "parameters": parameters, "hardware": hardware(device, world_size), "training_s": elapsed_s,
+        "evals": [evals[0], evals[-1]] if len(evals) > 1 else list(evals), "curve": curve,
+    }
+
+
+def _front_matter(facts: dict[str, Any]) -> str:
+    data: dict[str, Any] = {"library_name": "transformers"}
+    if hub_id(facts.get("init_from")):
+        data["base_model"] = facts["init_from"]
+    if hub_id(facts.get("dataset")):
+        data["datasets"] = [facts["dataset"]]
+    data |= {"tags": ["distillation", "kdflow"], "pipeline_tag": "text-generation"}
+    return "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n"
+
+
+def _value(key: str, value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if key == "top1_agreement":
+        return f"{value:.1%}"
+    if key == "perplexity":
+        return f"{value:,.2f}"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
+    return str(value)
+
+
+def _metrics_table(evals: list[dict[str, Any]]) -> list[str]:
+    if not evals:
+        return ["No held-out evaluation was run (`student.eval_shards: 0`)."]
+    keys = list(dict.fromkeys(k for e in evals for k, v in e.items()
+                              if k not in NOT_METRICS and (v is None or isinstance(v, (int, float)))))
+    lines = ["| held-out | " + " | ".join(f"step {e['step']}" for e in evals) + " |",
+             "| --- | " + " | ".join("---" for _ in evals) + " |"]
+    lines += [f"| {METRIC_NAMES.get(k, k)} | " + " | ".join(_value(k, e.get(k)) for e in evals) + " |" for k in keys]
+    sequences = evals[-1].get("sequences")
+    rows = f"{sequences} held-out sequences" if sequences else "held-out sequences"
+    return [f"Against the teacher, on {rows} of the corpus (shards never trained on), at the first and the last "
+            "evaluation:", "", *lines]
+
+
+def render_card(facts: dict[str, Any]) -> str:
+    """The card's text (front matter and Markdown) from `card_facts`."""
+    teacher = f"`{facts['teacher']}`" + (f" (GGUF `{facts['teacher_gguf']}`)" if facts.get("teacher_gguf") else "")
+    teacher += ", 4-bit" if facts.get("teacher_4bit") else ""
+    corpus = f"`{facts['dataset']}`" + (f" (`{facts['dataset_name']}`)" if facts.get("dataset_name") else "")
+    corpus += f", split `{facts['dataset_split']}`"
+    per_position = facts.get("bytes_per_position")
+    rows = [("teacher", teacher), ("corpus", corpus),
+            ("student", f"{facts['parameters']:,} parameters, initialised from "
+                        + (f"`{facts['init_from']}`" if facts.get("init_from") else "random weights")),
+            ("teacher targets", f"{facts['targets']}: {facts['kept']} per position"),
+            ("store", f"`{facts['store']}`, format {facts['format']}"),
+            ("bytes per position", f"{per_position:.1f} over {facts['store_positions']:,} positions"
+             if per_position else "n/a"),
+            ("sequence length", str(facts["seq_len"])),
+            ("steps", f"{facts['steps']} (batch {facts['batch_size']} sequences)"),
+            ("tokens", f"{facts['tokens']:,}"),
+            ("hardware", facts["hardware"]),
+            ("training time", f"{facts['training_s']:.0f} s")]
+    lines = [_front_matter(facts).rstrip("\n"), "", f"# {facts['name']}", "",
+             f"A student distilled offline with kdflow from the teacher {teacher}: trained "
+             "against the teacher's log-probabilities, computed once over the corpus and stored.", "",
+             "## Training", "", "| | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in rows], "",
+             "## Held-out metrics", "", *_metrics_table(facts.get("evals") or []), "", "## Training curve", ""]
+    if facts.get("curve"):
+        lines.append(f"![training curve: loss per step and held-out KL]({TRAINING_CURVE_FILE})")
+    else:
+        lines.append("No curve image: matplotlib is not installed where this student was trained.")
+    lines += ["", "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              'tokenizer = AutoTokenizer.from_pretrained("PATH")  # this folder, or its hub id once uploaded',
+              'model = AutoModelForCausalLM.from_pretrained("PATH")',
+              'inputs = tokenizer("The object", return_tensors="pt")',
+              "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=40)[0], skip_special_tokens=True))",
+              "```", "", "A conversation on the terminal (history kept, replies streamed): `kdflow chat PATH`.", ""]
+    return "\n".join(lines)
+
+
+def card_files(facts: dict[str, Any], metrics: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, bytes]:
+    """README.md, and training_curve.png when matplotlib is installed (`facts["curve"]` says which)."""
+    files: dict[str, bytes] = {}
+    if facts.get("curve"):
+        from kdflow.tasks.student.monitor import plot_training_curve
+
+        files[TRAINING_CURVE_FILE] = plot_training_curve(metrics, evals, f"student {facts['name']}")
+    files[CARD_FILE] = render_card(facts).encode("utf-8")
+    return files
+
+
+def matplotlib_installed() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

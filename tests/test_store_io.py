@@ -1,0 +1,204 @@
+"""`kdflow store import` / `export`: a top-K store out as Parquet a `datasets` call reads, back in through the
+declared layouts, training on it gives the original's losses; bad input is one line naming row and field before
+anything is written; a partial import resumes.
+
+The original store is the dense v1 float16 store of tests/support/runs.py (written by the test helpers, not by the
+code under test).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from support.runs import DENSE_TAG, read_lines, student_path
+
+from kdflow.schemas.commits import stage_dir
+from kdflow.schemas.errors import StoreError
+from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.stores import read_store_info
+from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.teacher.logit_export import export_store
+from kdflow.tasks.teacher.logit_import import import_store
+
+V1 = {"precompute__store__format": "v1", "student__steps": 3, "student__save_every": 3}
+
+
+def _at(root: Path, fresh_run, **overrides):
+    """The fresh run's config with another (empty) run root."""
+    return fresh_run(**overrides).model_copy(update={"run_root": str(root)})
+
+
+def _info(config, tag: str):
+    run_root = RunRoot(config.run_root)
+    return read_store_info(run_root, stage_dir(run_root, "topk", tag))
+
+
+def _losses(config) -> list[float]:
+    return [record["loss"] for record in read_lines(student_path(config, "metrics.jsonl"))]
+
+
+def _exported(fresh_run, tmp_path: Path, layout: str = "kdflow") -> tuple[object, Path]:
+    original = fresh_run(student__topk_tag=DENSE_TAG, **V1)
+    out = tmp_path / f"export-{layout}"
+    export_store(str(original.run_root), str(out), DENSE_TAG, layout)
+    return original, out
+
+
+def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path) -> None:
+    import datasets
+
+    from kdflow.tasks.student.train import train
+
+    original, out = _exported(fresh_run, tmp_path)
+    loaded = datasets.load_dataset("parquet", data_files=sorted(str(p) for p in (out / "data").glob("*.parquet")),
+                                   split="train")
+    assert loaded.num_rows == json.loads((out / "kdflow_export.json").read_text())["rows"]
+    assert np.asarray(loaded[0]["topk_ids"]).shape == (32, 8) and len(loaded[0]["input_ids"]) == 32
+
+    imported_cfg = _at(tmp_path / "imported", fresh_run, **V1)
+    summary = import_store(imported_cfg, str(out / "data"), "kdflow", "sharp-tiny")
+    assert summary["complete"] and summary["tail"] == "source" and summary["written"] == summary["shards"]
+    imported_cfg = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
+    train(original)
+    train(imported_cfg)
+    assert _losses(imported_cfg) == pytest.approx(_losses(original), rel=1e-5)
+
+    # the default v2 codec (sqrt levels): the same loss within its rounding
+    coded_cfg = _at(tmp_path / "coded", fresh_run, student__steps=3, student__save_every=3)
+    coded = import_store(coded_cfg, str(out / "data"), "kdflow", "sharp-tiny")
+    assert _info(coded_cfg, coded["tag"]).format == "v2"
+    coded_cfg = _at(tmp_path / "coded", fresh_run, student__topk_tag=coded["tag"], student__steps=3,
+                          student__save_every=3)
+    train(coded_cfg)
+    assert _losses(coded_cfg) == pytest.approx(_losses(original), rel=1e-2)
+
+
+def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_run, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from kdflow.tasks.student.data import open_stores
+
+    original, out = _exported(fresh_run, tmp_path, "stacked")
+    table = pq.read_table(sorted((out / "data").glob("*.parquet"))[0])
+    assert table.column_names == ["inputs", "targets"]
+    assert np.asarray(table.column("targets")[0].as_py()).shape == (32, 2, 8)
+    jsonl = tmp_path / "stacked.jsonl"
+    rows = pa.concat_tables([pq.read_table(p) for p in sorted((out / "data").glob("*.parquet"))]).to_pylist()
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = _at(tmp_path / "imported", fresh_run, **V1)
+    summary = import_store(config, str(jsonl), "stacked", "sharp-tiny")
+    assert summary["tail"] == "computed"
+    info = _info(config, summary["tag"])
+    assert info.tail_computed and info.model_extra["imported"]["teacher"] == "sharp-tiny"
+    config = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
+    tokenizer = load_tokenizer(config)
+    with caplog.at_level(logging.WARNING, logger="kdflow.train"):
+        open_stores(config, tokenizer)
+        open_stores(config, tokenizer)
+    assert len([r for r in caplog.records if "without tail mass" in r.getMessage()]) == 1
+
+    import datasets  # the same rows as a Hugging Face dataset folder: the same arrays, the same store
+
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    again = import_store(_at(tmp_path / "again", fresh_run, **V1), str(tmp_path / "saved"), "stacked", "sharp-tiny")
+    assert again["tag"] == summary["tag"] and again["rows"] == len(rows)
+
+
+def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -> None:
+    _, out = _exported(fresh_run, tmp_path)
+    config = _at(tmp_path / "imported", fresh_run, **V1)
+    first = import_store(config, str(out / "data"), "kdflow", "sharp-tiny")
+    root = Path(config.run_root)
+    store = root / "topk" / first["tag"]
+    files = {p: p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))}
+    (store / "shard-00003.commit.json").unlink()
+    (store / "shard-00005.arrow").unlink()
+    (store / "_complete.json").unlink()
+    (root / "tokens" / "shard-00006.commit.json").unlink()
+    again = import_store(config, str(out / "data"), "kdflow", "sharp-tiny")
+    assert again["tag"] == first["tag"] and again["written"] == 2 and again["complete"]
+    assert {p: p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))} == files
+    from kdflow.validate import validate_run_root
+
+    assert validate_run_root(str(root)) == 0  # validated like a computed store: hashes, alignment, contents
+    from kdflow.store_report import store_report
+
+    (report,) = store_report(str(root), first["tag"], rows=8, kl_rows=4)
+    assert "no teacher to re-run" in report["kl_note"]
+
+
+def _source(tmp_path: Path, change: str) -> Path:
+    rng = np.random.default_rng(0)
+    rows, seq_len, k = 3, 32, 8
+    input_ids = rng.integers(0, 200, (rows, seq_len)).tolist()
+    ids = np.stack([rng.permutation(200)[:k] for _ in range(rows * seq_len)]).reshape(rows, seq_len, k).tolist()
+    logprobs = np.sort(np.log(rng.dirichlet(np.ones(k + 1), rows * seq_len)[:, :k]), axis=-1)[:, ::-1]
+    logprobs = logprobs.reshape(rows, seq_len, k).tolist()
+    if change == "ragged K":
+        ids[1][4] = ids[1][4][:7]
+        logprobs[1][4] = logprobs[1][4][:7]
+    elif change == "id outside":
+        ids[2][5][3] = 10**6
+    elif change == "unsorted":
+        logprobs[1][6][0], logprobs[1][6][1] = logprobs[1][6][1], logprobs[1][6][0]
+    elif change == "sum above 1":
+        logprobs[2][7] = [-0.1] * k
+    elif change == "length":
+        input_ids[1] = input_ids[1][:31]
+    table = {"input_ids": input_ids, "target_token_ids": ids, "target_logprobs": logprobs}
+    if change == "text":
+        table = {"input_ids": input_ids, "topk_ids": ids, "topk_logprobs": logprobs,
+                 "text": ["hello world"] * rows}
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table(table), path)
+    return path
+
+
+@pytest.mark.parametrize("change, where", [
+    ("ragged K", "row 1 field target_token_ids: ragged K: position 4 has 7"),
+    ("id outside", "row 2 field target_token_ids: id 1000000 at position 5 is outside the vocabulary"),
+    ("unsorted", "row 1 field target_logprobs: log-probs not sorted by descending value at position 6"),
+    ("sum above 1", "row 2 field target_logprobs: log-probs whose probabilities sum above 1 at position 7"),
+    ("length", "row 1 field input_ids: 31 positions, the config's seq_len is 32"),
+    ("text", "row 0 field text: the tokenizer's encoding differs from input_ids at position 0"),
+])
+def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
+        fresh_run, tmp_path: Path, change: str, where: str) -> None:
+    config = _at(tmp_path / "imported", fresh_run, **V1)
+    with pytest.raises(StoreError) as error:
+        import_store(config, str(_source(tmp_path, change)), "kdflow" if change == "text" else "axolotl", "t")
+    assert "\n" not in str(error.value) and where in str(error.value), str(error.value)
+    assert not (tmp_path / "imported").exists() or not any((tmp_path / "imported").rglob("*.arrow"))
+
+
+@pytest.mark.usefixtures("children")
+def test_the_commands_export_and_import(fresh_run, tmp_path: Path) -> None:
+    import sys
+
+    from support.children import run
+    from support.faults import write_config
+
+    original = fresh_run(**V1)
+    out = tmp_path / "export"
+
+    def kdflow(*args: str):
+        return run([sys.executable, "-m", "kdflow", "store", *args], what="kdflow store", timeout=600)
+
+    exported = kdflow("export", str(original.run_root), str(out), "--tag", DENSE_TAG, "--layout", "axolotl")
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(exported.stdout)["layout"] == "axolotl"
+    config = write_config(_at(tmp_path / "imported", fresh_run, **V1), tmp_path / "imported.yaml")
+    bad = kdflow("import", str(_source(tmp_path, "unsorted")), "--config", str(config), "--layout", "axolotl",
+                 "--teacher", "t")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "kdflow: error: row 1 field target_logprobs: log-probs not sorted by descending value at position 6"]
+    done = kdflow("import", str(out / "data"), "--config", str(config), "--layout", "axolotl", "--teacher", "t")
+    assert done.returncode == 0, done.stderr
+    tag = json.loads(done.stdout.splitlines()[0])["tag"]
+    assert f"student.topk_tag={tag}" in done.stdout
+    assert (tmp_path / "imported" / "topk" / tag / "_complete.json").exists()
