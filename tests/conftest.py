@@ -21,6 +21,10 @@ from typing import Any
 import pytest
 from support.corpus import TINY_VOCAB, sample_documents, write_jsonl
 
+# Two workers share the cores (`-n 2`): one compute thread each (inherited by their children), not two that
+# oversubscribe the cores and spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -61,3 +61,10 @@ def test_kdflow_bench_dispatches_through_the_rule(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(bench.BENCHES, "empty", module.__name__)
     assert bench.run_bench("empty", []) == 1
     assert capsys.readouterr().err.strip() == "kdflow bench empty: measured nothing (fused: no stores)"
+
+
+def test_a_summary_listing_its_skipped_steps_is_a_measurement(capsys: pytest.CaptureFixture[str]) -> None:
+    """The GPU check's summary names the steps it skipped in a list: that is no skip of its own."""
+    main = bench_printing({"bench": "gpu_check", "ok": True, "skipped": ["fsdp_2_process"], "failed": []})
+    assert harness.run_main("gpu", main, []) == 0
+    assert harness.is_measurement({"skipped": ["a"], "error": None}) and not harness.is_measurement({"error": "x"})

@@ -58,9 +58,11 @@ def note(record: dict[str, Any]) -> None:
 
 
 def is_measurement(record: dict[str, Any]) -> bool:
-    """Whether a JSON line reports something measured: not an error, not a skip."""
+    """Whether a JSON line reports something measured: not an error, not a skip (a skip or an error names its
+    reason as a string; a summary's list of the steps it skipped is no skip of its own)."""
     status = str(record.get("status", ""))
-    return not ("error" in record or "skipped" in record or status.startswith(("error", "skipped", "failed")))
+    said = [record.get(key) for key in ("error", "skipped")]
+    return not (any(isinstance(v, str) for v in said) or status.startswith(("error", "skipped", "failed")))
 
 
 # --- the exit rule --------------------------------------------------------------------------------------------
