@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from support.chat import Terminal, with_chat_template
 from support.children import run, wait_until
-from support.corpus import sample_documents, write_jsonl
-from support.runs import make_tokens, run_config, write_dense_topk
+from support.runs import run_config, trained_tiny_run
 
 from kdflow.schemas.errors import KDFlowError
 
@@ -25,14 +24,8 @@ PROMPT = "The object"
 @pytest.fixture(scope="module")
 def student_dir(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> Path:
     """students/student of a 3-step run: tokenise -> dense top-K -> train -> final/."""
-    from kdflow.tasks.student.train import train
-
     base = tmp_path_factory.mktemp("chat")
-    corpus = write_jsonl(base / "docs.jsonl", sample_documents(20))
-    config = run_config(base / "run", tiny_teacher_dir, corpus, student__steps=3, student__eval_shards=1)
-    make_tokens(config)
-    write_dense_topk(config, tiny_teacher_dir)
-    train(config)
+    trained_tiny_run(base, tiny_teacher_dir)
     return base / "run" / "students" / "student"
 
 

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.corpus import sample_documents, write_jsonl
-from support.runs import make_tokens, run_config, student_path, write_dense_topk
+from support.runs import student_path, trained_tiny_run
 
 from kdflow.tasks.student.model_card import hub_id, render_card
 
@@ -18,15 +17,7 @@ from kdflow.tasks.student.model_card import hub_id, render_card
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> Any:
     """A 3-step student on a dense top-K store (the run's config)."""
-    from kdflow.tasks.student.train import train
-
-    base = tmp_path_factory.mktemp("card")
-    corpus = write_jsonl(base / "docs.jsonl", sample_documents(20))
-    config = run_config(base / "run", tiny_teacher_dir, corpus, student__steps=3, student__eval_shards=1)
-    make_tokens(config)
-    write_dense_topk(config, tiny_teacher_dir)
-    train(config)
-    return config
+    return trained_tiny_run(tmp_path_factory.mktemp("card"), tiny_teacher_dir)
 
 
 def stored_bytes_per_position(config: Any) -> float:

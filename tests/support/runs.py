@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from support.corpus import sample_documents, write_jsonl
+
 from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_complete, stage_dir,
                                     write_commit, write_complete)
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
@@ -98,3 +100,15 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 def final_weights(config: KDFlowConfig) -> dict[str, torch.Tensor]:
     return load_file(student_path(config, "final", "model.safetensors"))
+
+
+def trained_tiny_run(base: Path, teacher_dir: Path) -> KDFlowConfig:
+    """A 3-step student under `base/run`: 20 documents tokenised, a dense top-K store, trained to final/."""
+    from kdflow.tasks.student.train import train
+
+    corpus = write_jsonl(base / "docs.jsonl", sample_documents(20))
+    config = run_config(base / "run", teacher_dir, corpus, student__steps=3, student__eval_shards=1)
+    make_tokens(config)
+    write_dense_topk(config, teacher_dir)
+    train(config)
+    return config
