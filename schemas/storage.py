@@ -242,7 +242,7 @@ class RunRoot(ObjectStoreOps):
         return writer.sha256
 
     def remove(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), self.store_errors(path):
             self.fs.rm(path)
 
 

@@ -41,29 +41,40 @@ LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "g++", "c++", "clang", "clang++", "l
 LIBRARY_MODULES = ("torchinductor", "torch/_inductor/", "torch._inductor.")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist 3.8 names each test's group by rewriting `item._nodeid`, which pytest 9.2 no longer reads: every test
+    would silently become its own unit (module fixtures rebuilt, one Prefect server per worker)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(pytest.__version__) >= Version("9.2") and Version(version("pytest-xdist")) <= Version("3.8.0"):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {version('pytest-xdist')} runs no "
+                                "test groups: install the test extra's pins (pip install -e '.[test]')")
+
+
 def tier_of(fixturenames: list[str]) -> str:
     if E2E_FIXTURES.intersection(fixturenames):
         return "e2e"
     return "process" if PROCESS_FIXTURES.intersection(fixturenames) else "unit"
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers set here
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers set here and xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers = {item: tier_of(getattr(item, "fixturenames", [])) for item in items}
     for item, tier in tiers.items():
         item.add_marker(getattr(pytest.mark, tier))
     # The suite runs on two workers (`-n 2 --dist loadgroup`, pyproject.toml). Each module is one group (its
     # module-scoped fixtures are built once), except that every test on the session's Prefect server is in one
-    # group, so one pytest run starts one such server. Longest first: groups holding end-to-end tests start first
-    # and the many short unit modules fill the end.
-    rank = {"e2e": 0, "process": 1, "unit": 2}
-    module_rank: dict[str, int] = {}
-    for item, tier in tiers.items():
-        module = item.nodeid.split("::", 1)[0]
-        module_rank[module] = min(module_rank.get(module, 2), rank[tier])
-        on_server = "prefect_harness" in getattr(item, "fixturenames", [])
-        item.add_marker(pytest.mark.xdist_group("prefect-server" if on_server else module))
-    items.sort(key=lambda item: module_rank[item.nodeid.split("::", 1)[0]])
+    # group, so one pytest run starts one such server. That group, the longest by far, starts first; the others
+    # keep file order (`--no-loadscope-reorder`), which mixes heavy modules with light ones. Starting every
+    # end-to-end group first was slower: two multi-process tests at once on two cores contend (15:20 against 14:31).
+    on_server = {item: "prefect_harness" in getattr(item, "fixturenames", []) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("prefect-server" if on_server[item] else item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: not on_server[item])
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

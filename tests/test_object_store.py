@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
 
-from support.s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds  # noqa: E402
+from support.s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds, use_endpoint  # noqa: E402
 
 from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit  # noqa: E402
 from kdflow.schemas.config import KDFlowConfig, dump_config  # noqa: E402
@@ -51,15 +51,6 @@ def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoProcess]:
         yield server
     finally:
         server.stop()
-
-
-def use_endpoint(monkeypatch: pytest.MonkeyPatch, endpoint: str, **env: str) -> None:
-    import s3fs
-
-    for key, value in (CREDENTIALS | env).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    s3fs.S3FileSystem.clear_instance_cache()  # one S3FileSystem per set of options: a cached one has old settings
 
 
 @pytest.fixture
@@ -296,6 +287,32 @@ def test_missing_credentials_a_missing_bucket_and_wrong_credentials_are_one_line
         assert secret not in result.stderr + result.stdout
     finally:
         server.stop()
+
+
+def test_a_lease_released_on_the_way_out_of_an_error_never_replaces_it(bucket: Bucket, monkeypatch) -> None:
+    """The store that broke the body usually breaks the release too: the body's error is the one reported (the
+    lease lapses after its ttl), and `remove` names the store it could not reach in one line."""
+    from kdflow.schemas.errors import StoreError
+    from kdflow.tasks.common.leases import Leases
+
+    proxy = TcpProxy(bucket.moto.port)
+    try:
+        use_endpoint(monkeypatch, proxy.endpoint, AWS_MAX_ATTEMPTS="1")
+        run_root = RunRoot(bucket.run_root)
+        leases = Leases(run_root, run_root.path("topk", "tag"), ttl_s=60)
+        assert leases.acquire(0)
+        with pytest.raises(RuntimeError, match="the body's own error"), leases.holding(0):
+            proxy.cut()
+            raise RuntimeError("the body's own error")
+        with pytest.raises(StoreError, match=f"^s3://{bucket.name}/run/topk/tag/[^\n]*unreachable[^\n]*$"):
+            run_root.remove(leases.path(0))
+        proxy.restore()
+        assert leases.read(0)["owner"] == leases.owner  # still there until its ttl; a body that succeeds releases it
+        with leases.holding(0):
+            pass
+        assert leases.read(0) is None
+    finally:
+        proxy.cut()
 
 
 def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: Bucket, make_config,

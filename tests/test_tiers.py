@@ -6,6 +6,7 @@ Tiers come from the fixtures a test uses (tests/conftest.py), so these checks ho
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,11 @@ def test_unit_tests_cannot_start_children() -> None:
 
     with pytest.raises(Failed, match="ask for the `children` fixture"):
         subprocess.run([sys.executable, "-c", "pass"], check=False)
+
+
+def test_under_xdist_a_test_runs_in_its_modules_group(request: pytest.FixtureRequest) -> None:
+    """The suite's two workers take whole groups (tests/conftest.py); were grouping not in effect (as under pytest
+    9.2 with xdist 3.8), node ids would carry no group and module fixtures would be rebuilt per test."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("not under pytest-xdist (-n 0)")
+    assert request.node.nodeid.endswith("@tests/test_tiers.py"), request.node.nodeid

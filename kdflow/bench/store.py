@@ -44,12 +44,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from kdflow.bench.harness import note
+from kdflow.bench.harness import note, open_root
 from kdflow.schemas.codec import CRC32, DecodedTopk, Renumbering, TopkCodec, decode, encode, from_v1
 from kdflow.schemas.commits import CommitRecord, StageComplete, TopkShardInfo, write_commit, write_complete
 from kdflow.schemas.layout import RENUMBERING_FILE, data_file_name
 from kdflow.schemas.shards import topk_batch, topk_schema
-from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_bytes import StoreBytes, store_bytes
 
 # (label, TopkCodec options; "table": "unigram" renumbers by the token store's counts, None codes ids as they are)
@@ -99,7 +98,7 @@ def written_store_bytes(codec: TopkCodec | None, schema: pa.Schema, batches: lis
     """The shards (one record batch each) written as the teacher pass writes a store, into a temporary folder,
     and counted by `kdflow.schemas.store_bytes` (as `kdflow store report` counts a real store)."""
     with tempfile.TemporaryDirectory(prefix="kdflow-bench-store-") as folder:
-        run_root, seq_len = RunRoot(folder), int(schema.metadata[b"kdflow.seq_len"])
+        run_root, seq_len = open_root(folder), int(schema.metadata[b"kdflow.seq_len"])
         info = TopkShardInfo(teacher_fingerprint="0" * 16, tokens_fingerprint="0" * 16, seq_len=seq_len,
                              top_k=int(schema.metadata[b"kdflow.top_k"]), micro_batch=4,
                              format="v2" if codec is not None else None,

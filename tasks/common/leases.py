@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 from kdflow.schemas.layout import temp_name
@@ -126,3 +126,16 @@ class Leases:
         if (self.read(key) or {}).get("owner") == self.owner:
             self.run_root.remove(self.path(key))
         self._renewed.pop(key, None)
+
+    @contextlib.contextmanager
+    def holding(self, key: Hashable) -> Iterator[None]:
+        """Release the (acquired) lease on the way out. When the body failed, a release that fails too (the store
+        that broke the body is often why) is dropped: the body's error is the one to report, and the lease lapses
+        after its ttl."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.release(key)
+            raise
+        self.release(key)

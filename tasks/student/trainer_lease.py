@@ -60,8 +60,5 @@ def hold_student(run_root: RunRoot, student: StudentConfig, rank: int = 0,
             logger.info("student %s: the other trainer is done after %.0f s of waiting", student.name,
                         time.monotonic() - waited_since)
     barrier()
-    try:
+    with leases.holding(TRAINER_LEASE) if leases is not None else contextlib.nullcontext():
         yield TrainerLease(leases)
-    finally:
-        if leases is not None:
-            leases.release(TRAINER_LEASE)

@@ -214,7 +214,7 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
             if not leases.acquire(shard_id):
                 waiting.append(shard_id)
                 continue
-            try:
+            with leases.holding(shard_id):
                 # it may have landed before our lease
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:
                     _stale_temp_files(run_root, store, shard_id)
@@ -227,8 +227,6 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
                     peak = _peak_device_memory_mib(computer.device)
                     progress.update(1, record.tokens, **({"peak_device_memory_mib": peak} if peak is not None else {}))
-            finally:
-                leases.release(shard_id)
         if not waiting or not wait_for_others:
             return written, tokens, seconds, waiting
         time.sleep(min(10.0, leases.ttl_s / 10))

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 SERVE = ("import os, sys, threading, time\n"
          "def orphaned():  # the server dies with the test process, however that ends\n"
@@ -84,6 +85,16 @@ class MotoProcess:
                 self.process.kill()
                 self.process.wait(10)
         self._log.close()
+
+
+def use_endpoint(monkeypatch: Any, endpoint: str, **env: str) -> None:
+    """Point this process's S3 clients at `endpoint` with the test credentials (and `env`), for one test."""
+    import s3fs
+
+    for key, value in (CREDENTIALS | env).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()  # one S3FileSystem per set of options: a cached one has old settings
 
 
 def kinds(requests: list[tuple[str, str, int]]) -> collections.Counter:
