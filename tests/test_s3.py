@@ -9,7 +9,6 @@ with the credentials in `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`. No code p
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,17 +16,10 @@ from typing import Any
 
 import pytest
 from support.children import run
+from support.s3_server import free_port, use_endpoint
 
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
-
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +38,7 @@ def s3_run_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
     import boto3
     import s3fs
 
-    for key, value in CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    # fsspec keeps one S3FileSystem per set of options; a cached one may point at another endpoint.
-    s3fs.S3FileSystem.clear_instance_cache()
+    use_endpoint(monkeypatch, s3_endpoint)
     bucket = f"kdflow-{uuid.uuid4().hex[:12]}"  # one bucket per test: the server lives for the module
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
     yield f"s3://{bucket}/run"
