@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,7 @@ def prepare_teacher(gguf: Path, folder: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"teacher: dequantising {gguf.name} once into {folder} (later stages and reruns load that in ~1 s)",
-          flush=True)
+          file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; a plain model of the same config takes its weights.

@@ -142,7 +142,7 @@ class SamplingConfig(_Section):
 
     head: PositiveInt = Field(default=16, description="hybrid: exact top-H tokens per position (sampled targets have "
                                                       "none)")
-    samples: PositiveInt = Field(default=24, description="Tokens sampled per position from the teacher's tail (the "
+    samples: PositiveInt = Field(default=12, description="Tokens sampled per position from the teacher's tail (the "
                                                          "budget)")
     scheme: Literal["priority", "gumbel"] = Field(
         default="priority", description="priority: Duffield priority sampling (weights max(p, tau)); "

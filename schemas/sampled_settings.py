@@ -24,7 +24,7 @@ def sampled_format(precompute: PrecomputeConfig) -> dict[str, object]:
 
 
 def sampled_label(settings: dict[str, object]) -> str:
-    """"hybrid H16+S24 (priority, seed 0)" for messages."""
+    """"hybrid H16+S12 (priority, seed 0)" for messages."""
     sampling = settings.get("sampling") or {}
     head = f"H{sampling.get('head')}+" if settings.get("targets") == "hybrid" else ""
     return (f"{settings.get('targets')} {head}S{sampling.get('samples')} "
