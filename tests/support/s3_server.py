@@ -168,17 +168,26 @@ class TcpProxy:
         try:
             selector.register(a, selectors.EVENT_READ, b)
             selector.register(b, selectors.EVENT_READ, a)
+            cut_on_response = False
             while True:
                 for key, _ in selector.select(timeout=1.0):
                     data = key.fileobj.recv(1 << 16)
                     if not data:
                         return
                     key.data.sendall(data)
+                    if key.fileobj is b and cut_on_response and not re.match(rb"HTTP/1\.[01] 100 ", data):
+                        # Its final response (not a 100 Continue) went through; cut now, not after a delay: on a
+                        # fast machine a tiny pass commits every remaining shard within half a second, and then
+                        # nothing is left to resume.
+                        threading.Thread(target=self.cut, daemon=True).start()
+                        return
                     if key.fileobj is a and self.cut_after is not None and self.cut_after[0].search(data):
-                        self._seen += 1
-                        if self._seen >= self.cut_after[1]:  # let its response through, then cut
-                            self.cut_after = None
-                            threading.Timer(0.5, self.cut).start()
+                        with self._lock:
+                            self._seen += 1
+                            last = self.cut_after is not None and self._seen >= self.cut_after[1]
+                            if last:
+                                self.cut_after = None
+                        cut_on_response = last
         except (OSError, ValueError):
             return
         finally:
