@@ -31,9 +31,11 @@ installed, a plot of held-out KL against steps beside the results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     for record in summary:
         print(json.dumps(record), flush=True)
     emit(Results(root).write_summary(summary))
-    print_table(summary)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds only JSON lines, as every benchmark's does
+        print_table(summary)
     return 0
 
 
