@@ -112,7 +112,7 @@ class TcpProxy:
 
     def __init__(self, target_port: int) -> None:
         self.target_port, self.port = target_port, free_port()
-        self.cut_after: tuple[re.Pattern[bytes], int] | None = None  # (request line, count): cut once seen that often
+        self.cut_after: tuple[re.Pattern[bytes], int] | None = None  # (request line, n): cut at the n-th's response
         self._seen = 0
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
