@@ -135,6 +135,11 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     assert {name for name, step in steps.items() if step["status"] != "ok"} == {  # one GPU; bf16: same path
         "fsdp_2_process", "teacher_pass_L1_bf16", "teacher_pass_L2_bf16", "extrapolated_bf16"}
     assert steps["teacher"]["architecture"] == "Qwen3MoeForCausalLM"
+    weights = steps["teacher_weights_4bit"]  # every expert in 4-bit, as the pass loads it
+    assert weights["L1"]["experts_left_unquantised"] == [] and weights["L2"]["weight_bytes"]["4bit"] > 0
+    assert weights["full_depth"]["what"].startswith("extrapolation")
+    full = weights["full_depth"]
+    assert full["weights_4bit_bytes"] == pytest.approx(full["planned_bytes"], rel=0.02)  # the plan's arithmetic
     tuned = steps["tune_precompute"]["recommended_micro_batch"]
     assert tuned in (2, 4) and steps["teacher_pass_L2_4bit"]["micro_batch"] == tuned
     assert set(steps["teacher_pass_L1_4bit"]["ratios"]) >= {"stage/forward", "topk/forward"}

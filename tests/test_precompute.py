@@ -246,14 +246,16 @@ def test_placement_check_names_the_modules_left_behind(make_config) -> None:
         check_placement(model, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_four_bit_teacher_runs(make_config, device: str) -> None:
+@pytest.mark.parametrize("device,teacher", [("cpu", "tiny_teacher_dir"), ("cpu", "tiny_moe_teacher_dir"),
+                                            ("cuda", "tiny_moe_teacher_dir")])
+def test_four_bit_teacher_runs(make_config, device: str, teacher: str, request: pytest.FixtureRequest) -> None:
     """Skipped only where bitsandbytes is not installed, or for CUDA where no CUDA device is: a 4-bit load
-    that raises is a failure, never a skip."""
+    that raises is a failure, never a skip. The MoE's fused experts are 4-bit too (tests/test_fused_experts.py)."""
     pytest.importorskip("bitsandbytes")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    config = prepare(make_config(teacher__load_in_4bit=True, teacher__device=device, dataset__max_documents=8))
+    config = prepare(make_config(teacher__load_in_4bit=True, teacher__device=device, dataset__max_documents=8,
+                                 teacher__model=str(request.getfixturevalue(teacher))))
     model = load_teacher(config.teacher)
     assert any("4bit" in type(m).__name__ for m in model.modules())
     summary = precompute_shards(config, model=model)

@@ -167,6 +167,9 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     steps.run("bench_precompute", lambda: steps_.bench("precompute", ["--device", device, *size["topk_bench"]]),
               needs_s=long_s / 2)
     steps.run("teacher", lambda: steps_.build_teachers(work, size, device))
+    steps.run("teacher_weights_4bit", lambda: steps_.teacher_weights([configs[(d, "4bit")] for d in (low, high)],
+                                                                     (low, high), size["shapes"]),
+              needs=("teacher",), needs_s=long_s / 2)
     steps.run("tokens", lambda: steps_.tokens(main_config), needs=("teacher",))
     steps.run("tune_precompute", lambda: steps_.tune(main_config, size), needs=("tokens",), needs_s=2 * long_s)
     steps.run("precompute", lambda: steps_.precompute(main_config), needs=("tokens",), needs_s=long_s)

@@ -82,15 +82,17 @@ def sizes(quick: bool) -> dict[str, Any]:
             "student_steps": 6, "batch_size": 8, "train_seq_len": 1024}
 
 
-def teacher_bytes(shapes: dict[str, int], layers: int, four_bit: bool) -> int:
-    """Weights on the device. 4-bit: bitsandbytes quantises nn.Linear weights only (0.5 byte + absmax per 64);
-    Qwen3-MoE's experts are fused 3-D parameters in transformers 5 and stay bf16, as do embedding and norms."""
+def teacher_bytes(shapes: dict[str, int], layers: int, four_bit: bool, experts_4bit: bool = True,
+                  float_bytes: int = 2) -> int:
+    """Weights on the device. 4-bit: the attention's nn.Linear layers (bitsandbytes) and the fused experts
+    (kdflow.tasks.common.fused_experts) at half a byte a value + a float32 scale per 64; embedding, lm_head,
+    routers and norms stay bf16 (`float_bytes` a value). `experts_4bit=False`: bitsandbytes alone, transformers 5."""
     per_layer = layer_parameters(shapes)
     counts = model_parameters(shapes, layers)
     if not four_bit:
-        return 2 * counts["total"]
-    linear = layers * per_layer["attention"] + shapes["vocab_size"] * shapes["hidden_size"]  # + lm_head
-    return int(2 * (counts["total"] - linear) + linear * (0.5 + 4 / 64))
+        return float_bytes * counts["total"]
+    quantised = layers * (per_layer["attention"] + (per_layer["experts"] if experts_4bit else 0))
+    return int(float_bytes * (counts["total"] - quantised) + quantised * (0.5 + 4 / 64))
 
 
 def pass_activation_bytes(shapes: dict[str, int], micro_batch: int, seq_len: int) -> int:
@@ -128,9 +130,12 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
             add(f"teacher_pass_L{depth}_{'4bit' if four_bit else 'bf16'}",
                 weights + pass_activation_bytes(shapes, largest_mb, size["seq_len"]), layers=depth,
                 weights_gib=round(weights / GIB, 2), micro_batch_max=largest_mb, seq_len=size["seq_len"])
-    full_4bit = teacher_bytes(shapes, shapes["num_hidden_layers"], True)
-    steps["full_depth_teacher"] = {"estimated_gib": round(full_4bit / GIB, 2), "would": "extrapolated, not built",
-                                   "layers": shapes["num_hidden_layers"]}
+    full = {bits: teacher_bytes(shapes, shapes["num_hidden_layers"], bits == "4bit") for bits in ("4bit", "bf16")}
+    steps["full_depth_teacher"] = {
+        "estimated_gib": round(full["4bit"] / GIB, 2), "would": "extrapolated, not built",
+        "layers": shapes["num_hidden_layers"], "weights_bf16_gib": round(full["bf16"] / GIB, 2),
+        "weights_4bit_experts_16bit_gib": round(
+            teacher_bytes(shapes, shapes["num_hidden_layers"], True, experts_4bit=False) / GIB, 2)}
     dense_limit = 0.6 * limit
     for tokens in size["loss_tokens"]:
         dense = dense_loss_bytes(tokens, size["loss_vocab"])

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, model_parameters
+from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, GIB, model_parameters, teacher_bytes
 
 
 class Skipped(Exception):
@@ -79,6 +79,51 @@ def build_teachers(work: Path, size: dict[str, Any], device: str) -> dict[str, A
         if device == "cuda":
             torch.cuda.empty_cache()
     return {"architecture": "Qwen3MoeForCausalLM", "shapes": shapes, "depths": built}
+
+
+def teacher_weights(config_paths: list[Path], depths: tuple[int, int], shapes: dict[str, int]) -> dict[str, Any]:
+    """Each depth's 4-bit teacher loaded as the pass loads it (`load_teacher`): its weights by kind, any expert
+    left in 16 bits (a failure), the load's seconds and peak device memory; the full depth's 4-bit weights
+    extrapolated from the two depths, against the plan's arithmetic (what a 24 GB GPU must hold)."""
+    import time
+
+    import torch
+
+    from kdflow.schemas.config import load_config
+    from kdflow.tasks.common.fused_experts import fused_expert_weights, weight_bytes
+    from kdflow.tasks.common.teacher_loading import load_teacher
+
+    out: dict[str, Any] = {}
+    totals = {}
+    for depth, path in zip(depths, config_paths, strict=True):
+        teacher = load_config(path).teacher
+        cuda = teacher.device.startswith("cuda")
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        model = load_teacher(teacher)
+        seconds = time.perf_counter() - started
+        sizes, left = weight_bytes(model), fused_expert_weights(model)
+        totals[depth] = sum(sizes.values())
+        peak = round(torch.cuda.max_memory_allocated() / GIB, 3) if cuda else None
+        out[f"L{depth}"] = {"load_s": round(seconds, 2), "total_gib": round(totals[depth] / GIB, 4),
+                            "weight_bytes": sizes,
+                            "experts_left_unquantised": [name for name, *_ in left], "peak_load_gib": peak}
+        del model
+        if left:
+            raise RuntimeError(f"{len(left)} expert weight(s) of the L{depth} teacher not quantised: {left[0][0]}")
+    low, high = depths
+    per_layer = (totals[high] - totals[low]) / (high - low)
+    layers, float_bytes = shapes["num_hidden_layers"], 2 if teacher.dtype in ("bfloat16", "float16") else 4
+    full = int(totals[low] + per_layer * (layers - low))
+    planned = teacher_bytes(shapes, layers, True, float_bytes=float_bytes)
+    out["full_depth"] = {"what": f"extrapolation to {layers} layers from L{low} and L{high}",
+                         "weights_4bit_bytes": full, "weights_4bit_gib": round(full / GIB, 3),
+                         "planned_bytes": planned, "planned_gib": round(planned / GIB, 3),
+                         "weights_4bit_experts_16bit_gib": round(
+                             teacher_bytes(shapes, layers, True, experts_4bit=False, float_bytes=float_bytes) / GIB, 3)}
+    return out
 
 
 def _pad_vocabulary(tokenizer_json: Path, vocab: int) -> None:

@@ -4,6 +4,9 @@ student's held-out evaluation (kdflow.tasks.student.heldout_teacher), which must
 The reference teacher (a 32B MoE in 4-bit on a 24 GB GPU) taught us that `device_map="auto"` may silently
 offload layers to CPU or disk (9 MoE layers ran from disk in fp16, hours slower), so we place the whole model
 on one device and treat anything left elsewhere as an error that names the modules.
+
+In 4-bit, the experts of an MoE that transformers stores as fused 3-D parameters are quantised too, as they load
+(`kdflow.tasks.common.fused_experts`): bitsandbytes alone would leave them, most of the reference teacher, in 16 bits.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import KDFlowError
+from kdflow.tasks.common.fused_experts import quantise_fused_experts, quantising_fused_experts
 from kdflow.tasks.common.models import resolve_device, resolve_dtype
 from kdflow.tasks.common.sources import check_teacher_source
 
@@ -47,10 +51,16 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
         # Prefer safetensors (hub ids prefer them by default); transformers reads .bin files only with
         # torch.load(weights_only=True), never unpickling arbitrary objects.
         kwargs["use_safetensors"] = True
-    if teacher.load_in_4bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(local or teacher.model, **kwargs)
+    if not teacher.load_in_4bit:
+        model = AutoModelForCausalLM.from_pretrained(local or teacher.model, **kwargs)
+    else:
+        quantisation = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        experts = {"quant_type": quantisation.bnb_4bit_quant_type,
+                   "double_quant": quantisation.bnb_4bit_use_double_quant}
+        with quantising_fused_experts(**experts):  # each as it is set: never all in 16 bits on the device
+            model = AutoModelForCausalLM.from_pretrained(local or teacher.model, quantization_config=quantisation,
+                                                         **kwargs)
+        quantise_fused_experts(model, **experts)  # any the hook did not see (a transformers without it)
     model.eval()
     model.requires_grad_(False)
     check_placement(model, target)
