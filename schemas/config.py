@@ -106,6 +106,9 @@ class TeacherConfig(_Section):
     device: Device = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     trust_remote_code: bool = Field(default=False, description="Run the model repository's own code (trusted models "
                                                                "only)")
+    lm_head_float32: bool = Field(
+        default=False, description="Compute the logits in float32 (a float32 copy of lm_head, 4 bytes a weight) "
+                                   "instead of in the teacher's dtype; off until a GPU measures bf16's error")
 
 
 

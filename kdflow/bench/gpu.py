@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kdflow.bench import gpu_precision
 from kdflow.bench import gpu_steps as steps_
 from kdflow.bench.gpu_plan import H200_MEMORY_GIB, plan, sizes
 
@@ -187,8 +188,8 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
         steps.run(f"extrapolated_{bits}",
                   lambda bits=bits: steps_.extrapolate(steps.results, (low, high), size["shapes"], bits), needs=names,
                   needs_s=float("-inf"))  # arithmetic on what was measured: never skipped for time
-    steps.run("logits_precision", lambda: steps_.logits_precision(steps_.teacher_folder(work, low), device,
-                                                                  size["precision_tokens"]),
+    steps.run("logits_precision", lambda: gpu_precision.logits_precision(steps_.teacher_folder(work, low), device,
+                                                                         size["precision_tokens"]),
               needs=("teacher",), needs_s=long_s / 2)
     train_steps = ["--steps", "3", "--warmup", "1"] if not quick else ["--steps", "1", "--warmup", "0"]
     train_argv = [str(main_config), "--variants", "plain,fused", *train_steps, "--device", device,

@@ -290,38 +290,3 @@ def fsdp(config_path: Path) -> dict[str, Any]:
         message = outcome.errors[0].get("message") if outcome.errors else ""
         raise RuntimeError(f"torchrun exited {outcome.exit_code}: {message}")
     return {"steps": outcome.result.get("steps"), "final_loss": outcome.result.get("final_loss"), "world_size": 2}
-
-
-CODEC_BUDGET_NATS = 1.3e-4  # the store codec's whole KL budget per position (issue 24): what rounding may cost
-
-
-def logits_precision(teacher: Path, device: str, tokens: int, top_k: int = 128) -> dict[str, Any]:
-    """How far bf16 logits move what the pass stores, against a float32 lm_head on the same hidden states:
-    KL(float32 || bf16) per position over the full vocabulary, the top-K id sets' overlap and the tail mass.
-    The teacher's weights are random, so its distributions are flatter than a trained one's: a lower bound of
-    the reference's error, not its value."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.bfloat16).to(device).eval()
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 384, (max(1, tokens // 512), min(tokens, 512)), generator=generator).to(device)
-    kl, overlap, tail_diff = [], [], []
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids).last_hidden_state.flatten(0, 1)
-        weight = model.lm_head.weight
-        for rows in hidden.split(2048):
-            exact = torch.log_softmax(rows.float() @ weight.float().T, dim=-1)
-            rounded = torch.log_softmax((rows @ weight.T).float(), dim=-1)
-            kl.append((exact.exp() * (exact - rounded)).sum(-1))
-            top_exact, top_rounded = exact.topk(top_k).indices, rounded.topk(top_k).indices
-            same = (top_exact.unsqueeze(-1) == top_rounded.unsqueeze(-2)).any(-1).float().mean(-1)
-            overlap.append(same)
-            kept_exact = exact.gather(-1, top_exact).exp().sum(-1)
-            tail_diff.append((kept_exact - rounded.gather(-1, top_rounded).exp().sum(-1)).abs())
-    kl_all, overlap_all, tail_all = torch.cat(kl), torch.cat(overlap), torch.cat(tail_diff)
-    mean_kl = float(kl_all.mean())
-    return {"positions": int(kl_all.numel()), "top_k": top_k, "kl_mean_nats": mean_kl,
-            "kl_max_nats": float(kl_all.max()), "topk_id_overlap_mean": float(overlap_all.mean()),
-            "topk_id_overlap_min": float(overlap_all.min()), "tail_mass_abs_diff_mean": float(tail_all.mean()),
-            "codec_budget_nats": CODEC_BUDGET_NATS, "above_codec_budget": mean_kl > CODEC_BUDGET_NATS}

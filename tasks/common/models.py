@@ -90,6 +90,8 @@ def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *,
     identity: dict[str, Any] = {"dtype": str(resolve_dtype(teacher, device)).removeprefix("torch."),
                                 "quantisation": "bnb-nf4" if teacher.load_in_4bit else None,
                                 "gguf_file": teacher.gguf_file}
+    if teacher.lm_head_float32:  # only when on: the fingerprints of every teacher made without it stay as they were
+        identity["lm_head"] = "float32"
     if local is not None:
         identity["weights"] = _local_weights_hash(local, teacher.gguf_file)
     else:

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from kdflow.schemas.config import TeacherConfig
-from kdflow.schemas.errors import KDFlowError
+from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.tasks.common.fused_experts import quantise_fused_experts, quantising_fused_experts
-from kdflow.tasks.common.models import resolve_device, resolve_dtype
+from kdflow.tasks.common.models import output_layer, resolve_device, resolve_dtype
 from kdflow.tasks.common.sources import check_teacher_source
 
 
@@ -64,7 +64,34 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
     model.eval()
     model.requires_grad_(False)
     check_placement(model, target)
+    if teacher.lm_head_float32:
+        float32_lm_head(model)
     return model
+
+
+def _upcast_input(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+
+def float32_lm_head(model: nn.Module) -> None:
+    """`teacher.lm_head_float32`: the model's lm_head replaced by a float32 copy. The chunked top-K and sampler
+    multiply the hidden states, upcast a chunk at a time, with its weight; the model's own forward upcasts its
+    input (a hook), so `model(ids).logits` are the same float32 logits. A tied input embedding stays as it was."""
+    head = output_layer(model)
+    if type(head) is not nn.Linear:
+        raise ConfigError(f"teacher.lm_head_float32 needs a plain nn.Linear lm_head, not {type(head).__name__} "
+                          "(a quantised lm_head has no float32 weight)")
+    if head.weight.dtype == torch.float32:
+        return
+    copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device=head.weight.device,
+                     dtype=torch.float32)
+    with torch.no_grad():
+        copy.weight.copy_(head.weight)
+        if head.bias is not None:
+            copy.bias.copy_(head.bias)
+    copy.requires_grad_(False)
+    copy.register_forward_pre_hook(_upcast_input)
+    model.set_output_embeddings(copy)
 
 
 def misplaced_modules(model: nn.Module, target: torch.device) -> dict[str, str]:

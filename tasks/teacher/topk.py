@@ -84,7 +84,7 @@ def _check_plain_weight(weight: Tensor, bias: Tensor | None, hidden: Tensor) -> 
         raise ValueError(
             f"lm_head weight must be (vocab, {hidden.shape[1]}) to match hidden, got {tuple(weight.shape)}"
         )
-    if weight.dtype != hidden.dtype:
+    if weight.dtype != hidden.dtype and weight.dtype != torch.float32:  # a float32 head upcasts each chunk
         raise ValueError(f"hidden dtype {hidden.dtype} does not match lm_head weight dtype {weight.dtype}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"lm_head bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
@@ -125,6 +125,8 @@ class _SlabLogits:
             return
         weight, bias = self.plain
         rows = hidden_rows.shape[0]
+        if hidden_rows.dtype != weight.dtype:  # bf16 hidden states, float32 lm_head (teacher.lm_head_float32)
+            hidden_rows = hidden_rows.to(weight.dtype)
         for first_id in range(0, self.vocab_size, self.cols):
             width = min(self.cols, self.vocab_size - first_id)
             logits_f32 = self.logits_f32[: rows * width].view(rows, width)
@@ -216,7 +218,8 @@ def chunked_topk(
     Returns topk_ids (N, K) int32 and topk_logprobs (N, K) float32, sorted by descending log-probability,
     on hidden's device; with `return_tail` also tail_logprob (N,) float32, the log of the mass outside the
     top-K (log-sum-exp over the complement minus the full one; -inf when K = V). Logits are computed in the
-    hidden/weight dtype and upcast to float32.
+    weight's dtype and upcast to float32; a float32 weight with lower-precision hidden states upcasts each chunk
+    of hidden states first (`teacher.lm_head_float32`).
     vocab_chunk (plain weights only): also cut the vocabulary into slabs of this many ids and merge their
     top-K and log-sum-exp. It lets a CPU take many rows per chunk (each chunk streams the whole weight from
     memory once) in the same memory; on a GPU the default, the whole vocabulary at once, is the fast choice.
