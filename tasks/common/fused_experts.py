@@ -3,7 +3,7 @@
 `BitsAndBytesConfig(load_in_4bit=True)` quantises by replacing `nn.Linear` layers. transformers 5 stores the experts
 of Qwen3-MoE, Mixtral, OLMoE and their kin as one 3-D parameter per projection (experts x out x in), which is no
 `nn.Linear`: bitsandbytes skips them and they load in 16 bits. For the reference teacher (a 32B MoE, 3B active)
-that is ~57 GiB of experts instead of ~15, and the "4-bit" teacher does not fit a 24 GB GPU at all. transformers 4
+that is ~56 GiB of experts instead of ~16, and the "4-bit" teacher does not fit a 24 GB GPU at all. transformers 4
 kept one `nn.Linear` per expert, so the same checkpoint loaded in 4-bit there.
 
 Here each such parameter is quantised to the teacher's NF4 (`bitsandbytes.functional.quantize_4bit`, the same
