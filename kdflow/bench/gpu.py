@@ -2,15 +2,17 @@
 machine's minutes, with no network and no Prefect, ending in one JSON summary (`infra/gpu-check.sh` runs it).
 
 Random Qwen3-MoE teachers with llm-jp-4-32b-a3b-base's per-layer shapes and 196,608-id vocabulary
-(kdflow/bench/gpu_plan.py says where the shapes come from) at two depths, in 4-bit (bitsandbytes) and bf16.
-Then, each step timed, its outcome recorded (ok, skipped with its reason, failed with its error) and the rest
-run on: token shards; `kdflow tune precompute`; the pass in its worker; `kdflow bench teacher-pass` at the
+(kdflow/bench/gpu_plan.py says where the shapes come from) at two depths, in 4-bit (bitsandbytes, the fused experts
+too: kdflow.tasks.common.fused_experts) and bf16. Then, each step timed, its outcome recorded (ok, skipped with its
+reason, failed with its error) and the rest run on: each 4-bit teacher's weights as loaded (and the full depth's,
+extrapolated); token shards; `kdflow tune precompute`; the pass in its worker; `kdflow bench teacher-pass` at the
 tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active parameters) and the
-full-depth tok/s extrapolated from both depths; sampled and hybrid targets; `kdflow bench precompute`
-(chunked vs dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked against a float32
-dense reference); `kdflow bench train-step` with a student of the teacher's vocabulary; the training stage;
-a 2-process FSDP step when two GPUs are visible. A step that would not finish within `--budget-s` is
-skipped. The last stdout line is the summary (also `--out`); exit 0 when no step failed (skips included).
+full-depth tok/s extrapolated from both depths; sampled and hybrid targets; `kdflow bench precompute` (chunked vs
+dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked against a float32 dense reference);
+`kdflow bench train-step` with a student of the teacher's vocabulary; the training stage; the logits' precision in
+bf16 against float32, and the float32 lm_head's cost (kdflow/bench/gpu_precision.py); a 2-process FSDP step when
+two GPUs are visible. A step that would not finish within `--budget-s` is skipped. The last stdout line is the
+summary (also `--out`); exit 0 when no step failed (skips included).
 
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
 estimates, what would skip) at full size without building anything.
