@@ -35,7 +35,7 @@ def _experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def test_no_expert_weight_of_a_4bit_moe_teacher_stays_in_16_or_32_bits(tiny_moe_teacher_dir: Path) -> None:
     plain, model = _teacher(tiny_moe_teacher_dir, False), _teacher(tiny_moe_teacher_dir, True)
-    expert_values = sum(p.numel() for _, p, _ in [(n, getattr(m, a), a) for n, m, a in fused_expert_weights(plain)])
+    expert_values = sum(getattr(module, name).numel() for _, module, name in fused_expert_weights(plain))
     linear4bit_values = sum(m.weight.numel() * 2 for m in model.modules() if type(m).__name__ == "Linear4bit")
     assert expert_values > 0 and fused_expert_weights(model) == []
     for _, experts in _experts(model):

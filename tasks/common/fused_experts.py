@@ -108,12 +108,17 @@ def _quantise(module: nn.Module, name: str, quant_type: str, double_quant: bool)
         module._kdflow_cache_hooks = True
 
 
+def _may_hold_fused_experts(module: nn.Module) -> bool:
+    """Not a layer whose weight is 2-D by nature or another kind of 3-D (bitsandbytes' Linear4bit included)."""
+    return not isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))
+
+
 def fused_expert_weights(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(qualified name, module, attribute) of every fused expert weight still in floating point."""
     experts = expert_count(getattr(model, "config", None))
     found = []
     for module_name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)):
+        if not _may_hold_fused_experts(module):
             continue
         for name, param in module.named_parameters(recurse=False):
             if is_fused_expert_weight(param, experts):
@@ -149,7 +154,8 @@ def quantising_fused_experts(*, quant_type: str = "nf4", double_quant: bool = Fa
         module_path, _, name = target_name.rpartition(".")
         module = model.get_submodule(module_path) if module_path else model
         param = module._parameters.get(name)
-        if param is not None and is_fused_expert_weight(param, expert_count(getattr(model, "config", None))):
+        if (param is not None and _may_hold_fused_experts(module)
+                and is_fused_expert_weight(param, expert_count(getattr(model, "config", None)))):
             _quantise(module, name, quant_type, double_quant)
             quantised.append(target_name)
         return result
