@@ -59,10 +59,16 @@ else
     record setup_wheels skipped 0 "no wheels in $WHEELS (infra/gpu-wheels.sh downloads them)"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# Run from the repository root, yet import kdflow from $SITE: without this, Python puts the working directory
+# first on sys.path, and the tree's kdflow/ (whose subpackages live in schemas/, tasks/, flows/ and are mapped
+# only by an install) shadows the installed one. Children inherit it. Python 3.11 and newer.
+export PYTHONSAFEPATH=1
 # kdflow itself, from this tree (its dependencies are the image's and the wheels: --no-deps).
 step setup_kdflow "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
     --no-cache-dir --target "$SITE" . || true
-step setup_import "$PYTHON" -c "import kdflow.bench.gpu, kdflow.schemas.config, torch, transformers" || true
+step setup_import "$PYTHON" -c "import sys, kdflow.bench.gpu, kdflow.schemas.config, torch, transformers
+if not kdflow.__file__.startswith(sys.argv[1]): sys.exit(f'kdflow imported from {kdflow.__file__}, not {sys.argv[1]}')
+" "$SITE" || true
 if [[ " $* " == *" --plan "* ]]; then
     cat "$LOG" >&2
     exec "$PYTHON" -m kdflow bench gpu "$@"

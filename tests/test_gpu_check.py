@@ -160,7 +160,9 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
 
 def test_gpu_check_script_installs_kdflow_from_the_tree_without_an_index(children: Any, tmp_path: Path) -> None:
     """infra/gpu-check.sh as shipped, up to its plan: kdflow installed from this tree with `pip --no-index`
-    into its own folder (no wheels here: that step is recorded as skipped), imported from there."""
+    into its own folder (no wheels here: that step is recorded as skipped), imported from there and not from the
+    tree's kdflow/ in the working directory (`setup_import` fails then: the GPU machine has no editable install
+    to map kdflow.schemas, as this one does)."""
     (tmp_path / "no-wheels").mkdir()
     env = os.environ | {"KDFLOW_PYTHON": sys.executable, "WHEEL_DIR": str(tmp_path / "no-wheels"),
                         "KDFLOW_GPU_SITE": str(tmp_path / "site"), "PIP_NO_INDEX": "1"}

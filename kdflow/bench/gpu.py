@@ -86,15 +86,15 @@ class Steps:
 
 
 def check_config(work: Path, device: str, size: dict[str, Any], depth: int, four_bit: bool) -> dict[str, Any]:
-    """One teacher's config as a plain dict (`kdflow tune --write` edits the file it is written to)."""
-    on_cuda = device == "cuda"
+    """One teacher's config as a plain dict (`kdflow tune --write` edits the file it is written to). The teacher
+    runs in bf16 on the CPU too, so the rehearsal takes the GPU's dtype path (4-bit experts dequantised to bf16)."""
     shapes = size["shapes"]
     return {
         "run_root": str(work / "run"),
         "dataset": {"path": str(work / "docs.jsonl"), "documents_per_part": 64},
         "seq_len": size["seq_len"],
         "teacher": {"model": str(steps_.teacher_folder(work, depth)), "load_in_4bit": four_bit, "device": device,
-                    "dtype": "bfloat16" if on_cuda else "float32"},
+                    "dtype": "bfloat16"},
         "precompute": {"top_k": 32, "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
         "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"],
                     "warmup_steps": 1, "eval_shards": 1, "eval_sequences": 8, "save_every": size["student_steps"],
