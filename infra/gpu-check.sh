@@ -4,11 +4,13 @@
 # wheels carried in .whl/ (infra/gpu-wheels.sh downloads them here; infra/gpu-wheels.txt lists them), both with
 # `pip --no-index` into a folder put first on PYTHONPATH. Then `kdflow bench gpu` (kdflow/bench/gpu.py) within
 # what is left of the time limit. Every step, set-up included, is recorded as ok, skipped (with its reason) or
-# failed (with its error), and the rest go on; one JSON summary is written to a file and printed last.
+# failed (with its error), and the rest go on; one JSON summary is written to a file and printed last. A check
+# stopped at the limit still leaves a summary of every step it finished (and the one it was in, as failed).
 #
 #   infra/gpu-check.sh                          # on the GPU machine, from the repository root
 #   infra/gpu-check.sh --device cpu             # the same at the rehearsal's sizes on a CPU
 #   infra/gpu-check.sh --plan                   # only the plan at full size (sizes, memory, what would skip)
+#   infra/gpu-check.sh --only teacher_pass_L4_4bit,logits_precision   # those steps and what they need
 #
 # Environment: KDFLOW_PYTHON (default python3), KDFLOW_GPU_CHECK_TIMEOUT_S (the whole check, set-up included;
 # default 540, under the 600 s one command may run there), KDFLOW_GPU_CHECK_OUT (the summary file, default
@@ -76,19 +78,25 @@ fi
 
 left=$((LIMIT - (SECONDS - started)))
 budget=$((left - 30))  # the check's own steps stop starting this long before the limit, for the summary
+PROGRESS="$(mktemp)"
+trap 'rm -f "$LOG" "$PROGRESS"' EXIT
 timeout --kill-after=10 "$left" "$PYTHON" -m kdflow bench gpu --budget-s "$budget" --setup-log "$LOG" \
-    --out "$SUMMARY" "$@"
+    --progress-log "$PROGRESS" --out "$SUMMARY" "$@"
 code=$?
 if ((code == 124 || code == 137)) || [[ ! -s "$SUMMARY" ]]; then
-    # The check itself did not write its summary (killed, or it could not start): write one from the set-up.
+    # The check did not write its summary (killed at the limit, or it could not start): write one from the set-up
+    # and from each step it finished (its progress log); the step it was in is failed, as stopped.
     record check failed $((SECONDS - started)) "kdflow bench gpu exited $code (limit ${LIMIT} s)"
     "$PYTHON" -c 'import json, sys
-steps = [json.loads(line) for line in open(sys.argv[1])]
-results = {s.pop("name"): s for s in steps}
+steps = [json.loads(line) for path in sys.argv[1:3] for line in open(path) if line.strip()]
+results = {s.pop("name"): s for s in steps}  # a step'"'"'s last line wins: running, then its outcome
+for result in results.values():
+    if result["status"] == "running":
+        result.update(status="failed", error="still running when the check was stopped")
 failed = [n for n, s in results.items() if s["status"] == "failed"]
 text = json.dumps({"bench": "gpu_check", "ok": False, "failed": failed, "steps": results})
-open(sys.argv[2], "w").write(text + "\n")
-print(text)' "$LOG" "$SUMMARY"
+open(sys.argv[3], "w").write(text + "\n")
+print(text)' "$LOG" "$PROGRESS" "$SUMMARY"
     exit 1
 fi
 exit "$code"

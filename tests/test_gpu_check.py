@@ -206,3 +206,40 @@ def test_full_depth_extrapolation_is_linear_in_depth_and_none_when_depth_got_fas
     assert out["stage_tokens_per_s"] == pytest.approx(1 / (1 / 90 + 30 * per_layer), abs=0.05)
     assert out["forward_tokens_per_s"] is None and out["what"].startswith("extrapolation")
     assert out["bf16_roofline_tokens_per_s"] == pytest.approx(790e12 / (2 * 3_324_160_512), abs=0.1)
+
+
+def test_a_check_stopped_at_its_limit_keeps_what_it_measured(children: Any, tmp_path: Path) -> None:
+    """infra/gpu-check.sh stops the check at its limit; the summary it then writes holds every step the check
+    finished (its progress log), and the step it was in as failed: stopped. `--only tokens` runs that step and
+    what it needs; a pause fault holds it until the limit."""
+    summary_path = tmp_path / "summary.json"
+    env = os.environ | {"KDFLOW_PYTHON": sys.executable, "WHEEL_DIR": str(tmp_path / "no-wheels"),
+                        "KDFLOW_GPU_SITE": str(tmp_path / "site"), "PIP_NO_INDEX": "1",
+                        "KDFLOW_GPU_CHECK_TIMEOUT_S": "60", "KDFLOW_GPU_CHECK_OUT": str(summary_path),
+                        "KDFLOW_FAULT": "pause@at=commit,stage=materialise"}
+    done = children.run(["bash", str(ROOT / "infra" / "gpu-check.sh"), "--device", "cpu", "--only", "tokens",
+                         "--budget-s", "1000", "--work-dir", str(tmp_path / "work")],
+                        what="infra/gpu-check.sh stopped at its limit", timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 1, done.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    steps = summary["steps"]
+    assert not summary["ok"] and set(summary["failed"]) == {"tokens", "check"}, summary
+    assert steps["tokens"]["error"] == "still running when the check was stopped"
+    assert steps["teacher"]["status"] == "ok" and steps["teacher"]["seconds"] > 0
+    assert steps["bench_loss"] == {"status": "skipped", "reason": "not asked for (--only)"}
+    assert steps["setup_kdflow"]["status"] == "ok" and "limit 60 s" in steps["check"]["error"]
+
+
+@pytest.mark.unit
+def test_only_takes_the_named_steps_with_what_they_need(tmp_path: Path) -> None:
+    """`--only` follows each named step's needs through (the extrapolation needs both passes, which need the
+    token shards, which need the teacher); a name that is no step stops the check before it builds anything."""
+    from kdflow.bench.gpu import _only, _parser
+    from kdflow.bench.gpu_plan import sizes
+
+    args = _parser().parse_args(["--device", "cpu"])
+    assert _only("extrapolated_4bit", tmp_path, args, sizes(True)) == {
+        "extrapolated_4bit", "teacher_pass_L1_4bit", "teacher_pass_L2_4bit", "tokens", "teacher"}
+    with pytest.raises(SystemExit, match=r"--only names no step teacher_pas \(steps: bench_loss, "):
+        _only("tokens,teacher_pas", tmp_path, args, sizes(True))
+    assert not (tmp_path / "teachers").exists() and not list(tmp_path.glob("**/*.safetensors"))

@@ -15,7 +15,8 @@ two GPUs are visible. A step that would not finish within `--budget-s` is skippe
 summary (also `--out`); exit 0 when no step failed (skips included).
 
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
-estimates, what would skip) at full size without building anything.
+estimates, what would skip) at full size without building anything; `--only` runs some steps and what they need;
+`--progress-log` appends each step as it starts and ends, for a summary of a check stopped from outside.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", help="keep the teachers, stores and configs here (default: a temporary folder)")
     parser.add_argument("--out", help="also write the summary to this file")
     parser.add_argument("--setup-log", help="JSON lines of set-up steps (infra/gpu-check.sh) put in the summary")
+    parser.add_argument("--progress-log", help="append each step as a JSON line when it starts and when it ends, so "
+                        "a check stopped at its time limit still leaves what it measured (infra/gpu-check.sh)")
+    parser.add_argument("--only", help="STEP[,STEP...]: run these steps and those they need, skip the rest "
+                        "(a second run on the GPU machine for what the first did not measure)")
     parser.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
                         help="the 2-process FSDP step: auto runs it when two GPUs are visible")
     return parser
@@ -56,21 +61,43 @@ def _parser() -> argparse.ArgumentParser:
 class Steps:
     """Runs each step, timing it. A step that raises `Skipped`, or would start with less than its `needs_s`
     left of the budget, is skipped with its reason; one that raises otherwise is failed (its first line; the
-    traceback on stderr). Neither stops the others."""
+    traceback on stderr). Neither stops the others. With `progress`, each step is appended to that file as a JSON
+    line when it starts (`"status": "running"`) and again when it ends. With `only`, a step not named there is
+    skipped. `dry` runs nothing: every step is recorded as ok, with what it needs (`needs`), to know the steps."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, progress: Path | None = None, only: set[str] | None = None,
+                 dry: bool = False) -> None:
         self.results: dict[str, dict[str, Any]] = {}
         self.deadline = time.perf_counter() + budget_s
+        self.progress, self.only, self.dry = progress, only, dry
+        self.needs: dict[str, tuple[str, ...]] = {}
+
+    def skip(self, name: str, reason: str) -> None:
+        self.results[name] = {"status": "skipped", "reason": reason}
+        self._log(name, self.results[name])
+
+    def _log(self, name: str, result: dict[str, Any]) -> None:
+        if self.progress is not None:
+            with self.progress.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"name": name, **result}) + "\n")
 
     def run(self, name: str, step: Callable[[], dict[str, Any] | None], *, needs: tuple[str, ...] = (),
             needs_s: float = 0.0) -> None:
+        self.needs[name] = needs
+        if self.dry:
+            self.results[name] = {"status": "ok"}
+            return
+        if self.only is not None and name not in self.only:
+            self.skip(name, "not asked for (--only)")
+            return
         missing = [n for n in needs if self.results.get(n, {}).get("status") != "ok"]
         left = self.deadline - time.perf_counter()
         if missing or left < needs_s:
             reason = f"needs {', '.join(missing)}" if missing else f"budget: {left:.0f} s left, needs ~{needs_s:.0f} s"
-            self.results[name] = {"status": "skipped", "reason": reason}
+            self.skip(name, reason)
             return
         print(f"kdflow bench gpu: {name} ...", file=sys.stderr, flush=True)
+        self._log(name, {"status": "running"})
         started = time.perf_counter()
         try:
             self.results[name] = {"status": "ok", **(step() or {})}
@@ -83,6 +110,7 @@ class Steps:
             message = (str(error).strip().splitlines() or [type(error).__name__])[0]
             self.results[name] = {"status": "failed", "error": f"{type(error).__name__}: {message}"}
         self.results[name]["seconds"] = round(time.perf_counter() - started, 2)
+        self._log(name, self.results[name])
 
 
 def check_config(work: Path, device: str, size: dict[str, Any], depth: int, four_bit: bool) -> dict[str, Any]:
@@ -141,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         work = Path(args.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kdflow-gpu-")))
         work.mkdir(parents=True, exist_ok=True)
-        steps = Steps(args.budget_s)
+        only = _only(args.only, work, args, size) if args.only else None
+        steps = Steps(args.budget_s, Path(args.progress_log) if args.progress_log else None, only)
         _run_steps(steps, work, args, size)
     results = {step["name"]: {k: v for k, v in step.items() if k != "name"} for step in setup} | steps.results
     failed = [name for name, result in results.items() if result["status"] == "failed"]
@@ -154,6 +183,24 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     print(text, flush=True)
     return 0 if not failed else 1
+
+
+def _only(asked_text: str, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> set[str]:
+    """The steps `--only` names and, followed through, those they need; a name that is no step is an error."""
+    dry = Steps(float("inf"), dry=True)
+    _run_steps(dry, work, args, size)
+    asked = {name.strip() for name in asked_text.split(",") if name.strip()}
+    unknown = sorted(asked - set(dry.results))
+    if unknown:
+        raise SystemExit(f"kdflow bench gpu: --only names no step {', '.join(unknown)} "
+                         f"(steps: {', '.join(dry.results)})")
+    todo, wanted = list(asked), set(asked)
+    while todo:
+        for need in dry.needs.get(todo.pop(), ()):
+            if need not in wanted:
+                wanted.add(need)
+                todo.append(need)
+    return wanted
 
 
 def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> None:
@@ -179,7 +226,7 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     tuned = steps.results["tune_precompute"].get("recommended_micro_batch")
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
-            steps.results[f"teacher_pass_L{depth}_{bits}"] = {"status": "skipped", "reason": "quick: 4bit only"}
+            steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")
             continue
         steps.run(f"teacher_pass_L{depth}_{bits}",
                   lambda path=path, depth=depth: steps_.teacher_pass(path, tuned, size["pass_shards"], depth,
@@ -206,7 +253,7 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
         steps.run("fsdp_2_process", lambda: steps_.fsdp(main_config), needs=("precompute",), needs_s=long_s / 2)
     else:
-        steps.results["fsdp_2_process"] = {"status": "skipped", "reason": f"{gpus} GPU(s) visible"}
+        steps.skip("fsdp_2_process", f"{gpus} GPU(s) visible")
 
 
 def torch_gpus() -> int:
