@@ -19,6 +19,7 @@ BENCHES = {
     "fidelity": "kdflow.bench.fidelity",
     "teacher-pass": "kdflow.bench.teacher_pass",
     "gpu": "kdflow.bench.gpu",
+    "logits-precision": "kdflow.bench.logits_precision",
     "train-step": "kdflow.bench.train_step",
     "scale": "kdflow.bench.scale",
 }

@@ -3,8 +3,9 @@
 On one loaded teacher and the same token rows (the first `--shards` token shards, cut into the pass's fixed
 micro-batch, the last one padded), it times:
 - `body`: the model body's forward only (hidden states, no lm_head);
-- `forward`: the model's own forward to full logits `(micro_batch, seq_len, vocab)`, i.e. body + lm_head:
-  the least any teacher pass must compute, so this stage's limit on this machine;
+- `forward`: the model's own forward to full logits `(micro_batch, seq_len, vocab)`, i.e. body + lm_head, in
+  the model's dtype (its own lm_head, also where `teacher.lm_head_float32` wraps it for the pass): the least any
+  teacher pass must compute, so this stage's limit on this machine;
 - `topk`: the body plus the chunked top-K and full-vocabulary log-sum-exp (`TeacherTopkStep`, the step the
   pass runs, with the pass's chunk size), results left on the device;
 - `stage`: `precompute_shards` over those shards into an emptied top-K store (planning, shard reads, the step,
@@ -128,6 +129,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     import torch
 
     from kdflow.schemas.layout import TOPK_DIR
+    from kdflow.tasks.common.float32_logits import Float32Logits
     from kdflow.tasks.common.models import body_hidden_states, output_layer
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
@@ -145,11 +147,18 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
             body_hidden_states(model, ids)
         sync()
 
+    own_head = output_layer(model)
+    bare_head = own_head.linear if isinstance(own_head, Float32Logits) else own_head
+
     def forward() -> None:
-        with torch.inference_mode():
-            for ids in inputs:
-                model(input_ids=ids, use_cache=False).logits  # noqa: B018 - the logits are the work
-        sync()
+        model.set_output_embeddings(bare_head)
+        try:
+            with torch.inference_mode():
+                for ids in inputs:
+                    model(input_ids=ids, use_cache=False).logits  # noqa: B018 - the logits are the work
+            sync()
+        finally:
+            model.set_output_embeddings(own_head)
 
     def topk() -> None:
         for ids in inputs:

@@ -87,10 +87,13 @@ def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *,
     if device is None:
         device = next(model.parameters()).device if model is not None else resolve_device(teacher.device)
     local = check_teacher_source(teacher)
-    identity: dict[str, Any] = {"dtype": str(resolve_dtype(teacher, device)).removeprefix("torch."),
+    dtype = resolve_dtype(teacher, device)
+    identity: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."),
                                 "quantisation": "bnb-nf4" if teacher.load_in_4bit else None,
                                 "gguf_file": teacher.gguf_file}
-    if teacher.lm_head_float32:  # only when on: the fingerprints of every teacher made without it stay as they were
+    if teacher.lm_head_float32 and dtype in (torch.bfloat16, torch.float16):
+        # Only where it changes the numbers (a 16-bit lm_head): a float32 teacher's fingerprint, and every
+        # fingerprint made before the option, stay as they were.
         identity["lm_head"] = "float32"
     if local is not None:
         identity["weights"] = _local_weights_hash(local, teacher.gguf_file)

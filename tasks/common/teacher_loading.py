@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from kdflow.schemas.config import TeacherConfig
-from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.schemas.errors import KDFlowError
+from kdflow.tasks.common.float32_logits import Float32Logits
 from kdflow.tasks.common.fused_experts import quantise_fused_experts, quantising_fused_experts
 from kdflow.tasks.common.models import output_layer, resolve_device, resolve_dtype
 from kdflow.tasks.common.sources import check_teacher_source
@@ -69,29 +70,18 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
     return model
 
 
-def _upcast_input(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-
-
-def float32_lm_head(model: nn.Module) -> None:
-    """`teacher.lm_head_float32`: the model's lm_head replaced by a float32 copy. The chunked top-K and sampler
-    multiply the hidden states, upcast a chunk at a time, with its weight; the model's own forward upcasts its
-    input (a hook), so `model(ids).logits` are the same float32 logits. A tied input embedding stays as it was."""
+def float32_lm_head(model: nn.Module) -> bool:
+    """`teacher.lm_head_float32`: a 16-bit `nn.Linear` lm_head wrapped so that its logits come out in float32,
+    never rounded to 16 bits (`Float32Logits`: no copy of the weight; the chunked top-K, the sampler and the
+    model's own forward all take that path). A float32 head already gives float32 logits, and a quantised one
+    computes its own: both are left as they are. -> whether the head was wrapped."""
     head = output_layer(model)
-    if type(head) is not nn.Linear:
-        raise ConfigError(f"teacher.lm_head_float32 needs a plain nn.Linear lm_head, not {type(head).__name__} "
-                          "(a quantised lm_head has no float32 weight)")
-    if head.weight.dtype == torch.float32:
-        return
-    copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device=head.weight.device,
-                     dtype=torch.float32)
-    with torch.no_grad():
-        copy.weight.copy_(head.weight)
-        if head.bias is not None:
-            copy.bias.copy_(head.bias)
-    copy.requires_grad_(False)
-    copy.register_forward_pre_hook(_upcast_input)
-    model.set_output_embeddings(copy)
+    if isinstance(head, Float32Logits):
+        return True
+    if type(head) is not nn.Linear or head.weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    model.set_output_embeddings(Float32Logits(head))
+    return True
 
 
 def misplaced_modules(model: nn.Module, target: torch.device) -> dict[str, str]:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from kdflow.tasks.common.float32_logits import Float32Logits, float32_logits, float32_output_matmul
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 
 # Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
@@ -56,11 +57,13 @@ def choose_chunk_tokens(
 def _plain_weight(lm_head: nn.Module | Tensor) -> tuple[Tensor, Tensor | None] | None:
     """(weight (V, H), bias (V,) or None) when we may do the matmul ourselves; None means call the module.
 
-    Only an exact `nn.Linear` qualifies: quantised layers (bitsandbytes Linear4bit, ...) subclass it but
-    store packed weights, so they must run their own forward.
+    Only an exact `nn.Linear` qualifies, or one wrapped in `Float32Logits`: quantised layers (bitsandbytes
+    Linear4bit, ...) subclass it but store packed weights, so they must run their own forward.
     """
     if isinstance(lm_head, Tensor):
         return lm_head, None
+    if isinstance(lm_head, Float32Logits):
+        return lm_head.weight, lm_head.bias
     if type(lm_head) is nn.Linear:
         return lm_head.weight, lm_head.bias
     return None
@@ -79,12 +82,12 @@ def _vocab_size(lm_head: nn.Module | Tensor, hidden: Tensor) -> int:
     return lm_head(hidden[:1]).shape[-1]
 
 
-def _check_plain_weight(weight: Tensor, bias: Tensor | None, hidden: Tensor) -> None:
+def _check_plain_weight(weight: Tensor, bias: Tensor | None, hidden: Tensor, float32_out: bool) -> None:
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"lm_head weight must be (vocab, {hidden.shape[1]}) to match hidden, got {tuple(weight.shape)}"
         )
-    if weight.dtype != hidden.dtype and weight.dtype != torch.float32:  # a float32 head upcasts each chunk
+    if weight.dtype != hidden.dtype and weight.dtype != torch.float32 and not float32_out:  # those upcast
         raise ValueError(f"hidden dtype {hidden.dtype} does not match lm_head weight dtype {weight.dtype}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"lm_head bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
@@ -95,13 +98,15 @@ class _SlabLogits:
 
     Reusing the buffers matters on CPU, where each fresh multi-hundred-MB tensor is new pages to fault in;
     on CUDA the caching allocator would reuse them anyway. A module (quantised, ...) is called whole: it
-    allocates its own output and cannot be cut into slabs.
+    allocates its own output and cannot be cut into slabs. A `Float32Logits` head's logits are never rounded
+    to its 16-bit dtype (`teacher.lm_head_float32`).
     """
 
     def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int, cols: int,
                  workspace: dict[str, Tensor] | None = None) -> None:
         self.lm_head = lm_head
         self.plain = _plain_weight(lm_head)
+        self.float32_out = isinstance(lm_head, Float32Logits)
         self.vocab_size = vocab_size
         self.cols = cols
         if self.plain is None:
@@ -109,11 +114,15 @@ class _SlabLogits:
                 raise ValueError(f"vocab_chunk needs a plain weight or nn.Linear lm_head, not {type(lm_head).__name__}")
             return
         weight, bias = self.plain
-        _check_plain_weight(weight, bias, hidden)
-        # Flat storage, so that a smaller last block or slab is still a contiguous (c, s) view.
-        self.logits_f32 = _buffer(workspace, "logits_f32", rows * cols, torch.float32, hidden.device)  # (C * S,)
+        _check_plain_weight(weight, bias, hidden, self.float32_out)
+        # Flat storage, so that a smaller last block or slab is still a contiguous (c, s) view. None where the
+        # 16-bit matmul writes float32 itself (Float32Logits on CUDA): each slab is then a new tensor.
+        writes_float32 = (self.float32_out and hidden.dtype == weight.dtype
+                          and float32_output_matmul(hidden.device))
+        self.logits_f32 = None if writes_float32 else _buffer(workspace, "logits_f32", rows * cols, torch.float32,
+                                                              hidden.device)  # (C * S,)
         self.logits_low: Tensor | None = None
-        if weight.dtype != torch.float32:
+        if weight.dtype != torch.float32 and not self.float32_out:
             # bf16/fp16 matmul output, upcast below; the model's own logits are rounded the same way.
             self.logits_low = _buffer(workspace, "logits_low", rows * cols, weight.dtype, hidden.device)
 
@@ -125,11 +134,16 @@ class _SlabLogits:
             return
         weight, bias = self.plain
         rows = hidden_rows.shape[0]
-        if hidden_rows.dtype != weight.dtype:  # bf16 hidden states, float32 lm_head (teacher.lm_head_float32)
+        if hidden_rows.dtype != weight.dtype and not self.float32_out:  # 16-bit hidden states, float32 lm_head
             hidden_rows = hidden_rows.to(weight.dtype)
         for first_id in range(0, self.vocab_size, self.cols):
             width = min(self.cols, self.vocab_size - first_id)
-            logits_f32 = self.logits_f32[: rows * width].view(rows, width)
+            logits_f32 = None if self.logits_f32 is None else self.logits_f32[: rows * width].view(rows, width)
+            if self.float32_out:
+                yield first_id, float32_logits(hidden_rows, weight[first_id : first_id + width],
+                                               None if bias is None else bias[first_id : first_id + width],
+                                               out=logits_f32)
+                continue
             target = logits_f32 if self.logits_low is None else self.logits_low[: rows * width].view(rows, width)
             weight_slab = weight[first_id : first_id + width]  # (s, H), contiguous rows of the weight
             if bias is None:

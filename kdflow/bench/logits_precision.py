@@ -1,0 +1,67 @@
+"""`kdflow bench logits-precision`: how far a 16-bit teacher's rounded logits move what the pass stores, on a
+trained teacher and real text: the demo's teacher (SmolLM2-135M) loaded in bf16 (or fp16), Python's documentation
+topics (the demo's corpus) as input. One JSON line (kdflow/bench/gpu_precision.py's `precision`): KL per position
+of the 16-bit logits from float32 ones on the same hidden states, against the store codec's budget; the same
+for float32 logits merely rounded (rounding the output is then the whole error, and so device-independent);
+the top-K id overlap and tail mass; and the chunked top-K with `teacher.lm_head_float32` on and off (time,
+stored values). This measurement set that option's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kdflow bench logits-precision", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-root", default="runs/bench-logits-precision", help="where the demo teacher is kept")
+    parser.add_argument("--sequences", type=int, default=8, help="documents of the corpus, one sequence each")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens of each (documents shorter are passed over)")
+    parser.add_argument("--top-k", type=int, default=128)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0, help="which documents (a random pick)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for name in ("sequences", "seq_len", "top_k"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    from transformers import AutoTokenizer
+
+    from kdflow.bench.gpu_precision import logits_precision
+    from kdflow.bench.harness import emit
+    from kdflow.demo_assets import corpus_lines, demo_config, local_run_root, locate_teacher_gguf, prepare_teacher
+
+    folder = Path(demo_config(local_run_root(args.run_root)).teacher.model)
+    prepare_teacher(locate_teacher_gguf(), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = [json.loads(line)["text"] for line in corpus_lines()]
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    rows: list[list[int]] = []
+    for index in order:
+        ids = tokenizer(texts[index], add_special_tokens=False)["input_ids"]
+        if len(ids) >= args.seq_len:
+            rows.append(ids[: args.seq_len])
+        if len(rows) == args.sequences:
+            break
+    if not rows:
+        raise SystemExit(f"no document of the corpus has {args.seq_len} tokens: lower --seq-len")
+    record: dict[str, Any] = {"bench": "logits_precision", "teacher": folder.name, "device": args.device,
+                              "sequences": len(rows), "seq_len": args.seq_len}
+    record |= logits_precision(folder, args.device, len(rows) * args.seq_len, args.top_k,
+                               input_ids=torch.tensor(rows), dtype=args.dtype)
+    emit(record | {"loadavg_1m": round(os.getloadavg()[0], 2)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
