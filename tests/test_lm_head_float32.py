@@ -71,8 +71,10 @@ def test_the_sampler_upcasts_the_same_way(tiny_teacher_dir: Path) -> None:
     expected = chunked_sampled(hidden.float(), output_layer(model), plan, 5, shard=0, rows=rows, positions=positions)
     for field in ("head_ids", "head_logprobs", "tail_logprob", "sample_ids", "sample_logprobs", "log_threshold"):
         assert torch.equal(getattr(got, field), getattr(expected, field)), field
-    ids, _ = chunked_topk(hidden, output_layer(model), K, 5)
+    ids, values = chunked_topk(hidden, output_layer(model), K, 5)
     assert torch.equal(ids, chunked_topk(hidden.float(), output_layer(model), K, 5)[0])
+    sliced = chunked_topk(hidden, output_layer(model), K, 5, vocab_chunk=64)  # slabs of the vocabulary, merged
+    assert torch.equal(sliced[0], ids) and torch.allclose(sliced[1], values, atol=1e-6, rtol=0)
 
 
 def test_the_option_is_in_the_teachers_fingerprint_only_where_it_changes_the_logits(tiny_teacher_dir: Path) -> None:

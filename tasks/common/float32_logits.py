@@ -19,7 +19,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor, nn
 
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+# The dtypes whose logits `teacher.lm_head_float32` changes (loading and the teacher's identity ask this too).
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 class Float32Logits(nn.Module):
@@ -27,7 +28,7 @@ class Float32Logits(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if type(linear) is not nn.Linear or linear.weight.dtype not in _SIXTEEN_BIT:
+        if type(linear) is not nn.Linear or linear.weight.dtype not in SIXTEEN_BIT:
             raise TypeError(f"Float32Logits wraps a bf16/fp16 nn.Linear, not {type(linear).__name__} "
                             f"({getattr(getattr(linear, 'weight', None), 'dtype', None)})")
         self.linear = linear
@@ -51,7 +52,7 @@ def float32_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None = None, o
     """hidden (c, H) @ weight (s, H).T (+ bias) as float32, from 16-bit or float32 operands: the 16-bit matmul
     with float32 output where the device has it, else both upcast. `out` (c, s) float32 is used on the upcast
     path (a reused buffer); the fast path returns a new tensor. Either result may be overwritten by the caller."""
-    if hidden.dtype == weight.dtype and weight.dtype in _SIXTEEN_BIT and float32_output_matmul(hidden.device):
+    if hidden.dtype == weight.dtype and weight.dtype in SIXTEEN_BIT and float32_output_matmul(hidden.device):
         logits = torch.mm(hidden, weight.t(), torch.float32)
     else:
         hidden = hidden if hidden.dtype == torch.float32 else hidden.float()

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from kdflow.schemas.config import TeacherConfig, section_hash
+from kdflow.tasks.common.float32_logits import SIXTEEN_BIT
 from kdflow.tasks.common.sources import WEIGHT_SUFFIXES, check_teacher_source
 
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})/")
@@ -91,7 +92,7 @@ def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *,
     identity: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."),
                                 "quantisation": "bnb-nf4" if teacher.load_in_4bit else None,
                                 "gguf_file": teacher.gguf_file}
-    if teacher.lm_head_float32 and dtype in (torch.bfloat16, torch.float16):
+    if teacher.lm_head_float32 and dtype in SIXTEEN_BIT:
         # Only where it changes the numbers (a 16-bit lm_head): a float32 teacher's fingerprint, and every
         # fingerprint made before the option, stay as they were.
         identity["lm_head"] = "float32"

@@ -20,7 +20,7 @@ from torch import nn
 
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import KDFlowError
-from kdflow.tasks.common.float32_logits import Float32Logits
+from kdflow.tasks.common.float32_logits import SIXTEEN_BIT, Float32Logits
 from kdflow.tasks.common.fused_experts import quantise_fused_experts, quantising_fused_experts
 from kdflow.tasks.common.models import output_layer, resolve_device, resolve_dtype
 from kdflow.tasks.common.sources import check_teacher_source
@@ -78,7 +78,7 @@ def float32_lm_head(model: nn.Module) -> bool:
     head = output_layer(model)
     if isinstance(head, Float32Logits):
         return True
-    if type(head) is not nn.Linear or head.weight.dtype not in (torch.bfloat16, torch.float16):
+    if type(head) is not nn.Linear or head.weight.dtype not in SIXTEEN_BIT:
         return False
     model.set_output_embeddings(Float32Logits(head))
     return True

@@ -62,9 +62,7 @@ def _plain_weight(lm_head: nn.Module | Tensor) -> tuple[Tensor, Tensor | None] |
     """
     if isinstance(lm_head, Tensor):
         return lm_head, None
-    if isinstance(lm_head, Float32Logits):
-        return lm_head.weight, lm_head.bias
-    if type(lm_head) is nn.Linear:
+    if type(lm_head) is nn.Linear or isinstance(lm_head, Float32Logits):
         return lm_head.weight, lm_head.bias
     return None
 
@@ -136,6 +134,8 @@ class _SlabLogits:
         rows = hidden_rows.shape[0]
         if hidden_rows.dtype != weight.dtype and not self.float32_out:  # 16-bit hidden states, float32 lm_head
             hidden_rows = hidden_rows.to(weight.dtype)
+        elif self.float32_out and self.logits_f32 is not None:  # Float32Logits, upcast: once a block, not a slab
+            hidden_rows = hidden_rows.float()
         for first_id in range(0, self.vocab_size, self.cols):
             width = min(self.cols, self.vocab_size - first_id)
             logits_f32 = None if self.logits_f32 is None else self.logits_f32[: rows * width].view(rows, width)
