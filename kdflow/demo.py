@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,8 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
     before, after = train.get("eval_before") or {}, train.get("eval_after") or {}
     print("\n" + "=" * 78)
     print(f"kdflow demo finished in {wall_seconds:,.0f} s")
-    print(f"  run root      {run_root}   (kdflow status {run_root}; kdflow validate {run_root})")
+    root_arg = shlex.quote(run_root)  # the commands printed here are meant to be pasted into a shell
+    print(f"  run root      {run_root}   (kdflow status {root_arg}; kdflow validate {root_arg})")
     print(f"  config        {os.path.join(run_root, RESOLVED_CONFIG)}   (kdflow run it to rerun any stage)")
     print(f"  teacher       {config.teacher.model}   "
           f"(SmolLM2-135M-Instruct, dequantised from {TEACHER_PACKAGE}'s {TEACHER_GGUF})")
@@ -126,8 +128,9 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
     print(f"\n  the student continues {SAMPLE_PROMPT!r}:\n    {sample.strip()!r}")
     print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens teach a small "
           "student the docs' word statistics, not yet their sentences;\n   to train it further: "
-          f"kdflow run {os.path.join(run_root, RESOLVED_CONFIG)} --set student.steps={10 * config.student.steps})")
-    print(f"\n  try: kdflow chat {student_final} --prompt '{SAMPLE_PROMPT}'")
+          f"kdflow run {shlex.quote(os.path.join(run_root, RESOLVED_CONFIG))} "
+          f"--set student.steps={10 * config.student.steps})")
+    print(f"\n  try: kdflow chat {shlex.quote(student_final)} --prompt {shlex.quote(SAMPLE_PROMPT)}")
     print("=" * 78)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 
 from kdflow.schemas.config import parse_override
 from kdflow.schemas.logit_layouts import LAYOUTS
@@ -30,7 +31,7 @@ def import_main(argv: list[str] | None = None) -> int:
     summary = import_store(config, args.source, args.layout, args.teacher)
     print(json.dumps(summary))
     print(f"imported as top-K store {summary['tag']}: train on it with "
-          f"`kdflow run {args.config} --stages train --set student.topk_tag={summary['tag']}`")
+          f"`kdflow run {shlex.quote(args.config)} --stages train --set student.topk_tag={summary['tag']}`")
     return 0
 
 

@@ -137,3 +137,22 @@ def test_demo_summary_names_each_kl_for_what_it_is(tmp_path: Path, capsys: pytes
     assert full.split()[-2:] == ["3.250", "-"] and stored.split()[-2:] == ["2.500", "1.500"]
     assert not [line for line in lines if "KL to the teacher (nats/token)" in line]  # the old, misleading label
     assert any("understates" in line for line in lines)
+
+
+def test_demo_summary_commands_paste_into_a_shell_whatever_the_run_root(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+
+    from kdflow import demo
+
+    root = str(tmp_path / "my runs" / "it's here")
+    config = demo.demo_config(root, quick=True)
+    train = {"eval_before": {}, "eval_after": {}, "steps": 1, "train_rows": 1}
+    demo.print_summary(root, config, {"precompute": {"store": "topk/x"}, "train": train}, {}, "sample", 1.0)
+    out = capsys.readouterr().out
+    chat = shlex.split(out.split("try: ", 1)[1].splitlines()[0])
+    assert chat == ["kdflow", "chat", f"{root}/students/{config.student.name}/final", "--prompt", demo.SAMPLE_PROMPT]
+    status = shlex.split(out.split("(kdflow status ", 1)[1].split(";", 1)[0])
+    assert status == [root]
+    rerun = shlex.split(out.split("to train it further: ", 1)[1].split(")", 1)[0])
+    assert rerun[:3] == ["kdflow", "run", f"{root}/{demo.RESOLVED_CONFIG}"]
