@@ -253,6 +253,8 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     assert cli_main(["store", "report", config.run_root, "--tag", lossless_tag, "--kl-rows", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"### top-K store {lossless_tag}: v2 float32") and "tail mass |" in out
+    sampled = f"{exact['sampled_positions']:,} positions of {exact['sampled_rows']:,} rows sampled"
+    assert out.count(sampled) == 2  # the histograms say what they count
     assert cli_main(["store", "report", config.run_root, "--tag", "nosuchstore"]) == 2
     topk_dir = RunRoot(config.run_root).display(RunRoot(config.run_root).path('topk'))
     assert capsys.readouterr().err.strip() == (f"kdflow: error: no top-K store nosuchstore under "

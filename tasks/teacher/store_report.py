@@ -230,8 +230,10 @@ def report_markdown(summary: dict[str, Any]) -> str:
                          f"{summary[f'{key}_p99']:.3g}, max {summary[f'{key}_max']:.3g} "
                          f"over {summary['kl_positions']:,} positions |")
     if "mean_tail_mass" in summary:
-        lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) |",
-                  f"| mean ids kept | {summary['mean_kept']:.1f} |", "",
+        sample = f"{summary['sampled_positions']:,} positions of {summary['sampled_rows']:,} rows sampled"
+        lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) "
+                  f"over {sample} |", f"| mean ids kept | {summary['mean_kept']:.1f} over the same |", "",
+                  f"histograms over the {sample}:", "",
                   "tail mass | " + " | ".join(summary["tail_mass_histogram"]),
                   "|".join(["---"] * (len(summary["tail_mass_histogram"]) + 1)),
                   "positions | " + " | ".join(str(v) for v in summary["tail_mass_histogram"].values()), "",
