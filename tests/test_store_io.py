@@ -202,3 +202,12 @@ def test_the_commands_export_and_import(fresh_run, tmp_path: Path) -> None:
     tag = json.loads(done.stdout.splitlines()[0])["tag"]
     assert f"student.topk_tag={tag}" in done.stdout
     assert (tmp_path / "imported" / "topk" / tag / "_complete.json").exists()
+
+
+def test_exporting_from_a_run_root_without_a_top_k_store_says_so(tmp_path: Path) -> None:
+    (tmp_path / "run" / "tokens").mkdir(parents=True)  # tokenised, not yet precomputed
+    with pytest.raises(StoreError) as caught:
+        export_store(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert str(caught.value) == (f"no top-K store under {tmp_path / 'run' / 'topk'}: the precompute stage has not "
+                                 "written one yet")
+    assert not (tmp_path / "out").exists()

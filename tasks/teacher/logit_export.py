@@ -55,6 +55,9 @@ def _pick_tag(run_root: RunRoot, tag: str | None) -> str:
         if tag not in tags:
             raise StoreError(f"no top-K store {tag} under {run_root.display(run_root.path('topk'))}")
         return tag
+    if not tags:
+        raise StoreError(f"no top-K store under {run_root.display(run_root.path('topk'))}: the precompute stage has "
+                         "not written one yet")
     if len(tags) != 1:
         raise ConfigError(f"{run_root.display(run_root.path('topk'))} holds {len(tags)} top-K stores "
                           f"({', '.join(tags) or 'none'}); name one with --tag")
