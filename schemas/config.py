@@ -78,7 +78,7 @@ class _Section(BaseModel):
 
 
 class DatasetConfig(_Section):
-    """Where the documents come from: a hub dataset id or local/remote files (jsonl, json, parquet, txt)."""
+    """Where the documents come from: a hub dataset id or local/remote jsonl, json, parquet, txt (or .gz, ...) files."""
 
     path: str = Field(description="Hub dataset id (e.g. uonlp/CulturaX), or a file, folder, glob or fsspec URL")
     name: str | None = Field(default=None, description="Hub dataset config name, e.g. 'ja'")

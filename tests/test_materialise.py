@@ -237,3 +237,65 @@ def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., A
     records = [list_commits(RunRoot(c.run_root), RunRoot(c.run_root).path(CORPUS_DIR), "corpus")
                for c in (reference, interrupted)]
     assert [r.extra for _, r in sorted(records[0].items())] == [r.extra for _, r in sorted(records[1].items())]
+
+
+def _compress(path: Path, suffix: str) -> Path:
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
+    target = path.with_name(path.name + suffix)
+    with opener(target, "wb") as handle:
+        handle.write(path.read_bytes())
+    path.unlink()
+    return target
+
+
+@pytest.mark.parametrize("kind, suffix", [("jsonl", ".gz"), ("json", ".bz2"), ("txt", ".xz"), ("folder", ".gz")])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_compressed_json_and_text_files_give_the_same_documents(make_config: Callable[..., Any], tmp_path: Path,
+                                                                kind: str, suffix: str, streaming: bool) -> None:
+    from kdflow.tasks.corpus.probe import probe_dataset
+
+    path = write_source(tmp_path / "src", kind, DOCS)
+    files = sorted((tmp_path / "src").rglob("docs.*"))
+    for name in files:
+        _compress(name, suffix)
+    if kind != "folder":
+        path += suffix
+    config = make_config(dataset__path=path, dataset__documents_per_part=4, dataset__streaming=streaming)
+    assert probe_dataset(config.dataset) is None  # the pre-flight look reads the first record through it
+    assert materialise(config).documents == len(DOCS)
+    assert committed_documents(config) == list(enumerate(DOCS))
+    wrong = make_config(dataset__path=path, dataset__text_field="body")
+    if kind != "txt":
+        with pytest.raises(KDFlowError, match=r"dataset.text_field='body' is not a field of .*\{}".format(suffix)):
+            probe_dataset(wrong.dataset)
+
+
+def test_a_bad_line_in_a_compressed_file_is_named_and_an_unknown_file_type_is_refused(
+        make_config: Callable[..., Any], tmp_path: Path) -> None:
+    import importlib.util
+
+    from kdflow.schemas.errors import ConfigError
+    from kdflow.tasks.corpus.probe import probe_dataset
+
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(12)]
+    lines[7] = '{"text": "no closing quote}'
+    plain = tmp_path / "docs.jsonl"
+    plain.write_text("\n".join(lines) + "\n")
+    path = _compress(plain, ".gz")
+    with pytest.raises(DataError) as caught:
+        materialise(make_config(dataset__path=str(path)))
+    assert str(caught.value).startswith(f"dataset file {path}: line 8 is not valid JSON (")
+    settings = tmp_path / "settings.yaml"  # a file that exists but is no corpus: not taken for a hub dataset id
+    settings.write_text("a: 1\n")
+    with pytest.raises(ConfigError) as refused:
+        probe_dataset(make_config(dataset__path=str(settings)).dataset)
+    assert str(refused.value).startswith(f"dataset.path: cannot tell the format of '{settings}' (use .jsonl, ")
+    zstd = tmp_path / "docs.jsonl.zst"
+    zstd.write_bytes(b"\x28\xb5\x2f\xfd")  # zstd's magic number; needs the zstandard package to be read
+    if importlib.util.find_spec("zstandard") is None:
+        with pytest.raises(ConfigError, match=r"is zstandard-compressed: install it \(pip install zstandard\)"):
+            probe_dataset(make_config(dataset__path=str(zstd)).dataset)

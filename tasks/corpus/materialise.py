@@ -21,7 +21,7 @@ from kdflow.schemas.shards import corpus_table, write_corpus_part
 from kdflow.schemas.stage_settings import MaterialiseSettings, materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
-from kdflow.tasks.corpus.source_files import file_builder as _file_builder
+from kdflow.tasks.corpus.source_files import file_builder as _file_builder, format_of, open_file, uncompressed
 
 CountTokens = Callable[[list[str]], list[int]]
 
@@ -61,9 +61,9 @@ def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
 
 def _first_invalid_utf8(files: list[str]) -> str | None:
     for name in files:
-        if name.lower().endswith(".parquet"):
+        if format_of(name) == "parquet":
             continue
-        with open(name, "rb") as handle:
+        with open_file(name) as handle:
             offset = 0
             for line_no, line in enumerate(handle, start=1):
                 try:
@@ -77,11 +77,11 @@ def _first_invalid_utf8(files: list[str]) -> str | None:
 def _first_malformed_json(files: list[str]) -> str | None:
     """'FILE: line N is not valid JSON (why)' for the first JSON (lines) file with a line that does not parse."""
     for name in files:
-        if not name.lower().endswith((".jsonl", ".json")):
+        if format_of(name) != "json":
             continue
-        with open(name, encoding="utf-8", errors="replace") as handle:
+        with open_file(name, "rt", encoding="utf-8", errors="replace") as handle:
             text = handle.read()
-        if name.lower().endswith(".json"):
+        if uncompressed(name).endswith(".json"):
             try:
                 json.loads(text)
                 continue  # one JSON document

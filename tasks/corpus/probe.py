@@ -12,7 +12,7 @@ from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, first_line
-from kdflow.tasks.corpus.source_files import file_builder
+from kdflow.tasks.corpus.source_files import file_builder, open_file
 
 HUB_PROBE_TIMEOUT_S = 30.0
 
@@ -48,24 +48,22 @@ def _check_fields(fields: list[str], dataset: DatasetConfig, name: str) -> None:
 
 def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
     """One file: readable, its first record has the text field."""
-    import fsspec
-
     try:
         if builder == "parquet":
             import pyarrow.parquet as pq
 
-            with fsspec.open(name, "rb") as handle:
+            with open_file(name) as handle:
                 fields = pq.read_schema(handle).names
             _check_fields(fields, dataset, name)
         elif builder == "json":
-            with fsspec.open(name, "rb") as handle:
+            with open_file(name) as handle:
                 record = _first_json_record(handle, name)
             if record is not None:
                 _check_fields(list(record), dataset, name)
         elif builder == "text" and dataset.text_field != "text":
             raise ConfigError(f"dataset.text_field={dataset.text_field!r}: a .txt file {name} has one field, 'text'")
         elif builder == "text":
-            with fsspec.open(name, "rb") as handle:
+            with open_file(name) as handle:
                 if not handle.read(1):
                     raise ConfigError(f"dataset file {name} is empty: no documents to read")
     except ConfigError:

@@ -1,16 +1,52 @@
 """Which files a dataset config names, and in which format: resolved without reading them (no `datasets`, no
 pyarrow), so that the pre-flight checks and materialise agree on what the source is.
+
+JSON and text files may be compressed (`docs.jsonl.gz`, `part-0001.jsonl.zst`, `notes.txt.bz2`, `.xz`), as many
+corpora are shipped: `datasets` decompresses them as it reads, and so does `open_file` for the checks here.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
+from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+COMPRESSIONS = {".gz": None, ".bz2": None, ".xz": None, ".zst": "zstandard"}  # suffix -> the module it needs
+FORMATS = ".jsonl, .json, .parquet or .txt; JSON and text also compressed: .gz, .bz2, .xz, .zst"
+
+
+def uncompressed(name: str) -> str:
+    """The file name in lower case without its compression suffix: `Docs.JSONL.gz` -> `docs.jsonl`."""
+    lowered = name.lower()
+    suffix = next((suffix for suffix in COMPRESSIONS if lowered.endswith(suffix)), "")
+    return lowered[:len(lowered) - len(suffix)]
+
+
+def format_of(name: str) -> str | None:
+    """The `datasets` builder for a file name (json, parquet, text), compressed JSON and text included; else None."""
+    plain = uncompressed(name)
+    builder = next((b for ext, b in FILE_BUILDERS.items() if plain.endswith(ext)), None)
+    if plain != name.lower() and builder == "parquet":
+        return None  # Parquet compresses inside the file
+    return builder
+
+
+def open_file(name: str, mode: str = "rb", **kwargs: Any) -> Any:
+    """A source file (local or fsspec URL) opened through its compression, if any (a context manager)."""
+    import fsspec
+
+    return fsspec.open(name, mode, compression="infer", **kwargs)
+
+
+def _check_compression(name: str) -> None:
+    module = next((needs for suffix, needs in COMPRESSIONS.items() if name.lower().endswith(suffix)), None)
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise ConfigError(f"dataset file {name} is {module}-compressed: install it (pip install {module})")
 
 
 def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
@@ -21,20 +57,17 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
     builders = set()
     expanded: list[str] = []
     for name in files:
-        lowered = name.lower()
-        builder = next((b for ext, b in FILE_BUILDERS.items() if lowered.endswith(ext)), None)
+        builder = format_of(name)
         is_local_dir = "://" not in name and os.path.isdir(name)
         if builder is None and not is_local_dir:
-            if dataset.data_files is not None:
-                raise ConfigError(f"dataset.data_files: cannot tell the format of {name!r} "
-                                  "(use .jsonl, .json, .parquet or .txt)")
-            return None
+            if dataset.data_files is not None or ("://" not in name and os.path.isfile(name)):
+                raise ConfigError(f"{key}: cannot tell the format of {name!r} (use {FORMATS})")
+            return None  # a hub dataset id
         if is_local_dir:
-            for ext, b in FILE_BUILDERS.items():
-                found = sorted(glob.glob(os.path.join(name, f"**/*{ext}"), recursive=True))
-                if found:
-                    builders.add(b)
-                    expanded.extend(found)
+            found = [f for f in sorted(glob.glob(os.path.join(name, "**", "*"), recursive=True))
+                     if os.path.isfile(f) and format_of(f)]
+            builders.update(format_of(f) for f in found)
+            expanded.extend(found)
             continue
         builders.add(builder)
         if "://" in name:
@@ -44,6 +77,8 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
         if not matches:
             raise ConfigError(f"{key}: no file matches {name!r}")
         expanded.extend(matches)
+    for name in expanded:
+        _check_compression(name)
     if len(builders) != 1:
         raise ConfigError(f"{key}: files must share one format, found {sorted(builders) or 'none'}")
     if dataset.data_files is not None and dataset.path not in ("json", "parquet", "text", "csv"):
