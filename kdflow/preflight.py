@@ -234,9 +234,9 @@ def check_student(context: Preflight) -> None:
 @check("disk")
 def check_disk(context: Preflight) -> None:
     """A warning, with the numbers, when the run may write more than the run root's disk has free."""
-    from kdflow.tasks.corpus.source_files import file_builder
-
     from kdflow.schemas.storage import free_bytes
+    from kdflow.schemas.store_bytes import estimated_bytes_per_position
+    from kdflow.tasks.corpus.source_files import file_builder, uncompressed
 
     if not context.run_root.is_local:
         return
@@ -247,7 +247,9 @@ def check_disk(context: Preflight) -> None:
     try:
         files = file_builder(config.dataset)
         if files is not None:
-            source_bytes = sum(os.path.getsize(f) for f in files[1] if "://" not in f and os.path.isfile(f))
+            # a compressed file holds about 4 times its bytes of text
+            source_bytes = sum(os.path.getsize(f) * (1 if uncompressed(f) == f.lower() else 4)
+                               for f in files[1] if "://" not in f and os.path.isfile(f))
     except ConfigError:
         pass
     if tokens is None:
@@ -258,8 +260,7 @@ def check_disk(context: Preflight) -> None:
     if tokens and "tokenise" in stages and tokens_done is None:
         parts["tokens"] = tokens * 4
     if tokens and "precompute" in stages:
-        parts["top-K"] = tokens * config.precompute.top_k * (4 + (2 if config.precompute.logprobs_dtype == "float16"
-                                                                  else 4))
+        parts["top-K"] = int(tokens * estimated_bytes_per_position(config.precompute))
     if "train" in stages:
         parts["student"] = _student_bytes(context)
     needed, free = sum(parts.values()), free_bytes(context.run_root.root)

@@ -51,3 +51,28 @@ def store_bytes(run_root: RunRoot, store: str, records: dict[int, CommitRecord])
     return StoreBytes(data=sum(r.bytes for r in records.values()), records=record_bytes,
                       store_files=sum(run_root.size(f"{store}/{name}") for name in STORE_FILES if name in present),
                       positions=sum(r.tokens for r in records.values()))
+
+
+# Bytes per stored id and per stored value, rounded up from what `kdflow store report` measured on v2 stores of
+# the demo teacher at K = 128 (README, "Top-K store format": ids 0.94 B with renumbering, sqrt400 values 0.58 B,
+# float16 1.36 B, float32 2.97 B) and from a Zipf-like random teacher without renumbering (ids about 1.35 B, float32
+# values 3.2 B; tests/test_store_metric.py), so that an estimate from them is on the high side.
+_ID_BYTES = 1.4
+_VALUE_BYTES = {"sqrt": 0.75, "float16": 1.5, "float32": 3.3}
+
+
+def estimated_bytes_per_position(precompute: Any) -> float:
+    """What a store made with these `precompute` settings will take per position, before it exists (the pre-flight
+    disk check): v1 exactly (int32 ids and `logprobs_dtype` values), v2 and sampled stores from measured rates,
+    rounded up; an adaptive K (`keep_mass`) is counted at its full K."""
+    store = precompute.store
+    if store.format == "v1":
+        return precompute.top_k * (4 + (2 if precompute.logprobs_dtype == "float16" else 4))
+    per_position = 8 + (2 if store.tail == "float16" else 4)  # row framing and the tail
+    head = precompute.top_k if precompute.targets == "topk" else (
+        precompute.sampling.head if precompute.targets == "hybrid" else 0)
+    per_position += head * (_ID_BYTES + _VALUE_BYTES[store.values])
+    if precompute.targets != "topk":
+        samples = precompute.sampling
+        per_position += 4 + samples.samples * (_ID_BYTES + _VALUE_BYTES[samples.values])  # the threshold, the draws
+    return per_position

@@ -1,5 +1,6 @@
 """The store metric (tasks/teacher/store_metric.py) against a dense reference written here position by position,
-adaptive K never scoring better than full K on the same teacher rows, and the bytes a store takes."""
+adaptive K never scoring better than full K on the same teacher rows, and the bytes a store takes (and the
+estimate the pre-flight disk check makes of them)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,26 @@ def test_store_bytes_count_every_file_a_reader_needs_the_renumbering_table_inclu
     counted = store_bytes(run_root, str(folder), list_commits(run_root, str(folder), "topk"))
     record_size = os.path.getsize(folder / "shard-00000.commit.json")
     assert (counted.data, counted.records, counted.store_files) == (50, record_size, 37)
+
+
+@pytest.mark.parametrize("values", ["sqrt", "float16", "float32"])
+@pytest.mark.parametrize("tail", ["float16", "float32"])
+def test_the_disk_estimate_of_a_store_is_a_little_above_what_the_codec_writes(values: str, tail: str) -> None:
+    from kdflow.schemas.config import PrecomputeConfig
+    from kdflow.schemas.store_bytes import estimated_bytes_per_position
+
+    vocab, seq, top_k = 50_000, 32, 128  # ids spread over a real vocabulary's range, no renumbering
+    rng = np.random.default_rng(0)
+    base = -1.1 * np.log1p(rng.permutation(vocab))
+    logits = rng.uniform(0.8, 2.5, (4, seq, 1)) * (base + 2.0 * rng.standard_normal((4, seq, vocab)))
+    log_p = logits - np.logaddexp.reduce(logits, -1, keepdims=True)
+    ids = np.argsort(-log_p, -1)[..., :top_k].astype(np.int32)
+    top = np.take_along_axis(log_p, ids, -1)
+    tail_logprob = np.log(np.clip(1 - np.exp(top).sum(-1), 1e-30, None))
+    batch = encode(TopkCodec(seq, top_k, vocab, values=values, tail=tail), ids, top.astype(np.float32),
+                   tail_logprob.astype(np.float32))
+    written = batch.nbytes / (4 * seq)
+    estimate = estimated_bytes_per_position(PrecomputeConfig(top_k=top_k, store={"values": values, "tail": tail}))
+    assert written <= estimate <= 1.25 * written, (written, estimate)
+    v1 = PrecomputeConfig(top_k=top_k, logprobs_dtype="float32", store={"format": "v1"})
+    assert estimated_bytes_per_position(v1) == top_k * 8  # v1 is fixed width: int32 ids, float32 values
