@@ -299,3 +299,29 @@ def test_a_bad_line_in_a_compressed_file_is_named_and_an_unknown_file_type_is_re
     if importlib.util.find_spec("zstandard") is None:
         with pytest.raises(ConfigError, match=r"is zstandard-compressed: install it \(pip install zstandard\)"):
             probe_dataset(make_config(dataset__path=str(zstd)).dataset)
+
+
+def test_data_files_are_found_inside_a_local_folder_and_left_to_the_hub_for_a_hub_id(
+        make_config: Callable[..., Any], tmp_path: Path) -> None:
+    from kdflow.schemas.config import DatasetConfig
+    from kdflow.schemas.errors import ConfigError
+    from kdflow.tasks.corpus.probe import probe_dataset
+    from kdflow.tasks.corpus.source_files import file_builder
+
+    folder = Path(write_source(tmp_path / "src", "folder", DOCS))  # files/00/docs.jsonl, files/01/..., files/02/...
+    (folder / "03").mkdir()
+    write_jsonl(folder / "03" / "other.jsonl", ["not asked for"])
+    config = make_config(dataset__path=str(folder), dataset__data_files="*/docs.jsonl", dataset__documents_per_part=4)
+    assert probe_dataset(config.dataset) is None
+    assert materialise(config).documents == len(DOCS)
+    assert committed_documents(config) == list(enumerate(DOCS))
+    listed = make_config(dataset__path=str(folder), dataset__data_files=["02/docs.jsonl", "00/docs.jsonl"])
+    assert file_builder(listed.dataset) == ("json", [str(folder / "02" / "docs.jsonl"),
+                                                     str(folder / "00" / "docs.jsonl")])  # in the order given
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(make_config(dataset__path=str(folder), dataset__data_files="*/missing.jsonl").dataset)
+    assert str(caught.value) == f"dataset.data_files: no file matches '*/missing.jsonl' in {folder}"
+    hub = DatasetConfig(path="allenai/c4", data_files="en/c4-train.00000-of-01024.json.gz")
+    assert file_builder(hub) is None  # resolved by `datasets` on the hub, never globbed here
+    with pytest.raises(ConfigError, match="does not exist"):
+        probe_dataset(DatasetConfig(path=str(tmp_path / "typo"), data_files="*.jsonl"))

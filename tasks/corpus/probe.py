@@ -105,7 +105,7 @@ def probe_hub(dataset: DatasetConfig, timeout_s: float = HUB_PROBE_TIMEOUT_S) ->
 def probe_dataset(dataset: DatasetConfig) -> str | None:
     """Fail with one line naming the setting when the source cannot give documents; -> a warning or None."""
     path = dataset.path
-    if (dataset.data_files is None and path.startswith(("/", ".", "~")) and not any(c in path for c in "*?[")
+    if (path.startswith(("/", ".", "~")) and not any(c in path for c in "*?[")
             and not os.path.exists(os.path.expanduser(path))):
         raise ConfigError(f"dataset.path={path!r} does not exist")  # a local path, not a hub id
     files = file_builder(dataset)  # raises ConfigError for missing files or mixed formats

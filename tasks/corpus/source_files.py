@@ -49,11 +49,23 @@ def _check_compression(name: str) -> None:
         raise ConfigError(f"dataset file {name} is {module}-compressed: install it (pip install {module})")
 
 
+PACKAGED = ("json", "parquet", "text", "csv")  # `path` names a builder: `data_files` are the files themselves
+
+
 def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
-    """(builder, data_files) when the dataset is given as files, else None (a hub id)."""
-    candidates = dataset.data_files if dataset.data_files is not None else dataset.path
-    key = "dataset.data_files" if dataset.data_files is not None else "dataset.path"
-    files = [candidates] if isinstance(candidates, str) else list(candidates)
+    """(builder, data_files) when the dataset is given as files, else None (a hub id, with or without `data_files`
+    inside it: `datasets` resolves those on the hub). `data_files` inside a local folder `path` are relative to it,
+    as `datasets.load_dataset(folder, data_files=...)` takes them."""
+    if dataset.data_files is None:
+        files, key, base = [dataset.path], "dataset.path", ""
+    else:
+        local_dir = "://" not in dataset.path and os.path.isdir(os.path.expanduser(dataset.path))
+        if dataset.path not in PACKAGED and not local_dir:
+            return None
+        names = [dataset.data_files] if isinstance(dataset.data_files, str) else list(dataset.data_files)
+        base = os.path.expanduser(dataset.path) if local_dir else ""
+        files = [n if "://" in n else os.path.join(base, os.path.expanduser(n)) for n in names]
+        key = "dataset.data_files"
     builders = set()
     expanded: list[str] = []
     for name in files:
@@ -75,13 +87,11 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
             continue
         matches = sorted(glob.glob(name, recursive=True))
         if not matches:
-            raise ConfigError(f"{key}: no file matches {name!r}")
+            pattern = os.path.relpath(name, base) if base else name
+            raise ConfigError(f"{key}: no file matches {pattern!r}" + (f" in {base}" if base else ""))
         expanded.extend(matches)
     for name in expanded:
         _check_compression(name)
     if len(builders) != 1:
         raise ConfigError(f"{key}: files must share one format, found {sorted(builders) or 'none'}")
-    if dataset.data_files is not None and dataset.path not in ("json", "parquet", "text", "csv"):
-        # `path` names a hub dataset with explicit data files: keep the hub path.
-        return None
     return builders.pop(), expanded
