@@ -8,34 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from support.corpus import sample_documents, write_jsonl
+from support.corpus import DOCS, committed_documents, sample_documents, write_jsonl, write_source
 
 from kdflow.schemas.commits import list_commits, read_complete
 from kdflow.schemas.errors import KDFlowError
-from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.schemas.layout import CORPUS_DIR
-from kdflow.schemas.shards import read_corpus_part
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.tasks.corpus.materialise import DataError, materialise
-
-DOCS = [f"document number {i}: " + "word " * (i % 7) for i in range(11)]
-
-
-def committed_documents(config: Any) -> list[tuple[int, str]]:
-    """(doc_id, text) of every committed part, in part order."""
-    run_root = RunRoot(config.run_root)
-    store = run_root.path(CORPUS_DIR)
-    records = list_commits(run_root, store, "corpus", corpus_fingerprint(config))
-    assert sorted(records) == list(range(len(records)))
-    rows: list[tuple[int, str]] = []
-    for shard_id in sorted(records):
-        table = read_corpus_part(run_root, f"{store}/{records[shard_id].data_file}")
-        assert table.num_rows == records[shard_id].rows
-        rows.extend(zip(table.column("doc_id").to_pylist(), table.column("text").to_pylist()))
-    return rows
 
 
 def store_files(config: Any) -> dict[str, tuple[int, str]]:
@@ -44,26 +24,6 @@ def store_files(config: Any) -> dict[str, tuple[int, str]]:
     store = run_root.path(CORPUS_DIR)
     return {name: (os.stat(f"{store}/{name}").st_mtime_ns, sha256_of(run_root, f"{store}/{name}"))
             for name in run_root.listdir(store)}
-
-
-def write_source(folder: Path, kind: str, docs: list[str]) -> str:
-    """The same documents in one of the supported layouts; -> the dataset path to configure."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if kind == "jsonl":
-        return str(write_jsonl(folder / "docs.jsonl", docs))
-    if kind == "json":
-        (folder / "docs.json").write_text(json.dumps([{"text": d, "source": "x"} for d in docs]), encoding="utf-8")
-        return str(folder / "docs.json")
-    if kind == "parquet":
-        pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), folder / "docs.parquet")
-        return str(folder / "docs.parquet")
-    if kind == "txt":
-        (folder / "docs.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
-        return str(folder / "docs.txt")
-    # A folder (and a glob over it) of three files whose sorted names give the document order.
-    for index, start in enumerate((0, 4, 8)):
-        write_jsonl(folder / "files" / f"{index:02d}" / "docs.jsonl", docs[start:start + 4])
-    return str(folder / "files") if kind == "folder" else str(folder / "files" / "*" / "*.jsonl")
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "txt", "folder", "glob"])
@@ -238,90 +198,3 @@ def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., A
                for c in (reference, interrupted)]
     assert [r.extra for _, r in sorted(records[0].items())] == [r.extra for _, r in sorted(records[1].items())]
 
-
-def _compress(path: Path, suffix: str) -> Path:
-    import bz2
-    import gzip
-    import lzma
-
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
-    target = path.with_name(path.name + suffix)
-    with opener(target, "wb") as handle:
-        handle.write(path.read_bytes())
-    path.unlink()
-    return target
-
-
-@pytest.mark.parametrize("kind, suffix", [("jsonl", ".gz"), ("json", ".bz2"), ("txt", ".xz"), ("folder", ".gz")])
-@pytest.mark.parametrize("streaming", [False, True])
-def test_compressed_json_and_text_files_give_the_same_documents(make_config: Callable[..., Any], tmp_path: Path,
-                                                                kind: str, suffix: str, streaming: bool) -> None:
-    from kdflow.tasks.corpus.probe import probe_dataset
-
-    path = write_source(tmp_path / "src", kind, DOCS)
-    files = sorted((tmp_path / "src").rglob("docs.*"))
-    for name in files:
-        _compress(name, suffix)
-    if kind != "folder":
-        path += suffix
-    config = make_config(dataset__path=path, dataset__documents_per_part=4, dataset__streaming=streaming)
-    assert probe_dataset(config.dataset) is None  # the pre-flight look reads the first record through it
-    assert materialise(config).documents == len(DOCS)
-    assert committed_documents(config) == list(enumerate(DOCS))
-    wrong = make_config(dataset__path=path, dataset__text_field="body")
-    if kind != "txt":
-        with pytest.raises(KDFlowError, match=r"dataset.text_field='body' is not a field of .*\{}".format(suffix)):
-            probe_dataset(wrong.dataset)
-
-
-def test_a_bad_line_in_a_compressed_file_is_named_and_an_unknown_file_type_is_refused(
-        make_config: Callable[..., Any], tmp_path: Path) -> None:
-    import importlib.util
-
-    from kdflow.schemas.errors import ConfigError
-    from kdflow.tasks.corpus.probe import probe_dataset
-
-    lines = [json.dumps({"text": f"document {i}"}) for i in range(12)]
-    lines[7] = '{"text": "no closing quote}'
-    plain = tmp_path / "docs.jsonl"
-    plain.write_text("\n".join(lines) + "\n")
-    path = _compress(plain, ".gz")
-    with pytest.raises(DataError) as caught:
-        materialise(make_config(dataset__path=str(path)))
-    assert str(caught.value).startswith(f"dataset file {path}: line 8 is not valid JSON (")
-    settings = tmp_path / "settings.yaml"  # a file that exists but is no corpus: not taken for a hub dataset id
-    settings.write_text("a: 1\n")
-    with pytest.raises(ConfigError) as refused:
-        probe_dataset(make_config(dataset__path=str(settings)).dataset)
-    assert str(refused.value).startswith(f"dataset.path: cannot tell the format of '{settings}' (use .jsonl, ")
-    zstd = tmp_path / "docs.jsonl.zst"
-    zstd.write_bytes(b"\x28\xb5\x2f\xfd")  # zstd's magic number; needs the zstandard package to be read
-    if importlib.util.find_spec("zstandard") is None:
-        with pytest.raises(ConfigError, match=r"is zstandard-compressed: install it \(pip install zstandard\)"):
-            probe_dataset(make_config(dataset__path=str(zstd)).dataset)
-
-
-def test_data_files_are_found_inside_a_local_folder_and_left_to_the_hub_for_a_hub_id(
-        make_config: Callable[..., Any], tmp_path: Path) -> None:
-    from kdflow.schemas.config import DatasetConfig
-    from kdflow.schemas.errors import ConfigError
-    from kdflow.tasks.corpus.probe import probe_dataset
-    from kdflow.tasks.corpus.source_files import file_builder
-
-    folder = Path(write_source(tmp_path / "src", "folder", DOCS))  # files/00/docs.jsonl, files/01/..., files/02/...
-    (folder / "03").mkdir()
-    write_jsonl(folder / "03" / "other.jsonl", ["not asked for"])
-    config = make_config(dataset__path=str(folder), dataset__data_files="*/docs.jsonl", dataset__documents_per_part=4)
-    assert probe_dataset(config.dataset) is None
-    assert materialise(config).documents == len(DOCS)
-    assert committed_documents(config) == list(enumerate(DOCS))
-    listed = make_config(dataset__path=str(folder), dataset__data_files=["02/docs.jsonl", "00/docs.jsonl"])
-    assert file_builder(listed.dataset) == ("json", [str(folder / "02" / "docs.jsonl"),
-                                                     str(folder / "00" / "docs.jsonl")])  # in the order given
-    with pytest.raises(ConfigError) as caught:
-        probe_dataset(make_config(dataset__path=str(folder), dataset__data_files="*/missing.jsonl").dataset)
-    assert str(caught.value) == f"dataset.data_files: no file matches '*/missing.jsonl' in {folder}"
-    hub = DatasetConfig(path="allenai/c4", data_files="en/c4-train.00000-of-01024.json.gz")
-    assert file_builder(hub) is None  # resolved by `datasets` on the hub, never globbed here
-    with pytest.raises(ConfigError, match="does not exist"):
-        probe_dataset(DatasetConfig(path=str(tmp_path / "typo"), data_files="*.jsonl"))

@@ -21,7 +21,9 @@ from kdflow.schemas.shards import corpus_table, write_corpus_part
 from kdflow.schemas.stage_settings import MaterialiseSettings, materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
-from kdflow.tasks.corpus.source_files import file_builder as _file_builder, format_of, open_file, uncompressed
+from kdflow.tasks.common.saved_datasets import load_saved_dataset
+from kdflow.tasks.corpus.source_files import SAVED, format_of, open_file, uncompressed
+from kdflow.tasks.corpus.source_files import file_builder as _file_builder
 
 CountTokens = Callable[[list[str]], list[int]]
 
@@ -46,6 +48,8 @@ def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
     import datasets
 
     files = _file_builder(dataset)
+    if files is not None and files[0] == SAVED:
+        return load_saved_dataset(files[1][0], dataset.split), []
     if files is not None:
         builder, data_files = files
         source = datasets.load_dataset(builder, data_files=data_files, split=dataset.split, streaming=dataset.streaming)
@@ -144,7 +148,7 @@ def _local_files(dataset: DatasetConfig) -> list[str]:
 def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]]:
     """(source index, text) from record `start` on, in source order; errors name the problem in one line."""
     files = _file_builder(dataset)
-    local_files = [f for f in files[1] if "://" not in f] if files is not None else []
+    local_files = [f for f in files[1] if "://" not in f] if files is not None and files[0] != SAVED else []
     index = start
     try:
         # Inside the try: a non-streaming load decodes the files here, not while iterating.

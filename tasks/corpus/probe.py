@@ -12,7 +12,8 @@ from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, first_line
-from kdflow.tasks.corpus.source_files import file_builder, open_file
+from kdflow.tasks.common.saved_datasets import load_saved_dataset
+from kdflow.tasks.corpus.source_files import SAVED, file_builder, open_file
 
 HUB_PROBE_TIMEOUT_S = 30.0
 
@@ -49,7 +50,12 @@ def _check_fields(fields: list[str], dataset: DatasetConfig, name: str) -> None:
 def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
     """One file: readable, its first record has the text field."""
     try:
-        if builder == "parquet":
+        if builder == SAVED:
+            data = load_saved_dataset(name, dataset.split)
+            _check_fields(data.column_names, dataset, name)
+            if not data.num_rows:
+                raise ConfigError(f"dataset {name!r} (split {dataset.split!r}) holds no records")
+        elif builder == "parquet":
             import pyarrow.parquet as pq
 
             with open_file(name) as handle:

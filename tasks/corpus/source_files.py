@@ -14,6 +14,7 @@ from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.common.saved_datasets import is_saved_dataset
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 COMPRESSIONS = {".gz": None, ".bz2": None, ".xz": None, ".zst": "zstandard"}  # suffix -> the module it needs
@@ -50,12 +51,18 @@ def _check_compression(name: str) -> None:
 
 
 PACKAGED = ("json", "parquet", "text", "csv")  # `path` names a builder: `data_files` are the files themselves
+SAVED = "saved"  # file_builder's name for a `save_to_disk` folder (read with `datasets.load_from_disk`)
 
 
 def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
     """(builder, data_files) when the dataset is given as files, else None (a hub id, with or without `data_files`
     inside it: `datasets` resolves those on the hub). `data_files` inside a local folder `path` are relative to it,
-    as `datasets.load_dataset(folder, data_files=...)` takes them."""
+    as `datasets.load_dataset(folder, data_files=...)` takes them. A `save_to_disk` folder is (SAVED, [folder])."""
+    if is_saved_dataset(os.path.expanduser(dataset.path)):
+        if dataset.data_files is not None:
+            raise ConfigError(f"dataset.data_files: {dataset.path!r} is a saved dataset (save_to_disk): it has no "
+                              "files to pick; remove data_files")
+        return SAVED, [os.path.expanduser(dataset.path)]
     if dataset.data_files is None:
         files, key, base = [dataset.path], "dataset.path", ""
     else:

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.logit_layouts import LogitLayout
+from kdflow.tasks.common.saved_datasets import is_saved_dataset, load_saved_dataset
 
 # Log-probs rounded to float16 by their writer can sum a little above 1 (each p is off by ~p * |log p| * 2^-11);
 # a source whose kept mass exceeds 1 by more than this is wrong, not rounded.
@@ -39,13 +40,8 @@ def read_source(path: str) -> pa.Table:
     if not os.path.exists(path):
         raise ConfigError(f"import source {path!r} does not exist")
     try:
-        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, name))
-                                       for name in ("state.json", "dataset_dict.json")):
-            import datasets
-
-            data = datasets.load_from_disk(path)
-            if isinstance(data, datasets.DatasetDict):
-                data = data["train"] if "train" in data else data[next(iter(data))]
+        if is_saved_dataset(path):
+            data = load_saved_dataset(path)
             if data._indices is not None:
                 data = data.flatten_indices()
             return data.data.table

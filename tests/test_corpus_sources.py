@@ -1,0 +1,135 @@
+"""The corpus's sources beyond plain files: compressed JSON and text, `data_files` inside a folder or on the hub,
+folders written by `datasets`' `save_to_disk`, and files of a type kdflow cannot read. Each through the pre-flight
+look (`probe_dataset`) and materialise, against the same documents written plainly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.corpus import DOCS, committed_documents, write_jsonl, write_source
+
+from kdflow.schemas.config import DatasetConfig
+from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.tasks.corpus.materialise import DataError, materialise
+from kdflow.tasks.corpus.probe import probe_dataset
+from kdflow.tasks.corpus.source_files import file_builder
+
+
+def _compress(path: Path, suffix: str) -> Path:
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
+    target = path.with_name(path.name + suffix)
+    with opener(target, "wb") as handle:
+        handle.write(path.read_bytes())
+    path.unlink()
+    return target
+
+
+@pytest.mark.parametrize("kind, suffix", [("jsonl", ".gz"), ("json", ".bz2"), ("txt", ".xz"), ("folder", ".gz")])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_compressed_json_and_text_files_give_the_same_documents(make_config: Callable[..., Any], tmp_path: Path,
+                                                                kind: str, suffix: str, streaming: bool) -> None:
+    path = write_source(tmp_path / "src", kind, DOCS)
+    files = sorted((tmp_path / "src").rglob("docs.*"))
+    for name in files:
+        _compress(name, suffix)
+    if kind != "folder":
+        path += suffix
+    config = make_config(dataset__path=path, dataset__documents_per_part=4, dataset__streaming=streaming)
+    assert probe_dataset(config.dataset) is None  # the pre-flight look reads the first record through it
+    assert materialise(config).documents == len(DOCS)
+    assert committed_documents(config) == list(enumerate(DOCS))
+    wrong = make_config(dataset__path=path, dataset__text_field="body")
+    if kind != "txt":
+        with pytest.raises(KDFlowError, match=r"dataset.text_field='body' is not a field of .*\{}".format(suffix)):
+            probe_dataset(wrong.dataset)
+
+
+def test_a_bad_line_in_a_compressed_file_is_named_and_an_unknown_file_type_is_refused(
+        make_config: Callable[..., Any], tmp_path: Path) -> None:
+    import importlib.util
+
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(12)]
+    lines[7] = '{"text": "no closing quote}'
+    plain = tmp_path / "docs.jsonl"
+    plain.write_text("\n".join(lines) + "\n")
+    path = _compress(plain, ".gz")
+    with pytest.raises(DataError) as caught:
+        materialise(make_config(dataset__path=str(path)))
+    assert str(caught.value).startswith(f"dataset file {path}: line 8 is not valid JSON (")
+    settings = tmp_path / "settings.yaml"  # a file that exists but is no corpus: not taken for a hub dataset id
+    settings.write_text("a: 1\n")
+    with pytest.raises(ConfigError) as refused:
+        probe_dataset(make_config(dataset__path=str(settings)).dataset)
+    assert str(refused.value).startswith(f"dataset.path: cannot tell the format of '{settings}' (use .jsonl, ")
+    zstd = tmp_path / "docs.jsonl.zst"
+    zstd.write_bytes(b"\x28\xb5\x2f\xfd")  # zstd's magic number; needs the zstandard package to be read
+    if importlib.util.find_spec("zstandard") is None:
+        with pytest.raises(ConfigError, match=r"is zstandard-compressed: install it \(pip install zstandard\)"):
+            probe_dataset(make_config(dataset__path=str(zstd)).dataset)
+
+
+def test_data_files_are_found_inside_a_local_folder_and_left_to_the_hub_for_a_hub_id(
+        make_config: Callable[..., Any], tmp_path: Path) -> None:
+
+    folder = Path(write_source(tmp_path / "src", "folder", DOCS))  # files/00/docs.jsonl, files/01/..., files/02/...
+    (folder / "03").mkdir()
+    write_jsonl(folder / "03" / "other.jsonl", ["not asked for"])
+    config = make_config(dataset__path=str(folder), dataset__data_files="*/docs.jsonl", dataset__documents_per_part=4)
+    assert probe_dataset(config.dataset) is None
+    assert materialise(config).documents == len(DOCS)
+    assert committed_documents(config) == list(enumerate(DOCS))
+    listed = make_config(dataset__path=str(folder), dataset__data_files=["02/docs.jsonl", "00/docs.jsonl"])
+    assert file_builder(listed.dataset) == ("json", [str(folder / "02" / "docs.jsonl"),
+                                                     str(folder / "00" / "docs.jsonl")])  # in the order given
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(make_config(dataset__path=str(folder), dataset__data_files="*/missing.jsonl").dataset)
+    assert str(caught.value) == f"dataset.data_files: no file matches '*/missing.jsonl' in {folder}"
+    hub = DatasetConfig(path="allenai/c4", data_files="en/c4-train.00000-of-01024.json.gz")
+    assert file_builder(hub) is None  # resolved by `datasets` on the hub, never globbed here
+    with pytest.raises(ConfigError, match="does not exist"):
+        probe_dataset(DatasetConfig(path=str(tmp_path / "typo"), data_files="*.jsonl"))
+
+
+@pytest.mark.parametrize("kind", ["dataset", "dataset_dict"])
+def test_a_saved_dataset_folder_is_read_with_its_split_and_resumes(make_config: Callable[..., Any], tmp_path: Path,
+                                                                  kind: str) -> None:
+    import datasets
+
+    table = datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))})
+    folder = tmp_path / "saved"
+    if kind == "dataset":
+        table.save_to_disk(str(folder))
+        split = "train"  # a Dataset has no splits: any is taken as it
+    else:
+        other = datasets.Dataset.from_dict({"text": ["another split"], "n": [0]})
+        datasets.DatasetDict({"train": other, "validation": table}).save_to_disk(str(folder))
+        split = "validation"
+    config = make_config(dataset__path=str(folder), dataset__split=split, dataset__documents_per_part=4)
+    assert probe_dataset(config.dataset) is None
+    stopped: list[int] = []
+
+    def stop_after_one(record: Any) -> None:
+        stopped.append(record.shard_id)
+        raise KeyboardInterrupt("stopped after the first part")
+
+    with pytest.raises(KeyboardInterrupt):
+        materialise(config, on_part=stop_after_one)
+    assert materialise(config).parts_written == 2  # resumed after the first part
+    assert committed_documents(config) == list(enumerate(DOCS))
+    with pytest.raises(ConfigError, match=r"dataset.text_field='body' is not a field of .*saved \(its first record "
+                                          r"has: n, text\)"):
+        probe_dataset(make_config(dataset__path=str(folder), dataset__split=split, dataset__text_field="body").dataset)
+    if kind == "dataset_dict":
+        with pytest.raises(ConfigError) as caught:
+            probe_dataset(make_config(dataset__path=str(folder), dataset__split="test").dataset)
+        assert str(caught.value) == f"dataset {str(folder)!r} has no split 'test' (it has: train, validation)"
+    with pytest.raises(ConfigError, match="is a saved dataset .* remove data_files"):
+        file_builder(DatasetConfig(path=str(folder), data_files="*.arrow"))
