@@ -14,13 +14,21 @@
 #
 # Environment: KDFLOW_PYTHON (default python3), KDFLOW_GPU_CHECK_TIMEOUT_S (the whole check, set-up included;
 # default 540, under the 600 s one command may run there), KDFLOW_GPU_CHECK_OUT (the summary file, default
-# gpu-check.json), KDFLOW_GPU_SITE (the install folder, default /tmp/kdflow-gpu-site), WHEEL_DIR (default .whl).
+# gpu-check.json; $OUT/gpu-check.json where $OUT is a folder, as on the lent machine, which also gets the whole
+# stderr as $OUT/gpu-check.log), KDFLOW_GPU_SITE (the install folder, default /tmp/kdflow-gpu-site), WHEEL_DIR
+# (default .whl). A short table of the steps is printed last, on stderr.
 # Exit code 0 when no step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${KDFLOW_PYTHON:-python3}"
 LIMIT="${KDFLOW_GPU_CHECK_TIMEOUT_S:-540}"
 SUMMARY="${KDFLOW_GPU_CHECK_OUT:-gpu-check.json}"
+if [[ -n "${OUT:-}" && -d "$OUT" ]]; then
+    # On the lent machine only what is written under $OUT comes back, and of the output only its last 12,000
+    # characters, which a full-size summary outgrows: the summary goes there, and a copy of everything on stderr.
+    SUMMARY="${KDFLOW_GPU_CHECK_OUT:-$OUT/gpu-check.json}"
+    exec 2> >(tee -a "$OUT/gpu-check.log" >&2)
+fi
 SITE="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-site}"
 WHEELS="${WHEEL_DIR:-.whl}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
@@ -36,6 +44,16 @@ name, status, seconds, detail = sys.argv[1:5]
 key = {"failed": "error", "skipped": "reason"}.get(status, "detail")
 print(json.dumps({"name": name, "status": status, "seconds": float(seconds)} | ({key: detail} if detail else {})))' \
         "$1" "$2" "$3" "${4:-}" >>"$LOG"
+}
+
+brief() {  # the summary as one short line a step, on stderr, last: what the end of the output shows
+    "$PYTHON" -c 'import json, sys
+summary = json.load(open(sys.argv[1]))
+state, seconds = ("ok" if summary["ok"] else "FAILED"), summary.get("seconds", "?")
+print(f"gpu-check: {state}, {seconds} s; the whole summary: {sys.argv[1]}")
+for name, step in summary["steps"].items():
+    status, took, why = step["status"], step.get("seconds", "-"), str(step.get("error") or step.get("reason") or "")
+    print(f"  {name:<24} {status:<8} {took:>7}  {why[:80]}".rstrip())' "$SUMMARY" >&2 || true
 }
 
 step() {  # step NAME COMMAND...: run it, record ok or failed with its last line of output
@@ -97,6 +115,8 @@ failed = [n for n, s in results.items() if s["status"] == "failed"]
 text = json.dumps({"bench": "gpu_check", "ok": False, "failed": failed, "steps": results})
 open(sys.argv[3], "w").write(text + "\n")
 print(text)' "$LOG" "$PROGRESS" "$SUMMARY"
+    brief
     exit 1
 fi
+brief
 exit "$code"

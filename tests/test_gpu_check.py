@@ -213,12 +213,16 @@ def test_full_depth_extrapolation_is_linear_in_depth_and_none_when_depth_got_fas
 def test_a_check_stopped_at_its_limit_keeps_what_it_measured(children: Any, tmp_path: Path) -> None:
     """infra/gpu-check.sh stops the check at its limit; the summary it then writes holds every step the check
     finished (its progress log), and the step it was in as failed: stopped. `--only tokens` runs that step and
-    what it needs; a pause fault holds it until the limit."""
-    summary_path = tmp_path / "summary.json"
-    env = os.environ | {"KDFLOW_PYTHON": sys.executable, "WHEEL_DIR": str(tmp_path / "no-wheels"),
-                        "KDFLOW_GPU_SITE": str(tmp_path / "site"), "PIP_NO_INDEX": "1",
-                        "KDFLOW_GPU_CHECK_TIMEOUT_S": "60", "KDFLOW_GPU_CHECK_OUT": str(summary_path),
-                        "KDFLOW_FAULT": "pause@at=commit,stage=materialise"}
+    what it needs; a pause fault holds it until the limit. With $OUT a folder, as on the lent machine (where only
+    that folder and the output's last 12,000 characters come back), the summary and the whole stderr go there, and
+    a short table of the steps is the output's end."""
+    out = tmp_path / "out"
+    out.mkdir()
+    summary_path = out / "gpu-check.json"
+    env = {k: v for k, v in os.environ.items() if k != "KDFLOW_GPU_CHECK_OUT"}
+    env |= {"KDFLOW_PYTHON": sys.executable, "WHEEL_DIR": str(tmp_path / "no-wheels"),
+            "KDFLOW_GPU_SITE": str(tmp_path / "site"), "PIP_NO_INDEX": "1", "KDFLOW_GPU_CHECK_TIMEOUT_S": "60",
+            "OUT": str(out), "KDFLOW_FAULT": "pause@at=commit,stage=materialise"}
     done = children.run(["bash", str(ROOT / "infra" / "gpu-check.sh"), "--device", "cpu", "--only", "tokens",
                          "--budget-s", "1000", "--work-dir", str(tmp_path / "work")],
                         what="infra/gpu-check.sh stopped at its limit", timeout=300, env=env, cwd=ROOT)
@@ -230,6 +234,13 @@ def test_a_check_stopped_at_its_limit_keeps_what_it_measured(children: Any, tmp_
     assert steps["teacher"]["status"] == "ok" and steps["teacher"]["seconds"] > 0
     assert steps["bench_loss"] == {"status": "skipped", "reason": "not asked for (--only)"}
     assert steps["setup_kdflow"]["status"] == "ok" and "limit 60 s" in steps["check"]["error"]
+    table = done.stderr.strip().splitlines()[-len(steps) - 1:]
+    assert table[0] == f"gpu-check: FAILED, ? s; the whole summary: {summary_path}"
+    why = {name: (step.get("error") or step.get("reason") or "")[:80] for name, step in steps.items()}
+    assert table[1:] == [f"  {name:<24} {step['status']:<8} {step.get('seconds', '-'):>7}  {why[name]}".rstrip()
+                         for name, step in steps.items()]
+    log = (out / "gpu-check.log").read_text()
+    assert "kdflow bench gpu: teacher ..." in log and log.strip().endswith(table[-1].strip())
 
 
 @pytest.mark.unit
