@@ -28,6 +28,7 @@ if [[ -n "${OUT:-}" && -d "$OUT" ]]; then
     # characters, which a full-size summary outgrows: the summary goes there, and a copy of everything on stderr.
     SUMMARY="${KDFLOW_GPU_CHECK_OUT:-$OUT/gpu-check.json}"
     exec 2> >(tee -a "$OUT/gpu-check.log" >&2)
+    TEE_PID=$!
 fi
 SITE="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-site}"
 WHEELS="${WHEEL_DIR:-.whl}"
@@ -54,6 +55,15 @@ print(f"gpu-check: {state}, {seconds} s; the whole summary: {sys.argv[1]}")
 for name, step in summary["steps"].items():
     status, took, why = step["status"], step.get("seconds", "-"), str(step.get("error") or step.get("reason") or "")
     print(f"  {name:<24} {status:<8} {took:>7}  {why[:80]}".rstrip())' "$SUMMARY" >&2 || true
+}
+
+finish() {  # finish CODE: the table last, then (with $OUT) wait until tee has written everything, and exit
+    brief
+    if [[ -n "${TEE_PID:-}" ]]; then
+        exec 2>&-
+        wait "$TEE_PID" 2>/dev/null || true
+    fi
+    exit "$1"
 }
 
 step() {  # step NAME COMMAND...: run it, record ok or failed with its last line of output
@@ -115,8 +125,6 @@ failed = [n for n, s in results.items() if s["status"] == "failed"]
 text = json.dumps({"bench": "gpu_check", "ok": False, "failed": failed, "steps": results})
 open(sys.argv[3], "w").write(text + "\n")
 print(text)' "$LOG" "$PROGRESS" "$SUMMARY"
-    brief
-    exit 1
+    finish 1
 fi
-brief
-exit "$code"
+finish "$code"
