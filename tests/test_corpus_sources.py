@@ -133,3 +133,17 @@ def test_a_saved_dataset_folder_is_read_with_its_split_and_resumes(make_config: 
         assert str(caught.value) == f"dataset {str(folder)!r} has no split 'test' (it has: train, validation)"
     with pytest.raises(ConfigError, match="is a saved dataset .* remove data_files"):
         file_builder(DatasetConfig(path=str(folder), data_files="*.arrow"))
+
+
+def test_a_folder_is_read_by_type_then_name_as_before_with_compressed_files_after(tmp_path: Path) -> None:
+    """The order plain files were always read in (so a folder that read before reads the same), then compressed."""
+    import gzip
+
+    for name in ("b.jsonl", "a.json", "c.jsonl", "d.jsonl.gz", "sub/a.jsonl", "notes.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(gzip.compress(b"{}\n") if name.endswith(".gz") else b"{}\n")
+    (tmp_path / "dir.jsonl").mkdir()  # a folder named like a file is no file
+    builder, files = file_builder(DatasetConfig(path=str(tmp_path)))
+    assert builder == "json"
+    assert [str(Path(f).relative_to(tmp_path)) for f in files] == [
+        "b.jsonl", "c.jsonl", "sub/a.jsonl", "a.json", "d.jsonl.gz"]

@@ -82,11 +82,12 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
             if dataset.data_files is not None or ("://" not in name and os.path.isfile(name)):
                 raise ConfigError(f"{key}: cannot tell the format of {name!r} (use {FORMATS})")
             return None  # a hub dataset id
-        if is_local_dir:
-            found = [f for f in sorted(glob.glob(os.path.join(name, "**", "*"), recursive=True))
-                     if os.path.isfile(f) and format_of(f)]
-            builders.update(format_of(f) for f in found)
-            expanded.extend(found)
+        if is_local_dir:  # by type, then by name: plain files in the order they were always read, compressed after
+            for suffix in [*FILE_BUILDERS, *(ext + c for ext in FILE_BUILDERS for c in COMPRESSIONS)]:
+                found = [f for f in sorted(glob.glob(os.path.join(name, f"**/*{suffix}"), recursive=True))
+                         if os.path.isfile(f) and format_of(f)]
+                builders.update(format_of(f) for f in found)
+                expanded.extend(found)
             continue
         builders.add(builder)
         if "://" in name:
