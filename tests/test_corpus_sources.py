@@ -77,7 +77,7 @@ def test_a_bad_line_in_a_compressed_file_is_named_and_an_unknown_file_type_is_re
 
 
 def test_data_files_are_found_inside_a_local_folder_and_left_to_the_hub_for_a_hub_id(
-        make_config: Callable[..., Any], tmp_path: Path) -> None:
+        make_config: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     folder = Path(write_source(tmp_path / "src", "folder", DOCS))  # files/00/docs.jsonl, files/01/..., files/02/...
     (folder / "03").mkdir()
@@ -92,6 +92,8 @@ def test_data_files_are_found_inside_a_local_folder_and_left_to_the_hub_for_a_hu
     with pytest.raises(ConfigError) as caught:
         probe_dataset(make_config(dataset__path=str(folder), dataset__data_files="*/missing.jsonl").dataset)
     assert str(caught.value) == f"dataset.data_files: no file matches '*/missing.jsonl' in {folder}"
+    monkeypatch.setenv("HOME", str(folder))  # `~` in a path is the home folder, as pre-flight already took it
+    assert file_builder(DatasetConfig(path="~/00/docs.jsonl")) == ("json", [str(folder / "00" / "docs.jsonl")])
     hub = DatasetConfig(path="allenai/c4", data_files="en/c4-train.00000-of-01024.json.gz")
     assert file_builder(hub) is None  # resolved by `datasets` on the hub, never globbed here
     with pytest.raises(ConfigError, match="does not exist"):

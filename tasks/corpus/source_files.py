@@ -64,7 +64,8 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
                               "files to pick; remove data_files")
         return SAVED, [os.path.expanduser(dataset.path)]
     if dataset.data_files is None:
-        files, key, base = [dataset.path], "dataset.path", ""
+        path = dataset.path if "://" in dataset.path else os.path.expanduser(dataset.path)
+        files, key, base = [path], "dataset.path", ""
     else:
         local_dir = "://" not in dataset.path and os.path.isdir(os.path.expanduser(dataset.path))
         if dataset.path not in PACKAGED and not local_dir:
