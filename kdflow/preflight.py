@@ -236,7 +236,7 @@ def check_disk(context: Preflight) -> None:
     """A warning, with the numbers, when the run may write more than the run root's disk has free."""
     from kdflow.schemas.storage import free_bytes
     from kdflow.schemas.store_bytes import estimated_bytes_per_position
-    from kdflow.tasks.corpus.source_files import file_builder, uncompressed
+    from kdflow.tasks.corpus.source_files import compression_of, file_builder
 
     if not context.run_root.is_local:
         return
@@ -248,7 +248,7 @@ def check_disk(context: Preflight) -> None:
         files = file_builder(config.dataset)
         if files is not None:
             # a compressed file holds about 4 times its bytes of text
-            source_bytes = sum(os.path.getsize(f) * (1 if uncompressed(f) == f.lower() else 4)
+            source_bytes = sum(os.path.getsize(f) * (4 if compression_of(f) else 1)
                                for f in files[1] if "://" not in f and os.path.isfile(f))
     except ConfigError:
         pass

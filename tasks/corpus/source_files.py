@@ -21,18 +21,23 @@ COMPRESSIONS = {".gz": None, ".bz2": None, ".xz": None, ".zst": "zstandard"}  # 
 FORMATS = ".jsonl, .json, .parquet or .txt; JSON and text also compressed: .gz, .bz2, .xz, .zst"
 
 
+def compression_of(name: str) -> str:
+    """The file name's compression suffix (`.gz`, ...), or '' for an uncompressed file."""
+    lowered = name.lower()
+    return next((suffix for suffix in COMPRESSIONS if lowered.endswith(suffix)), "")
+
+
 def uncompressed(name: str) -> str:
     """The file name in lower case without its compression suffix: `Docs.JSONL.gz` -> `docs.jsonl`."""
     lowered = name.lower()
-    suffix = next((suffix for suffix in COMPRESSIONS if lowered.endswith(suffix)), "")
-    return lowered[:len(lowered) - len(suffix)]
+    return lowered[:len(lowered) - len(compression_of(name))]
 
 
 def format_of(name: str) -> str | None:
     """The `datasets` builder for a file name (json, parquet, text), compressed JSON and text included; else None."""
     plain = uncompressed(name)
     builder = next((b for ext, b in FILE_BUILDERS.items() if plain.endswith(ext)), None)
-    if plain != name.lower() and builder == "parquet":
+    if compression_of(name) and builder == "parquet":
         return None  # Parquet compresses inside the file
     return builder
 
@@ -45,7 +50,7 @@ def open_file(name: str, mode: str = "rb", **kwargs: Any) -> Any:
 
 
 def _check_compression(name: str) -> None:
-    module = next((needs for suffix, needs in COMPRESSIONS.items() if name.lower().endswith(suffix)), None)
+    module = COMPRESSIONS.get(compression_of(name))
     if module is not None and importlib.util.find_spec(module) is None:
         raise ConfigError(f"dataset file {name} is {module}-compressed: install it (pip install {module})")
 
@@ -58,20 +63,20 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
     """(builder, data_files) when the dataset is given as files, else None (a hub id, with or without `data_files`
     inside it: `datasets` resolves those on the hub). `data_files` inside a local folder `path` are relative to it,
     as `datasets.load_dataset(folder, data_files=...)` takes them. A `save_to_disk` folder is (SAVED, [folder])."""
-    if is_saved_dataset(os.path.expanduser(dataset.path)):
+    path = dataset.path if "://" in dataset.path else os.path.expanduser(dataset.path)  # `~`: the home folder
+    if is_saved_dataset(path):
         if dataset.data_files is not None:
             raise ConfigError(f"dataset.data_files: {dataset.path!r} is a saved dataset (save_to_disk): it has no "
                               "files to pick; remove data_files")
-        return SAVED, [os.path.expanduser(dataset.path)]
+        return SAVED, [path]
     if dataset.data_files is None:
-        path = dataset.path if "://" in dataset.path else os.path.expanduser(dataset.path)
         files, key, base = [path], "dataset.path", ""
     else:
-        local_dir = "://" not in dataset.path and os.path.isdir(os.path.expanduser(dataset.path))
+        local_dir = "://" not in path and os.path.isdir(path)
         if dataset.path not in PACKAGED and not local_dir:
             return None
         names = [dataset.data_files] if isinstance(dataset.data_files, str) else list(dataset.data_files)
-        base = os.path.expanduser(dataset.path) if local_dir else ""
+        base = path if local_dir else ""
         files = [n if "://" in n else os.path.join(base, os.path.expanduser(n)) for n in names]
         key = "dataset.data_files"
     builders = set()
