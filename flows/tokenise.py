@@ -30,7 +30,7 @@ def tokenise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
         progress.close()
     if summary.shards and not summary.shards_written:
         get_run_logger().info("tokenise: %d/%d shards already committed, nothing to do", summary.shards, summary.shards)
-    rate = summary.tokens / max(summary.seconds, 1e-9) if summary.shards_written else 0.0
+    rate = summary.tokens_written / max(summary.seconds, 1e-9)
     get_run_logger().info(
         "tokenise: %s shards, %s sequences, %s tokens (%s written now, %s tail tokens dropped), %s tok/s",
         f"{summary.shards:,}", f"{summary.sequences:,}", f"{summary.tokens:,}", f"{summary.shards_written:,}",

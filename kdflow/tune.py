@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
                                          run_root=run_root)
     if args.write:
         _check_writable(Path(args.config), config, tuning, run_root)
-    print(f"kdflow tune precompute: {config.teacher.model} on {config.teacher.device}, seq_len {config.seq_len}, "
+    from kdflow.tasks.common.models import resolve_device
+
+    device = resolve_device(config.teacher.device)
+    on = f"{device} ({config.teacher.device})" if config.teacher.device == "auto" else str(device)
+    print(f"kdflow tune precompute: {config.teacher.model} on {on}, seq_len {config.seq_len}, "
           f"top_k {config.precompute.top_k}; candidates {','.join(map(str, sizes))}; rows: {rows_from}", flush=True)
 
     def report(candidate: tuning.Candidate) -> None:

@@ -169,6 +169,9 @@ def test_interrupted_run_resumes_to_identical_shards(make_config: Callable[..., 
     assert records[5].extra.end_offset > 0  # the resume point lies inside a document
     resumed = tokenise(interrupted, tokenizer)
     assert resumed.shards_written == expected.shards - 6
+    # The rate counts what this run wrote, not the six shards committed before it.
+    assert resumed.tokens_written == resumed.tokens - sum(records[i].tokens for i in range(6))
+    assert expected.tokens_written == expected.tokens
     assert ((resumed.shards, resumed.sequences, resumed.dropped_tokens)
             == (expected.shards, expected.sequences, expected.dropped_tokens))
     assert shard_hashes(interrupted) == shard_hashes(reference)

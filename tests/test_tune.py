@@ -197,7 +197,7 @@ def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendati
         make_config: Callable[..., Any], tmp_path: Path) -> None:
     """Two candidates fail by injected faults (a driver error, an out-of-memory), one is then skipped; the
     recommendation goes into the YAML file with its comments kept."""
-    path = config_yaml(make_config(), tmp_path / "c.yaml")
+    path = config_yaml(make_config(teacher__device="auto"), tmp_path / "c.yaml")
     before = path.read_text(encoding="utf-8")
     env = os.environ | {"KDFLOW_FAULT": "cuda_error@micro_batch_size=1;cuda_oom@micro_batch_size=4"}
     result = subprocess.run([sys.executable, "-m", "kdflow", "tune", "precompute", str(path), "--micro-batches",
@@ -213,6 +213,7 @@ def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendati
     assert path.read_text(encoding="utf-8") == before.replace("micro_batch: 4   # tuned", "micro_batch: 2   # tuned")
     assert "rows: no token shards yet: Python's documentation in rows of 32 tokens" in result.stdout
     assert "<- recommended" in result.stdout
+    assert " on cpu (auto), seq_len 32," in result.stdout.splitlines()[0]  # the device `auto` resolved to
 
 
 def test_the_flow_runs_candidates_as_task_runs(prefect_harness: Any, make_config: Callable[..., Any]) -> None:
