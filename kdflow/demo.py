@@ -100,7 +100,8 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
     print(f"  teacher       {config.teacher.model}   "
           f"(SmolLM2-135M-Instruct, dequantised from {TEACHER_PACKAGE}'s {TEACHER_GGUF})")
     print(f"  text          {config.dataset.path}   (Python's documentation topics)")
-    print(f"  top-K store   {results['precompute']['store']}   (K={config.precompute.top_k})")
+    print(f"  top-K store   {os.path.join(run_root, 'topk', results['precompute']['tag'])}   "
+          f"(K={config.precompute.top_k})")
     print(f"  student       {student_final}")
     print(f"\n  {'stage':<12} {'this run':<9} {'holds':<34} {'tokens':>9} {'seconds':>8} {'tokens/s':>10}")
     for name, record in stages.items():
