@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from kdflow.flows.artifacts import artifact_key, publish_markdown, ui_link
 from kdflow.flows.common import as_config
@@ -16,18 +17,23 @@ from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
 
 
-def _stage_line(stage: str, result: dict[str, Any]) -> str:
+def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
+    """What a stage's store holds and what this run wrote, in words: the pipeline's log line and report row."""
     if stage == "materialise":
-        return (f"| materialise | {result['parts']} corpus parts, {result['documents']:,} documents | "
-                f"{result['parts_written']} |")
+        return f"{result['parts']} corpus parts, {result['documents']:,} documents", f"{result['parts_written']}"
     if stage == "tokenise":
-        return (f"| tokenise | {result['shards']} token shards, {result['tokens']:,} tokens | "
-                f"{result['shards_written']} |")
+        return f"{result['shards']} token shards, {result['tokens']:,} tokens", f"{result['shards_written']}"
     if stage == "precompute":
-        return (f"| precompute | {result['shards']} top-K shards in `{result['store']}` (manifest: "
-                f"{ui_link('topk-manifest-' + result['tag'])}) | {result.get('written') or 0} |")
-    return (f"| train | student `{result['student']}`: step {result['start_step']} → {result['steps']}, final loss "
-            f"{result.get('final_loss') or 0:.4g} | {result['steps'] - result['start_step']} steps |")
+        return f"{result['shards']} top-K shards in {result['store']}", f"{result.get('written') or 0}"
+    return (f"student {result['student']}: step {result['start_step']} → {result['steps']}, final loss "
+            f"{result.get('final_loss') or 0:.4g}", f"{result['steps'] - result['start_step']} steps")
+
+
+def _stage_line(stage: str, result: dict[str, Any]) -> str:
+    holds, written = stage_summary(stage, result)
+    if stage == "precompute":
+        holds += f" (manifest: {ui_link('topk-manifest-' + result['tag'])})"
+    return f"| {stage} | {holds} | {written} |"
 
 
 def pipeline_report(run_root: RunRoot, config: KDFlowConfig, results: dict[str, Any]) -> str:
@@ -44,6 +50,20 @@ def pipeline_report(run_root: RunRoot, config: KDFlowConfig, results: dict[str, 
     return "\n".join(lines) + "\n"
 
 
+def _stage_flow(stage: str) -> Any:
+    if stage == "materialise":
+        return materialise_flow
+    if stage == "tokenise":
+        return tokenise_flow
+    if stage == "precompute":  # the teacher's and the student's modules load only when their stage runs
+        from kdflow.flows.precompute import precompute_flow
+
+        return precompute_flow
+    from kdflow.flows.train import train_student_flow
+
+    return train_student_flow
+
+
 @flow(name="pipeline", log_prints=True)
 def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict[str, Any]:
     """materialise, tokenise, precompute and train-student in order, in this one flow run.
@@ -58,19 +78,19 @@ def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict
     unknown = [s for s in chosen if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
+    chosen = [stage for stage in STAGES if stage in chosen]  # always in pipeline order
+    logger = get_run_logger()
     results: dict[str, Any] = {}
-    if "materialise" in chosen:
-        results["materialise"] = materialise_flow(config)
-    if "tokenise" in chosen:
-        results["tokenise"] = tokenise_flow(config)
-    if "precompute" in chosen:
-        from kdflow.flows.precompute import precompute_flow
-
-        results["precompute"] = precompute_flow(config)
-    if "train" in chosen:
-        from kdflow.flows.train import train_student_flow
-
-        results["train"] = train_student_flow(config)
+    for number, stage in enumerate(chosen, 1):
+        # Each stage is a subflow run with a log of its own; this run's log says where the pipeline stands.
+        stage_flow = _stage_flow(stage)
+        logger.info("pipeline: stage %d/%d, %s (its own log is in the subflow run of flow '%s')", number,
+                    len(chosen), stage, stage_flow.name)
+        started = time.perf_counter()
+        results[stage] = stage_flow(config)
+        holds, written = stage_summary(stage, results[stage])
+        logger.info("pipeline: %s done in %.1f s: %s; written now: %s", stage, time.perf_counter() - started,
+                    holds, written)
     report = pipeline_report(open_run_root(config), config, results)
     publish_markdown(artifact_key("pipeline", config.student.name), report,
                      f"every stage of the pipeline on {config.run_root}")

@@ -116,6 +116,25 @@ def test_training_logs_every_n_steps_and_updates_its_artifacts_while_it_runs(pre
             in flow_run_logs(again.state_details.flow_run_id))
 
 
+def test_the_pipeline_runs_log_says_where_it_stands_and_its_artifact_sums_up(prefect_harness, tokenised) -> None:
+    """Each stage is a subflow run with its own log; the pipeline run's log gets two lines a stage (started, and
+    what it holds and wrote), so a person opening that run in the UI sees more than its start and end."""
+    from kdflow.flows.pipeline import pipeline_flow
+
+    state = pipeline_flow(tokenised, stages=["tokenise", "materialise"], return_state=True)
+    assert list(state.result()) == ["materialise", "tokenise"]  # in pipeline order, whatever order was given
+    lines = [line for line in flow_run_logs(state.state_details.flow_run_id) if line.startswith("pipeline: ")]
+    assert lines[0] == "pipeline: stage 1/2, materialise (its own log is in the subflow run of flow 'materialise')"
+    assert lines[2] == "pipeline: stage 2/2, tokenise (its own log is in the subflow run of flow 'tokenise')"
+    assert re.fullmatch(r"pipeline: materialise done in [\d.]+ s: \d+ corpus parts, 40 documents; written now: 0",
+                        lines[1]), lines
+    tokens = state.result()["tokenise"]["tokens"]
+    assert re.fullmatch(rf"pipeline: tokenise done in [\d.]+ s: \d+ token shards, {tokens:,} tokens; written now: 0",
+                        lines[3]), lines
+    [report] = artifact_versions("pipeline-watched")[-1:]
+    assert f"| tokenise | {state.result()['tokenise']['shards']} token shards, {tokens:,} tokens | 0 |" in report.data
+
+
 def _as_jsonb(value: Any) -> Any:
     """What PostgreSQL's jsonb gives back: object keys ordered by length, then bytes."""
     if isinstance(value, dict):
