@@ -1,5 +1,6 @@
-"""What every flow shares: accepting the config in any form, and writing it beside a stage's output. Importing
-it (as every flow module does) forwards the `kdflow` logger into Prefect run logs (kdflow.flows.logs)."""
+"""What every flow shares: accepting the config in any form, the pre-flight checks of a run started from a
+deployment, and writing the config beside a stage's output. Importing it (as every flow module does) forwards
+the `kdflow` logger into Prefect run logs (kdflow.flows.logs)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,28 @@ def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:
     if isinstance(config, str):
         return load_config(config)
     return config_from_dict(config, source="flow parameter 'config'")
+
+
+def preflight_when_deployed(config: KDFlowConfig, stages: list[str]) -> None:
+    """The pre-flight checks that `kdflow run` makes before Prefect starts, for a flow run started from a
+    deployment (the UI, `prefect deployment run`, a schedule, a trigger): a bad setting in a custom run then
+    fails it within seconds, in one line, before any stage reads or writes, not hours in (a wrong `top_k`
+    met at the teacher pass, after the whole corpus was tokenised). Subflows of a pipeline and runs of
+    `kdflow run` were checked before they started, so they are not checked again."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    flow_run = context.flow_run if context is not None else None
+    if flow_run is None or flow_run.deployment_id is None or flow_run.parent_task_run_id is not None:
+        return
+    from prefect import get_run_logger
+
+    from kdflow.preflight import run_preflight
+
+    logger = get_run_logger()
+    for warning in run_preflight(config, stages):
+        logger.warning("pre-flight: %s", warning)
+    logger.info("pre-flight: the config checked for %s", ", ".join(stages))
 
 
 def write_stage_config(run_root: RunRoot, config: KDFlowConfig, store: str) -> None:

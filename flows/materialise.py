@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from kdflow.flows.common import as_config, write_stage_config
+from kdflow.flows.common import as_config, preflight_when_deployed, write_stage_config
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
@@ -54,4 +54,5 @@ def materialise_flow(config: KDFlowConfig) -> dict[str, Any]:
             access; local files do not). The first stage: nothing runs before it.
     """
     config = as_config(config)
+    preflight_when_deployed(config, ["materialise"])
     return materialise_corpus(open_run_root(config), config)

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from kdflow.flows.artifacts import artifact_key, publish_markdown, ui_link
-from kdflow.flows.common import as_config
+from kdflow.flows.common import as_config, preflight_when_deployed
 from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
 from kdflow.schemas.config import STAGES, KDFlowConfig
@@ -79,6 +79,7 @@ def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict
     if unknown:
         raise ConfigError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
     chosen = [stage for stage in STAGES if stage in chosen]  # always in pipeline order
+    preflight_when_deployed(config, chosen)
     logger = get_run_logger()
     results: dict[str, Any] = {}
     for number, stage in enumerate(chosen, 1):

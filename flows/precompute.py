@@ -18,7 +18,7 @@ from prefect.cache_policies import NONE
 from prefect.runtime import task_run as current_task_run
 from prefect.tasks import exponential_backoff
 
-from kdflow.flows.common import as_config
+from kdflow.flows.common import as_config, preflight_when_deployed
 from kdflow.flows.precompute_progress import FanOutBoard, TeacherProgress
 from kdflow.schemas.commits import (check_commit, list_commits, manifest_frame, read_complete, stage_dir,
                                     validate_manifest)
@@ -234,7 +234,9 @@ def precompute_flow(config: KDFlowConfig) -> dict[str, Any]:
             Run materialise and tokenise first. Needs a GPU worker unless `precompute.shards_per_flow_run`
             fans shard ranges out to the GPU pool.
     """
-    return _precompute(as_config(config), None)
+    config = as_config(config)
+    preflight_when_deployed(config, ["precompute"])
+    return _precompute(config, None)
 
 
 @flow(name="precompute-shards", log_prints=True)

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from kdflow.flows.common import as_config, write_stage_config
+from kdflow.flows.common import as_config, preflight_when_deployed, write_stage_config
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.stage_settings import open_run_root, tokenise_settings
@@ -48,4 +48,5 @@ def tokenise_flow(config: KDFlowConfig) -> dict[str, Any]:
             and `seq_len`. Run materialise first.
     """
     config = as_config(config)
+    preflight_when_deployed(config, ["tokenise"])
     return tokenise_corpus(open_run_root(config), config)

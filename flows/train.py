@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from kdflow.flows.artifacts import KeyedProgress, artifact_key, png_markdown, publish_markdown
-from kdflow.flows.common import as_config, write_stage_config
+from kdflow.flows.common import as_config, preflight_when_deployed, write_stage_config
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR, TRAINING_CURVE_FILE
@@ -212,6 +212,7 @@ def train_student_flow(config: KDFlowConfig) -> dict[str, Any]:
             Wants a GPU worker (one per rank with `student.distributed`); CPUs work for small students.
     """
     config = as_config(config)
+    preflight_when_deployed(config, ["train"])
     distributed = config.student.distributed
     if distributed.node_rank >= distributed.nnodes:
         raise ConfigError(f"student.distributed.node_rank={distributed.node_rank} must be below "

@@ -291,6 +291,21 @@ def _assert_store_complete(config: Any, tag: str, shards: int) -> None:
     assert manifest["shard_id"].is_unique and len(manifest) == shards
 
 
+def test_a_bad_custom_run_fails_in_pre_flight_before_any_stage_writes(
+    prefect_stack: PrefectStack, deployed: dict[str, Any], make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A custom run from the UI or `--params` gets `kdflow run`'s pre-flight: a top_k above the teacher's
+    vocabulary fails the pipeline run in one line before materialise starts, not at the teacher pass."""
+    config = make_config(run_root=str(tmp_path / "bad"), precompute__top_k=100_000)
+    _wait_workers_online(prefect_stack, {"test-gpu-0": "gpu", "test-gpu-1": "gpu"})
+    output = prefect_stack.run(PREFECT, "deployment", "run", "pipeline/example", "--params",
+                               json.dumps({"config": config.model_dump(mode="json")})).stdout
+    flow_run = _wait_final(prefect_stack, re.search(r"UUID: ([0-9a-f-]{36})", output).group(1), timeout=120)
+    assert flow_run.state.is_failed(), flow_run.state.message
+    assert "ConfigError: precompute.top_k=100000" in flow_run.state.message, flow_run.state.message
+    assert not (tmp_path / "bad").exists()  # nothing written: no stage started
+
+
 def test_precompute_deployment_fans_out_over_both_gpu_workers(
     prefect_stack: PrefectStack, deployed: dict[str, Any], make_config: Callable[..., Any]
 ) -> None:
