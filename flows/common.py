@@ -38,7 +38,7 @@ def preflight_when_deployed(config: KDFlowConfig, stages: list[str]) -> None:
         return
     from prefect import get_run_logger
 
-    from kdflow.preflight import run_preflight
+    from kdflow.tasks.preflight import run_preflight
 
     logger = get_run_logger()
     for warning in run_preflight(config, stages):

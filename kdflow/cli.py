@@ -16,7 +16,7 @@ def _warn(warnings: list[str]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from kdflow.preflight import run_preflight
+    from kdflow.tasks.preflight import run_preflight
     from kdflow.schemas.config import load_config
 
     # The config and every check of it before Prefect is imported (a second or two): bad input fails at once.

@@ -129,8 +129,8 @@ def test_demo_summary_names_each_kl_for_what_it_is(tmp_path: Path, capsys: pytes
               "sequences": 16}
     old_record = {"kl": 1.5, "perplexity": 300.0, "top1_agreement": 0.2, "sequences": 16}  # before kl_stored existed
     train = {"eval_before": before, "eval_after": old_record, "steps": 20, "train_rows": 48}
-    demo.print_summary(str(tmp_path / "demo"), config, {"precompute": {"store": "/abs/topk/x", "tag": "x"}, "train": train}, {},
-                       "sample", 1.0)
+    results = {"precompute": {"store": "/abs/topk/x", "tag": "x"}, "train": train}
+    demo.print_summary(str(tmp_path / "demo"), config, results, {}, "sample", 1.0)
     lines = capsys.readouterr().out.splitlines()
     full = next(line for line in lines if "KL to the teacher, full vocabulary" in line)
     stored = next(line for line in lines if f"KL to the stored top-{config.precompute.top_k} + 1 rest bucket" in line)
@@ -148,7 +148,8 @@ def test_demo_summary_commands_paste_into_a_shell_whatever_the_run_root(tmp_path
     root = str(tmp_path / "my runs" / "it's here")
     config = demo.demo_config(root, quick=True)
     train = {"eval_before": {}, "eval_after": {}, "steps": 1, "train_rows": 1}
-    demo.print_summary(root, config, {"precompute": {"store": "/abs/topk/x", "tag": "x"}, "train": train}, {}, "sample", 1.0)
+    results = {"precompute": {"store": "/abs/topk/x", "tag": "x"}, "train": train}
+    demo.print_summary(root, config, results, {}, "sample", 1.0)
     out = capsys.readouterr().out
     chat = shlex.split(out.split("try: ", 1)[1].splitlines()[0])
     assert chat == ["kdflow", "chat", f"{root}/students/{config.student.name}/final", "--prompt", demo.SAMPLE_PROMPT]

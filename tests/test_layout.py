@@ -30,6 +30,7 @@ FOLDERS = {"kdflow": "kdflow", "schemas": "kdflow.schemas", "tasks": "kdflow.tas
 ALLOWED = {
     "kdflow.schemas": ("kdflow.schemas",),
     "kdflow.tasks.common": ("kdflow.schemas", "kdflow.tasks.common"),
+    "kdflow.tasks": ("kdflow.schemas", "kdflow.tasks"),  # tasks/*.py: what spans the stages (pre-flight)
     "kdflow.tasks.corpus": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.corpus"),
     "kdflow.tasks.teacher": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.teacher"),
     "kdflow.tasks.student": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.student"),

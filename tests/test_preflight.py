@@ -16,7 +16,7 @@ import pytest
 from support.children import run
 from support.corpus import write_jsonl
 
-from kdflow.preflight import CHECKS, check, run_preflight
+from kdflow.tasks.preflight import CHECKS, check, run_preflight
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.gguf_header import gguf_summary, read_gguf_metadata
@@ -106,7 +106,7 @@ def test_checks_apply_to_the_stages_being_run(make_config, tmp_path, other_token
 
 
 def test_a_check_registered_later_runs_for_its_stages(make_config, monkeypatch) -> None:
-    monkeypatch.setattr("kdflow.preflight.CHECKS", list(CHECKS))  # other features add theirs the same way
+    monkeypatch.setattr("kdflow.tasks.preflight.CHECKS", list(CHECKS))  # other features add theirs the same way
     seen = []
 
     @check("example", "train")

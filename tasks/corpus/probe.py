@@ -1,6 +1,6 @@
 """A quick look at the dataset before anything runs: do its files exist, and does the first record hold the
 text field? For local (and fsspec) files only the first record is read; a hub dataset is opened in streaming
-mode for its first record. Used by the pre-flight checks (kdflow.preflight); the full read is materialise's.
+mode for its first record. Used by the pre-flight checks (kdflow.tasks.preflight); the full read is materialise's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Pre-flight: the whole config checked before any Prefect server or stage starts, for the stages being run.
 
 `kdflow run` and `kdflow demo` call `run_preflight` right after the config loads and before Prefect is
-imported; a flow run started from a deployment calls it first thing (`kdflow.flows.common.preflight_when_deployed`). Each check fails with one `ConfigError` line naming the setting and its value, and writes
-nothing; the whole list takes a second or two, because nothing heavy is loaded: no torch, no
-transformers, no Prefect, no weights (configs are read as JSON, GGUF headers and tokenizer.json directly).
+imported; a flow run started from a deployment calls it first thing (`kdflow.flows.common.preflight_when_deployed`).
+Each check fails with one `ConfigError` line naming the setting and its value, and writes nothing; the whole list
+takes a second or two, because nothing heavy is loaded: no torch, no transformers, no Prefect, no weights
+(configs are read as JSON, GGUF headers and tokenizer.json directly).
 What cannot be told that cheaply (a hub model not cached yet, an object store's credentials) is left to
 the stage, which checks it again when it loads the real thing.
 
