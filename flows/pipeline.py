@@ -13,18 +13,22 @@ from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
 from kdflow.schemas.config import STAGES, KDFlowConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import held_out_problem, open_run_root
 from kdflow.schemas.storage import RunRoot
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
 
 
 def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
     """What a stage's store holds and what this run wrote, in words: the pipeline's log line and report row."""
     if stage == "materialise":
-        return f"{result['parts']} corpus parts, {result['documents']:,} documents", f"{result['parts_written']}"
+        return f"{_count(result['parts'], 'corpus part')}, {_count(result['documents'], 'document')}", f"{result['parts_written']}"
     if stage == "tokenise":
-        return f"{result['shards']} token shards, {result['tokens']:,} tokens", f"{result['shards_written']}"
+        return f"{_count(result['shards'], 'token shard')}, {_count(result['tokens'], 'token')}", f"{result['shards_written']}"
     if stage == "precompute":
-        return f"{result['shards']} top-K shards in {result['store']}", f"{result.get('written') or 0}"
+        return f"{_count(result['shards'], 'top-K shard')} in {result['store']}", f"{result.get('written') or 0}"
     return (f"student {result['student']}: step {result['start_step']} → {result['steps']}, final loss "
             f"{result.get('final_loss') or 0:.4g}", f"{result['steps'] - result['start_step']} steps")
 
@@ -90,6 +94,11 @@ def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict
         started = time.perf_counter()
         results[stage] = stage_flow(config)
         holds, written = stage_summary(stage, results[stage])
+        if stage == "tokenise" and "train" in chosen:  # found now, not after the teacher pass
+            problem = held_out_problem(config.student.eval_shards, results[stage]["shards"],
+                                       results[stage]["sequences"])
+            if problem:
+                raise ConfigError(problem)
         logger.info("pipeline: %s done in %.1f s: %s; written now: %s", stage, time.perf_counter() - started,
                     holds, written)
     report = pipeline_report(open_run_root(config), config, results)

@@ -54,3 +54,13 @@ def student_data_settings(config: KDFlowConfig) -> StudentDataSettings:
     student = config.student
     return StudentDataSettings(config.seq_len, config.precompute.top_k, student.eval_shards, student.eval_sequences,
                                student.seed)
+
+
+def held_out_problem(eval_shards: int, shards: int, sequences: int) -> str | None:
+    """Why `student.eval_shards` leaves nothing to train on in a token store of `shards` shards, or None. Training
+    refuses such a store; a pipeline says so right after tokenise, before the teacher pass."""
+    if eval_shards < shards:
+        return None
+    return (f"student.eval_shards={eval_shards} leaves no training shard: the token store has {shards} "
+            f"shard{'' if shards == 1 else 's'} ({sequences:,} sequences); lower student.eval_shards (0: no held-out "
+            "evaluation) or precompute.sequences_per_shard (more, smaller shards; tokenise again)")

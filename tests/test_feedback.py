@@ -135,6 +135,20 @@ def test_the_pipeline_runs_log_says_where_it_stands_and_its_artifact_sums_up(pre
     assert f"| tokenise | {state.result()['tokenise']['shards']} token shards, {tokens:,} tokens | 0 |" in report.data
 
 
+def test_a_pipeline_whose_student_has_nothing_to_train_on_stops_before_the_teacher_pass(prefect_harness,
+                                                                                         tokenised) -> None:
+    from kdflow.flows.pipeline import pipeline_flow
+
+    config = tokenised.model_copy(update={"student": tokenised.student.model_copy(update={"eval_shards": 99})})
+    state = pipeline_flow(config, return_state=True)
+    assert state.is_failed()
+    assert state.message.startswith("Flow run encountered an exception: ConfigError: student.eval_shards=99 leaves no "
+                                    "training shard: the token store has "), state.message
+    assert "lower student.eval_shards (0: no held-out evaluation)" in state.message
+    lines = [line for line in flow_run_logs(state.state_details.flow_run_id) if line.startswith("pipeline: stage")]
+    assert [line.split(",")[1].split()[0] for line in lines] == ["materialise", "tokenise"]
+
+
 def _as_jsonb(value: Any) -> Any:
     """What PostgreSQL's jsonb gives back: object keys ordered by length, then bytes."""
     if isinstance(value, dict):

@@ -26,7 +26,8 @@ from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
 from kdflow.schemas.shard_rows import ShardRows, take_rows
 from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
-from kdflow.schemas.stage_settings import StudentDataSettings, open_run_root, student_data_settings
+from kdflow.schemas.stage_settings import (StudentDataSettings, held_out_problem, open_run_root,
+                                          student_data_settings)
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
 from kdflow.schemas.token_store import open_token_store
@@ -201,9 +202,9 @@ class DistillData:
     def __init__(self, run_root: RunRoot, stores: DistillStores, *, eval_shards: int, eval_sequences: int,
                  seed: int) -> None:
         shards = len(stores.pairs)
-        if eval_shards >= shards:
-            raise ConfigError(f"student.eval_shards={eval_shards} leaves no training shard: the token store has "
-                              f"{shards}")
+        problem = held_out_problem(eval_shards, shards, sum(pair.rows for pair in stores.pairs))
+        if problem:
+            raise ConfigError(problem)
         self.run_root, self.stores, self.seed = run_root, stores, seed
         self.train_pairs = stores.pairs[: shards - eval_shards]
         self.eval_pairs = stores.pairs[shards - eval_shards:]
