@@ -24,9 +24,11 @@ def _count(number: int, noun: str) -> str:
 def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
     """What a stage's store holds and what this run wrote, in words: the pipeline's log line and report row."""
     if stage == "materialise":
-        return f"{_count(result['parts'], 'corpus part')}, {_count(result['documents'], 'document')}", f"{result['parts_written']}"
+        holds = f"{_count(result['parts'], 'corpus part')}, {_count(result['documents'], 'document')}"
+        return holds, f"{result['parts_written']}"
     if stage == "tokenise":
-        return f"{_count(result['shards'], 'token shard')}, {_count(result['tokens'], 'token')}", f"{result['shards_written']}"
+        holds = f"{_count(result['shards'], 'token shard')}, {_count(result['tokens'], 'token')}"
+        return holds, f"{result['shards_written']}"
     if stage == "precompute":
         return f"{_count(result['shards'], 'top-K shard')} in {result['store']}", f"{result.get('written') or 0}"
     return (f"student {result['student']}: step {result['start_step']} → {result['steps']}, final loss "
