@@ -2,27 +2,38 @@
 
 from __future__ import annotations
 
-from kdflow.schemas.commits import list_commits, read_complete
+from kdflow.schemas.commits import CommitRecord, StageComplete, list_commits, read_complete
 from kdflow.schemas.layout import (CORPUS_DIR, FINAL_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
                                    checkpoint_step, is_store_name)
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import topk_tags
 
 
-def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None) -> tuple[str, int | None]:
+def _made_from(done: StageComplete | None, records: dict[int, CommitRecord]) -> str | None:
+    """The fingerprint of the token store a top-K store was computed from, where its records say."""
+    if done is not None and done.extra.tokens_fingerprint:
+        return done.extra.tokens_fingerprint
+    return next((r.extra.tokens_fingerprint for r in records.values() if r.extra.tokens_fingerprint), None)
+
+
+def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None,
+                tokens: StageComplete | None = None) -> tuple[str, int | None]:
     done = read_complete(run_root, store)
     fingerprint = done.fingerprint if done else None
     records = list_commits(run_root, store, stage, fingerprint)
-    if expected is None and done is not None:
-        expected = done.shards
+    made_from = _made_from(done, records) if stage == "topk" else None
+    stale = tokens is not None and made_from is not None and made_from != tokens.fingerprint
+    if (expected is None or stale) and done is not None:
+        expected = done.shards  # a stale store is measured against its own token store, not today's
     tokens = sum(r.tokens for r in records.values())
     rows = sum(r.rows for r in records.values())
     fingerprints = sorted({r.fingerprint for r in records.values()}) or ["-"]
     state = "complete" if done is not None and len(records) == done.shards else "in progress" if records else "empty"
+    state = f"stale ({state})" if stale else state
     # Corpus parts count tokens only under a token budget (dataset.max_tokens); 0 there means "not counted".
     counted = f"{tokens:>14,} tokens" if tokens or stage != "corpus" or not rows else f"{'tokens not counted':>21}"
     line = (f"{label:<22} {len(records):>6}/{expected if expected is not None else '?':<6} shards  {rows:>10,} rows  "
-            f"{counted}  {state:<11}  fingerprint {','.join(fingerprints)}")
+            f"{counted}  {state:<16}  fingerprint {','.join(fingerprints)}")
     return line, done.shards if done else None
 
 
@@ -36,9 +47,16 @@ def print_status(url: str) -> int:
     print(line)
     line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
     print(line)
+    tokens = read_complete(run_root, run_root.path(TOKENS_DIR))
+    stale = 0
     for tag in topk_tags(run_root):
-        line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards)
+        line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards, tokens)
+        stale += "stale (" in line
         print(line)
+    if stale:
+        it = "it" if stale == 1 else "them"
+        print(f"  stale: computed from token shards since replaced by tokenise; training skips {it} (delete to free "
+              "space)")
     for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
         folder = run_root.path(STUDENTS_DIR, name)
         steps = sorted(step for c in run_root.listdir(folder) if (step := checkpoint_step(c)) is not None)

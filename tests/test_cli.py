@@ -122,3 +122,25 @@ def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) ->
     # The ratio is the raw tokenizer's time over the stage's: below 1 only where the stage took longer.
     value, slower = ratio["stage_over_raw"], stage["seconds"] > raw["seconds"]
     assert value > 0 and not (value < 1 and not slower) and not (value > 1 and slower), (value, raw, stage)
+
+
+def test_status_marks_a_top_k_store_of_replaced_token_shards_stale(fresh_run,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from support.runs import DENSE_TAG, make_tokens
+
+    from kdflow.status import print_status
+
+    config = fresh_run()
+    print_status(config.run_root)
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    shards = lines["tokens"].split()[1]
+    assert f" {shards} " in lines[f"topk/{DENSE_TAG}"] and " complete " in lines[f"topk/{DENSE_TAG}"]
+
+    make_tokens(fresh_run(precompute__sequences_per_shard=3))  # tokenise again, into other shards
+    print_status(config.run_root)
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert lines["tokens"].split()[1] != shards
+    # Counted against the token store it was made from, and said to be stale.
+    assert f" {shards} " in lines[f"topk/{DENSE_TAG}"] and " stale (complete) " in lines[f"topk/{DENSE_TAG}"]
+    assert "stale: computed from token shards since replaced by tokenise; training skips it" in out
