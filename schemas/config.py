@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+from kdflow.schemas.config_form import form_schema, form_title  # noqa: F401 - form_title: re-exported
 
 # The config in and out of text, re-exported: every caller imports these names from here.
 from kdflow.schemas.config_io import (config_from_dict, dump_config, load_config, parse_override,  # noqa: F401
@@ -36,45 +38,12 @@ _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 EVAL_FULL_KL_AUTO_BYTES = 1 << 30
 
 
-# Words of field names as a person reads them in the form; the rest are capitalised as they are.
-_TITLE_WORDS = {"id": "ID", "ttl": "TTL", "kd": "KD", "ce": "CE", "lr": "LR", "gguf": "GGUF", "rdzv": "rendezvous",
-                "bf16": "bf16", "4bit": "4-bit", "num": "number of", "seq": "sequence", "len": "length",
-                "grad": "gradient", "accum": "accumulation", "rope": "RoPE", "fanout": "fan-out", "topk": "top-K",
-                "logprobs": "log-prob", "nproc": "processes", "nnodes": "nodes", "dtype": "dtype", "mib": "MiB"}
-_TITLE_UNITS = {"s": "(s)", "mib": "(MiB)"}  # a last word that is a unit: "lease_ttl_s" -> "Lease TTL (s)"
-
-
-def form_title(name: str) -> str:
-    """A field name as a form label: 'lease_ttl_s' -> 'Lease TTL (s)', 'rdzv_id' -> 'Rendezvous ID'."""
-    words = name.split("_")
-    unit = _TITLE_UNITS.get(words[-1]) if len(words) > 1 else None
-    text = " ".join(_TITLE_WORDS.get(word, word) for word in (words[:-1] if unit else words))
-    text = text.replace("top k", "top-K")
-    return text[:1].upper() + text[1:] + (f" {unit}" if unit else "")
-
-
-def _form_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
-    """How the config reads as Prefect's parameter form, whatever fields a section has.
-
-    `position` (the key Prefect's UI sorts a form's fields by) follows the fields' definition order: a server
-    on PostgreSQL stores the schema as `jsonb`, which reorders object keys, so without it nested sections
-    come back scrambled. Each field gets a readable title (its own `title=`, else `form_title` of its name);
-    a section field (a `$ref`) gets its section's title and description beside the reference."""
-    properties = schema.get("properties", {})
-    for position, (name, field) in enumerate(model.model_fields.items()):
-        entry = properties.get(name)
-        if entry is None:
-            continue
-        entry["position"] = position
-        entry["title"] = field.title or form_title(name)
-        annotation = field.annotation
-        if field.description is None and isinstance(annotation, type) and issubclass(annotation, BaseModel) \
-                and annotation.__doc__:
-            entry["description"] = " ".join(annotation.__doc__.split())
-
-
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, json_schema_extra=_form_schema)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, json_schema_extra=form_schema)
+
+    # Fields added to a fingerprinted section after stores were made from it: `section_hash` hashes them only when
+    # set away from their default, so adding one leaves every existing fingerprint, and so every store, as it was.
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset()
 
 
 class DatasetConfig(_Section):
@@ -91,6 +60,11 @@ class DatasetConfig(_Section):
     max_documents: PositiveInt | None = Field(default=None, description="Stop after this many non-empty documents")
     max_tokens: PositiveInt | None = Field(default=None, description="Token budget: stop once this many are reached")
     documents_per_part: PositiveInt = Field(default=10_000, description="Documents per committed corpus part")
+    sample_by: Literal["line", "paragraph", "document"] = Field(
+        default="line", description=".txt files: a document per line, per paragraph (blank-line separated) or per "
+                                    "file")
+
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"sample_by"})
 
 
 class TeacherConfig(_Section):
@@ -343,8 +317,20 @@ class KDFlowConfig(_Section):
 STAGES = ("materialise", "tokenise", "precompute", "train")
 
 
+def _hashed_fields(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
+    """`dumped` (model's JSON dump) less the fields of HASHED_WHEN_SET left at their default, in nested sections too."""
+    fields = type(model).model_fields
+    for name in getattr(model, "HASHED_WHEN_SET", ()):
+        if getattr(model, name) == fields[name].default:
+            dumped.pop(name, None)
+    for name in fields:
+        if isinstance(value := getattr(model, name), BaseModel):
+            _hashed_fields(value, dumped[name])
+    return dumped
+
+
 def section_hash(*parts: BaseModel | dict | str | int | None, length: int = 16) -> str:
     """A short, stable hash of config parts (canonical JSON), used in fingerprints and store tags."""
-    payload = [p.model_dump(mode="json") if isinstance(p, BaseModel) else p for p in parts]
+    payload = [_hashed_fields(p, p.model_dump(mode="json")) if isinstance(p, BaseModel) else p for p in parts]
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:length]

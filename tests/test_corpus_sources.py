@@ -14,6 +14,7 @@ from support.corpus import DOCS, committed_documents, write_jsonl, write_source
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.tasks.corpus.materialise import DataError, materialise
 from kdflow.tasks.corpus.probe import probe_dataset
 from kdflow.tasks.corpus.source_files import file_builder
@@ -149,3 +150,44 @@ def test_a_folder_is_read_by_type_then_name_as_before_with_compressed_files_afte
     assert builder == "json"
     assert [str(Path(f).relative_to(tmp_path)) for f in files] == [
         "b.jsonl", "c.jsonl", "sub/a.jsonl", "a.json", "d.jsonl.gz"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_txt_files_give_a_document_per_line_paragraph_or_file_as_sample_by_says(
+        make_config: Callable[..., Any], tmp_path: Path, streaming: bool) -> None:
+    books = tmp_path / "books"
+    books.mkdir()
+    texts = {"a.txt": "Chapter one.\nIt begins.\n\nChapter two.\nIt ends.\n", "b.txt": "A short note.\n"}
+    for name, text in texts.items():
+        (books / name).write_text(text, encoding="utf-8")
+    expected = {
+        "line": ["Chapter one.", "It begins.", "Chapter two.", "It ends.", "A short note."],  # the empty line skipped
+        "paragraph": ["Chapter one.\nIt begins.", "Chapter two.\nIt ends.", "A short note."],
+        "document": [texts["a.txt"], texts["b.txt"]],
+    }
+    fingerprints = set()
+    for sample_by, documents in expected.items():
+        config = make_config(run_root=str(tmp_path / sample_by), dataset__path=str(books),
+                             dataset__sample_by=sample_by, dataset__streaming=streaming)
+        assert probe_dataset(config.dataset) is None
+        materialise(config)
+        assert [text.strip("\n") for _, text in committed_documents(config)] == [d.strip("\n") for d in documents]
+        fingerprints.add(corpus_fingerprint(config))
+    assert len(fingerprints) == 3  # another split of the same files is another corpus
+
+    jsonl = make_config(dataset__path=str(write_jsonl(tmp_path / "d.jsonl", DOCS)), dataset__sample_by="document")
+    with pytest.raises(ConfigError, match=r"^dataset.sample_by='document' applies to .txt files; .*d.jsonl is json"):
+        probe_dataset(jsonl.dataset)
+
+
+def test_a_field_added_to_the_dataset_section_leaves_existing_corpus_fingerprints_as_they_were() -> None:
+    """Pinned values, computed before `sample_by` existed: stores made then keep their fingerprints and resume."""
+    from kdflow.schemas.config import config_from_dict
+
+    base = {"run_root": "r", "teacher": {"model": "t"}, "student": {"name": "s"}}
+    books = config_from_dict(base | {"dataset": {"path": "books/*.txt"}})
+    culturax = config_from_dict(base | {"dataset": {"path": "uonlp/CulturaX", "name": "ja", "streaming": True,
+                                                    "max_tokens": 200_000_000, "documents_per_part": 50_000}})
+    assert (corpus_fingerprint(books), corpus_fingerprint(culturax)) == ("c08286bdc1d03e8d", "94a68e7f4d6cf3a7")
+    assert corpus_fingerprint(config_from_dict(base | {"dataset": {"path": "books/*.txt", "sample_by": "line"}})) \
+        == "c08286bdc1d03e8d"  # the default, said out loud, is the same corpus

@@ -52,7 +52,10 @@ def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
         return load_saved_dataset(files[1][0], dataset.split), []
     if files is not None:
         builder, data_files = files
-        source = datasets.load_dataset(builder, data_files=data_files, split=dataset.split, streaming=dataset.streaming)
+        # .txt: a document per line (the default), per paragraph or per file, as `dataset.sample_by` says
+        options = {"sample_by": dataset.sample_by} if builder == "text" else {}
+        source = datasets.load_dataset(builder, data_files=data_files, split=dataset.split, streaming=dataset.streaming,
+                                       **options)
         local = [f for f in data_files if "://" not in f]
     else:
         source = datasets.load_dataset(

@@ -120,6 +120,9 @@ def probe_dataset(dataset: DatasetConfig) -> str | None:
     builder, names = files
     if not names:
         raise ConfigError(f"dataset.path={dataset.path!r}: no data files found")
+    if dataset.sample_by != "line" and builder != "text":
+        raise ConfigError(f"dataset.sample_by={dataset.sample_by!r} applies to .txt files; {names[0]} is "
+                          f"{'a saved dataset' if builder == SAVED else builder}, whose records are the documents")
     for name in names[:1]:  # the first file: enough to catch a wrong field or format
         probe_file(name, builder, dataset)
     missing = [name for name in names if "://" not in name and not os.path.exists(name)]
