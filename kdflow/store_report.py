@@ -39,6 +39,17 @@ def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any
     return cache[key]
 
 
+def _made_from_other_tokens(run_root: RunRoot, records: dict[int, Any], picks: list[tuple[int, int]]) -> bool:
+    """Whether a picked row's top-K shard was computed from another token shard than the one now at its place
+    (its commit names the input's sha256): re-running the teacher on today's tokens would measure nothing."""
+    tokens = list_commits(run_root, stage_dir(run_root, "tokens"), "tokens")
+    for shard in {shard for shard, _ in picks}:
+        made_from, now = records[shard].input_sha256, tokens.get(shard)
+        if now is None or (made_from is not None and made_from != now.sha256):
+            return True
+    return False
+
+
 def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int = 8,
                  device: str | None = None) -> list[dict[str, Any]]:
     """One summary per store (or only `tag`), with the teacher's KL when `kl_rows` > 0."""
@@ -63,9 +74,14 @@ def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int
             except FileNotFoundError:
                 summary["kl_note"] = f"no {CONFIG_FILE} beside the store: teacher unknown, KL not measured"
             else:
-                step = _teacher_step(config, device, teachers)
-                picks = sample_rows(list_commits(run_root, store, "topk"), kl_rows)
-                summary |= teacher_fidelity(step, run_root, name, picks, config.precompute.micro_batch)
+                records = list_commits(run_root, store, "topk")
+                picks = sample_rows(records, kl_rows)
+                if _made_from_other_tokens(run_root, records, picks):
+                    summary["kl_note"] = ("made from token shards that tokenise has since replaced: the teacher "
+                                          "cannot be re-run on its inputs, KL not measured")
+                else:
+                    step = _teacher_step(config, device, teachers)
+                    summary |= teacher_fidelity(step, run_root, name, picks, config.precompute.micro_batch)
         summaries.append(summary)
     return summaries
 

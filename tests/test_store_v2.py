@@ -260,6 +260,16 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     assert capsys.readouterr().err.strip() == (f"kdflow: error: no top-K store nosuchstore under "
                                                f"{topk_dir}")
 
+    # Tokenised again into other shards: the stores are stale, and re-running the teacher on today's token shards
+    # would compare it with targets of other text. The report says so instead of a KL (or an IndexError).
+    from support.runs import make_tokens
+
+    make_tokens(make_config(dataset__max_documents=24, precompute__sequences_per_shard=5))
+    assert cli_main(["store", "report", config.run_root, "--kl-rows", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| KL to the teacher | made from token shards that tokenise has since replaced") == 2
+    assert "full-vocabulary KL" not in out
+
 
 def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixture[str]) -> None:
     """The synthetic mode end to end on a small vocabulary (the numbers are its output, not asserted here)."""

@@ -229,6 +229,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {name}, nats/position | mean {summary[f'{key}_mean']:.3g}, p99 "
                          f"{summary[f'{key}_p99']:.3g}, max {summary[f'{key}_max']:.3g} "
                          f"over {summary['kl_positions']:,} positions |")
+    if "kl_note" in summary:  # why there is no KL: said in the table, not only in --json
+        lines.append(f"| KL to the teacher | {summary['kl_note']} |")
     if "mean_tail_mass" in summary:
         sample = f"{summary['sampled_positions']:,} positions of {summary['sampled_rows']:,} rows sampled"
         lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) "
