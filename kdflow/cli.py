@@ -64,8 +64,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from kdflow.schemas.layout import FINAL_DIR
     from kdflow.tasks.common.sources import model_folder_problem
 
-    # Before torch is imported (a minute on a busy machine): a folder that is no model is one line at once.
     folder = args.student_dir
+    if "://" in folder and not folder.startswith("file://"):  # a student on an object store: chat with a copy
+        from kdflow.tasks.common.scratch import downloaded_model
+
+        with downloaded_model(folder, FINAL_DIR) as local:
+            args.student_dir = local
+            return _cmd_chat(args)
+    # Before torch is imported (a minute on a busy machine): a folder that is no model is one line at once.
     if (not os.path.isfile(os.path.join(folder, "config.json"))
             and os.path.isfile(os.path.join(folder, FINAL_DIR, "config.json"))):
         folder = os.path.join(folder, FINAL_DIR)

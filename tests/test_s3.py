@@ -9,9 +9,11 @@ with the credentials in `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`. No code p
 from __future__ import annotations
 
 import os
+import re
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,3 +111,27 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
     assert f"{tokens.shards}/{tokens.shards}" in lines["tokens"] and "complete" in lines["tokens"]
     topk_line = lines[f"topk/{topk['tag']}"]
     assert f"{tokens.shards}/{tokens.shards}" in topk_line and "complete" in topk_line
+
+
+def test_chat_with_a_student_on_s3_talks_to_a_copy_made_for_the_session(
+        s3_run_root: str, tiny_teacher_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kdflow chat s3://.../students/NAME`: transformers loads local folders only, so final/ is copied to a
+    scratch folder for the conversation and removed after it; the replies are those of the local folder."""
+    import s3fs
+
+    from kdflow.cli import main
+
+    s3fs.S3FileSystem().put(f"{tiny_teacher_dir}/", f"{s3_run_root}/students/tiny/final/", recursive=True)
+    args = ["--prompt", "The object", "--greedy", "--max-new-tokens", "4"]
+    assert main(["chat", str(tiny_teacher_dir), *args]) == 0
+    local = capsys.readouterr().out
+    assert main(["chat", f"{s3_run_root}/students/tiny", *args]) == 0
+    remote = capsys.readouterr()
+    assert remote.out == local and local.strip()
+    copied = re.search(rf"^kdflow: copied {s3_run_root}/students/tiny/final \(\d+ files, [\d.]+ MiB\) to (\S+) for "
+                       "this session$", remote.err, re.MULTILINE)
+    assert copied and not Path(copied.group(1)).exists()  # the copy lives as long as the conversation
+
+    assert main(["chat", f"{s3_run_root}/students/nobody", *args]) == 2
+    assert capsys.readouterr().err.strip() == (f"kdflow: error: student '{s3_run_root}/students/nobody' is not a "
+                                               f"model: no config.json in {s3_run_root}/students/nobody")

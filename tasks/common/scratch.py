@@ -57,3 +57,35 @@ def scratch_dir(kind: str) -> Iterator[str]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def downloaded_model(url: str, subfolder: str) -> Iterator[str]:
+    """A local copy, for the block, of the model folder at `url` on an object store, or of its `subfolder` (a
+    student's final/) when `url` holds no config.json itself: transformers loads models from local folders only.
+    One line on stderr says what was copied."""
+    import sys
+
+    from kdflow.schemas.errors import KDFlowError
+    from kdflow.schemas.storage import RunRoot
+
+    store = RunRoot(url.rstrip("/"))
+    folder = store.root
+    if not store.exists(f"{folder}/config.json") and store.exists(f"{folder}/{subfolder}/config.json"):
+        folder = f"{folder}/{subfolder}"
+    with store.store_errors(folder):
+        try:
+            entries = store.fs.ls(folder, detail=True, refresh=True)
+        except FileNotFoundError:
+            entries = []
+    files = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in entries if entry["type"] == "file"}
+    if "config.json" not in files:
+        raise KDFlowError(f"student {url!r} is not a model: no config.json in {store.display(folder)}")
+    with scratch_dir("download") as local:
+        for name, entry in sorted(files.items()):
+            with store.store_errors(entry["name"]):
+                store.fs.get_file(entry["name"], os.path.join(local, name))
+        size = sum(int(entry.get("size") or 0) for entry in files.values())
+        print(f"kdflow: copied {store.display(folder)} ({len(files)} files, {size / 2**20:,.1f} MiB) to {local} for "
+              "this session", file=sys.stderr, flush=True)
+        yield local
