@@ -154,8 +154,8 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
     for name in ("httpx", "httpcore"):  # one line per API call to Prefect's server would bury the progress lines
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from kdflow.tasks.preflight import run_preflight
     from kdflow.serverless import serverless_settings
+    from kdflow.tasks.preflight import run_preflight
 
     for warning in run_preflight(config):  # every check before Prefect starts its temporary server
         print(f"kdflow: warning: {warning}", flush=True)

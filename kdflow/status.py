@@ -17,12 +17,12 @@ def _made_from(done: StageComplete | None, records: dict[int, CommitRecord]) -> 
 
 
 def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None,
-                tokens: StageComplete | None = None) -> tuple[str, int | None]:
+                token_store: StageComplete | None = None) -> tuple[str, int | None]:
     done = read_complete(run_root, store)
     fingerprint = done.fingerprint if done else None
     records = list_commits(run_root, store, stage, fingerprint)
     made_from = _made_from(done, records) if stage == "topk" else None
-    stale = tokens is not None and made_from is not None and made_from != tokens.fingerprint
+    stale = token_store is not None and made_from is not None and made_from != token_store.fingerprint
     if (expected is None or stale) and done is not None:
         expected = done.shards  # a stale store is measured against its own token store, not today's
     tokens = sum(r.tokens for r in records.values())
@@ -47,10 +47,11 @@ def print_status(url: str) -> int:
     print(line)
     line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
     print(line)
-    tokens = read_complete(run_root, run_root.path(TOKENS_DIR))
+    token_store = read_complete(run_root, run_root.path(TOKENS_DIR))
     stale = 0
     for tag in topk_tags(run_root):
-        line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards, tokens)
+        line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards,
+                              token_store)
         stale += "stale (" in line
         print(line)
     if stale:
