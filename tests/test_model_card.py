@@ -56,6 +56,7 @@ def test_the_final_folder_carries_a_card_that_hub_and_transformers_read(trained:
     assert f"| top-1 agreement | {evals[0]['top1_agreement']:.1%} |" in text
     assert "](training_curve.png)" in text and (final / "training_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert "kdflow chat PATH" in text and "AutoModelForCausalLM.from_pretrained" in text
+    assert "may also be the folder's URL (`s3://...`)" in text  # a run root on an object store: how to chat
 
 
 def test_a_resumed_run_rewrites_the_card_at_its_later_step(trained: Any) -> None:

@@ -147,7 +147,11 @@ def render_card(facts: dict[str, Any]) -> str:
               'model = AutoModelForCausalLM.from_pretrained("PATH")',
               'inputs = tokenizer("The object", return_tensors="pt")',
               "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=40)[0], skip_special_tokens=True))",
-              "```", "", "A conversation on the terminal (history kept, replies streamed): `kdflow chat PATH`.", ""]
+              "```", "",
+              "PATH is a local folder: where this folder lies on an object store, copy it first (transformers "
+              "loads local folders only). A conversation on the terminal (history kept, replies streamed): "
+              "`kdflow chat PATH`, where PATH may also be the folder's URL (`s3://...`): it copies the folder for "
+              "the session.", ""]
     return "\n".join(lines)
 
 
