@@ -274,10 +274,10 @@ def tokenise_into(
             batches = cleanup.enter_context(EncodedBatches(iter_documents(run_root, corpus_store, parts, start_doc),
                                                            encoder))
         packer = Packer(seq_len, tokenizer.eos_token_id, start_doc, start_offset)
-        written = tokens_written = 0
+        written, sequences_before = 0, sequences
 
         def write_shard(rows: int) -> None:
-            nonlocal prefix, written, sequences, tokens_written
+            nonlocal prefix, written, sequences
             input_ids, (end_doc, end_offset) = packer.take(rows)
             path = f"{store}/{data_file_name('tokens', prefix)}"
             try:
@@ -296,7 +296,6 @@ def tokenise_into(
             if on_shard:
                 on_shard(record)
             prefix, written, sequences = prefix + 1, written + 1, sequences + rows
-            tokens_written += rows * seq_len
 
         for encoded in batches:
             packer.add(encoder.ids(encoded))
@@ -311,4 +310,4 @@ def tokenise_into(
                                      corpus_fingerprint=corpus_fp, vocab_size=vocab_size),
         ))
         return TokeniseSummary(prefix, sequences, sequences * seq_len, dropped, written, fingerprint, tok_fp,
-                               time.perf_counter() - started, tokens_written)
+                               time.perf_counter() - started, (sequences - sequences_before) * seq_len)
