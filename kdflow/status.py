@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from kdflow.schemas.commits import CommitRecord, StageComplete, list_commits, read_complete
+from kdflow.schemas.commits import StageComplete, list_commits, read_complete
 from kdflow.schemas.layout import (CORPUS_DIR, FINAL_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
                                    checkpoint_step, is_store_name)
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import topk_tags
-
-
-def _made_from(done: StageComplete | None, records: dict[int, CommitRecord]) -> str | None:
-    """The fingerprint of the token store a top-K store was computed from, where its records say."""
-    if done is not None and done.extra.tokens_fingerprint:
-        return done.extra.tokens_fingerprint
-    return next((r.extra.tokens_fingerprint for r in records.values() if r.extra.tokens_fingerprint), None)
+from kdflow.schemas.stores import tokens_made_from, topk_tags
 
 
 def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None,
@@ -21,8 +14,8 @@ def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected:
     done = read_complete(run_root, store)
     fingerprint = done.fingerprint if done else None
     records = list_commits(run_root, store, stage, fingerprint)
-    made_from = _made_from(done, records) if stage == "topk" else None
-    stale = token_store is not None and made_from is not None and made_from != token_store.fingerprint
+    made_from = tokens_made_from(records.values()) if stage == "topk" else set()
+    stale = token_store is not None and bool(made_from) and token_store.fingerprint not in made_from  # as validate
     if (expected is None or stale) and done is not None:
         expected = done.shards  # a stale store is measured against its own token store, not today's
     tokens = sum(r.tokens for r in records.values())

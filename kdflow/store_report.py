@@ -19,7 +19,7 @@ from kdflow.schemas.config import config_from_dict
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CONFIG_FILE
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import read_store_info, topk_tags
+from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
 
 
 def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any:
@@ -40,14 +40,10 @@ def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any
 
 
 def _made_from_other_tokens(run_root: RunRoot, records: dict[int, Any], picks: list[tuple[int, int]]) -> bool:
-    """Whether a picked row's top-K shard was computed from another token shard than the one now at its place
-    (its commit names the input's sha256): re-running the teacher on today's tokens would measure nothing."""
+    """Whether a picked row's top-K shard is not the teacher's output on the token shard now at its place
+    (`alignment_problem`, as training and export judge it): re-running the teacher there would measure nothing."""
     tokens = list_commits(run_root, stage_dir(run_root, "tokens"), "tokens")
-    for shard in {shard for shard, _ in picks}:
-        made_from, now = records[shard].input_sha256, tokens.get(shard)
-        if now is None or (made_from is not None and made_from != now.sha256):
-            return True
-    return False
+    return any(alignment_problem(tokens.get(shard), records[shard]) for shard in {shard for shard, _ in picks})
 
 
 def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int = 8,

@@ -28,7 +28,7 @@ from kdflow.schemas.layout import (COMPLETE_FILE, CONFIG_FILE, CORPUS_DIR, TOKEN
 from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
-from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
+from kdflow.schemas.stores import alignment_problem, read_store_info, tokens_made_from, topk_tags
 from kdflow.schemas.topk_rows import iter_topk_rows
 from kdflow.validate_checks import token_id_problems, topk_problems, topk_v2_problems
 
@@ -210,7 +210,7 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
     _check_records(run_root, report, done, fingerprint)
     _check_manifest(run_root, report, fingerprint, seq_len)
     _check_hashes(run_root, report)
-    made_from = {r.extra.tokens_fingerprint for r in report.records.values()} - {None}
+    made_from = tokens_made_from(report.records.values())
     aligned = not made_from or tokens.fingerprint in made_from
     if not aligned:
         report.notes.append(f"made from another token store ({', '.join(sorted(made_from))}, "

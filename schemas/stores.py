@@ -7,6 +7,7 @@ and `kdflow validate` read it, and check alignment with `alignment_problem`, wit
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -126,6 +127,12 @@ def find_topk_stores(run_root: RunRoot, config: KDFlowConfig, *, any_format: boo
                 and info.top_k == config.precompute.top_k and (any_format or info.store_format() == wanted)):
             tags.append(tag)
     return tags
+
+
+def tokens_made_from(records: Iterable[CommitRecord]) -> set[str]:
+    """The fingerprints of the token stores a top-K store's shards were computed from, as their commit records say
+    (none for records that do not say). A store whose set lacks today's token store is stale (status, validate)."""
+    return {record.extra.tokens_fingerprint for record in records} - {None}
 
 
 def alignment_problem(token: CommitRecord | None, topk: CommitRecord) -> str | None:

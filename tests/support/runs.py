@@ -84,7 +84,7 @@ def write_dense_topk(config: KDFlowConfig, teacher_dir: Path, *, tag: str = DENS
         write_commit(run_root, store, CommitRecord(
             stage="topk", shard_id=shard_id, data_file=name, rows=len(input_ids), tokens=input_ids.size,
             bytes=writer.sink.nbytes, sha256=writer.sink.sha256, input_sha256=records[shard_id].sha256,
-            fingerprint=tag))
+            fingerprint=tag, extra={"tokens_fingerprint": done.fingerprint}))  # as the teacher pass records it
     write_complete(run_root, store, StageComplete(stage="topk", shards=done.shards, rows=done.rows, tokens=done.tokens,
                                                   fingerprint=tag, extra={"tokens_fingerprint": done.fingerprint}))
     return store
