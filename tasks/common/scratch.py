@@ -15,8 +15,12 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from kdflow.schemas.owners import is_stale, owner_tag
+
+if TYPE_CHECKING:
+    from kdflow.schemas.storage import RunRoot
 
 _OWNER_IN_NAME = re.compile(r"-\d+-[0-9a-f]{8}-")
 
@@ -60,6 +64,20 @@ def scratch_dir(kind: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
+    """A local folder with the files of `path` for the block: the folder itself on local disk, else a scratch
+    copy (a checkpoint to resume from, a student to chat with)."""
+    if run_root.is_local:
+        yield path
+        return
+    with scratch_dir("kdflow-download") as local:
+        for name in run_root.listdir(path):
+            with run_root.store_errors(f"{path}/{name}"):
+                run_root.fs.get_file(f"{path}/{name}", os.path.join(local, name))
+        yield local
+
+
+@contextlib.contextmanager
 def downloaded_model(url: str, subfolder: str) -> Iterator[str]:
     """A local copy, for the block, of the model folder at `url` on an object store, or of its `subfolder` (a
     student's final/) when `url` holds no config.json itself: transformers loads models from local folders only.
@@ -73,19 +91,11 @@ def downloaded_model(url: str, subfolder: str) -> Iterator[str]:
     folder = store.root
     if not store.exists(f"{folder}/config.json") and store.exists(f"{folder}/{subfolder}/config.json"):
         folder = f"{folder}/{subfolder}"
-    with store.store_errors(folder):
-        try:
-            entries = store.fs.ls(folder, detail=True, refresh=True)
-        except FileNotFoundError:
-            entries = []
-    files = {entry["name"].rstrip("/").rsplit("/", 1)[-1]: entry for entry in entries if entry["type"] == "file"}
-    if "config.json" not in files:
+    if "config.json" not in store.listdir(folder):
         raise KDFlowError(f"student {url!r} is not a model: no config.json in {store.display(folder)}")
-    with scratch_dir("download") as local:
-        for name, entry in sorted(files.items()):
-            with store.store_errors(entry["name"]):
-                store.fs.get_file(entry["name"], os.path.join(local, name))
-        size = sum(int(entry.get("size") or 0) for entry in files.values())
-        print(f"kdflow: copied {store.display(folder)} ({len(files)} files, {size / 2**20:,.1f} MiB) to {local} for "
+    with local_copy(store, folder) as local:
+        names = os.listdir(local)
+        size = sum(os.path.getsize(os.path.join(local, name)) for name in names)
+        print(f"kdflow: copied {store.display(folder)} ({len(names)} files, {size / 2**20:,.1f} MiB) to {local} for "
               "this session", file=sys.stderr, flush=True)
         yield local

@@ -40,7 +40,7 @@ from kdflow.schemas.layout import (CHECKPOINT_MARKER, FINAL_DIR, TRAINING_STATE_
 from kdflow.schemas.owners import owner_tag
 from kdflow.schemas.storage import DiskFull, RunRoot, free_bytes, is_no_space
 from kdflow.tasks.common import faults
-from kdflow.tasks.common.scratch import scratch_dir
+from kdflow.tasks.common.scratch import local_copy, scratch_dir
 from kdflow.tasks.student.model import load_causal_lm
 
 
@@ -182,18 +182,6 @@ def _staged(run_root: RunRoot, path: str, site: str, position: dict[str, Any]) -
             run_root.fs.put_file(os.path.join(staging, name), f"{path}/{name}")
 
 
-@contextmanager
-def _local_copy(run_root: RunRoot, path: str) -> Iterator[str]:
-    """A local folder with the files of `path` (the folder itself on local disk)."""
-    if run_root.is_local:
-        yield path
-        return
-    with scratch_dir("kdflow-download") as local:
-        for name in run_root.listdir(path):
-            run_root.fs.get_file(f"{path}/{name}", os.path.join(local, name))
-        yield local
-
-
 # --- checkpoints ------------------------------------------------------------------------------------------
 
 
@@ -282,7 +270,7 @@ def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: to
 
 
 def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch.device | str) -> nn.Module:
-    with _local_copy(run_root, checkpoint_path) as folder:
+    with local_copy(run_root, checkpoint_path) as folder:
         model = load_causal_lm(folder, what="checkpoint", dtype=torch.float32)
     return model.to(device)
 
