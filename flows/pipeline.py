@@ -96,13 +96,13 @@ def pipeline_flow(config: KDFlowConfig, stages: list[str] | None = None) -> dict
         started = time.perf_counter()
         results[stage] = stage_flow(config)
         holds, written = stage_summary(stage, results[stage])
+        logger.info("pipeline: %s done in %.1f s: %s; written now: %s", stage, time.perf_counter() - started,
+                    holds, written)
         if stage == "tokenise" and "train" in chosen:  # found now, not after the teacher pass
             problem = held_out_problem(config.student.eval_shards, results[stage]["shards"],
                                        results[stage]["sequences"])
             if problem:
                 raise ConfigError(problem)
-        logger.info("pipeline: %s done in %.1f s: %s; written now: %s", stage, time.perf_counter() - started,
-                    holds, written)
     report = pipeline_report(open_run_root(config), config, results)
     publish_markdown(artifact_key("pipeline", config.student.name), report,
                      f"every stage of the pipeline on {config.run_root}")
