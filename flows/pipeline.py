@@ -31,7 +31,7 @@ def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
         return holds, f"{result['shards_written']}"
     if stage == "precompute":
         return f"{_count(result['shards'], 'top-K shard')} in {result['store']}", f"{result.get('written') or 0}"
-    return (f"student {result['student']}: step {result['start_step']} → {result['steps']}, final loss "
+    return (f"student {result['student']}: step {result['start_step']} -> {result['steps']}, final loss "
             f"{result.get('final_loss') or 0:.4g}", f"{result['steps'] - result['start_step']} steps")
 
 

@@ -79,6 +79,11 @@ def _full_kl(record: dict[str, Any]) -> str:
     return f"{record['kl_full']:.4f}" if record.get("kl_full") is not None else "-"
 
 
+def _figure(value: float | None) -> str:
+    """A loss or KL for the log line: four decimals, or "-" where there is none (no evaluation, no step run)."""
+    return f"{value:.4f}" if value is not None else "-"
+
+
 def report_key(student_name: str) -> str:
     """The key of a student's training curve and evaluation: one artifact, a new version after every evaluation."""
     return artifact_key("train", student_name)
@@ -183,6 +188,9 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
         _write_config_if_changed(run_root, config, run_root.path(STUDENTS_DIR, config.student.name))
     artifacts = TrainingArtifacts(run_root, config)
     if world_size == 1:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # as the workers do: loading and saving bars are noise in a log
         summary = train(config, on_event=artifacts.update, run_root=run_root)
     else:
         check_layout(config.student, world_size)  # a one-line error here, before any process starts
@@ -198,8 +206,9 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     before, after = summary["eval_before"] or {}, summary["eval_after"] or {}
     get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, held-out KL to stored targets %s -> %s, "
                           "full KL %s -> %s, model in %s", config.student.name, summary["start_step"],
-                          summary["steps"], summary["final_loss"], before.get("kl"), after.get("kl"),
-                          before.get("kl_full", "-"), after.get("kl_full", "-"), summary["final_dir"])
+                          summary["steps"], _figure(summary["final_loss"]), _figure(before.get("kl")),
+                          _figure(after.get("kl")), _figure(before.get("kl_full")), _figure(after.get("kl_full")),
+                          summary["final_dir"])
     return summary
 
 
