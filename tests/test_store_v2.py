@@ -229,7 +229,8 @@ def test_bucket_kl_against_a_hand_computed_partition() -> None:
     assert kept_histogram(np.array([1, 2, 3, 4, 5, 8, 9, 12]), 12) == {"1": 1, "2": 1, "3-4": 2, "5-8": 2, "9-12": 2}
 
 
-def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.CaptureFixture[str]) -> None:
+def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.CaptureFixture[str],
+                          tmp_path: Path) -> None:
     from kdflow.cli import main as cli_main
 
     config, summary = prepared(make_config, precompute__store__keep_mass=0.5)
@@ -269,6 +270,11 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     out = capsys.readouterr().out
     assert out.count("| KL to the teacher | made from token shards that tokenise has since replaced") == 2
     assert "full-vocabulary KL" not in out
+    # and export refuses them in one line, before it writes anything
+    assert cli_main(["store", "export", config.run_root, str(tmp_path / "out"), "--tag", lossless_tag]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"kdflow: error: top-K shard 0 of ") and "was made from another token shard" in error
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_store_prints_one_json_line_per_setting(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.logit_layouts import LogitLayout, logit_layout
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import read_store_info, topk_tags
+from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
 
 EXPORT_INFO = "kdflow_export.json"
 
@@ -79,13 +79,17 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout_name: st
     tokens_done = read_complete(run_root, tokens_store)
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_done.fingerprint if tokens_done else None)
     records = list_commits(run_root, store, "topk", done.fingerprint)
+    pairs = []
+    for shard_id in range(done.shards):  # every shard checked before anything is written
+        record, token = records.get(shard_id), token_records.get(shard_id)
+        problem = "is not committed" if record is None else alignment_problem(token, record)
+        if problem is not None:
+            raise StoreError(f"top-K shard {shard_id} of {run_root.display(store)} {problem}; export writes a store "
+                             "whose shards are the teacher's output on today's token shards (kdflow validate)")
+        pairs.append((shard_id, record, token))
     os.makedirs(os.path.join(out_dir, "data"), exist_ok=True)
     files = []
-    for shard_id in range(done.shards):
-        record, token = records.get(shard_id), token_records.get(shard_id)
-        if record is None or token is None or record.input_sha256 != token.sha256:
-            raise StoreError(f"shard {shard_id} of {run_root.display(store)} has no committed top-K shard aligned "
-                             "with its token shard; run kdflow validate")
+    for shard_id, record, token in pairs:
         decoded = TopkShard(run_root, f"{store}/{record.data_file}").read()
         input_ids = read_token_shard(run_root, f"{tokens_store}/{token.data_file}")
         name = os.path.join("data", f"train-{shard_id:05d}-of-{done.shards:05d}.parquet")
