@@ -15,6 +15,11 @@ from kdflow.schemas.storage import RunRoot
 forward_kdflow_logs()
 
 
+def count_of(number: int, noun: str) -> str:
+    """`1 part`, `1,024 parts`: a count for a log line, the noun in the number it takes (a plain -s plural)."""
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
+
+
 def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:
     """Flows take the typed config, a plain dict (deployment parameters) or a YAML path."""
     if isinstance(config, KDFlowConfig):

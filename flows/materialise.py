@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from kdflow.flows.common import as_config, preflight_when_deployed, write_stage_config
+from kdflow.flows.common import as_config, count_of, preflight_when_deployed, write_stage_config
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
@@ -39,9 +39,9 @@ def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any
     result = asdict(summary) | {"seconds": progress.elapsed}
     if summary.parts and not summary.parts_written:
         get_run_logger().info("materialise: %d/%d parts already committed, nothing to do", summary.parts, summary.parts)
-    get_run_logger().info("materialise: %d parts, %d documents (%d written now, %d empty skipped) in %.1f s",
-                          summary.parts, summary.documents, summary.parts_written, summary.skipped_empty,
-                          progress.elapsed)
+    get_run_logger().info("materialise: %s, %s (%d written now, %d empty skipped) in %.1f s",
+                          count_of(summary.parts, "part"), count_of(summary.documents, "document"),
+                          summary.parts_written, summary.skipped_empty, progress.elapsed)
     return result
 
 

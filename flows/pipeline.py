@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from kdflow.flows.artifacts import artifact_key, publish_markdown, ui_link
-from kdflow.flows.common import as_config, preflight_when_deployed
+from kdflow.flows.common import as_config, count_of, preflight_when_deployed
 from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
 from kdflow.schemas.config import STAGES, KDFlowConfig
@@ -17,20 +17,16 @@ from kdflow.schemas.stage_settings import held_out_problem, open_run_root
 from kdflow.schemas.storage import RunRoot
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number:,} {noun}" + ("" if number == 1 else "s")
-
-
 def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
     """What a stage's store holds and what this run wrote, in words: the pipeline's log line and report row."""
     if stage == "materialise":
-        holds = f"{_count(result['parts'], 'corpus part')}, {_count(result['documents'], 'document')}"
+        holds = f"{count_of(result['parts'], 'corpus part')}, {count_of(result['documents'], 'document')}"
         return holds, f"{result['parts_written']}"
     if stage == "tokenise":
-        holds = f"{_count(result['shards'], 'token shard')}, {_count(result['tokens'], 'token')}"
+        holds = f"{count_of(result['shards'], 'token shard')}, {count_of(result['tokens'], 'token')}"
         return holds, f"{result['shards_written']}"
     if stage == "precompute":
-        return f"{_count(result['shards'], 'top-K shard')} in {result['store']}", f"{result.get('written') or 0}"
+        return f"{count_of(result['shards'], 'top-K shard')} in {result['store']}", f"{result.get('written') or 0}"
     return (f"student {result['student']}: step {result['start_step']} -> {result['steps']}, final loss "
             f"{result.get('final_loss') or 0:.4g}", f"{result['steps'] - result['start_step']} steps")
 

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from kdflow.flows.common import as_config, preflight_when_deployed, write_stage_config
+from kdflow.flows.common import as_config, count_of, preflight_when_deployed, write_stage_config
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.stage_settings import open_run_root, tokenise_settings
@@ -32,8 +32,8 @@ def tokenise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
         get_run_logger().info("tokenise: %d/%d shards already committed, nothing to do", summary.shards, summary.shards)
     rate = summary.tokens_written / max(summary.seconds, 1e-9)
     get_run_logger().info(
-        "tokenise: %s shards, %s sequences, %s tokens (%s written now, %s tail tokens dropped), %s tok/s",
-        f"{summary.shards:,}", f"{summary.sequences:,}", f"{summary.tokens:,}", f"{summary.shards_written:,}",
+        "tokenise: %s, %s, %s (%s written now, %s tail tokens dropped), %s tok/s", count_of(summary.shards, "shard"),
+        count_of(summary.sequences, "sequence"), count_of(summary.tokens, "token"), f"{summary.shards_written:,}",
         f"{summary.dropped_tokens:,}", f"{rate:,.0f}",
     )
     return asdict(summary)
