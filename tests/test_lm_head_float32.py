@@ -135,7 +135,7 @@ def test_the_precision_measurement_against_a_float64_reference() -> None:
 
     def kl(logits: torch.Tensor) -> float:
         other = torch.log_softmax(logits.double(), -1)
-        return float((exact.exp() * (exact - other)).sum(-1).mean())
+        return (exact.exp() * (exact - other)).sum(-1).mean().item()
 
     with torch.no_grad():
         rounded_matmul = hidden @ head.weight.T  # bf16 output, as a bf16 lm_head gives

@@ -148,7 +148,7 @@ def _agreement(inputs: list, dense_loss, chunk_tokens: int, autocast: bool = Fal
         fused_loss = fused_topk_kl(*inputs, chunk_tokens=chunk_tokens)
     fused_loss.backward()
     relative = [float((f.grad - d).abs().max() / d.abs().max()) for f, d in zip(inputs[:2], dense_grads)]
-    return {"loss_abs_diff": abs(float(fused_loss) - float(dense_loss)), "grad_max_rel_diff": max(relative)}
+    return {"loss_abs_diff": abs(fused_loss.item() - dense_loss.item()), "grad_max_rel_diff": max(relative)}
 
 
 def _make_inputs(spec: dict, device) -> list:
