@@ -223,7 +223,8 @@ class StudentConfig(_Section):
 
     name: str = Field(default="student", description="Folder under students/ (a new name starts a new student)")
     init_from: str | None = Field(default=None, title="Initialise from",
-                                  description="Local HF checkpoint to start from instead of `architecture`")
+                                  description="A model to start from instead of `architecture`: a Hugging Face folder "
+                                              "or hub id with the run tokenizer's vocabulary (the teacher's)")
     architecture: StudentArchitecture = StudentArchitecture()
     steps: PositiveInt = Field(default=200, description="Optimiser steps in total (a resumed run continues to this)")
     batch_size: PositiveInt = Field(default=8, description="Sequences per optimiser step (global, all ranks)")

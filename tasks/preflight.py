@@ -223,13 +223,26 @@ def check_distributed(context: Preflight) -> None:
 
 @check("student", "train")
 def check_student(context: Preflight) -> None:
-    from kdflow.tasks.common.sources import model_folder_problem
+    """`student.init_from` is a model folder (or a hub id) whose tokenizer and embedding take the run's token ids."""
+    from kdflow.tasks.common.model_configs import student_vocab_problem, tokenizer_vocab
+    from kdflow.tasks.common.sources import model_folder_problem, resolve_model_source
 
-    init_from = context.config.student.init_from
-    if init_from is not None:
-        problem = model_folder_problem(os.path.expanduser(init_from))
-        if problem:
-            raise ConfigError(f"student.init_from={init_from!r} is not a model: {problem}")
+    config = context.config
+    init_from = config.student.init_from
+    if init_from is None:
+        return
+    try:
+        source = resolve_model_source(init_from)
+    except ConfigError as error:
+        raise ConfigError(f"student.init_from={init_from!r}: {error}") from None
+    problem = model_folder_problem(source) if os.path.exists(source) else None  # a hub id: fetched when it loads
+    if problem:
+        raise ConfigError(f"student.init_from={init_from!r} is not a model: {problem}")
+    run_vocab = (tokenizer_vocab(config.teacher.model, config.teacher.gguf_file, config.teacher.revision)
+                 if context.tokenizer_from_teacher else tokenizer_vocab(config.tokenizer))
+    problem = student_vocab_problem(init_from, run_vocab)
+    if problem:
+        raise ConfigError(problem)
 
 
 @check("disk")

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from support.runs import student_path, trained_tiny_run
 
-from kdflow.tasks.student.model_card import hub_id, render_card
+from kdflow.tasks.common.sources import hub_id
+from kdflow.tasks.student.model_card import render_card
 
 
 @pytest.fixture(scope="module")

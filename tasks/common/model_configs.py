@@ -117,6 +117,44 @@ def tokenizer_vocab(source: str, gguf_file: str | None = None, revision: str | N
         raise ConfigError(f"tokenizer {source!r}: cannot read {file}: {first_line(error)}") from None
 
 
+def moved_tokens(mine: dict[str, int], theirs: dict[str, int]) -> int:
+    """How many of `mine`'s tokens have another id (or none) in `theirs`: 0 when one vocabulary extends the other."""
+    return sum(1 for token, index in mine.items() if theirs.get(token) != index)
+
+
+def init_vocab_problem(init_from: str, run_vocab: dict[str, int], own: dict[str, int] | None) -> str | None:
+    """Why a student whose tokenizer has vocabulary `own` cannot read the run's token ids, or None."""
+    moved = moved_tokens(run_vocab, own) if own is not None else 0
+    if not moved:
+        return None
+    return (f"student.init_from={init_from!r} has another vocabulary: {moved:,} of the run tokenizer's "
+            f"{len(run_vocab):,} tokens have another id (or none) in its tokenizer ({len(own or {}):,} tokens); "
+            "the student must read the teacher's token ids: start from a model of the teacher's tokenizer family, "
+            "or leave init_from unset to build one from student.architecture")
+
+
+def student_vocab_problem(init_from: str, run_vocab: dict[str, int] | None) -> str | None:
+    """Why the model at `student.init_from` (a folder or a cached hub id) cannot read the run's token ids, or None
+    (also when its files are not at hand: the training stage checks again when it loads the model).
+
+    Its tokenizer must give every one of the run tokenizer's tokens the same id (special-token settings may differ:
+    a base student of an instruction-tuned teacher's family), and its embedding must have a row for every id."""
+    if run_vocab is None:
+        return None
+    setting = f"student.init_from={init_from!r}"
+    problem = init_vocab_problem(init_from, run_vocab, tokenizer_vocab(init_from))
+    if problem:
+        return problem
+    path = resolve_model_source(init_from)
+    path = os.path.join(path, "config.json") if os.path.isdir(path) else _cached_hub_file(init_from, "config.json",
+                                                                                          None)
+    size = _first(_text_config(read_json(path, "student.init_from")), _VOCAB_KEYS) if path else None
+    if size is not None and size < len(run_vocab):
+        return (f"{setting} has vocab_size {size:,}, fewer than the run tokenizer's {len(run_vocab):,} ids: "
+                "the student would have no embedding for the others")
+    return None
+
+
 def tokenizer_mismatch(tokenizer: str | None, teacher: TeacherConfig, load_vocab: Any = None) -> str | None:
     """Why an explicit `tokenizer:` cannot be used with this teacher (its ids would name other tokens), or None.
 
@@ -132,7 +170,7 @@ def tokenizer_mismatch(tokenizer: str | None, teacher: TeacherConfig, load_vocab
         theirs = theirs if theirs is not None else load_vocab(teacher.model, teacher.gguf_file)
     if mine is None or theirs is None or mine == theirs:
         return None
-    moved = sum(1 for token, index in mine.items() if theirs.get(token) != index)
+    moved = moved_tokens(mine, theirs)
     return (f"tokenizer {tokenizer!r} is not the teacher's own: {moved} of its {len(mine)} tokens "
             f"have another id (or none) in teacher.model {teacher.model!r} ({len(theirs)} tokens), "
             "so the teacher would read ids of another vocabulary; remove `tokenizer:` to use the teacher's tokenizer")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
@@ -20,6 +21,16 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json"
 # The weight files a Hugging Face model folder saved by transformers holds (one of them).
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id(name: str | None) -> str | None:
+    """`name` when it is a Hugging Face hub id (owner/name, not a local path or URL), else None."""
+    if not name or "://" in name or name.startswith((PACKAGE_PREFIX, ".", "/", "~")) or os.path.exists(name):
+        return None
+    return name if _HUB_ID.match(name) else None
 
 
 def resolve_model_source(model: str, gguf_file: str | None = None) -> str:

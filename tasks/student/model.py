@@ -15,29 +15,34 @@ import torch
 from torch import nn
 
 from kdflow.schemas.config import KDFlowConfig
-from kdflow.schemas.errors import FingerprintMismatch, KDFlowError, first_line
-from kdflow.schemas.fingerprints import tokenizer_fingerprint
-from kdflow.tasks.common.sources import model_folder_problem
+from kdflow.schemas.errors import KDFlowError, first_line
+from kdflow.tasks.common.model_configs import init_vocab_problem
+from kdflow.tasks.common.sources import hub_id, model_folder_problem
 
 
 class StudentError(KDFlowError):
     """A student folder or model that cannot be used (not a model, wrong vocabulary, unsupported head)."""
 
 
-def load_causal_lm(folder: str, *, what: str, dtype: torch.dtype | None = None, device: str | None = None) -> nn.Module:
-    """AutoModelForCausalLM.from_pretrained(folder) with one-line errors that say what `folder` was for."""
+def load_causal_lm(source: str, *, what: str, dtype: torch.dtype | None = None, device: str | None = None,
+                   hub: bool = False) -> nn.Module:
+    """AutoModelForCausalLM.from_pretrained(source) with one-line errors that say what `source` was for.
+
+    `source` is a model folder; with `hub`, also a hub id (from the local Hugging Face cache, or downloaded)."""
     from transformers import AutoModelForCausalLM
 
-    problem = model_folder_problem(folder)
+    on_hub = hub and hub_id(source) is not None
+    folder = source if on_hub else os.path.expanduser(source)
+    problem = None if on_hub else model_folder_problem(folder)
     if problem is not None:
-        raise StudentError(f"{what} {folder!r} is not a model: {problem}")
+        raise StudentError(f"{what} {source!r} is not a model: {problem}")
     kwargs: dict[str, Any] = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise StudentError(f"{what} {folder!r} is not a loadable causal LM: {first_line(error)}") from None
+        raise StudentError(f"{what} {source!r} is not a loadable causal LM: {first_line(error)}") from None
     return model.to(device) if device is not None else model
 
 
@@ -45,7 +50,7 @@ def build_student(config: KDFlowConfig, tokenizer: Any) -> nn.Module:
     """A fresh float32 student: `init_from` if set, else a Llama of `student.architecture`, seeded."""
     student = config.student
     if student.init_from is not None:
-        model = load_causal_lm(student.init_from, what="student.init_from", dtype=torch.float32)
+        model = load_causal_lm(student.init_from, what="student.init_from", dtype=torch.float32, hub=True)
         check_init_tokenizer(student.init_from, tokenizer)
     else:
         from transformers import AutoModelForCausalLM
@@ -97,17 +102,24 @@ def check_student(model: nn.Module, tokenizer: Any) -> None:
                            "input ids would be out of range")
 
 
-def check_init_tokenizer(folder: str, tokenizer: Any) -> None:
-    """An init_from checkpoint that ships its own tokenizer must ship the run's tokenizer."""
+def check_init_tokenizer(source: str, tokenizer: Any) -> None:
+    """An init_from model that ships a tokenizer must give every token of the run's tokenizer the same id (special
+    tokens may differ: the student is trained and saved with the run's tokenizer)."""
     from transformers import AutoTokenizer
 
-    if not any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+    folder = os.path.expanduser(source)
+    if not hub_id(source) and not any(os.path.isfile(os.path.join(folder, name))
+                                      for name in ("tokenizer.json", "tokenizer_config.json")):
         return
-    own = AutoTokenizer.from_pretrained(folder)
-    own_fp, run_fp = tokenizer_fingerprint(own), tokenizer_fingerprint(tokenizer)
-    if own_fp != run_fp:
-        raise FingerprintMismatch(f"student.init_from {folder!r} has tokenizer fingerprint {own_fp}, "
-                                  f"the run's tokenizer has {run_fp}")
+    try:
+        own = AutoTokenizer.from_pretrained(source if hub_id(source) else folder)
+    except (OSError, ValueError) as error:
+        if hub_id(source):
+            return  # a hub model without a tokenizer of its own
+        raise StudentError(f"student.init_from {source!r}: cannot load its tokenizer: {first_line(error)}") from None
+    problem = init_vocab_problem(source, tokenizer.get_vocab(), own.get_vocab())
+    if problem:
+        raise StudentError(problem)
 
 
 def student_tokenizer(config: KDFlowConfig, tokenizer: Any) -> Any:
@@ -118,7 +130,8 @@ def student_tokenizer(config: KDFlowConfig, tokenizer: Any) -> Any:
     template = None
     if config.student.init_from is not None:
         try:
-            template = AutoTokenizer.from_pretrained(config.student.init_from).chat_template
+            init_from = config.student.init_from
+            template = AutoTokenizer.from_pretrained(hub_id(init_from) or os.path.expanduser(init_from)).chat_template
         except (OSError, ValueError):
             template = None
     tokenizer.chat_template = template

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Any
 
 import torch
@@ -23,20 +22,13 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import TRAINING_CURVE_FILE
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import format_label, read_store_info
+from kdflow.tasks.common.sources import hub_id
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
 METRIC_NAMES = {"kl": "KL to the teacher's top-K (K+1 buckets)", "kl_full": "full-vocabulary KL to the teacher",
                 "ce": "cross-entropy (nats/token)", "perplexity": "perplexity", "top1_agreement": "top-1 agreement"}
 NOT_METRICS = {"step", "sequences"}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def hub_id(name: str | None) -> str | None:
-    """`name` when it is a Hugging Face hub id (owner/name, not a local path or URL), else None."""
-    if not name or "://" in name or name.startswith(("package:", ".", "/", "~")) or os.path.exists(name):
-        return None
-    return name if _HUB_ID.match(name) else None
 
 
 def hardware(device: torch.device, world_size: int) -> str:

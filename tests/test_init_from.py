@@ -1,0 +1,122 @@
+"""`student.init_from`: a pretrained student, from a folder or a hub id, whose tokenizer must give the run's tokens
+the same ids (special tokens may differ: the base model of an instruction-tuned teacher's family).
+
+Hub ids are served from a Hugging Face cache laid out here as the hub's client lays it out (the suite runs with
+HF_HUB_OFFLINE=1: no network), so what is tested is kdflow's handling of the id, not the download.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from support.runs import student_path
+
+from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.tasks.preflight import run_preflight
+
+STUDENT_ID = "kdflow-test/tiny-student"
+
+
+def cache_repo(cache: Path, repo: str, source: Path) -> None:
+    """Put the files of `source` in the hub cache `cache` as revision `main` of model repository `repo`."""
+    owner, name = repo.split("/")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(source, cache / f"models--{owner}--{name}" / "snapshots" / commit)
+    (cache / f"models--{owner}--{name}" / "refs").mkdir()
+    (cache / f"models--{owner}--{name}" / "refs" / "main").write_text(commit)
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face hub cache for this test (the hub client reads the setting at each call)."""
+    cache = tmp_path / "hub-cache"
+    cache.mkdir()
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def pretrained_student(folder: Path, teacher: Path, tokenizer_source: Path | None = None, eos: str | None = None,
+                       vocab_size: int | None = None) -> Path:
+    """The teacher's weights as a "pretrained" student, with a tokenizer of its own (the teacher's by default)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    if vocab_size is not None:
+        model.resize_token_embeddings(vocab_size)
+    model.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source or teacher)
+    if eos is not None:
+        tokenizer.eos_token = eos  # another special-token setting, the same vocabulary
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def other_vocabulary(folder: Path) -> Path:
+    """A real tokenizer trained on other text: most of the run's tokens are missing or have other ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    tokenizer.train_from_iterator(["zebras quietly graze over amber hills"] * 50, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+def test_a_hub_student_in_the_local_cache_passes_pre_flight_trains_and_its_card_names_it(
+        fresh_run, hub_cache: Path, tmp_path: Path, sharp_teacher_dir: Path) -> None:
+    from kdflow.tasks.student.train import train
+
+    # The same vocabulary with another end-of-text token: what an instruct teacher's base sibling ships.
+    cache_repo(hub_cache, STUDENT_ID, pretrained_student(tmp_path / "student", sharp_teacher_dir, eos="<pad>"))
+    config = fresh_run(student__init_from=STUDENT_ID, student__steps=2, student__save_every=2)
+    assert run_preflight(config, ["train"]) == []
+    summary = train(config)
+    assert summary["steps"] == 2
+    card = student_path(config, "final", "README.md").read_text()
+    assert f"base_model: {STUDENT_ID}" in card.split("---")[1]
+
+
+def test_a_student_of_another_vocabulary_is_refused_in_pre_flight_from_a_folder_or_the_hub_cache(
+        fresh_run, hub_cache: Path, tmp_path: Path, sharp_teacher_dir: Path) -> None:
+    from kdflow.tasks.student.train import train
+
+    other = pretrained_student(tmp_path / "other", sharp_teacher_dir, other_vocabulary(tmp_path / "other-tok"))
+    cache_repo(hub_cache, "kdflow-test/other-vocabulary", other)
+    for init_from in (str(other), "kdflow-test/other-vocabulary"):
+        config = fresh_run(student__init_from=init_from)
+        with pytest.raises(ConfigError) as caught:
+            run_preflight(config, ["train"])
+        message = str(caught.value)
+        assert message.startswith(f"student.init_from={init_from!r} has another vocabulary: ") and "\n" not in message
+        with pytest.raises(KDFlowError) as caught:  # the training stage checks again when it loads the model
+            train(config)
+        assert str(caught.value) == message
+    assert not [path for path in student_path(config).rglob("*") if path.is_file()]  # no checkpoint, no model
+
+
+def test_a_student_whose_embedding_is_smaller_than_the_vocabulary_is_refused(
+        fresh_run, tmp_path: Path, sharp_teacher_dir: Path) -> None:
+    small = pretrained_student(tmp_path / "small", sharp_teacher_dir, vocab_size=100)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (small / name).unlink()  # no tokenizer of its own: only its config.json tells
+    with pytest.raises(ConfigError) as caught:
+        run_preflight(fresh_run(student__init_from=str(small)), ["train"])
+    assert str(caught.value).startswith(f"student.init_from={str(small)!r} has vocab_size 100, fewer than the run "
+                                        "tokenizer's ")
+
+
+def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_at_load(fresh_run, hub_cache: Path) -> None:
+    from kdflow.tasks.student.train import train
+
+    config = fresh_run(student__init_from="kdflow-test/not-downloaded")
+    assert run_preflight(config, ["train"]) == []  # nothing to read without the network: the stage tells
+    with pytest.raises(KDFlowError) as caught:
+        train(config)
+    message = str(caught.value)
+    assert message.startswith("student.init_from 'kdflow-test/not-downloaded' is not a loadable causal LM: ")
+    assert "\n" not in message
