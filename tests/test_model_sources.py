@@ -1,8 +1,9 @@
-"""`student.init_from`: a pretrained student, from a folder or a hub id, whose tokenizer must give the run's tokens
-the same ids (special tokens may differ: the base model of an instruction-tuned teacher's family).
+"""Where the models come from: a hub id (served from the local Hugging Face cache) works as its folder does, for
+the teacher and for `student.init_from`; a pretrained student's tokenizer must give the run's tokens the same ids
+(special tokens may differ: the base model of an instruction-tuned teacher's family).
 
-Hub ids are served from a Hugging Face cache laid out here as the hub's client lays it out (the suite runs with
-HF_HUB_OFFLINE=1: no network), so what is tested is kdflow's handling of the id, not the download.
+The cache is laid out here as the hub's client lays it out (the suite runs with HF_HUB_OFFLINE=1: no network), so
+what is tested is kdflow's handling of the id, not the download.
 """
 
 from __future__ import annotations
@@ -11,21 +12,23 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support.runs import student_path
+from support.runs import prepare, student_path
 
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.tasks.preflight import run_preflight
 
 STUDENT_ID = "kdflow-test/tiny-student"
+TEACHER_ID = "kdflow-test/tiny-teacher"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the cached snapshot's revision
 
 
 def cache_repo(cache: Path, repo: str, source: Path) -> None:
-    """Put the files of `source` in the hub cache `cache` as revision `main` of model repository `repo`."""
+    """Put the files of `source` in the hub cache `cache` as revision `main` (commit COMMIT) of model `repo`."""
     owner, name = repo.split("/")
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    shutil.copytree(source, cache / f"models--{owner}--{name}" / "snapshots" / commit)
-    (cache / f"models--{owner}--{name}" / "refs").mkdir()
-    (cache / f"models--{owner}--{name}" / "refs" / "main").write_text(commit)
+    folder = cache / f"models--{owner}--{name}"
+    shutil.copytree(source, folder / "snapshots" / COMMIT)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(COMMIT)
 
 
 @pytest.fixture
@@ -65,6 +68,30 @@ def other_vocabulary(folder: Path) -> Path:
     tokenizer.train_from_iterator(["zebras quietly graze over amber hills"] * 50, trainer=trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
     return folder
+
+
+def test_a_hub_teacher_in_the_local_cache_is_checked_and_gives_the_store_its_folder_gives(
+        make_config, hub_cache: Path, tmp_path: Path, tiny_teacher_dir: Path) -> None:
+    from kdflow.tasks.common.models import teacher_identity
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    cache_repo(hub_cache, TEACHER_ID, tiny_teacher_dir)
+    with pytest.raises(ConfigError) as caught:  # the limits are read from the cached config.json
+        run_preflight(make_config(teacher__model=TEACHER_ID, precompute__top_k=60000))
+    assert str(caught.value).startswith("precompute.top_k=60000 must be between 1 and the teacher's vocabulary size")
+    stores, identity = [], {}
+    for name, teacher in (("by-id", TEACHER_ID), ("by-folder", str(tiny_teacher_dir))):
+        config = make_config(run_root=str(tmp_path / name), teacher__model=teacher, dataset__max_documents=24)
+        assert run_preflight(config) == []
+        summary = precompute_shards(prepare(config))
+        assert summary["complete"]
+        stores.append(sorted(path.read_bytes() for path in (tmp_path / name / "topk").rglob("shard-*.arrow")))
+        identity = teacher_identity(config.teacher)
+    assert stores[0] == stores[1] and len(stores[0]) >= 3  # the same weights give the same shards
+    # A hub teacher is named by its id and the cached snapshot's commit (a folder by its weights' hash), so a
+    # newer snapshot of the same id makes another store rather than resuming this one.
+    by_id = teacher_identity(make_config(teacher__model=TEACHER_ID).teacher)
+    assert (by_id["model"], by_id["revision"]) == (TEACHER_ID, COMMIT) and "weights" in identity
 
 
 def test_a_hub_student_in_the_local_cache_passes_pre_flight_trains_and_its_card_names_it(
