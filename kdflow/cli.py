@@ -76,11 +76,25 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             and os.path.isfile(os.path.join(folder, FINAL_DIR, "config.json"))):
         folder = os.path.join(folder, FINAL_DIR)
     problem = model_folder_problem(folder)
+    latest = _latest_checkpoint(args.student_dir) if problem is not None else None
+    if latest is not None:
+        raise KDFlowError(f"student {args.student_dir!r} has no final model yet (its training has not finished); "
+                          f"its latest checkpoint is a model folder that kdflow chat takes: {latest}")
     if problem is not None:
         raise KDFlowError(f"student {folder!r} is not a model: {problem}")
     from kdflow.chat import chat_main
 
     return chat_main(args)
+
+
+def _latest_checkpoint(student_dir: str) -> str | None:
+    """The newest complete checkpoint-STEP folder of students/NAME (one a resumed run would start from), or None."""
+    from kdflow.schemas.layout import CHECKPOINT_MARKER, checkpoint_step
+
+    names = os.listdir(student_dir) if os.path.isdir(student_dir) else []
+    done = [(checkpoint_step(name), name) for name in names if checkpoint_step(name) is not None
+            and os.path.isfile(os.path.join(student_dir, name, CHECKPOINT_MARKER))]
+    return os.path.join(student_dir, max(done)[1]) if done else None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -203,6 +203,17 @@ def test_chat_on_a_folder_that_is_no_model_fails_before_torch(tmp_path, tiny_tok
     assert done.returncode == 2 and imported == []
     assert done.stderr.strip().splitlines() == [
         f"kdflow: error: student '{tiny_tokenizer_dir}' is not a model: no config.json in it"]
+    # students/NAME of a run that has not finished: no final/, so the latest complete checkpoint is named instead
+    student = tmp_path / "run" / "students" / "s"
+    for name, marker in (("checkpoint-3", True), ("checkpoint-12", True), ("checkpoint-20", False)):
+        (student / name).mkdir(parents=True)
+        if marker:
+            (student / name / "checkpoint.json").write_text("{}")
+    done, imported = cli(["chat", str(student), "--prompt", "hi"], tmp_path)
+    assert done.returncode == 2 and imported == []
+    assert done.stderr.strip().splitlines() == [
+        f"kdflow: error: student '{student}' has no final model yet (its training has not finished); its latest "
+        f"checkpoint is a model folder that kdflow chat takes: {student / 'checkpoint-12'}"]
 
 
 def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_keep_it() -> None:
