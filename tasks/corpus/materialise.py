@@ -86,7 +86,7 @@ def _first_malformed_json(files: list[str]) -> str | None:
     for name in files:
         if format_of(name) != "json":
             continue
-        with open_file(name, "rt", encoding="utf-8", errors="replace") as handle:
+        with open_file(name, "rt", encoding="utf-8-sig", errors="replace") as handle:
             text = handle.read()
         if uncompressed(name).endswith(".json"):
             try:
@@ -166,7 +166,9 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             if text is not None and not isinstance(text, str):
                 raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text "
                                 f"(record {index})")
-            yield index, text or ""
+            # A byte-order mark (a file saved on Windows) is not text. The text builder keeps it at the start of a
+            # .txt file's first document, whatever encoding it is given for a compressed file; JSON readers drop it.
+            yield index, (text or "").removeprefix("\ufeff")
             index += 1
     except KDFlowError:
         raise

@@ -22,6 +22,8 @@ def _first_json_record(handle: Any, name: str) -> dict[str, Any] | None:
     """The first record of a JSON-lines file (or of a JSON array/object file, when small enough), else None."""
     for line_no, line in enumerate(handle, start=1):
         text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+        if line_no == 1:
+            text = text.removeprefix("\ufeff")  # a byte-order mark (files saved on Windows): datasets skips it too
         if not text.strip():
             continue
         stripped = text.strip()
