@@ -48,6 +48,8 @@ def bad_cases(tmp_path: Path, teacher: Path, tokenizer: Path, other: Path) -> di
     (tmp_path / "no-text.jsonl").write_text(json.dumps({"body": "a document"}) + "\n")
     (tmp_path / "broken.jsonl").write_text('{"text": "one"\n{"text": "two"}\n')
     (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "utf16.txt").write_bytes("one\ntwo\n".encode("utf-16"))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "tea"}\n' + '{"text": "café"}\n'.encode("latin-1"))
     (tmp_path / "a-file").write_text("not a folder")
     weightless = tmp_path / "weightless-teacher"
     weightless.mkdir()
@@ -63,6 +65,10 @@ def bad_cases(tmp_path: Path, teacher: Path, tokenizer: Path, other: Path) -> di
                                  "broken.jsonl: line 1 is not valid JSON"),
         "empty dataset": ({"dataset__path": str(tmp_path / "empty.jsonl")},
                           "empty.jsonl is empty: no documents to read"),
+        "dataset in UTF-16": ({"dataset__path": str(tmp_path / "utf16.txt")},
+                              "utf16.txt is UTF-16 (it starts with a UTF-16 byte-order mark); kdflow reads UTF-8"),
+        "dataset in Latin-1": ({"dataset__path": str(tmp_path / "latin1.jsonl")},
+                               "latin1.jsonl: invalid UTF-8 at line 2, byte 29; kdflow reads UTF-8"),
         "run root under a file": ({"run_root": str(tmp_path / "a-file" / "run")}, "cannot be created:"),
         "teacher is a tokenizer folder": ({"teacher__model": str(tokenizer)}, "not a model folder (no config.json)"),
         "teacher without weights": ({"teacher__model": str(weightless)}, "holds no model weights"),

@@ -43,6 +43,22 @@ def _first_json_record(handle: Any, name: str) -> dict[str, Any] | None:
     raise ConfigError(f"dataset file {name} is empty: no documents to read")
 
 
+def _check_encoding(name: str, sample: int = 1 << 16) -> None:
+    """The file's start is UTF-8, as datasets' JSON and text readers take it (a UTF-8 byte-order mark is fine)."""
+    with open_file(name) as handle:
+        head = handle.read(sample)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"dataset file {name} is UTF-16 (it starts with a UTF-16 byte-order mark); kdflow reads "
+                          "UTF-8: convert it first (iconv -f UTF-16 -t UTF-8)")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if len(head) < sample or error.start < len(head) - 3:  # not a character cut by the sample's end
+            line = head[:error.start].count(b"\n") + 1
+            raise ConfigError(f"dataset file {name}: invalid UTF-8 at line {line}, byte {error.start}; kdflow reads "
+                              "UTF-8: convert it first (iconv -f ENCODING -t UTF-8)") from None
+
+
 def _check_fields(fields: list[str], dataset: DatasetConfig, name: str) -> None:
     if dataset.text_field not in fields:
         raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a field of {name} "
@@ -63,7 +79,9 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
             with open_file(name) as handle:
                 fields = pq.read_schema(handle).names
             _check_fields(fields, dataset, name)
-        elif builder == "json":
+        elif builder in ("json", "text"):
+            _check_encoding(name)
+        if builder == "json":
             with open_file(name) as handle:
                 record = _first_json_record(handle, name)
             if record is not None:
