@@ -243,6 +243,8 @@ def check_student(context: Preflight) -> None:
     problem = student_vocab_problem(init_from, run_vocab)
     if problem:
         raise ConfigError(problem)
+    if config.student.architecture != type(config.student.architecture)():
+        context.warn(f"student.architecture is ignored: the student is {init_from!r} (student.init_from)")
 
 
 @check("disk")
