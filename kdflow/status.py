@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import yaml
+
 from kdflow.schemas.commits import StageComplete, list_commits, read_complete
-from kdflow.schemas.layout import (CORPUS_DIR, FINAL_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
-                                   checkpoint_step, is_store_name)
+from kdflow.schemas.layout import (CHECKPOINT_MARKER, CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, STUDENTS_DIR,
+                                   TOKENS_DIR, TOPK_DIR, checkpoint_name, checkpoint_step, is_store_name)
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import tokens_made_from, topk_tags
 
@@ -52,9 +56,29 @@ def print_status(url: str) -> int:
         print(f"  stale: computed from token shards since replaced by tokenise; training skips {it} (delete to free "
               "space)")
     for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
-        folder = run_root.path(STUDENTS_DIR, name)
-        steps = sorted(step for c in run_root.listdir(folder) if (step := checkpoint_step(c)) is not None)
-        final = "final model saved" if run_root.exists(f"{folder}/{FINAL_DIR}/config.json") else "no final model yet"
-        latest = checkpoint_name(steps[-1]) if steps else "-"
-        print(f"{'students/' + name:<22} {len(steps)} checkpoint(s), latest {latest}, {final}")
+        print(_student_line(run_root, name))
     return 0
+
+
+def _student_line(run_root: RunRoot, name: str) -> str:
+    """Where a student's training stands: the step of its latest complete checkpoint (the one a rerun resumes
+    from) of the steps its config asks for, whether the final model is there, and its last held-out KL."""
+    folder = run_root.path(STUDENTS_DIR, name)
+    steps = sorted(step for c in run_root.listdir(folder) if (step := checkpoint_step(c)) is not None
+                   and run_root.exists(f"{folder}/{c}/{CHECKPOINT_MARKER}"))
+    config = yaml.safe_load(_read(run_root, f"{folder}/{CONFIG_FILE}") or b"{}") or {}
+    target = config.get("student", {}).get("steps")
+    saved = (f"{len(steps)} checkpoint{'' if len(steps) == 1 else 's'} (latest {checkpoint_name(steps[-1])})"
+             if steps else "no checkpoint yet")
+    final = "final model saved" if run_root.exists(f"{folder}/{FINAL_DIR}/config.json") else "no final model yet"
+    line = (f"{'students/' + name:<22} step {steps[-1] if steps else 0:,} of "
+            f"{f'{target:,}' if isinstance(target, int) else '?'}: {saved}, {final}")
+    evaluations = (_read(run_root, f"{folder}/{EVAL_FILE}") or b"").splitlines()
+    last = json.loads(evaluations[-1]) if evaluations else {}
+    if last.get("kl") is not None:
+        line += f"; held-out KL {last['kl']:.4f} at step {last['step']:,}"
+    return line
+
+
+def _read(run_root: RunRoot, path: str) -> bytes | None:
+    return run_root.read_bytes(path) if run_root.exists(path) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -144,3 +145,20 @@ def test_status_marks_a_top_k_store_of_replaced_token_shards_stale(fresh_run,
     # Counted against the token store it was made from, and said to be stale.
     assert f" {shards} " in lines[f"topk/{DENSE_TAG}"] and " stale (complete) " in lines[f"topk/{DENSE_TAG}"]
     assert "stale: computed from token shards since replaced by tokenise; training skips it" in out
+
+
+def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.CaptureFixture[str]) -> None:
+    from kdflow.schemas.config import dump_config
+    from kdflow.status import print_status
+    from kdflow.tasks.student.train import train
+
+    train(fresh_run(student__steps=2, student__save_every=2))
+    config = fresh_run(student__steps=6)  # rerun for more steps, stopped in a checkpoint's write (no marker yet)
+    student = Path(config.run_root, "students", config.student.name)
+    (student / "config.yaml").write_text(dump_config(config))
+    (student / "checkpoint-4").mkdir()
+    print_status(config.run_root)
+    line = capsys.readouterr().out.splitlines()[-1]
+    evaluation = json.loads((student / "eval.jsonl").read_text().splitlines()[-1])
+    assert line == (f"students/{config.student.name:<13} step 2 of 6: 1 checkpoint (latest checkpoint-2), final "
+                    f"model saved; held-out KL {evaluation['kl']:.4f} at step 2")
