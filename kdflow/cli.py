@@ -55,6 +55,9 @@ def _cmd_store(args: argparse.Namespace) -> int:
         from kdflow.store_io import export_main, import_main
 
         return (import_main if args.action == "import" else export_main)(args.rest)
+    # The report is Markdown (or JSON lines): the bars of loading the teacher (weights, a GGUF's dequantisation)
+    # would interleave with it. tqdm reads this once, when it is first imported: here, before anything imports it.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     from kdflow.store_report import main
 
     return main(args.rest)
