@@ -143,7 +143,8 @@ def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_at_load(fresh_run
 
     config = fresh_run(student__init_from="kdflow-test/not-downloaded")
     # nothing to read without the network, so no error: the stage tells
-    assert [warning.split(":")[0] for warning in run_preflight(config, ["train"])] == ["student.architecture is ignored"]
+    warnings = run_preflight(config, ["train"])
+    assert [warning.split(":")[0] for warning in warnings] == ["student.architecture is ignored"]
     with pytest.raises(KDFlowError) as caught:
         train(config)
     message = str(caught.value)
