@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     existing = list(logging.getLogger().handlers)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    from kdflow.serverless import install_terminal_logging
+    from kdflow.serverless import Terminated, install_terminal_logging
 
     for handler in logging.getLogger().handlers:  # ours: kdflow's own errors in one line each, tracebacks with -v
         if handler not in existing:
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kdflow: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Terminated as stop:  # SIGTERM (`kill PID`) during `kdflow run` or `kdflow demo`
+        print("kdflow: terminated; rerun the same command to resume", file=sys.stderr)
+        return int(stop.code or 143)
     # A failed stage after its retries, or a bug: one line here, the traceback in the run log.
     except Exception as error:
         if args.verbose:

@@ -7,6 +7,12 @@ two runs starting at once on one `PREFECT_HOME`, that start took 40-80 s, so kdf
 `STARTUP_TIMEOUT_S`. The server also sends a telemetry heartbeat, which logs an ERROR with a traceback
 when there is no internet; kdflow turns server analytics off (and sets `DO_NOT_TRACK`, which Prefect's
 client-side telemetry reads). A setting the user gave (environment or Prefect profile) is never changed.
+
+The server runs as a child of kdflow's process, in the terminal's process group, so Ctrl-C reached it too:
+it stopped at once, and Prefect's report of the interrupted run then retried against it for minutes before
+kdflow could say "interrupted". kdflow starts it with SIGINT blocked (a blocked signal stays blocked in the
+child; uvicorn only sets handlers), so Ctrl-C reaches kdflow alone and the server records the run as
+crashed; `kill PID` (SIGTERM) now unwinds kdflow, so the server is stopped at exit, not left behind.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 from collections.abc import Iterator
 
 from kdflow.schemas.errors import KDFlowError
@@ -34,8 +41,53 @@ def serverless_settings() -> Iterator[dict[str, object]]:
     with contextlib.suppress(Exception):  # no profiles file, or an unreadable one: only the environment counts
         explicit |= {setting.name for setting in settings.load_current_profile().settings}
     updates = {getattr(settings, name): value for name, value in _DEFAULTS.items() if name not in explicit}
-    with settings.temporary_settings(updates=updates):
+    with settings.temporary_settings(updates=updates), _exit_on_sigterm():
+        if not settings.PREFECT_API_URL.value():
+            _shield_temporary_server_from_ctrl_c()
         yield {setting.name: value for setting, value in updates.items()}
+
+
+def _shield_temporary_server_from_ctrl_c() -> None:
+    """Start Prefect's temporary server, when Prefect starts it, with SIGINT blocked in the child."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the instance Prefect's clients start and use (one per port, None here)
+    start_process = getattr(server, "_run_uvicorn_command", None)
+    if start_process is None or getattr(start_process, "_kdflow_shielded", False):
+        return  # another Prefect (the server then sees Ctrl-C as before), or already done
+
+    def start_without_sigint() -> object:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return start_process()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    start_without_sigint._kdflow_shielded = True  # type: ignore[attr-defined]
+    server._run_uvicorn_command = start_without_sigint  # type: ignore[method-assign]
+
+
+class Terminated(SystemExit):
+    """SIGTERM during a kdflow command: exits 143 through every `finally` and atexit (the server's stop)."""
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises `Terminated` for the duration of the block. Prefect's flow engine puts its own handler
+    in front of this one while a flow runs, reports the run as crashed, then calls this one."""
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: signals are not ours to set
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _kdflow_error_in(exc_info: object) -> bool:

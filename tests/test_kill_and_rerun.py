@@ -258,3 +258,42 @@ def test_two_trainers_on_one_student_train_every_step_once(reference, tiny_teach
     assert steps == list(range(1, config.student.steps + 1)) and not lease.exists()
     weights = final_weights(config)
     assert all(torch.equal(weights[name], tensor) for name, tensor in reference["weights"].items())
+
+
+@pytest.mark.usefixtures("children")
+def test_ctrl_c_and_kill_with_no_server_given_stop_at_once_and_the_rerun_completes(
+        reference, tiny_teacher_dir, tmp_path, capsys) -> None:
+    """Ctrl-C reaches the whole foreground process group: Prefect's temporary server too, which stopped at once,
+    and Prefect's report of the interrupted run retried against it for minutes before kdflow could exit. Then
+    `kill PID` of kdflow alone: its temporary server must not outlive it. Each time one line, nothing left."""
+    config = tiny_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(dump_config(config))
+    moments = ("pause@at=save,stage=train,step=4", "pause@at=final,stage=train")
+    fired = Path(config.run_root) / "_faults"
+    stops = ((lambda process: os.killpg(process.pid, signal.SIGINT), 130, "kdflow: interrupted; rerun the same"),
+             (lambda process: process.send_signal(signal.SIGTERM), 143, "kdflow: terminated; rerun the same"),
+             (None, 0, "pipeline: train done"))
+    for attempt, (stop, code, says) in enumerate(stops):
+        marker = uuid.uuid4().hex
+        log = tmp_path / f"run-{attempt}.log"
+        with open(log, "w") as sink, started([sys.executable, "-m", "kdflow", "run", str(config_path)], cwd=REPO,
+                                             env=run_env(tmp_path, marker, KDFLOW_FAULT=";".join(moments)),
+                                             stdout=sink, stderr=subprocess.STDOUT,
+                                             # a terminal's Ctrl-C: SIGINT not ignored (xdist's workers ignore it)
+                                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                             ) as process:
+            if stop is not None:
+                wait_until(lambda attempt=attempt: (fired / f"{parse_faults(moments[attempt])[0].name}.fired").exists(),
+                           what=f"run {attempt} pausing in training", timeout=420, process=process,
+                           output=log.read_text)
+                stop(process)
+            wait_until(lambda: process.poll() is not None, what=f"the end of run {attempt}",
+                       timeout=90 if stop else 420, output=log.read_text)
+        text = log.read_text()
+        assert (process.returncode, says in text) == (code, True), text[-3000:]
+        assert "Connection refused" not in text and "Error logging to API" not in text, text[-3000:]
+        no_process_left(marker)  # the temporary server stopped with kdflow
+        if stop is not None:
+            assert "Finished in state Crashed" in text  # the server was up to record the interrupted run
+    assert_like_the_reference(config, reference, capsys)
