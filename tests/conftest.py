@@ -36,8 +36,10 @@ pytest_plugins = ["support.fixtures"]
 E2E_FIXTURES = {"prefect_harness", "prefect_api_url", "infra_env", "prefect_stack"}
 PROCESS_FIXTURES = {"children", "moto", "s3_endpoint"}
 # Programs a library may start on its own inside a unit test: ctypes.util.find_library runs ldconfig or gcc,
-# torch.compile runs the C++ compiler, openssl and Python probes of what it compiled.
-LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "g++", "c++", "clang", "clang++", "ld", "objdump", "uname", "openssl"}
+# torch.compile runs the C++ compiler, openssl and Python probes of what it compiled; platform.architecture() (called
+# by the croniter that Prefect's server vendors, on import) runs file.
+LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "g++", "c++", "clang", "clang++", "ld", "objdump", "uname", "openssl",
+                   "file"}
 LIBRARY_MODULES = ("torchinductor", "torch/_inductor/", "torch._inductor.")
 
 
