@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="device of the teacher (default: the store config's)")
     parser.add_argument("--json", action="store_true", help="one JSON object per store instead of Markdown")
     args = parser.parse_args(argv)
+    run_root = RunRoot(args.run_root)
+    if not run_root.exists(run_root.root):  # as kdflow status and validate say it
+        print(f"run root {args.run_root} does not exist")
+        return 1
     summaries = store_report(args.run_root, args.tag, args.rows, args.kl_rows, args.device)
     if not summaries:
         print(f"no top-K stores under {args.run_root}")

@@ -260,6 +260,8 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
     topk_dir = RunRoot(config.run_root).display(RunRoot(config.run_root).path('topk'))
     assert capsys.readouterr().err.strip() == (f"kdflow: error: no top-K store nosuchstore under "
                                                f"{topk_dir}")
+    assert cli_main(["store", "report", str(tmp_path / "typo")]) == 1
+    assert capsys.readouterr().out.strip() == f"run root {tmp_path / 'typo'} does not exist"
 
     # Tokenised again into other shards: the stores are stale, and re-running the teacher on today's token shards
     # would compare it with targets of other text. The report says so instead of a KL (or an IndexError).
