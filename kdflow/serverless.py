@@ -53,8 +53,9 @@ def _shield_temporary_server_from_ctrl_c() -> None:
 
     server = SubprocessASGIServer()  # the instance Prefect's clients start and use (one per port, None here)
     start_process = getattr(server, "_run_uvicorn_command", None)
-    if start_process is None or getattr(start_process, "_kdflow_shielded", False):
-        return  # another Prefect (the server then sees Ctrl-C as before), or already done
+    if (start_process is None or getattr(start_process, "_kdflow_shielded", False)
+            or not hasattr(signal, "pthread_sigmask")):
+        return  # another Prefect or no POSIX signal masks (Ctrl-C then reaches the server as before), or done
 
     def start_without_sigint() -> object:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
