@@ -64,19 +64,21 @@ def _train_seconds(student_dir: str, start_step: int) -> float:
 
 def stage_records(results: dict[str, Any], teacher: dict[str, Any], student_dir: str) -> dict[str, dict[str, Any]]:
     """Per stage: did it work this time, what it holds, tokens and seconds of the work done."""
+    from kdflow.flows.common import count_of  # the flows have run: already imported
+
     mat, tok, pre, train = (results[s] for s in ("materialise", "tokenise", "precompute", "train"))
     return {
         "teacher": {"worked": teacher["converted"], "what": "GGUF dequantised to safetensors", "tokens": None,
                     "seconds": teacher["seconds"]},
         "materialise": {"worked": mat["parts_written"] > 0,
-                        "what": f"{mat['documents']} documents, {mat['parts']} part(s)",
+                        "what": f"{count_of(mat['documents'], 'document')}, {count_of(mat['parts'], 'part')}",
                         "tokens": mat["tokens"], "seconds": mat["seconds"]},
         "tokenise": {"worked": tok["shards_written"] > 0,
-                     "what": f"{tok['sequences']} sequences in {tok['shards']} shards",
+                     "what": f"{count_of(tok['sequences'], 'sequence')} in {count_of(tok['shards'], 'shard')}",
                      "tokens": tok["tokens"], "seconds": tok["seconds"]},
-        "precompute": {"worked": bool(pre.get("written")), "what": f"{pre['shards']} top-K shards",
+        "precompute": {"worked": bool(pre.get("written")), "what": f"{count_of(pre['shards'], 'top-K shard')}",
                        "tokens": pre["tokens"], "seconds": pre["seconds"], "rate": pre.get("tokens_per_s")},
-        "train": {"worked": train["steps"] > train["start_step"], "what": f"{train['steps']} optimiser steps",
+        "train": {"worked": train["steps"] > train["start_step"], "what": f"{count_of(train['steps'], 'optimiser step')}",
                   "tokens": train["tokens"], "seconds": _train_seconds(student_dir, train["start_step"])},
     }
 
