@@ -39,7 +39,7 @@ def step_line(name: str, event: dict[str, Any]) -> str:
     """The log line of a step event: what changes from line to line comes first, units written out."""
     eta = event.get("eta_s")
     return (f"train {name}: step {event['step']}/{event['steps']} loss {event['loss']:.4f} "
-            f"(kd {event['kd']:.4f}, ce {event['ce']:.4f}) lr {event['lr']:.3g} grad norm {event['grad_norm']:.3g} "
+            f"(kd {event['kd']:.4f}, ce {event['ce']:.4f}) lr {event['lr']:.3g} grad norm {event['grad_norm']:.3f} "
             f"{event['tokens_per_s']:,.0f} tok/s" + (f" ETA {format_duration(eta)}" if eta is not None else ""))
 
 
