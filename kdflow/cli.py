@@ -17,12 +17,14 @@ def _warn(warnings: list[str]) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from kdflow.schemas.config import load_config
-    from kdflow.tasks.preflight import run_preflight
+    from kdflow.tasks.preflight import check_stage_inputs, run_preflight
 
     # The config and every check of it before Prefect is imported (a second or two): bad input fails at once.
     config = load_config(args.config, dict(args.set or []))
     stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
     _warn(run_preflight(config, stages))
+    if stages:
+        check_stage_inputs(config, stages)
     from kdflow.serverless import serverless_settings
 
     with serverless_settings():

@@ -16,7 +16,7 @@ import pytest
 from support.children import run
 from support.corpus import write_jsonl
 
-from kdflow.tasks.preflight import CHECKS, check, run_preflight
+from kdflow.tasks.preflight import CHECKS, check, check_stage_inputs, run_preflight
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.gguf_header import gguf_summary, read_gguf_metadata
@@ -186,6 +186,28 @@ def cli(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, l
     return done, imported[0] if imported else ["?"]
 
 
+def test_stages_left_out_must_have_written_what_the_chosen_ones_read(make_config, tmp_path) -> None:
+    from support.runs import make_tokens
+
+    config = make_config(dataset__max_documents=8)
+    run_root = tmp_path / "run"
+    check_stage_inputs(config, None)  # every stage: nothing needs to be there
+    check_stage_inputs(config, ["materialise", "tokenise"])
+    with pytest.raises(ConfigError) as caught:
+        check_stage_inputs(config, "train")
+    assert str(caught.value) == (f"--stages train: train reads the token store, which tokenise writes, and "
+                                 f"{run_root}/tokens is not complete: add tokenise to --stages (or leave --stages out "
+                                 "to run every stage)")
+    with pytest.raises(ConfigError, match="^--stages tokenise,precompute: tokenise reads the corpus store, which "):
+        check_stage_inputs(config, ["precompute", "tokenise"])  # named in the order they run
+    assert not run_root.exists()
+    make_tokens(config)
+    check_stage_inputs(config, ["precompute", "train"])
+    with pytest.raises(ConfigError, match=f"train reads a top-K store, which precompute writes, and {run_root}/topk "
+                                          "holds none: add precompute"):
+        check_stage_inputs(config, ["train"])
+
+
 @pytest.mark.usefixtures("children")
 def test_cli_fails_in_one_line_before_prefect_or_torch(make_config, tmp_path, tiny_teacher_dir, tiny_tokenizer_dir,
                                                        other_tokenizer) -> None:
@@ -201,6 +223,8 @@ def test_cli_fails_in_one_line_before_prefect_or_torch(make_config, tmp_path, ti
         assert line.startswith("kdflow: error: ") and message in line, name
         assert imported == [], (name, imported)  # neither Prefect nor torch nor transformers was imported
         assert not Path(config.run_root).exists() and not (tmp_path / "ph").exists(), name
+    done, imported = cli(["run", str(path), "--stages", "precompute,train"], tmp_path)
+    assert (done.returncode, imported) == (2, []) and done.stderr.startswith("kdflow: error: --stages precompute,train: ")
 
 
 @pytest.mark.usefixtures("children")
