@@ -76,9 +76,9 @@ def stage_records(results: dict[str, Any], teacher: dict[str, Any], student_dir:
         "tokenise": {"worked": tok["shards_written"] > 0,
                      "what": f"{count_of(tok['sequences'], 'sequence')} in {count_of(tok['shards'], 'shard')}",
                      "tokens": tok["tokens"], "seconds": tok["seconds"]},
-        "precompute": {"worked": bool(pre.get("written")), "what": f"{count_of(pre['shards'], 'top-K shard')}",
+        "precompute": {"worked": bool(pre.get("written")), "what": count_of(pre["shards"], "top-K shard"),
                        "tokens": pre["tokens"], "seconds": pre["seconds"], "rate": pre.get("tokens_per_s")},
-        "train": {"worked": train["steps"] > train["start_step"], "what": f"{count_of(train['steps'], 'optimiser step')}",
+        "train": {"worked": train["steps"] > train["start_step"], "what": count_of(train["steps"], "optimiser step"),
                   "tokens": train["tokens"], "seconds": _train_seconds(student_dir, train["start_step"])},
     }
 
