@@ -1,5 +1,5 @@
 """What every flow shares: accepting the config in any form, the pre-flight checks of a run started from a
-deployment, and writing the config beside a stage's output. Importing it (as every flow module does) forwards
+deployment, and counts for log lines. Importing it (as every flow module does) forwards
 the `kdflow` logger into Prefect run logs (kdflow.flows.logs)."""
 
 from __future__ import annotations
@@ -7,9 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kdflow.flows.logs import forward_kdflow_logs
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, load_config
-from kdflow.schemas.layout import CONFIG_FILE
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.config import KDFlowConfig, config_from_dict, load_config
 
 
 forward_kdflow_logs()
@@ -51,8 +49,3 @@ def preflight_when_deployed(config: KDFlowConfig, stages: list[str]) -> None:
     logger.info("pre-flight: the config checked for %s", ", ".join(stages))
 
 
-def write_stage_config(run_root: RunRoot, config: KDFlowConfig, store: str) -> None:
-    """The resolved config, beside the stage's output: what made these files, readable by people."""
-    path, text = f"{store}/{CONFIG_FILE}", dump_config(config).encode()
-    if not run_root.exists(path) or run_root.read_bytes(path) != text:  # a rerun touches no file
-        run_root.write_bytes_atomic(path, text)

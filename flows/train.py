@@ -18,10 +18,10 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from kdflow.flows.artifacts import KeyedProgress, artifact_key, png_markdown, publish_markdown
-from kdflow.flows.common import as_config, preflight_when_deployed, write_stage_config
-from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.flows.common import as_config, preflight_when_deployed
+from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.schemas.layout import CONFIG_FILE, METRICS_FILE, STUDENTS_DIR, TRAINING_CURVE_FILE
+from kdflow.schemas.layout import METRICS_FILE, STUDENTS_DIR, TRAINING_CURVE_FILE
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.launch import config_file, outcome_error, run_child
@@ -153,16 +153,6 @@ class TrainingArtifacts:
                          f"training curve and evaluation of student {self.name}")
 
 
-def _write_config_if_changed(run_root: RunRoot, config: KDFlowConfig, folder: str) -> None:
-    """The resolved config beside the student; left alone when it says the same (reruns touch nothing)."""
-    try:
-        unchanged = run_root.read_bytes(f"{folder}/{CONFIG_FILE}") == dump_config(config).encode()
-    except FileNotFoundError:
-        unchanged = False
-    if not unchanged:
-        write_stage_config(run_root, config, folder)
-
-
 def run_torchrun(config: KDFlowConfig, on_event: Any = lambda event: None) -> dict[str, Any] | None:
     """torchrun for this node, its lines forwarded to the run log; -> rank 0's summary (None when rank 0
     ran on another node). Raises WorkerUserError / WorkerFailed on a non-zero exit code."""
@@ -184,8 +174,6 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     run_root.ensure_writable()
     distributed = config.student.distributed
     world_size = world_size_of(distributed)
-    if distributed.node_rank == 0:  # one writer: the configs of other nodes differ in node_rank only
-        _write_config_if_changed(run_root, config, run_root.path(STUDENTS_DIR, config.student.name))
     artifacts = TrainingArtifacts(run_root, config)
     if world_size == 1:
         from transformers.utils import logging as transformers_logging

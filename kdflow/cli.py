@@ -17,7 +17,8 @@ def _warn(warnings: list[str]) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from kdflow.schemas.config import load_config
-    from kdflow.tasks.preflight import check_stage_inputs, run_preflight
+    from kdflow.tasks.preflight import run_preflight
+    from kdflow.tasks.preflight_stores import check_stage_inputs
 
     # The config and every check of it before Prefect is imported (a second or two): bad input fails at once.
     config = load_config(args.config, dict(args.set or []))

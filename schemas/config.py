@@ -18,7 +18,7 @@ from kdflow.schemas.config_form import form_schema, form_title  # noqa: F401 - f
 
 # The config in and out of text, re-exported: every caller imports these names from here.
 from kdflow.schemas.config_io import (config_from_dict, dump_config, load_config, parse_override,  # noqa: F401
-                                      set_dotted)
+                                      set_dotted, write_stage_config)
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 

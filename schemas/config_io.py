@@ -17,6 +17,7 @@ from kdflow.schemas.errors import ConfigError
 
 if TYPE_CHECKING:
     from kdflow.schemas.config import KDFlowConfig
+    from kdflow.schemas.storage import RunRoot
 
 
 def _config_key(loc: tuple[int | str, ...]) -> str:
@@ -87,6 +88,15 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 def dump_config(config: KDFlowConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def write_stage_config(run_root: RunRoot, config: KDFlowConfig, folder: str) -> None:
+    """The resolved config, beside a stage's output: what made these files, readable by people."""
+    from kdflow.schemas.layout import CONFIG_FILE
+
+    path, text = f"{folder}/{CONFIG_FILE}", dump_config(config).encode()
+    if not run_root.exists(path) or run_root.read_bytes(path) != text:  # a rerun touches no file
+        run_root.write_bytes_atomic(path, text)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

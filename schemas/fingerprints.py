@@ -51,3 +51,16 @@ def topk_fingerprint(teacher_fp: str, tokens_fp: str, config: KDFlowConfig) -> s
     if pre.store.format == "v1":
         return section_hash("topk", teacher_fp, tokens_fp, pre.top_k, pre.logprobs_dtype, length=12)
     return section_hash("topk", teacher_fp, tokens_fp, pre.top_k, store_format(config), length=12)
+
+
+# The student settings a checkpoint resumes with: data, model and optimisation. Steps, saving, evaluation and
+# device settings may change between runs, and so may those that change how the student computes but not what.
+RESUME_FIELDS: dict[str, Any] = {"init_from": True, "architecture": True, "batch_size": True, "lr": True,
+                                 "min_lr_ratio": True, "warmup_steps": True, "weight_decay": True, "betas": True,
+                                 "grad_clip": True, "eval_shards": True, "seed": True,
+                                 "kd": {"kd_weight", "temperature"}}
+
+
+def student_resume_fields(student: Any) -> dict[str, Any]:
+    """The student's part of a checkpoint's fingerprint (with the top-K and token stores' fingerprints)."""
+    return student.model_dump(mode="json", include=RESUME_FIELDS)

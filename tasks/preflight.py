@@ -110,38 +110,6 @@ def run_preflight(config: KDFlowConfig, stages: list[str] | str | None = None) -
     return context.warnings
 
 
-# The stores each stage reads, by the stage that writes them.
-READS_FROM = {"tokenise": ("materialise",), "precompute": ("tokenise",), "train": ("tokenise", "precompute")}
-_OUTPUT = {"materialise": ("the corpus store", CORPUS_DIR), "tokenise": ("the token store", TOKENS_DIR),
-           "precompute": ("a top-K store", TOPK_DIR)}
-
-
-def check_stage_inputs(config: KDFlowConfig, stages: list[str] | str | None) -> None:
-    """`--stages` leaving out a stage whose store a chosen stage reads: that store must be there already, else
-    one ConfigError line, before Prefect starts (the stage would fail there, after its server's start). A local
-    run root only: an object store's first read tells (the stage checks again either way)."""
-    context = Preflight(config, chosen_stages(stages))
-    if not context.run_root.is_local:
-        return
-    chosen = [stage for stage in STAGES if stage in context.stages]
-    for stage in chosen:
-        for before in READS_FROM.get(stage, ()):
-            what, folder = _OUTPUT[before]
-            if before in context.stages or _has_output(context, folder):
-                continue
-            state = "holds none" if folder == TOPK_DIR else "is not complete"
-            raise ConfigError(f"--stages {','.join(chosen)}: {stage} reads {what}, which {before} writes, and "
-                              f"{os.path.join(context.run_root.root, folder)} {state}: add {before} to --stages "
-                              "(or leave --stages out to run every stage)")
-
-
-def _has_output(context: Preflight, folder: str) -> bool:
-    if folder != TOPK_DIR:
-        return context.complete(folder) is not None
-    path = os.path.join(context.run_root.root, TOPK_DIR)  # one folder per store (its tag)
-    return os.path.isdir(path) and any(not name.startswith(".") for name in os.listdir(path))
-
-
 # --- the checks -------------------------------------------------------------------------------------------
 
 
@@ -329,3 +297,7 @@ def _student_bytes(context: Preflight) -> int:
                  + 3 * arch.hidden_size * arch.intermediate_size)
     params = arch.num_hidden_layers * per_layer + vocab * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
     return params * 4 * (3 * (student.keep_checkpoints + 1) + 1)
+
+
+# Checks of what the run root already holds (a student's checkpoints) register from their module, last.
+from kdflow.tasks import preflight_stores  # noqa: E402,F401

@@ -16,7 +16,8 @@ import pytest
 from support.children import run
 from support.corpus import write_jsonl
 
-from kdflow.tasks.preflight import CHECKS, check, check_stage_inputs, run_preflight
+from kdflow.tasks.preflight import CHECKS, check, run_preflight
+from kdflow.tasks.preflight_stores import check_stage_inputs
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.gguf_header import gguf_summary, read_gguf_metadata
@@ -281,3 +282,42 @@ def test_serverless_settings_keep_what_the_user_set(monkeypatch) -> None:
         assert applied == {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": STARTUP_TIMEOUT_S}
         assert PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() == STARTUP_TIMEOUT_S
     assert os.environ.get("DO_NOT_TRACK")
+
+
+def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(tmp_path, tiny_teacher_dir) -> None:
+    """The config beside the student (written once a run's checkpoints resume with it) against this one: each
+    setting of a checkpoint's fingerprint that differs, in one line, not after the stages before training."""
+    from support.runs import trained_tiny_run
+
+    from kdflow.schemas.config import config_from_dict, set_dotted
+    from kdflow.schemas.errors import StoreError
+    from kdflow.tasks.student.train import train
+
+    config = trained_tiny_run(tmp_path, tiny_teacher_dir)
+    student = Path(config.run_root) / "students" / config.student.name
+
+    def changed(**overrides: Any) -> Any:
+        data = config.model_dump(mode="json")
+        for key, value in overrides.items():
+            set_dotted(data, key.replace("__", "."), value)
+        return config_from_dict(data)
+
+    assert run_preflight(changed(student__steps=5, student__save_every=1, student__eval_every=1), ["train"]) == []
+    with pytest.raises(ConfigError) as caught:
+        run_preflight(changed(seq_len=16, student__lr=0.02), ["train"])
+    assert str(caught.value).startswith(f"student.name='{config.student.name}': its checkpoints (up to checkpoint-")
+    assert str(caught.value).endswith(") were trained with student.lr 0.01, now 0.02; seq_len 32, now 16, so they "
+                                      f"cannot resume: choose another student.name, or delete {student}")
+    fewer_ids = changed(precompute__top_k=4)
+    assert run_preflight(fewer_ids, ["train"]) == []  # it trains on the top-K store there is
+    with pytest.raises(ConfigError, match="precompute.top_k 8, now 4"):
+        run_preflight(fewer_ids, ["precompute", "train"])  # it would train on the one precompute makes
+    # Training refuses it too, and leaves the config beside the student as it was: the next try is refused again.
+    with pytest.raises(StoreError, match="was trained with other data or settings"):
+        train(changed(student__lr=0.02))
+    assert (student / "config.yaml").read_text() == dump_config(config)
+    with pytest.raises(ConfigError, match="student.lr 0.01, now 0.02"):
+        run_preflight(changed(student__lr=0.02), ["train"])
+    longer = changed(student__steps=4)
+    train(longer)
+    assert (student / "config.yaml").read_text() == dump_config(longer)

@@ -15,6 +15,7 @@ from torch import nn
 
 from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
 from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.fingerprints import student_resume_fields
 from kdflow.tasks.common.models import model_body, output_layer
 from kdflow.tasks.student.chunked_loss import IGNORE_INDEX
 from kdflow.tasks.student.data import DistillBatch, DistillData, DistillStores
@@ -57,13 +58,8 @@ def training_fingerprint(config: KDFlowConfig, stores: DistillStores) -> str:
     Steps, saving, evaluation and device settings may change between runs, and so may the ones that change
     how the student computes but not what (attn_implementation, gradient_checkpointing, compile: equal up to
     float rounding, like the number of ranks)."""
-    student = config.student
-    fields = student.model_dump(mode="json", include={"init_from": True, "architecture": True, "batch_size": True,
-                                                      "lr": True, "min_lr_ratio": True, "warmup_steps": True,
-                                                      "weight_decay": True, "betas": True, "grad_clip": True,
-                                                      "eval_shards": True, "seed": True,
-                                                      "kd": {"kd_weight", "temperature"}})
-    return section_hash("student", stores.topk_fingerprint, stores.tokens_fingerprint, fields)
+    return section_hash("student", stores.topk_fingerprint, stores.tokens_fingerprint,
+                        student_resume_fields(config.student))
 
 
 def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:

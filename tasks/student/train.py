@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import KDFlowConfig, write_stage_config
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
 from kdflow.schemas.stage_settings import open_run_root
@@ -84,6 +84,8 @@ class StudentRun:
             check_student(self.model, self.tokenizer)
         else:  # seeded: every rank builds the same weights
             self.model = build_student(config, self.tokenizer).to(self.device)
+        if self.is_main:  # beside the student: a config it trains and resumes with (not one refused above)
+            write_stage_config(self.run_root, config, self.student_dir)
         apply_student_options(self.model, student, self.device)  # attention, gradient checkpointing, compile
         self.model.train()
         # self.model stays the HF student (its parameters may be shards); self.module runs it with the loss.

@@ -1,0 +1,93 @@
+"""Pre-flight checks of what the run root already holds, for the stages being run: with `--stages`, that a stage
+left out has written what the chosen ones read (`check_stage_inputs`, which `kdflow run` calls); and that a
+student's checkpoints can resume with this config (`resume`, a check of `run_preflight` for train).
+
+Both read small files only (`_complete.json`, folder names, the config saved beside the student) and say in one
+line what the stage would say later: after Prefect started, or, for a student, after a re-tokenised corpus went
+through the whole teacher pass. What only the stores can tell (the teacher's files, the tokenizer's ids), the
+stage checks when it opens them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import yaml
+
+from kdflow.schemas.config import STAGES, KDFlowConfig, config_from_dict
+from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.fingerprints import student_resume_fields
+from kdflow.schemas.layout import (CHECKPOINT_MARKER, CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR,
+                                   checkpoint_name, checkpoint_step)
+from kdflow.tasks.preflight import Preflight, check, chosen_stages
+
+# The stores each stage reads, by the stage that writes them.
+READS_FROM = {"tokenise": ("materialise",), "precompute": ("tokenise",), "train": ("tokenise", "precompute")}
+_OUTPUT = {"materialise": ("the corpus store", CORPUS_DIR), "tokenise": ("the token store", TOKENS_DIR),
+           "precompute": ("a top-K store", TOPK_DIR)}
+
+
+def check_stage_inputs(config: KDFlowConfig, stages: list[str] | str | None) -> None:
+    """`--stages` leaving out a stage whose store a chosen stage reads: that store must be there already, else
+    one ConfigError line, before Prefect starts (the stage would fail there, after its server's start). A local
+    run root only: an object store's first read tells (the stage checks again either way)."""
+    context = Preflight(config, chosen_stages(stages))
+    if not context.run_root.is_local:
+        return
+    chosen = [stage for stage in STAGES if stage in context.stages]
+    for stage in chosen:
+        for before in READS_FROM.get(stage, ()):
+            what, folder = _OUTPUT[before]
+            if before in context.stages or _has_output(context, folder):
+                continue
+            state = "holds none" if folder == TOPK_DIR else "is not complete"
+            raise ConfigError(f"--stages {','.join(chosen)}: {stage} reads {what}, which {before} writes, and "
+                              f"{os.path.join(context.run_root.root, folder)} {state}: add {before} to --stages "
+                              "(or leave --stages out to run every stage)")
+
+
+def _has_output(context: Preflight, folder: str) -> bool:
+    if folder != TOPK_DIR:
+        return context.complete(folder) is not None
+    path = os.path.join(context.run_root.root, TOPK_DIR)  # one folder per store (its tag)
+    return os.path.isdir(path) and any(not name.startswith(".") for name in os.listdir(path))
+
+
+@check("resume", "train")
+def check_resume(context: Preflight) -> None:
+    """A student with a complete checkpoint resumes only with the settings its fingerprint holds: a change to
+    one of them (the student's resume settings, the dataset, `seq_len`, the shard size; the top-K store's
+    when precompute runs too) is refused now rather than by the training, after the stages before it."""
+    run_root, name = context.run_root, context.config.student.name
+    folder = run_root.path(STUDENTS_DIR, name)
+    try:
+        steps = [step for entry in run_root.listdir(folder) if (step := checkpoint_step(entry)) is not None
+                 and run_root.exists(f"{folder}/{entry}/{CHECKPOINT_MARKER}")]
+        saved = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{folder}/{CONFIG_FILE}")))
+    except Exception:  # noqa: BLE001 - no student yet, no config beside it, one of another kdflow: training tells
+        return
+    changes = resume_changes(saved, context.config, topk="precompute" in context.stages) if steps else []
+    if changes:
+        shown = run_root.display(folder)
+        raise ConfigError(f"student.name={name!r}: its checkpoints (up to {checkpoint_name(max(steps))}) were "
+                          f"trained with {'; '.join(changes)}, so they cannot resume: choose another student.name, "
+                          f"or delete {shown}")
+
+
+def resume_changes(saved: KDFlowConfig, config: KDFlowConfig, *, topk: bool) -> list[str]:
+    """`SETTING OLD, now NEW` for each setting that feeds a checkpoint's fingerprint and differs (`topk`: also
+    the top-K store's settings, which decide the store trained on when precompute makes it)."""
+    pairs: list[tuple[str, Any, Any]] = [
+        *((f"student.{key}", value, student_resume_fields(config.student).get(key))
+          for key, value in student_resume_fields(saved.student).items()),
+        *((f"dataset.{key}", value, config.dataset.model_dump(mode="json").get(key))
+          for key, value in saved.dataset.model_dump(mode="json").items()),
+        ("seq_len", saved.seq_len, config.seq_len),
+        ("precompute.sequences_per_shard", saved.precompute.sequences_per_shard, config.precompute.sequences_per_shard),
+    ]
+    if topk and saved.student.topk_tag is None and config.student.topk_tag is None:
+        pairs += [("precompute.top_k", saved.precompute.top_k, config.precompute.top_k),
+                  ("precompute.store", saved.precompute.store.model_dump(mode="json"),
+                   config.precompute.store.model_dump(mode="json"))]
+    return [f"{key} {old!r}, now {new!r}" for key, old, new in pairs if old != new]
