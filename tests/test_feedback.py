@@ -223,3 +223,33 @@ def test_a_store_counts_as_done_only_for_the_teacher_it_was_made_from(tokenised)
     assert _same_teacher(tokenised, info)
     assert not _same_teacher(tokenised, info.model_copy(update={"teacher_identity": identity | {"weights": "other"}}))
     assert not _same_teacher(tokenised, None)
+
+
+def test_the_eta_leaves_out_the_evaluation_before_the_first_step(tokenised, tmp_path) -> None:
+    """60 s of step-0 evaluation (a teacher loaded for the full KL) then 1 s a step: after 2 of 10 steps the ETA
+    is the 8 s left, not (60 + 2) / 2 x 8. A later evaluation recurs, so it stays in."""
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.student.monitor import TrainingMonitor
+
+    clock = [0.0]
+    events: list[dict[str, Any]] = []
+    data = tokenised.model_dump(mode="json") | {"run_root": str(tmp_path / "run")}
+    data["student"] |= {"steps": 10, "log_every": 2}
+    config = config_from_dict(data)
+    monitor = TrainingMonitor(config, RunRoot(config.run_root), str(tmp_path / "run" / "student"), 0,
+                              on_event=events.append, clock=lambda: clock[0])
+    evaluation = {"kl": 1.0, "perplexity": 2.0, "top1_agreement": 0.5}
+    clock[0] += 60.0
+    monitor.evaluated([], [{"step": 0, **evaluation}])
+    metrics = {"loss": 1.0, "kd": 1.0, "ce": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 32, "tokens_per_s": 32.0}
+    for step in (1, 2):
+        clock[0] += 1.0
+        monitor.step({"step": step, **metrics})
+    clock[0] += 4.0  # an evaluation at step 2, one every 2 steps: part of the run's pace
+    monitor.evaluated([], [{"step": 0, **evaluation}, {"step": 2, **evaluation}])
+    for step in (3, 4):
+        clock[0] += 1.0
+        monitor.step({"step": step, **metrics})
+    steps = [event for event in events if event["event"] == "step"]
+    assert [event["eta_s"] for event in steps] == [8.0, (2 + 4 + 2) / 4 * 6]
+    assert steps[-1]["elapsed_s"] == 60.0 + 2 + 4 + 2

@@ -111,11 +111,15 @@ class TrainingMonitor:
     that writes files (rank 0) is `enabled`; the others do nothing."""
 
     def __init__(self, config: KDFlowConfig, run_root: RunRoot, student_dir: str, start_step: int, *,
-                 enabled: bool = True, on_event: OnEvent | None = None, last_eval_step: int | None = None) -> None:
+                 enabled: bool = True, on_event: OnEvent | None = None, last_eval_step: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         student = config.student
         self.name, self.steps, self.log_every = student.name, student.steps, student.log_every
         self.run_root, self.student_dir, self.enabled, self.on_event = run_root, student_dir, enabled, on_event
-        self.start_step, self.started = start_step, time.perf_counter()
+        self.clock, self.start_step, self.started = clock, start_step, clock()
+        # The ETA's clock: restarted after an evaluation before this run's first step (one that does not recur:
+        # a teacher loaded for the full KL, the untrained student's scores), which made the first ETAs too long.
+        self._eta_since = self.started
         self._window = [0, 0.0]  # tokens and seconds of the optimiser steps since the last log line
         self._last_eval = last_eval_step  # the newest evaluation already drawn (a rerun redraws nothing)
         self.tensorboard = _TensorBoard(run_root, student_dir) if enabled and student.tensorboard else None
@@ -124,7 +128,7 @@ class TrainingMonitor:
         done = step - self.start_step
         if done <= 0:
             return None
-        return (time.perf_counter() - self.started) / done * max(self.steps - step, 0)
+        return (self.clock() - self._eta_since) / done * max(self.steps - step, 0)
 
     def step(self, record: dict[str, Any]) -> None:
         """After every optimiser step, with its metrics record (step, loss, kd, ce, lr, grad_norm, tokens, ...)."""
@@ -142,7 +146,7 @@ class TrainingMonitor:
         event = {"stage": "train", "event": "step", "student": self.name, "step": step, "steps": self.steps,
                  **{k: float(record[k]) for k in ("loss", "kd", "ce", "lr", "grad_norm")},
                  "tokens_per_s": tokens / max(seconds, 1e-9),  # training speed, evaluations and saving left out
-                 "eta_s": self.eta_s(step), "elapsed_s": time.perf_counter() - self.started}
+                 "eta_s": self.eta_s(step), "elapsed_s": self.clock() - self.started}
         logger.info("%s", step_line(self.name, event))
         self._emit(event)
 
@@ -152,6 +156,8 @@ class TrainingMonitor:
             return
         latest = evals[-1]
         self._last_eval = latest["step"]
+        if latest["step"] == self.start_step:
+            self._eta_since = self.clock()
         full = f", full KL {latest['kl_full']:.4f}" if latest.get("kl_full") is not None else ""
         logger.info("train %s: held-out at step %d: KL to stored targets %.4f%s, perplexity %.2f, top-1 agreement %s",
                     self.name, latest["step"], latest["kl"], full, latest["perplexity"],
