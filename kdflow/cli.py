@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("botocore", "aiobotocore", "s3fs"):  # "Found endpoint for s3 via: ..." on every S3 command
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The commands whose rerun goes on from where a stopped one was (the others start over).
+    resumes = "; rerun the same command to resume" if args.command in ("run", "demo") else ""
     try:
         return int(args.func(args) or 0)
     except KDFlowError as error:
@@ -214,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kdflow: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("kdflow: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(f"kdflow: interrupted{resumes}", file=sys.stderr)
         return 130
     except Terminated as stop:  # SIGTERM (`kill PID`) during `kdflow run` or `kdflow demo`
-        print("kdflow: terminated; rerun the same command to resume", file=sys.stderr)
+        print(f"kdflow: terminated{resumes}", file=sys.stderr)
         return int(stop.code or 143)
     # A failed stage after its retries, or a bug: one line here, the traceback in the run log.
     except Exception as error:
