@@ -1,5 +1,5 @@
 """What every flow shares: accepting the config in any form, the pre-flight checks of a run started from a
-deployment, and counts for log lines. Importing it (as every flow module does) forwards
+deployment. Importing it (as every flow module does) forwards
 the `kdflow` logger into Prefect run logs (kdflow.flows.logs)."""
 
 from __future__ import annotations
@@ -11,11 +11,6 @@ from kdflow.schemas.config import KDFlowConfig, config_from_dict, load_config
 
 
 forward_kdflow_logs()
-
-
-def count_of(number: int, noun: str) -> str:
-    """`1 part`, `1,024 parts`: a count for a log line, the noun in the number it takes (a plain -s plural)."""
-    return f"{number:,} {noun}" + ("" if number == 1 else "s")
 
 
 def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:

@@ -8,7 +8,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from kdflow.flows.artifacts import artifact_key, publish_markdown, ui_link
-from kdflow.flows.common import as_config, count_of, preflight_when_deployed
+from kdflow.flows.common import as_config, preflight_when_deployed
+from kdflow.tasks.common.progress import count_of
 from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
 from kdflow.schemas.config import STAGES, KDFlowConfig

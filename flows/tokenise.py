@@ -8,7 +8,8 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
-from kdflow.flows.common import as_config, count_of, preflight_when_deployed
+from kdflow.flows.common import as_config, preflight_when_deployed
+from kdflow.tasks.common.progress import count_of
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig, write_stage_config
 from kdflow.schemas.stage_settings import open_run_root, tokenise_settings

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from kdflow.tasks.common.progress import count_of
+
 COMMANDS = {
     "/reset": "forget the conversation (the system text stays)",
     "/settings": "the student, the mode, the positions and the decoding",
@@ -82,7 +84,7 @@ class ChatSession:
                  f"positions {settings['max_positions']}: input up to {settings['input_budget']} tokens, "
                  f"{settings['max_new_tokens']} for the reply",
                  f"decoding  {self.decoding.describe()}, seed {self.seed}",
-                 f"history   {settings['turns']} turn(s), {settings['turns_cut']} cut"
+                 f"history   {count_of(settings['turns'], 'turn')}, {settings['turns_cut']} cut"
                  + (f"; last input {last} tokens" if last is not None else "")]
         print("\n".join(lines), file=sys.stderr, flush=True)
 
@@ -111,8 +113,9 @@ class ChatSession:
             _note(f"not sent: {error}")
             return
         if prepared.cut:
-            _note(f"history cut: the {prepared.cut} oldest turn(s) no longer fit in {conversation.max_positions} "
-                  f"positions with {conversation.max_new_tokens} new tokens; {prepared.kept} earlier turn(s) kept")
+            _note(f"history cut: {count_of(prepared.cut, 'oldest turn')} left out, to fit in "
+                  f"{conversation.max_positions} positions with {conversation.max_new_tokens} new tokens; "
+                  f"{count_of(prepared.kept, 'earlier turn')} kept")
 
         def show(text: str) -> None:
             self.out.write(text)

@@ -64,7 +64,7 @@ def _train_seconds(student_dir: str, start_step: int) -> float:
 
 def stage_records(results: dict[str, Any], teacher: dict[str, Any], student_dir: str) -> dict[str, dict[str, Any]]:
     """Per stage: did it work this time, what it holds, tokens and seconds of the work done."""
-    from kdflow.flows.common import count_of  # the flows have run: already imported
+    from kdflow.tasks.common.progress import count_of
 
     mat, tok, pre, train = (results[s] for s in ("materialise", "tokenise", "precompute", "train"))
     return {

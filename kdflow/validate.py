@@ -30,6 +30,7 @@ from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.stores import alignment_problem, read_store_info, tokens_made_from, topk_tags
 from kdflow.schemas.topk_rows import iter_topk_rows
+from kdflow.tasks.common.progress import count_of
 from kdflow.validate_checks import token_id_problems, topk_problems, topk_v2_problems
 
 __all__ = ["StoreReport", "topk_problems", "validate_corpus", "validate_run_root", "validate_tokens", "validate_topk"]
@@ -273,7 +274,7 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
 def _store_line(report: StoreReport) -> str:
     expected = report.expected if report.expected is not None else "?"
     rows = sum(r.rows for r in report.records.values())
-    state = "ok" if not report.problems else f"{len(report.problems)} problem(s)"
+    state = "ok" if not report.problems else count_of(len(report.problems), "problem")
     return f"{report.label:<20} {len(report.records):>6}/{expected:<6} shards valid  {rows:>10,} rows  {state}"
 
 
@@ -326,10 +327,11 @@ def validate_run_root(url: str, fix: bool = False) -> int:
     problems = sum(len(r.problems) for r in reports)
     shards = sum(len(r.records) for r in reports)
     if not problems:
-        print(f"validate: OK, {len(reports)} store(s), {shards} shard(s) re-hashed and checked")
+        print(f"validate: OK, {count_of(len(reports), 'store')}, {count_of(shards, 'shard')} re-hashed and checked")
         return 0
-    action = (f"removed {removed} commit record(s): the next run of the stage(s) recomputes those shards" if fix
-              else "delete the commit records named above (or run validate --fix), then rerun the stage(s)")
-    print(f"validate: {problems} problem(s) in {sum(bool(r.problems) for r in reports)} store(s); {action}")
+    action = (f"removed {count_of(removed, 'commit record')}: the next run of the stage(s) recomputes those shards"
+              if fix else "delete the commit records named above (or run validate --fix), then rerun the stage(s)")
+    stores = count_of(sum(bool(r.problems) for r in reports), "store")
+    print(f"validate: {count_of(problems, 'problem')} in {stores}; {action}")
     return 1
 

@@ -172,13 +172,13 @@ def test_on_a_terminal_each_answer_sees_the_history_until_it_is_cut(student_dir:
                           str(budget + new_tokens)) as terminal:
         for turn, message in enumerate(TERMINAL_USERS, start=1):
             terminal.send(f"{message}\r/settings\r")
-            terminal.expect(f"history   {turn} turn(s)")
+            terminal.expect(f"history   {turn} turn{'' if turn == 1 else 's'}")
         terminal.send(f"/save {transcript}\r")
         terminal.expect(f"saved {2 * len(TERMINAL_USERS)} messages")
         terminal.send("\x04")  # Ctrl-D at the prompt ends the conversation
         assert terminal.wait() == 0, terminal.output()
         output = terminal.output()
-    assert "history cut: the 1 oldest turn(s) no longer fit" in output
+    assert "history cut: 1 oldest turn left out, to fit in" in output
 
     messages = [json.loads(line) for line in transcript.read_text().splitlines()]
     users, replies = messages[0::2], messages[1::2]
@@ -209,7 +209,7 @@ def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(student_dir: Path, tm
         terminal.send("\x03")
         after = terminal.expect("[reply stopped]")
         terminal.send("/settings\r")
-        terminal.expect("history   1 turn(s)", after=after)
+        terminal.expect("history   1 turn,", after=after)
         terminal.send(f"/save {transcript}\r")
         terminal.expect("saved 2 messages", after=after)
         terminal.send("/quit\r")

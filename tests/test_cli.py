@@ -89,7 +89,7 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
     assert "27/27" in lines["tokens"] and "6,720 tokens" in lines["tokens"] and "complete" in lines["tokens"]
 
     validate = kdflow("validate", str(run_root))
-    assert validate.returncode == 0 and "validate: OK, 2 store(s), 31 shard(s)" in validate.stdout
+    assert validate.returncode == 0 and "validate: OK, 2 stores, 31 shards" in validate.stdout
 
 
 def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., Any]) -> None:

@@ -74,7 +74,7 @@ def test_validate_fix_makes_the_next_run_recompute_exactly_the_damaged_shards(ru
                f"says {size}" in line for line in problems)
 
     assert validate_run_root(config.run_root, fix=True) == 1
-    assert "removed 2 commit record(s)" in capsys.readouterr().out
+    assert "removed 2 commit records" in capsys.readouterr().out
     commits = sorted(p.name for p in store.glob("*.commit.json"))
     assert commits == [commit_file_name("topk", i) for i in range(prepared.shards) if i not in (1, 3)]
 

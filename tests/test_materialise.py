@@ -129,7 +129,7 @@ def test_a_malformed_json_line_names_its_file_and_line(make_config: Callable[...
 @pytest.mark.parametrize("content, says", [
     ("", "holds no records"),  # datasets: "generator raised StopIteration"
     ("\n\n", "holds no records"),  # datasets: 'Instruction "train" corresponds to no data!'
-    ('{"text": ""}\n{"text": "   "}\n', "holds no documents: 2 record(s), all with an empty 'text'"),
+    ('{"text": ""}\n{"text": "   "}\n', "holds no documents: 2 records, all with an empty 'text'"),
 ])
 def test_an_empty_dataset_says_so(make_config: Callable[..., Any], tmp_path: Path, content: str, says: str) -> None:
     path = tmp_path / "empty.jsonl"

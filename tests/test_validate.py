@@ -84,7 +84,7 @@ def test_clean_run_root_passes(tokenised_run: tuple[Any, Any], capsys: pytest.Ca
     code, out = run_validate(capsys, config.run_root)
     assert code == 0, out
     lines = out.splitlines()
-    assert lines[-1].startswith("validate: OK, 3 store(s)")
+    assert lines[-1].startswith("validate: OK, 3 stores")
     assert [line.split()[0] for line in lines[1:4]] == ["corpus", "tokens", f"topk/{TAG}"]
     assert all(line.rstrip().endswith("ok") for line in lines[1:4]) and "PROBLEM" not in out
 

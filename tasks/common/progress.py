@@ -18,6 +18,11 @@ from tqdm.auto import tqdm
 logger = logging.getLogger("kdflow")
 
 
+def count_of(number: int, noun: str) -> str:
+    """`1 part`, `1,024 parts`: a count for a line people read, the noun in the number it takes (plain -s plural)."""
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
+
+
 def format_duration(seconds: float | None) -> str:
     """Seconds as h:mm:ss (3725.2 -> '1:02:05'); '?' when unknown."""
     if seconds is None or seconds != seconds or seconds < 0:

@@ -21,6 +21,7 @@ from kdflow.schemas.shards import corpus_table, write_corpus_part
 from kdflow.schemas.stage_settings import MaterialiseSettings, materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
+from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.corpus.source_files import SAVED, format_of, open_file, uncompressed
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
@@ -307,7 +308,7 @@ def materialise_into(
     flush(next_index)
     if not totals["documents"]:
         raise DataError(f"{_describe(dataset, _local_files(dataset))} holds no documents: "
-                        f"{totals['skipped']} record(s), all with an empty {dataset.text_field!r}")
+                        f"{count_of(totals['skipped'], 'record')}, all with an empty {dataset.text_field!r}")
     write_complete(run_root, store, StageComplete(
         stage="corpus", shards=prefix, rows=totals["documents"], tokens=totals["tokens"], fingerprint=fingerprint,
         extra=CorpusCompleteInfo(skipped_empty=totals["skipped"], source_exhausted=exhausted),
