@@ -1,6 +1,6 @@
-"""What every flow shares: accepting the config in any form, the pre-flight checks of a run started from a
-deployment. Importing it (as every flow module does) forwards
-the `kdflow` logger into Prefect run logs (kdflow.flows.logs)."""
+"""What every flow shares: accepting the config in any form, and the pre-flight checks of a run started from a
+deployment. Importing it (as every flow module does) forwards the `kdflow` logger into Prefect run logs
+(kdflow.flows.logs)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,11 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 
 from kdflow.flows.common import as_config, preflight_when_deployed
-from kdflow.tasks.common.progress import count_of
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.config import KDFlowConfig, write_stage_config
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot
-from kdflow.tasks.common.progress import Progress
+from kdflow.tasks.common.progress import Progress, count_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise_into
 

@@ -9,13 +9,13 @@ from prefect import flow, get_run_logger
 
 from kdflow.flows.artifacts import artifact_key, publish_markdown, ui_link
 from kdflow.flows.common import as_config, preflight_when_deployed
-from kdflow.tasks.common.progress import count_of
 from kdflow.flows.materialise import materialise_flow
 from kdflow.flows.tokenise import tokenise_flow
 from kdflow.schemas.config import STAGES, KDFlowConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.stage_settings import held_out_problem, open_run_root
 from kdflow.schemas.storage import RunRoot
+from kdflow.tasks.common.progress import count_of
 
 
 def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:

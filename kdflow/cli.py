@@ -95,12 +95,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _latest_checkpoint(student_dir: str) -> str | None:
     """The newest complete checkpoint-STEP folder of students/NAME (one a resumed run would start from), or None."""
-    from kdflow.schemas.layout import CHECKPOINT_MARKER, checkpoint_step
+    from kdflow.schemas.layout import checkpoint_name, complete_checkpoint_steps
+    from kdflow.schemas.storage import RunRoot
 
-    names = os.listdir(student_dir) if os.path.isdir(student_dir) else []
-    done = [(checkpoint_step(name), name) for name in names if checkpoint_step(name) is not None
-            and os.path.isfile(os.path.join(student_dir, name, CHECKPOINT_MARKER))]
-    return os.path.join(student_dir, max(done)[1]) if done else None
+    run_root = RunRoot(student_dir)
+    steps = complete_checkpoint_steps(run_root, run_root.root)
+    return os.path.join(student_dir, checkpoint_name(steps[-1])) if steps else None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -7,8 +7,8 @@ import json
 import yaml
 
 from kdflow.schemas.commits import StageComplete, list_commits, read_complete
-from kdflow.schemas.layout import (CHECKPOINT_MARKER, CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, STUDENTS_DIR,
-                                   TOKENS_DIR, TOPK_DIR, checkpoint_name, checkpoint_step, is_store_name)
+from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR,
+                                   checkpoint_name, complete_checkpoint_steps, is_store_name)
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import tokens_made_from, topk_tags
 
@@ -64,8 +64,7 @@ def _student_line(run_root: RunRoot, name: str) -> str:
     """Where a student's training stands: the step of its latest complete checkpoint (the one a rerun resumes
     from) of the steps its config asks for, whether the final model is there, and its last held-out KL."""
     folder = run_root.path(STUDENTS_DIR, name)
-    steps = sorted(step for c in run_root.listdir(folder) if (step := checkpoint_step(c)) is not None
-                   and run_root.exists(f"{folder}/{c}/{CHECKPOINT_MARKER}"))
+    steps = complete_checkpoint_steps(run_root, folder)
     config = yaml.safe_load(_read(run_root, f"{folder}/{CONFIG_FILE}") or b"{}") or {}
     target = config.get("student", {}).get("steps")
     saved = (f"{len(steps)} checkpoint{'' if len(steps) == 1 else 's'} (latest {checkpoint_name(steps[-1])})"

@@ -18,8 +18,8 @@ import yaml
 from kdflow.schemas.config import STAGES, KDFlowConfig, config_from_dict
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
-from kdflow.schemas.layout import (CHECKPOINT_MARKER, CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR,
-                                   checkpoint_name, checkpoint_step)
+from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
+                                   complete_checkpoint_steps)
 from kdflow.tasks.preflight import Preflight, check, chosen_stages
 
 # The stores each stage reads, by the stage that writes them.
@@ -62,8 +62,7 @@ def check_resume(context: Preflight) -> None:
     run_root, name = context.run_root, context.config.student.name
     folder = run_root.path(STUDENTS_DIR, name)
     try:
-        steps = [step for entry in run_root.listdir(folder) if (step := checkpoint_step(entry)) is not None
-                 and run_root.exists(f"{folder}/{entry}/{CHECKPOINT_MARKER}")]
+        steps = complete_checkpoint_steps(run_root, folder)
         saved = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{folder}/{CONFIG_FILE}")))
     except Exception:  # noqa: BLE001 - no student yet, no config beside it, one of another kdflow: training tells
         return
@@ -78,11 +77,10 @@ def check_resume(context: Preflight) -> None:
 def resume_changes(saved: KDFlowConfig, config: KDFlowConfig, *, topk: bool) -> list[str]:
     """`SETTING OLD, now NEW` for each setting that feeds a checkpoint's fingerprint and differs (`topk`: also
     the top-K store's settings, which decide the store trained on when precompute makes it)."""
+    sections = (("student", student_resume_fields(saved.student), student_resume_fields(config.student)),
+                ("dataset", saved.dataset.model_dump(mode="json"), config.dataset.model_dump(mode="json")))
     pairs: list[tuple[str, Any, Any]] = [
-        *((f"student.{key}", value, student_resume_fields(config.student).get(key))
-          for key, value in student_resume_fields(saved.student).items()),
-        *((f"dataset.{key}", value, config.dataset.model_dump(mode="json").get(key))
-          for key, value in saved.dataset.model_dump(mode="json").items()),
+        *((f"{section}.{key}", value, now.get(key)) for section, was, now in sections for key, value in was.items()),
         ("seq_len", saved.seq_len, config.seq_len),
         ("precompute.sequences_per_shard", saved.precompute.sequences_per_shard, config.precompute.sequences_per_shard),
     ]
