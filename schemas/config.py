@@ -47,7 +47,7 @@ class _Section(BaseModel):
 
 
 class DatasetConfig(_Section):
-    """Where the documents come from: a hub dataset id or local/remote jsonl, json, parquet, txt (or .gz, ...) files."""
+    """Where the documents come from: a hub dataset id, or local/remote jsonl, json, parquet, csv, tsv or txt files."""
 
     path: str = Field(description="Hub dataset id (e.g. uonlp/CulturaX), or a file, folder, glob or fsspec URL")
     name: str | None = Field(default=None, description="Hub dataset config name, e.g. 'ja'")

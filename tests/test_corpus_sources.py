@@ -207,3 +207,49 @@ def test_a_field_added_to_the_dataset_section_leaves_existing_corpus_fingerprint
     assert (corpus_fingerprint(books), corpus_fingerprint(culturax)) == ("c08286bdc1d03e8d", "94a68e7f4d6cf3a7")
     assert corpus_fingerprint(config_from_dict(base | {"dataset": {"path": "books/*.txt", "sample_by": "line"}})) \
         == "c08286bdc1d03e8d"  # the default, said out loud, is the same corpus
+
+
+@pytest.mark.parametrize("kind, suffix", [("csv", ""), ("tsv", ""), ("csv", ".gz")])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_csv_and_tsv_files_give_their_text_column_as_written(make_config: Callable[..., Any], tmp_path: Path,
+                                                            kind: str, suffix: str, streaming: bool) -> None:
+    """A header row names the columns, and the text column reads as written: a document of digits stays text,
+    'NA' and 'null' are documents, not missing values, and a quoted document may hold the delimiter, quotes and
+    line ends. Saved as Windows does it (a byte-order mark, CRLF), and compressed."""
+    import csv
+
+    docs = [*DOCS, "12345", "NA", "null", 'a "quoted", two-line\ndocument\twith a tab']
+    path = tmp_path / f"docs.{kind}"
+    with open(path, "w", encoding="utf-8-sig", newline="") as handle:
+        writer = csv.writer(handle, delimiter="," if kind == "csv" else "\t", lineterminator="\r\n")
+        writer.writerow(["id", "body"])
+        writer.writerows([i, doc] for i, doc in enumerate(docs))
+    if suffix:
+        path = _compress(path, suffix)
+    config = make_config(dataset__path=str(path), dataset__text_field="body", dataset__documents_per_part=4,
+                         dataset__streaming=streaming)
+    assert probe_dataset(config.dataset) is None
+    assert materialise(config).documents == len(docs)
+    assert committed_documents(config) == list(enumerate(docs))
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(make_config(dataset__path=str(path)).dataset)
+    assert str(caught.value) == f"dataset.text_field='text' is not a column of {path} (its header row has: id, body)"
+
+
+def test_a_csv_row_with_another_number_of_fields_or_an_open_quote_is_named(make_config: Callable[..., Any],
+                                                                          tmp_path: Path) -> None:
+    rows = tmp_path / "rows.csv"
+    rows.write_text('id,text\n1,hello\n2,"two, fields"\n3,three,fields\n')
+    with pytest.raises(DataError) as caught:
+        materialise(make_config(dataset__path=str(rows)))
+    assert str(caught.value) == f"dataset file {rows}: line 4 has 3 fields, its header 2"
+    quote = tmp_path / "quote.tsv"
+    quote.write_text('id\ttext\n1\t"never closed\n2\tnext\n')
+    with pytest.raises(DataError) as caught:
+        materialise(make_config(run_root=str(tmp_path / "q"), dataset__path=str(quote)))
+    assert str(caught.value) == (f"dataset file {quote}: line 3: unexpected end of data "
+                                 "(a quoted field never closed?)")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"empty.csv is empty: no header row naming its columns$"):
+        probe_dataset(make_config(dataset__path=str(empty)).dataset)

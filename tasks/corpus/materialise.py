@@ -23,7 +23,8 @@ from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
-from kdflow.tasks.corpus.source_files import SAVED, format_of, open_file, uncompressed
+from kdflow.tasks.corpus.source_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
+                                              open_file, uncompressed)
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
 
 CountTokens = Callable[[list[str]], list[int]]
@@ -54,9 +55,13 @@ def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
     if files is not None:
         builder, data_files = files
         # .txt: a document per line (the default), per paragraph or per file, as `dataset.sample_by` says
-        options = {"sample_by": dataset.sample_by} if builder == "text" else {}
-        source = datasets.load_dataset(builder, data_files=data_files, split=dataset.split, streaming=dataset.streaming,
-                                       **options)
+        options: dict[str, Any] = {"sample_by": dataset.sample_by} if builder == "text" else {}
+        if builder in DELIMITERS:  # every column as text, as written: no numbers, no 'NA' read as missing
+            columns = csv_header(data_files[0], builder)
+            options = dict(sep=DELIMITERS[builder], na_filter=False, encoding="utf-8-sig",
+                           features=datasets.Features({name: datasets.Value("string") for name in columns}))
+        source = datasets.load_dataset("csv" if builder in DELIMITERS else builder, data_files=data_files,
+                                       split=dataset.split, streaming=dataset.streaming, **options)
         local = [f for f in data_files if "://" not in f]
     else:
         source = datasets.load_dataset(
@@ -122,6 +127,12 @@ def _caused_by(error: BaseException | None, matches: Callable[[BaseException], b
     return False
 
 
+def _first_cause_line(error: BaseException | None, name: str) -> str:
+    while error is not None and type(error).__name__ != name:
+        error = error.__cause__ or error.__context__
+    return str(error).splitlines()[0] if error is not None else ""
+
+
 def _caused_by_invalid_utf8(error: BaseException | None) -> bool:
     return _caused_by(error, lambda e: isinstance(e, UnicodeDecodeError))
 
@@ -180,6 +191,10 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             where = _first_malformed_json(local_files)
             raise DataError(f"dataset file {where}" if where else f"{_describe(dataset, local_files)}: not valid JSON: "
                             f"{str(error).splitlines()[0]}") from None
+        if _caused_by(error, lambda e: type(e).__name__ == "ParserError"):  # pandas', reading CSV/TSV
+            where = first_malformed_row(local_files)
+            raise DataError(f"dataset file {where}" if where else f"{_describe(dataset, local_files)}: not valid CSV: "
+                            f"{_first_cause_line(error, 'ParserError')}") from None
         if _caused_by_no_data(error) and index == start:
             after = f" after record {start}" if start else ""
             raise DataError(f"{_describe(dataset, local_files)} holds no records{after} "

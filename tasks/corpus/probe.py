@@ -5,6 +5,7 @@ mode for its first record. Used by the pre-flight checks (kdflow.tasks.preflight
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import threading
@@ -13,7 +14,7 @@ from typing import Any
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, first_line
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
-from kdflow.tasks.corpus.source_files import SAVED, file_builder, open_file
+from kdflow.tasks.corpus.source_files import DELIMITERS, SAVED, csv_header, file_builder, open_file
 
 HUB_PROBE_TIMEOUT_S = 30.0
 
@@ -79,9 +80,16 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
             with open_file(name) as handle:
                 fields = pq.read_schema(handle).names
             _check_fields(fields, dataset, name)
-        elif builder in ("json", "text"):
+        elif builder in ("json", "text", *DELIMITERS):
             _check_encoding(name)
-        if builder == "json":
+        if builder in DELIMITERS:
+            header = csv_header(name, builder)
+            if not header:
+                raise ConfigError(f"dataset file {name} is empty: no header row naming its columns")
+            if dataset.text_field not in header:
+                raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a column of {name} "
+                                  f"(its header row has: {', '.join(header)})")
+        elif builder == "json":
             with open_file(name) as handle:
                 record = _first_json_record(handle, name)
             if record is not None:
@@ -94,7 +102,7 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
                     raise ConfigError(f"dataset file {name} is empty: no documents to read")
     except ConfigError:
         raise
-    except (OSError, ValueError, ImportError) as error:
+    except (OSError, ValueError, ImportError, csv.Error) as error:
         raise ConfigError(f"dataset file {name} cannot be read: {first_line(error)}") from None
 
 

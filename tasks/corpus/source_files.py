@@ -1,12 +1,14 @@
 """Which files a dataset config names, and in which format: resolved without reading them (no `datasets`, no
 pyarrow), so that the pre-flight checks and materialise agree on what the source is.
 
-JSON and text files may be compressed (`docs.jsonl.gz`, `part-0001.jsonl.zst`, `notes.txt.bz2`, `.xz`), as many
-corpora are shipped: `datasets` decompresses them as it reads, and so does `open_file` for the checks here.
+JSON, CSV and text files may be compressed (`docs.jsonl.gz`, `part-0001.jsonl.zst`, `notes.txt.bz2`, `.xz`), as
+many corpora are shipped: `datasets` decompresses them as it reads, and so does `open_file` for the checks here.
+CSV (`.csv`) and tab-separated (`.tsv`) files have a header row naming their columns; every column reads as text.
 """
 
 from __future__ import annotations
 
+import csv
 import glob
 import importlib.util
 import os
@@ -16,9 +18,10 @@ from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.saved_datasets import is_saved_dataset
 
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "text"}
+DELIMITERS = {"csv": ",", "tsv": "\t"}  # `datasets`' csv builder reads both, given the delimiter
 COMPRESSIONS = {".gz": None, ".bz2": None, ".xz": None, ".zst": "zstandard"}  # suffix -> the module it needs
-FORMATS = ".jsonl, .json, .parquet or .txt; JSON and text also compressed: .gz, .bz2, .xz, .zst"
+FORMATS = ".jsonl, .json, .parquet, .csv, .tsv or .txt; all but Parquet also compressed: .gz, .bz2, .xz, .zst"
 
 
 def compression_of(name: str) -> str:
@@ -34,7 +37,8 @@ def uncompressed(name: str) -> str:
 
 
 def format_of(name: str) -> str | None:
-    """The `datasets` builder for a file name (json, parquet, text), compressed JSON and text included; else None."""
+    """The builder for a file name (json, parquet, csv, tsv, text), compressed ones included; else None. `tsv` is
+    `datasets`' csv builder with a tab delimiter."""
     plain = uncompressed(name)
     builder = next((b for ext, b in FILE_BUILDERS.items() if plain.endswith(ext)), None)
     if compression_of(name) and builder == "parquet":
@@ -47,6 +51,32 @@ def open_file(name: str, mode: str = "rb", **kwargs: Any) -> Any:
     import fsspec
 
     return fsspec.open(name, mode, compression="infer", **kwargs)
+
+
+def csv_header(name: str, builder: str) -> list[str]:
+    """The column names in a CSV/TSV file's header row ([] for an empty file); a byte-order mark is not a name."""
+    with open_file(name, "rt", encoding="utf-8-sig", errors="replace", newline="") as handle:
+        return next(csv.reader(handle, delimiter=DELIMITERS[builder]), [])
+
+
+def first_malformed_row(files: list[str]) -> str | None:
+    """'FILE: line N has 3 fields, its header 2' (or an unclosed quote) for the first CSV/TSV file that pandas
+    would refuse, read with the csv module; None when none is found."""
+    for name in files:
+        builder = format_of(name)
+        if builder not in DELIMITERS:
+            continue
+        with open_file(name, "rt", encoding="utf-8-sig", errors="replace", newline="") as handle:
+            reader = csv.reader(handle, delimiter=DELIMITERS[builder], strict=True)
+            try:
+                header = next(reader, [])
+                for row in reader:
+                    if row and len(row) != len(header):
+                        return f"{name}: line {reader.line_num} has {len(row)} fields, its header {len(header)}"
+            except csv.Error as error:
+                opened = " (a quoted field never closed?)" if "end of data" in str(error) else ""
+                return f"{name}: line {reader.line_num}: {error}{opened}"
+    return None
 
 
 def _check_compression(name: str) -> None:
