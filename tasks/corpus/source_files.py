@@ -62,6 +62,7 @@ def csv_header(name: str, builder: str) -> list[str]:
 def first_malformed_row(files: list[str]) -> str | None:
     """'FILE: line N has 3 fields, its header 2' (or an unclosed quote) for the first CSV/TSV file that pandas
     would refuse, read with the csv module; None when none is found."""
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))  # a document may be longer than its 128 KiB default
     for name in files:
         builder = format_of(name)
         if builder not in DELIMITERS:
