@@ -22,6 +22,7 @@ import copy
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterator
 
 from kdflow.schemas.errors import KDFlowError
@@ -124,8 +125,25 @@ class DropRepeatedErrors(logging.Filter):
                     and str(record.msg).startswith("Encountered exception during execution"))
 
 
+class ShownByItsLibrary(logging.Filter):
+    """Drop a record that a library's own terminal handler printed already: huggingface_hub and datasets put a
+    StreamHandler on their loggers and still propagate, so each of their warnings (a hub retry) came out twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None and logger.parent is not None:  # up to, not including, the root logger
+            if any(type(h) is logging.StreamHandler and getattr(h, "stream", None) in (sys.stderr, sys.stdout)
+                   and record.levelno >= h.level for h in logger.handlers):
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
 def install_terminal_logging(handler: logging.Handler, verbose: bool) -> None:
-    """kdflow's terminal handler: one-line kdflow errors, unless `-v` asks for every traceback."""
+    """kdflow's terminal handler: one-line kdflow errors, unless `-v` asks for every traceback; each record once."""
+    handler.addFilter(ShownByItsLibrary())
     if verbose:
         return
     handler.setFormatter(OneLineErrors(handler.formatter._fmt if handler.formatter else None,  # noqa: SLF001

@@ -159,7 +159,9 @@ def check_teacher(context: Preflight) -> None:
         stages & {"tokenise", "train"} or ("materialise" in stages and config.dataset.max_tokens)))
     if not needs_teacher:
         return
-    check_teacher_source(config.teacher)
+    if check_teacher_source(config.teacher) is None:  # a hub id
+        _check_hub_model("teacher.model", config.teacher.model, config.teacher.revision,
+                         (config.teacher.gguf_file or "config.json",))
     if "precompute" in stages:
         shape = context.teacher_shape
         problem = teacher_limits_problem(shape.vocab_size, shape.context_length, top_k=config.precompute.top_k,
@@ -193,6 +195,8 @@ def check_tokenizer(context: Preflight) -> None:
         source = resolve_model_source(config.tokenizer)
     except ConfigError as error:
         raise ConfigError(f"tokenizer: {error}") from None
+    if not os.path.exists(source):
+        _check_hub_model("tokenizer", config.tokenizer, filenames=("tokenizer_config.json", "tokenizer.json"))
     if os.path.isdir(source) and not any(os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"tokenizer={config.tokenizer!r} is not a tokenizer folder "
                           f"(no {', '.join(_TOKENIZER_FILES[:3])}, ...)")
@@ -221,6 +225,17 @@ def check_distributed(context: Preflight) -> None:
         raise ConfigError(f"student.distributed.rdzv_endpoint={distributed.rdzv_endpoint!r} must be HOST:PORT")
 
 
+def _check_hub_model(setting: str, repo: str, revision: str | None = None,
+                     filenames: tuple[str, ...] = ("config.json",)) -> None:
+    """A hub model that is not cached must be reachable (a local folder or package: is not asked about)."""
+    from kdflow.tasks.common.hub_access import hub_model_problem
+    from kdflow.tasks.common.sources import hub_id
+
+    problem = hub_model_problem(setting, repo, revision, filenames) if hub_id(repo) else None
+    if problem:
+        raise ConfigError(problem)
+
+
 @check("student", "train")
 def check_student(context: Preflight) -> None:
     """`student.init_from` is a model folder (or a hub id) whose tokenizer and embedding take the run's token ids."""
@@ -238,6 +253,8 @@ def check_student(context: Preflight) -> None:
     problem = model_folder_problem(source) if os.path.exists(source) else None  # a hub id: fetched when it loads
     if problem:
         raise ConfigError(f"student.init_from={init_from!r} is not a model: {problem}")
+    if not os.path.exists(source):
+        _check_hub_model("student.init_from", init_from)
     run_vocab = (tokenizer_vocab(config.teacher.model, config.teacher.gguf_file, config.teacher.revision)
                  if context.tokenizer_from_teacher else tokenizer_vocab(config.tokenizer))
     problem = student_vocab_problem(init_from, run_vocab)

@@ -138,15 +138,53 @@ def test_a_student_whose_embedding_is_smaller_than_the_vocabulary_is_refused(
                                         "tokenizer's ")
 
 
-def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_at_load(fresh_run, hub_cache: Path) -> None:
+def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_in_pre_flight_and_at_load(fresh_run,
+                                                                                          hub_cache: Path) -> None:
     from kdflow.tasks.student.train import train
 
     config = fresh_run(student__init_from="kdflow-test/not-downloaded")
-    # nothing to read without the network, so no error: the stage tells
-    warnings = run_preflight(config, ["train"])
-    assert [warning.split(":")[0] for warning in warnings] == ["student.architecture is ignored"]
-    with pytest.raises(KDFlowError) as caught:
+    with pytest.raises(ConfigError) as refused:  # the suite runs with HF_HUB_OFFLINE=1
+        run_preflight(config, ["train"])
+    assert str(refused.value) == (
+        f"student.init_from='kdflow-test/not-downloaded' is a hub model that is not in the local Hugging Face cache "
+        f"({hub_cache}) and the hub cannot be reached from here (HF_HUB_OFFLINE is set): download it where the hub "
+        "can be reached (hf download kdflow-test/not-downloaded) into that cache, or give a local model folder")
+    with pytest.raises(KDFlowError) as caught:  # the stage checks again when it loads the model
         train(config)
     message = str(caught.value)
     assert message.startswith("student.init_from 'kdflow-test/not-downloaded' is not a loadable causal LM: ")
     assert "\n" not in message
+
+
+def test_a_hub_that_cannot_be_reached_refuses_what_is_not_cached_and_nothing_else(
+        make_config, hub_cache: Path, tiny_teacher_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online (HF_HUB_OFFLINE unset), against a real endpoint: a port nothing listens on, then one that accepts."""
+    import socket
+
+    from kdflow.tasks.common import hub_access
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub_access, "_answers", {})
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
+    config = make_config(teacher__model=TEACHER_ID, tokenizer=str(tiny_teacher_dir))
+    with pytest.raises(ConfigError, match=rf"^teacher.model='{TEACHER_ID}' is a hub model that is not in the local "
+                                          rf"Hugging Face cache .* \(127.0.0.1:{closed}: Connection refused\): "):
+        run_preflight(config, ["precompute"])
+    assert hub_access.hub_dataset_problem("someone/corpus").startswith(
+        "dataset.path='someone/corpus' is a hub dataset with nothing in the local cache, and the hub cannot be reached")
+    (hub_cache / "datasets--someone--corpus").mkdir()
+    assert hub_access.hub_dataset_problem("someone/corpus") is None  # cached: `datasets` reads it offline
+    cache_repo(hub_cache, TEACHER_ID, tiny_teacher_dir)
+    run_preflight(config, ["precompute"])  # cached: no network needed
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{listening.getsockname()[1]}")
+        assert hub_access.hub_unreachable() is None
+        assert hub_access.hub_model_problem("teacher.model", "someone/not-cached") is None  # fetched when it loads

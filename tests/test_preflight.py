@@ -270,6 +270,19 @@ def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_ke
             and DropRepeatedErrors().filter(record(ValueError("y"), "Encountered exception %r")))
 
 
+def test_a_warning_of_a_library_with_its_own_terminal_handler_is_printed_once(children) -> None:
+    """huggingface_hub and datasets print their warnings themselves and propagate them: each hub retry was two lines."""
+    script = ("import logging; from kdflow.serverless import install_terminal_logging\n"
+              "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+              "install_terminal_logging(logging.getLogger().handlers[0], False)\n"
+              "import huggingface_hub, datasets\n"
+              "for name in ('huggingface_hub.utils._http', 'datasets.load', 'kdflow.x'):\n"
+              "    logging.getLogger(name).warning('from %s', name)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stderr.splitlines() == ["from huggingface_hub.utils._http", "from datasets.load",
+                                        "WARNING from kdflow.x"]
+
+
 def test_serverless_settings_keep_what_the_user_set(monkeypatch) -> None:
     from kdflow.serverless import STARTUP_TIMEOUT_S, serverless_settings
 

@@ -144,6 +144,11 @@ def probe_dataset(dataset: DatasetConfig) -> str | None:
         raise ConfigError(f"dataset.path={path!r} does not exist")  # a local path, not a hub id
     files = file_builder(dataset)  # raises ConfigError for missing files or mixed formats
     if files is None:
+        from kdflow.tasks.common.hub_access import hub_dataset_problem
+
+        problem = hub_dataset_problem(dataset.path)
+        if problem:
+            raise ConfigError(problem)
         return probe_hub(dataset)
     builder, names = files
     if not names:

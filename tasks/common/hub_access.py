@@ -1,0 +1,91 @@
+"""Can a hub model or dataset be had from here? Asked by pre-flight (kdflow.tasks.preflight) before anything starts,
+so that a hub id that is neither in the local cache nor reachable (an offline machine, a firewall, HF_HUB_OFFLINE)
+is one line in a few seconds, not a stage failing after a minute of retries. No torch, no datasets.
+
+The hub counts as reachable when a TCP connection to its endpoint (HF_ENDPOINT, default huggingface.co) opens within
+a few seconds. Behind an HTTP proxy that cannot be told without a request, so there it always counts as reachable.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import urllib.parse
+
+CONNECT_TIMEOUT_S = 3.0
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+_answers: dict[tuple[str, int], str | None] = {}
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached ('HF_HUB_OFFLINE is set', 'huggingface.co: Name or service not known'), or
+    None when it can (or when a proxy is set: it might)."""
+    from huggingface_hub import constants
+
+    if _offline():
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return None
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    if (host, port) not in _answers:
+        try:
+            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+                _answers[host, port] = None
+        except OSError as error:
+            why = error.strerror or ("timed out" if isinstance(error, TimeoutError) else type(error).__name__)
+            _answers[host, port] = f"{host}:{port}: {why}"
+    return _answers[host, port]
+
+
+def _cached_model(repo: str, filenames: tuple[str, ...], revision: str | None) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(repo, name, revision=revision), str) for name in filenames)
+
+
+def _cached_dataset(repo: str) -> bool:
+    """Anything of the dataset in the hub cache or in `datasets`' own cache (which names it owner___name...)."""
+    from huggingface_hub import constants
+
+    owner, _, name = repo.partition("/")
+    if os.path.isdir(os.path.join(constants.HF_HUB_CACHE, f"datasets--{owner}--{name}")):
+        return True
+    cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(constants.HF_HOME, "datasets")
+    return bool(glob.glob(os.path.join(glob.escape(cache), f"{glob.escape(owner)}___*")))
+
+
+def hub_model_problem(setting: str, repo: str, revision: str | None = None,
+                      filenames: tuple[str, ...] = ("config.json",)) -> str | None:
+    """One line when the hub model `repo` (the value of `setting`) has none of `filenames` cached and the hub
+    cannot be reached."""
+    if _cached_model(repo, filenames, revision):
+        return None
+    why = hub_unreachable()
+    if why is None:
+        return None
+    from huggingface_hub import constants
+
+    return (f"{setting}={repo!r} is a hub model that is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
+            f" and the hub cannot be reached from here ({why}): download it where the hub can be reached "
+            f"(hf download {repo}) into that cache, or give a local model folder")
+
+
+def hub_dataset_problem(repo: str) -> str | None:
+    """One line when the hub dataset `repo` (dataset.path) has nothing cached and the hub cannot be reached."""
+    if _cached_dataset(repo):
+        return None
+    why = hub_unreachable()
+    if why is None:
+        return None
+    return (f"dataset.path={repo!r} is a hub dataset with nothing in the local cache, and the hub cannot be reached "
+            f"from here ({why}): give local files (.jsonl, .json, .parquet, .csv, .tsv, .txt) or a save_to_disk "
+            "folder, or download it where the hub can be reached")
