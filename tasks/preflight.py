@@ -151,6 +151,7 @@ def check_dataset(context: Preflight) -> None:
 @check("teacher", "materialise", "tokenise", "precompute", "train")
 def check_teacher(context: Preflight) -> None:
     """The teacher's files are there (its weights only by name), and top_k and seq_len fit its config."""
+    from kdflow.tasks.common.hub_access import check_hub_teacher
     from kdflow.tasks.common.model_configs import teacher_limits_problem
     from kdflow.tasks.common.sources import check_teacher_source
 
@@ -160,8 +161,7 @@ def check_teacher(context: Preflight) -> None:
     if not needs_teacher:
         return
     if check_teacher_source(config.teacher) is None:  # a hub id
-        _check_hub_model("teacher.model", config.teacher.model, config.teacher.revision,
-                         (config.teacher.gguf_file or "config.json",))
+        check_hub_teacher(config.teacher)
     if "precompute" in stages:
         shape = context.teacher_shape
         problem = teacher_limits_problem(shape.vocab_size, shape.context_length, top_k=config.precompute.top_k,
@@ -176,6 +176,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 @check("tokenizer", "materialise", "tokenise", "precompute", "train")
 def check_tokenizer(context: Preflight) -> None:
     """The run's tokenizer can be read, and an explicit `tokenizer:` is the teacher's own vocabulary."""
+    from kdflow.tasks.common.hub_access import check_hub_model
     from kdflow.tasks.common.model_configs import tokenizer_mismatch, tokenizer_vocab
     from kdflow.tasks.common.sources import resolve_model_source
 
@@ -196,7 +197,7 @@ def check_tokenizer(context: Preflight) -> None:
     except ConfigError as error:
         raise ConfigError(f"tokenizer: {error}") from None
     if not os.path.exists(source):
-        _check_hub_model("tokenizer", config.tokenizer, filenames=("tokenizer_config.json", "tokenizer.json"))
+        check_hub_model("tokenizer", config.tokenizer, filenames=("tokenizer_config.json", "tokenizer.json"))
     if os.path.isdir(source) and not any(os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
         raise ConfigError(f"tokenizer={config.tokenizer!r} is not a tokenizer folder "
                           f"(no {', '.join(_TOKENIZER_FILES[:3])}, ...)")
@@ -225,20 +226,10 @@ def check_distributed(context: Preflight) -> None:
         raise ConfigError(f"student.distributed.rdzv_endpoint={distributed.rdzv_endpoint!r} must be HOST:PORT")
 
 
-def _check_hub_model(setting: str, repo: str, revision: str | None = None,
-                     filenames: tuple[str, ...] = ("config.json",)) -> None:
-    """A hub model that is not cached must be reachable (a local folder or package: is not asked about)."""
-    from kdflow.tasks.common.hub_access import hub_model_problem
-    from kdflow.tasks.common.sources import hub_id
-
-    problem = hub_model_problem(setting, repo, revision, filenames) if hub_id(repo) else None
-    if problem:
-        raise ConfigError(problem)
-
-
 @check("student", "train")
 def check_student(context: Preflight) -> None:
     """`student.init_from` is a model folder (or a hub id) whose tokenizer and embedding take the run's token ids."""
+    from kdflow.tasks.common.hub_access import check_hub_model
     from kdflow.tasks.common.model_configs import student_vocab_problem, tokenizer_vocab
     from kdflow.tasks.common.sources import model_folder_problem, resolve_model_source
 
@@ -254,7 +245,7 @@ def check_student(context: Preflight) -> None:
     if problem:
         raise ConfigError(f"student.init_from={init_from!r} is not a model: {problem}")
     if not os.path.exists(source):
-        _check_hub_model("student.init_from", init_from)
+        check_hub_model("student.init_from", init_from)
     run_vocab = (tokenizer_vocab(config.teacher.model, config.teacher.gguf_file, config.teacher.revision)
                  if context.tokenizer_from_teacher else tokenizer_vocab(config.tokenizer))
     problem = student_vocab_problem(init_from, run_vocab)

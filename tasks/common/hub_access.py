@@ -13,6 +13,8 @@ import os
 import socket
 import urllib.parse
 
+from kdflow.schemas.config import TeacherConfig
+
 CONNECT_TIMEOUT_S = 3.0
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 _answers: dict[tuple[str, int], str | None] = {}
@@ -89,3 +91,19 @@ def hub_dataset_problem(repo: str) -> str | None:
     return (f"dataset.path={repo!r} is a hub dataset with nothing in the local cache, and the hub cannot be reached "
             f"from here ({why}): give local files (.jsonl, .json, .parquet, .csv, .tsv, .txt) or a save_to_disk "
             "folder, or download it where the hub can be reached")
+
+
+def check_hub_model(setting: str, repo: str, revision: str | None = None,
+                    filenames: tuple[str, ...] = ("config.json",)) -> None:
+    """ConfigError (one line) when `repo`, a hub id, is neither cached nor reachable; a local folder or
+    `package:` source is not asked about."""
+    from kdflow.schemas.errors import ConfigError
+    from kdflow.tasks.common.sources import hub_id
+
+    problem = hub_model_problem(setting, repo, revision, filenames) if hub_id(repo) else None
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_hub_teacher(teacher: TeacherConfig) -> None:
+    check_hub_model("teacher.model", teacher.model, teacher.revision, (teacher.gguf_file or "config.json",))

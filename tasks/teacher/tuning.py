@@ -88,8 +88,10 @@ def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True, run_r
                           "(tokens of that length are made up from Python's documentation) or run tokenise first")
     else:
         rows_from = f"no token shards yet: Python's documentation in rows of {config.seq_len} tokens"
+    from kdflow.tasks.common.hub_access import check_hub_teacher
     from kdflow.tasks.teacher.loading import check_teacher_limits, load_teacher_config
 
+    check_hub_teacher(config.teacher)  # not cached and no hub: one line now, not after a minute of retries
     try:
         teacher_config = load_teacher_config(config.teacher)
     except KDFlowError:
