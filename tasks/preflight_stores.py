@@ -39,9 +39,12 @@ def check_stage_inputs(config: KDFlowConfig, stages: list[str] | str | None) -> 
     for stage in chosen:
         for before in READS_FROM.get(stage, ()):
             what, folder = _OUTPUT[before]
-            if before in context.stages or _has_output(context, folder):
+            if before in context.stages:
                 continue
-            state = "holds none" if folder == TOPK_DIR else "is not complete"
+            state = None if _has_output(context, folder) else "holds none" if folder == TOPK_DIR else "is not complete"
+            state = state or _made_from_other_inputs(context, before, folder)
+            if state is None:
+                continue
             raise ConfigError(f"--stages {','.join(chosen)}: {stage} reads {what}, which {before} writes, and "
                               f"{os.path.join(context.run_root.root, folder)} {state}: add {before} to --stages "
                               "(or leave --stages out to run every stage)")
@@ -52,6 +55,42 @@ def _has_output(context: Preflight, folder: str) -> bool:
         return context.complete(folder) is not None
     path = os.path.join(context.run_root.root, TOPK_DIR)  # one folder per store (its tag)
     return os.path.isdir(path) and any(not name.startswith(".") for name in os.listdir(path))
+
+
+def _made_from_other_inputs(context: Preflight, before: str, folder: str) -> str | None:
+    """A complete corpus or token store that another dataset, seq_len or shard size made (its fingerprint is not
+    this config's): 'was made with SETTING OLD, now NEW', from the config saved beside it; else None."""
+    from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint_of
+
+    config, done = context.config, context.complete(folder) or {}
+    corpus = corpus_fingerprint(config)
+    if before == "materialise":
+        expected = corpus
+    elif before == "tokenise" and (done.get("extra") or {}).get("tokenizer_fingerprint"):
+        expected = tokens_fingerprint_of(corpus, done["extra"]["tokenizer_fingerprint"], config.seq_len,
+                                         config.precompute.sequences_per_shard)
+    else:
+        return None  # a top-K store: its tag says what made it, and training names the one it wants
+    if done.get("fingerprint") == expected:
+        return None
+    try:
+        run_root = context.run_root
+        saved = config_from_dict(yaml.safe_load(run_root.read_bytes(run_root.path(folder, CONFIG_FILE))))
+        changes = _input_changes(saved, config, tokens=before == "tokenise")
+    except Exception:  # noqa: BLE001 - no config beside it (an older store): the fingerprints alone
+        changes = []
+    return "was made with " + "; ".join(changes) if changes else "was made from another dataset, seq_len or shard size"
+
+
+def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -> list[str]:
+    """`SETTING OLD, now NEW` for the dataset's settings (and, `tokens`, seq_len and the shard size) that differ."""
+    was, now = saved.dataset.model_dump(mode="json"), config.dataset.model_dump(mode="json")
+    pairs: list[tuple[str, Any, Any]] = [(f"dataset.{key}", value, now.get(key)) for key, value in was.items()]
+    if tokens:
+        pairs += [("seq_len", saved.seq_len, config.seq_len),
+                  ("precompute.sequences_per_shard", saved.precompute.sequences_per_shard,
+                   config.precompute.sequences_per_shard)]
+    return _changed(pairs)
 
 
 @check("resume", "train")
@@ -77,15 +116,15 @@ def check_resume(context: Preflight) -> None:
 def resume_changes(saved: KDFlowConfig, config: KDFlowConfig, *, topk: bool) -> list[str]:
     """`SETTING OLD, now NEW` for each setting that feeds a checkpoint's fingerprint and differs (`topk`: also
     the top-K store's settings, which decide the store trained on when precompute makes it)."""
-    sections = (("student", student_resume_fields(saved.student), student_resume_fields(config.student)),
-                ("dataset", saved.dataset.model_dump(mode="json"), config.dataset.model_dump(mode="json")))
-    pairs: list[tuple[str, Any, Any]] = [
-        *((f"{section}.{key}", value, now.get(key)) for section, was, now in sections for key, value in was.items()),
-        ("seq_len", saved.seq_len, config.seq_len),
-        ("precompute.sequences_per_shard", saved.precompute.sequences_per_shard, config.precompute.sequences_per_shard),
-    ]
+    was, now = student_resume_fields(saved.student), student_resume_fields(config.student)
+    student = [(f"student.{key}", value, now.get(key)) for key, value in was.items()]
+    store: list[tuple[str, Any, Any]] = []
     if topk and saved.student.topk_tag is None and config.student.topk_tag is None:
-        pairs += [("precompute.top_k", saved.precompute.top_k, config.precompute.top_k),
-                  ("precompute.store", saved.precompute.store.model_dump(mode="json"),
-                   config.precompute.store.model_dump(mode="json"))]
+        store = [("precompute.top_k", saved.precompute.top_k, config.precompute.top_k),
+                 ("precompute.store", saved.precompute.store.model_dump(mode="json"),
+                  config.precompute.store.model_dump(mode="json"))]
+    return _changed(student) + _input_changes(saved, config, tokens=True) + _changed(store)
+
+
+def _changed(pairs: list[tuple[str, Any, Any]]) -> list[str]:
     return [f"{key} {old!r}, now {new!r}" for key, old, new in pairs if old != new]

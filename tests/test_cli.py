@@ -162,3 +162,16 @@ def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.
     evaluation = json.loads((student / "eval.jsonl").read_text().splitlines()[-1])
     assert line == (f"students/{config.student.name:<13} step 2 of 6: 1 checkpoint (latest checkpoint-2), final "
                     f"model saved; held-out KL {evaluation['kl']:.4f} at step 2")
+
+
+def test_a_warning_of_a_library_with_its_own_terminal_handler_is_printed_once(children) -> None:
+    """huggingface_hub and datasets print their warnings themselves and propagate them: each hub retry was two lines."""
+    script = ("import logging; from kdflow.serverless import install_terminal_logging\n"
+              "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+              "install_terminal_logging(logging.getLogger().handlers[0], False)\n"
+              "import huggingface_hub, datasets\n"
+              "for name in ('huggingface_hub.utils._http', 'datasets.load', 'kdflow.x'):\n"
+              "    logging.getLogger(name).warning('from %s', name)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stderr.splitlines() == ["from huggingface_hub.utils._http", "from datasets.load",
+                                        "WARNING from kdflow.x"]
