@@ -222,8 +222,8 @@ def test_csv_and_tsv_files_give_their_text_column_as_written(make_config: Callab
     path = tmp_path / f"docs.{kind}"
     with open(path, "w", encoding="utf-8-sig", newline="") as handle:
         writer = csv.writer(handle, delimiter="," if kind == "csv" else "\t", lineterminator="\r\n")
-        writer.writerow(["id", "body"])
-        writer.writerows([i, doc] for i, doc in enumerate(docs))
+        writer.writerow(["", "body", "id"])  # an unnamed index column, as pandas' to_csv writes one
+        writer.writerows([i, doc, "x" if i % 5 else i] for i, doc in enumerate(docs))
     if suffix:
         path = _compress(path, suffix)
     config = make_config(dataset__path=str(path), dataset__text_field="body", dataset__documents_per_part=4,
@@ -233,7 +233,7 @@ def test_csv_and_tsv_files_give_their_text_column_as_written(make_config: Callab
     assert committed_documents(config) == list(enumerate(docs))
     with pytest.raises(ConfigError) as caught:
         probe_dataset(make_config(dataset__path=str(path)).dataset)
-    assert str(caught.value) == f"dataset.text_field='text' is not a column of {path} (its header row has: id, body)"
+    assert str(caught.value) == f"dataset.text_field='text' is not a column of {path} (its header row has: , body, id)"
 
 
 def test_a_csv_row_with_another_number_of_fields_or_an_open_quote_is_named(make_config: Callable[..., Any],

@@ -24,7 +24,7 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.corpus.source_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
-                                              open_file, uncompressed)
+                                              open_file, pandas_column_names, uncompressed)
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
 
 CountTokens = Callable[[list[str]], list[int]]
@@ -56,8 +56,8 @@ def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
         builder, data_files = files
         # .txt: a document per line (the default), per paragraph or per file, as `dataset.sample_by` says
         options: dict[str, Any] = {"sample_by": dataset.sample_by} if builder == "text" else {}
-        if builder in DELIMITERS:  # every column as text, as written: no numbers, no 'NA' read as missing
-            columns = csv_header(data_files[0], builder)
+        if builder in DELIMITERS:  # every column as text, as written: not a number, and 'NA' is not missing
+            columns = pandas_column_names(csv_header(data_files[0], builder))
             options = dict(sep=DELIMITERS[builder], na_filter=False, encoding="utf-8-sig",
                            features=datasets.Features({name: datasets.Value("string") for name in columns}))
         source = datasets.load_dataset("csv" if builder in DELIMITERS else builder, data_files=data_files,

@@ -59,6 +59,20 @@ def csv_header(name: str, builder: str) -> list[str]:
         return next(csv.reader(handle, delimiter=DELIMITERS[builder]), [])
 
 
+def pandas_column_names(header: list[str]) -> list[str]:
+    """The names pandas gives a header's columns (what `datasets`' csv builder reads): an empty one is 'Unnamed: I'
+    (the index column of pandas' own `to_csv`), a repeated one 'NAME.1', 'NAME.2', ..."""
+    names: list[str] = []
+    for index, name in enumerate(header):
+        name = name or f"Unnamed: {index}"
+        repeat, unique = 0, name
+        while unique in names:
+            repeat += 1
+            unique = f"{name}.{repeat}"
+        names.append(unique)
+    return names
+
+
 def first_malformed_row(files: list[str]) -> str | None:
     """'FILE: line N has 3 fields, its header 2' (or an unclosed quote) for the first CSV/TSV file that pandas
     would refuse, read with the csv module; None when none is found."""
