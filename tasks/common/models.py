@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from kdflow.schemas.config import TeacherConfig, section_hash
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.common.devices import no_cuda_message
 from kdflow.tasks.common.float32_logits import SIXTEEN_BIT
 from kdflow.tasks.common.sources import WEIGHT_SUFFIXES, check_teacher_source
 
@@ -34,8 +36,12 @@ def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(spec)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        if device.index >= torch.cuda.device_count():
+            found = torch.cuda.device_count()
+            why = f"torch {torch.__version__} finds {found} CUDA device{'s' if found != 1 else ''} here"
+            raise ConfigError(no_cuda_message("device", spec, why))
     return device
 
 
