@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="the whole pipeline on the embedded default (real small teacher, no server)")
-    demo.add_argument("--run-root", default="runs/demo")
+    demo.add_argument("--run-root", default="runs/demo", help="where it writes, and resumes from (default: runs/demo)")
     demo.add_argument("--quick", action="store_true", help="a reduced budget (used by the tests)")
     demo.set_defaults(func=_cmd_demo)
 
