@@ -115,6 +115,10 @@ def test_data_files_are_found_inside_a_local_folder_and_left_to_the_hub_for_a_hu
     assert file_builder(hub) is None  # resolved by `datasets` on the hub, never globbed here
     with pytest.raises(ConfigError, match="does not exist"):
         probe_dataset(DatasetConfig(path=str(tmp_path / "typo"), data_files="*.jsonl"))
+    monkeypatch.chdir(tmp_path)  # a relative path is looked for from the working directory, and the error says so
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(DatasetConfig(path="typo/*.jsonl"))
+    assert str(caught.value) == f"dataset.path: no file matches 'typo/*.jsonl' (from the working directory {tmp_path})"
 
 
 @pytest.mark.parametrize("kind", ["dataset", "dataset_dict"])

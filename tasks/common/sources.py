@@ -26,6 +26,12 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def from_cwd(path: str) -> str:
+    """' (from the working directory D)' for a relative local path, which is where it is looked for; else ''."""
+    relative = "://" not in path and not os.path.isabs(os.path.expanduser(path))
+    return f" (from the working directory {os.getcwd()})" if relative else ""
+
+
 def hub_id(name: str | None) -> str | None:
     """`name` when it is a Hugging Face hub id (owner/name, not a local path or URL), else None."""
     if not name or "://" in name or name.startswith((PACKAGE_PREFIX, ".", "/", "~")) or os.path.exists(name):
@@ -39,7 +45,7 @@ def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
         looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(
             os.path.dirname(model) or ".")
         if looks_local and not os.path.exists(os.path.expanduser(model)):
-            raise ConfigError(f"model path does not exist: {model}")
+            raise ConfigError(f"model path does not exist: {model}{from_cwd(model)}")
         return os.path.expanduser(model)
     dist_name = model[len(PACKAGE_PREFIX):]
     try:

@@ -14,6 +14,7 @@ from typing import Any
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, first_line
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
+from kdflow.tasks.common.sources import from_cwd
 from kdflow.tasks.corpus.source_files import DELIMITERS, SAVED, csv_header, file_builder, open_file
 
 HUB_PROBE_TIMEOUT_S = 30.0
@@ -141,7 +142,7 @@ def probe_dataset(dataset: DatasetConfig) -> str | None:
     path = dataset.path
     if (path.startswith(("/", ".", "~")) and not any(c in path for c in "*?[")
             and not os.path.exists(os.path.expanduser(path))):
-        raise ConfigError(f"dataset.path={path!r} does not exist")  # a local path, not a hub id
+        raise ConfigError(f"dataset.path={path!r} does not exist{from_cwd(path)}")  # a local path, not a hub id
     files = file_builder(dataset)  # raises ConfigError for missing files or mixed formats
     if files is None:
         from kdflow.tasks.common.hub_access import hub_dataset_problem

@@ -17,6 +17,7 @@ from typing import Any
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.saved_datasets import is_saved_dataset
+from kdflow.tasks.common.sources import from_cwd
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "text"}
 DELIMITERS = {"csv": ",", "tsv": "\t"}  # `datasets`' csv builder reads both, given the delimiter
@@ -147,7 +148,7 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
         matches = sorted(glob.glob(name, recursive=True))
         if not matches:
             pattern = os.path.relpath(name, base) if base else name
-            raise ConfigError(f"{key}: no file matches {pattern!r}" + (f" in {base}" if base else ""))
+            raise ConfigError(f"{key}: no file matches {pattern!r}" + (f" in {base}" if base else from_cwd(name)))
         expanded.extend(matches)
     for name in expanded:
         _check_compression(name)
