@@ -44,13 +44,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from kdflow.status import print_status
 
-    return print_status(args.run_root)
+    return print_status(_run_root_of(args.run_root))
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from kdflow.validate import validate_run_root
 
-    return validate_run_root(args.run_root, fix=args.fix)
+    return validate_run_root(_run_root_of(args.run_root), fix=args.fix)
+
+
+def _run_root_of(given: str) -> str:
+    """A run root, or the config file that names one (`kdflow status configs/example.yaml`)."""
+    if given.lower().endswith((".yaml", ".yml")) and os.path.isfile(given):
+        from kdflow.schemas.config import load_config
+
+        return load_config(given).run_root
+    return given
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
@@ -147,11 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     status = sub.add_parser("status", help="committed/expected shards, tokens and fingerprints per stage")
-    status.add_argument("run_root")
+    status.add_argument("run_root", help="the run root, or the config file that names it")
     status.set_defaults(func=_cmd_status)
 
     validate = sub.add_parser("validate", help="check manifests, re-hash every committed file, check shard contents")
-    validate.add_argument("run_root")
+    validate.add_argument("run_root", help="the run root, or the config file that names it")
     validate.add_argument("--fix", action="store_true",
                           help="remove the commit records of shards that fail a check, so the next run recomputes them")
     validate.set_defaults(func=_cmd_validate)
@@ -221,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as stop:  # SIGTERM (`kill PID`) during `kdflow run` or `kdflow demo`
         print(f"kdflow: terminated{resumes}", file=sys.stderr)
         return int(stop.code or 143)
+    except BrokenPipeError:  # `kdflow status ... | head`: the reader has what it wanted; stop as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes it
+        return 128 + 13  # SIGPIPE's status
     # A failed stage after its retries, or a bug: one line here, the traceback in the run log.
     except Exception as error:
         if args.verbose:

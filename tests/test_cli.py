@@ -88,8 +88,16 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
     assert "4/4" in lines["corpus"] and "complete" in lines["corpus"] and "tokens not counted" in lines["corpus"]
     assert "27/27" in lines["tokens"] and "6,720 tokens" in lines["tokens"] and "complete" in lines["tokens"]
 
-    validate = kdflow("validate", str(run_root))
+    validate = kdflow("validate", str(path))  # the config file names the run root
     assert validate.returncode == 0 and "validate: OK, 2 stores, 31 shards" in validate.stdout
+    assert kdflow("status", str(path)).stdout == status.stdout
+
+    read, write = os.pipe()  # a reader that stopped reading (`kdflow status | head -1`): no error, SIGPIPE's status
+    os.close(read)
+    closed = subprocess.run([sys.executable, "-m", "kdflow", "status", str(run_root)], stdout=write,
+                            stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert (closed.returncode, closed.stderr) == (141, "")
 
 
 def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., Any]) -> None:
