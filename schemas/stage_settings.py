@@ -59,6 +59,9 @@ def student_data_settings(config: KDFlowConfig) -> StudentDataSettings:
 def held_out_problem(eval_shards: int, shards: int, sequences: int) -> str | None:
     """Why `student.eval_shards` leaves nothing to train on in a token store of `shards` shards, or None. Training
     refuses such a store; a pipeline says so right after tokenise, before the teacher pass."""
+    if not sequences:
+        return ("the token store holds no sequence: the corpus gave fewer tokens than one sequence of seq_len (the "
+                "remainder after the last whole sequence is left out); add documents or lower seq_len")
     if eval_shards < shards:
         return None
     return (f"student.eval_shards={eval_shards} leaves no training shard: the token store has {shards} "

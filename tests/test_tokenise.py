@@ -192,6 +192,20 @@ def test_tokenise_needs_a_complete_corpus(make_config: Callable[..., Any]) -> No
         tokenise(make_config(dataset__max_documents=10), tokenizer)
 
 
+def test_a_corpus_shorter_than_one_sequence_is_named_as_such_before_the_teacher_pass(
+        make_config: Callable[..., Any]) -> None:
+    from kdflow.schemas.stage_settings import held_out_problem
+
+    config = make_config(dataset__max_documents=1, seq_len=512)
+    materialise(config)
+    summary = tokenise(config, load_tokenizer(config))
+    assert (summary.shards, summary.sequences) == (0, 0)
+    assert held_out_problem(0, summary.shards, summary.sequences).startswith(  # not "eval_shards=0 leaves no ..."
+        "the token store holds no sequence: the corpus gave fewer tokens than one sequence of seq_len")
+    assert held_out_problem(1, 1, 8).startswith("student.eval_shards=1 leaves no training shard: the token store")
+    assert held_out_problem(1, 2, 8) is None
+
+
 def test_truncation_set_on_the_rust_tokenizer_does_not_cut_documents(make_config: Callable[..., Any]) -> None:
     """A tokenizer.json may carry truncation; the stage encodes through the Rust tokenizer directly, and must
     still give every document whole, as calling the transformers tokenizer does."""
