@@ -145,3 +145,19 @@ def test_bitsandbytes_4bit_tiny_llama(tmp_path: Path) -> None:
     ref_ids, ref_logprobs = model_reference(model, input_ids, 12)
     assert torch.equal(topk_ids.long(), ref_ids)
     torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+
+
+def test_the_gguf_loaders_own_bar_is_off_while_a_teacher_loads(capfd: pytest.CaptureFixture[str]) -> None:
+    """transformers dequantises a GGUF under a tqdm bar that cut through a training run's log lines on a terminal."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+
+    from kdflow.tasks.common.teacher_loading import _no_gguf_bar
+
+    bar = gguf_loading.tqdm
+    with _no_gguf_bar():
+        for _ in gguf_loading.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert gguf_loading.tqdm is bar and "Converting" not in capfd.readouterr().err
+    for _ in gguf_loading.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+        pass
+    assert "Converting" in capfd.readouterr().err  # outside it, the loader's bar as transformers draws it

@@ -11,7 +11,11 @@ In 4-bit, the experts of an MoE that transformers stores as fused 3-D parameters
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import os
+from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
@@ -53,7 +57,8 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
         # torch.load(weights_only=True), never unpickling arbitrary objects.
         kwargs["use_safetensors"] = True
     if not teacher.load_in_4bit:
-        model = AutoModelForCausalLM.from_pretrained(local or teacher.model, **kwargs)
+        with _no_gguf_bar() if teacher.gguf_file else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(local or teacher.model, **kwargs)
     else:
         quantisation = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
         experts = {"quant_type": quantisation.bnb_4bit_quant_type,
@@ -68,6 +73,22 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
     if teacher.lm_head_float32:
         float32_lm_head(model)
     return model
+
+
+@contextlib.contextmanager
+def _no_gguf_bar() -> Iterator[None]:
+    """transformers dequantises a GGUF under a tqdm bar of its own, which neither its logging settings nor kdflow's
+    child processes govern: in a training run on a terminal it cut through the log lines. Off while it loads."""
+    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    bar = getattr(module, "tqdm", None)
+    if bar is None:  # another transformers: nothing to quiet
+        yield
+        return
+    module.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = bar
 
 
 def float32_lm_head(model: nn.Module) -> bool:
