@@ -11,13 +11,15 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import time
 import urllib.parse
 
 from kdflow.schemas.config import TeacherConfig
 
 CONNECT_TIMEOUT_S = 3.0
+ANSWER_KEPT_S = 60.0  # one pre-flight asks up to four times; a long-lived worker asks again after this
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-_answers: dict[tuple[str, int], str | None] = {}
+_answers: dict[tuple[str, int], tuple[float, str | None]] = {}
 
 
 def _offline() -> bool:
@@ -38,14 +40,16 @@ def hub_unreachable() -> str | None:
     endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
     host = endpoint.hostname or "huggingface.co"
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    if (host, port) not in _answers:
+    asked, answer = _answers.get((host, port), (float("-inf"), None))
+    if time.monotonic() - asked > ANSWER_KEPT_S:
         try:
             with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
-                _answers[host, port] = None
+                answer = None
         except OSError as error:
             why = error.strerror or ("timed out" if isinstance(error, TimeoutError) else type(error).__name__)
-            _answers[host, port] = f"{host}:{port}: {why}"
-    return _answers[host, port]
+            answer = f"{host}:{port}: {why}"
+        _answers[host, port] = (time.monotonic(), answer)
+    return answer
 
 
 def _cached_model(repo: str, filenames: tuple[str, ...], revision: str | None) -> bool:
