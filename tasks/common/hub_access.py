@@ -29,7 +29,7 @@ def _offline() -> bool:
 
 
 def hub_unreachable() -> str | None:
-    """Why the hub cannot be reached ('HF_HUB_OFFLINE is set', 'huggingface.co: Name or service not known'), or
+    """Why the hub cannot be reached ('HF_HUB_OFFLINE is set', 'huggingface.co:443: Name or service not known'), or
     None when it can (or when a proxy is set: it might)."""
     from huggingface_hub import constants
 
