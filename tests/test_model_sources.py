@@ -8,6 +8,7 @@ what is tested is kdflow's handling of the id, not the download.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -148,7 +149,8 @@ def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_in_pre_flight_and
     assert str(refused.value) == (
         f"student.init_from='kdflow-test/not-downloaded' is a hub model that is not in the local Hugging Face cache "
         f"({hub_cache}) and the hub cannot be reached from here (HF_HUB_OFFLINE is set): download it where the hub "
-        "can be reached (hf download kdflow-test/not-downloaded) into that cache, or give a local model folder")
+        "can be reached (hf download kdflow-test/not-downloaded) into that cache, or give a local model folder (there "
+        f"is no folder 'kdflow-test/not-downloaded' in the working directory {os.getcwd()})")
     with pytest.raises(KDFlowError) as caught:  # the stage checks again when it loads the model
         train(config)
     message = str(caught.value)

@@ -82,7 +82,8 @@ def hub_model_problem(setting: str, repo: str, revision: str | None = None,
 
     return (f"{setting}={repo!r} is a hub model that is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
             f" and the hub cannot be reached from here ({why}): download it where the hub can be reached "
-            f"(hf download {repo}) into that cache, or give a local model folder")
+            f"(hf download {repo}) into that cache, or give a local model folder (there is no folder {repo!r} in "
+            f"the working directory {os.getcwd()})")
 
 
 def hub_dataset_problem(repo: str) -> str | None:
