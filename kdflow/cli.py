@@ -80,6 +80,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from kdflow.tasks.common.sources import model_folder_problem
 
     folder = args.student_dir
+    if folder.lower().endswith((".yaml", ".yml")) and os.path.isfile(folder):  # a run's config: its student
+        from kdflow.schemas.config import load_config
+        from kdflow.schemas.layout import STUDENTS_DIR
+
+        config = load_config(folder)
+        args.student_dir = folder = f"{config.run_root.rstrip('/')}/{STUDENTS_DIR}/{config.student.name}"
     if "://" in folder and not folder.startswith("file://"):  # a student on an object store: chat with a copy
         from kdflow.tasks.common.scratch import downloaded_model
 
@@ -172,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.set_defaults(func=_cmd_store)
 
     chat = sub.add_parser("chat", help="a conversation with a saved student (one reply with --prompt)")
-    chat.add_argument("student_dir")
+    chat.add_argument("student_dir", help="a saved model folder, students/NAME, or the config file of the run")
     chat.add_argument("--prompt", help="one prompt, answered alone; without it, a conversation read line by line")
     chat.add_argument("--system", help="system text: the system message (chat template) or the start of the text")
     chat.add_argument("--max-new-tokens", type=int, default=64)

@@ -245,7 +245,7 @@ def test_cli_fails_in_one_line_before_prefect_or_torch(make_config, tmp_path, ti
 
 
 @pytest.mark.usefixtures("children")
-def test_chat_on_a_folder_that_is_no_model_fails_before_torch(tmp_path, tiny_tokenizer_dir) -> None:
+def test_chat_on_a_folder_that_is_no_model_fails_before_torch(make_config, tmp_path, tiny_tokenizer_dir) -> None:
     done, imported = cli(["chat", str(tiny_tokenizer_dir), "--prompt", "hi"], tmp_path)
     assert done.returncode == 2 and imported == []
     assert done.stderr.strip().splitlines() == [
@@ -261,6 +261,9 @@ def test_chat_on_a_folder_that_is_no_model_fails_before_torch(tmp_path, tiny_tok
     assert done.stderr.strip().splitlines() == [
         f"kdflow: error: student '{student}' has no final model yet (its training has not finished); its latest "
         f"checkpoint is a model folder that kdflow chat takes: {student / 'checkpoint-12'}"]
+    config = tmp_path / "config.yaml"  # the run's config names the same student
+    config.write_text(dump_config(make_config(run_root=str(tmp_path / "run"), student__name="s")))
+    assert cli(["chat", str(config), "--prompt", "hi"], tmp_path)[0].stderr == done.stderr
 
 
 def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_keep_it() -> None:
