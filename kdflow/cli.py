@@ -6,8 +6,12 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kdflow.schemas.errors import KDFlowError
+
+if TYPE_CHECKING:
+    from kdflow.schemas.config import KDFlowConfig
 
 
 def _warn(warnings: list[str]) -> None:
@@ -53,13 +57,19 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return validate_run_root(_run_root_of(args.run_root), fix=args.fix)
 
 
-def _run_root_of(given: str) -> str:
-    """A run root, or the config file that names one (`kdflow status configs/example.yaml`)."""
+def _config_named(given: str) -> KDFlowConfig | None:
+    """The config when `given` is a config file (`kdflow status configs/example.yaml`), else None."""
     if given.lower().endswith((".yaml", ".yml")) and os.path.isfile(given):
         from kdflow.schemas.config import load_config
 
-        return load_config(given).run_root
-    return given
+        return load_config(given)
+    return None
+
+
+def _run_root_of(given: str) -> str:
+    """A run root, or the config file that names one."""
+    config = _config_named(given)
+    return config.run_root if config is not None else given
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
@@ -80,11 +90,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from kdflow.tasks.common.sources import model_folder_problem
 
     folder = args.student_dir
-    if folder.lower().endswith((".yaml", ".yml")) and os.path.isfile(folder):  # a run's config: its student
-        from kdflow.schemas.config import load_config
+    if (config := _config_named(folder)) is not None:  # a run's config: its student
         from kdflow.schemas.layout import STUDENTS_DIR
 
-        config = load_config(folder)
         args.student_dir = folder = f"{config.run_root.rstrip('/')}/{STUDENTS_DIR}/{config.student.name}"
     if "://" in folder and not folder.startswith("file://"):  # a student on an object store: chat with a copy
         from kdflow.tasks.common.scratch import downloaded_model

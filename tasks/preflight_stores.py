@@ -20,6 +20,7 @@ from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
 from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
                                    complete_checkpoint_steps)
+from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.preflight import Preflight, check, chosen_stages
 
 # The stores each stage reads, by the stage that writes them.
@@ -39,10 +40,7 @@ def check_stage_inputs(config: KDFlowConfig, stages: list[str] | str | None) -> 
     for stage in chosen:
         for before in READS_FROM.get(stage, ()):
             what, folder = _OUTPUT[before]
-            if before in context.stages:
-                continue
-            state = None if _has_output(context, folder) else "holds none" if folder == TOPK_DIR else "is not complete"
-            state = state or _made_from_other_inputs(context, before, folder)
+            state = None if before in context.stages else _output_problem(context, before, folder)
             if state is None:
                 continue
             raise ConfigError(f"--stages {','.join(chosen)}: {stage} reads {what}, which {before} writes, and "
@@ -50,36 +48,40 @@ def check_stage_inputs(config: KDFlowConfig, stages: list[str] | str | None) -> 
                               "(or leave --stages out to run every stage)")
 
 
-def _has_output(context: Preflight, folder: str) -> bool:
-    if folder != TOPK_DIR:
-        return context.complete(folder) is not None
-    path = os.path.join(context.run_root.root, TOPK_DIR)  # one folder per store (its tag)
-    return os.path.isdir(path) and any(not name.startswith(".") for name in os.listdir(path))
-
-
-def _made_from_other_inputs(context: Preflight, before: str, folder: str) -> str | None:
-    """A complete corpus or token store that another dataset, seq_len or shard size made (its fingerprint is not
-    this config's): 'was made with SETTING OLD, now NEW', from the config saved beside it; else None."""
+def _output_problem(context: Preflight, before: str, folder: str) -> str | None:
+    """Why the store `before` writes cannot be read as this config's: none there ('holds none', 'is not
+    complete'), or a complete corpus or token store that another dataset, seq_len or shard size made (its
+    fingerprint is not this config's): 'was made with SETTING OLD, now NEW', from the config saved beside it."""
     from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint_of
 
-    config, done = context.config, context.complete(folder) or {}
+    if folder == TOPK_DIR:  # one folder per store (its tag), which says what made it; training names the one it wants
+        path = os.path.join(context.run_root.root, TOPK_DIR)
+        return None if os.path.isdir(path) and any(not n.startswith(".") for n in os.listdir(path)) else "holds none"
+    done = context.complete(folder)
+    if done is None:
+        return "is not complete"
+    config = context.config
     corpus = corpus_fingerprint(config)
     if before == "materialise":
         expected = corpus
-    elif before == "tokenise" and (done.get("extra") or {}).get("tokenizer_fingerprint"):
+    elif (done.get("extra") or {}).get("tokenizer_fingerprint"):
         expected = tokens_fingerprint_of(corpus, done["extra"]["tokenizer_fingerprint"], config.seq_len,
                                          config.precompute.sequences_per_shard)
     else:
-        return None  # a top-K store: its tag says what made it, and training names the one it wants
+        return None  # a token store that does not record its tokenizer: the stage says so
     if done.get("fingerprint") == expected:
         return None
     try:
-        run_root = context.run_root
-        saved = config_from_dict(yaml.safe_load(run_root.read_bytes(run_root.path(folder, CONFIG_FILE))))
+        saved = _saved_config(context.run_root, context.run_root.path(folder))
         changes = _input_changes(saved, config, tokens=before == "tokenise")
     except Exception:  # noqa: BLE001 - no config beside it (an older store): the fingerprints alone
         changes = []
     return "was made with " + "; ".join(changes) if changes else "was made from another dataset, seq_len or shard size"
+
+
+def _saved_config(run_root: RunRoot, folder: str) -> KDFlowConfig:
+    """The config written beside a store or a student (`config.yaml`), read back."""
+    return config_from_dict(yaml.safe_load(run_root.read_bytes(f"{folder}/{CONFIG_FILE}")))
 
 
 def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -> list[str]:
@@ -102,7 +104,7 @@ def check_resume(context: Preflight) -> None:
     folder = run_root.path(STUDENTS_DIR, name)
     try:
         steps = complete_checkpoint_steps(run_root, folder)
-        saved = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{folder}/{CONFIG_FILE}")))
+        saved = _saved_config(run_root, folder)
     except Exception:  # noqa: BLE001 - no student yet, no config beside it, one of another kdflow: training tells
         return
     changes = resume_changes(saved, context.config, topk="precompute" in context.stages) if steps else []

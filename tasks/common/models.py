@@ -37,9 +37,8 @@ def resolve_device(spec: str) -> torch.device:
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(spec)
     if device.type == "cuda":
-        device = torch.device("cuda", device.index or 0)
-        if device.index >= torch.cuda.device_count():
-            found = torch.cuda.device_count()
+        device, found = torch.device("cuda", device.index or 0), torch.cuda.device_count()
+        if device.index >= found:
             why = f"torch {torch.__version__} finds {found} CUDA device{'s' if found != 1 else ''} here"
             raise ConfigError(no_cuda_message("device", spec, why))
     return device

@@ -117,20 +117,19 @@ def _first_malformed_json(files: list[str]) -> str | None:
     return None
 
 
-def _caused_by(error: BaseException | None, matches: Callable[[BaseException], bool]) -> bool:
-    """`datasets` wraps errors of file builders (e.g. DatasetGenerationError): look down the chain."""
+def _cause(error: BaseException | None, matches: Callable[[BaseException], bool]) -> BaseException | None:
+    """`datasets` wraps errors of file builders (e.g. DatasetGenerationError): the first in the chain that
+    `matches`, or None."""
     seen = 0
     while error is not None and seen < 16:
         if matches(error):
-            return True
+            return error
         error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
+    return None
 
 
-def _first_cause_line(error: BaseException | None, name: str) -> str:
-    while error is not None and type(error).__name__ != name:
-        error = error.__cause__ or error.__context__
-    return str(error).splitlines()[0] if error is not None else ""
+def _caused_by(error: BaseException | None, matches: Callable[[BaseException], bool]) -> bool:
+    return _cause(error, matches) is not None
 
 
 def _caused_by_invalid_utf8(error: BaseException | None) -> bool:
@@ -191,10 +190,10 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             where = _first_malformed_json(local_files)
             raise DataError(f"dataset file {where}" if where else f"{_describe(dataset, local_files)}: not valid JSON: "
                             f"{str(error).splitlines()[0]}") from None
-        if _caused_by(error, lambda e: type(e).__name__ == "ParserError"):  # pandas', reading CSV/TSV
+        if parser_error := _cause(error, lambda e: type(e).__name__ == "ParserError"):  # pandas', reading CSV/TSV
             where = first_malformed_row(local_files)
             raise DataError(f"dataset file {where}" if where else f"{_describe(dataset, local_files)}: not valid CSV: "
-                            f"{_first_cause_line(error, 'ParserError')}") from None
+                            f"{str(parser_error).splitlines()[0]}") from None
         if _caused_by_no_data(error) and index == start:
             after = f" after record {start}" if start else ""
             raise DataError(f"{_describe(dataset, local_files)} holds no records{after} "
