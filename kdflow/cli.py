@@ -94,7 +94,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         from kdflow.schemas.layout import STUDENTS_DIR
 
         args.student_dir = folder = f"{config.run_root.rstrip('/')}/{STUDENTS_DIR}/{config.student.name}"
-    if "://" in folder and not folder.startswith("file://"):  # a student on an object store: chat with a copy
+    if folder.startswith("file://"):  # a local run root written as a URL: its folder
+        from kdflow.schemas.storage import RunRoot
+
+        args.student_dir = folder = RunRoot(folder).root
+    if "://" in folder:  # a student on an object store: chat with a copy
         from kdflow.tasks.common.scratch import downloaded_model
 
         with downloaded_model(folder, FINAL_DIR) as local:

@@ -80,6 +80,18 @@ def test_lines_from_stdin_are_one_conversation_that_continues_the_running_text(
                                                              ("user", "A module"), ("assistant", second)]
 
 
+def test_a_student_named_by_a_file_url_is_its_local_folder(student_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from kdflow.cli import main
+
+    replies = []
+    for name in (str(student_dir), f"file://{student_dir}", f"file://{student_dir / 'final'}"):
+        capsys.readouterr()
+        assert main(["chat", name, "--prompt", PROMPT, "--greedy", "--max-new-tokens", "4"]) == 0, name
+        replies.append(capsys.readouterr().out)
+    assert replies[1:] == replies[:1] * 2  # a `file://` run root's student (it said "has no final model yet")
+
+
 def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.cli import main
     from kdflow.tasks.student.chat import generate

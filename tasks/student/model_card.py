@@ -26,8 +26,9 @@ from kdflow.tasks.common.sources import hub_id
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
-METRIC_NAMES = {"kl": "KL to the teacher's top-K (K+1 buckets)", "kl_full": "full-vocabulary KL to the teacher",
+METRIC_NAMES = {"kl_stored": "KL to the teacher's top-K (K+1 buckets)", "kl_full": "full-vocabulary KL to the teacher",
                 "ce": "cross-entropy (nats/token)", "perplexity": "perplexity", "top1_agreement": "top-1 agreement"}
+STORED_KL_NAMES = {"sampled": "KL to the stored sampled targets", "hybrid": "KL to the stored targets (head and samples)"}
 NOT_METRICS = {"step", "sequences"}
 
 
@@ -92,14 +93,18 @@ def _value(key: str, value: Any) -> str:
     return str(value)
 
 
-def _metrics_table(evals: list[dict[str, Any]]) -> list[str]:
+def _metrics_table(evals: list[dict[str, Any]], targets: str | None) -> list[str]:
     if not evals:
         return ["No held-out evaluation was run (`student.eval_shards: 0`)."]
+    # `kl` is kl_stored's old name (records of older runs hold only `kl`): one row, under the new name
+    evals = [{("kl_stored" if k == "kl" else k): v for k, v in e.items() if k != "kl" or "kl_stored" not in e}
+             for e in evals]
+    names = METRIC_NAMES | ({"kl_stored": STORED_KL_NAMES[targets]} if targets in STORED_KL_NAMES else {})
     keys = list(dict.fromkeys(k for e in evals for k, v in e.items()
                               if k not in NOT_METRICS and (v is None or isinstance(v, (int, float)))))
     lines = ["| held-out | " + " | ".join(f"step {e['step']}" for e in evals) + " |",
              "| --- | " + " | ".join("---" for _ in evals) + " |"]
-    lines += [f"| {METRIC_NAMES.get(k, k)} | " + " | ".join(_value(k, e.get(k)) for e in evals) + " |" for k in keys]
+    lines += [f"| {names.get(k, k)} | " + " | ".join(_value(k, e.get(k)) for e in evals) + " |" for k in keys]
     sequences = evals[-1].get("sequences")
     rows = f"{sequences} held-out sequences" if sequences else "held-out sequences"
     return [f"Against the teacher, on {rows} of the corpus (shards never trained on), at the first and the last "
@@ -129,7 +134,7 @@ def render_card(facts: dict[str, Any]) -> str:
              f"A student distilled offline with kdflow from the teacher {teacher}: trained "
              "against the teacher's log-probabilities, computed once over the corpus and stored.", "",
              "## Training", "", "| | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in rows], "",
-             "## Held-out metrics", "", *_metrics_table(facts.get("evals") or []), "", "## Training curve", ""]
+             "## Held-out metrics", "", *_metrics_table(facts.get("evals") or [], facts.get("targets")), "", "## Training curve", ""]
     if facts.get("curve"):
         lines.append(f"![training curve: loss per step and held-out KL]({TRAINING_CURVE_FILE})")
     else:
