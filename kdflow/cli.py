@@ -6,12 +6,8 @@ import argparse
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from kdflow.schemas.errors import KDFlowError
-
-if TYPE_CHECKING:
-    from kdflow.schemas.config import KDFlowConfig
 
 
 def _warn(warnings: list[str]) -> None:
@@ -46,30 +42,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from kdflow.schemas.config_io import run_root_of
     from kdflow.status import print_status
 
-    return print_status(_run_root_of(args.run_root))
+    return print_status(run_root_of(args.run_root))
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from kdflow.schemas.config_io import run_root_of
     from kdflow.validate import validate_run_root
 
-    return validate_run_root(_run_root_of(args.run_root), fix=args.fix)
-
-
-def _config_named(given: str) -> KDFlowConfig | None:
-    """The config when `given` is a config file (`kdflow status configs/example.yaml`), else None."""
-    if given.lower().endswith((".yaml", ".yml")) and os.path.isfile(given):
-        from kdflow.schemas.config import load_config
-
-        return load_config(given)
-    return None
-
-
-def _run_root_of(given: str) -> str:
-    """A run root, or the config file that names one."""
-    config = _config_named(given)
-    return config.run_root if config is not None else given
+    return validate_run_root(run_root_of(args.run_root), fix=args.fix)
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
@@ -89,8 +72,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from kdflow.schemas.layout import FINAL_DIR
     from kdflow.tasks.common.sources import model_folder_problem
 
+    from kdflow.schemas.config_io import config_named
+
     folder = args.student_dir
-    if (config := _config_named(folder)) is not None:  # a run's config: its student
+    if (config := config_named(folder)) is not None:  # a run's config: its student
         from kdflow.schemas.layout import STUDENTS_DIR
 
         args.student_dir = folder = f"{config.run_root.rstrip('/')}/{STUDENTS_DIR}/{config.student.name}"

@@ -8,6 +8,7 @@ import json
 import shlex
 
 from kdflow.schemas.config import parse_override
+from kdflow.schemas.config_io import run_root_of
 from kdflow.schemas.logit_layouts import LAYOUTS
 
 _LAYOUTS = "; ".join(f"{layout.name}: {layout.description}" for layout in LAYOUTS.values())
@@ -39,12 +40,12 @@ def export_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdflow store export", description=(
         "Write a top-K store as Parquet shards (OUT_DIR/data/train-*.parquet) that "
         f"datasets.load_dataset('parquet', ...) reads. Layouts: {_LAYOUTS}"))
-    parser.add_argument("run_root")
+    parser.add_argument("run_root", help="the run root, or the config file that names it")
     parser.add_argument("out_dir")
     parser.add_argument("--tag", help="the store (default: the run root's only one)")
     parser.add_argument("--layout", default="kdflow", choices=sorted(LAYOUTS), help="column layout (default kdflow)")
     args = parser.parse_args(argv)
     from kdflow.tasks.teacher.logit_export import export_store
 
-    print(json.dumps(export_store(args.run_root, args.out_dir, args.tag, args.layout)))
+    print(json.dumps(export_store(run_root_of(args.run_root), args.out_dir, args.tag, args.layout)))
     return 0

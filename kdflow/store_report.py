@@ -16,6 +16,7 @@ import yaml
 
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config import config_from_dict
+from kdflow.schemas.config_io import run_root_of
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CONFIG_FILE
 from kdflow.schemas.storage import RunRoot
@@ -86,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     from kdflow.tasks.teacher.store_report import report_markdown
 
     parser = argparse.ArgumentParser(prog="kdflow store report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_root")
+    parser.add_argument("run_root", help="the run root, or the config file that names it")
     parser.add_argument("--tag", help="one store (default: every store under topk/)")
     parser.add_argument("--rows", type=int, default=256, help="rows sampled for the histograms (default 256)")
     parser.add_argument("--kl-rows", type=int, default=8, help="rows re-run through the teacher for the KL (0: none)")
     parser.add_argument("--device", default=None, help="device of the teacher (default: the store config's)")
     parser.add_argument("--json", action="store_true", help="one JSON object per store instead of Markdown")
     args = parser.parse_args(argv)
+    args.run_root = run_root_of(args.run_root)
     run_root = RunRoot(args.run_root)
     if not run_root.exists(run_root.root):  # as kdflow status and validate say it
         print(f"run root {args.run_root} does not exist")

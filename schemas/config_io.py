@@ -77,6 +77,19 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> KD
     return config_from_dict(data, source=str(path))
 
 
+def config_named(given: str) -> KDFlowConfig | None:
+    """The config when `given` names a config file (`kdflow status configs/example.yaml`), else None."""
+    if given.lower().endswith((".yaml", ".yml")) and Path(given).is_file():
+        return load_config(given)
+    return None
+
+
+def run_root_of(given: str) -> str:
+    """A run root as given on a command line, or the one the config file `given` names."""
+    config = config_named(given)
+    return config.run_root if config is not None else given
+
+
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = data

@@ -211,3 +211,21 @@ def test_exporting_from_a_run_root_without_a_top_k_store_says_so(tmp_path: Path)
     assert str(caught.value) == (f"no top-K store under {tmp_path / 'run' / 'topk'}: the precompute stage has not "
                                  "written one yet")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_and_report_take_the_run_s_config_file(fresh_run, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from support.faults import write_config
+
+    from kdflow.store_io import export_main
+    from kdflow.store_report import main as report_main
+
+    config = fresh_run(**V1)
+    config_file = write_config(config, tmp_path / "run.yaml")
+    outputs = []
+    for given in (str(config.run_root), str(config_file)):  # a config file said NotADirectoryError: run.yaml/topk
+        capsys.readouterr()
+        assert export_main([given, str(tmp_path / f"out-{len(outputs)}"), "--tag", DENSE_TAG]) == 0
+        assert report_main([given, "--tag", DENSE_TAG, "--kl-rows", "0", "--rows", "4", "--json"]) == 0
+        outputs.append(capsys.readouterr().out.splitlines())
+    assert len(outputs[0]) == 2 and outputs[1] == [outputs[0][0].replace("out-0", "out-1"), outputs[0][1]]
