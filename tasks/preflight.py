@@ -255,6 +255,16 @@ def check_student(context: Preflight) -> None:
         context.warn(f"student.architecture is ignored: the student is {init_from!r} (student.init_from)")
 
 
+@check("schedule", "train")
+def check_schedule(context: Preflight) -> None:
+    """A warning when the warmup takes the whole run (`--set student.steps=10` under the default 20-step warmup)."""
+    student = context.config.student
+    if student.warmup_steps >= student.steps:
+        context.warn(f"student.warmup_steps={student.warmup_steps} is not below student.steps={student.steps}: the "
+                     f"learning rate rises for the whole run, to {student.steps / student.warmup_steps:.0%} of "
+                     "student.lr at the last step, and never decays; lower warmup_steps")
+
+
 @check("disk")
 def check_disk(context: Preflight) -> None:
     """A warning, with the numbers, when the run may write more than the run root's disk has free."""

@@ -142,6 +142,13 @@ def test_free_disk_against_an_estimate_is_a_warning_with_numbers(make_config, tm
     assert warning.startswith("the run may write about ") and " GB are free there" in warning and "top-K" in warning
 
 
+def test_a_warmup_that_takes_the_whole_run_is_a_warning(make_config) -> None:
+    assert run_preflight(make_config(student__steps=10, student__warmup_steps=9)) == []
+    [warning] = run_preflight(make_config(student__steps=10, student__warmup_steps=20))
+    assert warning == ("student.warmup_steps=20 is not below student.steps=10: the learning rate rises for the whole "
+                       "run, to 50% of student.lr at the last step, and never decays; lower warmup_steps")
+
+
 def test_gguf_metadata_without_transformers(tmp_path) -> None:
     import gguf
 
