@@ -192,6 +192,22 @@ def test_one_candidate_in_process_reads_the_runs_token_shards(make_config: Calla
     assert 0 < record["peak_rss_mib"] < record["total_mib"] and 0 < record["headroom"] < 1
 
 
+@pytest.mark.parametrize("targets", ["sampled", "hybrid"])
+def test_a_candidate_of_sampled_targets_times_the_sampler(make_config: Callable[..., Any], targets: str) -> None:
+    """The pass of sampled or hybrid targets runs the sampler, not the top-K step (3x slower on this CPU than the
+    top-K that tune timed for them): its chunk is the sampler's, a third of the top-K's in the same budget."""
+    from kdflow.tasks.teacher.sampled_pass import sampled_chunk_tokens
+    from kdflow.tasks.teacher.topk import choose_chunk_tokens
+
+    config = prepare(make_config(dataset__max_documents=12, precompute__chunk_memory_mib=1,
+                                 precompute__targets=targets, precompute__sampling__head=4,
+                                 precompute__sampling__samples=6))
+    record = measure_candidate(config, micro_batch=3, batches=2)
+    vocab = record["vocab"]
+    assert record["status"] == "ok" and record["tokens_per_s"] > 0
+    assert record["chunk_tokens"] == sampled_chunk_tokens(config, vocab) < choose_chunk_tokens(vocab, 1 << 20)
+
+
 @pytest.mark.usefixtures("children")
 def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendation(
         make_config: Callable[..., Any], tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 The teacher loads exactly as the pass loads it (`load_teacher`: whole-model placement, 4-bit, dtype), and
 each micro-batch does what the pass does per micro-batch: the ids to the device, the body and the chunked
-top-K (`TeacherTopkStep`, with the pass's chunk size), the one host copy (`HostCopies`). The rows are the
+top-K (`TeacherTopkStep`, with the pass's chunk size) and the one host copy (`HostCopies`), or for sampled and
+hybrid targets the chunked sampler and the copy of its fields (`SampledPass`). The rows are the
 run's own token shards, or, before any exist, Python's documentation tokenised with the run's tokenizer
 and packed to `seq_len`. After `warmup` untimed micro-batches, `batches` timed ones give tokens per second;
 the peak memory covers all of them. One process per candidate (`kdflow.tasks.teacher.tune_worker`): an
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from kdflow.schemas.codec_sampled import SampledCodec
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
@@ -37,6 +40,8 @@ from kdflow.tasks.teacher.host_writer import HostCopies
 from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config,
                                           vocab_rows)
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
+from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_chunk_tokens
+from kdflow.tasks.teacher.sampling import SamplingPlan
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 MIB = 1 << 20
@@ -97,11 +102,33 @@ def memory_record(device: torch.device) -> dict[str, Any]:
             "headroom_mib": round(headroom / MIB, 1), "headroom": round(headroom / max(total, 1), 4)}
 
 
-def pass_step(config: KDFlowConfig, model: torch.nn.Module) -> TeacherTopkStep:
-    """The pass's step: `chunk_tokens` as ShardComputer chooses it."""
+def pass_step(config: KDFlowConfig, model: torch.nn.Module, vocab: int, micro_batch: int, device: torch.device
+              ) -> tuple[Callable[[torch.Tensor, int], tuple[Any, Callable[[], None]]], int]:
+    """The pass's work on one micro-batch of `micro_batch` rows, as ShardComputer builds it for the config's targets
+    (top-K: the chunked top-K and its host copy; sampled, hybrid: the sampler and its six fields' host copy) ->
+    (step: (ids on the device, micro-batch index) -> (CUDA event or None, release), chunk_tokens). `vocab`: the
+    teacher's output rows."""
     pre = config.precompute
-    vocab = getattr(output_layer(model), "out_features", None) or vocab_rows(model)
-    return TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+    if pre.targets != "topk":  # the stored codec is the writer's: its shapes are all the sampler's copies need
+        plan = SamplingPlan.from_config(pre)
+        codec = SampledCodec(config.seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed)
+        sampled = SampledPass(config.model_copy(update={"precompute": pre.model_copy(
+            update={"micro_batch": micro_batch})}), model, codec, sampled_chunk_tokens(config, vocab), slots=2)
+
+        def sample(input_ids: torch.Tensor, index: int) -> tuple[Any, Callable[[], None]]:
+            *_, ready, release = sampled(input_ids, micro_batch, shard=0, first_row=index * micro_batch)
+            return ready, release
+
+        return sample, sampled.chunk_tokens
+    step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+    storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
+    host = HostCopies(device, (micro_batch, config.seq_len, pre.top_k), storage, slots=2)
+
+    def topk(input_ids: torch.Tensor, index: int) -> tuple[Any, Callable[[], None]]:
+        *_, ready, release = host.copy(*step(input_ids))  # (B, T, K), (B, T, K), (B, T)
+        return ready, release
+
+    return topk, step.chunk_tokens
 
 
 def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warmup: int = 1,
@@ -125,9 +152,8 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
     if ids.min() < 0 or ids.max() >= vocab_rows(model):
         raise StoreError(f"{source} hold id {int(ids.max())}, outside the teacher's embedding of {vocab_rows(model)} "
                          "rows")
-    step = pass_step(config, model)
-    storage = torch.float16 if config.precompute.logprobs_dtype == "float16" else torch.float32
-    host = HostCopies(device, (micro_batch, config.seq_len, config.precompute.top_k), storage, slots=2)
+    vocab = int(getattr(output_layer(model), "out_features", None) or vocab_rows(model))
+    step, chunk_tokens = pass_step(config, model, vocab, micro_batch, device)
     timed_from = 0.0
     with deterministic_algorithms():
         for index in range(warmup + batches):
@@ -136,10 +162,8 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
                     torch.cuda.synchronize(device)
                 timed_from = time.perf_counter()
             rows = torch.from_numpy(ids[index * micro_batch:(index + 1) * micro_batch].astype(np.int64))
-            # (B, T, K), (B, T, K), (B, T)
-            topk_ids, topk_logprobs, tail_logprob = step(rows.to(device, non_blocking=True))
+            ready, release = step(rows.to(device, non_blocking=True), index)
             faults.maybe_fire("micro_batch", run_root, micro_batch=index, micro_batch_size=micro_batch)
-            *_, ready, release = host.copy(topk_ids, topk_logprobs, tail_logprob)
             if ready is not None:
                 ready.synchronize()
             release()
@@ -148,4 +172,4 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
     return {"micro_batch": micro_batch, "status": "ok", "tokens_per_s": round(tokens / seconds, 1),
             "seconds": round(seconds, 3), "tokens": tokens, "batches": batches, "warmup": warmup,
             "load_seconds": round(load_seconds, 2), "device": str(device), "threads": torch.get_num_threads(),
-            "rows_from": source, "chunk_tokens": step.chunk_tokens, **memory_record(device)}
+            "rows_from": source, "chunk_tokens": chunk_tokens, "vocab": vocab, **memory_record(device)}

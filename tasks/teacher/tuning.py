@@ -90,6 +90,7 @@ def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True, run_r
         rows_from = f"no token shards yet: Python's documentation in rows of {config.seq_len} tokens"
     from kdflow.tasks.common.hub_access import check_hub_teacher
     from kdflow.tasks.teacher.loading import check_teacher_limits, load_teacher_config
+    from kdflow.tasks.teacher.sampling import check_sampling_fits
 
     check_hub_teacher(config.teacher)  # not cached and no hub: one line now, not after a minute of retries
     try:
@@ -99,6 +100,7 @@ def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True, run_r
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... for a bad model
         raise ConfigError(f"teacher {config.teacher.model!r} cannot be loaded: {first_line(error)}") from None
     check_teacher_limits(teacher_config, top_k=config.precompute.top_k, seq_len=config.seq_len)
+    check_sampling_fits(config.precompute, teacher_config)
     if config.teacher.load_in_4bit:
         import importlib.util
 
