@@ -15,17 +15,26 @@ from support.runs import prepare
 from kdflow.schemas.config import dump_config
 
 
+@pytest.mark.parametrize("targets", ["topk", "hybrid"])
 def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
-        make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], targets: str) -> None:
     from kdflow.bench.teacher_pass import MODES, main, scratch_copy
+    from kdflow.tasks.teacher.loading import load_teacher_config
+    from kdflow.tasks.teacher.sampled_pass import sampled_chunk_tokens
+    from kdflow.tasks.teacher.topk import choose_chunk_tokens
 
-    config = prepare(make_config(dataset__max_documents=12))
+    config = prepare(make_config(dataset__max_documents=12, precompute__targets=targets,
+                                 precompute__chunk_memory_mib=1, precompute__sampling__head=4))
     path = tmp_path / "config.yaml"
     path.write_text(dump_config(config), encoding="utf-8")
     capsys.readouterr()
     assert main(["--config", str(path), "--shards", "2", "--repeats", "1", "--threads", "1"]) == 0
     *modes, ratios = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [m["mode"] for m in modes] == list(MODES)
+    # the `topk` mode runs the step of the config's targets (a hybrid config's pass runs the sampler, not the top-K)
+    vocab = load_teacher_config(config.teacher).vocab_size
+    chunk = choose_chunk_tokens(vocab, 1 << 20) if targets == "topk" else sampled_chunk_tokens(config, vocab)
+    assert all(m["targets"] == targets and m["chunk_tokens"] == chunk for m in modes)
     assert all(m["tokens_per_s"] > 0 and m["tokens"] == modes[0]["tokens"] > 0 for m in modes)
     assert modes[0]["micro_batches"] == 4 and modes[0]["padded_tokens"] == 4 * 4 * 32  # 2 shards of 8 rows, 4 a batch
     assert set(ratios) >= {"stage/forward", "topk/forward", "stage/body", "topk/body"}

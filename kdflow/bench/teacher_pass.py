@@ -7,7 +7,9 @@ micro-batch, the last one padded), it times:
   the model's dtype (its own lm_head, also where `teacher.lm_head_float32` wraps it for the pass): the least any
   teacher pass must compute, so this stage's limit on this machine;
 - `topk`: the body plus the chunked top-K and full-vocabulary log-sum-exp (`TeacherTopkStep`, the step the
-  pass runs, with the pass's chunk size), results left on the device;
+  pass runs, with the pass's chunk size), results left on the device; for a config of sampled or hybrid
+  targets, the step that pass runs instead, the chunked sampler (`TeacherSampledStep`; every line's `targets`
+  says which);
 - `stage`: `precompute_shards` over those shards into an emptied top-K store (planning, shard reads, the step,
   host copies, encoding, the background writer, leases, commits), the teacher already loaded. Not inside it:
   the store report's re-run of `precompute.report_rows` rows (set to 0 here: a fixed cost after the shards,
@@ -124,14 +126,16 @@ def micro_batches(arrays: list[Any], micro_batch: int) -> list[tuple[Any, int]]:
 
 
 def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scratch: Any,
-                   shards: int) -> dict[str, Callable[[], None]]:
-    """One callable per mode, each doing the whole of its work over every micro-batch once."""
+                   shards: int) -> tuple[dict[str, Callable[[], None]], int]:
+    """One callable per mode, each doing the whole of its work over every micro-batch once; the chunk (rows) of
+    the `topk` mode's step."""
     import torch
 
     from kdflow.schemas.layout import TOPK_DIR
     from kdflow.tasks.common.float32_logits import Float32Logits
     from kdflow.tasks.common.models import body_hidden_states, output_layer
     from kdflow.tasks.teacher.precompute import precompute_shards
+    from kdflow.tasks.teacher.sampled_pass import sampled_step
     from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
     pre = config.precompute
@@ -139,7 +143,19 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     # On the device before timing, as the stage's copy is tiny.
     inputs = [torch.from_numpy(ids).to(device) for ids, _ in batches]
     vocab = getattr(output_layer(model), "out_features", None) or model.get_input_embeddings().num_embeddings
-    step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+    if pre.targets == "topk":
+        topk_step = TeacherTopkStep(model, pre.top_k,
+                                    pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+
+        def step(ids: Any, index: int) -> Any:
+            return topk_step(ids)
+        chunk_tokens = topk_step.chunk_tokens
+    else:  # the sampler, seeded as the pass seeds its first shard's rows
+        sampler = sampled_step(model, config, int(vocab))
+
+        def step(ids: Any, index: int) -> Any:
+            return sampler(ids, shard=0, first_row=index * len(ids))
+        chunk_tokens = sampler.chunk_tokens
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def body() -> None:
@@ -161,8 +177,8 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
             model.set_output_embeddings(own_head)
 
     def topk() -> None:
-        for ids in inputs:
-            step(ids)
+        for index, ids in enumerate(inputs):
+            step(ids, index)
         sync()
 
     shard_ids = list(range(shards))
@@ -173,7 +189,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
         if summary["written"] != shards:
             raise RuntimeError(f"the stage wrote {summary['written']} shards, expected {shards}")
 
-    return {"body": body, "forward": forward, "topk": topk, "stage": stage}
+    return {"body": body, "forward": forward, "topk": topk, "stage": stage}, chunk_tokens
 
 
 def empty_store(topk: Path) -> None:
@@ -220,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch, arrays = scratch_copy(config, args.shards, folder)
         batches = micro_batches(arrays, config.precompute.micro_batch)
         tokens = sum(len(rows) for rows in arrays) * config.seq_len
-        steps = step_functions(config, model, batches, scratch, args.shards)
+        steps, chunk_tokens = step_functions(config, model, batches, scratch, args.shards)
         seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         cpu_seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         with deterministic_algorithms():  # as the pass runs
@@ -234,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                     cpu_seconds[mode].append(time.process_time() - cpu)
     common = {"bench": "teacher_pass", "teacher": config.teacher.model, "device": str(device),
               "threads": torch.get_num_threads(), "micro_batch": config.precompute.micro_batch,
-              "seq_len": config.seq_len,
-              "top_k": config.precompute.top_k, "shards": args.shards, "micro_batches": len(batches), "tokens": tokens,
+              "seq_len": config.seq_len, "top_k": config.precompute.top_k, "targets": config.precompute.targets,
+              "chunk_tokens": chunk_tokens, "shards": args.shards, "micro_batches": len(batches), "tokens": tokens,
               "padded_tokens": len(batches) * config.precompute.micro_batch * config.seq_len}
     rates = {}
     for mode in modes:
