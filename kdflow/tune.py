@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(config.teacher.device)
     on = f"{device} ({config.teacher.device})" if config.teacher.device == "auto" else str(device)
     pre = config.precompute
-    targets = (f"top_k {pre.top_k}" if pre.targets == "topk" else f"{pre.targets} targets ("
-               + (f"head {pre.sampling.head}, " if pre.targets == "hybrid" else "") + f"{pre.sampling.samples} samples)")
+    head = f"head {pre.sampling.head}, " if pre.targets == "hybrid" else ""
+    targets = (f"top_k {pre.top_k}" if pre.targets == "topk"
+               else f"{pre.targets} targets ({head}{pre.sampling.samples} samples)")
     print(f"kdflow tune precompute: {config.teacher.model} on {on}, seq_len {config.seq_len}, "
           f"{targets}; candidates {','.join(map(str, sizes))}; rows: {rows_from}", flush=True)
 

@@ -101,7 +101,8 @@ def test_a_hub_student_in_the_local_cache_passes_pre_flight_trains_and_its_card_
 
     # The same vocabulary with another end-of-text token: what an instruct teacher's base sibling ships.
     cache_repo(hub_cache, STUDENT_ID, pretrained_student(tmp_path / "student", sharp_teacher_dir, eos="<pad>"))
-    config = fresh_run(student__init_from=STUDENT_ID, student__steps=2, student__save_every=2)
+    config = fresh_run(student__init_from=STUDENT_ID, student__steps=2, student__save_every=2,
+                       student__warmup_steps=1)
     assert run_preflight(config, ["train"]) == [  # the test configs give a tiny architecture, unused here
         f"student.architecture is ignored: the student is {STUDENT_ID!r} (student.init_from)"]
     summary = train(config)

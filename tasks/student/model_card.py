@@ -26,9 +26,11 @@ from kdflow.tasks.common.sources import hub_id
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
-METRIC_NAMES = {"kl_stored": "KL to the teacher's top-K (K+1 buckets)", "kl_full": "full-vocabulary KL to the teacher",
-                "ce": "cross-entropy (nats/token)", "perplexity": "perplexity", "top1_agreement": "top-1 agreement"}
-STORED_KL_NAMES = {"sampled": "KL to the stored sampled targets", "hybrid": "KL to the stored targets (head and samples)"}
+METRIC_NAMES = {"kl_stored": "KL to the teacher's top-K (K+1 buckets)",
+                "kl_full": "full-vocabulary KL to the teacher", "ce": "cross-entropy (nats/token)",
+                "perplexity": "perplexity", "top1_agreement": "top-1 agreement"}
+STORED_KL_NAMES = {"sampled": "KL to the stored sampled targets",
+                   "hybrid": "KL to the stored targets (head and samples)"}
 NOT_METRICS = {"step", "sequences"}
 
 
@@ -134,7 +136,8 @@ def render_card(facts: dict[str, Any]) -> str:
              f"A student distilled offline with kdflow from the teacher {teacher}: trained "
              "against the teacher's log-probabilities, computed once over the corpus and stored.", "",
              "## Training", "", "| | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in rows], "",
-             "## Held-out metrics", "", *_metrics_table(facts.get("evals") or [], facts.get("targets")), "", "## Training curve", ""]
+             "## Held-out metrics", "", *_metrics_table(facts.get("evals") or [], facts.get("targets")), "",
+             "## Training curve", ""]
     if facts.get("curve"):
         lines.append(f"![training curve: loss per step and held-out KL]({TRAINING_CURVE_FILE})")
     else:
