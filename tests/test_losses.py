@@ -181,3 +181,24 @@ def test_bfloat16_inputs_give_bfloat16_grads_close_to_the_exact_ones(rows, vocab
     for got, want in ((hidden.grad, exact_hidden.grad), (weight.grad, exact_weight.grad)):
         assert (got.double() - want).abs().max() <= BF16_GRAD_BOUND * want.abs().max()
         assert (got.double() * 1.05 - want).abs().max() > BF16_GRAD_BOUND * want.abs().max()  # the bound can fail
+
+
+def test_a_student_equal_to_a_quantised_teacher_has_zero_kd_not_below_it() -> None:
+    """Stored top-K values are rounded (v2: sqrt(p) to 400 levels), so the K+1 masses sum to s != 1; the K+1 sum
+    alone then fell below 0 by up to |s - 1| for a student equal to the teacher (a held-out "KL" of -0.0001 from a
+    random teacher). KD less s log s is >= 0; the gradients are those of the plain K+1 sum (a constant apart)."""
+    rows, vocab, top_k = 9, 40, 6
+    teacher_logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)) * 0.2  # near uniform
+    full = torch.log_softmax(teacher_logits, 1)
+    logprobs, ids = full.topk(top_k, dim=1)
+    rounded = 2 * torch.log(torch.round(logprobs.exp().sqrt() * 400) / 400)  # the store's sqrt/400 values
+    tail = full.double().scatter(1, ids, float("-inf")).logsumexp(1).float()
+    mass = rounded.double().exp().sum(1) + tail.double().exp()
+    assert (mass - 1).abs().max() > 1e-4  # the rounding bites
+    case = {"hidden": full.clone().requires_grad_(), "weight": torch.eye(vocab).requires_grad_(),  # q = softmax(full)
+            "bias": torch.zeros(vocab, requires_grad=True), "topk_ids": ids.to(torch.int32), "topk_logprobs": rounded,
+            "tail_logprob": tail}
+    kd = assert_matches_reference(case, chunk_tokens=4, tail_logprob=tail)
+    assert 0 <= kd.item() < 1e-5
+    raw = (rounded.double().exp() * (rounded.double() - full.gather(1, ids).double())).sum(1)  # p_o log(p_o/q_o) = 0
+    assert raw.min() < -1e-5  # what the K+1 sum alone gave on some rows

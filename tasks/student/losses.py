@@ -5,9 +5,10 @@ docs/loss.md, "The K+1-bucket KL". Per counted position, with teacher log-probs 
 stored exactly at capture; without it 1 - sum p_i), and the student's full-vocabulary log-softmax log q
 (q_o = 1 - sum over the top-K of q_i):
 
-    KD = sum_i p_i (l_i - log q_i) + p_o (log p_o - log q_o)
+    KD = sum_i p_i (l_i - log q_i) + p_o (log p_o - log q_o) - s log s,    s = sum_i p_i + p_o
 
-Its gradient on the top-K logits equals the full-vocabulary KL's; renormalising the teacher over K
+(s is 1 but for the store's rounding; its term keeps KD >= 0 and changes no gradient). Its gradient on the
+top-K logits equals the full-vocabulary KL's; renormalising the teacher over K
 instead would push the student's tail mass to zero.
 
 At a temperature T != 1 both sides are softened exactly: the student's logits are divided by T, and the
@@ -138,7 +139,8 @@ class _Buckets:
     tail_ids: None = None  # the K+1 loss reads no tail logits
 
     def kd_term(self, student: StudentChunk, wants_grad: bool) -> KDTerm:
-        return bucket_kd(self.p, self.log_p, self.p_tail, self.log_p_tail, student, wants_grad)
+        return normalised_kd(bucket_kd(self.p, self.log_p, self.p_tail, self.log_p_tail, student, wants_grad),
+                             self.p, self.p_tail)
 
 
 def bucket_kd(p: Tensor, log_p: Tensor, p_tail: Tensor, log_p_tail: Tensor, student: StudentChunk,
@@ -153,6 +155,15 @@ def bucket_kd(p: Tensor, log_p: Tensor, p_tail: Tensor, log_p_tail: Tensor, stud
         return KDTerm(kd_rows)
     mass = p.sum(1) + p_tail  # (c,) s: 1 up to rounding (or the tail clamp)
     return KDTerm(kd_rows, tail=mass * student.q_tail - p_tail, head=mass[:, None] * student.q_head - p)
+
+
+def normalised_kd(term: KDTerm, p: Tensor, p_tail: Tensor) -> KDTerm:
+    """The top-K loss's rows less s log s, s = sum p_i + p_o (1 but for the store's rounding): >= 0 by the log-sum
+    inequality, where the K+1 sum alone fell below 0 by up to |s - 1| once the student matched the teacher (a
+    random teacher's near-uniform top-K, quantised, showed a held-out "KL" of -0.0001). A constant of the teacher:
+    no gradient changes. Clamped at 0 against float rounding."""
+    mass = p.sum(1) + p_tail
+    return term._replace(rows=(term.rows - torch.xlogy(mass, mass)).clamp_min(0.0))
 
 
 def _teacher_buckets(
