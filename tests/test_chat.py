@@ -105,6 +105,25 @@ def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys
         f"kdflow: error: student '{tmp_path}' is not a model: no config.json in it"]
 
 
+def test_a_device_that_is_not_here_and_bad_sampling_settings_are_one_line(
+        student_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from kdflow.cli import main
+    from kdflow.tasks.common.devices import cuda_unavailable
+
+    cases = [(["--top-p", "2"], "top-p must be in (0, 1] and top-k >= 0 (0: off), got 2.0 and 50"),
+             (["--device", "tpu"], "unknown device 'tpu' (auto, cpu, cuda, cuda:N)")]
+    if not torch.cuda.is_available():  # it said "AssertionError: Torch not compiled with CUDA enabled"
+        why = cuda_unavailable() or f"torch {torch.__version__} finds 0 CUDA devices here"
+        cases.append((["--device", "cuda"], f"--device='cuda', but {why}: set it to auto (a GPU when there is one) "
+                                            "or cpu"))
+    for args, message in cases:
+        capsys.readouterr()
+        assert main(["chat", str(student_dir), "--prompt", PROMPT, *args]) == 2, args
+        assert capsys.readouterr().err.strip().splitlines() == [f"kdflow: error: {message}"]
+
+
 def test_sampling_is_reproducible_with_a_seed(student_dir: Path) -> None:
     from kdflow.tasks.student.chat import continue_text, load_student
 

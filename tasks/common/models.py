@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from kdflow.schemas.config import TeacherConfig, section_hash
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.common.devices import no_cuda_message
+from kdflow.tasks.common.devices import cuda_unavailable, no_cuda_message
 from kdflow.tasks.common.float32_logits import SIXTEEN_BIT
 from kdflow.tasks.common.sources import WEIGHT_SUFFIXES, check_teacher_source
 
@@ -31,16 +31,18 @@ _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})/")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(spec: str) -> torch.device:
-    """auto -> the first CUDA device if there is one, else the CPU; `cuda` means `cuda:0`."""
+def resolve_device(spec: str, setting: str = "device") -> torch.device:
+    """auto -> the first CUDA device if there is one, else the CPU; `cuda` means `cuda:0`. A CUDA device that is
+    not here is a ConfigError naming `setting`."""
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(spec)
     if device.type == "cuda":
         device, found = torch.device("cuda", device.index or 0), torch.cuda.device_count()
         if device.index >= found:
-            why = f"torch {torch.__version__} finds {found} CUDA device{'s' if found != 1 else ''} here"
-            raise ConfigError(no_cuda_message("device", spec, why))
+            why = (cuda_unavailable() if not found else None) or (
+                f"torch {torch.__version__} finds {found} CUDA device{'s' if found != 1 else ''} here")
+            raise ConfigError(no_cuda_message(setting, spec, why))
     return device
 
 

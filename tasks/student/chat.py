@@ -43,10 +43,10 @@ def resolve_student_dir(path: str) -> str:
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from kdflow.tasks.common.models import resolve_device
+
     try:
-        return torch.device(name)
+        return resolve_device(name, setting="--device")
     except RuntimeError:
         raise StudentError(f"unknown device {name!r} (auto, cpu, cuda, cuda:N)") from None
 
@@ -99,6 +99,8 @@ class Decoding:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.greedy and self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature} (use --greedy)")
+        if not self.greedy and not (0 < self.top_p <= 1 and self.top_k >= 0):
+            raise ValueError(f"top-p must be in (0, 1] and top-k >= 0 (0: off), got {self.top_p} and {self.top_k}")
 
     def generate_kwargs(self) -> dict[str, Any]:
         self.check()
