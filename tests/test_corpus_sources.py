@@ -257,3 +257,32 @@ def test_a_csv_row_with_another_number_of_fields_or_an_open_quote_is_named(make_
     empty.write_text("")
     with pytest.raises(ConfigError, match=r"empty.csv is empty: no header row naming its columns$"):
         probe_dataset(make_config(dataset__path=str(empty)).dataset)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet"])
+def test_a_later_file_without_the_text_field_is_named_before_any_work(tmp_path: Path, kind: str) -> None:
+    """Only the first file was probed: a later one without the field failed inside materialise with
+    "DatasetGenerationError: An error occurred while generating the dataset". Columns in another order read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(name: str, columns: dict[str, list[str]]) -> Path:
+        path = tmp_path / f"{name}.{kind}"
+        if kind == "parquet":
+            pq.write_table(pa.table(columns), path)
+        elif kind == "csv":
+            path.write_text(",".join(columns) + "\n" + "".join(",".join(row) + "\n" for row in zip(*columns.values())))
+        else:
+            path.write_text("".join(json.dumps(dict(zip(columns, row))) + "\n" for row in zip(*columns.values())))
+        return path
+
+    write("a", {"id": ["1"], "text": ["one"]})
+    write("b", {"text": ["two"], "id": ["2"]})  # another order: fine
+    dataset = DatasetConfig(path=str(tmp_path))
+    assert probe_dataset(dataset) is None
+    c = write("c", {"id": ["3"], "body": ["three"]})
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(dataset)
+    has = ("a column of {} (its header row has: id, body)" if kind == "csv"
+           else "a field of {} (its first record has: body, id)")
+    assert str(caught.value) == "dataset.text_field='text' is not " + has.format(c)

@@ -67,8 +67,9 @@ def _check_fields(fields: list[str], dataset: DatasetConfig, name: str) -> None:
                           f"(its first record has: {', '.join(sorted(fields)) or 'no fields'})")
 
 
-def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
-    """One file: readable, its first record has the text field."""
+def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: bool = False) -> None:
+    """One file: readable, its first record has the text field (`fields_only`: that alone, for the files after
+    the first: their header, schema or first record)."""
     try:
         if builder == SAVED:
             data = load_saved_dataset(name, dataset.split)
@@ -81,7 +82,7 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
             with open_file(name) as handle:
                 fields = pq.read_schema(handle).names
             _check_fields(fields, dataset, name)
-        elif builder in ("json", "text", *DELIMITERS):
+        elif builder in ("json", "text", *DELIMITERS) and not fields_only:
             _check_encoding(name)
         if builder in DELIMITERS:
             header = csv_header(name, builder)
@@ -97,7 +98,7 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig) -> None:
                 _check_fields(list(record), dataset, name)
         elif builder == "text" and dataset.text_field != "text":
             raise ConfigError(f"dataset.text_field={dataset.text_field!r}: a .txt file {name} has one field, 'text'")
-        elif builder == "text":
+        elif builder == "text" and not fields_only:
             with open_file(name) as handle:
                 if not handle.read(1):
                     raise ConfigError(f"dataset file {name} is empty: no documents to read")
@@ -157,9 +158,13 @@ def probe_dataset(dataset: DatasetConfig) -> str | None:
     if dataset.sample_by != "line" and builder != "text":
         raise ConfigError(f"dataset.sample_by={dataset.sample_by!r} applies to .txt files; {names[0]} is "
                           f"{'a saved dataset' if builder == SAVED else builder}, whose records are the documents")
-    for name in names[:1]:  # the first file: enough to catch a wrong field or format
-        probe_file(name, builder, dataset)
+    probe_file(names[0], builder, dataset)  # the first file in full: format, encoding, fields
     missing = [name for name in names if "://" not in name and not os.path.exists(name)]
     if missing:
         raise ConfigError(f"dataset file not found: {missing[0]}")
+    # Every other local file's fields too (a header, a schema, a first line each): a later file without the text
+    # field failed inside materialise as "DatasetGenerationError: An error occurred while generating the dataset".
+    for name in names[1:]:
+        if "://" not in name:
+            probe_file(name, builder, dataset, fields_only=True)
     return None
