@@ -286,3 +286,11 @@ def test_a_later_file_without_the_text_field_is_named_before_any_work(tmp_path: 
     has = ("a column of {} (its header row has: id, body)" if kind == "csv"
            else "a field of {} (its first record has: body, id)")
     assert str(caught.value) == "dataset.text_field='text' is not " + has.format(c)
+
+
+def test_a_record_whose_text_is_not_a_string_is_named_counting_from_one(make_config: Callable[..., Any],
+                                                                       tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "nums.jsonl", ["a real document", {"text": 123}])
+    with pytest.raises(DataError) as caught:  # it said "record 1" for the second line
+        materialise(make_config(dataset__path=str(source)))
+    assert str(caught.value) == "dataset field 'text' holds int, not text (record 2 of the dataset, counting from 1)"

@@ -176,7 +176,7 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
             text = record[dataset.text_field]
             if text is not None and not isinstance(text, str):
                 raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text "
-                                f"(record {index})")
+                                f"(record {index + 1} of the dataset, counting from 1)")
             # A byte-order mark (a file saved on Windows) is not text. The text builder keeps it at the start of a
             # .txt file's first document, whatever encoding it is given for a compressed file; JSON readers drop it.
             yield index, (text or "").removeprefix("\ufeff")
