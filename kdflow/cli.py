@@ -136,7 +136,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kdflow.bench import BENCHES
+    from kdflow.bench import BENCHES, SUMMARIES
     from kdflow.schemas.config import parse_override
 
     parser = argparse.ArgumentParser(prog="kdflow", description="Offline knowledge distillation: cached teacher top-K, "
@@ -188,8 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--device", default="auto")
     chat.set_defaults(func=_cmd_chat)
 
-    bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line")
-    bench.add_argument("what", choices=list(BENCHES))
+    listing = "\n".join(f"  {name:<17} {SUMMARIES.get(name, '')}" for name in BENCHES)
+    bench = sub.add_parser("bench", help="benchmarks that print one JSON object per line",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Benchmarks that print one JSON object per line; each exits 1 when it "
+                           f"measured nothing.\n\n{listing}")
+    bench.add_argument("what", choices=list(BENCHES), metavar="NAME", help="one of the benchmarks above")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (see kdflow bench X --help)")
     bench.set_defaults(func=_cmd_bench)
 

@@ -68,3 +68,14 @@ def test_a_summary_listing_its_skipped_steps_is_a_measurement(capsys: pytest.Cap
     main = bench_printing({"bench": "gpu_check", "ok": True, "skipped": ["fsdp_2_process"], "failed": []})
     assert harness.run_main("gpu", main, []) == 0
     assert harness.is_measurement({"skipped": ["a"], "error": None}) and not harness.is_measurement({"error": "x"})
+
+
+def test_kdflow_bench_help_lists_what_each_benchmark_measures(capsys: pytest.CaptureFixture[str]) -> None:
+    from kdflow.bench import BENCHES, SUMMARIES
+    from kdflow.cli import main
+
+    assert set(SUMMARIES) == set(BENCHES)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out  # it listed the names alone
+    assert all(f"  {name:<17} {SUMMARIES[name]}" in out for name in BENCHES)

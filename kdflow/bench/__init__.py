@@ -24,6 +24,20 @@ BENCHES = {
     "scale": "kdflow.bench.scale",
 }
 
+# What each one measures, for `kdflow bench --help` (its module's docstring says how).
+SUMMARIES = {
+    "precompute": "the teacher pass's top-K step, chunked against dense",
+    "loss": "time and peak memory of the fused top-K KL loss against a dense one",
+    "tokenise": "the tokenizer's batch speed against the tokenise stage end to end",
+    "store": "bytes/position, KL and speed of every top-K codec setting",
+    "fidelity": "how well a student learns the teacher from each kind of stored target",
+    "teacher-pass": "the whole teacher pass against the bare forward of the same model and batch",
+    "gpu": "the GPU check: every CUDA path at the reference teacher's shapes (infra/gpu-check.sh)",
+    "logits-precision": "how far a 16-bit teacher's rounded logits move what the pass stores",
+    "train-step": "the student's training step against its limit",
+    "scale": "how memory, start-up and requests grow with the run's size, on local disk and on S3",
+}
+
 
 def run_bench(name: str, argv: list[str]) -> int:
     """Run benchmark `name` with its own command-line options; -> its exit code, under the harness's rule
