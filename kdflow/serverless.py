@@ -26,6 +26,7 @@ import sys
 from collections.abc import Iterator
 
 from kdflow.schemas.errors import KDFlowError
+from kdflow.tasks.common.hub_access import endpoint_unreachable
 
 STARTUP_TIMEOUT_S = 300
 _DEFAULTS = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": STARTUP_TIMEOUT_S,
@@ -43,8 +44,12 @@ def serverless_settings() -> Iterator[dict[str, object]]:
         explicit |= {setting.name for setting in settings.load_current_profile().settings}
     updates = {getattr(settings, name): value for name, value in _DEFAULTS.items() if name not in explicit}
     with settings.temporary_settings(updates=updates), _exit_on_sigterm():
-        if not settings.PREFECT_API_URL.value():
+        if not (api_url := settings.PREFECT_API_URL.value()):
             _shield_temporary_server_from_ctrl_c()
+        elif why := endpoint_unreachable(api_url):  # Prefect said "RuntimeError: Failed to reach API at ..."
+            raise KDFlowError(f"PREFECT_API_URL={api_url!r} (from the environment or the Prefect profile) cannot be "
+                              f"reached ({why}): start that server (infra/start-server.sh), or unset PREFECT_API_URL "
+                              "to run on a temporary one")
         yield {setting.name: value for setting, value in updates.items()}
 
 

@@ -273,42 +273,6 @@ def test_chat_on_a_folder_that_is_no_model_fails_before_torch(make_config, tmp_p
     assert cli(["chat", str(config), "--prompt", "hi"], tmp_path)[0].stderr == done.stderr
 
 
-def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_keep_it() -> None:
-    import logging
-
-    from kdflow.serverless import DropRepeatedErrors, OneLineErrors
-
-    def record(error: BaseException, msg: str = "Task run failed with exception: %r") -> logging.LogRecord:
-        try:
-            raise error
-        except BaseException:
-            return logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, msg, (error,), sys.exc_info())
-
-    formatter, plain = OneLineErrors("%(message)s"), logging.Formatter("%(message)s")
-    ours = record(ConfigError("dataset.path='x' does not exist"))
-    assert formatter.format(ours) == "Task run failed with exception: ConfigError(\"dataset.path='x' does not exist\")"
-    assert "Traceback" in plain.format(ours)  # the same record, for the API handler: still with its traceback
-    bug = record(ValueError("a bug"))
-    assert "Traceback" in formatter.format(bug)  # not kdflow's own error: the traceback stays
-    assert not DropRepeatedErrors().filter(record(ConfigError("x"), "Encountered exception during execution: %r"))
-    assert (DropRepeatedErrors().filter(ours)
-            and DropRepeatedErrors().filter(record(ValueError("y"), "Encountered exception %r")))
-
-
-def test_serverless_settings_keep_what_the_user_set(monkeypatch) -> None:
-    from kdflow.serverless import STARTUP_TIMEOUT_S, serverless_settings
-
-    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
-    monkeypatch.delenv("DO_NOT_TRACK", raising=False)  # restored after the test (serverless_settings sets it)
-    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "true")  # the user's choice: kept
-    with serverless_settings() as applied:
-        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
-
-        assert applied == {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": STARTUP_TIMEOUT_S}
-        assert PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() == STARTUP_TIMEOUT_S
-    assert os.environ.get("DO_NOT_TRACK")
-
-
 def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(tmp_path, tiny_teacher_dir) -> None:
     """The config beside the student (written once a run's checkpoints resume with it) against this one: each
     setting of a checkpoint's fingerprint that differs, in one line, not after the stages before training."""

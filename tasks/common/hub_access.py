@@ -35,9 +35,15 @@ def hub_unreachable() -> str | None:
 
     if _offline():
         return "HF_HUB_OFFLINE is set"
+    return endpoint_unreachable(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+
+
+def endpoint_unreachable(url: str) -> str | None:
+    """'HOST:PORT: why' when no TCP connection to the URL's host opens within a few seconds, else None; behind an
+    HTTP proxy, None (it might be reachable through it). Answers are kept a minute."""
     if any(os.environ.get(name) for name in _PROXY_VARIABLES):
         return None
-    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    endpoint = urllib.parse.urlsplit(url)
     host = endpoint.hostname or "huggingface.co"
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
     asked, answer = _answers.get((host, port), (float("-inf"), None))

@@ -1,0 +1,78 @@
+"""kdflow/serverless.py: Prefect's settings for a run without a server (a temporary one), a server named by
+PREFECT_API_URL that is not there, and the terminal's one-line errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+import pytest
+
+from kdflow.schemas.errors import ConfigError, KDFlowError
+
+
+def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_keep_it() -> None:
+    from kdflow.serverless import DropRepeatedErrors, OneLineErrors
+
+    def record(error: BaseException, msg: str = "Task run failed with exception: %r") -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException:
+            return logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, msg, (error,), sys.exc_info())
+
+    formatter, plain = OneLineErrors("%(message)s"), logging.Formatter("%(message)s")
+    ours = record(ConfigError("dataset.path='x' does not exist"))
+    assert formatter.format(ours) == "Task run failed with exception: ConfigError(\"dataset.path='x' does not exist\")"
+    assert "Traceback" in plain.format(ours)  # the same record, for the API handler: still with its traceback
+    bug = record(ValueError("a bug"))
+    assert "Traceback" in formatter.format(bug)  # not kdflow's own error: the traceback stays
+    assert not DropRepeatedErrors().filter(record(ConfigError("x"), "Encountered exception during execution: %r"))
+    assert (DropRepeatedErrors().filter(ours)
+            and DropRepeatedErrors().filter(record(ValueError("y"), "Encountered exception %r")))
+
+
+def test_serverless_settings_keep_what_the_user_set(monkeypatch) -> None:
+    from kdflow.serverless import STARTUP_TIMEOUT_S, serverless_settings
+
+    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.delenv("DO_NOT_TRACK", raising=False)  # restored after the test (serverless_settings sets it)
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "true")  # the user's choice: kept
+    with serverless_settings() as applied:
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+        assert applied == {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": STARTUP_TIMEOUT_S}
+        assert PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() == STARTUP_TIMEOUT_S
+    assert os.environ.get("DO_NOT_TRACK")
+
+
+
+
+def test_a_prefect_api_url_that_does_not_answer_is_one_line_before_any_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was Prefect's "RuntimeError: Failed to reach API at ...", not saying where the URL came from."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from kdflow.serverless import serverless_settings
+    from kdflow.tasks.common import hub_access
+
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub_access, "_answers", {})
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{closed}/api"
+    with temporary_settings(updates={PREFECT_API_URL: url}), pytest.raises(KDFlowError) as caught:
+        with serverless_settings():
+            pytest.fail("a server that is not there was taken")
+    assert str(caught.value) == (
+        f"PREFECT_API_URL='{url}' (from the environment or the Prefect profile) cannot be reached (127.0.0.1:{closed}: "
+        "Connection refused): start that server (infra/start-server.sh), or unset PREFECT_API_URL to run on a "
+        "temporary one")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{listening.getsockname()[1]}/api"}):
+            with serverless_settings() as applied:  # a server that answers: taken as it is
+                assert isinstance(applied, dict)
