@@ -28,8 +28,10 @@ def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
         return holds, f"{result['shards_written']}"
     if stage == "precompute":
         return f"{count_of(result['shards'], 'top-K shard')} in {result['store']}", f"{result.get('written') or 0}"
-    return (f"student {result['student']}: step {result['start_step']} -> {result['steps']}, final loss "
-            f"{result.get('final_loss') or 0:.4g}", f"{result['steps'] - result['start_step']} steps")
+    loss = result.get("final_loss")  # None when no step ran now (a rerun of a finished student)
+    return (f"student {result['student']}: step {result['start_step']} -> {result['steps']}"
+            + (f", final loss {loss:.4f}" if loss is not None else ""),
+            count_of(result["steps"] - result["start_step"], "step"))
 
 
 def _stage_line(stage: str, result: dict[str, Any]) -> str:

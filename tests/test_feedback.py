@@ -253,3 +253,12 @@ def test_the_eta_leaves_out_the_evaluation_before_the_first_step(tokenised, tmp_
     steps = [event for event in events if event["event"] == "step"]
     assert [event["eta_s"] for event in steps] == [8.0, (2 + 4 + 2) / 4 * 6]
     assert steps[-1]["elapsed_s"] == 60.0 + 2 + 4 + 2
+
+
+def test_the_pipeline_line_of_a_finished_student_names_no_loss() -> None:
+    from kdflow.flows.pipeline import stage_summary
+
+    ran = {"student": "s", "start_step": 3, "steps": 8, "final_loss": 2.316e-05}
+    assert stage_summary("train", ran) == ("student s: step 3 -> 8, final loss 0.0000", "5 steps")
+    again = {"student": "s", "start_step": 8, "steps": 8, "final_loss": None}  # a rerun: nothing trained now
+    assert stage_summary("train", again) == ("student s: step 8 -> 8", "0 steps")  # it said "final loss 0"
