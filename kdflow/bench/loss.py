@@ -178,7 +178,8 @@ def _dense_topk_kl(hidden, weight, topk_ids, topk_logprobs):
     p = teacher_log_p.exp()
     p_tail = (1 - p.sum(1)).clamp_min(0)
     kd = (p * (teacher_log_p - log_q_top)).sum(1) + torch.xlogy(p_tail, p_tail) - p_tail * log_q_tail
-    return kd.mean()
+    mass = p.sum(1) + p_tail  # the loss's - s log s term (docs/loss.md): 0 here but for rounding
+    return (kd - torch.xlogy(mass, mass)).mean()
 
 
 def _available_memory_bytes(device: str) -> float:
