@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support.network import closed_port
 from support.runs import prepare, student_path
 
 from kdflow.schemas.errors import ConfigError, KDFlowError
@@ -168,12 +169,7 @@ def test_a_hub_that_cannot_be_reached_refuses_what_is_not_cached_and_nothing_els
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(hub_access, "_answers", {})
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
+    closed = closed_port(monkeypatch)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
     config = make_config(teacher__model=TEACHER_ID, tokenizer=str(tiny_teacher_dir))
     with pytest.raises(ConfigError, match=rf"^teacher.model='{TEACHER_ID}' is a hub model that is not in the local "

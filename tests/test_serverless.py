@@ -9,6 +9,7 @@ import socket
 import sys
 
 import pytest
+from support.network import closed_port
 
 from kdflow.schemas.errors import ConfigError, KDFlowError
 
@@ -54,14 +55,8 @@ def test_a_prefect_api_url_that_does_not_answer_is_one_line_before_any_run(monke
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from kdflow.serverless import serverless_settings
-    from kdflow.tasks.common import hub_access
 
-    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(hub_access, "_answers", {})
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
+    closed = closed_port(monkeypatch)
     url = f"http://127.0.0.1:{closed}/api"
     with temporary_settings(updates={PREFECT_API_URL: url}), pytest.raises(KDFlowError) as caught:
         with serverless_settings():
