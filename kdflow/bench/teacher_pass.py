@@ -134,6 +134,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     from kdflow.schemas.layout import TOPK_DIR
     from kdflow.tasks.common.float32_logits import Float32Logits
     from kdflow.tasks.common.models import body_hidden_states, output_layer
+    from kdflow.tasks.teacher.loading import output_rows
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.tasks.teacher.sampled_pass import sampled_step
     from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
@@ -142,7 +143,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     device = next(model.parameters()).device
     # On the device before timing, as the stage's copy is tiny.
     inputs = [torch.from_numpy(ids).to(device) for ids, _ in batches]
-    vocab = getattr(output_layer(model), "out_features", None) or model.get_input_embeddings().num_embeddings
+    vocab = output_rows(model)
     if pre.targets == "topk":
         topk_step = TeacherTopkStep(model, pre.top_k,
                                     pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
@@ -151,7 +152,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
             return topk_step(ids)
         chunk_tokens = topk_step.chunk_tokens
     else:  # the sampler, seeded as the pass seeds its first shard's rows
-        sampler = sampled_step(model, config, int(vocab))
+        sampler = sampled_step(model, config, vocab)
 
         def step(ids: Any, index: int) -> Any:
             return sampler(ids, shard=0, first_row=index * len(ids))

@@ -43,6 +43,13 @@ def vocab_rows(model: nn.Module) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 
+def output_rows(model: nn.Module) -> int:
+    """Rows of the teacher's output (its lm_head's out_features, else its embedding's): the ids a pass stores."""
+    from kdflow.tasks.common.models import output_layer
+
+    return int(getattr(output_layer(model), "out_features", None) or vocab_rows(model))
+
+
 def check_tokenizer_fits(tokenizer: Any, model: nn.Module) -> None:
     largest = max(max(tokenizer.get_vocab().values(), default=0), len(tokenizer) - 1)
     rows = vocab_rows(model)

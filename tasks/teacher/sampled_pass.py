@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, encode_sampled
 from kdflow.schemas.commits import StageComplete
 from kdflow.schemas.config import KDFlowConfig
@@ -40,12 +41,11 @@ def sampled_chunk_tokens(cfg: KDFlowConfig, vocab: int) -> int:
                                                    logits_dtype_bytes=SAMPLER_BYTES_PER_LOGIT)
 
 
-def sampled_codec(cfg: KDFlowConfig, run_root: RunRoot, store: str, tokens_done: StageComplete,
-                  vocab: int) -> SampledCodec:
-    """The codec of this config's sampled store: H, S, scheme, seed, the head's values as precompute.store."""
+def sampled_codec(cfg: KDFlowConfig, vocab: int, table: Renumbering | None = None) -> SampledCodec:
+    """The codec of this config's sampled store: H, S, scheme, seed, the head's values as precompute.store; `table`:
+    the store's renumbering table (None: ids as they are, as `kdflow tune` times the pass without a store)."""
     plan = SamplingPlan.from_config(cfg.precompute)
     store_settings, sampling = cfg.precompute.store, cfg.precompute.sampling
-    table = renumbering_table(run_root, store, tokens_done, vocab) if store_settings.renumbering == "unigram" else None
     codec = SampledCodec(cfg.seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed,
                          hash_version=HASH_VERSION, head_values=store_settings.values, levels=store_settings.levels,
                          tail=store_settings.tail, sample_values=sampling.values, zstd_level=store_settings.zstd_level,
@@ -65,8 +65,9 @@ class SampledPass:
     @classmethod
     def create(cls, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str,
                tokens_done: StageComplete, vocab: int, slots: int) -> SampledPass:
-        return cls(cfg, model, sampled_codec(cfg, run_root, store, tokens_done, vocab),
-                   sampled_chunk_tokens(cfg, vocab), slots)
+        unigram = cfg.precompute.store.renumbering == "unigram"
+        table = renumbering_table(run_root, store, tokens_done, vocab) if unigram else None
+        return cls(cfg, model, sampled_codec(cfg, vocab, table), sampled_chunk_tokens(cfg, vocab), slots)
 
     def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, codec: SampledCodec, chunk_tokens: int,
                  slots: int) -> None:

@@ -20,10 +20,9 @@ from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import read_token_shard, topk_shard_writer, topk_v2_shard_writer
 from kdflow.schemas.storage import DiskFull, RunRoot
 from kdflow.tasks.common import faults
-from kdflow.tasks.common.models import output_layer
 from kdflow.tasks.teacher.host_writer import WRITE_QUEUE_DEPTH, BackgroundWriter, HostCopies
 from kdflow.tasks.teacher.leases import ShardLeases
-from kdflow.tasks.teacher.loading import vocab_rows
+from kdflow.tasks.teacher.loading import output_rows, vocab_rows
 from kdflow.tasks.teacher.sampled_pass import SampledPass
 from kdflow.tasks.teacher.store_codec import store_codec
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
@@ -38,19 +37,19 @@ class ShardComputer:
         self.cfg, self.run_root, self.store, self.tag = cfg, run_root, store, tag
         self.device = next(model.parameters()).device
         self.vocab_rows = vocab_rows(model)
-        vocab = getattr(output_layer(model), "out_features", None) or self.vocab_rows
+        vocab = output_rows(model)
         chunk_tokens = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
         try:
             self.sampled = None if pre.targets == "topk" else SampledPass.create(  # replaces step, codec, host copies
-                cfg, model, run_root, store, tokens_done, int(vocab), WRITE_QUEUE_DEPTH + 2)
+                cfg, model, run_root, store, tokens_done, vocab, WRITE_QUEUE_DEPTH + 2)
             self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens) if self.sampled is None else self.sampled
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.
         # None: v1
-        self.codec = store_codec(cfg, run_root, store, tokens_done, int(vocab)) if self.sampled is None else None
+        self.codec = store_codec(cfg, run_root, store, tokens_done, vocab) if self.sampled is None else None
         coded = self.sampled.codec if self.sampled is not None else self.codec
-        self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": int(vocab)} | (
+        self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": vocab} | (
             {} if coded is None else {"format": "v2", "codec": coded.settings()}))
         # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdflow.schemas.codec_sampled import SampledCodec
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
@@ -34,14 +33,13 @@ from kdflow.schemas.shards import read_token_shard
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
-from kdflow.tasks.common.models import output_layer, resolve_device
+from kdflow.tasks.common.models import resolve_device
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.host_writer import HostCopies
 from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config,
-                                          vocab_rows)
+                                          output_rows, vocab_rows)
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
-from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_chunk_tokens
-from kdflow.tasks.teacher.sampling import SamplingPlan
+from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_chunk_tokens, sampled_codec
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 MIB = 1 << 20
@@ -110,10 +108,9 @@ def pass_step(config: KDFlowConfig, model: torch.nn.Module, vocab: int, micro_ba
     teacher's output rows."""
     pre = config.precompute
     if pre.targets != "topk":  # the stored codec is the writer's: its shapes are all the sampler's copies need
-        plan = SamplingPlan.from_config(pre)
-        codec = SampledCodec(config.seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed)
         sampled = SampledPass(config.model_copy(update={"precompute": pre.model_copy(
-            update={"micro_batch": micro_batch})}), model, codec, sampled_chunk_tokens(config, vocab), slots=2)
+            update={"micro_batch": micro_batch})}), model, sampled_codec(config, vocab),
+            sampled_chunk_tokens(config, vocab), slots=2)
 
         def sample(input_ids: torch.Tensor, index: int) -> tuple[Any, Callable[[], None]]:
             *_, ready, release = sampled(input_ids, micro_batch, shard=0, first_row=index * micro_batch)
@@ -152,7 +149,7 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
     if ids.min() < 0 or ids.max() >= vocab_rows(model):
         raise StoreError(f"{source} hold id {int(ids.max())}, outside the teacher's embedding of {vocab_rows(model)} "
                          "rows")
-    vocab = int(getattr(output_layer(model), "out_features", None) or vocab_rows(model))
+    vocab = output_rows(model)
     step, chunk_tokens = pass_step(config, model, vocab, micro_batch, device)
     timed_from = 0.0
     with deterministic_algorithms():
