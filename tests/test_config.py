@@ -250,3 +250,8 @@ def test_a_cuda_device_where_there_is_none_is_refused_for_the_stage_that_uses_it
     assert str(caught.value) == f"student.device='cuda:1', but {why}: set it to auto (a GPU when there is one) or cpu"
     with pytest.raises(ConfigError, match=r"^teacher.device='cuda', but "):
         run_preflight(make_config(teacher__device="cuda"), ["precompute"])
+    from kdflow.tasks.student.distributed import rank_device
+
+    with pytest.raises(ConfigError) as caught:  # where torch is loaded, the same reason as pre-flight's
+        rank_device("cuda", 0, 1)
+    assert str(caught.value) == f"student.device='cuda', but {why}: set it to auto (a GPU when there is one) or cpu"

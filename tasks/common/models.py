@@ -40,10 +40,15 @@ def resolve_device(spec: str, setting: str = "device") -> torch.device:
     if device.type == "cuda":
         device, found = torch.device("cuda", device.index or 0), torch.cuda.device_count()
         if device.index >= found:
-            why = (cuda_unavailable() if not found else None) or (
-                f"torch {torch.__version__} finds {found} CUDA device{'s' if found != 1 else ''} here")
-            raise ConfigError(no_cuda_message(setting, spec, why))
+            raise no_cuda_error(setting, spec, found)
     return device
+
+
+def no_cuda_error(setting: str, spec: str, found: int) -> ConfigError:
+    """`setting=spec` names a CUDA device beyond the `found` ones here: why (a CPU build of torch, ...), in one line."""
+    why = (cuda_unavailable() if not found else None) or (
+        f"torch {torch.__version__} finds {found} CUDA device{'s' if found != 1 else ''} here")
+    return ConfigError(no_cuda_message(setting, spec, why))
 
 
 def resolve_dtype(teacher: TeacherConfig, device: torch.device) -> torch.dtype:

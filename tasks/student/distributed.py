@@ -35,7 +35,7 @@ from torch import nn
 
 from kdflow.schemas.config import DistributedConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.common.devices import no_cuda_message
+from kdflow.tasks.common.models import no_cuda_error
 
 # Every rank starts by this namespaced module name (`python -m ...`); a name, not an import: the worker imports this.
 TRAIN_WORKER_MODULE = "kdflow.tasks.student.train_worker"
@@ -69,7 +69,7 @@ def rank_device(name: str, local_rank: int, world_size: int) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(no_cuda_message("student.device", name, f"torch {torch.__version__} finds no CUDA device"))
+        raise no_cuda_error("student.device", name, 0)
     if device.type == "cuda" and (world_size > 1 or device.index is None):
         index = local_rank if world_size > 1 else 0
         if index >= torch.cuda.device_count():
