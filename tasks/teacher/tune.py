@@ -107,7 +107,7 @@ def pass_step(config: KDFlowConfig, model: torch.nn.Module, vocab: int, micro_ba
     (step: (ids on the device, micro-batch index) -> (CUDA event or None, release), chunk_tokens). `vocab`: the
     teacher's output rows."""
     pre = config.precompute
-    if pre.targets != "topk":  # the stored codec is the writer's: its shapes are all the sampler's copies need
+    if pre.targets != "topk":  # no store here: the codec without a renumbering table (its shapes are what counts)
         sampled = SampledPass(config.model_copy(update={"precompute": pre.model_copy(
             update={"micro_batch": micro_batch})}), model, sampled_codec(config, vocab),
             sampled_chunk_tokens(config, vocab), slots=2)
