@@ -205,8 +205,12 @@ def test_on_a_terminal_each_answer_sees_the_history_until_it_is_cut(student_dir:
             terminal.send(f"{message}\r/settings\r")
             terminal.expect(f"history   {turn} turn{'' if turn == 1 else 's'}")
         terminal.send(f"/save {transcript}\r")
-        terminal.expect(f"saved {2 * len(TERMINAL_USERS)} messages")
-        terminal.send("\x04")  # Ctrl-D at the prompt ends the conversation
+        saved = terminal.expect(f"saved {2 * len(TERMINAL_USERS)} messages")
+        # Ctrl-D at the prompt ends the conversation. Typed before the prompt is back, it would be lost: the
+        # kernel keeps it as an end-of-file mark while the terminal is line-buffered, and readline, switching the
+        # terminal to read key by key for its prompt, receives that mark as a NUL byte.
+        terminal.expect("> ", after=saved)
+        terminal.send("\x04")
         assert terminal.wait() == 0, terminal.output()
         output = terminal.output()
     assert "history cut: 1 oldest turn left out, to fit in" in output
