@@ -39,9 +39,10 @@ def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any
     result = asdict(summary) | {"seconds": progress.elapsed}
     if summary.parts and not summary.parts_written:
         get_run_logger().info("materialise: %d/%d parts already committed, nothing to do", summary.parts, summary.parts)
-    get_run_logger().info("materialise: %s, %s (%d written now, %d empty skipped) in %.1f s",
+    get_run_logger().info("materialise: %s, %s (%s written now; %s skipped) in %.1f s",
                           count_of(summary.parts, "part"), count_of(summary.documents, "document"),
-                          summary.parts_written, summary.skipped_empty, progress.elapsed)
+                          count_of(summary.parts_written, "part"), count_of(summary.skipped_empty, "empty document"),
+                          progress.elapsed)
     return result
 
 

@@ -44,6 +44,9 @@ def _format_validation_error(error: ValidationError, source: str) -> str:
     where = _config_key(first["loc"]) or "<root>"
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown config key '{where}'"
+    if first["type"] == "missing" and first["loc"] and isinstance(first["loc"][-1], int):  # a tuple's item
+        items = _config_key(first["loc"][:-1]) or "<root>"
+        return f"{source}: invalid value for '{items}': too few items (item {first['loc'][-1] + 1} is missing)"
     if first["type"] == "missing":
         return f"{source}: missing required config key '{where}'"
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError

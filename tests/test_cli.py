@@ -75,7 +75,7 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
     second = kdflow("run", str(path), "--stages", "materialise,tokenise", env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     log = second.stdout + second.stderr
-    assert ("materialise: 4 parts, 60 documents (0 written now" in log
+    assert ("materialise: 4 parts, 60 documents (0 parts written now; " in log
             and "(0 written now, " in log.split("tokenise:")[-1])
     assert "materialise: 4/4 parts already committed, nothing to do" in log
     assert "tokenise: 27/27 shards already committed, nothing to do" in log

@@ -116,6 +116,9 @@ def test_missing_required_key() -> None:
     data = with_changes()
     del data["teacher"]
     assert config_error(data).endswith("missing required config key 'teacher'")
+    # A pair given one value: its second item is 'missing' to pydantic, not a key the file lacks.
+    assert config_error(with_changes(student__betas=[0.9])).endswith(
+        "invalid value for 'student.betas': too few items (item 2 is missing)")
 
 
 def test_architecture_heads_must_divide() -> None:
