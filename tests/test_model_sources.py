@@ -103,9 +103,13 @@ def test_a_hub_student_in_the_local_cache_passes_pre_flight_trains_and_its_card_
     # The same vocabulary with another end-of-text token: what an instruct teacher's base sibling ships.
     cache_repo(hub_cache, STUDENT_ID, pretrained_student(tmp_path / "student", sharp_teacher_dir, eos="<pad>"))
     config = fresh_run(student__init_from=STUDENT_ID, student__steps=2, student__save_every=2,
-                       student__warmup_steps=1)
-    assert run_preflight(config, ["train"]) == [  # the test configs give a tiny architecture, unused here
-        f"student.architecture is ignored: the student is {STUDENT_ID!r} (student.init_from)"]
+                       student__warmup_steps=1, student__lr=5e-5)
+    ignored = f"student.architecture is ignored: the student is {STUDENT_ID!r} (student.init_from)"
+    assert run_preflight(config, ["train"]) == [ignored]  # the test configs give a tiny architecture, unused here
+    assert run_preflight(config.model_copy(update={"student": config.student.model_copy(update={"lr": 1e-3})}),
+                         ["train"]) == [ignored, "student.lr=0.001 with student.init_from: a peak meant for random "
+                                        "weights can undo what a pretrained student knows in a few steps; from "
+                                        "pretrained weights 1e-5 to 1e-4 is usual"]
     summary = train(config)
     assert summary["steps"] == 2
     card = student_path(config, "final", "README.md").read_text()
