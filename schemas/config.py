@@ -54,7 +54,8 @@ class DatasetConfig(_Section):
     data_files: str | list[str] | None = Field(default=None, description="Files (paths, globs or URLs) within `path`; "
                                                 "leave empty to read `path` itself")
     split: str = Field(default="train", description="Dataset split to read")
-    text_field: str = Field(default="text", description="Column holding each document's text")
+    text_field: str = Field(default="text", description="Field holding each document's text; a dotted path (meta.body) "
+                                                        "reaches into nested records")
     streaming: bool = Field(default=False, description="Stream instead of downloading the whole set")
     revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit) of the dataset")
     max_documents: PositiveInt | None = Field(default=None, description="Stop after this many non-empty documents")

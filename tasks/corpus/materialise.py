@@ -23,6 +23,7 @@ from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
+from kdflow.tasks.corpus.fields import field_names, field_value
 from kdflow.tasks.corpus.source_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
                                               open_file, pandas_column_names, uncompressed)
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
@@ -170,10 +171,11 @@ def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]
         if start:
             source = source.skip(start)
         for record in source:
-            if dataset.text_field not in record:
+            try:
+                text = field_value(record, dataset.text_field)
+            except KeyError:
                 raise DataError(f"dataset has no text field {dataset.text_field!r} "
-                                f"(fields: {', '.join(sorted(record))})")
-            text = record[dataset.text_field]
+                                f"(fields: {', '.join(field_names(record))})") from None
             if text is not None and not isinstance(text, str):
                 raise DataError(f"dataset field {dataset.text_field!r} holds {type(text).__name__}, not text "
                                 f"(record {index + 1} of the dataset, counting from 1)")

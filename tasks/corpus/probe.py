@@ -9,12 +9,14 @@ import csv
 import json
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, first_line
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.common.sources import from_cwd
+from kdflow.tasks.corpus.fields import arrow_shape, features_shape, field_names, field_value, has_field
 from kdflow.tasks.corpus.source_files import DELIMITERS, SAVED, csv_header, file_builder, open_file
 
 HUB_PROBE_TIMEOUT_S = 30.0
@@ -61,10 +63,16 @@ def _check_encoding(name: str, sample: int = 1 << 16) -> None:
                               "UTF-8: convert it first (iconv -f ENCODING -t UTF-8)") from None
 
 
-def _check_fields(fields: list[str], dataset: DatasetConfig, name: str) -> None:
-    if dataset.text_field not in fields:
+def _check_fields(shape: dict[str, Any], dataset: DatasetConfig, name: str) -> None:
+    """`shape`: the first record, or the fields a schema declares (kdflow.tasks.corpus.fields)."""
+    if not has_field(shape, dataset.text_field):
         raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a field of {name} "
-                          f"(its first record has: {', '.join(sorted(fields)) or 'no fields'})")
+                          f"(its first record has: {', '.join(field_names(shape)) or 'no fields'})")
+    nested = field_value(shape, dataset.text_field)
+    if isinstance(nested, Mapping):
+        inside = ", ".join(f"{dataset.text_field}.{n}" for n in field_names(nested))
+        raise ConfigError(f"dataset.text_field={dataset.text_field!r} is a nested record in {name}, not text "
+                          f"(its fields: {inside or 'none'})")
 
 
 def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: bool = False) -> None:
@@ -73,15 +81,15 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: 
     try:
         if builder == SAVED:
             data = load_saved_dataset(name, dataset.split)
-            _check_fields(data.column_names, dataset, name)
+            _check_fields(features_shape(data.features), dataset, name)
             if not data.num_rows:
                 raise ConfigError(f"dataset {name!r} (split {dataset.split!r}) holds no records")
         elif builder == "parquet":
             import pyarrow.parquet as pq
 
             with open_file(name) as handle:
-                fields = pq.read_schema(handle).names
-            _check_fields(fields, dataset, name)
+                shape = arrow_shape(pq.read_schema(handle))
+            _check_fields(shape, dataset, name)
         elif builder in ("json", "text", *DELIMITERS) and not fields_only:
             _check_encoding(name)
         if builder in DELIMITERS:
@@ -95,7 +103,7 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: 
             with open_file(name) as handle:
                 record = _first_json_record(handle, name)
             if record is not None:
-                _check_fields(list(record), dataset, name)
+                _check_fields(record, dataset, name)
         elif builder == "text" and dataset.text_field != "text":
             raise ConfigError(f"dataset.text_field={dataset.text_field!r}: a .txt file {name} has one field, 'text'")
         elif builder == "text" and not fields_only:
@@ -134,7 +142,7 @@ def probe_hub(dataset: DatasetConfig, timeout_s: float = HUB_PROBE_TIMEOUT_S) ->
     record = outcome.get("record")
     if record is None:
         raise ConfigError(f"dataset.path={dataset.path!r} split {dataset.split!r} holds no records")
-    _check_fields(list(record), dataset, f"dataset {dataset.path!r}")
+    _check_fields(record, dataset, f"dataset {dataset.path!r}")
     return None
 
 

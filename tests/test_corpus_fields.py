@@ -1,0 +1,80 @@
+"""`dataset.text_field` as a dotted path into nested records (`meta.body`): JSON objects, Parquet structs and
+saved datasets' nested features, through the pre-flight look (`probe_dataset`) and materialise; a field whose
+own name holds the dots is taken first."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.corpus import DOCS, committed_documents
+
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.corpus.fields import field_names, field_value
+from kdflow.tasks.corpus.materialise import DataError, materialise
+from kdflow.tasks.corpus.probe import probe_dataset
+
+NESTED = [{"id": i, "meta": {"body": doc, "source": {"site": "example.org"}}} for i, doc in enumerate(DOCS)]
+
+
+def test_the_named_field_comes_first_then_the_dotted_path() -> None:
+    record = {"meta.body": "literal", "meta": {"body": "nested", "n": 1}, "list": [{"a": 1}]}
+    assert field_value(record, "meta.body") == "literal"
+    assert field_value({"meta": record["meta"]}, "meta.body") == "nested"
+    assert field_value(record, "meta") == {"body": "nested", "n": 1}
+    for absent in ("meta.title", "meta.body.x", "list.a", "meta..body", "", "body"):
+        with pytest.raises(KeyError):
+            field_value({"meta": record["meta"], "list": record["list"]}, absent)
+    assert field_names(record) == ["list", "meta.body", "meta.body", "meta.n"]
+    assert field_names({f"f{i:02d}": None for i in range(50)}, limit=5) == ["f00", "f01", "f02", "f03", "46 more"]
+
+
+def _write(folder: Path, kind: str) -> str:
+    folder.mkdir()
+    if kind == "jsonl":
+        path = folder / "docs.jsonl"
+        path.write_text("".join(json.dumps(record) + "\n" for record in NESTED))
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = folder / "docs.parquet"
+        pq.write_table(pa.Table.from_pylist(NESTED), path)
+    else:
+        import datasets
+
+        path = folder / "saved"
+        datasets.Dataset.from_list(NESTED).save_to_disk(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_nested_text_field_gives_the_same_documents(make_config: Callable[..., Any], tmp_path: Path, kind: str,
+                                                     streaming: bool) -> None:
+    path = _write(tmp_path / "src", kind)
+    config = make_config(dataset__path=path, dataset__text_field="meta.body", dataset__documents_per_part=4,
+                         dataset__streaming=streaming)
+    assert probe_dataset(config.dataset) is None
+    assert materialise(config).documents == len(DOCS)
+    assert committed_documents(config) == list(enumerate(DOCS))
+    with pytest.raises(ConfigError) as caught:  # the fields listed are the ones a text_field can name
+        probe_dataset(make_config(dataset__path=path, dataset__text_field="meta.title").dataset)
+    assert str(caught.value).endswith("(its first record has: id, meta.body, meta.source.site)")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved"])
+def test_a_nested_record_named_as_the_text_is_refused_in_one_line(make_config: Callable[..., Any],
+                                                                  tmp_path: Path, kind: str) -> None:
+    config = make_config(dataset__path=_write(tmp_path / "src", kind), dataset__text_field="meta.source")
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(config.dataset)
+    assert str(caught.value).endswith("is a nested record in " + config.dataset.path
+                                      + ", not text (its fields: meta.source.site)")
+    with pytest.raises(DataError) as caught:  # and materialise, run without the pre-flight look
+        materialise(config)
+    assert str(caught.value) == ("dataset field 'meta.source' holds dict, not text (record 1 of the dataset, "
+                                 "counting from 1)")
