@@ -3,7 +3,8 @@
 With `--prompt TEXT`, one reply to TEXT alone is printed (for scripts). Otherwise every line read is a message of
 one conversation (kdflow.tasks.student.conversation: the history through the chat template, or the running text
 of a base student, cut from the front to fit the model's positions); replies are printed as they are generated.
-Lines starting with `/` are commands (COMMANDS); `//text` sends `/text`. Ctrl-C stops a reply and keeps the
+Lines starting with `/` are commands (COMMANDS); `//text` sends `/text`. A message of several lines goes
+between two lines of three double quotes (BLOCK; what a terminal pastes in one piece needs none). Ctrl-C stops a reply and keeps the
 conversation; Ctrl-D, /quit or the end of the input ends it. Replies go to stdout, everything else to stderr, so
 `kdflow chat DIR < questions.txt > answers.txt` keeps only the replies.
 """
@@ -27,6 +28,7 @@ COMMANDS = {
     "/help": "this list",
     "/quit": "end (also Ctrl-D)",
 }
+BLOCK = '"""'  # a line of its own: the lines up to the next such line are one message
 
 
 def _note(text: str) -> None:
@@ -68,6 +70,8 @@ class ChatSession:
         elif name == "/help":
             for usage, what in COMMANDS.items():
                 print(f"  {usage:<12} {what}", file=sys.stderr)
+            print(f"  {BLOCK:<12} on a line of its own: the lines up to the next {BLOCK} are one message",
+                  file=sys.stderr)
             print("  Ctrl-C       stop a reply (the conversation goes on)", file=sys.stderr, flush=True)
         else:
             _note(f"unknown command {name} (/help lists them; //text sends /text)")
@@ -134,6 +138,24 @@ class ChatSession:
         if reply.stopped:
             _note("reply stopped")
 
+    @staticmethod
+    def read_block(interactive: bool) -> tuple[str, bool]:
+        """The lines up to a closing BLOCK line, as one message (commands inside are text); -> (message, whether
+        the input ended). Ctrl-C drops the block; the end of the input sends what it holds."""
+        lines: list[str] = []
+        while True:
+            try:
+                line = input("... " if interactive else "")
+            except EOFError:
+                return "\n".join(lines), True
+            except KeyboardInterrupt:
+                print(file=sys.stderr)
+                _note("message dropped")
+                return "", False
+            if line.strip() == BLOCK:
+                return "\n".join(lines), False
+            lines.append(line)
+
     def loop(self, interactive: bool) -> None:
         while True:
             try:
@@ -144,6 +166,13 @@ class ChatSession:
                 return
             except KeyboardInterrupt:  # at the prompt: a fresh line, the conversation goes on
                 print(file=sys.stderr)
+                continue
+            if line.strip() == BLOCK:
+                line, ended = self.read_block(interactive)
+                if line.strip():
+                    self.say(line)
+                if ended:
+                    return
                 continue
             if not line.strip():
                 continue

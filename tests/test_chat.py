@@ -80,6 +80,25 @@ def test_lines_from_stdin_are_one_conversation_that_continues_the_running_text(
                                                              ("user", "A module"), ("assistant", second)]
 
 
+@pytest.mark.usefixtures("children")
+def test_lines_between_triple_quotes_are_one_message(student_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from kdflow.cli import main
+
+    transcript = tmp_path / "talk.jsonl"
+    block = 'The class\n\n/reset is text here\n  indented'
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f'"""\n{block}\n"""\n/save {transcript}\n"""\nA module\nends'))
+    capsys.readouterr()
+    assert main(["chat", str(student_dir), "--greedy", "--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "conversation cleared" not in captured.err  # a command inside a block is text
+    messages = [json.loads(line) for line in transcript.read_text().splitlines()]
+    assert [m["content"] for m in messages if m["role"] == "user"] == [block]
+    first = messages[1]["content"] + "\n"
+    assert captured.out.startswith(first) and len(captured.out) > len(first)  # the block open at the end: sent
+
+
 def test_a_student_named_by_a_file_url_is_its_local_folder(student_dir: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.cli import main
