@@ -4,8 +4,8 @@ With `--prompt TEXT`, one reply to TEXT alone is printed (for scripts). Otherwis
 one conversation (kdflow.tasks.student.conversation: the history through the chat template, or the running text
 of a base student, cut from the front to fit the model's positions); replies are printed as they are generated.
 Lines starting with `/` are commands (COMMANDS); `//text` sends `/text`. A message of several lines goes
-between two lines of three double quotes (BLOCK; what a terminal pastes in one piece needs none). Ctrl-C stops a reply and keeps the
-conversation; Ctrl-D, /quit or the end of the input ends it. Replies go to stdout, everything else to stderr, so
+between two lines of three double quotes (BLOCK; what a terminal pastes in one piece needs none). Ctrl-C stops a
+reply and keeps the conversation; Ctrl-D, /quit or the end of the input ends it. Replies go to stdout, everything else to stderr, so
 `kdflow chat DIR < questions.txt > answers.txt` keeps only the replies.
 """
 
