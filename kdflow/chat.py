@@ -5,8 +5,8 @@ one conversation (kdflow.tasks.student.conversation: the history through the cha
 of a base student, cut from the front to fit the model's positions); replies are printed as they are generated.
 Lines starting with `/` are commands (COMMANDS); `//text` sends `/text`. A message of several lines goes
 between two lines of three double quotes (BLOCK; what a terminal pastes in one piece needs none). Ctrl-C stops a
-reply and keeps the conversation; Ctrl-D, /quit or the end of the input ends it. Replies go to stdout, everything else to stderr, so
-`kdflow chat DIR < questions.txt > answers.txt` keeps only the replies.
+reply and keeps the conversation; Ctrl-D, /quit or the end of the input ends it. Replies go to stdout, everything
+else to stderr, so `kdflow chat DIR < questions.txt > answers.txt` keeps only the replies.
 """
 
 from __future__ import annotations
