@@ -56,6 +56,8 @@ class DatasetConfig(_Section):
     split: str = Field(default="train", description="Dataset split to read")
     text_field: str = Field(default="text", description="Field holding each document's text; a dotted path (meta.body) "
                                                         "reaches into nested records")
+    json_field: str | None = Field(default=None, description=".json files whose records sit under a key "
+                                                             "({\"data\": [...]}): that key")
     streaming: bool = Field(default=False, description="Stream instead of downloading the whole set")
     revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit) of the dataset")
     max_documents: PositiveInt | None = Field(default=None, description="Stop after this many non-empty documents")
@@ -65,7 +67,7 @@ class DatasetConfig(_Section):
         default="line", description=".txt files: a document per line, per paragraph (blank-line separated) or per "
                                     "file")
 
-    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"sample_by"})
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"sample_by", "json_field"})
 
 
 class TeacherConfig(_Section):

@@ -1,6 +1,7 @@
-"""`dataset.text_field` as a dotted path into nested records (`meta.body`): JSON objects, Parquet structs and
-saved datasets' nested features, through the pre-flight look (`probe_dataset`) and materialise; a field whose
-own name holds the dots is taken first."""
+"""Where the text sits in a record: `dataset.text_field` as a dotted path into nested records (`meta.body`: JSON
+objects, Parquet structs, saved datasets' nested features; a field whose own name holds the dots is taken first),
+and `dataset.json_field` for a .json file whose records sit under a key. Through the pre-flight look
+(`probe_dataset`) and materialise."""
 
 from __future__ import annotations
 
@@ -78,3 +79,40 @@ def test_a_nested_record_named_as_the_text_is_refused_in_one_line(make_config: C
         materialise(config)
     assert str(caught.value) == ("dataset field 'meta.source' holds dict, not text (record 1 of the dataset, "
                                  "counting from 1)")
+
+
+@pytest.mark.parametrize("indent", [None, 2])  # one line, or one document over many lines
+@pytest.mark.parametrize("streaming", [False, True])
+def test_records_under_a_key_of_a_json_file_are_read_with_json_field(make_config: Callable[..., Any], tmp_path: Path,
+                                                                     indent: int | None, streaming: bool) -> None:
+    path = tmp_path / "squad-like.json"
+    path.write_text(json.dumps({"version": "1.1", "data": [{"text": doc, "n": i} for i, doc in enumerate(DOCS)]},
+                               indent=indent))
+    without = make_config(dataset__path=str(path))
+    with pytest.raises(ConfigError) as caught:  # the error says which setting reads it
+        probe_dataset(without.dataset)
+    assert str(caught.value) == (f"dataset.text_field='text' is not a field of {path}, whose records sit under "
+                                 "'data': set dataset.json_field: data")
+    config = make_config(dataset__path=str(path), dataset__json_field="data", dataset__streaming=streaming,
+                         dataset__documents_per_part=4)
+    assert probe_dataset(config.dataset) is None
+    assert materialise(config).documents == len(DOCS)
+    assert committed_documents(config) == list(enumerate(DOCS))
+    with pytest.raises(ConfigError, match=r"dataset.json_field='dat' is not a key of .*squad-like.json \(it has: "
+                                          r"version, data\)$"):
+        probe_dataset(make_config(dataset__path=str(path), dataset__json_field="dat").dataset)
+    with pytest.raises(ConfigError, match=r"dataset.json_field='version': 'version' in .* holds a str, not a list"):
+        probe_dataset(make_config(dataset__path=str(path), dataset__json_field="version").dataset)
+
+
+def test_json_field_on_files_that_are_not_one_json_object_is_refused(make_config: Callable[..., Any],
+                                                                     tmp_path: Path) -> None:
+    lines = _write(tmp_path / "src", "jsonl")
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(make_config(dataset__path=lines, dataset__json_field="data").dataset)
+    assert str(caught.value) == (f"dataset.json_field='data' applies to .json files holding one object with the "
+                                 f"records under a key; {lines} is not one (remove json_field)")
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([{"text": "a"}]))
+    with pytest.raises(ConfigError, match=r"holds a JSON list, not an object with the records under a key$"):
+        probe_dataset(make_config(dataset__path=str(array), dataset__json_field="data").dataset)

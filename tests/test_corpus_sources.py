@@ -211,6 +211,8 @@ def test_a_field_added_to_the_dataset_section_leaves_existing_corpus_fingerprint
     assert (corpus_fingerprint(books), corpus_fingerprint(culturax)) == ("c08286bdc1d03e8d", "94a68e7f4d6cf3a7")
     assert corpus_fingerprint(config_from_dict(base | {"dataset": {"path": "books/*.txt", "sample_by": "line"}})) \
         == "c08286bdc1d03e8d"  # the default, said out loud, is the same corpus
+    under = config_from_dict(base | {"dataset": {"path": "books/*.txt", "json_field": "data"}})
+    assert corpus_fingerprint(under) != "c08286bdc1d03e8d"  # set, it names another corpus
 
 
 @pytest.mark.parametrize("kind, suffix", [("csv", ""), ("tsv", ""), ("csv", ".gz")])

@@ -57,6 +57,8 @@ def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
         builder, data_files = files
         # .txt: a document per line (the default), per paragraph or per file, as `dataset.sample_by` says
         options: dict[str, Any] = {"sample_by": dataset.sample_by} if builder == "text" else {}
+        if dataset.json_field is not None:  # records under a key of one JSON object (checked in pre-flight)
+            options = {"field": dataset.json_field}
         if builder in DELIMITERS:  # every column as text, as written: not a number, and 'NA' is not missing
             columns = pandas_column_names(csv_header(data_files[0], builder))
             options = dict(sep=DELIMITERS[builder], na_filter=False, encoding="utf-8-sig",

@@ -17,9 +17,10 @@ from kdflow.schemas.errors import ConfigError, first_line
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.common.sources import from_cwd
 from kdflow.tasks.corpus.fields import arrow_shape, features_shape, field_names, field_value, has_field
-from kdflow.tasks.corpus.source_files import DELIMITERS, SAVED, csv_header, file_builder, open_file
+from kdflow.tasks.corpus.source_files import DELIMITERS, SAVED, csv_header, file_builder, open_file, uncompressed
 
 HUB_PROBE_TIMEOUT_S = 30.0
+WHOLE_JSON_PROBE_BYTES = 64 << 20  # a local JSON file laid out over many lines is read whole up to this size
 
 
 def _first_json_record(handle: Any, name: str) -> dict[str, Any] | None:
@@ -45,6 +46,50 @@ def _first_json_record(handle: Any, name: str) -> dict[str, Any] | None:
                               "not an object with fields")
         return record
     raise ConfigError(f"dataset file {name} is empty: no documents to read")
+
+
+def _first_record_under(handle: Any, name: str, key: str) -> dict[str, Any]:
+    """The first record of the list under `key` in a JSON file holding one object (`dataset.json_field`)."""
+    data = handle.read()
+    text = (data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data).removeprefix("\ufeff")
+    setting = f"dataset.json_field={key!r}"
+    try:
+        document = json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"dataset file {name} is not valid JSON ({getattr(error, 'msg', error)}"
+                          + (f" at line {error.lineno})" if isinstance(error, json.JSONDecodeError) else ")")) from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{setting}: {name} holds a JSON {type(document).__name__}, not an object with the "
+                          "records under a key")
+    if key not in document:
+        raise ConfigError(f"{setting} is not a key of {name} (it has: {', '.join(map(str, document)) or 'none'})")
+    records = document[key]
+    if not isinstance(records, list) or (records and not isinstance(records[0], dict)):
+        held = type(records).__name__ if not isinstance(records, list) else f"list of {type(records[0]).__name__}"
+        raise ConfigError(f"{setting}: {key!r} in {name} holds a {held}, not a list of records with fields")
+    if not records:
+        raise ConfigError(f"dataset file {name}: {key!r} holds no records")
+    return records[0]
+
+
+def _first_of_whole(name: str) -> dict[str, Any] | None:
+    """The object of a JSON file holding one (or the first object of an array), read whole; None when it is neither
+    (materialise names what is wrong)."""
+    with open_file(name) as handle:
+        data = handle.read()
+    try:
+        document = json.loads((data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data)
+                              .removeprefix("\ufeff"))
+    except ValueError:
+        return None
+    if isinstance(document, list):
+        document = document[0] if document else None
+    return document if isinstance(document, dict) else None
+
+
+def _records_under(record: dict[str, Any]) -> str | None:
+    """The key of a JSON object whose value looks like the file's records (a list of objects), if any."""
+    return next((str(k) for k, v in record.items() if isinstance(v, list) and v and isinstance(v[0], dict)), None)
 
 
 def _check_encoding(name: str, sample: int = 1 << 16) -> None:
@@ -99,9 +144,18 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: 
             if dataset.text_field not in header:
                 raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a column of {name} "
                                   f"(its header row has: {', '.join(header)})")
+        elif builder == "json" and dataset.json_field is not None:
+            with open_file(name) as handle:
+                _check_fields(_first_record_under(handle, name, dataset.json_field), dataset, name)
         elif builder == "json":
             with open_file(name) as handle:
                 record = _first_json_record(handle, name)
+            if record is None and "://" not in name and os.path.getsize(name) <= WHOLE_JSON_PROBE_BYTES:
+                record = _first_of_whole(name)  # one JSON document over many lines
+            under = _records_under(record) if record is not None else None
+            if under is not None and not has_field(record, dataset.text_field):
+                raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a field of {name}, whose records "
+                                  f"sit under {under!r}: set dataset.json_field: {under}")
             if record is not None:
                 _check_fields(record, dataset, name)
         elif builder == "text" and dataset.text_field != "text":
@@ -153,6 +207,12 @@ def probe_dataset(dataset: DatasetConfig) -> str | None:
             and not os.path.exists(os.path.expanduser(path))):
         raise ConfigError(f"dataset.path={path!r} does not exist{from_cwd(path)}")  # a local path, not a hub id
     files = file_builder(dataset)  # raises ConfigError for missing files or mixed formats
+    if dataset.json_field is not None:
+        other = (dataset.path if files is None else
+                 next((n for n in files[1] if not uncompressed(n).endswith(".json")), None))
+        if other is not None:
+            raise ConfigError(f"dataset.json_field={dataset.json_field!r} applies to .json files holding one object "
+                              f"with the records under a key; {other} is not one (remove json_field)")
     if files is None:
         from kdflow.tasks.common.hub_access import hub_dataset_problem
 
