@@ -80,7 +80,6 @@ def test_lines_from_stdin_are_one_conversation_that_continues_the_running_text(
                                                              ("user", "A module"), ("assistant", second)]
 
 
-@pytest.mark.usefixtures("children")
 def test_lines_between_triple_quotes_are_one_message(student_dir: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
