@@ -2,7 +2,7 @@
 
 ```
 RUN_ROOT/
-  corpus/          part-NNNNN.parquet + part-NNNNN.commit.json, _complete.json, config.yaml
+  corpus/          part-NNNNN.parquet + part-NNNNN.commit.json, _complete.json, config.yaml, _sources.json
   tokens/          shard-NNNNN.arrow + shard-NNNNN.commit.json, _complete.json, config.yaml
   topk/TAG/        shard-NNNNN.arrow + .commit.json (+ .lease while computed), _complete.json, _store.json, config.yaml,
                    _renumbering.bin (v2 with renumbering: unigram)
@@ -35,6 +35,7 @@ STORE_FILE = "_store.json"  # topk/TAG only: what made the store (teacher, K, to
 LEASE_SUFFIX = ".lease"  # topk/TAG only: a process's claim on a shard it is computing
 TRAINER_LEASE = "trainer.lease"  # students/NAME: the claim of the one process (rank 0) training this student
 RENUMBERING_FILE = "_renumbering.bin"  # topk/TAG, v2: the frequency renumbering of ids (each shard also carries it)
+SOURCES_FILE = "_sources.json"  # corpus/ only: the dataset's files as materialise found them (not for a hub dataset)
 
 # In students/NAME.
 CHECKPOINT_PREFIX = "checkpoint-"

@@ -1,6 +1,7 @@
 """Pre-flight checks of what the run root already holds, for the stages being run: with `--stages`, that a stage
-left out has written what the chosen ones read (`check_stage_inputs`, which `kdflow run` calls); and that a
-student's checkpoints can resume with this config (`resume`, a check of `run_preflight` for train).
+left out has written what the chosen ones read (`check_stage_inputs`, which `kdflow run` calls); that the dataset's
+files are as materialise read them into the corpus store (`sources`); and that a student's checkpoints can resume
+with this config (`resume`, a check of `run_preflight` for train).
 
 Both read small files only (`_complete.json`, folder names, the config saved beside the student) and say in one
 line what the stage would say later: after Prefect started, or, for a student, after a re-tokenised corpus went
@@ -93,6 +94,23 @@ def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -
                   ("precompute.sequences_per_shard", saved.precompute.sequences_per_shard,
                    config.precompute.sequences_per_shard)]
     return _changed(pairs)
+
+
+@check("sources", "materialise")
+def check_sources(context: Preflight) -> None:
+    """A corpus store with parts of this config's fingerprint was made from the dataset's files as they were
+    (`corpus/_sources.json`): a file edited, added or removed since is named, not silently left out."""
+    from kdflow.schemas.corpus_sources import read_sources
+    from kdflow.schemas.fingerprints import corpus_fingerprint
+    from kdflow.tasks.corpus.source_state import check_unchanged
+
+    run_root = context.run_root
+    store = run_root.path(CORPUS_DIR)
+    try:
+        recorded = read_sources(run_root, store, corpus_fingerprint(context.config))
+    except Exception:  # noqa: BLE001 - a run root not reachable yet: materialise checks again
+        return
+    check_unchanged(recorded, context.config.dataset, run_root.display(store))
 
 
 @check("resume", "train")

@@ -15,6 +15,7 @@ from typing import Any
 from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPartInfo, StageComplete, commit_or_remove,
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import DatasetConfig, KDFlowConfig
+from kdflow.schemas.corpus_sources import read_sources, write_sources
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import corpus_table, write_corpus_part
@@ -27,6 +28,7 @@ from kdflow.tasks.corpus.fields import field_names, field_value
 from kdflow.tasks.corpus.source_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
                                               open_file, pandas_column_names, uncompressed)
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
+from kdflow.tasks.corpus.source_state import check_unchanged, snapshot
 
 CountTokens = Callable[[list[str]], list[int]]
 
@@ -243,6 +245,10 @@ def materialise_into(
     totals = dict(documents=sum(committed[i].rows for i in range(prefix)),
                   tokens=sum(committed[i].tokens for i in range(prefix)),
                   skipped=sum(committed[i].extra.skipped_empty or 0 for i in range(prefix)))
+    if prefix:  # parts made from the files as they were: they must still be so
+        check_unchanged(read_sources(run_root, store, fingerprint), dataset, run_root.display(store))
+    elif (sources := snapshot(dataset, fingerprint)) is not None:
+        write_sources(run_root, store, sources)
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
         return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], 0, fingerprint)
 

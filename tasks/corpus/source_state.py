@@ -1,0 +1,114 @@
+"""The dataset's files now against what materialise read (`corpus/_sources.json`, kdflow.schemas.corpus_sources).
+
+`snapshot` records them before materialise writes a store's first part; `changes` names what differs since:
+a file added or removed, another size, other bytes (a local file whose modification time moved is hashed again,
+so a copy or a `touch` with the same bytes is no change), another version on an object store. `check_unchanged`
+turns a difference into one line, for pre-flight and for materialise itself (a run started from a deployment).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from kdflow.schemas.config import DatasetConfig
+from kdflow.schemas.corpus_sources import CorpusSources, SourceFile
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.corpus.source_files import SAVED, file_builder
+
+SHOWN = 3  # changes named in the line; the rest are counted
+
+
+def _listed(dataset: DatasetConfig) -> list[str] | None:
+    """Every file the dataset reads (a saved dataset's folder: each file in it); None for a hub dataset."""
+    found = file_builder(dataset)
+    if found is None:
+        return None
+    builder, names = found
+    if builder == SAVED:
+        folder = names[0]
+        return sorted(os.path.join(root, name) for root, _, files in os.walk(folder) for name in files)
+    listed: list[str] = []
+    for name in names:
+        if "://" not in name:
+            listed.append(name)
+            continue
+        fs, path = _filesystem(name)
+        matches = fs.glob(path) if any(c in path for c in "*?[") else [path]
+        listed.extend(fs.unstrip_protocol(match) for match in sorted(matches))
+    return listed
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _describe(name: str, hashed: bool) -> SourceFile:
+    if "://" not in name:
+        stat = os.stat(name)
+        return SourceFile(name=name, size=stat.st_size, mtime_ns=stat.st_mtime_ns,
+                          sha256=_sha256(name) if hashed else None)
+    fs, path = _filesystem(name)
+    info = fs.info(path)
+    version = next((info[key] for key in ("ETag", "etag", "mtime", "LastModified", "last_modified", "created")
+                    if info.get(key) is not None), None)
+    return SourceFile(name=name, size=int(info.get("size") or 0), version=None if version is None else str(version))
+
+
+def snapshot(dataset: DatasetConfig, fingerprint: str) -> CorpusSources | None:
+    """The record of the dataset's files (local ones hashed); None for a hub dataset or files that cannot be
+    listed (the read that follows names the problem)."""
+    try:
+        names = _listed(dataset)
+        if names is None:
+            return None
+        return CorpusSources(fingerprint=fingerprint, files=[_describe(name, hashed=True) for name in names])
+    except (ConfigError, OSError, ImportError, ValueError):
+        return None
+
+
+def changes(recorded: CorpusSources, dataset: DatasetConfig) -> list[str]:
+    """What differs between the record and the files now, one phrase each; [] when nothing does, or when none of
+    the files can be found (a corpus store that is complete does not need its source)."""
+    try:
+        names = _listed(dataset)
+        if not names:
+            return []
+        before = {item.name: item for item in recorded.files}
+        found: list[str] = []
+        for name in names:
+            if name not in before:
+                found.append(f"{name} added")
+                continue
+            old, new = before[name], _describe(name, hashed=False)
+            if new.size != old.size:
+                found.append(f"{name}: {old.size:,} -> {new.size:,} bytes")
+            elif new.mtime_ns is not None and new.mtime_ns != old.mtime_ns and old.sha256 is not None:
+                if _sha256(name) != old.sha256:
+                    found.append(f"{name}: other bytes, same size")
+            elif new.version is not None and old.version is not None and new.version != old.version:
+                found.append(f"{name}: another version ({old.version} -> {new.version})")
+        now = set(names)
+        found.extend(f"{name} removed" for name in before if name not in now)
+        return found
+    except (ConfigError, OSError, ImportError, ValueError):
+        return []
+
+
+def check_unchanged(recorded: CorpusSources | None, dataset: DatasetConfig, store: str) -> None:
+    """ConfigError naming what changed since materialise read the files into `store`, if anything did."""
+    found = changes(recorded, dataset) if recorded is not None else []
+    if not found:
+        return
+    shown = ", ".join(found[:SHOWN]) + (f" and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
+    raise ConfigError(f"the dataset's files changed since materialise read them into {store} ({shown}): this run "
+                      "root's stores hold the old text and a rerun would not read the change; put the files back "
+                      "as they were, or give the changed corpus a new run_root")

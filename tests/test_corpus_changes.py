@@ -1,0 +1,95 @@
+"""A dataset's files changed after materialise read them (`corpus/_sources.json`): the next run names the change in
+pre-flight and in materialise itself, instead of resuming or skipping with stores made from the old text. A copy or
+a `touch` with the same bytes is no change; a store made before the record existed is not checked."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.corpus import DOCS, write_jsonl
+
+from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
+from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.preflight import run_preflight
+from kdflow.tasks.preflight_stores import check_sources  # noqa: F401 - registered with the checks
+
+
+def _refused(config: Any) -> str:
+    """The line pre-flight and materialise both give (the same one)."""
+    with pytest.raises(ConfigError) as by_preflight:
+        run_preflight(config, "materialise")
+    with pytest.raises(ConfigError) as by_stage:
+        materialise(config)
+    assert str(by_preflight.value) == str(by_stage.value)
+    return str(by_stage.value)
+
+
+def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_change(
+        make_config: Callable[..., Any], tmp_path: Path) -> None:
+    folder = tmp_path / "src"
+    first = write_jsonl(folder / "a.jsonl", DOCS[:6])
+    write_jsonl(folder / "b.jsonl", DOCS[6:])
+    config = make_config(dataset__path=str(folder), dataset__documents_per_part=4)
+    assert materialise(config).documents == len(DOCS)
+    store = os.path.join(config.run_root, CORPUS_DIR)
+    assert os.path.exists(os.path.join(store, SOURCES_FILE))
+    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+
+    original = first.read_bytes()
+    os.utime(first, ns=(1, 1))  # the same bytes, another modification time (a copy, a touch): hashed, no change
+    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+
+    first.write_bytes(original + b'{"text": "one more"}\n')
+    size = len(original)
+    assert _refused(config) == (
+        f"the dataset's files changed since materialise read them into {store} ({first}: {size:,} -> "
+        f"{size + 21:,} bytes): this run root's stores hold the old text and a rerun would not read the change; put "
+        "the files back as they were, or give the changed corpus a new run_root")
+    first.write_bytes(original.replace(b"word", b"ward", 1))  # same size, other bytes
+    assert f"({first}: other bytes, same size)" in _refused(config)
+    first.write_bytes(original)
+    assert materialise(config).parts_written == 0  # put back as it was
+
+    extra = write_jsonl(folder / "c.jsonl", ["a new document"])
+    assert f"({extra} added)" in _refused(config)
+    extra.unlink()
+    (folder / "b.jsonl").unlink()
+    assert f"({folder / 'b.jsonl'} removed)" in _refused(config)
+    first.unlink()  # nothing of the source is left: a complete store does not need it
+    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+
+
+def test_a_store_without_the_record_or_of_another_fingerprint_is_not_checked(
+        make_config: Callable[..., Any], tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    config = make_config(dataset__path=str(source), dataset__documents_per_part=4)
+    materialise(config)
+    record = Path(config.run_root) / CORPUS_DIR / SOURCES_FILE
+    record.unlink()  # as a store made before the record existed
+    write_jsonl(source, DOCS + ["added later"])
+    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+    assert not record.exists()  # parts made from unknown files: no record is made up for them
+
+    other = make_config(dataset__path=str(source), dataset__documents_per_part=5)  # another fingerprint: a new store
+    assert materialise(other).documents == len(DOCS) + 1
+    assert run_preflight(other, "materialise") == []
+    write_jsonl(source, DOCS)
+    assert "-> " in _refused(other)
+
+
+def test_a_saved_dataset_is_recorded_file_by_file(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(folder))
+    config = make_config(dataset__path=str(folder), dataset__documents_per_part=4)
+    materialise(config)
+    datasets.Dataset.from_dict({"text": DOCS[:3]}).save_to_disk(str(tmp_path / "tmp"))
+    for name in os.listdir(tmp_path / "tmp"):
+        os.replace(tmp_path / "tmp" / name, folder / name)
+    assert "data-00000-of-00001.arrow: " in _refused(config)
