@@ -3,8 +3,9 @@ left out has written what the chosen ones read (`check_stage_inputs`, which `kdf
 files are as materialise read them into the corpus store (`sources`); and that a student's checkpoints can resume
 with this config (`resume`, a check of `run_preflight` for train).
 
-Both read small files only (`_complete.json`, folder names, the config saved beside the student) and say in one
-line what the stage would say later: after Prefect started, or, for a student, after a re-tokenised corpus went
+They read small files (`_complete.json`, `_sources.json`, folder names, the config saved beside the student) and
+stat the dataset's files, hashing only one whose modification time moved at the same size, and say in one line
+what the stage would say later: after Prefect started, or, for a student, after a re-tokenised corpus went
 through the whole teacher pass. What only the stores can tell (the teacher's files, the tokenizer's ids), the
 stage checks when it opens them.
 """

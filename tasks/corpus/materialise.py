@@ -28,7 +28,7 @@ from kdflow.tasks.corpus.fields import field_names, field_value
 from kdflow.tasks.corpus.source_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
                                               open_file, pandas_column_names, uncompressed)
 from kdflow.tasks.corpus.source_files import file_builder as _file_builder
-from kdflow.tasks.corpus.source_state import check_unchanged, snapshot
+from kdflow.tasks.corpus.source_state import check_unchanged, snapshot, with_current_times
 
 CountTokens = Callable[[list[str]], list[int]]
 
@@ -245,9 +245,11 @@ def materialise_into(
     totals = dict(documents=sum(committed[i].rows for i in range(prefix)),
                   tokens=sum(committed[i].tokens for i in range(prefix)),
                   skipped=sum(committed[i].extra.skipped_empty or 0 for i in range(prefix)))
-    if prefix:  # parts made from the files as they were: they must still be so
-        check_unchanged(read_sources(run_root, store, fingerprint), dataset, run_root.display(store))
-    elif (sources := snapshot(dataset, fingerprint)) is not None:
+    if prefix and (recorded := read_sources(run_root, store, fingerprint)) is not None:
+        check_unchanged(recorded, dataset, run_root.display(store))  # parts made from the files as they were
+        if (current := with_current_times(recorded)) != recorded:
+            write_sources(run_root, store, current)
+    elif not prefix and (sources := snapshot(dataset, fingerprint)) is not None:
         write_sources(run_root, store, sources)
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
         return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], 0, fingerprint)

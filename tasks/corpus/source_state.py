@@ -103,6 +103,14 @@ def changes(recorded: CorpusSources, dataset: DatasetConfig) -> list[str]:
         return []
 
 
+def with_current_times(recorded: CorpusSources) -> CorpusSources:
+    """The record with each local file's modification time as it is now: after `check_unchanged` passed, the bytes
+    are the recorded ones, so a moved time (a copy, a `touch`) is hashed once, not on every later run."""
+    files = [item.model_copy(update={"mtime_ns": os.stat(item.name).st_mtime_ns})
+             if item.mtime_ns is not None and os.path.exists(item.name) else item for item in recorded.files]
+    return recorded.model_copy(update={"files": files})
+
+
 def check_unchanged(recorded: CorpusSources | None, dataset: DatasetConfig, store: str) -> None:
     """ConfigError naming what changed since materialise read the files into `store`, if anything did."""
     found = changes(recorded, dataset) if recorded is not None else []
