@@ -16,7 +16,9 @@
 # default 540, under the 600 s one command may run there), KDFLOW_GPU_CHECK_OUT (the summary file, default
 # gpu-check.json; $OUT/gpu-check.json where $OUT is a folder, as on the lent machine, which also gets the whole
 # stderr as $OUT/gpu-check.log), KDFLOW_GPU_SITE (the install folder, default /tmp/kdflow-gpu-site), WHEEL_DIR
-# (default .whl). A short table of the steps is printed last, on stderr.
+# (default .whl), KDFLOW_GPU_WORK (a folder kept for a second call on the same machine, `--work-dir`: its teachers
+# and tuned micro-batch are reused, so `--only` does not build them again). A short table of the steps is printed
+# last, on stderr.
 # Exit code 0 when no step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,8 +110,10 @@ left=$((LIMIT - (SECONDS - started)))
 budget=$((left - 30))  # the check's own steps stop starting this long before the limit, for the summary
 PROGRESS="$(mktemp)"
 trap 'rm -f "$LOG" "$PROGRESS"' EXIT
+work=()
+[[ -n "${KDFLOW_GPU_WORK:-}" ]] && work=(--work-dir "$KDFLOW_GPU_WORK")
 timeout --kill-after=10 "$left" "$PYTHON" -m kdflow bench gpu --budget-s "$budget" --setup-log "$LOG" \
-    --progress-log "$PROGRESS" --out "$SUMMARY" "$@"
+    --progress-log "$PROGRESS" --out "$SUMMARY" "${work[@]}" "$@"
 code=$?
 if ((code == 124 || code == 137)) || [[ ! -s "$SUMMARY" ]]; then
     # The check did not write its summary (killed at the limit, or it could not start): write one from the set-up

@@ -51,10 +51,39 @@ def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_p
     from kdflow.bench.train_step_measure import measure as _measure
 
     short = fresh_run(seq_len=16, student__batch_size=2).model_dump(mode="json")
-    fused = _measure({"config": short, "variant": "fused", "label": "fused", "warmup": 1, "steps": 1})
+    fused = _measure({"config": short, "variant": "fused", "label": "fused", "warmup": 1, "steps": 1,
+                      "check_float32": True})
     assert fused["seq_len"] == 16 and fused["topk"].startswith("synthetic") and fused["tok_s"] > 0, fused
+    check = fused["float32_check"]  # no autocast on the CPU: the step is its own float32 reference
+    assert check["ok"] and not check["autocast"] and check["loss_rel_diff"] == check["grad_rel_diff"] == 0.0
     stage = _measure({"config": short, "variant": "stage", "label": "stage", "warmup": 1, "steps": 1})
     assert "tok_s" not in stage and "seq_len" in stage["skipped"], stage
+
+
+def test_against_float32_compares_the_step_under_autocast_with_the_float32_step() -> None:
+    """bf16 autocast (on the CPU here, as on CUDA in the GPU check) moves loss and gradients a little, within
+    the tolerances; a step that differs beyond them is reported as not ok. Both start from the same weights
+    and leave no gradient behind."""
+    import torch
+
+    from kdflow.bench.train_step_measure import FLOAT32_GRAD_RTOL, against_float32
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32))
+    inputs = torch.randn(256, 64)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def loss_of(context: Any, shift: float = 0.0) -> torch.Tensor:
+        with context:
+            loss = torch.log_softmax(model(inputs), dim=-1)[:, 0].mean().neg()
+        return loss.float() + (shift if context is autocast else 0.0)
+
+    close = against_float32(model, loss_of, autocast)
+    assert close["ok"] and close["autocast"] and 0 < close["grad_rel_diff"] < FLOAT32_GRAD_RTOL, close
+    assert 0 < close["loss_rel_diff"] < 1e-2 and close["grad_worst_param_rel_diff"] >= close["grad_rel_diff"] / 4
+    assert all(p.grad is None for p in model.parameters())
+    far = against_float32(model, lambda context: loss_of(context, shift=0.5), autocast)
+    assert not far["ok"] and far["loss_rel_diff"] > 0.1 and far["grad_rel_diff"] == close["grad_rel_diff"]
 
 
 def test_tensor_peak_counts_the_most_bytes_alive_at_once() -> None:

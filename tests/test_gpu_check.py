@@ -142,9 +142,13 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     assert full["weights_4bit_bytes"] == pytest.approx(full["planned_bytes"], rel=0.02)  # the plan's arithmetic
     tuned = steps["tune_precompute"]["recommended_micro_batch"]
     assert tuned in (2, 4) and steps["teacher_pass_L2_4bit"]["micro_batch"] == tuned
-    assert set(steps["teacher_pass_L1_4bit"]["ratios"]) >= {"stage/forward", "topk/forward"}
+    assert set(steps["teacher_pass_L1_4bit"]["ratios"]) >= {"stage/forward", "topk/forward", "stage/topk"}
+    writer = steps["teacher_pass_L1_4bit"]["stage_writer"]  # where the stage's time went, beyond the device's
+    assert 0 < writer["writer_busy_s"] <= writer["call_s"] and writer["waited_for_writer_s"] >= 0
+    assert steps["precompute"]["writer"]["busy_s"] > 0 and steps["teacher_pass_L1_4bit"]["top_k"] == 32
     extrapolated = steps["extrapolated_4bit"]
     assert extrapolated["what"].startswith("extrapolation") and "stage_tokens_per_s" in extrapolated  # CPU: noise
+    assert "topk_tokens_per_s" in extrapolated
     assert steps["targets_sampled"]["written"] >= 1 and steps["targets_hybrid"]["written"] >= 1
     precision = steps["logits_precision"]
     assert precision["positions"] == 64 and 0 < precision["topk_id_overlap_mean"] <= 1
@@ -154,10 +158,20 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     assert precision["rounding_only_kl_mean_nats"] == pytest.approx(precision["kl_mean_nats"], rel=0.05, abs=1e-6)
     loss = steps["bench_loss"]["records"]
     assert all(record["autocast_bf16"] for record in loss) and loss[-1]["loss_abs_diff"] < 1e-2
-    variants = {r.get("variant") for r in steps["bench_train_step"]["records"]}
-    assert {"plain", "fused"} <= variants, variants
+    variants = {r.get("variant"): r for r in steps["bench_train_step"]["records"]}
+    assert {"plain", "fused"} <= set(variants), variants
+    assert variants["fused"]["float32_check"]["ok"]  # against the float32 step (no autocast on the CPU: equal)
     refused = set((tmp_path / "refused.log").read_text().split()) if (tmp_path / "refused.log").exists() else set()
     assert "prefect" not in refused and "datasets" not in refused
+
+    # A second call with the same --work-dir (on the GPU machine: while it is still warm) builds no teacher
+    # again and passes at the micro-batch the first call tuned.
+    again = children.run([sys.executable, "-m", "kdflow", "bench", "gpu", "--device", "cpu", "--work-dir",
+                          str(tmp_path / "work"), "--only", "teacher_pass_L2_4bit"], what="the check's second call",
+                         timeout=600, env=_guarded_env(tmp_path / "refused.log"), cwd=ROOT)
+    second = json.loads(again.stdout.strip().splitlines()[-1])["steps"]
+    assert again.returncode == 0 and second["teacher"]["reused"].endswith("teachers.json"), again.stderr[-3000:]
+    assert second["teacher_pass_L2_4bit"]["micro_batch"] == tuned and second["tune_precompute"]["status"] == "skipped"
 
 
 def test_gpu_check_script_installs_kdflow_from_the_tree_without_an_index(children: Any, tmp_path: Path) -> None:

@@ -37,7 +37,10 @@ def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
     assert all(m["targets"] == targets and m["chunk_tokens"] == chunk for m in modes)
     assert all(m["tokens_per_s"] > 0 and m["tokens"] == modes[0]["tokens"] > 0 for m in modes)
     assert modes[0]["micro_batches"] == 4 and modes[0]["padded_tokens"] == 4 * 4 * 32  # 2 shards of 8 rows, 4 a batch
-    assert set(ratios) >= {"stage/forward", "topk/forward", "stage/body", "topk/body"}
+    assert set(ratios) >= {"stage/forward", "topk/forward", "stage/body", "topk/body", "stage/topk"}
+    stage = modes[-1]  # where the stage's time went: the writer's busy seconds lie inside the call's
+    assert 0 < stage["writer_busy_s"] <= stage["call_s"] <= stage["seconds_best"] + 0.05
+    assert stage["waited_for_writer_s"] >= 0 and stage["shards_tokens_per_s"] >= stage["tokens_per_s"]
     assert not (Path(config.run_root) / "topk").exists()  # the stage computed in a scratch copy
     assert config.precompute.report_rows > 0  # the pass's store report: not part of what the stage times
     assert scratch_copy(config, 1, str(tmp_path / "scratch"))[0].precompute.report_rows == 0

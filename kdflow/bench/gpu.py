@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-gib", type=float, default=H200_MEMORY_GIB, help="--plan: the device's memory")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip steps that would end after this (default: 480 on cuda, none on cpu)")
-    parser.add_argument("--work-dir", help="keep the teachers, stores and configs here (default: a temporary folder)")
+    parser.add_argument("--work-dir", help="keep the teachers, stores and configs here (default: a temporary "
+                        "folder); a later call with the same folder reuses its teachers and tuned micro-batch")
     parser.add_argument("--out", help="also write the summary to this file")
     parser.add_argument("--setup-log", help="JSON lines of set-up steps (infra/gpu-check.sh) put in the summary")
     parser.add_argument("--progress-log", help="append each step as a JSON line when it starts and when it ends, so "
@@ -123,7 +124,7 @@ def check_config(work: Path, device: str, size: dict[str, Any], depth: int, four
         "seq_len": size["seq_len"],
         "teacher": {"model": str(steps_.teacher_folder(work, depth)), "load_in_4bit": four_bit, "device": device,
                     "dtype": "bfloat16"},
-        "precompute": {"top_k": 32, "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
+        "precompute": {"top_k": size["top_k"], "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
         "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"],
                     "warmup_steps": 1, "eval_shards": 1, "eval_sequences": 8, "save_every": size["student_steps"],
                     "device": device, "autocast_bf16": True,
@@ -223,7 +224,7 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     steps.run("tokens", lambda: steps_.tokens(main_config), needs=("teacher",))
     steps.run("tune_precompute", lambda: steps_.tune(main_config, size), needs=("tokens",), needs_s=2 * long_s)
     steps.run("precompute", lambda: steps_.precompute(main_config), needs=("tokens",), needs_s=long_s)
-    tuned = steps.results["tune_precompute"].get("recommended_micro_batch")
+    tuned = steps_.tuned_micro_batch(work, steps.results)
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
             steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")
@@ -242,7 +243,7 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
               needs=("teacher",), needs_s=long_s / 2)
     train_steps = ["--steps", "3", "--warmup", "1"] if not quick else ["--steps", "1", "--warmup", "0"]
     train_argv = [str(main_config), "--variants", "plain,fused", *train_steps, "--device", device,
-                  "--seq-len", str(size["train_seq_len"])]
+                  "--seq-len", str(size["train_seq_len"]), "--check-float32"]
     steps.run("bench_train_step", lambda: steps_.bench("train-step", train_argv), needs=("precompute",),
               needs_s=long_s / 2)
     steps.run("train_bf16", lambda: steps_.train(main_config), needs=("precompute",), needs_s=long_s / 2)

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     options = [name for name in args.options.split(",") if name] if args.options else []
     config = _bench_config(args)
     check_inputs(config, variants)
-    base = {"config": config.model_dump(mode="json"), "warmup": args.warmup, "steps": args.steps}
+    base = {"config": config.model_dump(mode="json"), "warmup": args.warmup, "steps": args.steps,
+            "check_float32": args.check_float32}
     specs = [base | {"variant": variant, "label": variant} for variant in variants]
     for option in options:
         overrides = _option_overrides(option, parser)
@@ -110,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                              "attn=sdpa|eager|flash_attention_2, or several joined by '+'")
     parser.add_argument("--set", action="append", type=parse_override, metavar="KEY=VALUE",
                         help="override a config key (repeatable), e.g. --set student.kd.chunk_tokens=2048")
+    parser.add_argument("--check-float32", action="store_true",
+                        help="fused: before timing, its first step's loss and gradients as configured (bf16 autocast "
+                        "on CUDA) against the same step in float32 (`float32_check`; `ok` within its tolerances)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one measurement, in a child process
     return parser
 

@@ -45,7 +45,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["variant"] == "stage":
             result = _measure_stage(config, spec["warmup"], spec["steps"], device)
         else:
-            result = _measure_step(config, spec["variant"], spec["warmup"], spec["steps"], device)
+            result = _measure_step(config, spec["variant"], spec["warmup"], spec["steps"], device,
+                                   spec.get("check_float32", False))
     except KDFlowError as error:
         return record | {"skipped": str(error)}
     except torch.OutOfMemoryError:
@@ -90,8 +91,10 @@ def _synthetic_batch(rows: int, seq_len: int, top_k: int, vocab: int) -> Any:
     return DistillBatch(input_ids=input_ids, topk_ids=topk_ids, topk_logprobs=topk_logprobs, tail_logprob=tail_logprob)
 
 
-def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: Any) -> dict[str, Any]:
-    """(a) plain or (b) fused: the same batch every step, `warmup` steps, then `steps` timed ones."""
+def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: Any,
+                  spec_check: bool = False) -> dict[str, Any]:
+    """(a) plain or (b) fused: the same batch every step, `warmup` steps, then `steps` timed ones; with
+    `spec_check` (fused only), first `against_float32`."""
     import torch.nn.functional as F
 
     from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -113,6 +116,8 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
     rows, seq_len = batch.input_ids.shape
     counts = (float(rows * seq_len), float(rows * (seq_len - 1)))
     labels = next_token_labels(batch.input_ids).flatten()  # (n * T,)
+    checked = (against_float32(model, lambda context: distill_loss(module, batch, student.kd, counts, context)[0],
+                               autocast) if variant == "fused" and spec_check else None)
 
     def one_step() -> float:
         if variant == "plain":
@@ -148,7 +153,42 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
     one_step()  # one more, for the tensor peak (the profiler slows it: not timed)
     return {"topk": source, "seconds": round(sum(seconds), 3), "step_s": sorted(round(s, 3) for s in seconds),
             "warmup_s": warmup_s, "loss": round(loss, 5), "peak_bytes": watch.stop(),
-            "peak_total_bytes": int(peak_total), "options": _options_of(student)}
+            "peak_total_bytes": int(peak_total), "options": _options_of(student)} | (
+                {"float32_check": checked} if checked is not None else {})
+
+
+# Tolerances of `against_float32`: bf16 autocast rounds the matmul inputs to 8 bits of mantissa (relative 2^-9).
+FLOAT32_LOSS_RTOL = 1e-2
+FLOAT32_GRAD_RTOL = 5e-2
+
+
+def against_float32(model: Any, loss_of: Any, autocast: Any) -> dict[str, Any]:
+    """The first step's loss and gradients under `autocast` against the same step with autocast off (the
+    float32 reference: the student's weights are float32), from the same weights; no optimiser step. The
+    gradients compare as one vector: |g - g32| / |g32|, and the largest such ratio of a single parameter."""
+    import contextlib
+
+    import torch
+
+    results = []
+    for context in (autocast, contextlib.nullcontext()):
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(context)
+        loss.backward()
+        grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((float(loss.detach()), grads))
+    model.zero_grad(set_to_none=True)
+    (loss, grads), (reference, grads32) = results
+    diff = torch.sqrt(sum(((grads[n] - g) ** 2).sum() for n, g in grads32.items()))
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads32.values()))
+    worst = max((float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)), n) for n, g in grads32.items())
+    loss_rel = abs(loss - reference) / max(abs(reference), 1e-30)
+    grad_rel = float(diff / norm.clamp_min(1e-30))
+    return {"autocast": isinstance(autocast, torch.autocast), "loss": round(loss, 6),
+            "float32_loss": round(reference, 6),
+            "loss_rel_diff": loss_rel, "grad_rel_diff": grad_rel, "grad_worst_param_rel_diff": worst[0],
+            "grad_worst_param": worst[1], "tolerance": {"loss": FLOAT32_LOSS_RTOL, "grad": FLOAT32_GRAD_RTOL},
+            "ok": loss_rel <= FLOAT32_LOSS_RTOL and grad_rel <= FLOAT32_GRAD_RTOL}
 
 
 def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,9 @@ class BackgroundWriter:
         self.encode_batch = encode_batch or (None if codec is None else lambda *arrays: encode(codec, *arrays))
         self.queue: queue.Queue[tuple | None] = queue.Queue(maxsize=WRITE_QUEUE_DEPTH)
         self.error: BaseException | None = None
+        # Where a pass's time goes: seconds this thread spent encoding and writing (after the copy landed), and
+        # seconds the producer spent blocked on it (a full queue, the drain at the end of the shard).
+        self.busy_s = self.waited_s = 0.0
         self.thread = threading.Thread(target=self._run, name=f"topk-writer-{shard_id}", daemon=True)
         self.thread.start()
 
@@ -82,10 +86,12 @@ class BackgroundWriter:
                         ready.synchronize()
                     faults.maybe_fire("write", self.run_root, stage="precompute", shard=self.shard_id,
                                       micro_batch=micro_batch)
+                    started = time.perf_counter()
                     if self.encode_batch is not None:
                         self.writer.write_batch(self.encode_batch(*arrays))
                     else:
                         self.writer.write(*topk_batch(*arrays[:2], self.logprobs_dtype))  # v1: no tail
+                    self.busy_s += time.perf_counter() - started
             except BaseException as error:  # handed to the producer, which raises it
                 self.error = error
             finally:
@@ -95,11 +101,15 @@ class BackgroundWriter:
 
     def put(self, arrays: tuple[np.ndarray, ...], ready: Any, release: Callable[[], None], micro_batch: int) -> None:
         self._raise()
+        started = time.perf_counter()
         self.queue.put((arrays, ready, release, micro_batch))
+        self.waited_s += time.perf_counter() - started
 
     def drain(self, flush: bool = False) -> None:
         """Wait until every queued micro-batch is in the file (flushed to the OS if asked); raise its error."""
+        started = time.perf_counter()
         self.queue.join()
+        self.waited_s += time.perf_counter() - started
         self._raise()
         if flush:
             self.writer.sink.flush()

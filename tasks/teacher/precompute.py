@@ -142,7 +142,7 @@ def precompute_shards(
     target = next(model.parameters()).device if model is not None else resolve_device(str(device or cfg.teacher.device))
     plan = plan_pass(cfg, shard_ids, target, run_root)
     run_root, store, tag = plan.run_root, plan.store, plan.tag
-    written, tokens_written, compute_seconds, leased_elsewhere, fidelity = 0, 0, 0.0, [], None
+    written, tokens_written, compute_seconds, leased_elsewhere, fidelity, writer = 0, 0, 0.0, [], None, None
     if not plan.todo:
         logger.info("precompute: %d/%d shards already committed in %s, nothing to do", len(plan.wanted),
                     len(plan.wanted), run_root.display(store))
@@ -173,6 +173,7 @@ def precompute_shards(
                     computer, leases, plan.todo, token_records, progress, wait_for_others)
         finally:
             progress.close()
+        writer = {"busy_s": round(computer.writer_busy_s, 3), "waited_for_s": round(computer.waited_for_writer_s, 3)}
         if written and cfg.precompute.report_rows:  # the store report's KL, while the teacher is loaded
             fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, cfg.precompute.report_rows,
                                      cfg.precompute.micro_batch)
@@ -188,6 +189,8 @@ def precompute_shards(
         "teacher_fingerprint": plan.teacher_fp, "device": str(target),
         "complete": read_complete(run_root, store) is not None,
         "fidelity": fidelity,
+        # the background writer's seconds encoding and writing, and the pass's seconds blocked on it (None: no work)
+        "writer": writer,
     }
 
 

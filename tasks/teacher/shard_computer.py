@@ -53,6 +53,7 @@ class ShardComputer:
             {} if coded is None else {"format": "v2", "codec": coded.settings()}))
         # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32
+        self.writer_busy_s = self.waited_for_writer_s = 0.0  # over every shard: see BackgroundWriter
         self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage,
                                0 if self.sampled else WRITE_QUEUE_DEPTH + 2)
 
@@ -84,6 +85,8 @@ class ShardComputer:
                     background.drain()
                 finally:
                     background.close()
+                    self.writer_busy_s += background.busy_s
+                    self.waited_for_writer_s += background.waited_s
         except DiskFull as error:  # v1 knows what the whole shard needs: ids and log-probs of every position
             itemsize = 2 if pre.logprobs_dtype == "float16" else 4
             whole = self.codec is None and self.sampled is None
