@@ -224,6 +224,21 @@ def test_full_depth_extrapolation_is_linear_in_depth_and_none_when_depth_got_fas
     assert out["bf16_roofline_tokens_per_s"] == pytest.approx(790e12 / (2 * 3_324_160_512), abs=0.1)
 
 
+@pytest.mark.unit
+def test_model_flops_utilisation_leaves_the_lm_head_out_of_the_body_mode() -> None:
+    """The body stops before the lm_head (196,608 x 2,560 at the reference shapes): counted for the modes that
+    run it, not for the body (the first run on the H200 reported the body at 0.87 of peak, counting it)."""
+    from kdflow.bench.gpu_plan import REFERENCE_SHAPES
+    from kdflow.bench.gpu_steps import matmul_parameters, model_flops_utilisation
+
+    rates = {"body": 500_000.0, "forward": 300_000.0}
+    mfu = model_flops_utilisation(REFERENCE_SHAPES, 2, rates)
+    active, head = matmul_parameters(REFERENCE_SHAPES, 2), 196_608 * 2560
+    assert mfu["forward"] == pytest.approx(2 * active * 300_000 / 790e12, abs=1e-4)
+    assert mfu["body"] == pytest.approx(2 * (active - head) * 500_000 / 790e12, abs=1e-4)
+    assert 0.2 < mfu["body"] < 0.25  # the L2 teacher's body as measured on the H200: 502,952 tok/s -> 0.22
+
+
 def test_a_check_stopped_at_its_limit_keeps_what_it_measured(children: Any, tmp_path: Path) -> None:
     """infra/gpu-check.sh stops the check at its limit; the summary it then writes holds every step the check
     finished (its progress log), and the step it was in as failed: stopped. `--only tokens` runs that step and

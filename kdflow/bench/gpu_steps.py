@@ -242,7 +242,7 @@ def teacher_pass(config_path: Path, micro_batch: int | None, shards: int, depth:
     modes = {r["mode"]: r for r in result["records"] if "mode" in r}
     ratios = next((r for r in result["records"] if r.get("what") == "ratios"), {})
     active = matmul_parameters(shapes, depth)
-    mfu = {mode: round(2 * active * r["tokens_per_s"] / (BF16_PEAK_TFLOPS * 1e12), 4) for mode, r in modes.items()}
+    mfu = model_flops_utilisation(shapes, depth, {mode: r["tokens_per_s"] for mode, r in modes.items()})
     stage = modes.get("stage", {})
     return {"layers": depth, "micro_batch": next(iter(modes.values()))["micro_batch"],
             "top_k": next(iter(modes.values()))["top_k"],
@@ -251,6 +251,14 @@ def teacher_pass(config_path: Path, micro_batch: int | None, shards: int, depth:
                                                            "writer_busy_s", "waited_for_writer_s")},
             "ratios": {k: v for k, v in ratios.items() if "/" in k}, "mfu_of_bf16_peak": mfu,
             "active_parameters": active}
+
+
+def model_flops_utilisation(shapes: dict[str, int], depth: int, rates: dict[str, float]) -> dict[str, float]:
+    """Each mode's tok/s as a share of the bf16 peak: 2 FLOPs a matmul parameter a token; the `body` mode stops
+    before the lm_head, so its parameters are not counted there."""
+    active, head = matmul_parameters(shapes, depth), shapes["vocab_size"] * shapes["hidden_size"]
+    return {mode: round(2 * (active - head * (mode == "body")) * rate / (BF16_PEAK_TFLOPS * 1e12), 4)
+            for mode, rate in rates.items()}
 
 
 def matmul_parameters(shapes: dict[str, int], depth: int) -> int:

@@ -36,7 +36,7 @@ Memory, two numbers per variant:
                     set's high-water mark (VmHWM, reset through /proc/self/clear_refs after the warm-up:
                     Python, torch, model, optimiser, allocator caches, mapped shards); on CUDA
                     torch.cuda.max_memory_allocated.
-The CUDA paths are written to the same plan but were not run on this project's machines (no GPU there).
+The CUDA paths ran on an H200 in the GPU check (`kdflow bench gpu`; README, The GPU check).
 """
 
 from __future__ import annotations
