@@ -191,3 +191,21 @@ def test_a_hub_that_cannot_be_reached_refuses_what_is_not_cached_and_nothing_els
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{listening.getsockname()[1]}")
         assert hub_access.hub_unreachable() is None
         assert hub_access.hub_model_problem("teacher.model", "someone/not-cached") is None  # fetched when it loads
+
+
+def test_object_store_reads_lift_datasets_offline_flag_for_object_stores_only() -> None:
+    """s3:// and local files: datasets may read them inside the block although HF_HUB_OFFLINE is set; a file
+    behind http(s) or hf:// keeps the flag (that is the hub, or may be); the flag is back after the block."""
+    import datasets
+
+    from kdflow.tasks.common.hub_access import object_store_reads
+
+    before = datasets.config.HF_HUB_OFFLINE
+    assert before  # tests/conftest.py sets HF_HUB_OFFLINE
+    with object_store_reads(["s3://bucket/a.jsonl", "local/b.jsonl"]):
+        assert datasets.config.HF_HUB_OFFLINE is False
+    assert datasets.config.HF_HUB_OFFLINE == before
+    for files in (["s3://bucket/a.jsonl", "https://huggingface.co/x/a.jsonl"], ["hf://datasets/x/a.jsonl"],
+                  ["local/only.jsonl"]):
+        with object_store_reads(files):
+            assert datasets.config.HF_HUB_OFFLINE == before, files

@@ -8,6 +8,7 @@ with the credentials in `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`. No code p
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -135,3 +136,48 @@ def test_chat_with_a_student_on_s3_talks_to_a_copy_made_for_the_session(
     assert main(["chat", f"{s3_run_root}/students/nobody", *args]) == 2
     assert capsys.readouterr().err.strip() == (f"kdflow: error: student '{s3_run_root}/students/nobody' is not a "
                                                f"model: no config.json in {s3_run_root}/students/nobody")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_version(
+        s3_run_root: str, make_config: Callable[..., Any], tmp_path: Path, streaming: bool) -> None:
+    """A dataset file on an object store is read with HF_HUB_OFFLINE set (as here, and on machines kept off the
+    hub: datasets refuses every URL then, its own bucket's too, unless materialise lifts that for object stores).
+    The corpus sources' record there holds size and version (ETag) of each file, not its hash: an object written
+    again with other bytes is named by the next run, as another size or another version; written back with the
+    first bytes, its ETag is the first again and the run goes on."""
+    import s3fs
+    from support.corpus import DOCS
+
+    from kdflow.schemas.corpus_sources import CorpusSources
+    from kdflow.schemas.errors import ConfigError
+    from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.preflight import run_preflight
+    from kdflow.tasks.preflight_stores import check_sources  # noqa: F401 - registered with the checks
+
+    source = s3_run_root.rsplit("/", 1)[0] + "/src/docs.jsonl"
+    original = "".join(json.dumps({"text": text}) + "\n" for text in DOCS).encode()
+    fs = s3fs.S3FileSystem()
+    fs.pipe(source, original)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # tests/conftest.py
+    config = make_config(run_root=str(tmp_path / "run"), dataset__path=source, dataset__documents_per_part=4,
+                         dataset__streaming=streaming)
+    assert materialise(config).documents == len(DOCS)
+    recorded = CorpusSources.model_validate_json(Path(config.run_root, CORPUS_DIR, SOURCES_FILE).read_bytes())
+    assert [(f.name, f.size, f.sha256) for f in recorded.files] == [(source, len(original), None)]
+    assert recorded.files[0].version and run_preflight(config, "materialise") == []
+
+    fs.pipe(source, original.replace(b"word", b"ward", 1))  # the same size, other bytes: another ETag
+    fs.invalidate_cache()
+    with pytest.raises(ConfigError, match=re.escape(f"({source}: another version (")):
+        run_preflight(config, "materialise")
+    with pytest.raises(ConfigError, match="changed since materialise read them"):
+        materialise(config)
+    fs.pipe(source, original + b'{"text": "one more"}\n')
+    fs.invalidate_cache()
+    with pytest.raises(ConfigError, match=re.escape(f"({source}: {len(original):,} -> {len(original) + 21:,} bytes)")):
+        run_preflight(config, "materialise")
+    fs.pipe(source, original)  # put back: the first bytes, the first ETag
+    fs.invalidate_cache()
+    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0

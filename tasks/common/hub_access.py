@@ -1,6 +1,7 @@
 """Can a hub model or dataset be had from here? Asked by pre-flight (kdflow.tasks.preflight) before anything starts,
 so that a hub id that is neither in the local cache nor reachable (an offline machine, a firewall, HF_HUB_OFFLINE)
-is one line in a few seconds, not a stage failing after a minute of retries. No torch, no datasets.
+is one line in a few seconds, not a stage failing after a minute of retries. No torch; datasets only in
+`object_store_reads`, which lets a machine kept off the hub read dataset files from an object store.
 
 The hub counts as reachable when a TCP connection to its endpoint (HF_ENDPOINT, default huggingface.co) opens within
 a few seconds. Behind an HTTP proxy that cannot be told without a request, so there it always counts as reachable.
@@ -8,11 +9,14 @@ a few seconds. Behind an HTTP proxy that cannot be told without a request, so th
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import socket
+import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 
 from kdflow.schemas.config import TeacherConfig
 
@@ -118,3 +122,28 @@ def check_hub_model(setting: str, repo: str, revision: str | None = None,
 
 def check_hub_teacher(teacher: TeacherConfig) -> None:
     check_hub_model("teacher.model", teacher.model, teacher.revision, (teacher.gguf_file or "config.json",))
+
+
+_NOT_THE_HUB_LOCK = threading.Lock()
+HUB_SCHEMES = ("http", "https", "hf")  # what HF_HUB_OFFLINE keeps datasets from reading; s3://, gs://... are not
+
+
+@contextlib.contextmanager
+def object_store_reads(files: list[str]) -> Iterator[None]:
+    """`datasets` refuses every URL while HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE) is set, an object store's too
+    ("Offline mode is enabled. Tried to reach s3://..."). A machine kept off the hub may still read the user's own
+    bucket: while `files` are all local paths or object-store URLs, datasets' offline flag is lifted inside this
+    block (one block at a time; the flag is restored after). A file on the hub or behind http(s) keeps it set."""
+    remote = [f for f in files if "://" in f]
+    if not remote or any(f.split("://", 1)[0].lower() in HUB_SCHEMES for f in remote):
+        yield
+        return
+    import datasets
+
+    with _NOT_THE_HUB_LOCK:
+        offline = datasets.config.HF_HUB_OFFLINE
+        datasets.config.HF_HUB_OFFLINE = False
+        try:
+            yield
+        finally:
+            datasets.config.HF_HUB_OFFLINE = offline

@@ -22,6 +22,7 @@ from kdflow.schemas.shards import corpus_table, write_corpus_part
 from kdflow.schemas.stage_settings import MaterialiseSettings, materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
+from kdflow.tasks.common.hub_access import object_store_reads
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.corpus.fields import field_names, field_value
@@ -65,8 +66,9 @@ def open_source(dataset: DatasetConfig) -> tuple[Any, list[str]]:
             columns = pandas_column_names(csv_header(data_files[0], builder))
             options = dict(sep=DELIMITERS[builder], na_filter=False, encoding="utf-8-sig",
                            features=datasets.Features({name: datasets.Value("string") for name in columns}))
-        source = datasets.load_dataset("csv" if builder in DELIMITERS else builder, data_files=data_files,
-                                       split=dataset.split, streaming=dataset.streaming, **options)
+        with object_store_reads(data_files):  # s3://, gs://... while HF_HUB_OFFLINE keeps the hub away
+            source = datasets.load_dataset("csv" if builder in DELIMITERS else builder, data_files=data_files,
+                                           split=dataset.split, streaming=dataset.streaming, **options)
         local = [f for f in data_files if "://" not in f]
     else:
         source = datasets.load_dataset(
