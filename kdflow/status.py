@@ -7,8 +7,8 @@ import json
 import yaml
 
 from kdflow.schemas.commits import StageComplete, list_commits, read_complete
-from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR,
-                                   checkpoint_name, complete_checkpoint_steps, is_store_name)
+from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, SOURCES_FILE, STUDENTS_DIR,
+                                   TOKENS_DIR, TOPK_DIR, checkpoint_name, complete_checkpoint_steps, is_store_name)
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import tokens_made_from, topk_tags
 
@@ -42,6 +42,9 @@ def print_status(url: str) -> int:
     print(f"run root: {run_root.display(run_root.root)}")
     line, _ = _store_line(run_root, "corpus", run_root.path(CORPUS_DIR), "corpus", None)
     print(line)
+    sources = _sources_line(run_root)
+    if sources:
+        print(sources)
     line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
     print(line)
     token_store = read_complete(run_root, run_root.path(TOKENS_DIR))
@@ -58,6 +61,32 @@ def print_status(url: str) -> int:
     for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
         print(_student_line(run_root, name))
     return 0
+
+
+def _sources_line(run_root: RunRoot) -> str | None:
+    """The dataset's files against what materialise read (`corpus/_sources.json`), from the record alone: a file
+    since edited or removed is named, as the next run would name it; None where there is no record."""
+    from pydantic import ValidationError
+
+    from kdflow.schemas.corpus_sources import CorpusSources
+    from kdflow.tasks.corpus.source_state import SHOWN, recorded_changes
+
+    path = f"{run_root.path(CORPUS_DIR)}/{SOURCES_FILE}"
+    try:
+        recorded = CorpusSources.model_validate_json(run_root.read_bytes(path)) if run_root.exists(path) else None
+    except (ValidationError, ValueError, OSError):
+        return None
+    if recorded is None:
+        return None
+    found, label = recorded_changes(recorded), f"{CORPUS_DIR}/{SOURCES_FILE}"
+    files = f"{len(recorded.files)} file{'' if len(recorded.files) == 1 else 's'}"
+    if not found:
+        return f"{label:<22} {files} as materialise read them"
+    if len(found) == len(recorded.files) and all(" removed" in change for change in found):  # as pre-flight
+        return f"{label:<22} {files}, none found here (a complete corpus store does not need them)"
+    shown = ", ".join(found[:SHOWN]) + (f" and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
+    return (f"{label:<22} {files}, CHANGED since materialise read them: {shown}; the next run refuses "
+            "(put the files back, or give the changed corpus a new run_root)")
 
 
 def _student_line(run_root: RunRoot, name: str) -> str:

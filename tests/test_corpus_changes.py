@@ -30,8 +30,18 @@ def _refused(config: Any) -> str:
     return str(by_stage.value)
 
 
+def _status_line(config: Any, capsys: pytest.CaptureFixture[str]) -> str:
+    from kdflow.status import print_status
+
+    capsys.readouterr()
+    assert print_status(config.run_root) == 0
+    label = f"{CORPUS_DIR}/{SOURCES_FILE}"
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(label))
+    return " ".join(line.split(None, 1))  # the label's padding out
+
+
 def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_change(
-        make_config: Callable[..., Any], tmp_path: Path) -> None:
+        make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "src"
     first = write_jsonl(folder / "a.jsonl", DOCS[:6])
     write_jsonl(folder / "b.jsonl", DOCS[6:])
@@ -55,16 +65,23 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
         "the files back as they were, or give the changed corpus a new run_root")
     first.write_bytes(original.replace(b"word", b"ward", 1))  # same size, other bytes
     assert f"({first}: other bytes, same size)" in _refused(config)
+    assert _status_line(config, capsys) == (  # kdflow status says it too, from the record alone
+        f"corpus/_sources.json 2 files, CHANGED since materialise read them: {first}: other bytes, same size; "
+        "the next run refuses (put the files back, or give the changed corpus a new run_root)")
     first.write_bytes(original)
     assert materialise(config).parts_written == 0  # put back as it was
+    assert _status_line(config, capsys) == "corpus/_sources.json 2 files as materialise read them"
 
     extra = write_jsonl(folder / "c.jsonl", ["a new document"])
     assert f"({extra} added)" in _refused(config)
     extra.unlink()
     (folder / "b.jsonl").unlink()
     assert f"({folder / 'b.jsonl'} removed)" in _refused(config)
+    assert f"CHANGED since materialise read them: {folder / 'b.jsonl'} removed;" in _status_line(config, capsys)
     first.unlink()  # nothing of the source is left: a complete store does not need it
     assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+    gone = " 2 files, none found here (a complete corpus store does not need them)"
+    assert _status_line(config, capsys).endswith(gone)
 
 
 def test_a_store_without_the_record_or_of_another_fingerprint_is_not_checked(

@@ -79,28 +79,52 @@ def changes(recorded: CorpusSources, dataset: DatasetConfig) -> list[str]:
     """What differs between the record and the files now, one phrase each; [] when nothing does, or when none of
     the files can be found (a corpus store that is complete does not need its source)."""
     try:
-        names = _listed(dataset)
-        if not names:
-            return []
-        before = {item.name: item for item in recorded.files}
-        found: list[str] = []
-        for name in names:
-            if name not in before:
-                found.append(f"{name} added")
-                continue
-            old, new = before[name], _describe(name, hashed=False)
-            if new.size != old.size:
-                found.append(f"{name}: {old.size:,} -> {new.size:,} bytes")
-            elif new.mtime_ns is not None and new.mtime_ns != old.mtime_ns and old.sha256 is not None:
-                if _sha256(name) != old.sha256:
-                    found.append(f"{name}: other bytes, same size")
-            elif new.version is not None and old.version is not None and new.version != old.version:
-                found.append(f"{name}: another version ({old.version} -> {new.version})")
-        now = set(names)
-        found.extend(f"{name} removed" for name in before if name not in now)
-        return found
+        return _compare(recorded, _listed(dataset))
     except (ConfigError, OSError, ImportError, ValueError):
         return []
+
+
+def recorded_changes(recorded: CorpusSources) -> list[str]:
+    """What differs for the files the record names, found where they are named (a relative path from the working
+    folder); without the dataset config, an added file cannot be seen. For `kdflow status`."""
+    try:
+        present = [item.name for item in recorded.files if _exists(item.name)]
+        gone = [f"{item.name} removed" + ("" if os.path.isabs(item.name) or "://" in item.name
+                                          else f" (or not found from {os.getcwd()})")
+                for item in recorded.files if item.name not in present]
+        return [change for change in _compare(recorded, present) if not change.endswith(" removed")] + gone
+    except (OSError, ImportError, ValueError):
+        return []
+
+
+def _exists(name: str) -> bool:
+    if "://" not in name:
+        return os.path.exists(name)
+    fs, path = _filesystem(name)
+    return bool(fs.exists(path))
+
+
+def _compare(recorded: CorpusSources, names: list[str] | None) -> list[str]:
+    """The record against the files `names` (those listed now), one phrase a difference; [] for no names."""
+    if not names:
+        return []
+    before = {item.name: item for item in recorded.files}
+    found: list[str] = []
+    for name in names:
+        if name not in before:
+            found.append(f"{name} added")
+            continue
+        old, new = before[name], _describe(name, hashed=False)
+        if new.size != old.size:
+            found.append(f"{name}: {old.size:,} -> {new.size:,} bytes")
+        elif new.mtime_ns is not None and new.mtime_ns != old.mtime_ns and old.sha256 is not None:
+            if _sha256(name) != old.sha256:
+                found.append(f"{name}: other bytes, same size")
+        elif new.version is not None and old.version is not None and new.version != old.version:
+            found.append(f"{name}: another version ({old.version} -> {new.version})")
+    now = set(names)
+    found.extend(f"{name} removed" for name in before if name not in now)
+    return found
 
 
 def with_current_times(recorded: CorpusSources) -> CorpusSources:
