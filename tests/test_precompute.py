@@ -108,12 +108,17 @@ def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config
     assert find_topk_stores(RunRoot(config.run_root), config) == [summary["tag"]]
 
 
-def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config) -> None:
+def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config, caplog) -> None:
     config = prepare(make_config(dataset__max_documents=24))
-    first = precompute_shards(config)
+    with caplog.at_level("INFO", logger="kdflow.precompute"):
+        first = precompute_shards(config)
+    # where the pass's time went on the host: the writer's busy seconds, and the pass's seconds waiting for it
+    assert first["writer"]["busy_s"] > 0 and first["writer"]["waited_for_s"] >= 0
+    assert any(f"the background writer encoded and wrote for {first['writer']['busy_s']:.1f} s" in r.getMessage()
+               for r in caplog.records), caplog.text
     before = store_files(config, first["tag"])
     again = precompute_shards(config)
-    assert (again["written"], again["skipped"]) == (0, first["shards"])
+    assert (again["written"], again["skipped"]) == (0, first["shards"]) and again["writer"] is None
     assert store_files(config, first["tag"]) == before  # not even _complete.json or config.yaml rewritten
 
     run_root = RunRoot(config.run_root)

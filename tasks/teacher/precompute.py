@@ -174,6 +174,10 @@ def precompute_shards(
         finally:
             progress.close()
         writer = {"busy_s": round(computer.writer_busy_s, 3), "waited_for_s": round(computer.waited_for_writer_s, 3)}
+        if written:  # is the host side what limits this pass? (waiting is the part that costs device time)
+            logger.info("precompute: %.1f s computing %d shards; the background writer encoded and wrote for %.1f s of "
+                        "it, and the pass waited %.1f s for it", compute_seconds, written, writer["busy_s"],
+                        writer["waited_for_s"])
         if written and cfg.precompute.report_rows:  # the store report's KL, while the teacher is loaded
             fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, cfg.precompute.report_rows,
                                      cfg.precompute.micro_batch)
