@@ -41,6 +41,8 @@ def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
     stage = modes[-1]  # where the stage's time went: the writer's busy seconds lie inside the call's
     assert 0 < stage["writer_busy_s"] <= stage["call_s"] <= stage["seconds_best"] + 0.05
     assert stage["waited_for_writer_s"] >= 0 and stage["shards_tokens_per_s"] >= stage["tokens_per_s"]
+    assert list(stage["phases_s"]) == ["plan", "setup", "shards", "finish"]  # the call's seconds, phase by phase
+    assert sum(stage["phases_s"].values()) == pytest.approx(stage["call_s"], abs=0.01)
     assert not (Path(config.run_root) / "topk").exists()  # the stage computed in a scratch copy
     assert config.precompute.report_rows > 0  # the pass's store report: not part of what the stage times
     assert scratch_copy(config, 1, str(tmp_path / "scratch"))[0].precompute.report_rows == 0

@@ -189,7 +189,7 @@ def precompute(config_path: Path) -> dict[str, Any]:
     if outcome.exit_code != 0 or outcome.result is None:
         message = outcome.errors[-1]["message"] if outcome.errors else ""
         raise RuntimeError(f"the teacher worker exited {outcome.exit_code}: {message}")
-    keys = ("tag", "written", "tokens", "tokens_per_s", "peak_device_memory_mib", "device", "writer")
+    keys = ("tag", "written", "tokens", "tokens_per_s", "peak_device_memory_mib", "device", "writer", "phases_s")
     return {key: outcome.result.get(key) for key in keys}
 
 
@@ -247,8 +247,9 @@ def teacher_pass(config_path: Path, micro_batch: int | None, shards: int, depth:
     return {"layers": depth, "micro_batch": next(iter(modes.values()))["micro_batch"],
             "top_k": next(iter(modes.values()))["top_k"],
             "tokens_per_s": {mode: r["tokens_per_s"] for mode, r in modes.items()},
-            "stage_writer": {key: stage.get(key) for key in ("seconds_best", "call_s", "shards_tokens_per_s",
-                                                           "writer_busy_s", "waited_for_writer_s")},
+            "stage_writer": {key: stage.get(key) for key in ("seconds_best", "call_s", "phases_s",
+                                                           "shards_tokens_per_s", "writer_busy_s",
+                                                           "waited_for_writer_s")},
             "ratios": {k: v for k, v in ratios.items() if "/" in k}, "mfu_of_bf16_peak": mfu,
             "active_parameters": active}
 

@@ -21,8 +21,8 @@ line gives `tokens_per_s` = real tokens (`tokens`, padding excluded) / its best 
 (`seconds_best`), with every round's seconds and process CPU seconds beside it. One last line gives the ratios
 of tokens_per_s: `stage/forward`, `topk/forward`, `stage/topk` (and over `body`); the stage's line also
 gives its background writer's seconds encoding and writing (`writer_busy_s`), the seconds the pass was
-blocked on it (`waited_for_writer_s`), the whole call's seconds and its shards' own rate: where a pass's time
-goes beyond the device's. Without `--config`, the demo teacher
+blocked on it (`waited_for_writer_s`), the whole call's seconds (`call_s`; `phases_s`: plan, setup, shards,
+finish) and its shards' own rate: where a pass's time goes beyond the device's. Without `--config`, the demo teacher
 (SmolLM2-135M, dequantised once into RUN_ROOT/teacher-smollm2 as `kdflow demo` does) and the demo's token
 shards are prepared under `--run-root`. The stage writes into a scratch copy of the token store, never into
 the config's own run root.
@@ -194,7 +194,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
         if summary["written"] != shards:
             raise RuntimeError(f"the stage wrote {summary['written']} shards, expected {shards}")
         # the call's seconds (planning, store files, commits included) and its shards' own rate
-        writer.append(summary["writer"] | {"call_s": summary["seconds"],
+        writer.append(summary["writer"] | {"call_s": summary["seconds"], "phases_s": summary["phases_s"],
                                            "shards_tokens_per_s": summary["tokens_per_s"]})
 
     stage.writer = writer  # type: ignore[attr-defined] - each call's background-writer seconds, in order
@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "stage":  # the best round's background writer: busy encoding, and the pass blocked on it
             writer = steps["stage"].writer[1:][seconds[mode].index(best)]  # [0]: the untimed call
             extra = {"writer_busy_s": writer["busy_s"], "waited_for_writer_s": writer["waited_for_s"],
-                     "call_s": writer["call_s"], "shards_tokens_per_s": writer["shards_tokens_per_s"]}
+                     "call_s": writer["call_s"], "phases_s": writer["phases_s"],
+                     "shards_tokens_per_s": writer["shards_tokens_per_s"]}
         emit(common | {"mode": mode, "tokens_per_s": round(rates[mode], 1), "seconds_best": round(best, 3),
                        "seconds_median": round(statistics.median(seconds[mode]), 3),
                        "seconds_all": [round(s, 3) for s in seconds[mode]],

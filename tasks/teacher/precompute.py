@@ -142,6 +142,7 @@ def precompute_shards(
     target = next(model.parameters()).device if model is not None else resolve_device(str(device or cfg.teacher.device))
     plan = plan_pass(cfg, shard_ids, target, run_root)
     run_root, store, tag = plan.run_root, plan.store, plan.tag
+    marks = {"plan": time.perf_counter()}  # where a call's seconds go: plan, setup (loading included), shards, finish
     written, tokens_written, compute_seconds, leased_elsewhere, fidelity, writer = 0, 0, 0.0, [], None, None
     if not plan.todo:
         logger.info("precompute: %d/%d shards already committed in %s, nothing to do", len(plan.wanted),
@@ -167,12 +168,14 @@ def precompute_shards(
         progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress,
                             context={"tag": tag, "skipped": len(plan.wanted) - len(plan.todo)})
         progress.start()
+        marks["setup"] = time.perf_counter()
         try:
             with deterministic_algorithms():
                 written, tokens_written, compute_seconds, leased_elsewhere = _run(
                     computer, leases, plan.todo, token_records, progress, wait_for_others)
         finally:
             progress.close()
+        marks["shards"] = time.perf_counter()
         writer = {"busy_s": round(computer.writer_busy_s, 3), "waited_for_s": round(computer.waited_for_writer_s, 3)}
         if written:  # is the host side what limits this pass? (waiting is the part that costs device time)
             logger.info("precompute: %.1f s computing %d shards; the background writer encoded and wrote for %.1f s of "
@@ -184,6 +187,10 @@ def precompute_shards(
     complete_if_done(run_root, store, tag, plan.tokens_done)
     in_store = list_commits(run_root, store, "topk", tag)
     committed = [in_store[i] for i in plan.wanted if i in in_store]
+    marks["finish"], last = time.perf_counter(), started
+    phases = {}
+    for name, mark in marks.items():
+        phases[name], last = round(mark - last, 3), mark
     return {
         "tag": tag, "store": run_root.display(store), "shards": len(plan.wanted), "written": written,
         "skipped": len(plan.wanted) - len(plan.todo), "leased_elsewhere": leased_elsewhere, "committed": len(committed),
@@ -195,6 +202,7 @@ def precompute_shards(
         "fidelity": fidelity,
         # the background writer's seconds encoding and writing, and the pass's seconds blocked on it (None: no work)
         "writer": writer,
+        "phases_s": phases,  # plan, setup, shards, finish (the report's re-run included): seconds of each
     }
 
 
