@@ -129,9 +129,9 @@ def micro_batches(arrays: list[Any], micro_batch: int) -> list[tuple[Any, int]]:
 
 
 def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scratch: Any,
-                   shards: int) -> tuple[dict[str, Callable[[], None]], int]:
+                   shards: int) -> tuple[dict[str, Callable[[], None]], int, list[dict[str, Any]]]:
     """One callable per mode, each doing the whole of its work over every micro-batch once; the chunk (rows) of
-    the `topk` mode's step."""
+    the `topk` mode's step; the list each stage call appends its host-side seconds to (its record's fields)."""
     import torch
 
     from kdflow.schemas.layout import TOPK_DIR
@@ -186,19 +186,19 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
         sync()
 
     shard_ids = list(range(shards))
-    writer: list[dict[str, float]] = []
+    stage_calls: list[dict[str, Any]] = []  # each stage call's host-side seconds, in order
 
     def stage() -> None:
         empty_store(Path(scratch.run_root) / TOPK_DIR)
         summary = precompute_shards(scratch, shard_ids, model=model)
         if summary["written"] != shards:
             raise RuntimeError(f"the stage wrote {summary['written']} shards, expected {shards}")
-        # the call's seconds (planning, store files, commits included) and its shards' own rate
-        writer.append(summary["writer"] | {"call_s": summary["seconds"], "phases_s": summary["phases_s"],
-                                           "shards_tokens_per_s": summary["tokens_per_s"]})
+        # the writer's seconds, the call's (planning, store files, commits included) and its shards' own rate
+        stage_calls.append({"writer_busy_s": summary["writer"]["busy_s"],
+                            "waited_for_writer_s": summary["writer"]["waited_for_s"], "call_s": summary["seconds"],
+                            "phases_s": summary["phases_s"], "shards_tokens_per_s": summary["tokens_per_s"]})
 
-    stage.writer = writer  # type: ignore[attr-defined] - each call's background-writer seconds, in order
-    return {"body": body, "forward": forward, "topk": topk, "stage": stage}, chunk_tokens
+    return {"body": body, "forward": forward, "topk": topk, "stage": stage}, chunk_tokens, stage_calls
 
 
 def empty_store(topk: Path) -> None:
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch, arrays = scratch_copy(config, args.shards, folder)
         batches = micro_batches(arrays, config.precompute.micro_batch)
         tokens = sum(len(rows) for rows in arrays) * config.seq_len
-        steps, chunk_tokens = step_functions(config, model, batches, scratch, args.shards)
+        steps, chunk_tokens, stage_calls = step_functions(config, model, batches, scratch, args.shards)
         seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         cpu_seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         with deterministic_algorithms():  # as the pass runs
@@ -266,12 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         best = min(seconds[mode])
         rates[mode] = tokens / best
-        extra = {}
-        if mode == "stage":  # the best round's background writer: busy encoding, and the pass blocked on it
-            writer = steps["stage"].writer[1:][seconds[mode].index(best)]  # [0]: the untimed call
-            extra = {"writer_busy_s": writer["busy_s"], "waited_for_writer_s": writer["waited_for_s"],
-                     "call_s": writer["call_s"], "phases_s": writer["phases_s"],
-                     "shards_tokens_per_s": writer["shards_tokens_per_s"]}
+        # the stage's best round: its background writer busy, the pass blocked on it ([0]: the untimed call)
+        extra = stage_calls[1:][seconds[mode].index(best)] if mode == "stage" else {}
         emit(common | {"mode": mode, "tokens_per_s": round(rates[mode], 1), "seconds_best": round(best, 3),
                        "seconds_median": round(statistics.median(seconds[mode]), 3),
                        "seconds_all": [round(s, 3) for s in seconds[mode]],

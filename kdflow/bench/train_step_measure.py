@@ -46,7 +46,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             result = _measure_stage(config, spec["warmup"], spec["steps"], device)
         else:
             result = _measure_step(config, spec["variant"], spec["warmup"], spec["steps"], device,
-                                   spec.get("check_float32", False))
+                                   check_float32=spec.get("check_float32", False))
     except KDFlowError as error:
         return record | {"skipped": str(error)}
     except torch.OutOfMemoryError:
@@ -91,10 +91,10 @@ def _synthetic_batch(rows: int, seq_len: int, top_k: int, vocab: int) -> Any:
     return DistillBatch(input_ids=input_ids, topk_ids=topk_ids, topk_logprobs=topk_logprobs, tail_logprob=tail_logprob)
 
 
-def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: Any,
-                  spec_check: bool = False) -> dict[str, Any]:
+def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: Any, *,
+                  check_float32: bool = False) -> dict[str, Any]:
     """(a) plain or (b) fused: the same batch every step, `warmup` steps, then `steps` timed ones; with
-    `spec_check` (fused only), first `against_float32`."""
+    `check_float32` (fused only), first `against_float32`."""
     import torch.nn.functional as F
 
     from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -117,7 +117,7 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
     counts = (float(rows * seq_len), float(rows * (seq_len - 1)))
     labels = next_token_labels(batch.input_ids).flatten()  # (n * T,)
     checked = (against_float32(model, lambda context: distill_loss(module, batch, student.kd, counts, context)[0],
-                               autocast) if variant == "fused" and spec_check else None)
+                               autocast) if variant == "fused" and check_float32 else None)
 
     def one_step() -> float:
         if variant == "plain":

@@ -88,11 +88,12 @@ def recorded_changes(recorded: CorpusSources) -> list[str]:
     """What differs for the files the record names, found where they are named (a relative path from the working
     folder); without the dataset config, an added file cannot be seen. For `kdflow status`."""
     try:
-        present = [item.name for item in recorded.files if _exists(item.name)]
-        gone = [f"{item.name} removed" + ("" if os.path.isabs(item.name) or "://" in item.name
-                                          else f" (or not found from {os.getcwd()})")
-                for item in recorded.files if item.name not in present]
-        return [change for change in _compare(recorded, present) if not change.endswith(" removed")] + gone
+        before = {item.name: item for item in recorded.files}
+        present = [name for name in before if _exists(name)]
+        gone = [f"{name} removed" + ("" if os.path.isabs(name) or "://" in name
+                                     else f" (or not found from {os.getcwd()})")
+                for name in before if name not in present]
+        return _differences(before, present) + gone
     except (OSError, ImportError, ValueError):
         return []
 
@@ -109,6 +110,12 @@ def _compare(recorded: CorpusSources, names: list[str] | None) -> list[str]:
     if not names:
         return []
     before = {item.name: item for item in recorded.files}
+    now = set(names)
+    return _differences(before, names) + [f"{name} removed" for name in before if name not in now]
+
+
+def _differences(before: dict[str, SourceFile], names: list[str]) -> list[str]:
+    """Each of `names` against its record in `before`: added, another size, other bytes, another version."""
     found: list[str] = []
     for name in names:
         if name not in before:
@@ -122,8 +129,6 @@ def _compare(recorded: CorpusSources, names: list[str] | None) -> list[str]:
                 found.append(f"{name}: other bytes, same size")
         elif new.version is not None and old.version is not None and new.version != old.version:
             found.append(f"{name}: another version ({old.version} -> {new.version})")
-    now = set(names)
-    found.extend(f"{name} removed" for name in before if name not in now)
     return found
 
 
