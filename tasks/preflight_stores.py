@@ -101,14 +101,14 @@ def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -
 def check_sources(context: Preflight) -> None:
     """A corpus store with parts of this config's fingerprint was made from the dataset's files as they were
     (`corpus/_sources.json`): a file edited, added or removed since is named, not silently left out."""
-    from kdflow.schemas.corpus_sources import read_sources
+    from kdflow.schemas.dataset_record import read_dataset_record
     from kdflow.schemas.fingerprints import corpus_fingerprint
-    from kdflow.tasks.corpus.source_state import check_unchanged
+    from kdflow.tasks.corpus.dataset_changes import check_unchanged
 
     run_root = context.run_root
     store = run_root.path(CORPUS_DIR)
     try:
-        recorded = read_sources(run_root, store, corpus_fingerprint(context.config))
+        recorded = read_dataset_record(run_root, store, corpus_fingerprint(context.config))
     except Exception:  # noqa: BLE001 - a run root not reachable yet: materialise checks again
         return
     check_unchanged(recorded, context.config.dataset, run_root.display(store))

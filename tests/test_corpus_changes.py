@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from support.corpus import DOCS, write_jsonl
 
-from kdflow.schemas.corpus_sources import CorpusSources
+from kdflow.schemas.dataset_record import DatasetRecord
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
 from kdflow.tasks.corpus.materialise import materialise
@@ -54,7 +54,7 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
     original = first.read_bytes()
     os.utime(first, ns=(1, 1))  # the same bytes, another modification time (a copy, a touch): hashed, no change
     assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
-    recorded = CorpusSources.model_validate_json(Path(store, SOURCES_FILE).read_bytes())
+    recorded = DatasetRecord.model_validate_json(Path(store, SOURCES_FILE).read_bytes())
     assert [f.mtime_ns for f in recorded.files if f.name == str(first)] == [1]  # hashed once, not every run
 
     first.write_bytes(original + b'{"text": "one more"}\n')

@@ -17,7 +17,7 @@ from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.tasks.corpus.materialise import DataError, materialise
 from kdflow.tasks.corpus.probe import probe_dataset
-from kdflow.tasks.corpus.source_files import file_builder
+from kdflow.tasks.corpus.dataset_files import file_builder
 
 
 def _compress(path: Path, suffix: str) -> Path:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from support.runs import student_path, trained_tiny_run
 
-from kdflow.tasks.common.sources import hub_id
+from kdflow.tasks.common.model_files import hub_id
 from kdflow.tasks.student.model_card import render_card
 
 

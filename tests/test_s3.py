@@ -149,7 +149,7 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
     import s3fs
     from support.corpus import DOCS
 
-    from kdflow.schemas.corpus_sources import CorpusSources
+    from kdflow.schemas.dataset_record import DatasetRecord
     from kdflow.schemas.errors import ConfigError
     from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
     from kdflow.tasks.corpus.materialise import materialise
@@ -164,7 +164,7 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
     config = make_config(run_root=str(tmp_path / "run"), dataset__path=source, dataset__documents_per_part=4,
                          dataset__streaming=streaming)
     assert materialise(config).documents == len(DOCS)
-    recorded = CorpusSources.model_validate_json(Path(config.run_root, CORPUS_DIR, SOURCES_FILE).read_bytes())
+    recorded = DatasetRecord.model_validate_json(Path(config.run_root, CORPUS_DIR, SOURCES_FILE).read_bytes())
     assert [(f.name, f.size, f.sha256) for f in recorded.files] == [(source, len(original), None)]
     assert recorded.files[0].version and run_preflight(config, "materialise") == []
 

@@ -17,7 +17,7 @@ from typing import Any
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError, first_line
 from kdflow.tasks.common.gguf_header import GGUFError, gguf_summary, read_gguf_metadata
-from kdflow.tasks.common.sources import check_teacher_source, resolve_model_source
+from kdflow.tasks.common.model_files import check_teacher_files, resolve_model_files
 
 _VOCAB_KEYS = ("vocab_size", "n_vocab", "padded_vocab_size")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
@@ -78,7 +78,7 @@ def _gguf(path: str, what: str) -> dict[str, Any]:
 
 def teacher_shape(teacher: TeacherConfig) -> ModelShape:
     """The teacher's vocabulary size and context length from its config (no weights); None where unknown."""
-    local = check_teacher_source(teacher)
+    local = check_teacher_files(teacher)
     if local is not None and teacher.gguf_file:
         path = os.path.join(local, teacher.gguf_file)
         summary = _gguf(path, "teacher.gguf_file")
@@ -98,7 +98,7 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
 def tokenizer_vocab(source: str, gguf_file: str | None = None, revision: str | None = None) -> dict[str, int] | None:
     """token -> id of the tokenizer at `source` (a folder with tokenizer.json, a GGUF file in a folder, a cached
     hub id), read with the `tokenizers` library or from the GGUF metadata; None when it cannot be read cheaply."""
-    path = resolve_model_source(source, gguf_file)
+    path = resolve_model_files(source, gguf_file)
     if gguf_file:
         file = os.path.join(path, gguf_file)
         if not os.path.isfile(file):
@@ -145,7 +145,7 @@ def student_vocab_problem(init_from: str, run_vocab: dict[str, int] | None) -> s
     problem = init_vocab_problem(init_from, run_vocab, tokenizer_vocab(init_from))
     if problem:
         return problem
-    path = resolve_model_source(init_from)
+    path = resolve_model_files(init_from)
     path = os.path.join(path, "config.json") if os.path.isdir(path) else _cached_hub_file(init_from, "config.json",
                                                                                           None)
     size = _first(_text_config(read_json(path, "student.init_from")), _VOCAB_KEYS) if path else None

@@ -1,7 +1,7 @@
 """Models as every stage sees them: where their files come from, what identifies them, and their parts.
 
 Sources: a hub id, a local folder, or a model shipped inside an installed package (`package:DIST`); they are
-resolved and checked without torch in kdflow.tasks.common.sources.
+resolved and checked without torch in kdflow.tasks.common.model_files.
 
 Identity: the teacher's fingerprint (its weights, dtype and quantisation) names the top-K store it makes;
 the student side computes it too, to choose among stores, so it lives here and not with the teacher pass.
@@ -25,7 +25,7 @@ from kdflow.schemas.config import TeacherConfig, section_hash
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.devices import cuda_unavailable, no_cuda_message
 from kdflow.tasks.common.float32_logits import SIXTEEN_BIT
-from kdflow.tasks.common.sources import WEIGHT_SUFFIXES, check_teacher_source
+from kdflow.tasks.common.model_files import WEIGHT_SUFFIXES, check_teacher_files
 
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})/")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,7 +99,7 @@ def teacher_identity(teacher: TeacherConfig, model: nn.Module | None = None, *,
     """What decides the teacher's numbers: its weights, dtype and quantisation (not where the folder lies)."""
     if device is None:
         device = next(model.parameters()).device if model is not None else resolve_device(teacher.device)
-    local = check_teacher_source(teacher)
+    local = check_teacher_files(teacher)
     dtype = resolve_dtype(teacher, device)
     identity: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."),
                                 "quantisation": "bnb-nf4" if teacher.load_in_4bit else None,

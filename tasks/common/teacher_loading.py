@@ -27,7 +27,7 @@ from kdflow.schemas.errors import KDFlowError
 from kdflow.tasks.common.float32_logits import SIXTEEN_BIT, Float32Logits
 from kdflow.tasks.common.fused_experts import quantise_fused_experts, quantising_fused_experts
 from kdflow.tasks.common.models import output_layer, resolve_device, resolve_dtype
-from kdflow.tasks.common.sources import check_teacher_source
+from kdflow.tasks.common.model_files import check_teacher_files
 
 
 class TeacherPlacementError(KDFlowError):
@@ -48,7 +48,7 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
     """The teacher on one device, in eval mode with gradients off; raises if any part was placed elsewhere."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    local = check_teacher_source(teacher)
+    local = check_teacher_files(teacher)
     target = resolve_device(str(device) if device is not None else teacher.device)
     dtype = resolve_dtype(teacher, target)
     kwargs = source_kwargs(teacher) | {"dtype": dtype, "device_map": {"": str(target)}}

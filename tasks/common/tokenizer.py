@@ -6,7 +6,7 @@ from typing import Any
 
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, first_line
-from kdflow.tasks.common.sources import resolve_model_source
+from kdflow.tasks.common.model_files import resolve_model_files
 
 
 def load_tokenizer(config: KDFlowConfig) -> Any:
@@ -14,7 +14,7 @@ def load_tokenizer(config: KDFlowConfig) -> Any:
     from transformers import AutoTokenizer
 
     path, gguf_file = config.tokenizer_source
-    path = resolve_model_source(path, gguf_file)
+    path = resolve_model_files(path, gguf_file)
     kwargs: dict[str, Any] = {"trust_remote_code": config.teacher.trust_remote_code}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file

@@ -15,7 +15,7 @@ from typing import Any
 from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPartInfo, StageComplete, commit_or_remove,
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
 from kdflow.schemas.config import DatasetConfig, KDFlowConfig
-from kdflow.schemas.corpus_sources import read_sources, write_sources
+from kdflow.schemas.dataset_record import read_dataset_record, write_dataset_record
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import corpus_table, write_corpus_part
@@ -26,10 +26,10 @@ from kdflow.tasks.common.hub_access import object_store_reads
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.corpus.fields import field_names, field_value
-from kdflow.tasks.corpus.source_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
+from kdflow.tasks.corpus.dataset_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
                                               open_file, pandas_column_names, uncompressed)
-from kdflow.tasks.corpus.source_files import file_builder as _file_builder
-from kdflow.tasks.corpus.source_state import check_unchanged, snapshot, with_current_times
+from kdflow.tasks.corpus.dataset_files import file_builder as _file_builder
+from kdflow.tasks.corpus.dataset_changes import check_unchanged, snapshot, with_current_times
 
 CountTokens = Callable[[list[str]], list[int]]
 
@@ -247,12 +247,12 @@ def materialise_into(
     totals = dict(documents=sum(committed[i].rows for i in range(prefix)),
                   tokens=sum(committed[i].tokens for i in range(prefix)),
                   skipped=sum(committed[i].extra.skipped_empty or 0 for i in range(prefix)))
-    if prefix and (recorded := read_sources(run_root, store, fingerprint)) is not None:
+    if prefix and (recorded := read_dataset_record(run_root, store, fingerprint)) is not None:
         check_unchanged(recorded, dataset, run_root.display(store))  # parts made from the files as they were
         if (current := with_current_times(recorded)) != recorded:
-            write_sources(run_root, store, current)
+            write_dataset_record(run_root, store, current)
     elif not prefix and (sources := snapshot(dataset, fingerprint)) is not None:
-        write_sources(run_root, store, sources)
+        write_dataset_record(run_root, store, sources)
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
         return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], 0, fingerprint)
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from kdflow.schemas.config import EVAL_FULL_KL_AUTO_BYTES, KDFlowConfig
 from kdflow.schemas.errors import KDFlowError
 from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
-from kdflow.tasks.common.sources import WEIGHT_SUFFIXES, check_teacher_source
+from kdflow.tasks.common.model_files import WEIGHT_SUFFIXES, check_teacher_files
 from kdflow.tasks.common.teacher_loading import load_teacher
 
 EVAL_CHUNK = 256  # positions per chunk of teacher and student logits: a few (256, vocab) float32 tensors at a time
@@ -38,7 +38,7 @@ def teacher_weight_bytes(config: KDFlowConfig) -> int | None:
     """Bytes of the teacher's weight files when it is a local folder (its GGUF file alone, if it names one), None
     for a hub id or a folder that is not there."""
     try:
-        folder = check_teacher_source(config.teacher)
+        folder = check_teacher_files(config.teacher)
     except KDFlowError:  # not a usable model folder: auto leaves the evaluation off
         return None
     if folder is None:

@@ -17,7 +17,7 @@ from torch import nn
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import KDFlowError, first_line
 from kdflow.tasks.common.model_configs import init_vocab_problem
-from kdflow.tasks.common.sources import hub_id, model_folder_problem
+from kdflow.tasks.common.model_files import hub_id, model_folder_problem
 
 
 class StudentError(KDFlowError):

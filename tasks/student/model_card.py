@@ -22,7 +22,7 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import TRAINING_CURVE_FILE
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.stores import format_label, read_store_info
-from kdflow.tasks.common.sources import hub_id
+from kdflow.tasks.common.model_files import hub_id
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).

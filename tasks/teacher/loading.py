@@ -15,7 +15,7 @@ from torch import nn
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.model_configs import teacher_limits_problem
-from kdflow.tasks.common.models import check_teacher_source
+from kdflow.tasks.common.models import check_teacher_files
 from kdflow.tasks.common.teacher_loading import (TeacherPlacementError, check_placement, load_teacher,  # noqa: F401
                                                  misplaced_modules, source_kwargs)
 
@@ -24,7 +24,7 @@ def load_teacher_config(teacher: TeacherConfig) -> Any:
     """The teacher's Hugging Face config, without its weights (for the checks that come first)."""
     from transformers import AutoConfig
 
-    local = check_teacher_source(teacher)
+    local = check_teacher_files(teacher)
     return AutoConfig.from_pretrained(local or teacher.model, **source_kwargs(teacher))
 
 

@@ -1,6 +1,6 @@
 """`kdflow store import`: a top-K logit dataset -> a token store and a top-K store in the run root (no Prefect).
 
-Every row of the source is checked first (kdflow.tasks.teacher.logit_source); nothing is written before all
+Every row of the source is checked first (kdflow.tasks.teacher.logit_dataset); nothing is written before all
 pass. Then the token store (`tokens/`, the fingerprint this config expects, so training opens it as its own) and
 the top-K store (`topk/TAG/`, in the config's store format: v2 with its codec or v1) are written shard by shard
 with the commit protocol of every stage: data file, then commit record, then `_complete.json`. A rerun skips the
@@ -31,8 +31,8 @@ from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.stores import TopkStoreInfo, store_format, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.teacher.logit_source import (check_columns, check_text, computed_tail, digest_rows, new_digest,
-                                               read_source, source_rows)
+from kdflow.tasks.teacher.logit_dataset import (check_columns, check_text, computed_tail, digest_rows, new_digest,
+                                               read_logit_dataset, logit_rows)
 from kdflow.tasks.teacher.store_codec import store_codec
 
 logger = logging.getLogger("kdflow.import")
@@ -58,14 +58,14 @@ def import_store(cfg: KDFlowConfig, source: str, layout_name: str, teacher_name:
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     vocab_size, seq_len, top_k, per_shard = len(tokenizer), cfg.seq_len, cfg.precompute.top_k, \
         cfg.precompute.sequences_per_shard
-    table = read_source(source)
+    table = read_logit_dataset(source)
     check_columns(table, layout, source)
     if table.num_rows == 0:
         raise StoreError(f"import source {source!r} has no rows")
     ranges = [(start, min(start + per_shard, table.num_rows)) for start in range(0, table.num_rows, per_shard)]
 
     def rows_of(start: int, stop: int) -> Any:
-        return source_rows(table, layout, start, stop, seq_len, top_k, vocab_size)
+        return logit_rows(table, layout, start, stop, seq_len, top_k, vocab_size)
 
     digest, has_tail = new_digest(), None  # pass 1: every row checked before anything is written
     digest.update(f"{layout.name}\n".encode())

@@ -25,7 +25,7 @@ MASS_TOLERANCE = 5e-3
 
 
 @dataclass
-class SourceRows:
+class LogitRows:
     """Rows [start, stop) of a source, as a top-K store holds them."""
 
     input_ids: np.ndarray  # (n, T) int32
@@ -35,7 +35,7 @@ class SourceRows:
     text: list[str] | None
 
 
-def read_source(path: str) -> pa.Table:
+def read_logit_dataset(path: str) -> pa.Table:
     """The whole source as one Arrow table (memory-mapped where the format allows)."""
     if not os.path.exists(path):
         raise ConfigError(f"import source {path!r} does not exist")
@@ -122,8 +122,8 @@ def _first(mask: np.ndarray) -> tuple[int, int] | None:
     return (int(hits[0][0]), int(hits[0][1])) if len(hits) else None
 
 
-def source_rows(table: pa.Table, layout: LogitLayout, start: int, stop: int, seq_len: int, top_k: int,
-                vocab_size: int) -> SourceRows:
+def logit_rows(table: pa.Table, layout: LogitLayout, start: int, stop: int, seq_len: int, top_k: int,
+                vocab_size: int) -> LogitRows:
     """Rows [start, stop) mapped and checked: lengths, K, ids in the vocabulary and distinct per position,
     log-probs finite, sorted descending and summing to at most 1, tail at most 0."""
     rows = table.slice(start, stop - start)
@@ -171,7 +171,7 @@ def source_rows(table: pa.Table, layout: LogitLayout, start: int, stop: int, seq
             raise StoreError(f"row {start + hit[0]} field {layout.tail}: a tail log-mass above 0 at position {hit[1]}")
         tail = np.minimum(tail, 0.0).astype(np.float32)
     text = rows.column(layout.text).to_pylist() if layout.text and layout.text in table.column_names else None
-    return SourceRows(tokens.astype(np.int32), ids.astype(np.int32), logprobs.astype(np.float32), tail, text)
+    return LogitRows(tokens.astype(np.int32), ids.astype(np.int32), logprobs.astype(np.float32), tail, text)
 
 
 def computed_tail(logprobs: np.ndarray) -> np.ndarray:
@@ -181,7 +181,7 @@ def computed_tail(logprobs: np.ndarray) -> np.ndarray:
         return np.log(np.clip(1.0 - mass, 0.0, 1.0)).astype(np.float32)
 
 
-def check_text(rows: SourceRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
+def check_text(rows: LogitRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
     """Where the source holds the text: the tokenizer's encoding of it must begin with the row's token ids."""
     if rows.text is None:
         return
@@ -194,7 +194,7 @@ def check_text(rows: SourceRows, tokenizer: Any, start: int, layout: LogitLayout
                              f"{layout.tokens} at position {at}")
 
 
-def digest_rows(digest: Any, rows: SourceRows) -> None:
+def digest_rows(digest: Any, rows: LogitRows) -> None:
     """Fold the rows' arrays into `digest` (what the imported store's teacher fingerprint names)."""
     for array in (rows.input_ids, rows.ids, rows.logprobs, rows.tail):
         digest.update(b"none" if array is None else np.ascontiguousarray(array).tobytes())

@@ -2,7 +2,7 @@
 
 Fingerprints name a dataset's settings (its path, fields, split...), not its bytes, so a file edited, added or
 removed after materialise would leave every store of the run root as it was, silently made from the old text.
-With this record, the next run names the change instead (`kdflow.tasks.corpus.source_state`). A local file is
+With this record, the next run names the change instead (`kdflow.tasks.corpus.dataset_changes`). A local file is
 recorded by size, modification time and sha256; a file on an object store by size and the version its store
 reports (ETag, else modification time). A hub dataset has no record (`dataset.revision` pins one).
 
@@ -23,7 +23,7 @@ from kdflow.schemas.storage import RunRoot
 SOURCES_FORMAT = "kdflow.corpus-sources.v1"
 
 
-class SourceFile(BaseModel):
+class RecordedFile(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     name: str  # as the config resolves it: a local path (relative where the config's is) or a URL
@@ -33,26 +33,26 @@ class SourceFile(BaseModel):
     version: str | None = None  # object stores: the ETag, or the modification time, as the store reports it
 
 
-class CorpusSources(BaseModel):
+class DatasetRecord(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     format: Literal["kdflow.corpus-sources.v1"] = SOURCES_FORMAT
     fingerprint: str  # the corpus store's fingerprint: a record of another one says nothing about this store
-    files: list[SourceFile]
+    files: list[RecordedFile]
 
 
-def write_sources(run_root: RunRoot, store: str, sources: CorpusSources) -> None:
+def write_dataset_record(run_root: RunRoot, store: str, sources: DatasetRecord) -> None:
     run_root.write_bytes_atomic(f"{store}/{SOURCES_FILE}", json.dumps(sources.model_dump(), indent=1).encode())
 
 
-def read_sources(run_root: RunRoot, store: str, fingerprint: str) -> CorpusSources | None:
+def read_dataset_record(run_root: RunRoot, store: str, fingerprint: str) -> DatasetRecord | None:
     """The store's record for `fingerprint`; None when there is none (a hub dataset, a store made before the
     record existed, or one of another fingerprint) or it cannot be read."""
     path = f"{store}/{SOURCES_FILE}"
     if not run_root.exists(path):
         return None
     try:
-        sources = CorpusSources.model_validate_json(run_root.read_bytes(path))
+        sources = DatasetRecord.model_validate_json(run_root.read_bytes(path))
     except (ValidationError, ValueError):
         return None
     return sources if sources.fingerprint == fingerprint else None

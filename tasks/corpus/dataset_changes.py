@@ -1,4 +1,4 @@
-"""The dataset's files now against what materialise read (`corpus/_sources.json`, kdflow.schemas.corpus_sources).
+"""The dataset's files now against what materialise read (`corpus/_sources.json`, kdflow.schemas.dataset_record).
 
 `snapshot` records them before materialise writes a store's first part; `changes` names what differs since:
 a file added or removed, another size, other bytes (a local file whose modification time moved is hashed again,
@@ -13,9 +13,9 @@ import os
 from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
-from kdflow.schemas.corpus_sources import CorpusSources, SourceFile
+from kdflow.schemas.dataset_record import DatasetRecord, RecordedFile
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.corpus.source_files import SAVED, file_builder
+from kdflow.tasks.corpus.dataset_files import SAVED, file_builder
 
 SHOWN = 3  # changes named in the line; the rest are counted
 
@@ -51,31 +51,31 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def _describe(name: str, hashed: bool) -> SourceFile:
+def _describe(name: str, hashed: bool) -> RecordedFile:
     if "://" not in name:
         stat = os.stat(name)
-        return SourceFile(name=name, size=stat.st_size, mtime_ns=stat.st_mtime_ns,
+        return RecordedFile(name=name, size=stat.st_size, mtime_ns=stat.st_mtime_ns,
                           sha256=_sha256(name) if hashed else None)
     fs, path = _filesystem(name)
     info = fs.info(path)
     version = next((info[key] for key in ("ETag", "etag", "mtime", "LastModified", "last_modified", "created")
                     if info.get(key) is not None), None)
-    return SourceFile(name=name, size=int(info.get("size") or 0), version=None if version is None else str(version))
+    return RecordedFile(name=name, size=int(info.get("size") or 0), version=None if version is None else str(version))
 
 
-def snapshot(dataset: DatasetConfig, fingerprint: str) -> CorpusSources | None:
+def snapshot(dataset: DatasetConfig, fingerprint: str) -> DatasetRecord | None:
     """The record of the dataset's files (local ones hashed); None for a hub dataset or files that cannot be
     listed (the read that follows names the problem)."""
     try:
         names = _listed(dataset)
         if names is None:
             return None
-        return CorpusSources(fingerprint=fingerprint, files=[_describe(name, hashed=True) for name in names])
+        return DatasetRecord(fingerprint=fingerprint, files=[_describe(name, hashed=True) for name in names])
     except (ConfigError, OSError, ImportError, ValueError):
         return None
 
 
-def changes(recorded: CorpusSources, dataset: DatasetConfig) -> list[str]:
+def changes(recorded: DatasetRecord, dataset: DatasetConfig) -> list[str]:
     """What differs between the record and the files now, one phrase each; [] when nothing does, or when none of
     the files can be found (a corpus store that is complete does not need its source)."""
     try:
@@ -84,7 +84,7 @@ def changes(recorded: CorpusSources, dataset: DatasetConfig) -> list[str]:
         return []
 
 
-def recorded_changes(recorded: CorpusSources) -> list[str]:
+def recorded_changes(recorded: DatasetRecord) -> list[str]:
     """What differs for the files the record names, found where they are named (a relative path from the working
     folder); without the dataset config, an added file cannot be seen. For `kdflow status`."""
     try:
@@ -105,7 +105,7 @@ def _exists(name: str) -> bool:
     return bool(fs.exists(path))
 
 
-def _compare(recorded: CorpusSources, names: list[str] | None) -> list[str]:
+def _compare(recorded: DatasetRecord, names: list[str] | None) -> list[str]:
     """The record against the files `names` (those listed now), one phrase a difference; [] for no names."""
     if not names:
         return []
@@ -114,7 +114,7 @@ def _compare(recorded: CorpusSources, names: list[str] | None) -> list[str]:
     return _differences(before, names) + [f"{name} removed" for name in before if name not in now]
 
 
-def _differences(before: dict[str, SourceFile], names: list[str]) -> list[str]:
+def _differences(before: dict[str, RecordedFile], names: list[str]) -> list[str]:
     """Each of `names` against its record in `before`: added, another size, other bytes, another version."""
     found: list[str] = []
     for name in names:
@@ -132,7 +132,7 @@ def _differences(before: dict[str, SourceFile], names: list[str]) -> list[str]:
     return found
 
 
-def with_current_times(recorded: CorpusSources) -> CorpusSources:
+def with_current_times(recorded: DatasetRecord) -> DatasetRecord:
     """The record with each local file's modification time as it is now: after `check_unchanged` passed, the bytes
     are the recorded ones, so a moved time (a copy, a `touch`) is hashed once, not on every later run."""
     files = [item.model_copy(update={"mtime_ns": os.stat(item.name).st_mtime_ns})
@@ -140,7 +140,7 @@ def with_current_times(recorded: CorpusSources) -> CorpusSources:
     return recorded.model_copy(update={"files": files})
 
 
-def check_unchanged(recorded: CorpusSources | None, dataset: DatasetConfig, store: str) -> None:
+def check_unchanged(recorded: DatasetRecord | None, dataset: DatasetConfig, store: str) -> None:
     """ConfigError naming what changed since materialise read the files into `store`, if anything did."""
     found = changes(recorded, dataset) if recorded is not None else []
     if not found:

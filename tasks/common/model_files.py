@@ -39,7 +39,7 @@ def hub_id(name: str | None) -> str | None:
     return name if _HUB_ID.match(name) else None
 
 
-def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
+def resolve_model_files(model: str, gguf_file: str | None = None) -> str:
     """-> a local folder or a hub id that transformers' `from_pretrained` accepts."""
     if not model.startswith(PACKAGE_PREFIX):
         looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(
@@ -61,12 +61,12 @@ def resolve_model_source(model: str, gguf_file: str | None = None) -> str:
     return str(dist.locate_file(model_files[0]).parent)
 
 
-def check_teacher_source(teacher: TeacherConfig) -> str | None:
+def check_teacher_files(teacher: TeacherConfig) -> str | None:
     """The teacher's local folder (None for a hub id); one-line errors, naming the setting, when it is not a usable
     model folder: no config.json, no weight file, no GGUF file of that name."""
     setting = f"teacher.model={teacher.model!r}"
     try:
-        path = resolve_model_source(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
+        path = resolve_model_files(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
     except ConfigError as error:
         raise ConfigError(f"{setting}: {error}") from None
     if not os.path.exists(path):
