@@ -130,7 +130,7 @@ def _version() -> str:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from kdflow.tune import main
+    from kdflow.commands.tune import main
 
     return main(args.rest)
 

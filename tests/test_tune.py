@@ -20,9 +20,9 @@ import kdflow.tasks.common.launch as launch
 from kdflow.cli import main as cli_main
 from kdflow.schemas.config import dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
-from kdflow.tasks.teacher import tuning
-from kdflow.tasks.teacher.tune import measure_candidate
-from kdflow.tune import set_nested_value, write_micro_batch
+from kdflow.tasks.teacher import tune_search
+from kdflow.tasks.teacher.tune_trial import measure_candidate
+from kdflow.commands.tune import set_nested_value, write_micro_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,7 +104,7 @@ def test_token_shards_of_another_length_and_a_run_under_way_are_refused(
         make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = prepare(make_config(dataset__max_documents=12))
     with pytest.raises(KDFlowError, match="have seq_len 32, the config says 64"):
-        tuning.check_tune_inputs(config.model_copy(update={"seq_len": 64}))
+        tune_search.check_tune_inputs(config.model_copy(update={"seq_len": 64}))
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     precompute_shards(config, [0])
@@ -118,41 +118,41 @@ def test_token_shards_of_another_length_and_a_run_under_way_are_refused(
 # ---- the recommendation and the loop, on given outcomes -------------------------------------------------------
 
 
-def ok(size: int, rate: float, headroom: float) -> tuning.Candidate:
-    return tuning.Candidate(size, "ok", 0, "", {"tokens_per_s": rate, "headroom": headroom, "memory": "cpu rss",
+def ok(size: int, rate: float, headroom: float) -> tune_search.Candidate:
+    return tune_search.Candidate(size, "ok", 0, "", {"tokens_per_s": rate, "headroom": headroom, "memory": "cpu rss",
                                                 "peak_rss_mib": 100.0 * size, "total_mib": 1000.0})
 
 
 def test_the_recommendation_is_the_fastest_that_leaves_the_headroom() -> None:
     candidates = [ok(4, 900.0, 0.5), ok(8, 1000.0, 0.3), ok(16, 1100.0, 0.05),
-                  tuning.Candidate(32, "out of memory", 75, "CUDA out of memory")]
-    assert tuning.recommend(candidates, 0.10).micro_batch == 8
-    assert tuning.recommend(candidates, 0.01).micro_batch == 16
-    assert tuning.recommend(candidates, 0.60) is None
-    result = tuning.summary(candidates, 0.10)
+                  tune_search.Candidate(32, "out of memory", 75, "CUDA out of memory")]
+    assert tune_search.recommend(candidates, 0.10).micro_batch == 8
+    assert tune_search.recommend(candidates, 0.01).micro_batch == 16
+    assert tune_search.recommend(candidates, 0.60) is None
+    result = tune_search.summary(candidates, 0.10)
     assert (result["recommended_micro_batch"], result["fastest_micro_batch"]) == (8, 16)
     assert result["recommended_over_fastest"] == round(1000 / 1100, 4)
-    text = tuning.table(candidates, 0.10)
+    text = tune_search.table(candidates, 0.10)
     assert "<- recommended" in text.splitlines()[2] and "below headroom" in text.splitlines()[3]
     assert "out of memory (exit 75)" in text.splitlines()[4]
 
 
 def test_after_an_out_of_memory_larger_candidates_are_skipped_other_failures_do_not_stop() -> None:
-    outcomes = {2: tuning.Candidate(2, "failed", 71, "CUDA driver error: device not ready"), 4: ok(4, 10.0, 0.5),
-                8: tuning.Candidate(8, "out of memory", 75, "CUDA out of memory"), 16: ok(16, 99.0, 0.5)}
+    outcomes = {2: tune_search.Candidate(2, "failed", 71, "CUDA driver error: device not ready"), 4: ok(4, 10.0, 0.5),
+                8: tune_search.Candidate(8, "out of memory", 75, "CUDA out of memory"), 16: ok(16, 99.0, 0.5)}
     ran: list[int] = []
 
-    def runner(size: int) -> tuning.Candidate:
+    def runner(size: int) -> tune_search.Candidate:
         ran.append(size)
         return outcomes[size]
 
-    results = tuning.run_candidates([16, 2, 8, 4], runner)
+    results = tune_search.run_candidates([16, 2, 8, 4], runner)
     assert ran == [2, 4, 8] and [c.status for c in results] == ["failed", "ok", "out of memory", "skipped"]
     assert results[3].message == "micro-batch 8 ran out of memory"
     ran.clear()
-    assert [c.status for c in tuning.run_candidates([2, 4, 8, 16], runner, keep_going=True)][-1] == "ok"
+    assert [c.status for c in tune_search.run_candidates([2, 4, 8, 16], runner, keep_going=True)][-1] == "ok"
     with pytest.raises(ConfigError, match="bad teacher"):
-        tuning.run_candidates([1], lambda size: tuning.Candidate(size, "failed", 2, "bad teacher"))
+        tune_search.run_candidates([1], lambda size: tune_search.Candidate(size, "failed", 2, "bad teacher"))
 
 
 # ---- --write: one value edited in place -----------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendati
 
 
 def test_the_flow_runs_candidates_as_task_runs(prefect_harness: Any, make_config: Callable[..., Any]) -> None:
-    from kdflow.flows.tune import tune_precompute_flow
+    from kdflow.flows.tune_precompute import tune_precompute_flow
 
     result = tune_precompute_flow(make_config().model_dump(mode="json"), micro_batches="2,3", batches=1)
     assert [c["status"] for c in result["candidates"]] == ["ok", "ok"]

@@ -158,7 +158,7 @@ def tokens(config_path: Path) -> dict[str, Any]:
 
 
 def tune(config_path: Path, size: dict[str, Any]) -> dict[str, Any]:
-    from kdflow.tune import main as tune_main
+    from kdflow.commands.tune import main as tune_main
 
     code, out = captured(tune_main, [str(config_path), "--micro-batches", size["micro_batches"], "--batches", "2",
                                      "--write", "--json", "--timeout-s", "150"])

@@ -37,7 +37,7 @@ def run(argv: list[str] | None = None) -> int:
 
         from kdflow.schemas.config import load_config
         from kdflow.schemas.stage_settings import open_run_root
-        from kdflow.tasks.teacher.tune import measure_candidate
+        from kdflow.tasks.teacher.tune_trial import measure_candidate
 
         transformers_logging.disable_progress_bar()
         config = load_config(args.config)

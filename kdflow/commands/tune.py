@@ -1,7 +1,7 @@
 """`kdflow tune precompute CONFIG.yaml`: the teacher's fastest micro-batch that fits, measured on this machine.
 
 Each candidate loads the configured teacher in a fresh process and times a few real micro-batches
-(`kdflow.tasks.teacher.tuning`); the table shows tok/s, peak memory and headroom, and the recommendation is the
+(`kdflow.tasks.teacher.tune_search`); the table shows tok/s, peak memory and headroom, and the recommendation is the
 fastest candidate that leaves `--headroom` of the memory free. `--write` puts it into CONFIG.yaml as
 `precompute.micro_batch`, editing that one value in place (comments and layout kept), so that the run
 uses it from its first shard to its last.
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from kdflow.schemas.config import load_config
     from kdflow.schemas.stage_settings import open_run_root
-    from kdflow.tasks.teacher import tuning
+    from kdflow.tasks.teacher import tune_search
 
     if not 0.0 <= args.headroom < 1.0:
         raise ConfigError(f"--headroom must be a fraction in [0, 1), got {args.headroom}")
@@ -55,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--batches must be >= 1, --warmup >= 0 and --timeout-s > 0")
     overrides = dict(_override(item) for item in args.set)
     config = load_config(args.config, overrides)
-    sizes = (tuning.parse_micro_batches(args.micro_batches) if args.micro_batches is not None
-             else tuning.default_micro_batches(config))
+    sizes = (tune_search.parse_micro_batches(args.micro_batches) if args.micro_batches is not None
+             else tune_search.default_micro_batches(config))
     run_root = open_run_root(config)
-    rows_from = tuning.check_tune_inputs(config, seq_len_given=_seq_len_given(args.config, overrides),
+    rows_from = tune_search.check_tune_inputs(config, seq_len_given=_seq_len_given(args.config, overrides),
                                          run_root=run_root)
     if args.write:
-        _check_writable(Path(args.config), config, tuning, run_root)
+        _check_writable(Path(args.config), config, tune_search, run_root)
     from kdflow.tasks.common.models import resolve_device
 
     device = resolve_device(config.teacher.device)
@@ -73,19 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kdflow tune precompute: {config.teacher.model} on {on}, seq_len {config.seq_len}, "
           f"{targets}; candidates {','.join(map(str, sizes))}; rows: {rows_from}", flush=True)
 
-    def report(candidate: tuning.Candidate) -> None:
+    def report(candidate: tune_search.Candidate) -> None:
         if candidate.status == "ok":
             detail = f"{candidate.tokens_per_s:,.0f} tok/s, headroom {candidate.record['headroom']:.1%}"
         else:
             detail = candidate.message
         print(f"  micro-batch {candidate.micro_batch}: {candidate.status}: {detail}", flush=True)
 
-    candidates = tuning.tune(config, sizes, batches=args.batches, warmup=args.warmup, timeout_s=args.timeout_s,
+    candidates = tune_search.tune(config, sizes, batches=args.batches, warmup=args.warmup, timeout_s=args.timeout_s,
                              keep_going=args.keep_going, on_candidate=report,
                              on_log=_worker_log if args.verbose else _quiet)
     print()
-    print(tuning.table(candidates, args.headroom))
-    result = tuning.summary(candidates, args.headroom)
+    print(tune_search.table(candidates, args.headroom))
+    result = tune_search.summary(candidates, args.headroom)
     chosen = result["recommended_micro_batch"]
     if chosen is None:
         print(f"\nno candidate ran with {args.headroom:.0%} headroom; try smaller micro-batches or "
@@ -121,11 +121,11 @@ def _seq_len_given(path: str, overrides: dict[str, Any]) -> bool:
     return "seq_len" in data or "seq_len" in overrides
 
 
-def _check_writable(path: Path, config: Any, tuning: Any, run_root: Any) -> None:
+def _check_writable(path: Path, config: Any, search: Any, run_root: Any) -> None:
     """--write must be able to edit the file, and must not change the micro-batch of a run already under way."""
     if not os.access(path, os.W_OK):
         raise ConfigError(f"--write: {path} is not writable")
-    computed = tuning.committed_micro_batches(config, run_root)
+    computed = search.committed_micro_batches(config, run_root)
     if computed:
         raise ConfigError(f"--write: this config's top-K store already has shards computed with micro_batch "
                           f"{','.join(map(str, sorted(computed)))}; the micro-batch stays fixed for a run "

@@ -1,6 +1,6 @@
 """Flow `tune-precompute`: `kdflow tune precompute` as a deployment on the `gpu` pool, so it runs on the GPU
 that will run the teacher pass. Each candidate is a task run that starts one tune worker process
-(`kdflow.tasks.teacher.tuning`); the table becomes a Prefect artifact and the flow returns the summary. It never
+(`kdflow.tasks.teacher.tune_search`); the table becomes a Prefect artifact and the flow returns the summary. It never
 edits a config: copy the recommended `precompute.micro_batch` into the deployment's parameters (or run
 `kdflow tune precompute CONFIG.yaml --write` on that machine).
 """
@@ -17,13 +17,13 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.tasks.common.launch import config_file
-from kdflow.tasks.teacher import tuning
+from kdflow.tasks.teacher import tune_search
 
 
 @task(name="tune-candidate", cache_policy=NONE, task_run_name="micro-batch-{micro_batch}")
 def tune_candidate(config_path: str, micro_batch: int, batches: int, warmup: int, timeout_s: float) -> dict[str, Any]:
     logger = get_run_logger()
-    candidate = tuning.run_candidate(config_path, micro_batch, batches=batches, warmup=warmup, timeout_s=timeout_s,
+    candidate = tune_search.run_candidate(config_path, micro_batch, batches=batches, warmup=warmup, timeout_s=timeout_s,
                                      on_log=lambda line: logger.info("worker: %s", line))
     logger.info("micro-batch %d: %s %s", micro_batch, candidate.status,
                 f"{candidate.tokens_per_s:,.0f} tok/s" if candidate.status == "ok" else candidate.message)
@@ -38,20 +38,20 @@ def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | 
     config = as_config(config)
     if not 0.0 <= headroom < 1.0 or batches < 1 or warmup < 0 or timeout_s <= 0:
         raise ConfigError("headroom must be in [0, 1), batches >= 1, warmup >= 0 and timeout_s > 0")
-    sizes = (tuning.parse_micro_batches(micro_batches) if micro_batches is not None
-             else tuning.default_micro_batches(config))
-    rows_from = tuning.check_tune_inputs(config, run_root=open_run_root(config))
+    sizes = (tune_search.parse_micro_batches(micro_batches) if micro_batches is not None
+             else tune_search.default_micro_batches(config))
+    rows_from = tune_search.check_tune_inputs(config, run_root=open_run_root(config))
     logger = get_run_logger()
     logger.info("candidates %s; rows: %s", ",".join(map(str, sizes)), rows_from)
     with config_file(config, "kdflow-tune-") as path:
-        def runner(size: int) -> tuning.Candidate:
+        def runner(size: int) -> tune_search.Candidate:
             row = tune_candidate(path, size, batches, warmup, timeout_s)
             fields = {k: v for k, v in row.items() if k not in ("micro_batch", "status", "exit_code", "message")}
-            return tuning.Candidate(row["micro_batch"], row["status"], row["exit_code"], row["message"], fields)
+            return tune_search.Candidate(row["micro_batch"], row["status"], row["exit_code"], row["message"], fields)
 
-        candidates = tuning.run_candidates(sizes, runner, keep_going=keep_going)
-    result = tuning.summary(candidates, headroom)
-    _table_artifact(tuning.table(candidates, headroom, markdown=True), result)
+        candidates = tune_search.run_candidates(sizes, runner, keep_going=keep_going)
+    result = tune_search.summary(candidates, headroom)
+    _table_artifact(tune_search.table(candidates, headroom, markdown=True), result)
     logger.info("recommended precompute.micro_batch: %s", result["recommended_micro_batch"])
     return result
 
