@@ -99,7 +99,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                           f"its latest checkpoint is a model folder that kdflow chat takes: {latest}")
     if problem is not None:
         raise KDFlowError(f"student {folder!r} is not a model: {problem}")
-    from kdflow.chat import chat_main
+    from kdflow.commands.chat import chat_main
 
     return chat_main(args)
 

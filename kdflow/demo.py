@@ -165,7 +165,7 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
         from kdflow.flows.pipeline import pipeline_flow
 
         results = pipeline_flow(config)
-    from kdflow.tasks.student.chat import generate
+    from kdflow.tasks.student.generate import generate
 
     student_dir = os.path.join(root, "students", config.student.name)
     stages = stage_records(results, teacher, student_dir)

@@ -1,4 +1,4 @@
-"""`kdflow chat` and `kdflow.tasks.student.chat.generate` on a student that `kdflow.tasks.student.train` trained
+"""`kdflow chat` and `kdflow.tasks.student.generate.generate` on a student that `kdflow.tasks.student.train` trained
 and saved: the saved `final/` loads in a fresh process and generates; prompts, the interactive loop, templates,
 bad folders."""
 
@@ -35,7 +35,7 @@ def kdflow_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedPro
 
 @pytest.mark.usefixtures("children")
 def test_saved_student_generates_in_a_fresh_process(student_dir: Path) -> None:
-    from kdflow.tasks.student.chat import generate
+    from kdflow.tasks.student.generate import generate
 
     final = student_dir / "final"
     expected = generate(str(final), PROMPT, max_new_tokens=8, greedy=True, device="cpu")
@@ -112,7 +112,7 @@ def test_a_student_named_by_a_file_url_is_its_local_folder(student_dir: Path,
 
 def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.cli import main
-    from kdflow.tasks.student.chat import generate
+    from kdflow.tasks.student.generate import generate
 
     with pytest.raises(KDFlowError, match="is not a model: no config.json in it"):
         generate(str(tmp_path), PROMPT)
@@ -143,7 +143,7 @@ def test_a_device_that_is_not_here_and_bad_sampling_settings_are_one_line(
 
 
 def test_sampling_is_reproducible_with_a_seed(student_dir: Path) -> None:
-    from kdflow.tasks.student.chat import continue_text, load_student
+    from kdflow.tasks.student.generate import continue_text, load_student
 
     student = load_student(str(student_dir), "cpu")
     first = continue_text(student, PROMPT, max_new_tokens=12, seed=3)
@@ -156,7 +156,7 @@ def test_base_student_continues_text_and_a_chat_template_is_used_when_present(
         student_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from kdflow.tasks.student.chat import encode_prompt, load_student
+    from kdflow.tasks.student.generate import encode_prompt, load_student
 
     base = load_student(str(student_dir), "cpu").tokenizer
     assert not base.chat_template

@@ -89,7 +89,7 @@ def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness
     from kdflow.schemas.commits import list_commits, load_manifest, read_complete
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.models import teacher_fingerprint
-    from kdflow.tasks.student.chat import generate
+    from kdflow.tasks.student.generate import generate
 
     root = tmp_path / "demo"
     assert demo.run_demo(str(root), quick=True) == 0

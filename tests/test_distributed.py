@@ -138,7 +138,7 @@ EVAL_KEYS = ("kl", "ce", "top1_agreement")
 def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, one_rank) -> None:
     from transformers import AutoModelForCausalLM
 
-    from kdflow.tasks.student.chat import generate
+    from kdflow.tasks.student.generate import generate
 
     config = fresh_run(student__name="ddp")
     summary = torchrun(config)

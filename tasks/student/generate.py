@@ -1,4 +1,4 @@
-"""Generate with a saved student: the replies of `kdflow chat` (kdflow.chat), streamed and stoppable, and the
+"""Generate with a saved student: the replies of `kdflow chat` (kdflow.commands.chat), streamed and stoppable, and the
 `generate()` the demo calls.
 
 A student folder is what `kdflow.tasks.student.train` writes to `students/NAME/final/` (HF model + tokenizer); the

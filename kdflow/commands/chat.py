@@ -107,7 +107,7 @@ class ChatSession:
 
     def say(self, message: str) -> None:
         """One turn: the input (cut if needed), the reply streamed, the history updated."""
-        from kdflow.tasks.student.chat import reply_to
+        from kdflow.tasks.student.generate import reply_to
         from kdflow.tasks.student.conversation import MessageTooLong
 
         conversation = self.conversation
@@ -188,7 +188,7 @@ def chat_main(args: argparse.Namespace) -> int:
     import torch
 
     from kdflow.schemas.errors import KDFlowError
-    from kdflow.tasks.student.chat import Decoding, continue_text, load_student, max_positions
+    from kdflow.tasks.student.generate import Decoding, continue_text, load_student, max_positions
     from kdflow.tasks.student.conversation import Conversation
 
     decoding = Decoding(args.max_new_tokens, args.greedy, args.temperature, args.top_p, args.top_k)
