@@ -27,7 +27,7 @@ from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.protocol import LEASE_OWNER_ENV, describe_exit_code, format_shard_ids, is_retryable, parse_shard_ids
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
+from kdflow.schemas.store_info import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
 from kdflow.tasks.common.launch import WorkerFailed, WorkerUserError, config_file, outcome_error, run_child
 from kdflow.tasks.teacher.precompute_worker import MODULE as WORKER_MODULE
 
@@ -151,12 +151,12 @@ def _manifest_artifact(frame: Any, tag: str) -> None:
 
 
 def _store_report_artifact(run_root: RunRoot, tag: str, fidelity: dict[str, Any] | None) -> dict[str, Any]:
-    """The store report (kdflow.tasks.teacher.store_report) as a Markdown artifact; the KL comes from the worker,
+    """The store report (kdflow.tasks.teacher.store_quality) as a Markdown artifact; the KL comes from the worker,
     which re-ran its teacher on a few rows (none in a fan-out coordinator: see the range runs' artifacts)."""
     try:
         from prefect.artifacts import create_markdown_artifact
 
-        from kdflow.tasks.teacher.store_report import report_markdown, store_summary
+        from kdflow.tasks.teacher.store_quality import report_markdown, store_summary
 
         summary = store_summary(run_root, tag, rows=64) | (fidelity or {})
         create_markdown_artifact(report_markdown(summary), key=f"topk-store-report-{tag}",

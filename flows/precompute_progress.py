@@ -8,7 +8,7 @@ from typing import Any
 from kdflow.flows.artifacts import KeyedProgress, KeyedTable, artifact_key
 from kdflow.schemas.config import KDFlowConfig, section_hash
 from kdflow.schemas.protocol import format_shard_ids
-from kdflow.schemas.stores import teacher_section
+from kdflow.schemas.store_info import teacher_section
 from kdflow.tasks.common.progress import format_duration
 
 

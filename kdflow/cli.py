@@ -63,7 +63,7 @@ def _cmd_store(args: argparse.Namespace) -> int:
     # The report is Markdown (or JSON lines): the bars of loading the teacher (weights, a GGUF's dequantisation)
     # would interleave with it. tqdm reads this once, when it is first imported: here, before anything imports it.
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from kdflow.store_report import main
+    from kdflow.commands.store_report import main
 
     return main(args.rest)
 

@@ -28,7 +28,7 @@ from kdflow.schemas.layout import (COMPLETE_FILE, CONFIG_FILE, CORPUS_DIR, TOKEN
 from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
-from kdflow.schemas.stores import alignment_problem, read_store_info, tokens_made_from, topk_tags
+from kdflow.schemas.store_info import alignment_problem, read_store_info, tokens_made_from, topk_tags
 from kdflow.schemas.topk_rows import iter_topk_rows
 from kdflow.tasks.common.progress import count_of
 from kdflow.validate_checks import token_id_problems, topk_problems, topk_v2_problems

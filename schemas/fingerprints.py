@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from kdflow.schemas.config import KDFlowConfig, section_hash
-from kdflow.schemas.stores import store_format
+from kdflow.schemas.store_info import store_format
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

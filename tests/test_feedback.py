@@ -213,7 +213,7 @@ def test_a_store_counts_as_done_only_for_the_teacher_it_was_made_from(tokenised)
     import torch
 
     from kdflow.flows.precompute import _same_teacher
-    from kdflow.schemas.stores import TopkStoreInfo
+    from kdflow.schemas.store_info import TopkStoreInfo
     from kdflow.tasks.common.models import teacher_identity
 
     identity = teacher_identity(tokenised.teacher, device=torch.device("cpu"))

@@ -118,10 +118,10 @@ def test_float32_logits_match_a_float64_product_with_and_without_bias() -> None:
 
 
 def test_the_precision_measurement_against_a_float64_reference() -> None:
-    """kdflow/bench/gpu_precision.py's `precision` (what set the option's default) on peaked logits: its KL of
+    """`logits_precision_measure.precision` (what set the option's default) on peaked logits: its KL of
     bf16 logits, its KL of float32 logits merely rounded, and its top-K overlap, each against float64 written
     here; the float32 path equals the exact top-K on this CPU."""
-    from kdflow.bench.gpu_precision import precision
+    from kdflow.bench.logits_precision_measure import precision
 
     generator = torch.Generator().manual_seed(3)
     hidden = (3 * torch.randn(48, 32, generator=generator)).bfloat16()

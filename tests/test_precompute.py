@@ -24,7 +24,7 @@ from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.protocol import EXIT_NO_SPACE, RETRYABLE_EXIT_CODES, normalise_returncode
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
-from kdflow.schemas.stores import find_topk_stores
+from kdflow.schemas.store_info import find_topk_stores
 from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.models import teacher_fingerprint
 from kdflow.tasks.teacher.leases import ShardLeases

@@ -22,7 +22,7 @@ from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import read_store_info
+from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
@@ -253,8 +253,8 @@ def test_validate_checks_sampled_stores_by_their_own_contract(make_config, capsy
     fidelity = summary["fidelity"]
     assert fidelity["positions_with_other_samples"] == 0 and fidelity["kl_buckets_lower_bound_mean"] < 1e-3
     assert fidelity["kl_full_mean"] > 0 and fidelity["kl_full_infinite_positions"] == 0  # the store metric
-    from kdflow.store_report import store_report
-    from kdflow.tasks.teacher.store_report import report_markdown
+    from kdflow.commands.store_report import store_report
+    from kdflow.tasks.teacher.store_quality import report_markdown
 
     (report,) = store_report(config.run_root, kl_rows=2)
     assert report["targets"] == "hybrid" and report["head"] == 4 and report["samples"] == 6

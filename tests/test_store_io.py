@@ -21,7 +21,7 @@ from support.runs import DENSE_TAG, read_lines, student_path
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import read_store_info
+from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.logit_export import export_store
 from kdflow.tasks.teacher.logit_import import import_store
@@ -126,7 +126,7 @@ def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -
     from kdflow.validate import validate_run_root
 
     assert validate_run_root(str(root)) == 0  # validated like a computed store: hashes, alignment, contents
-    from kdflow.store_report import store_report
+    from kdflow.commands.store_report import store_report
 
     (report,) = store_report(str(root), first["tag"], rows=8, kl_rows=4)
     assert "no teacher to re-run" in report["kl_note"]
@@ -218,7 +218,7 @@ def test_export_and_report_take_the_run_s_config_file(fresh_run, tmp_path: Path,
     from support.faults import write_config
 
     from kdflow.store_io import export_main
-    from kdflow.store_report import main as report_main
+    from kdflow.commands.store_report import main as report_main
 
     config = fresh_run(**V1)
     config_file = write_config(config, tmp_path / "run.yaml")

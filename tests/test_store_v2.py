@@ -21,7 +21,7 @@ from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE, commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of
-from kdflow.schemas.stores import read_store_info, store_format
+from kdflow.schemas.store_info import read_store_info, store_format
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
@@ -206,7 +206,7 @@ def test_validate_names_a_shard_of_another_codec_and_a_wrong_mass(
 @pytest.mark.filterwarnings("ignore:divide by zero")
 def test_bucket_kl_against_a_hand_computed_partition() -> None:
     from kdflow.schemas.codec import DecodedTopk
-    from kdflow.tasks.teacher.store_report import bucket_kl, kept_histogram, tail_histogram
+    from kdflow.tasks.teacher.store_quality import bucket_kl, kept_histogram, tail_histogram
 
     def topk(ids, probs, tail, kept=None):
         ids, probs = np.array([[ids]], np.int32), np.array([[probs]], np.float64)

@@ -10,7 +10,7 @@ tuned micro-batch per depth and precision (ratios to the bare forward, MFU from 
 full-depth tok/s extrapolated from both depths; sampled and hybrid targets; `kdflow bench precompute` (chunked vs
 dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked against a float32 dense reference);
 `kdflow bench train-step` with a student of the teacher's vocabulary; the training stage; the logits' precision in
-bf16 against float32, and the float32 lm_head's cost (kdflow/bench/gpu_precision.py); a 2-process FSDP step when
+bf16 against float32, and the float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when
 two GPUs are visible. A step that would not finish within `--budget-s` is skipped. The last stdout line is the
 summary (also `--out`); exit 0 when no step failed (skips included).
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench import gpu_precision
+from kdflow.bench import logits_precision_measure
 from kdflow.bench import gpu_steps as steps_
 from kdflow.bench.gpu_plan import H200_MEMORY_GIB, plan, sizes
 
@@ -238,8 +238,8 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
         steps.run(f"extrapolated_{bits}",
                   lambda bits=bits: steps_.extrapolate(steps.results, (low, high), size["shapes"], bits), needs=names,
                   needs_s=float("-inf"))  # arithmetic on what was measured: never skipped for time
-    steps.run("logits_precision", lambda: gpu_precision.logits_precision(steps_.teacher_folder(work, low), device,
-                                                                         size["precision_tokens"]),
+    steps.run("logits_precision", lambda: logits_precision_measure.logits_precision(
+        steps_.teacher_folder(work, low), device, size["precision_tokens"]),
               needs=("teacher",), needs_s=long_s / 2)
     train_steps = ["--steps", "3", "--warmup", "1"] if not quick else ["--steps", "1", "--warmup", "0"]
     train_argv = [str(main_config), "--variants", "plain,fused", *train_steps, "--device", device,

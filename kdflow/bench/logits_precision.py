@@ -1,6 +1,6 @@
 """`kdflow bench logits-precision`: how far a 16-bit teacher's rounded logits move what the pass stores, on a
 trained teacher and real text: the demo's teacher (SmolLM2-135M) loaded in bf16 (or fp16), Python's documentation
-topics (the demo's corpus) as input. One JSON line (kdflow/bench/gpu_precision.py's `precision`): KL per position
+topics (the demo's corpus) as input. One JSON line (`logits_precision_measure.precision`): KL per position
 of the 16-bit logits from float32 ones on the same hidden states, against the store codec's budget; the same
 for float32 logits merely rounded (rounding the output is then the whole error, and so device-independent);
 the top-K id overlap and tail mass; and the chunked top-K with `teacher.lm_head_float32` on and off (time,
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from kdflow.bench.gpu_precision import logits_precision
+    from kdflow.bench.logits_precision_measure import logits_precision
     from kdflow.bench.harness import emit
     from kdflow.demo_assets import corpus_lines, demo_config, local_run_root, locate_teacher_gguf, prepare_teacher
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from kdflow.bench import harness
 from kdflow.bench.harness import open_root, peak_rss_mib, run_fresh
-from kdflow.bench.stores import Moto, records_only, store_env
+from kdflow.bench.scale_stores import Moto, records_only, store_env
 
 MODULE = "kdflow.bench.scale"  # the child of each measurement: python -m MODULE --child KIND TARGET
 
@@ -84,7 +84,7 @@ def child(kind: str, target: str) -> dict[str, Any]:
         out |= {"exit_code": code, "output_lines": len(printed.getvalue().splitlines())}
     elif kind == "startup":
         from kdflow.schemas.commits import list_commits, stage_dir
-        from kdflow.schemas.stores import topk_tags
+        from kdflow.schemas.store_info import topk_tags
 
         started = time.perf_counter()
         run_root = open_root(target)

@@ -10,7 +10,7 @@ as a store would hold them. Per setting:
   (`kdflow.tasks.teacher.store_metric.full_kl_from_topk`; the tail's sum of p log p from a dense teacher pass
   over the same rows). The same definition for every setting: smaller is more faithful, adaptive K included.
 - `kl_buckets_lower_bound_*`: KL(exact || decoded) over the K+1 buckets (the decoded side normalised: what the
-  loss fits to), `kdflow.tasks.teacher.store_report.bucket_kl`. Partition-dependent: an adaptive store merges
+  loss fits to), `kdflow.tasks.teacher.store_quality.bucket_kl`. Partition-dependent: an adaptive store merges
   the ids it drops into the rest bucket on both sides, which can only lower it. A lower bound, not a ranking.
 - `bytes_per_position`: every byte of the store as the teacher pass would write it, counted by
   `kdflow.schemas.store_bytes` on a store folder written here: the shards' whole data files (schema, codec
@@ -138,7 +138,7 @@ def measure_setting(label: str, options: dict[str, Any], shards: list[Shard], vo
     """Encode every shard with one codec setting; bytes, the full KL to the teacher and the K+1-bucket lower bound
     against the exact input, invalid tails, speed."""
     from kdflow.tasks.teacher.store_metric import full_kl_from_topk, kl_summary
-    from kdflow.tasks.teacher.store_report import bucket_fields, bucket_kl
+    from kdflow.tasks.teacher.store_quality import bucket_fields, bucket_kl
 
     options = dict(options)
     renumbering = table if options.pop("table") == "unigram" else None
@@ -192,7 +192,7 @@ def measure_v1(shards: list[Shard], vocab: int, tail_plogp: list[np.ndarray], st
     """v1 for comparison: int32 ids + float16 log-probs, the tail derived as 1 - sum(exp) (what v1 readers do).
     KL figures are over the positions where they are finite; `share_infinite_kl`: where the derived tail is 0."""
     from kdflow.tasks.teacher.store_metric import full_kl_from_topk
-    from kdflow.tasks.teacher.store_report import bucket_kl
+    from kdflow.tasks.teacher.store_quality import bucket_kl
 
     _, seq_len, top_k = shards[0][0].shape
     schema = topk_schema(seq_len, top_k, "float16")

@@ -1,5 +1,6 @@
 """A conversation with a saved student, without a terminal: the history, what goes into the model each turn, the
-cut of the oldest turns to fit its positions, and the transcript. `kdflow chat` (kdflow.commands.chat) is the terminal side.
+cut of the oldest turns to fit its positions, and the transcript. `kdflow chat`
+(kdflow.commands.chat) is the terminal side.
 
 Two modes, chosen by the tokenizer:
 - `template`: the tokenizer has a chat template (an `init_from` instruction-tuned student). Each turn the whole

@@ -29,7 +29,7 @@ from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
 from kdflow.schemas.stage_settings import (StudentDataSettings, held_out_problem, open_run_root,
                                           student_data_settings)
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
+from kdflow.schemas.store_info import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
 from kdflow.schemas.token_store import open_token_store
 from kdflow.schemas.topk_rows import TopkRows
 from kdflow.tasks.common.models import teacher_fingerprint

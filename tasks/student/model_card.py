@@ -21,7 +21,7 @@ import yaml
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import TRAINING_CURVE_FILE
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import format_label, read_store_info
+from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.common.model_files import hub_id
 
 CARD_FILE = "README.md"

@@ -22,7 +22,7 @@ from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.logit_layouts import LogitLayout, logit_layout
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
+from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
 
 EXPORT_INFO = "kdflow_export.json"
 

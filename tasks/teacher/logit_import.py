@@ -29,7 +29,7 @@ from kdflow.schemas.shards import (read_token_shard, token_batch, token_shard_wr
                                    topk_v2_shard_writer)
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
-from kdflow.schemas.stores import TopkStoreInfo, store_format, write_store_info
+from kdflow.schemas.store_info import TopkStoreInfo, store_format, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.logit_dataset import (check_columns, check_text, computed_tail, digest_rows, new_digest,
                                                read_logit_dataset, logit_rows)

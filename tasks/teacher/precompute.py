@@ -30,7 +30,7 @@ from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
-from kdflow.schemas.stores import (TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section,
+from kdflow.schemas.store_info import (TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section,
                                    write_store_info)
 from kdflow.schemas.token_store import open_token_store
 from kdflow.tasks.common.model_configs import tokenizer_mismatch
@@ -41,7 +41,7 @@ from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config
 from kdflow.tasks.teacher.sampled_pass import check_sampling_fits
 from kdflow.tasks.teacher.shard_computer import ShardComputer
-from kdflow.tasks.teacher.store_report import pass_fidelity
+from kdflow.tasks.teacher.store_quality import pass_fidelity
 
 logger = logging.getLogger("kdflow.precompute")
 

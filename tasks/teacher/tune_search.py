@@ -21,7 +21,7 @@ from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError, first_li
 from kdflow.schemas.protocol import EXIT_CUDA_OOM, EXIT_USER_ERROR, describe_exit_code
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import find_topk_stores
+from kdflow.schemas.store_info import find_topk_stores
 from kdflow.tasks.common.launch import config_file, kill_group, run_child
 
 TUNE_WORKER = "kdflow.tasks.teacher.tune_worker"

@@ -25,8 +25,8 @@ from kdflow.schemas.commits import CommitRecord, list_commits, read_complete, st
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_bytes import store_bytes
-from kdflow.schemas.stores import format_label, read_store_info
-from kdflow.tasks.teacher.sampled_report import sampled_fidelity, sampled_markdown, sampled_summary
+from kdflow.schemas.store_info import format_label, read_store_info
+from kdflow.tasks.teacher.sampled_quality import sampled_fidelity, sampled_markdown, sampled_summary
 from kdflow.tasks.teacher.sampling import TeacherSampledStep
 from kdflow.tasks.teacher.store_metric import full_kl_dense, kl_summary
 
@@ -81,7 +81,7 @@ def store_summary(run_root: RunRoot, tag: str, rows: int = 256) -> dict[str, Any
     picks = sample_rows(records, rows)
     if not picks:
         return summary
-    if info is not None and info.targets != "topk":  # hybrid / sampled targets: kdflow.tasks.teacher.sampled_report
+    if info is not None and info.targets != "topk":  # hybrid / sampled targets: kdflow.tasks.teacher.sampled_quality
         return summary | sampled_summary(run_root, store, records, picks, tail_histogram)
     shards: dict[int, TopkShard] = {}
     decoded = []

@@ -1,5 +1,5 @@
 """`kdflow store report RUN_ROOT`: per top-K store, bytes/position, the codec's KL against the teacher re-run on
-a few rows, the tail-mass histogram and how many positions keep how many ids (`kdflow.tasks.teacher.store_report`).
+a few rows, the tail-mass histogram and how many positions keep how many ids (`kdflow.tasks.teacher.store_quality`).
 
 The teacher is loaded as the store's own `config.yaml` says (same weights, dtype and quantisation, so the KL
 measures what the storage lost, not a change of precision), on `--device` or the config's device; its
@@ -20,7 +20,7 @@ from kdflow.schemas.config_io import run_root_of
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CONFIG_FILE
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.stores import alignment_problem, read_store_info, topk_tags
+from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
 
 
 def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any:
@@ -50,7 +50,7 @@ def _made_from_other_tokens(run_root: RunRoot, records: dict[int, Any], picks: l
 def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int = 8,
                  device: str | None = None) -> list[dict[str, Any]]:
     """One summary per store (or only `tag`), with the teacher's KL when `kl_rows` > 0."""
-    from kdflow.tasks.teacher.store_report import sample_rows, store_summary, teacher_fidelity
+    from kdflow.tasks.teacher.store_quality import sample_rows, store_summary, teacher_fidelity
 
     run_root = RunRoot(url)
     tags = [tag] if tag else topk_tags(run_root)
@@ -84,7 +84,7 @@ def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kdflow.tasks.teacher.store_report import report_markdown
+    from kdflow.tasks.teacher.store_quality import report_markdown
 
     parser = argparse.ArgumentParser(prog="kdflow store report", description=__doc__.splitlines()[0])
     parser.add_argument("run_root", help="the run root, or the config file that names it")

@@ -1,5 +1,5 @@
 """The store report for sampled targets (`precompute.targets: sampled | hybrid`), beside the top-K one in
-`kdflow.tasks.teacher.store_report`.
+`kdflow.tasks.teacher.store_quality`.
 
 Without a teacher (`sampled_summary`, over sampled rows): the tail mass outside the head, how many sampled
 tokens carry their own probability as weight (p >= tau, drawn for sure), how many positions had their
@@ -67,7 +67,7 @@ def sampled_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
     compare with the store: the head's K+1 bucket KL and the draws, id for id."""
     import torch
 
-    from kdflow.tasks.teacher.store_report import bucket_fields, bucket_kl, full_fidelity
+    from kdflow.tasks.teacher.store_quality import bucket_fields, bucket_kl, full_fidelity
 
     step = getattr(step, "step", step)  # SampledPass -> its TeacherSampledStep
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
