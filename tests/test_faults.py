@@ -32,7 +32,7 @@ from kdflow.schemas.layout import commit_file_name, data_file_name
 from kdflow.schemas.protocol import PROGRESS_PREFIX, RESULT_PREFIX
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.teacher.precompute import precompute_shards
-from kdflow.validate import validate_run_root
+from kdflow.commands.validate import validate_run_root
 
 
 # --- the teacher pass -------------------------------------------------------------------------------------

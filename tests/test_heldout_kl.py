@@ -121,9 +121,10 @@ def test_full_kl_off_loads_no_teacher_and_auto_follows_the_teachers_size(fresh_r
 
 
 def test_demo_summary_names_each_kl_for_what_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kdflow import demo
+    from kdflow import demo_assets
+    from kdflow.commands import demo
 
-    config = demo.demo_config(str(tmp_path / "demo"), quick=True)
+    config = demo_assets.demo_config(str(tmp_path / "demo"), quick=True)
     assert config.student.eval_full_kl is True
     before = {"kl": 2.5, "kl_stored": 2.5, "kl_full": 3.25, "perplexity": 900.0, "top1_agreement": 0.1,
               "sequences": 16}
@@ -143,10 +144,11 @@ def test_demo_summary_commands_paste_into_a_shell_whatever_the_run_root(tmp_path
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     import shlex
 
-    from kdflow import demo
+    from kdflow import demo_assets
+    from kdflow.commands import demo
 
     root = str(tmp_path / "my runs" / "it's here")
-    config = demo.demo_config(root, quick=True)
+    config = demo_assets.demo_config(root, quick=True)
     train = {"eval_before": {}, "eval_after": {}, "steps": 1, "train_rows": 1}
     results = {"precompute": {"store": "/abs/topk/x", "tag": "x"}, "train": train}
     demo.print_summary(root, config, results, {}, "sample", 1.0)

@@ -31,7 +31,7 @@ from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
 from kdflow.schemas.owners import parse_owner_tag
 from kdflow.tasks.common.faults import parse_faults
 from kdflow.tasks.common.scratch import scratch_owner, scratch_root
-from kdflow.validate import validate_run_root
+from kdflow.commands.validate import validate_run_root
 
 REPO = Path(__file__).resolve().parents[1]
 # Where a run is stopped and killed, in the order the stages reach them.

@@ -177,7 +177,7 @@ def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make
 
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
-    from kdflow.validate import validate_run_root
+    from kdflow.commands.validate import validate_run_root
 
     on_s3 = make_config(run_root=bucket.run_root, dataset__max_documents=40, student__steps=3, student__grad_accum=2)
     prepare(on_s3)
@@ -216,7 +216,7 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.teacher.precompute import precompute_shards
-    from kdflow.validate import validate_run_root
+    from kdflow.commands.validate import validate_run_root
 
     overrides = ({"precompute__store__format": "v1"} if store == "v1" else
                  {"precompute__targets": "hybrid", "precompute__sampling": {"head": 4, "samples": 6, "seed": 5}})

@@ -1,4 +1,4 @@
-"""kdflow/serverless.py: Prefect's settings for a run without a server (a temporary one), a server named by
+"""kdflow/commands/serverless.py: Prefect's settings for a run without a server (a temporary one), a server named by
 PREFECT_API_URL that is not there, and the terminal's one-line errors."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kdflow.schemas.errors import ConfigError, KDFlowError
 
 
 def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_keep_it() -> None:
-    from kdflow.serverless import DropRepeatedErrors, OneLineErrors
+    from kdflow.commands.serverless import DropRepeatedErrors, OneLineErrors
 
     def record(error: BaseException, msg: str = "Task run failed with exception: %r") -> logging.LogRecord:
         try:
@@ -35,7 +35,7 @@ def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_ke
 
 
 def test_serverless_settings_keep_what_the_user_set(monkeypatch) -> None:
-    from kdflow.serverless import STARTUP_TIMEOUT_S, serverless_settings
+    from kdflow.commands.serverless import STARTUP_TIMEOUT_S, serverless_settings
 
     monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
     monkeypatch.delenv("DO_NOT_TRACK", raising=False)  # restored after the test (serverless_settings sets it)
@@ -54,7 +54,7 @@ def test_a_prefect_api_url_that_does_not_answer_is_one_line_before_any_run(monke
     """It was Prefect's "RuntimeError: Failed to reach API at ...", not saying where the URL came from."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from kdflow.serverless import serverless_settings
+    from kdflow.commands.serverless import serverless_settings
 
     closed = closed_port(monkeypatch)
     url = f"http://127.0.0.1:{closed}/api"

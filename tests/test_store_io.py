@@ -123,7 +123,7 @@ def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -
     again = import_store(config, str(out / "data"), "kdflow", "sharp-tiny")
     assert again["tag"] == first["tag"] and again["written"] == 2 and again["complete"]
     assert {p: p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))} == files
-    from kdflow.validate import validate_run_root
+    from kdflow.commands.validate import validate_run_root
 
     assert validate_run_root(str(root)) == 0  # validated like a computed store: hashes, alignment, contents
     from kdflow.commands.store_report import store_report
@@ -217,7 +217,7 @@ def test_export_and_report_take_the_run_s_config_file(fresh_run, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     from support.faults import write_config
 
-    from kdflow.store_io import export_main
+    from kdflow.commands.store_io import export_main
     from kdflow.commands.store_report import main as report_main
 
     config = fresh_run(**V1)

@@ -27,7 +27,7 @@ from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.tasks.student.data import open_distill_data
 from kdflow.tasks.teacher.precompute import precompute_shards
-from kdflow.validate import validate_run_root
+from kdflow.commands.validate import validate_run_root
 
 
 def prepared(make_config: Callable[..., Any], **overrides: Any) -> tuple[Any, dict[str, Any]]:

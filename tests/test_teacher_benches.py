@@ -70,7 +70,7 @@ def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: C
     from kdflow.schemas.commits import list_commits, read_complete
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.teacher.precompute import precompute_shards
-    from kdflow.validate import validate_run_root
+    from kdflow.commands.validate import validate_run_root
 
     config = prepare(make_config(dataset__max_documents=12))
     precompute_shards(config)

@@ -75,8 +75,8 @@ def child(kind: str, target: str) -> dict[str, Any]:
         plan = plan_pass(load_config(target), None, torch.device("cpu"))
         out |= {"startup_s": round(time.perf_counter() - started, 3), "todo": len(plan.todo)}
     elif kind in ("validate", "status"):
-        from kdflow.status import print_status
-        from kdflow.validate import validate_run_root
+        from kdflow.commands.status import print_status
+        from kdflow.commands.validate import validate_run_root
 
         started = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()) as printed:

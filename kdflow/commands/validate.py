@@ -31,7 +31,7 @@ from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import alignment_problem, read_store_info, tokens_made_from, topk_tags
 from kdflow.schemas.topk_rows import iter_topk_rows
 from kdflow.tasks.common.progress import count_of
-from kdflow.validate_checks import token_id_problems, topk_problems, topk_v2_problems
+from kdflow.commands.validate_checks import token_id_problems, topk_problems, topk_v2_problems
 
 __all__ = ["StoreReport", "topk_problems", "validate_corpus", "validate_run_root", "validate_tokens", "validate_topk"]
 

@@ -29,9 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The teacher, the text and the config: the public API in kdflow.demo_assets (benchmarks use it too).
-from kdflow.demo_assets import (DOCUMENT_CHARS, SOURCE_FILE, TEACHER_DIR, TEACHER_GGUF,  # noqa: F401
-                                TEACHER_PACKAGE, demo_config, file_sha256, local_run_root, locate_teacher_gguf,
+from kdflow.demo_assets import (TEACHER_GGUF, TEACHER_PACKAGE, demo_config, local_run_root, locate_teacher_gguf,
                                 prepare_teacher, write_corpus)
 from kdflow.schemas.config import KDFlowConfig, dump_config, section_hash
 
@@ -156,7 +154,7 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
     for name in ("httpx", "httpcore"):  # one line per API call to Prefect's server would bury the progress lines
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from kdflow.serverless import serverless_settings
+    from kdflow.commands.serverless import serverless_settings
     from kdflow.tasks.preflight import run_preflight
 
     for warning in run_preflight(config):  # every check before Prefect starts its temporary server
