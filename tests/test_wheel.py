@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.children import run
-from test_layout import REPO, source_modules
+from support.modules import REPO, source_modules
 
 
 @pytest.fixture(scope="module")
