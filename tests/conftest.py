@@ -177,22 +177,10 @@ def corpus_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def make_config(tmp_path: Path, tiny_teacher_dir: Path, corpus_file: Path) -> Callable[..., Any]:
     """Build a KDFlowConfig for a tiny run; keyword arguments are dotted overrides (`student__steps=3`)."""
-    from kdflow.schemas.config import config_from_dict, set_dotted
+    from support.tiny import tiny_config
 
     def build(**overrides: Any) -> Any:
-        data: dict[str, Any] = {
-            "run_root": str(tmp_path / "run"),
-            "dataset": {"path": str(corpus_file), "documents_per_part": 16},
-            "seq_len": 32,
-            "teacher": {"model": str(tiny_teacher_dir), "device": "cpu", "dtype": "float32"},
-            "precompute": {"top_k": 8, "micro_batch": 4, "sequences_per_shard": 8},
-            "student": {"steps": 4, "batch_size": 4, "eval_sequences": 8, "warmup_steps": 1,
-                        "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                         "num_key_value_heads": 1, "intermediate_size": 64}},
-        }
-        for key, value in overrides.items():
-            set_dotted(data, key.replace("__", "."), value)
-        return config_from_dict(data)
+        return tiny_config(tmp_path / "run", tiny_teacher_dir, corpus_file, **overrides)
 
     return build
 

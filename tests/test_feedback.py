@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from support.corpus import sample_documents, write_jsonl
+from support.tiny import tiny_config
 
 from kdflow.schemas.config import KDFlowConfig, config_from_dict
 
@@ -25,17 +26,9 @@ def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
     from kdflow.tasks.corpus.tokenise import tokenise
 
     base = tmp_path_factory.mktemp("feedback")
-    config = config_from_dict({
-        "run_root": str(base / "run"),
-        "dataset": {"path": str(write_jsonl(base / "docs.jsonl", sample_documents(40))), "documents_per_part": 16},
-        "seq_len": 32,
-        "teacher": {"model": str(tiny_teacher_dir), "device": "cpu", "dtype": "float32"},
-        "precompute": {"top_k": 8, "micro_batch": 2, "sequences_per_shard": 8},
-        "student": {"name": "watched", "steps": 8, "batch_size": 4, "eval_sequences": 8, "warmup_steps": 1,
-                    "log_every": 2, "eval_every": 4, "save_every": 4, "device": "cpu",
-                    "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                     "num_key_value_heads": 1, "intermediate_size": 64}},
-    })
+    config = tiny_config(base / "run", tiny_teacher_dir, write_jsonl(base / "docs.jsonl", sample_documents(40)),
+                         precompute__micro_batch=2, student__name="watched", student__steps=8, student__log_every=2,
+                         student__eval_every=4, student__save_every=4)
     materialise(config)
     assert tokenise(config, load_tokenizer(config)).shards >= 3
     return config

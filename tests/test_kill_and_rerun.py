@@ -26,8 +26,9 @@ import torch
 from safetensors.torch import load_file
 from support.children import kill_group, processes_with_env, started, wait_until
 from support.corpus import sample_documents, write_jsonl
+from support.tiny import tiny_config
 
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
+from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.owners import parse_owner_tag
 from kdflow.tasks.common.faults import parse_faults
 from kdflow.tasks.common.scratch import scratch_owner, scratch_root
@@ -42,18 +43,9 @@ MOMENTS = ("pause@at=commit,stage=materialise,shard=1",  # part 1 written, its c
            "pause@at=final,stage=train")  # final/ filled, not yet renamed into place
 
 
-def tiny_config(run_root: Path, teacher: Path, corpus: Path) -> KDFlowConfig:
-    return config_from_dict({
-        "run_root": str(run_root),
-        "dataset": {"path": str(corpus), "documents_per_part": 4},
-        "seq_len": 32,
-        "teacher": {"model": str(teacher), "device": "cpu", "dtype": "float32"},
-        "precompute": {"top_k": 8, "micro_batch": 4, "sequences_per_shard": 8, "max_attempts": 1},
-        "student": {"steps": 6, "batch_size": 4, "eval_sequences": 8, "warmup_steps": 1, "save_every": 2,
-                    "device": "cpu", "architecture": {"hidden_size": 32, "num_hidden_layers": 1,
-                                                      "num_attention_heads": 2,
-                                                      "num_key_value_heads": 1, "intermediate_size": 64}},
-    })
+def kill_config(run_root: Path, teacher: Path, corpus: Path) -> KDFlowConfig:
+    return tiny_config(run_root, teacher, corpus, dataset__documents_per_part=4, precompute__max_attempts=1,
+                       student__steps=6, student__save_every=2)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +59,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
 
     base = tmp_path_factory.mktemp("uninterrupted")
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(16))
-    config = tiny_config(base / "run", tiny_teacher_dir, corpus)
+    config = kill_config(base / "run", tiny_teacher_dir, corpus)
     materialise(config)
     tokenise(config, load_tokenizer(config))
     precompute_shards(config)
@@ -129,7 +121,7 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
         prefect_harness, reference, tiny_teacher_dir, tmp_path, capsys) -> None:
     from prefect.settings import PREFECT_API_URL
 
-    config = tiny_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
+    config = kill_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(config))
     fired = Path(config.run_root) / "_faults"
@@ -170,7 +162,7 @@ def test_kill_9_of_the_run_at_every_stage_and_rerun_gives_the_uninterrupted_resu
 def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, tiny_teacher_dir, tmp_path,
                                                                    capsys) -> None:
     """No server given: each run starts Prefect's temporary server, both on one PREFECT_HOME, on busy cores."""
-    config = tiny_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
+    config = kill_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(config))
     marker = uuid.uuid4().hex
@@ -226,7 +218,7 @@ def test_two_trainers_on_one_student_train_every_step_once(reference, tiny_teach
 
     run_root = tmp_path / "run"
     shutil.copytree(Path(reference["run_root"]), run_root, ignore=shutil.ignore_patterns("students"))
-    config = tiny_config(run_root, tiny_teacher_dir, reference["corpus"])
+    config = kill_config(run_root, tiny_teacher_dir, reference["corpus"])
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(config))
     marker = uuid.uuid4().hex
@@ -266,7 +258,7 @@ def test_ctrl_c_and_kill_with_no_server_given_stop_at_once_and_the_rerun_complet
     """Ctrl-C reaches the whole foreground process group: Prefect's temporary server too, which stopped at once,
     and Prefect's report of the interrupted run retried against it for minutes before kdflow could exit. Then
     `kill PID` of kdflow alone: its temporary server must not outlive it. Each time one line, nothing left."""
-    config = tiny_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
+    config = kill_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(config))
     moments = ("pause@at=save,stage=train,step=4", "pause@at=final,stage=train")

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from kdflow.schemas.commits import list_commits
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, set_dotted
+from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.layout import commit_file_name, data_file_name
 from kdflow.schemas.storage import RunRoot, sha256_of
 from support.corpus import sample_documents, write_jsonl
 from support.runs import prepare
+from support.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 # besides shard-N.arrow, .commit.json
@@ -38,21 +39,9 @@ class Prepared:
 
 def fault_config(run_root: Path, teacher: Path, corpus: Path, **overrides: Any) -> KDFlowConfig:
     """The tiny run of conftest's make_config (seq_len 32, K 8, 8 sequences a shard), dotted overrides `a__b=v`."""
-    data: dict[str, Any] = {
-        "run_root": str(run_root),
-        "dataset": {"path": str(corpus), "documents_per_part": 16},
-        "seq_len": 32,
-        "teacher": {"model": str(teacher), "device": "cpu", "dtype": "float32"},
-        "precompute": {"top_k": 8, "micro_batch": 4, "sequences_per_shard": 8, "max_attempts": 3,
-                       "retry_delay_s": 0},
-        "student": {"steps": 6, "batch_size": 4, "eval_sequences": 8, "warmup_steps": 1, "save_every": 2,
-                    "device": "cpu",
-                    "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                     "num_key_value_heads": 1, "intermediate_size": 64}},
-    }
-    for key, value in overrides.items():
-        set_dotted(data, key.replace("__", "."), value)
-    return config_from_dict(data)
+    base = {"precompute__max_attempts": 3, "precompute__retry_delay_s": 0, "student__steps": 6,
+            "student__save_every": 2}
+    return tiny_config(run_root, teacher, corpus, **base | overrides)
 
 
 def data_hashes(store: Path) -> dict[str, str]:

@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from support.corpus import sample_documents, write_jsonl
+from support.tiny import tiny_config
 
 from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_complete, stage_dir,
                                     write_commit, write_complete)
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import read_token_shard, topk_batch, topk_shard_writer
 from kdflow.schemas.storage import RunRoot
@@ -32,20 +33,9 @@ DENSE_TAG = "dense"
 
 def run_config(run_root: Path, teacher_dir: Path, corpus: Path, **overrides: Any) -> KDFlowConfig:
     """A tiny run: seq_len 32, K 8, 8 sequences per shard, a 1-layer student of width 32."""
-    data: dict[str, Any] = {
-        "run_root": str(run_root),
-        "dataset": {"path": str(corpus), "documents_per_part": 16},
-        "seq_len": 32,
-        "teacher": {"model": str(teacher_dir), "device": "cpu", "dtype": "float32"},
-        "precompute": {"top_k": 8, "micro_batch": 4, "sequences_per_shard": 8},
-        "student": {"steps": 6, "batch_size": 4, "eval_sequences": 16, "eval_shards": 2, "warmup_steps": 2,
-                    "lr": 1e-2, "save_every": 2, "device": "cpu",
-                    "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                     "num_key_value_heads": 1, "intermediate_size": 64}},
-    }
-    for key, value in overrides.items():
-        set_dotted(data, key.replace("__", "."), value)
-    return config_from_dict(data)
+    base = {"student__steps": 6, "student__eval_sequences": 16, "student__eval_shards": 2, "student__warmup_steps": 2,
+            "student__lr": 1e-2, "student__save_every": 2}
+    return tiny_config(run_root, teacher_dir, corpus, **base | overrides)
 
 
 def make_tokens(config: KDFlowConfig) -> None:
