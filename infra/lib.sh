@@ -8,7 +8,7 @@
 #   KDFLOW_PG_PASSWORD   that user's password: read from the environment only, never written anywhere
 #   KDFLOW_PREFECT_PORT  Prefect server port on 127.0.0.1        (4200)
 #   KDFLOW_PYTHON        the Python whose `prefect` to run        (active venv, else .venv, else PATH)
-# Everything listens on loopback only; see README "Running on a Prefect server" for more machines.
+# Everything listens on loopback only; see docs/operations.md for more machines.
 
 KDFLOW_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STATE_DIR=${KDFLOW_STATE_DIR:-$KDFLOW_REPO/infra/.state}
