@@ -55,8 +55,8 @@ def store_bytes(run_root: RunRoot, store: str, records: dict[int, CommitRecord])
 
 # Bytes per stored id and per stored value, rounded up from what `kdflow store report` measured on v2 stores of
 # the demo teacher at K = 128 (docs/formats.md, docs/benchmarks.md: ids 0.94 B with renumbering, sqrt400 values
-# 0.58 B, float16 1.36 B, float32 2.97 B) and from a Zipf-like random teacher without renumbering (ids about 1.35 B, float32
-# values 3.2 B; tests/test_store_metric.py), so that an estimate from them is on the high side.
+# 0.58 B, float16 1.36 B, float32 2.97 B) and from a Zipf-like random teacher without renumbering (ids about
+# 1.35 B, float32 values 3.2 B; tests/test_store_metric.py), so that an estimate from them is on the high side.
 _ID_BYTES = 1.4
 _VALUE_BYTES = {"sqrt": 0.75, "float16": 1.5, "float32": 3.3}
 
