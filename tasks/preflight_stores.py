@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from kdflow.schemas.config import STAGES, KDFlowConfig, config_from_dict
+from kdflow.schemas.config import STAGES, KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
 from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,

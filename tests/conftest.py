@@ -177,7 +177,7 @@ def corpus_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def make_config(tmp_path: Path, tiny_teacher_dir: Path, corpus_file: Path) -> Callable[..., Any]:
     """Build a KDFlowConfig for a tiny run; keyword arguments are dotted overrides (`student__steps=3`)."""
-    from kdflow.schemas.config import config_from_dict, set_dotted
+    from kdflow.schemas.config_io import config_from_dict, set_dotted
 
     def build(**overrides: Any) -> Any:
         data: dict[str, Any] = {

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from support.corpus import sample_documents, write_jsonl
 
-from kdflow.schemas.config import KDFlowConfig, config_from_dict
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from support.children import kill_group, processes_with_env, started, wait_until
 from support.corpus import sample_documents, write_jsonl
 
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, dump_config
 from kdflow.schemas.owners import parse_owner_tag
 from kdflow.tasks.common.faults import parse_faults
 from kdflow.tasks.common.scratch import scratch_owner, scratch_root

@@ -275,7 +275,7 @@ def _worker(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProce
 
 @pytest.mark.usefixtures("children")
 def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path) -> None:
-    from kdflow.schemas.config import dump_config
+    from kdflow.schemas.config_io import dump_config
 
     config = prepare(make_config(dataset__max_documents=16))
     config_path = tmp_path / "resolved.yaml"

@@ -18,7 +18,7 @@ from support.corpus import write_jsonl
 
 from kdflow.tasks.preflight import CHECKS, check, run_preflight
 from kdflow.tasks.preflight_stores import check_stage_inputs
-from kdflow.schemas.config import dump_config
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.gguf_header import gguf_summary, read_gguf_metadata
 from kdflow.tasks.common.model_configs import tokenizer_vocab
@@ -278,7 +278,7 @@ def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(
     setting of a checkpoint's fingerprint that differs, in one line, not after the stages before training."""
     from support.runs import trained_tiny_run
 
-    from kdflow.schemas.config import config_from_dict, set_dotted
+    from kdflow.schemas.config_io import config_from_dict, set_dotted
     from kdflow.schemas.errors import StoreError
     from kdflow.tasks.student.train import train
 

@@ -17,7 +17,7 @@ import torch
 from kdflow.schemas.codec import Renumbering, TopkCodec
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, SampledShard, decode_sampled, encode_sampled
 from kdflow.schemas.commits import list_commits, stage_dir
-from kdflow.schemas.config import config_from_dict
+from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard

@@ -19,7 +19,8 @@ import numpy as np
 
 from kdflow.schemas.codec import decode, encode
 from kdflow.schemas.commits import list_commits, read_complete, stage_dir
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, set_dotted
 from kdflow.schemas.shards import TopkShard
 from kdflow.schemas.stage_settings import open_run_root
 

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from kdflow.schemas.commits import list_commits, stage_dir
-from kdflow.schemas.config import config_from_dict
+from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.config_io import run_root_of
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CONFIG_FILE

@@ -24,7 +24,8 @@ from kdflow.schemas.codec import TopkCodec
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
                                     write_complete)
-from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kdflow.schemas.commits import list_commits
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, set_dotted
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, dump_config, set_dotted
 from kdflow.schemas.layout import commit_file_name, data_file_name
 from kdflow.schemas.storage import RunRoot, sha256_of
 from support.corpus import sample_documents, write_jsonl

@@ -18,7 +18,8 @@ from support.corpus import sample_documents, write_jsonl
 
 from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_complete, stage_dir,
                                     write_commit, write_complete)
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, set_dotted
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import read_token_shard, topk_batch, topk_shard_writer
 from kdflow.schemas.storage import RunRoot
