@@ -14,7 +14,8 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from kdflow.schemas.codec import Renumbering, TopkCodec
+from kdflow.schemas.codec import TopkCodec
+from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, SampledShard, decode_sampled, encode_sampled
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config_io import config_from_dict
