@@ -122,8 +122,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _latest_checkpoint(student_dir: str) -> str | None:
     """The newest complete checkpoint-STEP folder of students/NAME (one a resumed run would start from), or None."""
-    from kdflow.schemas.layout import checkpoint_name, complete_checkpoint_steps
-    from kdflow.schemas.storage import RunRoot
+    from kdflow.schemas.layout import checkpoint_name
+    from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 
     run_root = RunRoot(student_dir)
     steps = complete_checkpoint_steps(run_root, run_root.root)

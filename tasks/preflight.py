@@ -277,7 +277,7 @@ def check_schedule(context: Preflight) -> None:
 @check("disk")
 def check_disk(context: Preflight) -> None:
     """A warning, with the numbers, when the run may write more than the run root's disk has free."""
-    from kdflow.schemas.storage import free_bytes
+    from kdflow.schemas.disk_space import free_bytes
     from kdflow.schemas.store_bytes import estimated_bytes_per_position
     from kdflow.tasks.corpus.dataset_files import compression_of, file_builder
 

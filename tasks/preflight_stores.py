@@ -21,9 +21,8 @@ from kdflow.schemas.config import STAGES, KDFlowConfig
 from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
-from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
-                                   complete_checkpoint_steps)
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name
+from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 from kdflow.tasks.preflight import Preflight, check, chosen_stages
 
 # The stores each stage reads, by the stage that writes them.
