@@ -206,7 +206,8 @@ def test_validate_names_a_shard_of_another_codec_and_a_wrong_mass(
 @pytest.mark.filterwarnings("ignore:divide by zero")
 def test_bucket_kl_against_a_hand_computed_partition() -> None:
     from kdflow.schemas.codec import DecodedTopk
-    from kdflow.tasks.teacher.store_quality import bucket_kl, kept_histogram, tail_histogram
+    from kdflow.tasks.teacher.store_fidelity import bucket_kl
+    from kdflow.tasks.teacher.store_quality import kept_histogram, tail_histogram
 
     def topk(ids, probs, tail, kept=None):
         ids, probs = np.array([[ids]], np.int32), np.array([[probs]], np.float64)

@@ -121,7 +121,7 @@ def dense_tail_plogp(stores: RealStores, shards: list[tuple[np.ndarray, np.ndarr
     from kdflow.schemas.shards import read_token_shard
     from kdflow.tasks.teacher.loading import load_teacher
     from kdflow.tasks.teacher.store_metric import tail_plogp_dense
-    from kdflow.tasks.teacher.store_quality import dense_logprobs
+    from kdflow.tasks.teacher.store_fidelity import dense_logprobs
 
     run_root = open_run_root(stores.lossless)
     model = load_teacher(stores.lossless.teacher, device="cpu")
