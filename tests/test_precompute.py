@@ -27,8 +27,8 @@ from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import find_topk_stores
 from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.models import teacher_fingerprint
+from kdflow.tasks.common.teacher_loading import TeacherPlacementError, check_placement, load_teacher
 from kdflow.tasks.teacher.leases import ShardLeases
-from kdflow.tasks.teacher.loading import TeacherPlacementError, check_placement, load_teacher
 from kdflow.tasks.teacher.precompute import precompute_shards
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,10 +24,10 @@ from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import read_store_info
+from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
-from kdflow.tasks.teacher.loading import load_teacher
 from kdflow.tasks.teacher.precompute import precompute_shards
 from kdflow.tasks.teacher.sampling import SamplingPlan, TeacherSampledStep
 

@@ -318,7 +318,7 @@ def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -
     import torch
 
     from kdflow.bench.store_train import default_store_files, dense_tail_plogp, lossless_shards
-    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.common.teacher_loading import load_teacher
 
     shards, _ = lossless_shards(stores)
     got = dense_tail_plogp(stores, shards)

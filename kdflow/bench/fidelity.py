@@ -232,7 +232,7 @@ class Teacher:
     def states(self) -> Any:
         if self._states is None:
             from kdflow.bench.fidelity_runs import TeacherStates
-            from kdflow.tasks.teacher.loading import load_teacher
+            from kdflow.tasks.common.teacher_loading import load_teacher
 
             self._states = TeacherStates(load_teacher(self.config.teacher).eval())
         return self._states

@@ -119,7 +119,7 @@ def dense_tail_plogp(stores: RealStores, shards: list[tuple[np.ndarray, np.ndarr
     over the ids outside its top-K (what the store metric needs beyond the top-K), one (rows, T) array a shard."""
     from kdflow.schemas.layout import data_file_name
     from kdflow.schemas.shards import read_token_shard
-    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.teacher.store_metric import tail_plogp_dense
     from kdflow.tasks.teacher.store_fidelity import dense_logprobs
 

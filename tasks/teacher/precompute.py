@@ -37,9 +37,10 @@ from kdflow.schemas.token_store import open_token_store
 from kdflow.tasks.common.model_configs import tokenizer_mismatch
 from kdflow.tasks.common.models import resolve_device, teacher_fingerprint, teacher_identity
 from kdflow.tasks.common.progress import Progress
+from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.leases import ShardLeases
-from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config
+from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher_config
 from kdflow.tasks.teacher.sampled_pass import check_sampling_fits
 from kdflow.tasks.teacher.shard_computer import ShardComputer
 from kdflow.tasks.teacher.store_quality import pass_fidelity
