@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kdflow.flows.logs import forward_kdflow_logs
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, load_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, load_config
 
 
 forward_kdflow_logs()

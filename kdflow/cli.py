@@ -16,7 +16,7 @@ def _warn(warnings: list[str]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.tasks.preflight import run_preflight
     from kdflow.tasks.preflight_stores import check_stage_inputs
 
@@ -122,8 +122,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _latest_checkpoint(student_dir: str) -> str | None:
     """The newest complete checkpoint-STEP folder of students/NAME (one a resumed run would start from), or None."""
-    from kdflow.schemas.layout import checkpoint_name, complete_checkpoint_steps
-    from kdflow.schemas.storage import RunRoot
+    from kdflow.schemas.layout import checkpoint_name
+    from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 
     run_root = RunRoot(student_dir)
     steps = complete_checkpoint_steps(run_root, run_root.root)
@@ -153,7 +153,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kdflow.bench import BENCHES, SUMMARIES
-    from kdflow.schemas.config import parse_override
+    from kdflow.schemas.config_io import parse_override
 
     parser = argparse.ArgumentParser(prog="kdflow", description="Offline knowledge distillation: cached teacher top-K, "
                                      "fused chunked KL student training, orchestrated by Prefect.")

@@ -31,7 +31,8 @@ from typing import Any
 import yaml
 
 from kdflow.configs import shipped
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, set_dotted
 from kdflow.schemas.errors import ConfigError, KDFlowError
 
 __all__ = ["DEMO_CONFIG", "DOCUMENT_CHARS", "SOURCE_FILE", "TEACHER_DIR", "TEACHER_GGUF", "TEACHER_PACKAGE",

@@ -1,9 +1,10 @@
 """Top-K store v2 codec: the teacher's top-K rows, compact, lossless in ids, randomly accessible by row.
 
 Public API: `TopkCodec` (settings, `settings()` / `settings_json()` for the fingerprint, `schema()`,
-`from_schema()`), `Renumbering`, `encode`, `decode` (the one decode function a reader needs, with plain
-pyarrow to open the IPC stream), `DecodedTopk`, `from_v1`. Row-level machinery: codec_rows.py; what it
-shares with sampled shards (metadata keys, `Renumbering`, the metadata parser, records): codec_meta.py.
+`from_schema()`), `encode`, `decode` (the one decode function a reader needs, with plain pyarrow to open the
+IPC stream), `DecodedTopk`, `from_v1`. Row-level machinery: codec_rows.py; what it shares with sampled shards
+(metadata keys such as `CRC32` and `META_FORMAT`, `Renumbering`, the metadata parser, records): codec_meta.py,
+where those names are imported from.
 Imports only numpy, pyarrow and the standard library.
 
 Input of `encode`: topk_ids (rows, T, K) int32, sorted by descending log-prob; topk_logprobs (rows, T, K)
@@ -49,7 +50,6 @@ kept = K.
 
 from __future__ import annotations
 
-import zlib  # noqa: F401 - tests/test_codec.py reaches zlib as codec.zlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -57,12 +57,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from kdflow.schemas.codec_meta import (CRC32, FORMAT_VERSION, META_FORMAT, META_TABLE, META_TARGETS, CodecIdentity,
-                                      Renumbering, codec_from_metadata, record_batch, row_readers, shard_schema)
+from kdflow.schemas.codec_meta import (CRC32, META_TARGETS, CodecIdentity, Renumbering, codec_from_metadata,
+                                      record_batch, row_readers, shard_schema)
 from kdflow.schemas.codec_rows import ESCAPE, TAIL_KINDS, VALUE_KINDS, check_inputs, decode_row, encode_row, nbytes
-
-__all__ = ["CODEC_NAME", "CRC32", "FORMAT_VERSION", "META_CODEC", "META_FORMAT", "META_TABLE", "META_TARGETS",
-           "TARGETS", "CodecIdentity", "DecodedTopk", "Renumbering", "TopkCodec", "decode", "encode", "from_v1"]
 
 CODEC_NAME = "kdflow.topk.v2"
 TARGETS = "topk"

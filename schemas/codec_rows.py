@@ -7,18 +7,55 @@ See codec.py's docstring for the byte layout. Imports only numpy, pyarrow and th
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
-
-if TYPE_CHECKING:
-    from kdflow.schemas.codec import TopkCodec
 
 VALUE_KINDS = {"sqrt": 0, "float16": 2, "float32": 4}  # kind -> value bytes (0: quantised, planes vary)
 TAIL_KINDS = {"float16": np.float16, "float32": np.float32}
 ESCAPE = 255  # gap tokens: 0..254 are the gap, 255 = the gap is 255 + the extra number
 LOGPROB_SLACK = 1e-3  # float rounding may put a top log-prob a hair above 0; more is an input error
+
+
+class RowRenumbering(Protocol):
+    """What a row reads of a renumbering table (`codec_meta.Renumbering` is one)."""
+
+    @property
+    def rank_of_id(self) -> np.ndarray: ...
+
+    @property
+    def id_of_rank_padded(self) -> np.ndarray: ...
+
+
+class RowCodec(Protocol):
+    """What a row's encoding and decoding read of its codec: `codec.TopkCodec`'s settings and the sizes derived from
+    them. Described here rather than imported, because codec.py builds on this module, not the other way."""
+
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def values(self) -> str: ...
+    @property
+    def levels(self) -> int: ...
+    @property
+    def tail(self) -> str: ...
+    @property
+    def keep_mass(self) -> float | None: ...
+    @property
+    def renumbering(self) -> RowRenumbering | None: ...
+    @property
+    def extra_planes(self) -> int: ...
+    @property
+    def value_planes(self) -> int: ...
+    @property
+    def pad_key(self) -> int: ...
+    @property
+    def level_logprobs(self) -> np.ndarray: ...
 
 
 def nbytes(max_value: int) -> int:
@@ -67,7 +104,7 @@ def _float_key(bits: np.ndarray, width: int) -> np.ndarray:
 # --- encode one row -----------------------------------------------------------------------------------------
 
 
-def check_inputs(codec: TopkCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray) -> None:
+def check_inputs(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray) -> None:
     shape = (len(ids), codec.seq_len, codec.top_k)
     if ids.shape != shape or logprobs.shape != shape or tail.shape != shape[:2]:
         raise ValueError(f"want ids, logprobs {shape} and tail {shape[:2]}; got {ids.shape}, "
@@ -93,7 +130,7 @@ def _adaptive(logprobs: np.ndarray, tail: np.ndarray, keep_mass: float) -> tuple
         return kept, np.log(np.exp(tail.astype(np.float64)) + dropped)
 
 
-def _value_codes(codec: TopkCodec, logprobs: np.ndarray) -> tuple[np.ndarray, int]:
+def _value_codes(codec: RowCodec, logprobs: np.ndarray) -> tuple[np.ndarray, int]:
     """-> (codes (T, K) uint32, bits per code): sqrt levels or the IEEE bits."""
     if codec.values == "sqrt":  # round(levels * sqrt(p)), in place on one float32 buffer
         root = logprobs * np.float32(0.5)
@@ -106,7 +143,7 @@ def _value_codes(codec: TopkCodec, logprobs: np.ndarray) -> tuple[np.ndarray, in
     return logprobs.view(np.uint32), 32
 
 
-def encode_row(codec: TopkCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray) -> list[bytes]:
+def encode_row(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray) -> list[bytes]:
     """One row (T, K), (T, K), (T,) -> its streams, uncompressed, in `codec.columns()` order."""
     top_k, vocab = codec.top_k, codec.vocab_size
     cells, kept, mask = [], None, slice(None)
@@ -165,7 +202,7 @@ class RowReader:
         return ValueError(f"{self.where}: {problem}")
 
 
-def _read_ranks(codec: TopkCodec, reader: RowReader, kept: np.ndarray | None, count: int) -> np.ndarray:
+def _read_ranks(codec: RowCodec, reader: RowReader, kept: np.ndarray | None, count: int) -> np.ndarray:
     """-> ranks of the kept entries, flat, ascending within each position (int32, or int64 if needed)."""
     vocab, top_k = codec.vocab_size, codec.top_k
     wide = np.int32 if top_k * vocab < 1 << 31 else np.int64  # once gaps < vocab, no cumsum overflows
@@ -188,7 +225,7 @@ def _read_ranks(codec: TopkCodec, reader: RowReader, kept: np.ndarray | None, co
     return ranks.ravel()
 
 
-def _read_keys(codec: TopkCodec, reader: RowReader, kept: np.ndarray | None, count: int) -> np.ndarray:
+def _read_keys(codec: RowCodec, reader: RowReader, kept: np.ndarray | None, count: int) -> np.ndarray:
     """-> order keys of the kept entries, flat uint32, in rank order (ascending key = descending log-prob)."""
     planes, seq_len = codec.value_planes, codec.seq_len
     if codec.values == "sqrt":
@@ -203,7 +240,7 @@ def _read_keys(codec: TopkCodec, reader: RowReader, kept: np.ndarray | None, cou
     return keys.view(np.uint32)
 
 
-def decode_row(codec: TopkCodec, reader: RowReader, order: str, ids: np.ndarray, logprobs: np.ndarray
+def decode_row(codec: RowCodec, reader: RowReader, order: str, ids: np.ndarray, logprobs: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray | int]:
     """Decode one row into ids (T, K) and logprobs (T, K); -> (tail (T,), kept (T,) or K)."""
     seq_len, top_k, vocab = codec.seq_len, codec.top_k, codec.vocab_size

@@ -38,13 +38,10 @@ from kdflow.schemas.codec_meta import (CRC32, META_TARGETS, CodecIdentity, Renum
                                        record_batch, row_readers, shard_schema)
 from kdflow.schemas.codec_rows import LOGPROB_SLACK, RowReader, decode_row, encode_row, from_planes, to_planes
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.sampled_settings import HASH_VERSION, SAMPLED_KINDS, SCHEMES, sampled_format, sampled_label
-from kdflow.schemas.shards import _schema_int, read_stream_table
+from kdflow.schemas.sampled_settings import HASH_VERSION, SAMPLED_KINDS, SCHEMES
+from kdflow.schemas.shards import schema_int, read_stream_table
 from kdflow.schemas.storage import RunRoot
 
-__all__ = ["CODEC_NAME", "HASH_VERSION", "META_SAMPLED", "SAMPLED_KINDS", "SCHEMES", "DecodedSampled",
-           "SampledCodec", "SampledShard", "decode_sampled", "encode_sampled", "sampled_format", "sampled_label",
-           "sampled_problems", "shard_targets"]
 CODEC_NAME = "kdflow.sampled.v2"
 META_SAMPLED = b"kdflow.sampled_codec"
 
@@ -247,7 +244,7 @@ class SampledShard:
     def __init__(self, run_root: RunRoot, path: str, seq_len: int | None = None) -> None:
         self.path = run_root.display(path)
         self.table = read_stream_table(run_root, path)
-        self.seq_len = _schema_int(self.table.schema, b"kdflow.seq_len", path)
+        self.seq_len = schema_int(self.table.schema, b"kdflow.seq_len", path)
         if seq_len is not None and self.seq_len != seq_len:
             raise StoreError(f"{path}: sampled-targets shard has seq_len {self.seq_len}, expected {seq_len}")
         try:

@@ -3,6 +3,7 @@
 Every default lives here, in the field definitions. The config is frozen (stages cannot drift apart by
 mutating it) and strict: an unknown key is an error that names the key, so a typo never silently falls
 back to a default. Pydantic models also make Prefect render the config as a form in its UI.
+The config in and out of text (YAML files, `--set` overrides): kdflow.schemas.config_io.
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
-from kdflow.schemas.config_form import form_schema, form_title  # noqa: F401 - form_title: re-exported
-
-# The config in and out of text, re-exported: every caller imports these names from here.
-from kdflow.schemas.config_io import (config_from_dict, dump_config, load_config, parse_override,  # noqa: F401
-                                      set_dotted, write_stage_config)
+from kdflow.schemas.config_form import form_schema
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 

@@ -1,7 +1,6 @@
 """The config in and out of text: YAML files, dotted overrides (`--set student.steps=50`), validation errors.
 
-`kdflow.schemas.config` re-exports every public name here, so `from kdflow.schemas.config import load_config`
-keeps working; the models themselves live there (imported lazily here: that module imports this one).
+The models themselves live in `kdflow.schemas.config`, which knows nothing of text.
 """
 
 from __future__ import annotations
@@ -13,17 +12,16 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.layout import CONFIG_FILE
 
 if TYPE_CHECKING:
-    from kdflow.schemas.config import KDFlowConfig
     from kdflow.schemas.storage import RunRoot
 
 
 def _config_key(loc: tuple[int | str, ...]) -> str:
     """The dotted config key of an error location, without pydantic's union-member tags ('str', 'list[str]')."""
-    from kdflow.schemas.config import KDFlowConfig
-
     parts: list[str] = []
     model: type[BaseModel] | None = KDFlowConfig
     for item in loc:
@@ -54,8 +52,6 @@ def _format_validation_error(error: ValidationError, source: str) -> str:
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config") -> KDFlowConfig:
-    from kdflow.schemas.config import KDFlowConfig
-
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     try:
@@ -109,8 +105,6 @@ def dump_config(config: KDFlowConfig) -> str:
 
 def write_stage_config(run_root: RunRoot, config: KDFlowConfig, folder: str) -> None:
     """The resolved config, beside a stage's output: what made these files, readable by people."""
-    from kdflow.schemas.layout import CONFIG_FILE
-
     path, text = f"{folder}/{CONFIG_FILE}", dump_config(config).encode()
     if not run_root.exists(path) or run_root.read_bytes(path) != text:  # a rerun touches no file
         run_root.write_bytes_atomic(path, text)

@@ -18,10 +18,7 @@ that writes a folder removes those whose writer is gone. Names only (no I/O): `k
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from kdflow.schemas.storage import RunRoot
+from typing import Literal
 
 Stage = Literal["corpus", "tokens", "topk"]
 
@@ -80,13 +77,6 @@ def checkpoint_step(name: str) -> int | None:
     """The step of a `checkpoint-STEP` folder name, None for any other name."""
     match = CHECKPOINT_PATTERN.match(name)
     return int(match.group(1)) if match else None
-
-
-def complete_checkpoint_steps(run_root: RunRoot, student_dir: str) -> list[int]:
-    """The steps of a student's complete checkpoints (those with their marker, the ones a rerun resumes from),
-    oldest first, without reading the markers (the training's own listing reads and checks them)."""
-    return sorted(step for name in run_root.listdir(student_dir) if (step := checkpoint_step(name)) is not None
-                  and run_root.exists(f"{student_dir}/{name}/{CHECKPOINT_MARKER}"))
 
 
 def temp_prefix(name: str) -> str:

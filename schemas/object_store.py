@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kdflow.schemas.disk_space import DiskFull, free_bytes, is_no_space
 from kdflow.schemas.errors import KDFlowError, StoreError
 from kdflow.schemas.layout import temp_name
 from kdflow.schemas.owners import owner_tag
@@ -225,8 +226,6 @@ class ObjectStoreOps:
             except FileExistsError:
                 return False
             except OSError as error:
-                from kdflow.schemas.storage import DiskFull, free_bytes, is_no_space  # storage imports this module
-
                 if is_no_space(error):
                     raise DiskFull(path, len(data), free_bytes(folder)) from error
                 raise

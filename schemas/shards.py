@@ -23,7 +23,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from kdflow.schemas.codec import META_FORMAT, DecodedTopk, TopkCodec, decode, from_v1
+from kdflow.schemas.codec import DecodedTopk, TopkCodec, decode, from_v1
+from kdflow.schemas.codec_meta import META_FORMAT
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.storage import HashingWriter, RunRoot
 
@@ -170,7 +171,9 @@ def read_stream_table(run_root: RunRoot, path: str) -> pa.Table:
         raise StoreError(f"{run_root.display(path)}: unreadable Arrow shard: {error}") from None
 
 
-def _schema_int(schema: pa.Schema, key: bytes, path: str) -> int:
+def schema_int(schema: pa.Schema, key: bytes, path: str) -> int:
+    """The number a shard's schema metadata holds under `key` (kdflow.seq_len, kdflow.top_k); a StoreError naming
+    the shard when it has none. Every reader of top-K and sampled shards checks its shape through it."""
     value = (schema.metadata or {}).get(key)
     if value is None:
         raise StoreError(f"{path}: shard has no {key.decode()} in its schema metadata")
@@ -188,7 +191,7 @@ def stream_schema_ints(run_root: RunRoot, path: str) -> dict[str, int]:
 def read_token_shard(run_root: RunRoot, path: str, seq_len: int | None = None) -> np.ndarray:
     """-> input_ids (rows, seq_len) int32."""
     table = read_stream_table(run_root, path)
-    stored = _schema_int(table.schema, b"kdflow.seq_len", path)
+    stored = schema_int(table.schema, b"kdflow.seq_len", path)
     if seq_len is not None and stored != seq_len:
         raise StoreError(f"{path}: token shard has seq_len {stored}, expected {seq_len}")
     return _unnest(table.column(INPUT_IDS), stored)
@@ -213,8 +216,8 @@ class TopkShard:
     def __init__(self, run_root: RunRoot, path: str, seq_len: int | None = None, top_k: int | None = None) -> None:
         self.path = run_root.display(path)
         self.table = read_stream_table(run_root, path)
-        self.seq_len = _schema_int(self.table.schema, b"kdflow.seq_len", path)
-        self.top_k = _schema_int(self.table.schema, b"kdflow.top_k", path)
+        self.seq_len = schema_int(self.table.schema, b"kdflow.seq_len", path)
+        self.top_k = schema_int(self.table.schema, b"kdflow.top_k", path)
         if seq_len is not None and self.seq_len != seq_len:
             raise StoreError(f"{path}: top-K shard has seq_len {self.seq_len}, expected {seq_len}")
         if top_k is not None and self.top_k != top_k:
@@ -281,7 +284,7 @@ def iter_topk_shard(run_root: RunRoot, path: str,
     from kdflow.schemas.shard_rows import ShardRows
 
     for batch in ShardRows(run_root, path, 0).iter_batches():
-        stored_len = _schema_int(batch.schema, b"kdflow.seq_len", path)
+        stored_len = schema_int(batch.schema, b"kdflow.seq_len", path)
         if seq_len is not None and stored_len != seq_len:
             raise StoreError(f"{path}: top-K shard has seq_len {stored_len}, expected {seq_len}")
-        yield decode_topk_rows(batch, stored_len, _schema_int(batch.schema, b"kdflow.top_k", path))
+        yield decode_topk_rows(batch, stored_len, schema_int(batch.schema, b"kdflow.top_k", path))

@@ -3,13 +3,13 @@
 Local disk: data is written to a temporary file in the destination folder and moved into place with
 `os.replace`, so a reader never sees half a file. Object stores: uploads appear whole under their final
 key, so the final key is written directly. Either way the commit record is written last (kdflow.schemas.commits).
-Conditional writes, ranged and batched reads, object-store errors in words: kdflow.schemas.object_store.
+Conditional writes, ranged and batched reads, object-store errors in words: kdflow.schemas.object_store; a full
+disk: kdflow.schemas.disk_space.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import posixpath
@@ -23,58 +23,14 @@ from typing import IO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from kdflow.schemas.disk_space import DiskFull, free_bytes, is_no_space
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.layout import temp_name, temp_owner
+from kdflow.schemas.layout import CHECKPOINT_MARKER, checkpoint_step, temp_name, temp_owner
 from kdflow.schemas.object_store import ObjectStoreOps
 from kdflow.schemas.owners import is_stale, owner_tag
 
 # No leading dot (hidden, `.`, `..`) and no separators; a leading underscore is fine (`_complete.json`).
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
-
-
-def is_no_space(error: BaseException | None) -> bool:
-    """Whether a full disk (or quota) is behind an error, looking down its causes and contexts."""
-    seen = 0
-    while error is not None and seen < 16:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
-
-
-def free_bytes(path: str) -> int | None:
-    """Free space of the local filesystem that holds `path` (or would: its nearest existing folder)."""
-    folder = os.path.abspath(path)
-    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
-        folder = os.path.dirname(folder)
-    try:
-        return shutil.disk_usage(folder).free
-    except OSError:
-        return None
-
-
-def _megabytes(nbytes: int) -> str:
-    return f"{nbytes / 1e6:,.0f}" if nbytes >= 10e6 else f"{max(nbytes / 1e6, 0.1):.1f}"
-
-
-class DiskFull(StoreError, OSError):
-    """No space left where a stage writes: names the place, what it needed and what was free. What was being
-    written is removed, committed work is kept, so freeing space and rerunning resumes. An OSError with errno
-    ENOSPC too, so whatever handles a full disk (the worker's exit code 3) handles this one."""
-
-    def __init__(self, path: str, needed_bytes: int | None = None, free: int | None = None, hint: str = "") -> None:
-        self.path, self.needed_bytes = path, needed_bytes
-        room = [f"needs about {_megabytes(needed_bytes)} MB"] if needed_bytes else []
-        if free is not None:
-            room.append(f"{_megabytes(free) if free else 0} MB free")
-        self.free, self.hint = free, hint
-        super().__init__(f"disk full at {path}" + (f" ({', '.join(room)})" if room else "") + hint
-                         + "; free space there and rerun to resume: committed work is kept")
-        self.errno = errno.ENOSPC
-
-    def needing(self, nbytes: int | None, hint: str = "") -> DiskFull:
-        """The same error with a better estimate of what the whole write needs (and a hint), for `raise ... from`."""
-        return DiskFull(self.path, max(nbytes or 0, self.needed_bytes or 0) or None, self.free, hint or self.hint)
 
 
 class HashingWriter:
@@ -279,3 +235,10 @@ def sha256_of(run_root: RunRoot, path: str, block: int = 8 << 20) -> str:
         while chunk := handle.read(block):
             sha.update(chunk)
     return sha.hexdigest()
+
+
+def complete_checkpoint_steps(run_root: RunRoot, student_dir: str) -> list[int]:
+    """The steps of a student's complete checkpoints (those with their marker, the ones a rerun resumes from),
+    oldest first, without reading the markers (the training's own listing reads and checks them)."""
+    return sorted(step for name in run_root.listdir(student_dir) if (step := checkpoint_step(name)) is not None
+                  and run_root.exists(f"{student_dir}/{name}/{CHECKPOINT_MARKER}"))

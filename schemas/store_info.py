@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kdflow.schemas.codec_sampled import sampled_format, sampled_label
 from kdflow.schemas.commits import CommitRecord, read_complete, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import STORE_FILE, TOPK_DIR, is_store_name
+from kdflow.schemas.sampled_settings import sampled_format, sampled_label
 from kdflow.schemas.storage import RunRoot
 
 

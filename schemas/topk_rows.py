@@ -20,7 +20,7 @@ from kdflow.schemas.codec import DecodedTopk, TopkCodec, decode, from_v1
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, decode_sampled
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.shard_rows import ShardRows
-from kdflow.schemas.shards import _schema_int, decode_topk_rows, topk_format
+from kdflow.schemas.shards import schema_int, decode_topk_rows, topk_format
 from kdflow.schemas.storage import RunRoot
 
 
@@ -29,12 +29,12 @@ def shard_codec(schema: pa.Schema, shown: str, seq_len: int | None, top_k: int |
     """The codec a top-K store shard's schema names (None: v1), after checking its seq_len and K (where given),
     its format and what it holds (`targets`: topk, or hybrid / sampled); StoreError naming the shard otherwise."""
     try:
-        stored_len = _schema_int(schema, b"kdflow.seq_len", shown)
+        stored_len = schema_int(schema, b"kdflow.seq_len", shown)
         if seq_len is not None and stored_len != seq_len:
             raise StoreError(f"{shown}: top-K shard has seq_len {stored_len}, expected {seq_len}")
         if targets != "topk":
             return SampledCodec.from_schema(schema)
-        stored_k = _schema_int(schema, b"kdflow.top_k", shown)
+        stored_k = schema_int(schema, b"kdflow.top_k", shown)
         if top_k is not None and stored_k != top_k:
             raise StoreError(f"{shown}: top-K shard has K={stored_k}, expected K={top_k}")
         codec = TopkCodec.from_schema(schema) if topk_format(schema) == 2 else None
@@ -72,8 +72,8 @@ def iter_topk_rows(run_root: RunRoot, path: str, seq_len: int | None = None, tar
     for batch in ShardRows(run_root, path, 0).iter_batches():
         if first == 0:
             codec = shard_codec(batch.schema, shown, seq_len, None, targets)
-        stored_len = _schema_int(batch.schema, b"kdflow.seq_len", shown)
-        stored_k = _schema_int(batch.schema, b"kdflow.top_k", shown)
+        stored_len = schema_int(batch.schema, b"kdflow.seq_len", shown)
+        stored_k = schema_int(batch.schema, b"kdflow.top_k", shown)
         for start in range(0, batch.num_rows, part_rows):
             part = batch.slice(start, part_rows)
             yield codec, first + start, decode_rows(codec, part,

@@ -8,97 +8,21 @@ takes a second or two, because nothing heavy is loaded: no torch, no transformer
 What cannot be told that cheaply (a hub model not cached yet, an object store's credentials) is left to
 the stage, which checks it again when it loads the real thing.
 
-The checks are one list, `CHECKS`, run in order; each names the stages it applies to. Other features add
-theirs with the `@check(...)` decorator in this module (or by appending a `Check` to `CHECKS`).
+The checks are one list, `CHECKS` at the end of this module, run in order; each names the stages it applies to.
+A new check is a function taking the `Preflight` context (kdflow.tasks.preflight_context), here or in
+kdflow.tasks.preflight_stores (what the run root already holds), and one line in that list.
 Warnings (free disk against an estimate of what the run writes) are returned, printed by the caller.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
 
-from kdflow.schemas.config import STAGES, KDFlowConfig
-from kdflow.schemas.errors import ConfigError, first_line
-from kdflow.schemas.layout import COMPLETE_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR
-
-ALL_STAGES = frozenset(STAGES)
-
-
-@dataclass
-class Preflight:
-    """What the checks share: the config, the stages being run, warnings, and things read once."""
-
-    config: KDFlowConfig
-    stages: frozenset[str]
-    warnings: list[str] = field(default_factory=list)
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
-
-    @cached_property
-    def run_root(self) -> Any:
-        from kdflow.schemas.storage import RunRoot
-
-        url = self.config.run_root
-        try:
-            return RunRoot(url)
-        except ImportError as error:
-            raise ConfigError(f"run_root={url!r} needs the package {error.name or 'for its protocol'}: "
-                              "pip install 'kdflow[s3]' (or the fsspec filesystem for that URL)") from None
-        except (ValueError, OSError) as error:
-            raise ConfigError(f"run_root={url!r} cannot be opened: {first_line(error)}") from None
-
-    def complete(self, *parts: str) -> dict[str, Any] | None:
-        """A store's `_complete.json` (read as JSON: no pandera import), None if missing or unreadable."""
-        run_root = self.run_root
-        try:
-            return json.loads(run_root.read_bytes(run_root.path(*parts, COMPLETE_FILE)))
-        except Exception:  # noqa: BLE001 - missing, unreadable, or a store not reachable yet: the stage will tell
-            return None
-
-    @cached_property
-    def teacher_shape(self) -> Any:
-        from kdflow.tasks.common.model_configs import teacher_shape
-
-        return teacher_shape(self.config.teacher)
-
-    @property
-    def tokenizer_from_teacher(self) -> bool:
-        return self.config.tokenizer is None
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    stages: frozenset[str]  # the check runs when any of these stages is being run
-    run: Callable[[Preflight], None]
-
-
-CHECKS: list[Check] = []
-
-
-def check(name: str, *stages: str) -> Callable[[Callable[[Preflight], None]], Callable[[Preflight], None]]:
-    """Register a check for `stages` (default: every stage), after the ones already registered."""
-
-    def register(run: Callable[[Preflight], None]) -> Callable[[Preflight], None]:
-        CHECKS.append(Check(name, frozenset(stages) if stages else ALL_STAGES, run))
-        return run
-
-    return register
-
-
-def chosen_stages(stages: list[str] | str | None) -> frozenset[str]:
-    """`--stages` (a list or 'a,b') -> the stages; an unknown name is an error naming it."""
-    names = [s.strip() for s in stages.split(",")] if isinstance(stages, str) else list(stages or STAGES)
-    unknown = [s for s in names if s not in STAGES]
-    if unknown:
-        raise ConfigError(f"--stages: unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
-    return frozenset(names)
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.layout import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR
+from kdflow.tasks.preflight_context import Check, Preflight, chosen_stages
+from kdflow.tasks.preflight_stores import check_resume, check_sources
 
 
 def run_preflight(config: KDFlowConfig, stages: list[str] | str | None = None) -> list[str]:
@@ -113,7 +37,6 @@ def run_preflight(config: KDFlowConfig, stages: list[str] | str | None = None) -
 # --- the checks -------------------------------------------------------------------------------------------
 
 
-@check("run_root")
 def check_run_root(context: Preflight) -> None:
     """A local run root must be a folder (or creatable) that this process may write; nothing is written here."""
     run_root = context.run_root
@@ -134,7 +57,6 @@ def check_run_root(context: Preflight) -> None:
             raise ConfigError(f"run_root={url!r} cannot be written: {folder} is read-only for this user")
 
 
-@check("dataset", "materialise")
 def check_dataset(context: Preflight) -> None:
     """The source exists and its first record holds `dataset.text_field` (skipped when the corpus is done)."""
     from kdflow.schemas.fingerprints import corpus_fingerprint
@@ -148,7 +70,6 @@ def check_dataset(context: Preflight) -> None:
         context.warn(warning)
 
 
-@check("teacher", "materialise", "tokenise", "precompute", "train")
 def check_teacher(context: Preflight) -> None:
     """The teacher's files are there (its weights only by name), and top_k and seq_len fit its config."""
     from kdflow.tasks.common.hub_access import check_hub_teacher
@@ -173,7 +94,6 @@ def check_teacher(context: Preflight) -> None:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-@check("tokenizer", "materialise", "tokenise", "precompute", "train")
 def check_tokenizer(context: Preflight) -> None:
     """The run's tokenizer can be read, and an explicit `tokenizer:` is the teacher's own vocabulary."""
     from kdflow.tasks.common.hub_access import check_hub_model
@@ -209,7 +129,6 @@ def check_tokenizer(context: Preflight) -> None:
         raise ConfigError(mismatch)
 
 
-@check("distributed", "train")
 def check_distributed(context: Preflight) -> None:
     """Ranks, nodes and the global batch fit together; the rendezvous endpoint is HOST:PORT."""
     student = context.config.student
@@ -226,7 +145,6 @@ def check_distributed(context: Preflight) -> None:
         raise ConfigError(f"student.distributed.rdzv_endpoint={distributed.rdzv_endpoint!r} must be HOST:PORT")
 
 
-@check("student", "train")
 def check_student(context: Preflight) -> None:
     """`student.init_from` is a model folder (or a hub id) whose tokenizer and embedding take the run's token ids."""
     from kdflow.tasks.common.hub_access import check_hub_model
@@ -260,7 +178,6 @@ def check_student(context: Preflight) -> None:
 PRETRAINED_LR_WARNING = 3e-4
 
 
-@check("schedule", "train")
 def check_schedule(context: Preflight) -> None:
     """Warnings: the warmup takes the whole run (`--set student.steps=10` under the default 20-step warmup); a
     pretrained student (`init_from`) under a learning rate meant for random weights."""
@@ -274,10 +191,9 @@ def check_schedule(context: Preflight) -> None:
                      "student.lr at the last step, and never decays; lower warmup_steps")
 
 
-@check("disk")
 def check_disk(context: Preflight) -> None:
     """A warning, with the numbers, when the run may write more than the run root's disk has free."""
-    from kdflow.schemas.storage import free_bytes
+    from kdflow.schemas.disk_space import free_bytes
     from kdflow.schemas.store_bytes import estimated_bytes_per_position
     from kdflow.tasks.corpus.dataset_files import compression_of, file_builder
 
@@ -326,7 +242,6 @@ def _student_bytes(context: Preflight) -> int:
     return params * 4 * (3 * (student.keep_checkpoints + 1) + 1)
 
 
-@check("devices", "precompute", "train")
 def check_devices(context: Preflight) -> None:
     """A `cuda` device asked for where there is none: the teacher's for precompute, the student's for train."""
     from kdflow.tasks.common.devices import cuda_unavailable, no_cuda_message
@@ -339,5 +254,18 @@ def check_devices(context: Preflight) -> None:
             raise ConfigError(no_cuda_message(setting, value, why))
 
 
-# Checks of what the run root already holds (a student's checkpoints) register from their module, last.
-from kdflow.tasks import preflight_stores  # noqa: E402,F401
+# Every check, in the order they run, with the stages each applies to (none named: every stage). The last two, of
+# what the run root already holds, live in kdflow.tasks.preflight_stores.
+CHECKS: list[Check] = [
+    Check("run_root", check_run_root),
+    Check("dataset", check_dataset, frozenset({"materialise"})),
+    Check("teacher", check_teacher, frozenset({"materialise", "tokenise", "precompute", "train"})),
+    Check("tokenizer", check_tokenizer, frozenset({"materialise", "tokenise", "precompute", "train"})),
+    Check("distributed", check_distributed, frozenset({"train"})),
+    Check("student", check_student, frozenset({"train"})),
+    Check("schedule", check_schedule, frozenset({"train"})),
+    Check("disk", check_disk),
+    Check("devices", check_devices, frozenset({"precompute", "train"})),
+    Check("sources", check_sources, frozenset({"materialise"})),
+    Check("resume", check_resume, frozenset({"train"})),
+]

@@ -17,13 +17,13 @@ from typing import Any
 
 import yaml
 
-from kdflow.schemas.config import STAGES, KDFlowConfig, config_from_dict
+from kdflow.schemas.config import STAGES, KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
-from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name,
-                                   complete_checkpoint_steps)
-from kdflow.schemas.storage import RunRoot
-from kdflow.tasks.preflight import Preflight, check, chosen_stages
+from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name
+from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
+from kdflow.tasks.preflight_context import Preflight, chosen_stages
 
 # The stores each stage reads, by the stage that writes them.
 READS_FROM = {"tokenise": ("materialise",), "precompute": ("tokenise",), "train": ("tokenise", "precompute")}
@@ -97,7 +97,6 @@ def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -
     return _changed(pairs)
 
 
-@check("sources", "materialise")
 def check_sources(context: Preflight) -> None:
     """A corpus store with parts of this config's fingerprint was made from the dataset's files as they were
     (`corpus/_sources.json`): a file edited, added or removed since is named, not silently left out."""
@@ -114,7 +113,6 @@ def check_sources(context: Preflight) -> None:
     check_unchanged(recorded, context.config.dataset, run_root.display(store))
 
 
-@check("resume", "train")
 def check_resume(context: Preflight) -> None:
     """A student with a complete checkpoint resumes only with the settings its fingerprint holds: a change to
     one of them (the student's resume settings, the dataset, `seq_len`, the shard size; the top-K store's

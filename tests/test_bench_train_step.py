@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kdflow.schemas.config import dump_config
+from kdflow.schemas.config_io import dump_config
 
 
 def bench(*args: str) -> list[dict[str, Any]]:

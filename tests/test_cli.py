@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from support.children import run
 
-from kdflow.schemas.config import dump_config
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.layout import CONFIG_FILE
 
 COMMANDS = ("demo", "run", "status", "validate", "store", "chat", "bench", "tune")
@@ -156,7 +156,7 @@ def test_status_marks_a_top_k_store_of_replaced_token_shards_stale(fresh_run,
 
 
 def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.CaptureFixture[str]) -> None:
-    from kdflow.schemas.config import dump_config
+    from kdflow.schemas.config_io import dump_config
     from kdflow.commands.status import print_status
     from kdflow.tasks.student.train import train
 

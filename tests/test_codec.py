@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import base64
 import io
+import zlib
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
 from kdflow.schemas import codec as C
+from kdflow.schemas.codec_meta import CRC32, META_TABLE, Renumbering
 
 
 def teacher_rows(rows: int, seq_len: int, top_k: int, vocab: int, seed: int = 0, skew: float = 1.0):
@@ -51,7 +54,7 @@ SHAPES = [  # rows, seq_len, top_k, vocab
 @pytest.mark.parametrize("renumber", [False, True])
 def test_ids_round_trip_exactly(rows, seq_len, top_k, vocab, values, renumber):
     ids, logprobs, tail = teacher_rows(rows, seq_len, top_k, vocab)
-    table = C.Renumbering(np.random.default_rng(1).permutation(vocab)) if renumber else None
+    table = Renumbering(np.random.default_rng(1).permutation(vocab)) if renumber else None
     codec = C.TopkCodec(seq_len, top_k, vocab, values=values, renumbering=table)
     decoded = roundtrip(codec, ids, logprobs, tail)
     assert decoded.ids.shape == ids.shape and decoded.ids.dtype == np.int32
@@ -76,7 +79,7 @@ def test_extreme_ids_and_adversarial_gaps():
 
 def test_output_is_sorted_descending_and_rank_order_is_the_same_set():
     ids, logprobs, tail = teacher_rows(2, 6, 32, 500)
-    codec = C.TopkCodec(6, 32, 500, renumbering=C.Renumbering.from_counts(np.arange(500)))
+    codec = C.TopkCodec(6, 32, 500, renumbering=Renumbering.from_counts(np.arange(500)))
     decoded = roundtrip(codec, ids, logprobs, tail)
     assert (np.diff(decoded.logprobs, axis=-1) <= 0).all()
     ranked = roundtrip(codec, ids, logprobs, tail, order="rank")
@@ -141,7 +144,7 @@ def test_adaptive_k_keeps_the_fewest_leading_ids_and_an_exact_tail(keep_mass):
 
 def test_adaptive_k_with_quantised_values_and_renumbering():
     ids, logprobs, tail = teacher_rows(3, 8, 40, 1000)
-    table = C.Renumbering(np.random.default_rng(2).permutation(1000))
+    table = Renumbering(np.random.default_rng(2).permutation(1000))
     decoded = roundtrip(C.TopkCodec(8, 40, 1000, keep_mass=0.95, renumbering=table), ids, logprobs, tail)
     pad = np.arange(40) >= decoded.kept[..., None]
     assert (decoded.kept < 40).any() and (decoded.ids[pad] == -1).all()
@@ -184,8 +187,8 @@ def _with_cell(batch: pa.RecordBatch, name: str, cell: bytes, fix_crc: bool) -> 
     if fix_crc:
         crc = 0
         for n in batch.schema.names[:-1]:
-            crc = C.zlib.crc32(columns[n][0], crc)
-        columns[C.CRC32][0] = crc
+            crc = zlib.crc32(columns[n][0], crc)
+        columns[CRC32][0] = crc
     return pa.record_batch([pa.array(columns[n], batch.schema.field(n).type) for n in batch.schema.names],
                            schema=batch.schema)
 
@@ -242,7 +245,7 @@ def test_truncated_ipc_streams_fail_loudly():
 
 
 def test_metadata_round_trips_and_is_canonical():
-    table = C.Renumbering.from_counts(np.random.default_rng(3).integers(0, 9, 1000))
+    table = Renumbering.from_counts(np.random.default_rng(3).integers(0, 9, 1000))
     codec = C.TopkCodec(16, 8, 1000, levels=300, keep_mass=0.99, renumbering=table)
     sink = io.BytesIO()
     with ipc.new_stream(sink, codec.schema()) as writer:
@@ -252,17 +255,17 @@ def test_metadata_round_trips_and_is_canonical():
     assert again == codec and again.settings() == codec.settings()
     assert np.array_equal(again.renumbering.id_of_rank, table.id_of_rank)
     assert codec.settings_json() == C.TopkCodec(16, 8, 1000, levels=300, keep_mass=0.99,
-                                                renumbering=C.Renumbering(table.id_of_rank)).settings_json()
+                                                renumbering=Renumbering(table.id_of_rank)).settings_json()
     assert codec.settings()["renumbering"] == "sha256:" + table.sha256
-    assert codec != C.TopkCodec(16, 8, 1000, levels=300, keep_mass=0.99, renumbering=C.Renumbering(np.arange(1000)))
+    assert codec != C.TopkCodec(16, 8, 1000, levels=300, keep_mass=0.99, renumbering=Renumbering(np.arange(1000)))
     with pytest.raises(ValueError, match="columns"):
         C.decode(C.encode(C.TopkCodec(16, 8, 1000), *teacher_rows(1, 16, 8, 1000)), codec=codec)
     assert C.TopkCodec(16, 8, 1000, values="float16").settings()["levels"] is None
     settings = schema.metadata[C.META_CODEC]
     tampered = schema.with_metadata({**schema.metadata, C.META_CODEC: settings.replace(b"300", b"301")})
     assert C.TopkCodec.from_schema(tampered).levels == 301  # a different codec, not a silent mix
-    other = base64.b64encode(C.Renumbering(np.arange(1000)).to_bytes())
-    swapped = schema.with_metadata({**schema.metadata, C.META_TABLE: other})
+    other = base64.b64encode(Renumbering(np.arange(1000)).to_bytes())
+    swapped = schema.with_metadata({**schema.metadata, META_TABLE: other})
     with pytest.raises(ValueError, match="does not match its sha256"):
         C.TopkCodec.from_schema(swapped)
     with pytest.raises(ValueError, match="no kdflow.topk_codec"):
@@ -271,9 +274,9 @@ def test_metadata_round_trips_and_is_canonical():
 
 def test_renumbering_from_counts_is_deterministic_and_validated():
     counts = np.array([5, 9, 0, 9, 1])
-    assert C.Renumbering.from_counts(counts).id_of_rank.tolist() == [1, 3, 0, 4, 2]
+    assert Renumbering.from_counts(counts).id_of_rank.tolist() == [1, 3, 0, 4, 2]
     with pytest.raises(ValueError, match="not a permutation"):
-        C.Renumbering(np.array([0, 0, 1]))
+        Renumbering(np.array([0, 0, 1]))
 
 
 def test_v1_arrays_map_to_the_same_output():
@@ -288,8 +291,8 @@ def test_v1_arrays_map_to_the_same_output():
 def test_encoding_is_deterministic():
     """Reruns of a shard must be byte-identical (the commit record holds its sha256)."""
     rows = teacher_rows(2, 6, 10, 2000)
-    table = C.Renumbering.from_counts(np.arange(2000) % 7)
+    table = Renumbering.from_counts(np.arange(2000) % 7)
     first = C.encode(C.TopkCodec(6, 10, 2000, renumbering=table, keep_mass=0.99), *rows)
-    again = C.encode(C.TopkCodec(6, 10, 2000, renumbering=C.Renumbering.from_counts(np.arange(2000) % 7),
+    again = C.encode(C.TopkCodec(6, 10, 2000, renumbering=Renumbering.from_counts(np.arange(2000) % 7),
                                  keep_mass=0.99), *rows)
     assert first.equals(again) and first.schema.metadata == again.schema.metadata

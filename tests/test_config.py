@@ -10,7 +10,8 @@ import pydantic
 import pytest
 import yaml
 
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config, load_config, section_hash
+from kdflow.schemas.config import KDFlowConfig, section_hash
+from kdflow.schemas.config_io import config_from_dict, dump_config, load_config
 from kdflow.schemas.errors import ConfigError
 
 EXAMPLE: dict[str, Any] = {
@@ -233,7 +234,7 @@ def test_form_schema_keeps_field_order_titles_and_descriptions_through_jsonb() -
 
 
 def test_form_title_reads_like_a_label() -> None:
-    from kdflow.schemas.config import form_title
+    from kdflow.schemas.config_form import form_title
 
     assert form_title("retry_delay_s") == "Retry delay (s)"
     assert form_title("num_key_value_heads") == "Number of key value heads"

@@ -17,7 +17,6 @@ from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.preflight import run_preflight
-from kdflow.tasks.preflight_stores import check_sources  # noqa: F401 - registered with the checks
 
 
 def _refused(config: Any) -> str:

@@ -202,7 +202,7 @@ def test_txt_files_give_a_document_per_line_paragraph_or_file_as_sample_by_says(
 
 def test_a_field_added_to_the_dataset_section_leaves_existing_corpus_fingerprints_as_they_were() -> None:
     """Pinned values, computed before `sample_by` existed: stores made then keep their fingerprints and resume."""
-    from kdflow.schemas.config import config_from_dict
+    from kdflow.schemas.config_io import config_from_dict
 
     base = {"run_root": "r", "teacher": {"model": "t"}, "student": {"name": "s"}}
     books = config_from_dict(base | {"dataset": {"path": "books/*.txt"}})

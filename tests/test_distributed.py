@@ -29,7 +29,8 @@ from support.children import run
 from support.corpus import sample_documents, write_jsonl
 from support.runs import final_weights, make_tokens, read_lines, run_config, student_path, write_dense_topk
 
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, dump_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.layout import CHECKPOINT_MARKER, checkpoint_step
 

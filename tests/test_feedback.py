@@ -15,7 +15,8 @@ import pytest
 from support.corpus import sample_documents, write_jsonl
 from support.tiny import tiny_config
 
-from kdflow.schemas.config import KDFlowConfig, config_from_dict
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict
 
 
 @pytest.fixture(scope="module")

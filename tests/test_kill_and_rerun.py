@@ -28,7 +28,8 @@ from support.children import kill_group, processes_with_env, started, wait_until
 from support.corpus import sample_documents, write_jsonl
 from support.tiny import tiny_config
 
-from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.owners import parse_owner_tag
 from kdflow.tasks.common.faults import parse_faults
 from kdflow.tasks.common.scratch import scratch_owner, scratch_root

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from support.children import run
 
-from kdflow.schemas.config import config_from_dict, dump_config, load_config
+from kdflow.schemas.config_io import config_from_dict, dump_config, load_config
 
 REPO = Path(__file__).parent.parent
 FOLDERS = {"kdflow": "kdflow", "schemas": "kdflow.schemas", "tasks": "kdflow.tasks", "flows": "kdflow.flows",
@@ -49,10 +49,16 @@ def source_modules() -> dict[str, Path]:
     return modules
 
 
-def kdflow_imports(path: Path, module: str) -> set[str]:
-    """Every kdflow module `path` imports, at the top or inside functions (relative imports resolved)."""
+def kdflow_imports(path: Path, module: str, *, type_checking: bool = True) -> set[str]:
+    """Every kdflow module `path` imports, at the top or inside functions (relative imports resolved);
+    `type_checking=False` leaves out the imports under `if TYPE_CHECKING:`, which never run."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = set() if type_checking else {id(inner) for node in ast.walk(tree) if _is_type_checking_block(node)
+                                           for part in node.body for inner in ast.walk(part)}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -63,6 +69,12 @@ def kdflow_imports(path: Path, module: str) -> set[str]:
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
     return {name for name in found if name == "kdflow" or name.startswith("kdflow.")}
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def layer_of(module: str) -> str:
@@ -90,6 +102,54 @@ def test_only_the_command_line_imports_the_benchmarks() -> None:
         wrong += [f"{module} imports {name}" for name in sorted(kdflow_imports(path, module))
                   if name == "kdflow.bench" or name.startswith("kdflow.bench.")]
     assert wrong == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the kdflow modules it imports when it runs (inside functions too, not under TYPE_CHECKING)."""
+    modules = source_modules()
+    graph = {}
+    for module, path in modules.items():
+        names = kdflow_imports(path, module, type_checking=False)
+        targets = {name if name in modules else name.rsplit(".", 1)[0] for name in names}
+        graph[module] = {target for target in targets if target in modules and target != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle once, as the modules along it (a depth-first search that remembers the path it is on)."""
+    cycles, done, path = [], set(), []
+
+    def visit(module: str) -> None:
+        path.append(module)
+        for target in sorted(graph[module]):
+            if target in path:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """kdflow's modules import one another one way: what two modules both need lives in the lower one, so no
+    import is left inside a function to break a circle (a lazy import counts here; a TYPE_CHECKING one does not)."""
+    assert [" -> ".join(cycle) for cycle in import_cycles(import_graph())] == []
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    """A name another module needs is public: `from kdflow.X import _name` does not appear in kdflow's code."""
+    private = []
+    for module, path in source_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kdflow"):
+                private += [f"{module} imports {node.module}.{alias.name}" for alias in node.names
+                            if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert private == []
 
 
 @pytest.mark.usefixtures("children")

@@ -26,7 +26,8 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (the [t
 from support.s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds, use_endpoint  # noqa: E402
 
 from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit  # noqa: E402
-from kdflow.schemas.config import KDFlowConfig, dump_config  # noqa: E402
+from kdflow.schemas.config import KDFlowConfig  # noqa: E402
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.layout import commit_file_name, data_file_name  # noqa: E402
 from kdflow.schemas.protocol import EXIT_USER_ERROR, RESULT_PREFIX  # noqa: E402
 from kdflow.schemas.storage import RunRoot  # noqa: E402

@@ -27,8 +27,8 @@ from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import find_topk_stores
 from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.models import teacher_fingerprint
+from kdflow.tasks.common.teacher_loading import TeacherPlacementError, check_placement, load_teacher
 from kdflow.tasks.teacher.leases import ShardLeases
-from kdflow.tasks.teacher.loading import TeacherPlacementError, check_placement, load_teacher
 from kdflow.tasks.teacher.precompute import precompute_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -275,7 +275,7 @@ def _worker(config_path: Path, env: dict[str, str]) -> subprocess.CompletedProce
 
 @pytest.mark.usefixtures("children")
 def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path) -> None:
-    from kdflow.schemas.config import dump_config
+    from kdflow.schemas.config_io import dump_config
 
     config = prepare(make_config(dataset__max_documents=16))
     config_path = tmp_path / "resolved.yaml"

@@ -16,9 +16,10 @@ import pytest
 from support.children import run
 from support.corpus import write_jsonl
 
-from kdflow.tasks.preflight import CHECKS, check, run_preflight
+from kdflow.tasks.preflight import CHECKS, run_preflight
+from kdflow.tasks.preflight_context import Check
 from kdflow.tasks.preflight_stores import check_stage_inputs
-from kdflow.schemas.config import dump_config
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.gguf_header import gguf_summary, read_gguf_metadata
 from kdflow.tasks.common.model_configs import tokenizer_vocab
@@ -112,15 +113,15 @@ def test_checks_apply_to_the_stages_being_run(make_config, tmp_path, other_token
     assert {c.name for c in CHECKS} >= {"run_root", "dataset", "teacher", "tokenizer", "distributed", "student", "disk"}
 
 
-def test_a_check_registered_later_runs_for_its_stages(make_config, monkeypatch) -> None:
-    monkeypatch.setattr("kdflow.tasks.preflight.CHECKS", list(CHECKS))  # other features add theirs the same way
+def test_a_check_in_the_list_runs_for_its_stages(make_config, monkeypatch) -> None:
     seen = []
 
-    @check("example", "train")
     def example(context: Any) -> None:
         seen.append(sorted(context.stages))
         context.warn("an example warning")
 
+    # a new check is one more line in the list
+    monkeypatch.setattr("kdflow.tasks.preflight.CHECKS", [*CHECKS, Check("example", example, frozenset({"train"}))])
     assert run_preflight(make_config(), ["precompute"]) == [] and seen == []
     assert run_preflight(make_config(), ["tokenise", "train"]) == ["an example warning"]
     assert seen == [["tokenise", "train"]]
@@ -278,7 +279,7 @@ def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(
     setting of a checkpoint's fingerprint that differs, in one line, not after the stages before training."""
     from support.runs import trained_tiny_run
 
-    from kdflow.schemas.config import config_from_dict, set_dotted
+    from kdflow.schemas.config_io import config_from_dict, set_dotted
     from kdflow.schemas.errors import StoreError
     from kdflow.tasks.student.train import train
 

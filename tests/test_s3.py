@@ -154,7 +154,6 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
     from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.preflight import run_preflight
-    from kdflow.tasks.preflight_stores import check_sources  # noqa: F401 - registered with the checks
 
     source = s3_run_root.rsplit("/", 1)[0] + "/src/docs.jsonl"
     original = "".join(json.dumps({"text": text}) + "\n" for text in DOCS).encode()

@@ -14,19 +14,20 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from kdflow.schemas.codec import Renumbering, TopkCodec
+from kdflow.schemas.codec import TopkCodec
+from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, SampledShard, decode_sampled, encode_sampled
 from kdflow.schemas.commits import list_commits, stage_dir
-from kdflow.schemas.config import config_from_dict
+from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import read_store_info
+from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
-from kdflow.tasks.teacher.loading import load_teacher
 from kdflow.tasks.teacher.precompute import precompute_shards
 from kdflow.tasks.teacher.sampling import SamplingPlan, TeacherSampledStep
 

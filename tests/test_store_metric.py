@@ -9,7 +9,7 @@ import pytest
 
 from kdflow.schemas.codec import DecodedTopk, TopkCodec, decode, encode
 from kdflow.tasks.teacher.store_metric import full_kl_dense, full_kl_from_topk, tail_plogp_dense
-from kdflow.tasks.teacher.store_quality import bucket_kl
+from kdflow.tasks.teacher.store_fidelity import bucket_kl
 
 VOCAB, SEQ, K = 700, 24, 32
 
@@ -121,7 +121,7 @@ def test_store_bytes_count_every_file_a_reader_needs_the_renumbering_table_inclu
     import os
 
     from kdflow.bench.store import written_store_bytes
-    from kdflow.schemas.codec import Renumbering
+    from kdflow.schemas.codec_meta import Renumbering
     from kdflow.schemas.commits import list_commits
     from kdflow.schemas.layout import RENUMBERING_FILE
     from kdflow.schemas.storage import RunRoot

@@ -206,7 +206,8 @@ def test_validate_names_a_shard_of_another_codec_and_a_wrong_mass(
 @pytest.mark.filterwarnings("ignore:divide by zero")
 def test_bucket_kl_against_a_hand_computed_partition() -> None:
     from kdflow.schemas.codec import DecodedTopk
-    from kdflow.tasks.teacher.store_quality import bucket_kl, kept_histogram, tail_histogram
+    from kdflow.tasks.teacher.store_fidelity import bucket_kl
+    from kdflow.tasks.teacher.store_quality import kept_histogram, tail_histogram
 
     def topk(ids, probs, tail, kept=None):
         ids, probs = np.array([[ids]], np.int32), np.array([[probs]], np.float64)
@@ -317,7 +318,7 @@ def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -
     import torch
 
     from kdflow.bench.store_train import default_store_files, dense_tail_plogp, lossless_shards
-    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.common.teacher_loading import load_teacher
 
     shards, _ = lossless_shards(stores)
     got = dense_tail_plogp(stores, shards)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from support.runs import prepare
 
-from kdflow.schemas.config import dump_config
+from kdflow.schemas.config_io import dump_config
 
 
 @pytest.mark.parametrize("targets", ["topk", "hybrid"])

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kdflow.schemas.commits import StageComplete, TokensCompleteInfo, stage_dir, write_complete
-from kdflow.schemas.config import KDFlowConfig, config_from_dict
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import FingerprintMismatch, StoreError
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint, tokens_fingerprint_of
 from kdflow.schemas.stage_settings import open_run_root, student_data_settings, tokenise_settings

@@ -151,10 +151,10 @@ def test_the_gguf_loaders_own_bar_is_off_while_a_teacher_loads(capfd: pytest.Cap
     """transformers dequantises a GGUF under a tqdm bar that cut through a training run's log lines on a terminal."""
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
 
-    from kdflow.tasks.common.teacher_loading import _no_gguf_bar
+    from kdflow.tasks.common.teacher_loading import no_gguf_bar
 
     bar = gguf_loading.tqdm
-    with _no_gguf_bar():
+    with no_gguf_bar():
         for _ in gguf_loading.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
             pass
     assert gguf_loading.tqdm is bar and "Converting" not in capfd.readouterr().err

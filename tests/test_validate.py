@@ -21,7 +21,8 @@ from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
-from kdflow.commands.validate import topk_problems, validate_run_root
+from kdflow.commands.validate import validate_run_root
+from kdflow.commands.validate_checks import topk_problems
 
 TAG, TOP_K = "abcdef012345", 8
 Corruption = Callable[[np.ndarray, np.ndarray], None]
@@ -261,7 +262,7 @@ def test_missing_run_root_and_empty_run_root(tmp_path: Path, capsys: pytest.Capt
 def test_older_token_store_without_vocab_size(tokenised_run: tuple[Any, Any],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Stores written before tokenise recorded `vocab_size`: the tokenizer named by config.yaml gives it, if present."""
-    from kdflow.schemas.config import write_stage_config
+    from kdflow.schemas.config_io import write_stage_config
 
     config, _ = tokenised_run
     run_root = RunRoot(config.run_root)

@@ -45,7 +45,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from kdflow.bench.harness import note, open_root
-from kdflow.schemas.codec import CRC32, DecodedTopk, Renumbering, TopkCodec, decode, encode, from_v1
+from kdflow.schemas.codec import DecodedTopk, TopkCodec, decode, encode, from_v1
+from kdflow.schemas.codec_meta import CRC32, Renumbering
 from kdflow.schemas.commits import CommitRecord, StageComplete, TopkShardInfo, write_commit, write_complete
 from kdflow.schemas.layout import RENUMBERING_FILE, data_file_name
 from kdflow.schemas.shards import topk_batch, topk_schema
@@ -138,7 +139,7 @@ def measure_setting(label: str, options: dict[str, Any], shards: list[Shard], vo
     """Encode every shard with one codec setting; bytes, the full KL to the teacher and the K+1-bucket lower bound
     against the exact input, invalid tails, speed."""
     from kdflow.tasks.teacher.store_metric import full_kl_from_topk, kl_summary
-    from kdflow.tasks.teacher.store_quality import bucket_fields, bucket_kl
+    from kdflow.tasks.teacher.store_fidelity import bucket_fields, bucket_kl
 
     options = dict(options)
     renumbering = table if options.pop("table") == "unigram" else None
@@ -192,7 +193,7 @@ def measure_v1(shards: list[Shard], vocab: int, tail_plogp: list[np.ndarray], st
     """v1 for comparison: int32 ids + float16 log-probs, the tail derived as 1 - sum(exp) (what v1 readers do).
     KL figures are over the positions where they are finite; `share_infinite_kl`: where the derived tail is 0."""
     from kdflow.tasks.teacher.store_metric import full_kl_from_topk
-    from kdflow.tasks.teacher.store_quality import bucket_kl
+    from kdflow.tasks.teacher.store_fidelity import bucket_kl
 
     _, seq_len, top_k = shards[0][0].shape
     schema = topk_schema(seq_len, top_k, "float16")

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kdflow.schemas.config import parse_override
+    from kdflow.schemas.config_io import parse_override
 
     parser = argparse.ArgumentParser(prog="kdflow bench train-step", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help="student config (YAML); default: the demo's, configs/demo.yaml")
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench_config(args: argparse.Namespace) -> Any:
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
 
     overrides = dict(args.set or [])
     if args.config is not None:

@@ -8,8 +8,8 @@ import yaml
 
 from kdflow.schemas.commits import StageComplete, list_commits, read_complete
 from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, SOURCES_FILE, STUDENTS_DIR,
-                                   TOKENS_DIR, TOPK_DIR, checkpoint_name, complete_checkpoint_steps, is_store_name)
-from kdflow.schemas.storage import RunRoot
+                                   TOKENS_DIR, TOPK_DIR, checkpoint_name, is_store_name)
+from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 from kdflow.schemas.store_info import tokens_made_from, topk_tags
 
 

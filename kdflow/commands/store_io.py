@@ -7,7 +7,7 @@ import argparse
 import json
 import shlex
 
-from kdflow.schemas.config import parse_override
+from kdflow.schemas.config_io import parse_override
 from kdflow.schemas.config_io import run_root_of
 from kdflow.schemas.logit_layouts import LAYOUTS
 
@@ -25,7 +25,7 @@ def import_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", required=True, choices=sorted(LAYOUTS), help="the source's column layout")
     parser.add_argument("--teacher", required=True, help="the name of the teacher that made the targets")
     args = parser.parse_args(argv)
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.tasks.teacher.logit_import import import_store
 
     config = load_config(args.config, dict(args.set or []))

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from kdflow.schemas.commits import list_commits, stage_dir
-from kdflow.schemas.config import config_from_dict
+from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.config_io import run_root_of
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CONFIG_FILE
@@ -25,7 +25,7 @@ from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_t
 
 def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any:
     """A TeacherTopkStep for the store's teacher, loaded once per distinct teacher section."""
-    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.teacher.sampled_pass import sampled_step
     from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 

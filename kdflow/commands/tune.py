@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.schemas.stage_settings import open_run_root
     from kdflow.tasks.teacher import tune_search
 

@@ -33,7 +33,7 @@ from kdflow.schemas.topk_rows import iter_topk_rows
 from kdflow.tasks.common.progress import count_of
 from kdflow.commands.validate_checks import token_id_problems, topk_problems, topk_v2_problems
 
-__all__ = ["StoreReport", "topk_problems", "validate_corpus", "validate_run_root", "validate_tokens", "validate_topk"]
+__all__ = ["StoreReport", "validate_corpus", "validate_run_root", "validate_tokens", "validate_topk"]
 
 STAGE_COMMAND = {"corpus": "materialise", "tokens": "tokenise", "topk": "precompute"}
 ROWS_PER_CHECK = 16  # bounds the temporaries of the content checks on large shards
@@ -160,7 +160,7 @@ def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None,
         if extra.vocab_size:
             return int(extra.vocab_size), "recorded by tokenise"
     try:  # older stores: load the tokenizer named by the config written beside the store
-        from kdflow.schemas.config import config_from_dict
+        from kdflow.schemas.config_io import config_from_dict
         from kdflow.schemas.fingerprints import tokenizer_fingerprint
         from kdflow.tasks.common.tokenizer import load_tokenizer
 

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import KDFlowError
 from kdflow.schemas.protocol import (EXIT_NO_SPACE, EXIT_UNEXPECTED, EXIT_USER_ERROR, PARENT_PID_ENV,
                                      describe_exit_code, is_retryable, normalise_returncode, parse_line)

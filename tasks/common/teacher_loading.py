@@ -57,7 +57,7 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
         # torch.load(weights_only=True), never unpickling arbitrary objects.
         kwargs["use_safetensors"] = True
     if not teacher.load_in_4bit:
-        with _no_gguf_bar() if teacher.gguf_file else contextlib.nullcontext():
+        with no_gguf_bar() if teacher.gguf_file else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_pretrained(local or teacher.model, **kwargs)
     else:
         quantisation = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
@@ -76,7 +76,7 @@ def load_teacher(teacher: TeacherConfig, *, device: torch.device | str | None = 
 
 
 @contextlib.contextmanager
-def _no_gguf_bar() -> Iterator[None]:
+def no_gguf_bar() -> Iterator[None]:
     """transformers dequantises a GGUF under a tqdm bar of its own, which neither its logging settings nor kdflow's
     child processes govern: in a training run on a terminal it cut through the log lines. Off while it loads."""
     module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")

@@ -34,11 +34,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from kdflow.schemas.disk_space import DiskFull, free_bytes, is_no_space
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import (CHECKPOINT_MARKER, FINAL_DIR, TRAINING_STATE_FILE, checkpoint_name, checkpoint_step,
                                    temp_prefix)
 from kdflow.schemas.owners import owner_tag
-from kdflow.schemas.storage import DiskFull, RunRoot, free_bytes, is_no_space
+from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.scratch import local_copy, scratch_dir
 from kdflow.tasks.student.model import load_causal_lm

@@ -7,7 +7,8 @@ import json
 import os
 from typing import Any
 
-from kdflow.schemas.storage import DiskFull, RunRoot, is_no_space
+from kdflow.schemas.disk_space import DiskFull, is_no_space
+from kdflow.schemas.storage import RunRoot
 
 
 class JsonlLog:

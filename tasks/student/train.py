@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from kdflow.schemas.config import KDFlowConfig, write_stage_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import write_stage_config
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
 from kdflow.schemas.stage_settings import open_run_root

@@ -2,8 +2,8 @@
 
 The cheap checks (paths, vocabulary, context length, tokenizer) run before the weights load, not after. Loading
 itself, with whole-model placement (anything left on another device is an error naming the modules), lives in
-kdflow.tasks.common.teacher_loading, because the student's held-out evaluation loads the teacher too; its names
-are re-exported here for the teacher pass and its callers.
+kdflow.tasks.common.teacher_loading (`load_teacher`), because the student's held-out evaluation loads the teacher
+too; callers import it from there.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from torch import nn
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.model_configs import teacher_limits_problem
-from kdflow.tasks.common.models import check_teacher_files
-from kdflow.tasks.common.teacher_loading import (TeacherPlacementError, check_placement, load_teacher,  # noqa: F401
-                                                 misplaced_modules, source_kwargs)
+from kdflow.tasks.common.model_files import check_teacher_files
+from kdflow.tasks.common.teacher_loading import source_kwargs
 
 
 def load_teacher_config(teacher: TeacherConfig) -> Any:

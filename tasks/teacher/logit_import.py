@@ -19,7 +19,8 @@ from kdflow.schemas.codec import encode
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, TopkShardInfo,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
                                     write_complete)
-from kdflow.schemas.config import KDFlowConfig, dump_config, section_hash
+from kdflow.schemas.config import KDFlowConfig, section_hash
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import (corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint,
                                          topk_fingerprint)

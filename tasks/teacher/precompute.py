@@ -24,7 +24,8 @@ from kdflow.schemas.codec import TopkCodec
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
                                     write_complete)
-from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
@@ -36,9 +37,10 @@ from kdflow.schemas.token_store import open_token_store
 from kdflow.tasks.common.model_configs import tokenizer_mismatch
 from kdflow.tasks.common.models import resolve_device, teacher_fingerprint, teacher_identity
 from kdflow.tasks.common.progress import Progress
+from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.leases import ShardLeases
-from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config
+from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher_config
 from kdflow.tasks.teacher.sampled_pass import check_sampling_fits
 from kdflow.tasks.teacher.shard_computer import ShardComputer
 from kdflow.tasks.teacher.store_quality import pass_fidelity

@@ -24,6 +24,7 @@ from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir
 from kdflow.schemas.shards import read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.sampled import ht_weights
+from kdflow.tasks.teacher.store_fidelity import bucket_fields, bucket_kl, full_fidelity
 
 
 def _head(targets: DecodedSampled) -> DecodedTopk:
@@ -66,8 +67,6 @@ def sampled_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
     """Re-run `step` (a TeacherSampledStep, or the pass's SampledPass) on the micro-batches of the picked rows and
     compare with the store: the head's K+1 bucket KL and the draws, id for id."""
     import torch
-
-    from kdflow.tasks.teacher.store_quality import bucket_fields, bucket_kl, full_fidelity
 
     step = getattr(step, "step", step)  # SampledPass -> its TeacherSampledStep
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")

@@ -15,10 +15,11 @@ import torch
 
 from kdflow.schemas.commits import CommitRecord, StageComplete, TopkShardInfo, stage_dir
 from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.disk_space import DiskFull
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import read_token_shard, topk_shard_writer, topk_v2_shard_writer
-from kdflow.schemas.storage import DiskFull, RunRoot
+from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.host_writer import WRITE_QUEUE_DEPTH, BackgroundWriter, HostCopies
 from kdflow.tasks.teacher.leases import ShardLeases

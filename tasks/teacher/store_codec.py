@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdflow.schemas.codec import Renumbering, TopkCodec
+from kdflow.schemas.codec import TopkCodec
+from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.commits import StageComplete, list_commits, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import StoreError

@@ -7,7 +7,7 @@ distribution the store implies, q, is the held ids at their stored probability a
 the ids not held (V - held ids), normalised to 1. The metric is KL(teacher || q) over the whole vocabulary, per
 position, in nats: one definition for every store, so a smaller number is a more faithful store. With exact
 values, holding one more id never raises it (chain rule: the split off id's binary KL is >= 0), so adaptive K
-scores at least as high as full K on the same rows; the K+1-bucket KL (`store_report.bucket_kl`) merges the ids a
+scores at least as high as full K on the same rows; the K+1-bucket KL (`store_fidelity.bucket_kl`) merges the ids a
 store does not hold into one bucket on both sides, which can only lower KL: it is a lower bound that depends on
 the partition, and is reported under that name.
 

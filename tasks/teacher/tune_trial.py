@@ -34,10 +34,11 @@ from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import resolve_device
+from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.host_writer import HostCopies
-from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher, load_teacher_config,
-                                          output_rows, vocab_rows)
+from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher_config, output_rows,
+                                          vocab_rows)
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
 from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_chunk_tokens, sampled_codec
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens

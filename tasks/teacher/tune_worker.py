@@ -35,7 +35,7 @@ def run(argv: list[str] | None = None) -> int:
     def body() -> dict[str, Any]:
         from transformers.utils import logging as transformers_logging
 
-        from kdflow.schemas.config import load_config
+        from kdflow.schemas.config_io import load_config
         from kdflow.schemas.stage_settings import open_run_root
         from kdflow.tasks.teacher.tune_trial import measure_candidate
 

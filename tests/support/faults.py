@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kdflow.schemas.commits import list_commits
-from kdflow.schemas.config import KDFlowConfig, dump_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.layout import commit_file_name, data_file_name
 from kdflow.schemas.storage import RunRoot, sha256_of
 from support.corpus import sample_documents, write_jsonl

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, set_dotted
 
 # 1 layer of width 32 over the tiny tokenizer's vocabulary: trains a few steps in well under a second on a CPU.
 TINY_STUDENT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
