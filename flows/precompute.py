@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -22,10 +23,10 @@ from kdflow.flows.common import as_config, preflight_when_deployed
 from kdflow.flows.precompute_progress import FanOutBoard, TeacherProgress
 from kdflow.schemas.commits import (check_commit, list_commits, manifest_frame, read_complete, stage_dir,
                                     validate_manifest)
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import KDFlowConfig, PrecomputeConfig, TeacherConfig
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.protocol import LEASE_OWNER_ENV, describe_exit_code, format_shard_ids, is_retryable, parse_shard_ids
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import TeacherPassSettings, open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
 from kdflow.tasks.common.launch import WorkerFailed, WorkerUserError, config_file, outcome_error, run_child
@@ -44,7 +45,7 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
     """One attempt: the teacher in a fresh process over `shard_ids` (default all); -> the worker's summary."""
     logger = get_run_logger()
     attempt = current_task_run.run_count
-    artifact = TeacherProgress(config, shard_ids)
+    artifact = TeacherProgress(open_run_root(config), teacher_pass_settings(config), shard_ids)
     with config_file(config, "kdflow-worker") as config_path:
         args = ["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
         outcome = run_child(
@@ -62,18 +63,19 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
     return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid}
 
 
-def _run_worker_with_retries(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
-    pre = config.precompute
+def _worker_with_retries(pre: PrecomputeConfig) -> Any:
+    """The teacher-worker task, retried `precompute.max_attempts - 1` times with backoff."""
     retries = pre.max_attempts - 1
-    worker = run_teacher_worker.with_options(
+    return run_teacher_worker.with_options(
         retries=retries, retry_delay_seconds=exponential_backoff(pre.retry_delay_s)(retries) if retries else 0,
         retry_jitter_factor=0.5,
     )
-    return worker(config, shard_ids)
 
 
-def _fan_out(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
-    """Shard ranges as flow runs of the per-range deployment; waits for all of them; -> the store's tag."""
+def _fan_out(run_root: RunRoot, settings: TeacherPassSettings, shard_ids: list[int] | None,
+             parameters: dict[str, Any]) -> dict[str, Any]:
+    """Shard ranges as flow runs of the per-range deployment (`parameters`: the run's config, as the deployment takes
+    it); waits for all of them; -> the store's tag."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
@@ -82,15 +84,14 @@ def _fan_out(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | Non
     logger = get_run_logger()
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     if tokens_done is None:
-        raise StoreError(f"token store in {config.run_root} is not complete; run tokenise first")
+        raise StoreError(f"token store in {run_root.url} is not complete; run tokenise first")
     ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards))
-    size = config.precompute.shards_per_flow_run
-    ranges = [ids[i:i + size] for i in range(0, len(ids), size)]
-    runs = [run_deployment(config.precompute.fanout_deployment, parameters={"config": config.model_dump(mode="json"),
-                                                                             "shard_ids": part},
+    pre = settings.precompute
+    ranges = [ids[i:i + pre.shards_per_flow_run] for i in range(0, len(ids), pre.shards_per_flow_run)]
+    runs = [run_deployment(pre.fanout_deployment, parameters={"config": parameters, "shard_ids": part},
                            flow_run_name=f"precompute-shards-{format_shard_ids(part)}", timeout=0) for part in ranges]
-    logger.info("fanned %d shards out as %d flow runs of %s", len(ids), len(runs), config.precompute.fanout_deployment)
-    board, states, waiting_since = FanOutBoard(config, ranges, runs), {}, time.perf_counter()
+    logger.info("fanned %d shards out as %d flow runs of %s", len(ids), len(runs), pre.fanout_deployment)
+    board, states, waiting_since = FanOutBoard(run_root, settings, ranges, runs), {}, time.perf_counter()
     with get_client(sync_client=True) as client:
         pending = {run.id for run in runs}
         failed = []
@@ -107,7 +108,7 @@ def _fan_out(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | Non
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(runs)} shard-range flow runs did not complete: "
                            f"{', '.join(failed[:5])}")
-    tags = find_topk_stores(run_root, config)
+    tags = find_topk_stores(run_root, settings.teacher, pre)
     if len(tags) != 1:
         raise StoreError(f"expected one top-K store for this config after the fan-out, found {len(tags)} "
                          f"({', '.join(tags) or 'none'}); with teacher.dtype auto, hosts with and without a GPU make "
@@ -116,7 +117,7 @@ def _fan_out(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | Non
     return {"tag": tags[0]}
 
 
-def _verify(run_root: RunRoot, config: KDFlowConfig, tag: str, shard_ids: list[int] | None) -> dict[str, Any]:
+def _verify(run_root: RunRoot, seq_len: int, tag: str, shard_ids: list[int] | None) -> dict[str, Any]:
     """Every asked-for shard committed and aligned with its token shard; the manifest validates."""
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")
     tokens_done = read_complete(run_root, tokens_store)
@@ -131,7 +132,7 @@ def _verify(run_root: RunRoot, config: KDFlowConfig, tag: str, shard_ids: list[i
     if unaligned:
         raise StoreError(f"top-K shards {format_shard_ids(unaligned)} do not match their token shards; "
                          "rerun precompute")
-    frame = validate_manifest(manifest_frame(records), "topk", config.seq_len, name=run_root.display(store))
+    frame = validate_manifest(manifest_frame(records), "topk", seq_len, name=run_root.display(store))
     if not shard_ids and read_complete(run_root, store) is None:
         raise StoreError(f"top-K store {run_root.display(store)} has every shard but no _complete.json")
     _manifest_artifact(frame, tag)
@@ -176,7 +177,7 @@ def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -
                        "tokens_per_s": worker.get("tokens_per_s", round(verified["tokens"] / max(seconds, 1e-9), 1))}
 
 
-def _same_teacher(config: KDFlowConfig, info: TopkStoreInfo | None) -> bool:
+def _same_teacher(teacher: TeacherConfig, info: TopkStoreInfo | None) -> bool:
     """The store was made from the teacher this config names now (same weights or hub revision, quantisation;
     the dtype too unless it is `auto`, which depends on the host), computed without loading it or touching CUDA."""
     if info is None:
@@ -186,25 +187,26 @@ def _same_teacher(config: KDFlowConfig, info: TopkStoreInfo | None) -> bool:
 
         from kdflow.tasks.common.models import teacher_identity
 
-        now, stored = teacher_identity(config.teacher, device=torch.device("cpu")), dict(info.teacher_identity)
+        now, stored = teacher_identity(teacher, device=torch.device("cpu")), dict(info.teacher_identity)
     except Exception:  # noqa: BLE001 - the worker reports a bad teacher with its own one-line error
         return False
-    if config.teacher.dtype == "auto":
+    if teacher.dtype == "auto":
         now.pop("dtype", None)
         stored.pop("dtype", None)
     return now == stored
 
 
-def _committed_already(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any] | None:
+def _committed_already(run_root: RunRoot, settings: TeacherPassSettings,
+                       shard_ids: list[int] | None) -> dict[str, Any] | None:
     """{'tag', 'written': 0} when this config's top-K store already holds every asked-for shard (read from the
     store's files: no worker started, no teacher loaded), else None."""
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
-    tags = find_topk_stores(run_root, config) if tokens_done is not None else []
+    tags = find_topk_stores(run_root, settings.teacher, settings.precompute) if tokens_done is not None else []
     if len(tags) != 1:
         return None
     ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards))
     store = stage_dir(run_root, "topk", tags[0])
-    if not _same_teacher(config, read_store_info(run_root, store)) or any(
+    if not _same_teacher(settings.teacher, read_store_info(run_root, store)) or any(
             check_commit(run_root, store, "topk", i, tags[0])[0] is None for i in ids):
         return None
     get_run_logger().info("precompute: %d/%d shards already committed in %s, nothing to do", len(ids), len(ids),
@@ -212,15 +214,15 @@ def _committed_already(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[
     return {"tag": tags[0], "written": 0, "tokens_per_s": 0.0}
 
 
-def _precompute(config: KDFlowConfig, shard_ids: list[int] | None) -> dict[str, Any]:
+def _precompute(run_root: RunRoot, settings: TeacherPassSettings, shard_ids: list[int] | None,
+                compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The pass over `shard_ids` (None: all): `compute` (a worker process, or the fan-out) unless the store holds
+    them already, then the store verified and reported."""
     started = time.perf_counter()
-    run_root = open_run_root(config)  # the worker, a child process, opens its own
-    worker = _committed_already(run_root, config, shard_ids)
-    if worker is None and config.precompute.shards_per_flow_run and not shard_ids:
-        worker = _fan_out(run_root, config, shard_ids)
-    elif worker is None:
-        worker = _run_worker_with_retries(config, shard_ids)
-    verified = _verify(run_root, config, worker["tag"], shard_ids)
+    worker = _committed_already(run_root, settings, shard_ids)
+    if worker is None:
+        worker = compute()
+    verified = _verify(run_root, settings.seq_len, worker["tag"], shard_ids)
     return _summary(verified, worker, started) | _store_report_artifact(run_root, worker["tag"],
                                                                         worker.get("fidelity"))
 
@@ -236,7 +238,14 @@ def precompute_flow(config: KDFlowConfig) -> dict[str, Any]:
     """
     config = as_config(config)
     preflight_when_deployed(config, ["precompute"])
-    return _precompute(config, None)
+    run_root, settings = open_run_root(config), teacher_pass_settings(config)  # the worker opens its own
+
+    def compute() -> dict[str, Any]:
+        if settings.precompute.shards_per_flow_run:
+            return _fan_out(run_root, settings, None, config.model_dump(mode="json"))
+        return _worker_with_retries(settings.precompute)(config, None)
+
+    return _precompute(run_root, settings, None, compute)
 
 
 @flow(name="precompute-shards", log_prints=True)
@@ -254,4 +263,5 @@ def precompute_shards_flow(config: KDFlowConfig, shard_ids: list[int] | str) -> 
         raise ConfigError(str(error)) from None
     if not ids:
         raise ConfigError("precompute-shards needs at least one shard id")
-    return _precompute(config, ids)
+    run_root, settings = open_run_root(config), teacher_pass_settings(config)  # the worker opens its own
+    return _precompute(run_root, settings, ids, lambda: _worker_with_retries(settings.precompute)(config, ids))

@@ -6,17 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 from kdflow.flows.artifacts import KeyedProgress, KeyedTable, artifact_key
-from kdflow.schemas.config import KDFlowConfig, section_hash
+from kdflow.schemas.config import section_hash
 from kdflow.schemas.protocol import format_shard_ids
+from kdflow.schemas.stage_settings import TeacherPassSettings
+from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import teacher_section
 from kdflow.tasks.common.progress import format_duration
 
 
-def precompute_key(config: KDFlowConfig, shard_ids: list[int] | None = None) -> str:
+def precompute_key(run_root: RunRoot, settings: TeacherPassSettings,
+                   shard_ids: list[int] | None = None) -> str:
     """`precompute-HASH` for the store this config makes (run root, teacher, K, dtype: known without loading the
     teacher, the same on every rerun), `precompute-HASH-shards-0-15` for one range of it."""
-    store = section_hash(config.run_root, teacher_section(config), config.precompute.top_k,
-                         config.precompute.logprobs_dtype, config.seq_len, length=10)
+    store = section_hash(run_root.url, teacher_section(settings.teacher), settings.precompute.top_k,
+                         settings.precompute.logprobs_dtype, settings.seq_len, length=10)
     return artifact_key("precompute", store, *(["shards", format_shard_ids(shard_ids)] if shard_ids else []))
 
 
@@ -39,8 +42,8 @@ def teacher_progress(update: dict[str, Any]) -> tuple[float, str]:
 class TeacherProgress:
     """The worker's progress lines as the keyed progress artifact of its store (or shard range)."""
 
-    def __init__(self, config: KDFlowConfig, shard_ids: list[int] | None) -> None:
-        self.artifact = KeyedProgress(precompute_key(config, shard_ids))
+    def __init__(self, run_root: RunRoot, settings: TeacherPassSettings, shard_ids: list[int] | None) -> None:
+        self.artifact = KeyedProgress(precompute_key(run_root, settings, shard_ids))
 
     def update(self, update: dict[str, Any]) -> None:
         percent, text = teacher_progress(update)
@@ -51,11 +54,12 @@ class FanOutBoard:
     """What the fan-out coordinator shows while it waits: overall progress (from each range run's own progress
     artifact, read by key) and a table of the ranges, their flow runs and states."""
 
-    def __init__(self, config: KDFlowConfig, ranges: list[list[int]], runs: list[Any]) -> None:
+    def __init__(self, run_root: RunRoot, settings: TeacherPassSettings, ranges: list[list[int]],
+                 runs: list[Any]) -> None:
         self.ranges, self.runs = ranges, runs
-        self.range_keys = [precompute_key(config, part) for part in ranges]
-        self.progress = KeyedProgress(precompute_key(config), every_s=0.0)
-        self.table = KeyedTable(precompute_key(config) + "-ranges")
+        self.range_keys = [precompute_key(run_root, settings, part) for part in ranges]
+        self.progress = KeyedProgress(precompute_key(run_root, settings), every_s=0.0)
+        self.table = KeyedTable(precompute_key(run_root, settings) + "-ranges")
 
     def refresh(self, client: Any, states: dict[Any, Any], elapsed_s: float) -> None:
         """`states`: flow run id -> its latest state; reads the ranges' progress artifacts in one call."""

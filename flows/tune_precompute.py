@@ -15,7 +15,7 @@ from prefect.cache_policies import NONE
 from kdflow.flows.common import as_config
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.tasks.common.launch import config_file
 from kdflow.tasks.teacher import tune_search
 
@@ -39,8 +39,8 @@ def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | 
     if not 0.0 <= headroom < 1.0 or batches < 1 or warmup < 0 or timeout_s <= 0:
         raise ConfigError("headroom must be in [0, 1), batches >= 1, warmup >= 0 and timeout_s > 0")
     sizes = (tune_search.parse_micro_batches(micro_batches) if micro_batches is not None
-             else tune_search.default_micro_batches(config))
-    rows_from = tune_search.check_tune_inputs(config, run_root=open_run_root(config))
+             else tune_search.default_micro_batches(config.precompute))
+    rows_from = tune_search.check_tune_inputs(open_run_root(config), teacher_pass_settings(config))
     logger = get_run_logger()
     logger.info("candidates %s; rows: %s", ",".join(map(str, sizes)), rows_from)
     with config_file(config, "kdflow-tune-") as path:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kdflow.schemas.config import DatasetConfig, KDFlowConfig
-from kdflow.schemas.fingerprints import corpus_fingerprint
+from kdflow.schemas.config import DatasetConfig, KDFlowConfig, PrecomputeConfig, TeacherConfig
+from kdflow.schemas.config_io import dump_config
+from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint_of, topk_fingerprint_of
 from kdflow.schemas.storage import RunRoot
 
 
@@ -54,6 +55,34 @@ def student_data_settings(config: KDFlowConfig) -> StudentDataSettings:
     student = config.student
     return StudentDataSettings(config.seq_len, config.precompute.top_k, student.eval_shards, student.eval_sequences,
                                student.seed)
+
+
+@dataclass(frozen=True)
+class TeacherPassSettings:
+    """What the teacher pass, its micro-batch tuning and the logit import read. The store's tag also hashes the
+    teacher's fingerprint, known only once the device is (and an import's, once its rows are digested): the
+    fingerprints are computed by the methods below from what the view holds."""
+
+    teacher: TeacherConfig
+    tokenizer: str | None  # the config's `tokenizer`; None: the teacher's own
+    precompute: PrecomputeConfig
+    seq_len: int
+    corpus_fingerprint: str
+    resolved_config: str  # dump_config(config): kept beside the store (`config.yaml`), what made it
+
+    def tokens_fingerprint(self, tokenizer_fp: str) -> str:
+        """The fingerprint of the token store this pass reads, made with the tokenizer of `tokenizer_fp`."""
+        return tokens_fingerprint_of(self.corpus_fingerprint, tokenizer_fp, self.seq_len,
+                                     self.precompute.sequences_per_shard)
+
+    def topk_fingerprint(self, teacher_fp: str, tokens_fp: str) -> str:
+        """The top-K store's TAG (topk_fingerprint)."""
+        return topk_fingerprint_of(teacher_fp, tokens_fp, self.precompute)
+
+
+def teacher_pass_settings(config: KDFlowConfig) -> TeacherPassSettings:
+    return TeacherPassSettings(config.teacher, config.tokenizer, config.precompute, config.seq_len,
+                               corpus_fingerprint(config), dump_config(config))
 
 
 def held_out_problem(eval_shards: int, shards: int, sequences: int) -> str | None:

@@ -85,7 +85,7 @@ def _tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, int]:
 
     config = make_config(dataset__max_documents=16)
     materialise(config)
-    shards = tokenise(config, load_tokenizer(config)).shards
+    shards = tokenise(config, load_tokenizer(config.teacher, config.tokenizer)).shards
     assert shards >= 2
     # Two ranges, so the fan-out makes exactly two flow runs: one for each GPU worker.
     return make_config(dataset__max_documents=16, precompute__shards_per_flow_run=math.ceil(shards / 2)), shards
@@ -220,8 +220,9 @@ def test_precompute_deployment_fans_out_over_both_gpu_workers(
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from kdflow.flows.precompute_progress import precompute_key
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 
-    key = precompute_key(config)
+    key = precompute_key(open_run_root(config), teacher_pass_settings(config))
 
     async def artifacts(client: Any) -> dict[str, Any]:
         found = await client.read_artifacts(

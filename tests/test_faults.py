@@ -30,6 +30,7 @@ from kdflow.schemas.commits import list_commits, load_manifest
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import commit_file_name, data_file_name
 from kdflow.schemas.protocol import PROGRESS_PREFIX, RESULT_PREFIX
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.teacher.precompute import precompute_shards
 from kdflow.commands.validate import validate_run_root
@@ -83,7 +84,7 @@ def test_validate_fix_makes_the_next_run_recompute_exactly_the_damaged_shards(ru
     assert ("shard(s) 1,3 have no commit record: the next run of precompute computes what is missing"
             in capsys.readouterr().out)
 
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert (summary["written"], summary["skipped"]) == (2, prepared.shards - 2)
     assert {p.name: p.stat().st_mtime_ns for p in store.glob("shard-*") if p.name not in damaged} == untouched
     assert_clean_and_identical(config, prepared)
@@ -106,13 +107,13 @@ def test_a_data_file_without_its_commit_record_is_never_read_and_is_recomputed(r
     assert 2 not in list_commits(run_root, str(store), "topk", prepared.tag)
     assert 2 not in set(load_manifest(run_root, str(store), "topk", prepared.tag, config.seq_len)["shard_id"])
     with pytest.raises(StoreError) as caught:  # the student's reader refuses it, in one line
-        open_stores(config, load_tokenizer(config))
+        open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
     assert "shard-00002" in str(caught.value) and "is not committed; run precompute first" in str(caught.value)
     assert "\n" not in str(caught.value)
     assert validate_run_root(config.run_root) == 1
     assert f"topk/{prepared.tag} shard 2: no commit record" in capsys.readouterr().out
 
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert (summary["written"], summary["skipped"]) == (1, prepared.shards - 1)
     assert_clean_and_identical(config, prepared)
 
@@ -151,7 +152,7 @@ def test_two_workers_racing_on_one_run_root_compute_each_shard_once(run_copy, pr
 # --- the student ------------------------------------------------------------------------------------------
 
 TRAIN_SLOWLY = ("import sys, time\n"
-                "from kdflow.schemas.config import load_config\n"
+                "from kdflow.schemas.config_io import load_config\n"
                 "from kdflow.tasks.student.train import train\n"
                 "train(load_config(sys.argv[1]), on_step=lambda record: time.sleep(0.25))\n")
 

@@ -25,6 +25,7 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.protocol import ERROR_PREFIX, EXIT_NO_SPACE, EXIT_USER_ERROR
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.precompute import precompute_shards
@@ -112,7 +113,7 @@ def test_disk_full_mid_pass_fails_with_exit_code_3_and_a_rerun_after_freeing_spa
 
     if disk is not None:
         disk.resize(disk.pages(16 << 20))  # someone frees space
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert summary["complete"] and summary["written"] == prepared.shards - len(committed)
     assert_clean_and_identical(config, prepared)
 

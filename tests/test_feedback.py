@@ -31,7 +31,7 @@ def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
                          precompute__micro_batch=2, student__name="watched", student__steps=8, student__log_every=2,
                          student__eval_every=4, student__save_every=4)
     materialise(config)
-    assert tokenise(config, load_tokenizer(config)).shards >= 3
+    assert tokenise(config, load_tokenizer(config.teacher, config.tokenizer)).shards >= 3
     return config
 
 
@@ -58,11 +58,13 @@ def artifact_versions(key: str) -> list[Any]:
 def test_precompute_reports_keyed_progress_and_a_rerun_does_nothing_quickly(prefect_harness, tokenised) -> None:
     from kdflow.flows.precompute import precompute_flow
     from kdflow.flows.precompute_progress import precompute_key
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 
     state = precompute_flow(tokenised, return_state=True)
     result = state.result()
     assert result["written"] == result["shards"] >= 3
-    [progress] = artifact_versions(precompute_key(tokenised))  # one bar per store, updated in place
+    key = precompute_key(open_run_root(tokenised), teacher_pass_settings(tokenised))
+    [progress] = artifact_versions(key)  # one bar per store, updated in place
     assert progress.type == "progress" and progress.data == 100.0 and progress.updated > progress.created
     assert re.search(rf"^{result['shards']}/{result['shards']} shards committed; .* ETA 0:00:00$", progress.description)
 
@@ -184,11 +186,13 @@ def test_deployment_form_shows_sections_in_pipeline_order_with_titles(prefect_ha
 def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.student.jsonl_log import read_jsonl
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
 
-    precompute_shards(tokenised)  # a no-op when the tests above ran first
+    # a no-op when the tests above ran first
+    precompute_shards(open_run_root(tokenised), teacher_pass_settings(tokenised))
     config = tokenised.model_copy(update={"student": tokenised.student.model_copy(
         update={"name": "boarded", "steps": 3, "tensorboard": True, "eval_every": 0})})
     train(config)

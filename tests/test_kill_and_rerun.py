@@ -52,6 +52,7 @@ def kill_config(run_root: Path, teacher: Path, corpus: Path) -> KDFlowConfig:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> dict[str, Any]:
     """The uninterrupted run (the stages' own functions, in this process): its files' hashes and final weights."""
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -62,8 +63,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(16))
     config = kill_config(base / "run", tiny_teacher_dir, corpus)
     materialise(config)
-    tokenise(config, load_tokenizer(config))
-    precompute_shards(config)
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    precompute_shards(open_run_root(config), teacher_pass_settings(config))
     train(config)
     return {"corpus": corpus, "run_root": config.run_root, "files": data_hashes(Path(config.run_root)),
             "weights": final_weights(config)}
@@ -201,7 +202,7 @@ def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, ti
 # second trainer says it is waiting: the two overlap for sure, whatever the machine's speed).
 TRAIN_GATED = ("import json, logging, os, sys, time\n"
                "logging.basicConfig(level=logging.INFO)\n"
-               "from kdflow.schemas.config import load_config\n"
+               "from kdflow.schemas.config_io import load_config\n"
                "from kdflow.tasks.student.train import train\n"
                "gate = sys.argv[2] if len(sys.argv) > 2 else None\n"
                "def on_step(record):\n"

@@ -74,6 +74,7 @@ def other_vocabulary(folder: Path) -> Path:
 
 def test_a_hub_teacher_in_the_local_cache_is_checked_and_gives_the_store_its_folder_gives(
         make_config, hub_cache: Path, tmp_path: Path, tiny_teacher_dir: Path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.common.models import teacher_identity
     from kdflow.tasks.teacher.precompute import precompute_shards
 
@@ -85,7 +86,8 @@ def test_a_hub_teacher_in_the_local_cache_is_checked_and_gives_the_store_its_fol
     for name, teacher in (("by-id", TEACHER_ID), ("by-folder", str(tiny_teacher_dir))):
         config = make_config(run_root=str(tmp_path / name), teacher__model=teacher, dataset__max_documents=24)
         assert run_preflight(config) == []
-        summary = precompute_shards(prepare(config))
+        prepared = prepare(config)
+        summary = precompute_shards(open_run_root(prepared), teacher_pass_settings(prepared))
         assert summary["complete"]
         stores.append(sorted(path.read_bytes() for path in (tmp_path / name / "topk").rglob("shard-*.arrow")))
         identity = teacher_identity(config.teacher)

@@ -73,7 +73,7 @@ def prepare(config: KDFlowConfig) -> None:
     from kdflow.tasks.corpus.tokenise import tokenise
 
     materialise(config)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
 
 
 def worker(config_path: Path, **env: str) -> subprocess.Popen:
@@ -176,13 +176,14 @@ def test_two_processes_racing_on_the_same_shards_write_each_record_once(
 def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make_config, tmp_path: Path) -> None:
     import fsspec
 
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.commands.validate import validate_run_root
 
     on_s3 = make_config(run_root=bucket.run_root, dataset__max_documents=40, student__steps=3, student__grad_accum=2)
     prepare(on_s3)
-    assert precompute_shards(on_s3)["complete"]
+    assert precompute_shards(open_run_root(on_s3), teacher_pass_settings(on_s3))["complete"]
     fsspec.filesystem("s3").get(f"{bucket.name}/run", str(tmp_path / "local"), recursive=True)
     on_disk = make_config(run_root=str(tmp_path / "local"), dataset__max_documents=40, student__steps=3,
                           student__grad_accum=2)
@@ -214,6 +215,7 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
 
     from kdflow.schemas.codec_sampled import SampledShard
     from kdflow.schemas.shards import TopkShard
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.teacher.precompute import precompute_shards
@@ -223,8 +225,8 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
                  {"precompute__targets": "hybrid", "precompute__sampling": {"head": 4, "samples": 6, "seed": 5}})
     config = make_config(run_root=bucket.run_root, dataset__max_documents=24, precompute__micro_batch=3, **overrides)
     prepare(config)
-    assert precompute_shards(config)["complete"]
-    data = open_distill_data(config, load_tokenizer(config))
+    assert precompute_shards(open_run_root(config), teacher_pass_settings(config))["complete"]
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
     rows = np.array([data.train_rows - 1, 0, 4, 3, 0])  # across shards, out of order, one repeated
     batch = data.train_batch(rows)
     run_root = RunRoot(config.run_root)
@@ -319,6 +321,7 @@ def test_a_lease_released_on_the_way_out_of_an_error_never_replaces_it(bucket: B
 def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: Bucket, make_config,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from kdflow.schemas.errors import StoreError
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     # In one process the lease the failed pass could not release belongs to a live pid: it lapses after its ttl.
@@ -329,7 +332,7 @@ def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: 
     try:
         use_endpoint(monkeypatch, proxy.endpoint, AWS_MAX_ATTEMPTS="2")  # botocore: one retry, not four
         with pytest.raises(StoreError) as failed:
-            precompute_shards(config)
+            precompute_shards(open_run_root(config), teacher_pass_settings(config))
         message = str(failed.value)
         assert "\n" not in message and f"s3://{bucket.name}/run/topk/" in message and "unreachable" in message, message
         use_endpoint(monkeypatch, bucket.moto.endpoint)
@@ -340,7 +343,7 @@ def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: 
 
         proxy.restore()
         use_endpoint(monkeypatch, proxy.endpoint)
-        result = precompute_shards(config)
+        result = precompute_shards(open_run_root(config), teacher_pass_settings(config))
         assert result["complete"] and result["skipped"] == len(committed)  # nothing committed was computed again
         assert result["written"] == result["shards"] - len(committed) > 0
     finally:

@@ -23,6 +23,7 @@ from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.protocol import EXIT_NO_SPACE, RETRYABLE_EXIT_CODES, normalise_returncode
 from kdflow.schemas.shards import TopkShard, read_token_shard
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import find_topk_stores
 from kdflow.tasks.common.failures import exit_code_for
@@ -94,7 +95,7 @@ def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config
     # micro_batch 3 over 8-row shards: the last micro-batch of each shard is padded and its padding dropped.
     config = prepare(make_config(teacher__model=str(request.getfixturevalue(teacher)), precompute__micro_batch=3,
                                  dataset__max_documents=24, precompute__store=store))
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     run_root = RunRoot(config.run_root)
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     assert summary["written"] == summary["shards"] == tokens_done.shards >= 3
@@ -105,26 +106,26 @@ def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config
     assert len(manifest) == tokens_done.shards
     done = read_complete(run_root, stage_dir(run_root, "topk", summary["tag"]))
     assert done.shards == tokens_done.shards and done.fingerprint == summary["tag"]
-    assert find_topk_stores(RunRoot(config.run_root), config) == [summary["tag"]]
+    assert find_topk_stores(RunRoot(config.run_root), config.teacher, config.precompute) == [summary["tag"]]
 
 
 def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config, caplog) -> None:
     config = prepare(make_config(dataset__max_documents=24))
     with caplog.at_level("INFO", logger="kdflow.precompute"):
-        first = precompute_shards(config)
+        first = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     # where the pass's time went on the host: the writer's busy seconds, and the pass's seconds waiting for it
     assert first["writer"]["busy_s"] > 0 and first["writer"]["waited_for_s"] >= 0
     assert any(f"the background writer encoded and wrote for {first['writer']['busy_s']:.1f} s" in r.getMessage()
                for r in caplog.records), caplog.text
     before = store_files(config, first["tag"])
-    again = precompute_shards(config)
+    again = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert (again["written"], again["skipped"]) == (0, first["shards"]) and again["writer"] is None
     assert store_files(config, first["tag"]) == before  # not even _complete.json or config.yaml rewritten
 
     run_root = RunRoot(config.run_root)
     store = stage_dir(run_root, "topk", first["tag"])
     run_root.remove(f"{store}/{commit_file_name('topk', 1)}")
-    third = precompute_shards(config)
+    third = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert third["written"] == 1
     after = store_files(config, first["tag"])
     assert after["shard-00001.arrow"] == before["shard-00001.arrow"]
@@ -135,7 +136,7 @@ def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_co
 
 def test_two_run_roots_give_identical_shards(make_config, tmp_path) -> None:
     configs = [prepare(make_config(run_root=str(tmp_path / name), dataset__max_documents=16)) for name in ("a", "b")]
-    tags = [precompute_shards(c)["tag"] for c in configs]
+    tags = [precompute_shards(open_run_root(c), teacher_pass_settings(c))["tag"] for c in configs]
     assert tags[0] == tags[1]  # the teacher's fingerprint does not depend on where a run root lies
     hashes = [{i: r.sha256
                for i, r in list_commits(RunRoot(c.run_root), stage_dir(RunRoot(c.run_root), "topk", t), "topk").items()}
@@ -145,7 +146,7 @@ def test_two_run_roots_give_identical_shards(make_config, tmp_path) -> None:
 
 def test_shard_subset_and_a_live_foreign_lease(make_config) -> None:
     config = prepare(make_config(dataset__max_documents=24))
-    subset = precompute_shards(config, [0, 2])
+    subset = precompute_shards(open_run_root(config), teacher_pass_settings(config), [0, 2])
     run_root = RunRoot(config.run_root)
     store = stage_dir(run_root, "topk", subset["tag"])
     assert sorted(list_commits(run_root, store, "topk")) == [0, 2] and not subset["complete"]
@@ -153,13 +154,13 @@ def test_shard_subset_and_a_live_foreign_lease(make_config) -> None:
     # A live lease held by another owner (this very process stands in for it): shard 1 is left to it.
     other = ShardLeases(run_root, store, ttl_s=600, owner="someone-else")
     assert other.acquire(1)
-    skipping = precompute_shards(config, wait_for_others=False)
+    skipping = precompute_shards(open_run_root(config), teacher_pass_settings(config), wait_for_others=False)
     assert skipping["leased_elsewhere"] == [1] and 1 not in list_commits(run_root, store, "topk")
     assert read_complete(run_root, store) is None
     # Its owner dies: an expired lease is taken over and the store completes.
     lease = json.loads(run_root.read_bytes(other.path(1))) | {"expires_at": 0}
     run_root.write_bytes_atomic(other.path(1), json.dumps(lease).encode())
-    finished = precompute_shards(config, wait_for_others=False)
+    finished = precompute_shards(open_run_root(config), teacher_pass_settings(config), wait_for_others=False)
     assert finished["written"] == 1 and finished["complete"] and not run_root.exists(other.path(1))
 
 
@@ -167,13 +168,14 @@ def test_a_failed_write_leaves_no_half_shard_and_a_rerun_finishes(make_config, m
     config = prepare(make_config(dataset__max_documents=16))
     monkeypatch.setenv("KDFLOW_FAULT", "enospc@shard=1,micro_batch=1")
     with pytest.raises(OSError) as caught:
-        precompute_shards(config)
+        precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert exit_code_for(caught.value) == EXIT_NO_SPACE
     [store] = Path(config.run_root).glob("topk/*")
     names = sorted(p.name for p in store.iterdir())
     assert "shard-00000.commit.json" in names and "shard-00001.arrow" not in names
     assert not [n for n in names if ".tmp-" in n or n.endswith(".lease")]  # temp file and lease cleaned up
-    rerun = precompute_shards(config)  # the fault fired once in this run root
+    # the fault fired once in this run root
+    rerun = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert rerun["complete"] and rerun["written"] == rerun["shards"] - 1
 
 
@@ -208,7 +210,7 @@ def test_bad_inputs_give_one_line_errors_and_commit_nothing(make_config, tmp_pat
         if tokenise_first:
             prepare(config)
         with pytest.raises(error_type, match=re.escape(message)) as caught:
-            precompute_shards(config)
+            precompute_shards(open_run_root(config), teacher_pass_settings(config))
         assert "\n" not in str(caught.value)
         assert not list(Path(config.run_root).glob("topk/*/*.commit.json")), overrides
 
@@ -218,7 +220,7 @@ def test_bad_inputs_give_one_line_errors_and_commit_nothing(make_config, tmp_pat
     assert config.run_root == made_with_other.run_root
     with pytest.raises(FingerprintMismatch,
                        match="was made with tokenizer .* but this config's tokenizer is") as caught:
-        precompute_shards(config)
+        precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert "\n" not in str(caught.value) and not list(Path(config.run_root).glob("topk/*/*.commit.json"))
 
 
@@ -263,7 +265,7 @@ def test_four_bit_teacher_runs(make_config, device: str, teacher: str, request: 
                                  teacher__model=str(request.getfixturevalue(teacher))))
     model = load_teacher(config.teacher)
     assert any("4bit" in type(m).__name__ for m in model.modules())
-    summary = precompute_shards(config, model=model)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config), model=model)
     assert summary["complete"] and summary["written"] >= 1
     assert_matches_dense(config, summary["tag"], model)  # against the same quantised model's full logits
 
@@ -298,7 +300,7 @@ def test_worker_killed_mid_shard_resumes_in_a_new_process(make_config, tmp_path)
     names = run_root.listdir(store)
     assert not [n for n in names if ".tmp-" in n or n.endswith(".lease")]
     reference = prepare(make_config(run_root=str(tmp_path / "reference"), dataset__max_documents=16))
-    precompute_shards(reference)
+    precompute_shards(open_run_root(reference), teacher_pass_settings(reference))
     reference_root = RunRoot(reference.run_root)
     for shard_id, record in list_commits(run_root, store, "topk", tag).items():
         assert record.sha256 == sha256_of(reference_root,

@@ -75,10 +75,11 @@ def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     from kdflow.flows.precompute_progress import precompute_key
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 
     kinds = {(a.type, a.key) for a in artifacts}
-    assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress",
-                                                                     precompute_key(config, [0, 2])) in kinds
+    key = precompute_key(open_run_root(config), teacher_pass_settings(config), [0, 2])
+    assert ("table", f"topk-manifest-{result['tag']}") in kinds and ("progress", key) in kinds
     [progress] = [a for a in artifacts if a.type == "progress"]
     assert progress.data == 100.0  # the last update of the worker's progress reached the artifact
     [report] = [a for a in artifacts if a.key == f"topk-store-report-{result['tag']}"]

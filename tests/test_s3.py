@@ -60,6 +60,7 @@ def _s3_keys(endpoint: str, run_root: str, under: str) -> list[str]:
 
 def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_config: Callable[..., Any]) -> None:
     from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
@@ -69,11 +70,11 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
     config = make_config(run_root=s3_run_root, dataset__max_documents=14)
     run_root = RunRoot(config.run_root)
     assert not run_root.is_local
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
 
     corpus = materialise(config)
     tokens = tokenise(config, tokenizer)
-    topk = precompute_shards(config)
+    topk = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert corpus.parts_written == corpus.parts >= 1 and tokens.shards_written == tokens.shards >= 2
     assert topk["written"] == tokens.shards and topk["complete"]
 
@@ -88,7 +89,7 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
     # Rerun: everything is committed, so no stage writes anything.
     assert materialise(config).parts_written == 0
     assert tokenise(config, tokenizer).shards_written == 0
-    again = precompute_shards(config)
+    again = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert again["written"] == 0 and again["skipped"] == tokens.shards
 
     # The manifests (tables of commit records) validate, read back from the bucket.

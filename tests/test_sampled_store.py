@@ -22,6 +22,7 @@ from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common.teacher_loading import load_teacher
@@ -101,7 +102,7 @@ def test_a_corrupt_row_is_named_and_the_top_k_reader_refuses_sampled_shards() ->
 
 def prepare(config: Any) -> Any:
     materialise(config, None)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     return config
 
 
@@ -114,7 +115,7 @@ def sampled_config(make_config, targets: str = "hybrid", **overrides: Any) -> An
 @pytest.mark.parametrize("targets", ["hybrid", "sampled"])
 def test_the_pass_writes_what_the_sampler_draws_and_a_rerun_writes_the_same_bytes(make_config, targets) -> None:
     config = prepare(sampled_config(make_config, targets))
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     run_root = RunRoot(config.run_root)
     store = stage_dir(run_root, "topk", summary["tag"])
     info = read_store_info(run_root, store)
@@ -146,7 +147,7 @@ def test_the_pass_writes_what_the_sampler_draws_and_a_rerun_writes_the_same_byte
             assert np.allclose(stored.tail_logprob[rows], drawn.tail_logprob[:n].numpy(), rtol=1e-3, atol=1e-6)
     before = run_root.read_bytes(f"{store}/shard-00001.arrow")
     run_root.remove(f"{store}/{commit_file_name('topk', 1)}")  # as after a crash: the shard is computed again
-    assert precompute_shards(config)["written"] == 1
+    assert precompute_shards(open_run_root(config), teacher_pass_settings(config))["written"] == 1
     assert run_root.read_bytes(f"{store}/shard-00001.arrow") == before
 
 
@@ -164,8 +165,8 @@ def test_training_reads_sampled_targets_and_a_top_k_config_on_them_is_an_error(m
     from kdflow.tasks.student.train import train
 
     config = prepare(sampled_config(make_config, student__steps=2, student__eval_shards=1))
-    tag = precompute_shards(config)["tag"]
-    data = open_distill_data(config, load_tokenizer(config))
+    tag = precompute_shards(open_run_root(config), teacher_pass_settings(config))["tag"]
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
     batch = data.train_batch(np.arange(2))
     assert batch.topk_ids.shape == (2, 32, 4) and [t.shape for t in batch.samples] == [(2, 32, 6), (2, 32, 6), (2, 32)]
     summary = train(config)
@@ -189,7 +190,7 @@ def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_con
     from kdflow.tasks.student.train import train
 
     config = prepare(sampled_config(make_config, "sampled", student__steps=2, student__eval_shards=1))
-    precompute_shards(config)
+    precompute_shards(open_run_root(config), teacher_pass_settings(config))
     # The monitor's own logger, whatever an earlier test's logging set-up did to its handlers, level or state.
     logger, lines = logging.getLogger("kdflow.train"), []
     handler = logging.Handler(logging.INFO)
@@ -215,7 +216,7 @@ def test_bad_settings_fail_before_any_work_with_one_line(make_config, tmp_path) 
                                  precompute__sampling={"head": 300, "samples": 100}))  # the tiny teacher has 384 ids
     with pytest.raises(ConfigError,
                        match=r"^precompute.sampling.head \+ samples = 300 \+ 100 must be <= the teacher's"):
-        precompute_shards(config)
+        precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert not (tmp_path / "run" / "topk").exists() or not any((tmp_path / "run" / "topk").iterdir())
     base = json.loads(make_config().model_dump_json())
     for change, phrase in [({"precompute": {"targets": "sampled"}, "student": {"kd": {"temperature": 2.0}}},
@@ -234,7 +235,7 @@ def test_bad_settings_fail_before_any_work_with_one_line(make_config, tmp_path) 
 
 def test_top_k_reader_and_sampled_reader_reject_each_others_shards(make_config) -> None:
     config = prepare(sampled_config(make_config, "sampled", dataset__max_documents=8))
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     run_root = RunRoot(config.run_root)
     path = f"{stage_dir(run_root, 'topk', summary['tag'])}/shard-00000.arrow"
     with pytest.raises(StoreError, match="holds 'sampled' targets"):
@@ -248,7 +249,7 @@ def test_validate_checks_sampled_stores_by_their_own_contract(make_config, capsy
     from kdflow.commands.validate import validate_run_root
 
     config = prepare(sampled_config(make_config, dataset__max_documents=8))
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert validate_run_root(config.run_root) == 0, capsys.readouterr().out
     # The store report: the pass re-ran a few rows (same micro-batches, same seed) and drew the same samples.
     fidelity = summary["fidelity"]

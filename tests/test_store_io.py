@@ -20,6 +20,7 @@ from support.runs import DENSE_TAG, read_lines, student_path
 
 from kdflow.schemas.commits import stage_dir
 from kdflow.schemas.errors import StoreError
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -62,7 +63,8 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
     assert np.asarray(loaded[0]["topk_ids"]).shape == (32, 8) and len(loaded[0]["input_ids"]) == 32
 
     imported_cfg = _at(tmp_path / "imported", fresh_run, **V1)
-    summary = import_store(imported_cfg, str(out / "data"), "kdflow", "sharp-tiny")
+    summary = import_store(open_run_root(imported_cfg), teacher_pass_settings(imported_cfg), str(out / "data"),
+                           "kdflow", "sharp-tiny")
     assert summary["complete"] and summary["tail"] == "source" and summary["written"] == summary["shards"]
     imported_cfg = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
     train(original)
@@ -71,7 +73,8 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
 
     # the default v2 codec (sqrt levels): the same loss within its rounding
     coded_cfg = _at(tmp_path / "coded", fresh_run, student__steps=3, student__save_every=3)
-    coded = import_store(coded_cfg, str(out / "data"), "kdflow", "sharp-tiny")
+    coded = import_store(open_run_root(coded_cfg), teacher_pass_settings(coded_cfg), str(out / "data"), "kdflow",
+                         "sharp-tiny")
     assert _info(coded_cfg, coded["tag"]).format == "v2"
     coded_cfg = _at(tmp_path / "coded", fresh_run, student__topk_tag=coded["tag"], student__steps=3,
                           student__save_every=3)
@@ -91,12 +94,12 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
     rows = pa.concat_tables([pq.read_table(p) for p in sorted((out / "data").glob("*.parquet"))]).to_pylist()
     jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = _at(tmp_path / "imported", fresh_run, **V1)
-    summary = import_store(config, str(jsonl), "stacked", "sharp-tiny")
+    summary = import_store(open_run_root(config), teacher_pass_settings(config), str(jsonl), "stacked", "sharp-tiny")
     assert summary["tail"] == "computed"
     info = _info(config, summary["tag"])
     assert info.tail_computed and info.model_extra["imported"]["teacher"] == "sharp-tiny"
     config = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     with caplog.at_level(logging.WARNING, logger="kdflow.train"):
         open_stores(config, tokenizer)
         open_stores(config, tokenizer)
@@ -105,14 +108,17 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
     import datasets  # the same rows as a Hugging Face dataset folder: the same arrays, the same store
 
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    again = import_store(_at(tmp_path / "again", fresh_run, **V1), str(tmp_path / "saved"), "stacked", "sharp-tiny")
+    again_cfg = _at(tmp_path / "again", fresh_run, **V1)
+    again = import_store(open_run_root(again_cfg), teacher_pass_settings(again_cfg), str(tmp_path / "saved"), "stacked",
+                         "sharp-tiny")
     assert again["tag"] == summary["tag"] and again["rows"] == len(rows)
 
 
 def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -> None:
     _, out = _exported(fresh_run, tmp_path)
     config = _at(tmp_path / "imported", fresh_run, **V1)
-    first = import_store(config, str(out / "data"), "kdflow", "sharp-tiny")
+    first = import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), "kdflow",
+                         "sharp-tiny")
     root = Path(config.run_root)
     store = root / "topk" / first["tag"]
     files = {p: p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))}
@@ -120,7 +126,8 @@ def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -
     (store / "shard-00005.arrow").unlink()
     (store / "_complete.json").unlink()
     (root / "tokens" / "shard-00006.commit.json").unlink()
-    again = import_store(config, str(out / "data"), "kdflow", "sharp-tiny")
+    again = import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), "kdflow",
+                         "sharp-tiny")
     assert again["tag"] == first["tag"] and again["written"] == 2 and again["complete"]
     assert {p: p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))} == files
     from kdflow.commands.validate import validate_run_root
@@ -171,7 +178,8 @@ def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
         fresh_run, tmp_path: Path, change: str, where: str) -> None:
     config = _at(tmp_path / "imported", fresh_run, **V1)
     with pytest.raises(StoreError) as error:
-        import_store(config, str(_source(tmp_path, change)), "kdflow" if change == "text" else "axolotl", "t")
+        import_store(open_run_root(config), teacher_pass_settings(config), str(_source(tmp_path, change)),
+                     "kdflow" if change == "text" else "axolotl", "t")
     assert "\n" not in str(error.value) and where in str(error.value), str(error.value)
     assert not (tmp_path / "imported").exists() or not any((tmp_path / "imported").rglob("*.arrow"))
 

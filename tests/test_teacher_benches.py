@@ -33,7 +33,7 @@ def test_bench_teacher_pass_times_every_mode_and_leaves_the_run_root_alone(
     assert [m["mode"] for m in modes] == list(MODES)
     # the `topk` mode runs the step of the config's targets (a hybrid config's pass runs the sampler, not the top-K)
     vocab = load_teacher_config(config.teacher).vocab_size
-    chunk = choose_chunk_tokens(vocab, 1 << 20) if targets == "topk" else sampled_chunk_tokens(config, vocab)
+    chunk = choose_chunk_tokens(vocab, 1 << 20) if targets == "topk" else sampled_chunk_tokens(config.precompute, vocab)
     assert all(m["targets"] == targets and m["chunk_tokens"] == chunk for m in modes)
     assert all(m["tokens_per_s"] > 0 and m["tokens"] == modes[0]["tokens"] > 0 for m in modes)
     assert modes[0]["micro_batches"] == 4 and modes[0]["padded_tokens"] == 4 * 4 * 32  # 2 shards of 8 rows, 4 a batch
@@ -68,12 +68,13 @@ def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: C
     (never the short last one), each under its own id and commit record, and the copy validates as a run root."""
     from kdflow.bench.scale import subset_run
     from kdflow.schemas.commits import list_commits, read_complete
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.commands.validate import validate_run_root
 
     config = prepare(make_config(dataset__max_documents=12))
-    precompute_shards(config)
+    precompute_shards(open_run_root(config), teacher_pass_settings(config))
     full = Path(config.run_root)
     computed = list_commits(RunRoot(str(full)), str(full / "tokens"), "tokens")
     rows = [computed[i].rows for i in sorted(computed)]

@@ -46,13 +46,14 @@ def test_training_report_shows_the_curve_and_evaluation() -> None:
 
 
 def test_training_on_the_real_precompute_output(tmp_path: Path, sharp_teacher_dir: Path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     corpus = write_jsonl(tmp_path / "docs.jsonl", sample_documents(16))
     config = run_config(tmp_path / "run", sharp_teacher_dir, corpus, student__steps=2, student__eval_shards=1)
     make_tokens(config)
-    precompute_shards(config)
+    precompute_shards(open_run_root(config), teacher_pass_settings(config))
     summary = train(config)
     assert summary["topk_store"].startswith(str(tmp_path / "run" / "topk"))
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])

@@ -20,6 +20,7 @@ import kdflow.tasks.common.launch as launch
 from kdflow.cli import main as cli_main
 from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.tasks.teacher import tune_search
 from kdflow.tasks.teacher.tune_trial import measure_candidate
 from kdflow.commands.tune import set_nested_value, write_micro_batch
@@ -104,10 +105,11 @@ def test_token_shards_of_another_length_and_a_run_under_way_are_refused(
         make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = prepare(make_config(dataset__max_documents=12))
     with pytest.raises(KDFlowError, match="have seq_len 32, the config says 64"):
-        tune_search.check_tune_inputs(config.model_copy(update={"seq_len": 64}))
+        longer = config.model_copy(update={"seq_len": 64})
+        tune_search.check_tune_inputs(open_run_root(longer), teacher_pass_settings(longer))
     from kdflow.tasks.teacher.precompute import precompute_shards
 
-    precompute_shards(config, [0])
+    precompute_shards(open_run_root(config), teacher_pass_settings(config), [0])
     path = config_yaml(config, tmp_path / "c.yaml")
     capsys.readouterr()  # the stages' own progress lines
     code, lines = run_cli(capsys, str(path), "--write")
@@ -186,7 +188,7 @@ def test_write_inserts_a_missing_key_or_section_and_refuses_flow_style(tmp_path:
 
 def test_one_candidate_in_process_reads_the_runs_token_shards(make_config: Callable[..., Any]) -> None:
     config = prepare(make_config(dataset__max_documents=12))
-    record = measure_candidate(config, micro_batch=3, batches=2)
+    record = measure_candidate(open_run_root(config), teacher_pass_settings(config), micro_batch=3, batches=2)
     assert record["status"] == "ok" and record["tokens"] == 2 * 3 * 32 and record["tokens_per_s"] > 0
     assert record["rows_from"].startswith("token shards in ") and record["memory"] == "cpu rss"
     assert 0 < record["peak_rss_mib"] < record["total_mib"] and 0 < record["headroom"] < 1
@@ -202,10 +204,11 @@ def test_a_candidate_of_sampled_targets_times_the_sampler(make_config: Callable[
     config = prepare(make_config(dataset__max_documents=12, precompute__chunk_memory_mib=1,
                                  precompute__targets=targets, precompute__sampling__head=4,
                                  precompute__sampling__samples=6))
-    record = measure_candidate(config, micro_batch=3, batches=2)
+    record = measure_candidate(open_run_root(config), teacher_pass_settings(config), micro_batch=3, batches=2)
     vocab = record["vocab"]
     assert record["status"] == "ok" and record["tokens_per_s"] > 0
-    assert record["chunk_tokens"] == sampled_chunk_tokens(config, vocab) < choose_chunk_tokens(vocab, 1 << 20)
+    chunk = sampled_chunk_tokens(config.precompute, vocab)
+    assert record["chunk_tokens"] == chunk < choose_chunk_tokens(vocab, 1 << 20)
 
 
 @pytest.mark.usefixtures("children")

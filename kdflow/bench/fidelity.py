@@ -181,7 +181,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
     base = _base_config(args, root)
     write_corpus(Path(base.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(base.teacher.model))
-    tokenizer = load_tokenizer(base)
+    tokenizer = load_tokenizer(base.teacher, base.tokenizer)
 
     def count_tokens(texts: list[str]) -> list[int]:
         encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
@@ -198,7 +198,7 @@ def build_stores(args: argparse.Namespace, base: Any, variants: list[str],
     and records. Committed shards are kept: a rerun computes nothing (and loads no teacher) for a complete store."""
     from kdflow.bench.fidelity_runs import store_bytes_per_position
     from kdflow.schemas.commits import list_commits, stage_dir
-    from kdflow.schemas.stage_settings import open_run_root
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     run_root, tags, records = open_run_root(base), {}, []
@@ -206,7 +206,7 @@ def build_stores(args: argparse.Namespace, base: Any, variants: list[str],
     wanted |= {store_of(v, seed): (v, seed) for seed in seeds for v in variants}
     for store, (variant, seed) in wanted.items():
         config = variant_config(base, variant, args, seed)
-        summary = precompute_shards(config)
+        summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
         store_dir = stage_dir(run_root, "topk", summary["tag"])
         commits = list_commits(run_root, store_dir, "topk", summary["tag"])
         tags[store] = summary["tag"]
@@ -245,7 +245,7 @@ class Teacher:
 
             student = self.config.student.model_copy(update={"eval_sequences": 10**9})
             every_row = self.config.model_copy(update={"student": student})
-            self._heldout = open_distill_data(every_row, load_tokenizer(every_row))
+            self._heldout = open_distill_data(every_row, load_tokenizer(every_row.teacher, every_row.tokenizer))
         return self._heldout
 
 

@@ -59,7 +59,7 @@ def child(kind: str, target: str) -> dict[str, Any]:
 
         started = time.perf_counter()
         config = load_config(target)
-        tokenizer = load_tokenizer(config)
+        tokenizer = load_tokenizer(config.teacher, config.tokenizer)
         opened = time.perf_counter()
         open_distill_data(config, tokenizer)  # what training does first: list the stores, read the records
         out["startup_s"] = round(time.perf_counter() - opened, 3)
@@ -69,10 +69,12 @@ def child(kind: str, target: str) -> dict[str, Any]:
         import torch
 
         from kdflow.schemas.config_io import load_config
+        from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
         from kdflow.tasks.teacher.precompute import plan_pass
 
         started = time.perf_counter()
-        plan = plan_pass(load_config(target), None, torch.device("cpu"))
+        config = load_config(target)
+        plan = plan_pass(open_run_root(config), teacher_pass_settings(config), None, torch.device("cpu"))
         out |= {"startup_s": round(time.perf_counter() - started, 3), "todo": len(plan.todo)}
     elif kind in ("validate", "status"):
         from kdflow.commands.status import print_status
@@ -154,6 +156,7 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
                      args: argparse.Namespace) -> tuple[Path, dict]:
     """materialise, tokenise and the teacher pass on local disk (not measured); -> (run root, store sizes)."""
     from kdflow.schemas.config_io import config_from_dict
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -162,9 +165,9 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
     run_root = work / name
     config = config_from_dict(run_config(str(run_root), corpus, teacher, documents, args))
     materialise(config)
-    tokenised = tokenise(config, load_tokenizer(config))
+    tokenised = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     started = time.perf_counter()
-    summary = precompute_shards(config)
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     topk_bytes = sum(p.stat().st_size for p in (run_root / "topk").rglob("shard-*.arrow"))
     return run_root, {"token_shards": tokenised.shards, "tokens": summary["tokens"], "topk_bytes": topk_bytes,
                       "teacher_pass_s": round(time.perf_counter() - started, 1),

@@ -22,7 +22,7 @@ from kdflow.schemas.commits import list_commits, read_complete, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.config_io import config_from_dict, set_dotted
 from kdflow.schemas.shards import TopkShard
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 
 ROWS_PER_SHARD, SEQ_LEN, TOP_K = 16, 512, 128
 
@@ -73,7 +73,7 @@ def build_real_stores(run_root: str, shards: int) -> RealStores:
     started = time.perf_counter()
     write_corpus(Path(default.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(default.teacher.model))
-    tokenizer = load_tokenizer(default)
+    tokenizer = load_tokenizer(default.teacher, default.tokenizer)
 
     def count_tokens(texts: list[str]) -> list[int]:  # the max_tokens budget, as the materialise flow counts it
         return [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -83,7 +83,7 @@ def build_real_stores(run_root: str, shards: int) -> RealStores:
     seconds["text_and_tokens"] = round(time.perf_counter() - started, 1)
     tags = []
     for name, config in (("default", default), ("lossless", lossless)):
-        summary = precompute_shards(config, device="cpu")
+        summary = precompute_shards(open_run_root(config), teacher_pass_settings(config), device="cpu")
         tags.append(summary["tag"])
         seconds[f"precompute_{name}"] = summary["seconds"] if summary["written"] else 0.0
     from kdflow.tasks.teacher.loading import load_teacher_config
@@ -168,7 +168,7 @@ def loader_rate(config: KDFlowConfig, batches: int = 8) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = open_distill_data(config, load_tokenizer(config))
+        data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
         size = config.student.batch_size
         data.train_batch(np.arange(size))  # opens (maps) the shards once, as a training run does
         started = time.perf_counter()
@@ -188,7 +188,8 @@ def _heldout_kl(final_dir: str, config: KDFlowConfig) -> dict[str, float]:
     from kdflow.tasks.student.train import DistillLoss, evaluate
 
     model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32)
-    return evaluate(DistillLoss(model), open_distill_data(config, load_tokenizer(config)), config, torch.device("cpu"))
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    return evaluate(DistillLoss(model), data, config, torch.device("cpu"))
 
 
 def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:

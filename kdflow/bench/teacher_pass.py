@@ -66,7 +66,7 @@ def prepare_demo(run_root: str) -> Any:
     config = demo_config(root)
     write_corpus(Path(config.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(config.teacher.model))
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     materialise(config, lambda texts: [len(ids) + 1 for ids in
                                        tokenizer(texts, add_special_tokens=False)["input_ids"]])
     tokenise(config, tokenizer)
@@ -83,12 +83,13 @@ def scratch_copy(config: Any, shards: int, folder: str) -> tuple[Any, list[Any]]
     from kdflow.schemas.errors import StoreError
     from kdflow.schemas.fingerprints import tokenizer_fingerprint
     from kdflow.schemas.shards import read_token_shard
-    from kdflow.schemas.stage_settings import open_run_root
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.schemas.token_store import open_token_store
     from kdflow.tasks.common.tokenizer import load_tokenizer
 
     source = open_run_root(config)
-    store = open_token_store(source, config, tokenizer_fingerprint(load_tokenizer(config)))
+    tokenizer_fp = tokenizer_fingerprint(load_tokenizer(config.teacher, config.tokenizer))
+    store = open_token_store(source, tokenizer_fp, teacher_pass_settings(config).tokens_fingerprint(tokenizer_fp))
     tokens, done = store.path, store.complete
     records = list_commits(source, tokens, "tokens", done.fingerprint)
     missing = [i for i in range(shards) if i not in records]
@@ -138,6 +139,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     from kdflow.tasks.common.float32_logits import Float32Logits
     from kdflow.tasks.common.models import body_hidden_states, output_layer
     from kdflow.tasks.teacher.loading import output_rows
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.tasks.teacher.sampled_pass import sampled_step
     from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
@@ -155,7 +157,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
             return topk_step(ids)
         chunk_tokens = topk_step.chunk_tokens
     else:  # the sampler, seeded as the pass seeds its first shard's rows
-        sampler = sampled_step(model, config, vocab)
+        sampler = sampled_step(model, pre, vocab)
 
         def step(ids: Any, index: int) -> Any:
             return sampler(ids, shard=0, first_row=index * len(ids))
@@ -187,10 +189,11 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
 
     shard_ids = list(range(shards))
     stage_calls: list[dict[str, Any]] = []  # each stage call's host-side seconds, in order
+    scratch_root, scratch_settings = open_run_root(scratch), teacher_pass_settings(scratch)
 
     def stage() -> None:
         empty_store(Path(scratch.run_root) / TOPK_DIR)
-        summary = precompute_shards(scratch, shard_ids, model=model)
+        summary = precompute_shards(scratch_root, scratch_settings, shard_ids, model=model)
         if summary["written"] != shards:
             raise RuntimeError(f"the stage wrote {summary['written']} shards, expected {shards}")
         # the writer's seconds, the call's (planning, store files, commits included) and its shards' own rate

@@ -141,10 +141,11 @@ def prepare_demo_stores(run_root: str) -> Any:
     """The demo's teacher, text, token shards and top-K store under `run_root` (what is there and matches is
     kept) -> its config."""
     from kdflow.bench.teacher_pass import prepare_demo
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     config = prepare_demo(run_root)
-    precompute_shards(config)
+    precompute_shards(open_run_root(config), teacher_pass_settings(config))
     return config
 
 
@@ -154,7 +155,7 @@ def check_inputs(config: Any, variants: list[str]) -> None:
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
 
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     if "stage" in variants:
         try:
             open_stores(config, tokenizer)

@@ -26,10 +26,12 @@ def import_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher", required=True, help="the name of the teacher that made the targets")
     args = parser.parse_args(argv)
     from kdflow.schemas.config_io import load_config
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.teacher.logit_import import import_store
 
     config = load_config(args.config, dict(args.set or []))
-    summary = import_store(config, args.source, args.layout, args.teacher)
+    summary = import_store(open_run_root(config), teacher_pass_settings(config), args.source, args.layout,
+                           args.teacher)
     print(json.dumps(summary))
     print(f"imported as top-K store {summary['tag']}: train on it with "
           f"`kdflow run {shlex.quote(args.config)} --stages train --set student.topk_tag={summary['tag']}`")

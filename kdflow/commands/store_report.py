@@ -36,7 +36,7 @@ def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any
         vocab = model.get_output_embeddings().out_features
         chunk = config.precompute.chunk_tokens or choose_chunk_tokens(vocab, config.precompute.chunk_memory_mib << 20)
         cache[key] = TeacherTopkStep(model, config.precompute.top_k, chunk) if targets[0] == "topk" else sampled_step(
-            model, config, vocab)  # hybrid / sampled: the store's own draw, re-run
+            model, config.precompute, vocab)  # hybrid / sampled: the store's own draw, re-run
     return cache[key]
 
 

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from kdflow.schemas.config_io import load_config
-    from kdflow.schemas.stage_settings import open_run_root
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.tasks.common.launch import config_file
     from kdflow.tasks.teacher import tune_search
 
     if not 0.0 <= args.headroom < 1.0:
@@ -56,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = dict(_override(item) for item in args.set)
     config = load_config(args.config, overrides)
     sizes = (tune_search.parse_micro_batches(args.micro_batches) if args.micro_batches is not None
-             else tune_search.default_micro_batches(config))
-    run_root = open_run_root(config)
-    rows_from = tune_search.check_tune_inputs(config, seq_len_given=_seq_len_given(args.config, overrides),
-                                         run_root=run_root)
+             else tune_search.default_micro_batches(config.precompute))
+    run_root, settings = open_run_root(config), teacher_pass_settings(config)
+    rows_from = tune_search.check_tune_inputs(run_root, settings,
+                                              seq_len_given=_seq_len_given(args.config, overrides))
     if args.write:
-        _check_writable(Path(args.config), config, tune_search, run_root)
+        _check_writable(Path(args.config), settings, tune_search, run_root)
     from kdflow.tasks.common.models import resolve_device
 
     device = resolve_device(config.teacher.device)
@@ -80,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             detail = candidate.message
         print(f"  micro-batch {candidate.micro_batch}: {candidate.status}: {detail}", flush=True)
 
-    candidates = tune_search.tune(config, sizes, batches=args.batches, warmup=args.warmup, timeout_s=args.timeout_s,
-                             keep_going=args.keep_going, on_candidate=report,
-                             on_log=_worker_log if args.verbose else _quiet)
+    with config_file(config, "kdflow-tune-") as path:
+        candidates = tune_search.tune(path, sizes, batches=args.batches, warmup=args.warmup,
+                                      timeout_s=args.timeout_s, keep_going=args.keep_going, on_candidate=report,
+                                      on_log=_worker_log if args.verbose else _quiet)
     print()
     print(tune_search.table(candidates, args.headroom))
     result = tune_search.summary(candidates, args.headroom)
@@ -121,11 +123,11 @@ def _seq_len_given(path: str, overrides: dict[str, Any]) -> bool:
     return "seq_len" in data or "seq_len" in overrides
 
 
-def _check_writable(path: Path, config: Any, search: Any, run_root: Any) -> None:
+def _check_writable(path: Path, settings: Any, search: Any, run_root: Any) -> None:
     """--write must be able to edit the file, and must not change the micro-batch of a run already under way."""
     if not os.access(path, os.W_OK):
         raise ConfigError(f"--write: {path} is not writable")
-    computed = search.committed_micro_batches(config, run_root)
+    computed = search.committed_micro_batches(run_root, settings)
     if computed:
         raise ConfigError(f"--write: this config's top-K store already has shards computed with micro_batch "
                           f"{','.join(map(str, sorted(computed)))}; the micro-batch stays fixed for a run "

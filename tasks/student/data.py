@@ -22,7 +22,8 @@ import torch
 from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
+from kdflow.schemas.fingerprints import (corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint,
+                                         topk_fingerprint)
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
 from kdflow.schemas.shard_rows import ShardRows, take_rows
 from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
@@ -98,7 +99,7 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
     shard was made from this token store (written by other tools)."""
     if config.student.topk_tag is not None:
         return stage_dir(run_root, "topk", config.student.topk_tag)
-    made_for_config = find_topk_stores(run_root, config)
+    made_for_config = find_topk_stores(run_root, config.teacher, config.precompute)
     if len(made_for_config) > 1:
         here = topk_fingerprint(teacher_fingerprint(config.teacher), tokens_fp, config)
         made_for_config = [tag for tag in made_for_config if tag == here] or made_for_config
@@ -108,10 +109,11 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
     if made_for_config:
         raise StoreError(f"several top-K stores under {topk_root} fit this config ({', '.join(made_for_config)}): "
                          "choose one with student.topk_tag")
-    other_format = find_topk_stores(run_root, config, any_format=True)
+    other_format = find_topk_stores(run_root, config.teacher, config.precompute, any_format=True)
     if other_format:  # made for this teacher, K and token store, with other format settings: name both
         store = stage_dir(run_root, "topk", other_format[0])
-        raise StoreError(format_mismatch(read_store_info(run_root, store), config, run_root.display(store)))
+        raise StoreError(format_mismatch(read_store_info(run_root, store), config.precompute,
+                                         run_root.display(store)))
     ours, others = [], []
     for tag in topk_tags(run_root):
         if read_store_info(run_root, stage_dir(run_root, "topk", tag)) is not None:
@@ -134,7 +136,9 @@ def open_stores(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None =
     """Find the token and top-K stores for this config and check that they belong together, shard by shard."""
     run_root = run_root if run_root is not None else open_run_root(config)
     settings = student_data_settings(config)
-    tokens = open_token_store(run_root, config, tokenizer_fingerprint(tokenizer))
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)
+    tokens = open_token_store(run_root, tokenizer_fp,
+                              tokens_fingerprint(corpus_fingerprint(config), tokenizer_fp, config))
     tokens_store, complete, tokens_fp = tokens.path, tokens.complete, tokens.fingerprint
     shown = run_root.display(tokens_store)
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_fp)
@@ -144,7 +148,7 @@ def open_stores(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None =
 
     topk_store = find_topk_store(run_root, config, tokens_fp, token_records[0])
     info = read_store_info(run_root, topk_store)
-    mismatch = format_mismatch(info, config, run_root.display(topk_store)) if info is not None else None
+    mismatch = format_mismatch(info, config.precompute, run_root.display(topk_store)) if info is not None else None
     if mismatch is not None:  # student.topk_tag named a store of other format settings
         raise StoreError(mismatch)
     if info is not None and info.tail_computed and topk_store not in _TAIL_WARNED:

@@ -19,16 +19,14 @@ from kdflow.schemas.codec import encode
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, TopkShardInfo,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
                                     write_complete)
-from kdflow.schemas.config import KDFlowConfig, section_hash
-from kdflow.schemas.config_io import dump_config
+from kdflow.schemas.config import PrecomputeConfig, section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.fingerprints import (corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint,
-                                         topk_fingerprint)
+from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name
 from kdflow.schemas.logit_layouts import logit_layout
 from kdflow.schemas.shards import (read_token_shard, token_batch, token_shard_writer, topk_batch, topk_shard_writer,
                                    topk_v2_shard_writer)
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import TopkStoreInfo, store_format, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -42,23 +40,23 @@ TAIL_COMPUTED = "computed"  # _store.json `imported.tail`: the source had no tai
 TAIL_SOURCE = "source"
 
 
-def _check_config(cfg: KDFlowConfig) -> None:
-    if cfg.precompute.targets != "topk":
-        raise ConfigError(f"precompute.targets={cfg.precompute.targets}: an import makes top-K stores only; "
+def _check_targets(pre: PrecomputeConfig) -> None:
+    if pre.targets != "topk":
+        raise ConfigError(f"precompute.targets={pre.targets}: an import makes top-K stores only; "
                           "set precompute.targets: topk")
 
 
-def import_store(cfg: KDFlowConfig, source: str, layout_name: str, teacher_name: str,
-                 run_root: RunRoot | None = None, tokenizer: Any = None) -> dict[str, Any]:
-    """Import `source` (layout `layout_name`) as the targets of teacher `teacher_name`; -> a summary with the TAG."""
-    _check_config(cfg)
+def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, layout_name: str, teacher_name: str,
+                 tokenizer: Any = None) -> dict[str, Any]:
+    """Import `source` (layout `layout_name`) as the targets of teacher `teacher_name`; -> a summary with the TAG.
+    `tokenizer`: the run's, already loaded (else loaded here)."""
+    pre = settings.precompute
+    _check_targets(pre)
     if not teacher_name.strip():
         raise ConfigError("the imported teacher needs a name (--teacher)")
     layout = logit_layout(layout_name)
-    run_root = run_root if run_root is not None else open_run_root(cfg)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    vocab_size, seq_len, top_k, per_shard = len(tokenizer), cfg.seq_len, cfg.precompute.top_k, \
-        cfg.precompute.sequences_per_shard
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.teacher, settings.tokenizer)
+    vocab_size, seq_len, top_k, per_shard = len(tokenizer), settings.seq_len, pre.top_k, pre.sequences_per_shard
     table = read_logit_dataset(source)
     check_columns(table, layout, source)
     if table.num_rows == 0:
@@ -77,25 +75,25 @@ def import_store(cfg: KDFlowConfig, source: str, layout_name: str, teacher_name:
         digest_rows(digest, rows)
 
     tok_fp = tokenizer_fingerprint(tokenizer)
-    tokens_fp = tokens_fingerprint(corpus_fingerprint(cfg), tok_fp, cfg)
+    tokens_fp = settings.tokens_fingerprint(tok_fp)
     teacher_fp = section_hash("imported-teacher", teacher_name, digest.hexdigest())
-    tag = topk_fingerprint(teacher_fp, tokens_fp, cfg)
+    tag = settings.topk_fingerprint(teacher_fp, tokens_fp)
     run_root.ensure_writable()
-    tokens_done = _write_tokens(run_root, cfg, ranges, rows_of, tokens_fp, tok_fp, vocab_size, source)
+    tokens_done = _write_tokens(run_root, settings, ranges, rows_of, tokens_fp, tok_fp, vocab_size, source)
     store = stage_dir(run_root, "topk", tag)
     remove_stale_temp_files(run_root, store)
-    codec = store_codec(cfg, run_root, store, tokens_done, vocab_size)
+    codec = store_codec(settings, run_root, store, tokens_done, vocab_size)
     imported = {"source": source, "layout": layout.name, "teacher": teacher_name, "rows": table.num_rows,
                 "tail": TAIL_SOURCE if has_tail else TAIL_COMPUTED}
-    run_root.write_bytes_atomic(f"{store}/{CONFIG_FILE}", dump_config(cfg).encode())
+    run_root.write_bytes_atomic(f"{store}/{CONFIG_FILE}", settings.resolved_config.encode())
     v2 = {} if codec is None else {"format": "v2", "codec": codec.settings()}
     write_store_info(run_root, store, TopkStoreInfo(
         tag=tag, teacher_fingerprint=teacher_fp, tokens_fingerprint=tokens_fp,
         teacher={"imported": teacher_name}, teacher_identity={"imported": teacher_name, "source": source},
-        top_k=top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=seq_len, store=store_format(cfg),
+        top_k=top_k, logprobs_dtype=pre.logprobs_dtype, seq_len=seq_len, store=store_format(pre),
         imported=imported, **v2))
     info = TopkShardInfo(teacher_fingerprint=teacher_fp, tokens_fingerprint=tokens_fp, top_k=top_k, seq_len=seq_len,
-                         logprobs_dtype=cfg.precompute.logprobs_dtype, vocab_size=vocab_size,
+                         logprobs_dtype=pre.logprobs_dtype, vocab_size=vocab_size,
                          **({} if codec is None else {"format": "v2", "codec": codec.settings()}))
     token_records = list_commits(run_root, stage_dir(run_root, "tokens"), "tokens", tokens_fp)
     committed = list_commits(run_root, store, "topk", tag)
@@ -107,11 +105,11 @@ def import_store(cfg: KDFlowConfig, source: str, layout_name: str, teacher_name:
         tail = rows.tail if rows.tail is not None else computed_tail(rows.logprobs)
         name = data_file_name("topk", shard_id)
         path = f"{store}/{name}"
-        opened = (topk_shard_writer(run_root, path, seq_len, top_k, cfg.precompute.logprobs_dtype) if codec is None
+        opened = (topk_shard_writer(run_root, path, seq_len, top_k, pre.logprobs_dtype) if codec is None
                   else topk_v2_shard_writer(run_root, path, codec))
         with opened as writer:
             if codec is None:
-                writer.write(*topk_batch(rows.ids, rows.logprobs, cfg.precompute.logprobs_dtype))
+                writer.write(*topk_batch(rows.ids, rows.logprobs, pre.logprobs_dtype))
             else:
                 writer.write_batch(encode(codec, rows.ids, rows.logprobs, tail))
         commit_or_remove(run_root, store, CommitRecord(
@@ -129,11 +127,11 @@ def import_store(cfg: KDFlowConfig, source: str, layout_name: str, teacher_name:
             "tail": imported["tail"], "complete": read_complete(run_root, store) is not None}
 
 
-def _write_tokens(run_root: RunRoot, cfg: KDFlowConfig, ranges: list[tuple[int, int]], rows_of: Any, tokens_fp: str,
-                  tok_fp: str, vocab_size: int, source: str) -> StageComplete:
+def _write_tokens(run_root: RunRoot, settings: TeacherPassSettings, ranges: list[tuple[int, int]], rows_of: Any,
+                  tokens_fp: str, tok_fp: str, vocab_size: int, source: str) -> StageComplete:
     """tokens/: the source's token ids, shard by shard; committed shards are kept if they hold the same ids."""
     store = stage_dir(run_root, "tokens")
-    shown, seq_len = run_root.display(store), cfg.seq_len
+    shown, seq_len = run_root.display(store), settings.seq_len
     done = read_complete(run_root, store)
     if done is not None and done.fingerprint != tokens_fp:
         raise StoreError(f"token store {shown} was made for another config (fingerprint {done.fingerprint}); "
@@ -159,7 +157,7 @@ def _write_tokens(run_root: RunRoot, cfg: KDFlowConfig, ranges: list[tuple[int, 
     complete = StageComplete(stage="tokens", shards=len(ranges), rows=rows, tokens=rows * seq_len,
                              fingerprint=tokens_fp,
                              extra=TokensCompleteInfo(dropped_tokens=0, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
-                                                      corpus_fingerprint=corpus_fingerprint(cfg),
+                                                      corpus_fingerprint=settings.corpus_fingerprint,
                                                       vocab_size=vocab_size, imported_from=source))
     if done is None or done.shards != complete.shards:
         write_complete(run_root, store, complete)

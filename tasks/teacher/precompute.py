@@ -24,12 +24,10 @@ from kdflow.schemas.codec import TopkCodec
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
                                     write_complete)
-from kdflow.schemas.config import KDFlowConfig
-from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
+from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import (TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section,
                                    write_store_info)
@@ -98,25 +96,25 @@ class PassPlan:
     todo: list[int]
 
 
-def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.device,
-              run_root: RunRoot | None = None) -> PassPlan:
+def plan_pass(run_root: RunRoot, settings: TeacherPassSettings, shard_ids: list[int] | None,
+              device: torch.device) -> PassPlan:
     """The cheap checks first (teacher config, tokenizer, token store), then the shards still to compute."""
-    run_root = run_root if run_root is not None else open_run_root(cfg)
-    check_teacher_limits(teacher_config := load_teacher_config(cfg.teacher), top_k=cfg.precompute.top_k,
-                         seq_len=cfg.seq_len)
-    check_sampling_fits(cfg.precompute, teacher_config)
-    mismatch = tokenizer_mismatch(cfg.tokenizer, cfg.teacher)  # ids of another vocabulary would be silent garbage
+    teacher, pre = settings.teacher, settings.precompute
+    check_teacher_limits(teacher_config := load_teacher_config(teacher), top_k=pre.top_k, seq_len=settings.seq_len)
+    check_sampling_fits(pre, teacher_config)
+    mismatch = tokenizer_mismatch(settings.tokenizer, teacher)  # ids of another vocabulary would be silent garbage
     if mismatch is not None:
         raise ConfigError(mismatch)
-    tokenizer = load_tokenizer(cfg)
-    tokens = open_token_store(run_root, cfg, tokenizer_fingerprint(tokenizer))
+    tokenizer = load_tokenizer(teacher, settings.tokenizer)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)
+    tokens = open_token_store(run_root, tokenizer_fp, settings.tokens_fingerprint(tokenizer_fp))
     tokens_store, tokens_done = tokens.path, tokens.complete
     wanted = _requested(shard_ids, tokens_done.shards)
-    teacher_fp = teacher_fingerprint(cfg.teacher, device=device)
-    tag = topk_fingerprint(teacher_fp, tokens_done.fingerprint, cfg)
+    teacher_fp = teacher_fingerprint(teacher, device=device)
+    tag = settings.topk_fingerprint(teacher_fp, tokens_done.fingerprint)
     store = stage_dir(run_root, "topk", tag)
     existing = read_store_info(run_root, store)
-    mismatch = format_mismatch(existing, cfg, run_root.display(store)) if existing is not None else None
+    mismatch = format_mismatch(existing, pre, run_root.display(store)) if existing is not None else None
     if mismatch is not None:  # the tag names the format, so only a damaged or foreign _store.json gets here
         raise StoreError(mismatch)
     committed = list_commits(run_root, store, "topk", tag)  # one listing, not a request per shard
@@ -125,25 +123,26 @@ def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.devi
 
 
 def precompute_shards(
-    cfg: KDFlowConfig,
+    run_root: RunRoot,
+    settings: TeacherPassSettings,
     shard_ids: list[int] | None = None,
     *,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     device: torch.device | str | None = None,
     model: torch.nn.Module | None = None,
     wait_for_others: bool = True,
-    run_root: RunRoot | None = None,
 ) -> dict[str, Any]:
     """Compute and commit the top-K shards of `shard_ids` (default: all) that are not committed yet.
 
     `model`: an already loaded teacher (else loaded here, only if there is work). With `wait_for_others`,
-    shards leased by another live process are waited for (taken over if their lease expires). `run_root`:
-    the one the caller opened (default: the config's).
+    shards leased by another live process are waited for (taken over if their lease expires).
     """
     started = time.perf_counter()
-    target = next(model.parameters()).device if model is not None else resolve_device(str(device or cfg.teacher.device))
-    plan = plan_pass(cfg, shard_ids, target, run_root)
-    run_root, store, tag = plan.run_root, plan.store, plan.tag
+    pre = settings.precompute
+    target = (next(model.parameters()).device if model is not None
+              else resolve_device(str(device or settings.teacher.device)))
+    plan = plan_pass(run_root, settings, shard_ids, target)
+    store, tag = plan.store, plan.tag
     marks = {"plan": time.perf_counter()}  # where a call's seconds go: plan, setup (loading included), shards, finish
     written, tokens_written, compute_seconds, leased_elsewhere, fidelity, writer = 0, 0, 0.0, [], None, None
     if not plan.todo:
@@ -158,15 +157,15 @@ def precompute_shards(
         token_checks = check_commits(run_root, plan.tokens_store, "tokens", plan.tokens_done.fingerprint)
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, token_checks) for i in plan.todo}
         run_root.ensure_writable()
-        model = model if model is not None else load_teacher(cfg.teacher, device=target)
+        model = model if model is not None else load_teacher(settings.teacher, device=target)
         check_tokenizer_fits(plan.tokenizer, model)
         info = TopkShardInfo(teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
-                             top_k=cfg.precompute.top_k, seq_len=cfg.seq_len,
-                             logprobs_dtype=cfg.precompute.logprobs_dtype, micro_batch=cfg.precompute.micro_batch)
-        computer = ShardComputer(cfg, model, run_root, store, tag, info, plan.tokens_done)
+                             top_k=pre.top_k, seq_len=settings.seq_len, logprobs_dtype=pre.logprobs_dtype,
+                             micro_batch=pre.micro_batch)
+        computer = ShardComputer(settings, model, run_root, store, tag, info, plan.tokens_done)
         remove_stale_temp_files(run_root, store)  # what killed writers left (live writers' files are kept)
-        _write_store_files(cfg, plan, computer.codec if computer.sampled is None else computer.sampled.codec)
-        leases = ShardLeases(run_root, store, cfg.precompute.lease_ttl_s)
+        _write_store_files(settings, plan, computer.codec if computer.sampled is None else computer.sampled.codec)
+        leases = ShardLeases(run_root, store, pre.lease_ttl_s)
         progress = Progress("precompute", len(plan.todo), unit="shard", on_update=on_progress,
                             context={"tag": tag, "skipped": len(plan.wanted) - len(plan.todo)})
         progress.start()
@@ -183,9 +182,8 @@ def precompute_shards(
             logger.info("precompute: %.1f s computing %d shards; the background writer encoded and wrote for %.1f s of "
                         "it, and the pass waited %.1f s for it", compute_seconds, written, writer["busy_s"],
                         writer["waited_for_s"])
-        if written and cfg.precompute.report_rows:  # the store report's KL, while the teacher is loaded
-            fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, cfg.precompute.report_rows,
-                                     cfg.precompute.micro_batch)
+        if written and pre.report_rows:  # the store report's KL, while the teacher is loaded
+            fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, pre.report_rows, pre.micro_batch)
     complete_if_done(run_root, store, tag, plan.tokens_done)
     in_store = list_commits(run_root, store, "topk", tag)
     committed = [in_store[i] for i in plan.wanted if i in in_store]
@@ -237,7 +235,7 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
                     _stale_temp_files(run_root, store, shard_id)
                     record = computer.compute(shard_id, token_records[shard_id], leases,
                                               on_rows=lambda done, rows, i=shard_id: progress.partial(
-                                                  done, rows, i, tokens=done * computer.cfg.seq_len))
+                                                  done, rows, i, tokens=done * computer.settings.seq_len))
                     if not commit_or_remove(run_root, store, record, exclusive=True):
                         progress.update(1, 0)  # another process committed it first: its record stands
                         continue
@@ -251,14 +249,16 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
     return written, tokens, seconds, []
 
 
-def _write_store_files(cfg: KDFlowConfig, plan: PassPlan, codec: TopkCodec | None) -> None:
+def _write_store_files(settings: TeacherPassSettings, plan: PassPlan, codec: TopkCodec | None) -> None:
     """The resolved config, and _store.json: what made this store, for readers that do not load the teacher."""
-    plan.run_root.write_bytes_atomic(f"{plan.store}/{CONFIG_FILE}", dump_config(cfg).encode())
-    v2 = {} if codec is None else {"format": "v2", "store": store_format(cfg), "codec": codec.settings()}
+    pre = settings.precompute
+    plan.run_root.write_bytes_atomic(f"{plan.store}/{CONFIG_FILE}", settings.resolved_config.encode())
+    v2 = {} if codec is None else {"format": "v2", "store": store_format(pre), "codec": codec.settings()}
     write_store_info(plan.run_root, plan.store, TopkStoreInfo(
         tag=plan.tag, teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
-        teacher=teacher_section(cfg), teacher_identity=teacher_identity(cfg.teacher, device=plan.device),
-        top_k=cfg.precompute.top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=cfg.seq_len, **v2))
+        teacher=teacher_section(settings.teacher), teacher_identity=teacher_identity(settings.teacher,
+                                                                                     device=plan.device),
+        top_k=pre.top_k, logprobs_dtype=pre.logprobs_dtype, seq_len=settings.seq_len, **v2))
 
 
 def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: StageComplete) -> None:

@@ -38,7 +38,7 @@ def run(argv: list[str] | None = None) -> int:
 
         from kdflow.schemas.config_io import load_config
         from kdflow.schemas.errors import ConfigError
-        from kdflow.schemas.stage_settings import open_run_root
+        from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
         from kdflow.tasks.teacher.precompute import precompute_shards
 
         transformers_logging.disable_progress_bar()  # weight-loading bars are noise in the flow's run log
@@ -48,8 +48,8 @@ def run(argv: list[str] | None = None) -> int:
             shard_ids = parse_shard_ids(args.shards)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        summary = precompute_shards(config, shard_ids, on_progress=lambda update: emit(PROGRESS_PREFIX, update),
-                                    run_root=open_run_root(config))
+        summary = precompute_shards(open_run_root(config), teacher_pass_settings(config), shard_ids,
+                                    on_progress=lambda update: emit(PROGRESS_PREFIX, update))
         return summary | {"pid": os.getpid()}
 
     return run_worker(body, label="kdflow worker", writes_under=lambda: run_root[0] if run_root else None)

@@ -19,8 +19,9 @@ import torch
 from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, encode_sampled
 from kdflow.schemas.commits import StageComplete
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.shards import StreamShardWriter
+from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.sampled import SampledTargets
 from kdflow.tasks.teacher.sampling import (HASH_VERSION, SAMPLER_BYTES_PER_LOGIT, SamplingPlan, TeacherSampledStep,
@@ -33,20 +34,19 @@ _HOST_DTYPES = {"head_ids": torch.int32, "head_logprobs": torch.float32, "tail_l
                 "sample_ids": torch.int32, "sample_logprobs": torch.float32, "log_threshold": torch.float32}
 
 
-def sampled_chunk_tokens(cfg: KDFlowConfig, vocab: int) -> int:
+def sampled_chunk_tokens(pre: PrecomputeConfig, vocab: int) -> int:
     """Rows per chunk: precompute.chunk_tokens, else ~3x fewer than the top-K pass takes in the same budget
     (the sampler holds ~24 bytes per logit, the top-K pass ~8)."""
-    pre = cfg.precompute
     return pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20,
                                                    logits_dtype_bytes=SAMPLER_BYTES_PER_LOGIT)
 
 
-def sampled_codec(cfg: KDFlowConfig, vocab: int, table: Renumbering | None = None) -> SampledCodec:
+def sampled_codec(pre: PrecomputeConfig, seq_len: int, vocab: int, table: Renumbering | None = None) -> SampledCodec:
     """The codec of this config's sampled store: H, S, scheme, seed, the head's values as precompute.store; `table`:
     the store's renumbering table (None: ids as they are, as `kdflow tune` times the pass without a store)."""
-    plan = SamplingPlan.from_config(cfg.precompute)
-    store_settings, sampling = cfg.precompute.store, cfg.precompute.sampling
-    codec = SampledCodec(cfg.seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed,
+    plan = SamplingPlan.from_config(pre)
+    store_settings, sampling = pre.store, pre.sampling
+    codec = SampledCodec(seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed,
                          hash_version=HASH_VERSION, head_values=store_settings.values, levels=store_settings.levels,
                          tail=store_settings.tail, sample_values=sampling.values, zstd_level=store_settings.zstd_level,
                          renumbering=table)
@@ -54,31 +54,32 @@ def sampled_codec(cfg: KDFlowConfig, vocab: int, table: Renumbering | None = Non
     return codec
 
 
-def sampled_step(model: torch.nn.Module, cfg: KDFlowConfig, vocab: int) -> TeacherSampledStep:
+def sampled_step(model: torch.nn.Module, pre: PrecomputeConfig, vocab: int) -> TeacherSampledStep:
     """The teacher step of this config's sampled targets, as the pass builds it (for the store report)."""
-    return TeacherSampledStep(model, SamplingPlan.from_config(cfg.precompute), sampled_chunk_tokens(cfg, vocab))
+    return TeacherSampledStep(model, SamplingPlan.from_config(pre), sampled_chunk_tokens(pre, vocab))
 
 
 class SampledPass:
     """Everything fixed for a pass of sampled targets: the step, the codec, the host buffers."""
 
     @classmethod
-    def create(cls, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str,
+    def create(cls, settings: TeacherPassSettings, model: torch.nn.Module, run_root: RunRoot, store: str,
                tokens_done: StageComplete, vocab: int, slots: int) -> SampledPass:
-        unigram = cfg.precompute.store.renumbering == "unigram"
-        table = renumbering_table(run_root, store, tokens_done, vocab) if unigram else None
-        return cls(cfg, model, sampled_codec(cfg, vocab, table), sampled_chunk_tokens(cfg, vocab), slots)
+        pre = settings.precompute
+        table = renumbering_table(run_root, store, tokens_done, vocab) if pre.store.renumbering == "unigram" else None
+        return cls(settings, model, sampled_codec(pre, settings.seq_len, vocab, table),
+                   sampled_chunk_tokens(pre, vocab), slots)
 
-    def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, codec: SampledCodec, chunk_tokens: int,
+    def __init__(self, settings: TeacherPassSettings, model: torch.nn.Module, codec: SampledCodec, chunk_tokens: int,
                  slots: int) -> None:
-        self.codec, self.micro_batch, self.chunk_tokens = codec, cfg.precompute.micro_batch, chunk_tokens
-        self.step = TeacherSampledStep(model, SamplingPlan.from_config(cfg.precompute), chunk_tokens)
+        self.codec, self.micro_batch, self.chunk_tokens = codec, settings.precompute.micro_batch, chunk_tokens
+        self.step = TeacherSampledStep(model, SamplingPlan.from_config(settings.precompute), chunk_tokens)
         self.device = next(model.parameters()).device
         self.free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         shapes = {"head_ids": (codec.head,), "head_logprobs": (codec.head,), "tail_logprob": (),
                   "sample_ids": (codec.samples,), "sample_logprobs": (codec.samples,), "log_threshold": ()}
         for _ in range(slots if self.device.type == "cuda" else 0):
-            self.free.put({name: torch.empty((self.micro_batch, cfg.seq_len, *shape), dtype=_HOST_DTYPES[name],
+            self.free.put({name: torch.empty((self.micro_batch, settings.seq_len, *shape), dtype=_HOST_DTYPES[name],
                                              pin_memory=True) for name, shape in shapes.items()})
 
     def writer(self, run_root: RunRoot, path: str) -> StreamShardWriter:

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from kdflow.schemas.commits import CommitRecord, StageComplete, TopkShardInfo, stage_dir
-from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.disk_space import DiskFull
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import read_token_shard, topk_shard_writer, topk_v2_shard_writer
+from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.host_writer import WRITE_QUEUE_DEPTH, BackgroundWriter, HostCopies
@@ -32,47 +32,47 @@ from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 class ShardComputer:
     """Everything fixed for one pass: the teacher step, the store, the batch shape."""
 
-    def __init__(self, cfg: KDFlowConfig, model: torch.nn.Module, run_root: RunRoot, store: str, tag: str,
+    def __init__(self, settings: TeacherPassSettings, model: torch.nn.Module, run_root: RunRoot, store: str, tag: str,
                  info: TopkShardInfo, tokens_done: StageComplete) -> None:
-        pre = cfg.precompute
-        self.cfg, self.run_root, self.store, self.tag = cfg, run_root, store, tag
+        pre = settings.precompute
+        self.settings, self.run_root, self.store, self.tag = settings, run_root, store, tag
         self.device = next(model.parameters()).device
         self.vocab_rows = vocab_rows(model)
         vocab = output_rows(model)
         chunk_tokens = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
         try:
             self.sampled = None if pre.targets == "topk" else SampledPass.create(  # replaces step, codec, host copies
-                cfg, model, run_root, store, tokens_done, vocab, WRITE_QUEUE_DEPTH + 2)
+                settings, model, run_root, store, tokens_done, vocab, WRITE_QUEUE_DEPTH + 2)
             self.step = TeacherTopkStep(model, pre.top_k, chunk_tokens) if self.sampled is None else self.sampled
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.
         # None: v1
-        self.codec = store_codec(cfg, run_root, store, tokens_done, vocab) if self.sampled is None else None
+        self.codec = store_codec(settings, run_root, store, tokens_done, vocab) if self.sampled is None else None
         coded = self.sampled.codec if self.sampled is not None else self.codec
         self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": vocab} | (
             {} if coded is None else {"format": "v2", "codec": coded.settings()}))
         # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32
         self.writer_busy_s = self.waited_for_writer_s = 0.0  # over every shard: see BackgroundWriter
-        self.host = HostCopies(self.device, (pre.micro_batch, cfg.seq_len, pre.top_k), storage,
+        self.host = HostCopies(self.device, (pre.micro_batch, settings.seq_len, pre.top_k), storage,
                                0 if self.sampled else WRITE_QUEUE_DEPTH + 2)
 
     def compute(self, shard_id: int, token_record: CommitRecord, leases: ShardLeases,
                 on_rows: Callable[[int, int], None] = lambda done, rows: None) -> CommitRecord:
         """One shard, written and returned as its commit record (not yet committed); `on_rows(done, rows)`
         after every micro-batch."""
-        cfg, pre = self.cfg, self.cfg.precompute
+        seq_len, pre = self.settings.seq_len, self.settings.precompute
         tokens_store = stage_dir(self.run_root, "tokens")
         # (rows, T)
-        input_ids = read_token_shard(self.run_root, f"{tokens_store}/{token_record.data_file}", cfg.seq_len)
+        input_ids = read_token_shard(self.run_root, f"{tokens_store}/{token_record.data_file}", seq_len)
         if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= self.vocab_rows):
             raise StoreError(f"token shard {shard_id} holds id {int(input_ids.max())}, outside the teacher's "
                              f"embedding of {self.vocab_rows} rows")
         started = time.perf_counter()
         name = data_file_name("topk", shard_id)
         path = f"{self.store}/{name}"
-        opened = (topk_shard_writer(self.run_root, path, cfg.seq_len, pre.top_k, pre.logprobs_dtype)
+        opened = (topk_shard_writer(self.run_root, path, seq_len, pre.top_k, pre.logprobs_dtype)
                   if self.codec is None else topk_v2_shard_writer(self.run_root, path, self.codec))
         try:
             with opened if self.sampled is None else self.sampled.writer(self.run_root, path) as writer:
@@ -96,15 +96,15 @@ class ShardComputer:
         seconds = time.perf_counter() - started
         rows = len(input_ids)
         return CommitRecord(
-            stage="topk", shard_id=shard_id, data_file=name, rows=rows, tokens=rows * cfg.seq_len,
+            stage="topk", shard_id=shard_id, data_file=name, rows=rows, tokens=rows * seq_len,
             bytes=writer.sink.nbytes, sha256=writer.sink.sha256, input_sha256=token_record.sha256, fingerprint=self.tag,
             extra=self.info.model_copy(update={"seconds": round(seconds, 3),
-                                               "tokens_per_s": round(rows * cfg.seq_len / max(seconds, 1e-9), 1)}),
+                                               "tokens_per_s": round(rows * seq_len / max(seconds, 1e-9), 1)}),
         )
 
     def _micro_batch(self, batch: np.ndarray, background: BackgroundWriter, shard_id: int, micro_batch: int) -> None:
         rows = len(batch)  # (rows, T); padded to the fixed micro-batch so the device never sees a new shape
-        padded = np.zeros((self.cfg.precompute.micro_batch, batch.shape[1]), dtype=np.int64)
+        padded = np.zeros((self.settings.precompute.micro_batch, batch.shape[1]), dtype=np.int64)
         padded[:rows] = batch
         input_ids = torch.from_numpy(padded).to(self.device, non_blocking=True)  # (B, T)
         outputs = self.step(input_ids) if self.sampled is None else ()  # (B, T, K), (B, T, K), (B, T) on the device

@@ -14,10 +14,10 @@ import numpy as np
 from kdflow.schemas.codec import TopkCodec
 from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.commits import StageComplete, list_commits, stage_dir
-from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE
 from kdflow.schemas.shards import read_token_shard
+from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 
 
@@ -49,15 +49,15 @@ def renumbering_table(run_root: RunRoot, store: str, tokens_done: StageComplete,
     return table
 
 
-def store_codec(cfg: KDFlowConfig, run_root: RunRoot, store: str, tokens_done: StageComplete,
+def store_codec(settings: TeacherPassSettings, run_root: RunRoot, store: str, tokens_done: StageComplete,
                 vocab_size: int) -> TopkCodec | None:
     """The v2 codec for this config's store and teacher vocabulary; None when the config asks for v1."""
-    settings = cfg.precompute.store
-    if settings.format == "v1":
+    stored = settings.precompute.store
+    if stored.format == "v1":
         return None
-    table = renumbering_table(run_root, store, tokens_done, vocab_size) if settings.renumbering == "unigram" else None
-    codec = TopkCodec(cfg.seq_len, cfg.precompute.top_k, vocab_size, values=settings.values, levels=settings.levels,
-                      tail=settings.tail, keep_mass=settings.keep_mass, zstd_level=settings.zstd_level,
+    table = renumbering_table(run_root, store, tokens_done, vocab_size) if stored.renumbering == "unigram" else None
+    codec = TopkCodec(settings.seq_len, settings.precompute.top_k, vocab_size, values=stored.values,
+                      levels=stored.levels, tail=stored.tail, keep_mass=stored.keep_mass, zstd_level=stored.zstd_level,
                       renumbering=table)
     codec.schema()  # built once here (compresses the table), shared by every shard and the writer thread
     return codec

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdflow.schemas.commits import list_commits, stage_dir
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError, first_line
 from kdflow.schemas.protocol import EXIT_CUDA_OOM, EXIT_USER_ERROR, describe_exit_code
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import find_topk_stores
-from kdflow.tasks.common.launch import config_file, kill_group, run_child
+from kdflow.tasks.common.launch import kill_group, run_child
 
 TUNE_WORKER = "kdflow.tasks.teacher.tune_worker"
 OUT_OF_MEMORY_EXIT_CODES = frozenset({EXIT_CUDA_OOM, 128 + 9})  # CUDA OOM; SIGKILL, what the kernel's OOM killer sends
@@ -64,44 +64,43 @@ def parse_micro_batches(text: str | list[int] | None) -> list[int]:
     return sorted(set(sizes))
 
 
-def default_micro_batches(config: KDFlowConfig) -> list[int]:
+def default_micro_batches(precompute: PrecomputeConfig) -> list[int]:
     """Around the configured micro-batch: half, itself, twice and four times it."""
-    current = config.precompute.micro_batch
+    current = precompute.micro_batch
     return sorted({max(1, current // 2), current, 2 * current, 4 * current})
 
 
-def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True, run_root: RunRoot | None = None) -> str:
+def check_tune_inputs(run_root: RunRoot, settings: TeacherPassSettings, *, seq_len_given: bool = True) -> str:
     """What can be checked without a process: the teacher's config loads and admits top_k and seq_len; there are
-    token shards of seq_len, or seq_len was given. -> where the candidates' rows will come from. `run_root`: the
-    one the caller opened (default: the config's)."""
-    run_root = run_root if run_root is not None else open_run_root(config)
+    token shards of seq_len, or seq_len was given. -> where the candidates' rows will come from."""
+    teacher, seq_len = settings.teacher, settings.seq_len
     store = stage_dir(run_root, "tokens")
     records = list_commits(run_root, store, "tokens")
     if records:
         first = records[min(records)]
-        if first.extra.seq_len is not None and first.extra.seq_len != config.seq_len:
+        if first.extra.seq_len is not None and first.extra.seq_len != seq_len:
             raise StoreError(f"the token shards in {run_root.display(store)} have seq_len {first.extra.seq_len}, the "
-                             f"config says {config.seq_len}")
+                             f"config says {seq_len}")
         rows_from = f"{len(records)} token shards in {run_root.display(store)}"
     elif not seq_len_given:
         raise ConfigError(f"no token shards in {run_root.display(store)} and no seq_len in the config: set seq_len "
                           "(tokens of that length are made up from Python's documentation) or run tokenise first")
     else:
-        rows_from = f"no token shards yet: Python's documentation in rows of {config.seq_len} tokens"
+        rows_from = f"no token shards yet: Python's documentation in rows of {seq_len} tokens"
     from kdflow.tasks.common.hub_access import check_hub_teacher
     from kdflow.tasks.teacher.loading import check_teacher_limits, load_teacher_config
     from kdflow.tasks.teacher.sampling import check_sampling_fits
 
-    check_hub_teacher(config.teacher)  # not cached and no hub: one line now, not after a minute of retries
+    check_hub_teacher(teacher)  # not cached and no hub: one line now, not after a minute of retries
     try:
-        teacher_config = load_teacher_config(config.teacher)
+        teacher_config = load_teacher_config(teacher)
     except KDFlowError:
         raise
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... for a bad model
-        raise ConfigError(f"teacher {config.teacher.model!r} cannot be loaded: {first_line(error)}") from None
-    check_teacher_limits(teacher_config, top_k=config.precompute.top_k, seq_len=config.seq_len)
-    check_sampling_fits(config.precompute, teacher_config)
-    if config.teacher.load_in_4bit:
+        raise ConfigError(f"teacher {teacher.model!r} cannot be loaded: {first_line(error)}") from None
+    check_teacher_limits(teacher_config, top_k=settings.precompute.top_k, seq_len=seq_len)
+    check_sampling_fits(settings.precompute, teacher_config)
+    if teacher.load_in_4bit:
         import importlib.util
 
         if importlib.util.find_spec("bitsandbytes") is None:
@@ -109,11 +108,10 @@ def check_tune_inputs(config: KDFlowConfig, *, seq_len_given: bool = True, run_r
     return rows_from
 
 
-def committed_micro_batches(config: KDFlowConfig, run_root: RunRoot | None = None) -> set[int]:
+def committed_micro_batches(run_root: RunRoot, settings: TeacherPassSettings) -> set[int]:
     """Micro-batches the committed shards of this config's top-K stores were computed with."""
-    run_root = run_root if run_root is not None else open_run_root(config)
     sizes = set()
-    for tag in find_topk_stores(run_root, config):
+    for tag in find_topk_stores(run_root, settings.teacher, settings.precompute):
         for record in list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag).values():
             if record.extra.micro_batch is not None:
                 sizes.add(record.extra.micro_batch)
@@ -173,15 +171,15 @@ def run_candidates(sizes: list[int], runner: Runner, *, keep_going: bool = False
     return results
 
 
-def tune(config: KDFlowConfig, sizes: list[int], *, batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
+def tune(config_path: str, sizes: list[int], *, batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
          keep_going: bool = False, on_log: Callable[[str], None] = lambda line: None,
          on_candidate: Callable[[Candidate], None] = lambda c: None) -> list[Candidate]:
-    """Every candidate in its own worker process, on the config as given (written to a temporary file)."""
-    with config_file(config, "kdflow-tune-") as path:
-        def runner(size: int) -> Candidate:
-            return run_candidate(path, size, batches=batches, warmup=warmup, timeout_s=timeout_s, on_log=on_log)
+    """Every candidate in its own worker process, on the resolved config at `config_path` (the caller writes it:
+    `kdflow.tasks.common.launch.config_file`)."""
+    def runner(size: int) -> Candidate:
+        return run_candidate(config_path, size, batches=batches, warmup=warmup, timeout_s=timeout_s, on_log=on_log)
 
-        return run_candidates(sizes, runner, keep_going=keep_going, on_candidate=on_candidate)
+    return run_candidates(sizes, runner, keep_going=keep_going, on_candidate=on_candidate)
 
 
 def recommend(candidates: list[Candidate], headroom: float) -> Candidate | None:

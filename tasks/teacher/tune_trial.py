@@ -17,6 +17,7 @@ context and other processes on the device count. On the CPU, the resident-set pe
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -27,10 +28,9 @@ import numpy as np
 import torch
 
 from kdflow.schemas.commits import list_commits, stage_dir
-from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.shards import read_token_shard
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import resolve_device
@@ -53,19 +53,19 @@ def committed_token_shards(run_root: RunRoot) -> list[str]:
     return [f"{store}/{records[i].data_file}" for i in sorted(records)]
 
 
-def token_rows(run_root: RunRoot, config: KDFlowConfig, tokenizer: Any, rows: int) -> tuple[np.ndarray, str]:
+def token_rows(run_root: RunRoot, seq_len: int, tokenizer: Any, rows: int) -> tuple[np.ndarray, str]:
     """`rows` sequences of `seq_len` ids (repeated when there are fewer) -> (ids (rows, T), where they came from)."""
     parts, have = [], 0
     for path in committed_token_shards(run_root):
-        parts.append(read_token_shard(run_root, path, config.seq_len))
+        parts.append(read_token_shard(run_root, path, seq_len))
         have += len(parts[-1])
         if have >= rows:
             break
     source = f"token shards in {run_root.display(stage_dir(run_root, 'tokens'))}"
     if not have:
-        parts, source = [_packed_documentation(tokenizer, config.seq_len)], "Python's documentation, tokenised"
+        parts, source = [_packed_documentation(tokenizer, seq_len)], "Python's documentation, tokenised"
     ids = np.concatenate(parts)
-    return np.resize(ids, (rows, config.seq_len)) if len(ids) < rows else ids[:rows], source
+    return np.resize(ids, (rows, seq_len)) if len(ids) < rows else ids[:rows], source
 
 
 def _packed_documentation(tokenizer: Any, seq_len: int) -> np.ndarray:
@@ -101,17 +101,17 @@ def memory_record(device: torch.device) -> dict[str, Any]:
             "headroom_mib": round(headroom / MIB, 1), "headroom": round(headroom / max(total, 1), 4)}
 
 
-def pass_step(config: KDFlowConfig, model: torch.nn.Module, vocab: int, micro_batch: int, device: torch.device
-              ) -> tuple[Callable[[torch.Tensor, int], tuple[Any, Callable[[], None]]], int]:
+def pass_step(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int, micro_batch: int,
+              device: torch.device) -> tuple[Callable[[torch.Tensor, int], tuple[Any, Callable[[], None]]], int]:
     """The pass's work on one micro-batch of `micro_batch` rows, as ShardComputer builds it for the config's targets
     (top-K: the chunked top-K and its host copy; sampled, hybrid: the sampler and its six fields' host copy) ->
     (step: (ids on the device, micro-batch index) -> (CUDA event or None, release), chunk_tokens). `vocab`: the
     teacher's output rows."""
-    pre = config.precompute
+    pre = settings.precompute
     if pre.targets != "topk":  # no store here: the codec without a renumbering table (its shapes are what counts)
-        sampled = SampledPass(config.model_copy(update={"precompute": pre.model_copy(
-            update={"micro_batch": micro_batch})}), model, sampled_codec(config, vocab),
-            sampled_chunk_tokens(config, vocab), slots=2)
+        candidate = dataclasses.replace(settings, precompute=pre.model_copy(update={"micro_batch": micro_batch}))
+        sampled = SampledPass(candidate, model, sampled_codec(pre, settings.seq_len, vocab),
+                              sampled_chunk_tokens(pre, vocab), slots=2)
 
         def sample(input_ids: torch.Tensor, index: int) -> tuple[Any, Callable[[], None]]:
             *_, ready, release = sampled(input_ids, micro_batch, shard=0, first_row=index * micro_batch)
@@ -120,7 +120,7 @@ def pass_step(config: KDFlowConfig, model: torch.nn.Module, vocab: int, micro_ba
         return sample, sampled.chunk_tokens
     step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
     storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
-    host = HostCopies(device, (micro_batch, config.seq_len, pre.top_k), storage, slots=2)
+    host = HostCopies(device, (micro_batch, settings.seq_len, pre.top_k), storage, slots=2)
 
     def topk(input_ids: torch.Tensor, index: int) -> tuple[Any, Callable[[], None]]:
         *_, ready, release = host.copy(*step(input_ids))  # (B, T, K), (B, T, K), (B, T)
@@ -129,29 +129,28 @@ def pass_step(config: KDFlowConfig, model: torch.nn.Module, vocab: int, micro_ba
     return topk, step.chunk_tokens
 
 
-def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warmup: int = 1,
-                      run_root: RunRoot | None = None) -> dict[str, Any]:
-    """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record.
-    `run_root`: the one the caller opened (default: the config's)."""
+def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, batches: int,
+                      warmup: int = 1) -> dict[str, Any]:
+    """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record."""
     if micro_batch < 1 or batches < 1 or warmup < 0:
         raise ConfigError(f"micro_batch and batches must be >= 1 and warmup >= 0, got {micro_batch}, {batches}, "
                           f"{warmup}")
-    run_root = run_root if run_root is not None else open_run_root(config)
-    device = resolve_device(config.teacher.device)
+    teacher, seq_len = settings.teacher, settings.seq_len
+    device = resolve_device(teacher.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"teacher.device is {config.teacher.device} but this machine has no CUDA device")
-    check_teacher_limits(load_teacher_config(config.teacher), top_k=config.precompute.top_k, seq_len=config.seq_len)
-    tokenizer = load_tokenizer(config)
+        raise ConfigError(f"teacher.device is {teacher.device} but this machine has no CUDA device")
+    check_teacher_limits(load_teacher_config(teacher), top_k=settings.precompute.top_k, seq_len=seq_len)
+    tokenizer = load_tokenizer(teacher, settings.tokenizer)
     started = time.perf_counter()
-    model = load_teacher(config.teacher, device=device)
+    model = load_teacher(teacher, device=device)
     load_seconds = time.perf_counter() - started
     check_tokenizer_fits(tokenizer, model)
-    ids, source = token_rows(run_root, config, tokenizer, (warmup + batches) * micro_batch)
+    ids, source = token_rows(run_root, seq_len, tokenizer, (warmup + batches) * micro_batch)
     if ids.min() < 0 or ids.max() >= vocab_rows(model):
         raise StoreError(f"{source} hold id {int(ids.max())}, outside the teacher's embedding of {vocab_rows(model)} "
                          "rows")
     vocab = output_rows(model)
-    step, chunk_tokens = pass_step(config, model, vocab, micro_batch, device)
+    step, chunk_tokens = pass_step(settings, model, vocab, micro_batch, device)
     timed_from = 0.0
     with deterministic_algorithms():
         for index in range(warmup + batches):
@@ -166,7 +165,7 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
                 ready.synchronize()
             release()
     seconds = time.perf_counter() - timed_from
-    tokens = batches * micro_batch * config.seq_len
+    tokens = batches * micro_batch * seq_len
     return {"micro_batch": micro_batch, "status": "ok", "tokens_per_s": round(tokens / seconds, 1),
             "seconds": round(seconds, 3), "tokens": tokens, "batches": batches, "warmup": warmup,
             "load_seconds": round(load_seconds, 2), "device": str(device), "threads": torch.get_num_threads(),

@@ -36,13 +36,13 @@ def run(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as transformers_logging
 
         from kdflow.schemas.config_io import load_config
-        from kdflow.schemas.stage_settings import open_run_root
+        from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
         from kdflow.tasks.teacher.tune_trial import measure_candidate
 
         transformers_logging.disable_progress_bar()
         config = load_config(args.config)
-        return measure_candidate(config, args.micro_batch, args.batches, args.warmup,
-                                 run_root=open_run_root(config)) | {"pid": os.getpid()}
+        return measure_candidate(open_run_root(config), teacher_pass_settings(config), args.micro_batch, args.batches,
+                                 args.warmup) | {"pid": os.getpid()}
 
     return run_worker(body, label=f"kdflow tune worker (micro-batch {args.micro_batch})")
 

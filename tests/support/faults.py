@@ -52,12 +52,14 @@ def data_hashes(store: Path) -> dict[str, str]:
 
 def build_prepared(base: Path, teacher: Path) -> Prepared:
     """base/tokens-only (corpus + tokens, >= 4 shards) and base/reference (the same plus an uninterrupted top-K)."""
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(16))
     prepare(fault_config(base / "tokens-only", teacher, corpus))
     shutil.copytree(base / "tokens-only", base / "reference")
-    summary = precompute_shards(fault_config(base / "reference", teacher, corpus))
+    reference_config = fault_config(base / "reference", teacher, corpus)
+    summary = precompute_shards(open_run_root(reference_config), teacher_pass_settings(reference_config))
     reference = data_hashes(base / "reference" / "topk" / summary["tag"])
     assert summary["complete"] and len(reference) == summary["shards"] >= 4
     return Prepared(base, corpus, teacher, summary["tag"], summary["shards"], reference)
