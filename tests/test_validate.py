@@ -21,7 +21,8 @@ from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
-from kdflow.commands.validate import topk_problems, validate_run_root
+from kdflow.commands.validate import validate_run_root
+from kdflow.tasks.validate_checks import topk_problems
 
 TAG, TOP_K = "abcdef012345", 8
 Corruption = Callable[[np.ndarray, np.ndarray], None]

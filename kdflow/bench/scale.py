@@ -13,8 +13,6 @@ Prints one JSON object per line; every line carries the load average. Needs moto
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
@@ -74,14 +72,21 @@ def child(kind: str, target: str) -> dict[str, Any]:
         started = time.perf_counter()
         plan = plan_pass(load_config(target), None, torch.device("cpu"))
         out |= {"startup_s": round(time.perf_counter() - started, 3), "todo": len(plan.todo)}
-    elif kind in ("validate", "status"):
-        from kdflow.commands.status import print_status
-        from kdflow.commands.validate import validate_run_root
+    elif kind in ("validate", "status"):  # the checks and lines `kdflow validate` and `kdflow status` print
+        from kdflow.tasks.run_status import status_lines
+        from kdflow.tasks.validate import store_reports
 
         started = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            code = validate_run_root(target) if kind == "validate" else print_status(target)
-        out |= {"exit_code": code, "output_lines": len(printed.getvalue().splitlines())}
+        run_root = open_root(target)
+        if not run_root.exists(run_root.root):
+            out |= {"exit_code": 1, "output_lines": 1}
+        elif kind == "status":
+            out |= {"exit_code": 0, "output_lines": len(list(status_lines(run_root)))}
+        else:
+            reports = list(store_reports(run_root))
+            # validate prints a heading, a line per store, note and problem, and its verdict (or "no stores")
+            lines = 1 + sum(1 + len(r.notes) + len(r.problems) for r in reports) + 1
+            out |= {"exit_code": int(not reports or any(r.problems for r in reports)), "output_lines": lines}
     elif kind == "startup":
         from kdflow.schemas.commits import list_commits, stage_dir
         from kdflow.schemas.store_info import topk_tags
