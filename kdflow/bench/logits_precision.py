@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdflow bench logits-precision", description=__doc__.splitlines()[0])
     parser.add_argument("--run-root", default="runs/bench-logits-precision", help="where the demo teacher is kept")
     parser.add_argument("--sequences", type=int, default=8, help="documents of the corpus, one sequence each")
@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     for name in ("sequences", "seq_len", "top_k"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -3,8 +3,9 @@
 A synthetic teacher (a Llama built from a config: the reference vocabulary of 196,608, a tiny body) makes
 top-K stores (K=128) for runs of two sizes, once on local disk; each is then copied to moto's S3 server
 (started here, on loopback) as well. Per size and store, in a fresh process each: training (peak RSS, the
-data loader's wait as a fraction of step time, start-up: opening the stores), `kdflow validate` and
-`kdflow status` (peak RSS, seconds), and on S3 the requests each made, per shard. Then run roots holding
+data loader's wait as a fraction of step time, start-up: opening the stores), the checks of
+`kdflow validate` and the lines of `kdflow status` (kdflow.tasks.validate and run_status: peak RSS, seconds),
+and on S3 the requests each made, per shard. Then run roots holding
 only commit records (thousands of shards, tiny data files) time `kdflow status` and a stage's start-up
 (one listing and the records of the token and top-K stores) as the shard count grows.
 Prints one JSON object per line; every line carries the load average. Needs moto (the test extra) for S3.

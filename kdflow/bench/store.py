@@ -277,7 +277,7 @@ def run_settings(shards: list[Shard], vocab: int, counts: np.ndarray, repeats: i
             print(json.dumps({"source": source} | record | ratios), flush=True)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdflow bench store", description=__doc__.splitlines()[0])
     parser.add_argument("--run-root", default="runs/bench-store",
                         help="where the real stores are built (kept for reruns)")
@@ -295,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.synthetic:
