@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kdflow.bench import harness
+from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import open_root, peak_rss_mib, run_fresh
 from kdflow.bench.scale_stores import Moto, records_only, store_env
 
@@ -241,7 +242,7 @@ def measure_run(label: dict[str, Any], run_root: str, config_path: Path, env: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kdflow bench scale", description=__doc__.splitlines()[0])
+    parser = bench_parser("scale", __doc__, top_k=128, seq_len=512)
     parser.add_argument("--child", nargs=2, metavar=("KIND", "TARGET"), help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="0.25M,1M", help="run sizes in tokens, comma list (K and M suffixes)")
     parser.add_argument("--stores", default="disk,s3", help="disk, s3 (moto's server on loopback), or both")
@@ -253,8 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-hidden", type=int, default=8, help="the synthetic teacher's hidden size")
     parser.add_argument("--tokenizer-vocab", type=int, default=4096,
                         help="the BPE trained here (the student's vocabulary)")
-    parser.add_argument("--top-k", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--sequences-per-shard", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=8)
