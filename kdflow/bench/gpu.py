@@ -41,7 +41,8 @@ from kdflow.bench.gpu_plan import H200_MEMORY_GIB, plan, sizes
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = bench_parser("gpu", __doc__, device="cuda", devices=["cuda", "cpu"], helps={"device": "cpu: the rehearsal"})
+    parser = bench_parser("gpu", __doc__, device="cuda", devices=["cuda", "cpu"],
+                          helps={"device": "cpu: the rehearsal"})
     parser.add_argument("--quick", action="store_true", help="small sizes (the rehearsal's; default with --device cpu)")
     parser.add_argument("--plan", action="store_true", help="print the plan at these sizes and exit (builds nothing)")
     parser.add_argument("--memory-gib", type=float, default=H200_MEMORY_GIB, help="--plan: the device's memory")
