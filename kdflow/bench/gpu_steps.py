@@ -56,8 +56,7 @@ def tune(config_path: Path, size: dict[str, Any]) -> dict[str, Any]:
 
     request = check_tune_request(config_path, micro_batches=size["micro_batches"], batches=2, headroom=HEADROOM,
                                  timeout_s=150, write=True)
-    candidates = tune_search.tune(request.config, request.sizes, batches=2, timeout_s=150, on_candidate=lambda c: print(
-        f"tune precompute: micro-batch {c.micro_batch}: {c.status} {c.message}", file=sys.stderr, flush=True))
+    candidates = tune_search.tune(request.config, request.sizes, batches=2, timeout_s=150, on_candidate=_said)
     print(tune_search.table(candidates, HEADROOM), file=sys.stderr)
     result = tune_search.summary(candidates, HEADROOM)
     if result["recommended_micro_batch"] is None:
@@ -67,6 +66,11 @@ def tune(config_path: Path, size: dict[str, Any]) -> dict[str, Any]:
                                            "recommended_over_fastest", "candidates")}
     (config_path.parent / TUNED).write_text(json.dumps(record), encoding="utf-8")
     return record
+
+
+def _said(candidate: Any) -> None:
+    print(f"tune precompute: micro-batch {candidate.micro_batch}: {candidate.status} {candidate.message}".rstrip(),
+          file=sys.stderr, flush=True)
 
 
 def tuned_micro_batch(work: Path, results: dict[str, dict[str, Any]]) -> int | None:
