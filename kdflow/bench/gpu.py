@@ -17,6 +17,8 @@ summary (also `--out`); exit 0 when no step failed (skips included).
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
 estimates, what would skip) at full size without building anything; `--only` runs some steps and what they need;
 `--progress-log` appends each step as it starts and ends, for a summary of a check stopped from outside.
+Each step is a function (gpu_steps.py, gpu_teachers.py) that returns its record: a bench's measurements come
+from its `records`, the dicts its JSON lines are printed from, so nothing here parses printed text.
 """
 
 from __future__ import annotations
