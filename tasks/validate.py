@@ -156,7 +156,7 @@ def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None,
         if extra.vocab_size:
             return int(extra.vocab_size), "recorded by tokenise"
     try:  # older stores: load the tokenizer named by the config written beside the store
-        from kdflow.schemas.config import config_from_dict
+        from kdflow.schemas.config_io import config_from_dict
         from kdflow.schemas.fingerprints import tokenizer_fingerprint
         from kdflow.tasks.common.tokenizer import load_tokenizer
 

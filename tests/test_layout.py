@@ -19,7 +19,7 @@ import pytest
 import yaml
 from support.children import run
 
-from kdflow.schemas.config import config_from_dict, dump_config, load_config
+from kdflow.schemas.config_io import config_from_dict, dump_config, load_config
 
 REPO = Path(__file__).parent.parent
 FOLDERS = {"kdflow": "kdflow", "schemas": "kdflow.schemas", "tasks": "kdflow.tasks", "flows": "kdflow.flows",

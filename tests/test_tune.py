@@ -18,7 +18,7 @@ from support.runs import prepare
 
 import kdflow.tasks.common.launch as launch
 from kdflow.cli import main as cli_main
-from kdflow.schemas.config import dump_config
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.tasks.teacher import tune_search
 from kdflow.tasks.teacher.tune_trial import measure_candidate

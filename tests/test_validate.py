@@ -262,7 +262,7 @@ def test_missing_run_root_and_empty_run_root(tmp_path: Path, capsys: pytest.Capt
 def test_older_token_store_without_vocab_size(tokenised_run: tuple[Any, Any],
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Stores written before tokenise recorded `vocab_size`: the tokenizer named by config.yaml gives it, if present."""
-    from kdflow.schemas.config import write_stage_config
+    from kdflow.schemas.config_io import write_stage_config
 
     config, _ = tokenised_run
     run_root = RunRoot(config.run_root)

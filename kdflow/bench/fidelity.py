@@ -121,7 +121,7 @@ def eval_steps(steps: int, every: int) -> list[int]:
 
 def _base_config(args: argparse.Namespace, root: str) -> Any:
     from kdflow.demo_assets import demo_config
-    from kdflow.schemas.config import config_from_dict
+    from kdflow.schemas.config_io import config_from_dict
 
     data = demo_config(root).model_dump(mode="json")
     data["seq_len"] = args.seq_len
@@ -137,7 +137,7 @@ def variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int,
                    tags: dict[str, str] | None = None) -> Any:
     """The config of one store (tags None) or of one student trained on it; sampled stores use the seed as their
     sampling seed, so the seeds' spread covers the draw as well as the initial weights and data order."""
-    from kdflow.schemas.config import config_from_dict
+    from kdflow.schemas.config_io import config_from_dict
 
     data = base.model_dump(mode="json")
     pre = data["precompute"]
@@ -231,7 +231,7 @@ class Teacher:
     def states(self) -> Any:
         if self._states is None:
             from kdflow.bench.fidelity_runs import TeacherStates
-            from kdflow.tasks.teacher.loading import load_teacher
+            from kdflow.tasks.common.teacher_loading import load_teacher
 
             self._states = TeacherStates(load_teacher(self.config.teacher).eval())
         return self._states

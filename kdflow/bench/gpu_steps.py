@@ -37,7 +37,7 @@ TUNED = "tuned.json"  # in the work folder once `tune_precompute` recommended a 
 
 
 def tokens(config_path: Path) -> dict[str, Any]:
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -225,7 +225,7 @@ def extrapolate(results: dict[str, dict[str, Any]], depths: tuple[int, int], sha
 def train(config_path: Path) -> dict[str, Any]:
     import torch
 
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.tasks.student.train import autocast_for, train as train_stage
 
     config = load_config(config_path)
@@ -246,7 +246,7 @@ def fsdp(config_path: Path) -> dict[str, Any]:
 
     import yaml
 
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.tasks.common.launch import config_file, run_child
     from kdflow.tasks.student.distributed import torchrun_arguments
     from kdflow.tasks.student.train_worker import EXEC_TORCHRUN, MODULE

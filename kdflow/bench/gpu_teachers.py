@@ -66,7 +66,7 @@ def teacher_weights(config_paths: list[Path], depths: tuple[int, int], shapes: d
 
     import torch
 
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.tasks.common.fused_experts import fused_expert_weights, weight_bytes
     from kdflow.tasks.common.teacher_loading import load_teacher
 

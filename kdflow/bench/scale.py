@@ -52,7 +52,7 @@ def child(kind: str, target: str) -> dict[str, Any]:
     """Run one measured thing in this (fresh) process; -> its numbers (seconds after the imports), peak RSS."""
     out: dict[str, Any] = {}
     if kind == "train":
-        from kdflow.schemas.config import load_config
+        from kdflow.schemas.config_io import load_config
         from kdflow.tasks.common.tokenizer import load_tokenizer
         from kdflow.tasks.student.data import open_distill_data
         from kdflow.tasks.student.train import train
@@ -68,7 +68,7 @@ def child(kind: str, target: str) -> dict[str, Any]:
     elif kind == "plan":  # the teacher pass's start-up on a finished store: list, read records, nothing to do
         import torch
 
-        from kdflow.schemas.config import load_config
+        from kdflow.schemas.config_io import load_config
         from kdflow.tasks.teacher.precompute import plan_pass
 
         started = time.perf_counter()
@@ -151,7 +151,7 @@ def run_config(run_root: str, corpus: Path, teacher: Path, documents: int, args:
 
 
 def write_config(data: dict[str, Any], path: Path) -> Path:
-    from kdflow.schemas.config import config_from_dict, dump_config
+    from kdflow.schemas.config_io import config_from_dict, dump_config
 
     path.write_text(dump_config(config_from_dict(data)))
     return path
@@ -160,7 +160,7 @@ def write_config(data: dict[str, Any], path: Path) -> Path:
 def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documents: int,
                      args: argparse.Namespace) -> tuple[Path, dict]:
     """materialise, tokenise and the teacher pass on local disk (not measured); -> (run root, store sizes)."""
-    from kdflow.schemas.config import config_from_dict
+    from kdflow.schemas.config_io import config_from_dict
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise

@@ -46,7 +46,8 @@ import pyarrow.ipc as ipc
 
 from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import note, open_root
-from kdflow.schemas.codec import CRC32, DecodedTopk, Renumbering, TopkCodec, decode, encode, from_v1
+from kdflow.schemas.codec import DecodedTopk, TopkCodec, decode, encode, from_v1
+from kdflow.schemas.codec_meta import CRC32, Renumbering
 from kdflow.schemas.commits import CommitRecord, StageComplete, TopkShardInfo, write_commit, write_complete
 from kdflow.schemas.layout import RENUMBERING_FILE, data_file_name
 from kdflow.schemas.shards import topk_batch, topk_schema

@@ -19,7 +19,8 @@ import numpy as np
 
 from kdflow.schemas.codec import decode, encode
 from kdflow.schemas.commits import list_commits, read_complete, stage_dir
-from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import config_from_dict, set_dotted
 from kdflow.schemas.shards import TopkShard
 from kdflow.schemas.stage_settings import open_run_root
 
@@ -118,7 +119,7 @@ def dense_tail_plogp(stores: RealStores, shards: list[tuple[np.ndarray, np.ndarr
     over the ids outside its top-K (what the store metric needs beyond the top-K), one (rows, T) array a shard."""
     from kdflow.schemas.layout import data_file_name
     from kdflow.schemas.shards import read_token_shard
-    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.teacher.store_metric import tail_plogp_dense
     from kdflow.tasks.teacher.store_quality import dense_logprobs
 

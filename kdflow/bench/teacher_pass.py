@@ -236,9 +236,9 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
     from kdflow.tasks.common.models import resolve_device
-    from kdflow.tasks.teacher.loading import load_teacher
+    from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.teacher.precompute import deterministic_algorithms
 
     if args.threads > 0:

@@ -51,7 +51,7 @@ def train_tiny_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> Pat
 
 
 def _config(work: Path, corpus: Path, model: str, gguf_file: str | None, args: argparse.Namespace) -> Any:
-    from kdflow.schemas.config import config_from_dict
+    from kdflow.schemas.config_io import config_from_dict
 
     return config_from_dict({
         "run_root": str(work / "run"),

@@ -104,7 +104,7 @@ def records(args: argparse.Namespace, error: Callable[[str], NoReturn] = _refuse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kdflow.schemas.config import parse_override
+    from kdflow.schemas.config_io import parse_override
 
     parser = bench_parser("train-step", __doc__, run_root=True, repeats=1, device=None, seq_len=None,
                           helps={"run_root": "where the demo's inputs are prepared and kept (without a config file)",
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_config(args: argparse.Namespace) -> Any:
-    from kdflow.schemas.config import load_config
+    from kdflow.schemas.config_io import load_config
 
     overrides = dict(args.set or [])
     if args.config is not None:

@@ -17,7 +17,7 @@ GIB = 2**30
 
 def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:
     """The config with dotted keys (`student.steps`) set, validated again."""
-    from kdflow.schemas.config import config_from_dict, set_dotted
+    from kdflow.schemas.config_io import config_from_dict, set_dotted
 
     data = config.model_dump(mode="json")
     for key, value in overrides.items():
@@ -29,7 +29,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant of `spec` (config, variant, label, warmup, steps) in this process; -> its JSON record."""
     import torch
 
-    from kdflow.schemas.config import config_from_dict
+    from kdflow.schemas.config_io import config_from_dict
     from kdflow.schemas.errors import KDFlowError
     from kdflow.tasks.student.distributed import rank_device
 

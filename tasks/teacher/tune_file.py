@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from kdflow.schemas.config import KDFlowConfig, load_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import load_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.tasks.teacher import tune_search
