@@ -34,6 +34,8 @@ ALLOWED = {
     "kdflow.tasks.teacher": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.teacher"),
     "kdflow.tasks.student": ("kdflow.schemas", "kdflow.tasks.common", "kdflow.tasks.student"),
     "kdflow.flows": ("kdflow.schemas", "kdflow.tasks", "kdflow.flows"),
+    # The benchmarks measure the stages' own code and the demo's assets; never a command, a flow or the CLI.
+    "kdflow.bench": ("kdflow.schemas", "kdflow.tasks", "kdflow.demo_assets", "kdflow.configs", "kdflow.bench"),
     "kdflow": ("kdflow",),
 }
 

@@ -23,7 +23,7 @@ from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.tasks.teacher import tune_search
 from kdflow.tasks.teacher.tune_trial import measure_candidate
-from kdflow.commands.tune import set_nested_value, write_micro_batch
+from kdflow.tasks.teacher.tune_file import set_nested_value, write_micro_batch
 
 REPO = Path(__file__).resolve().parents[1]
 

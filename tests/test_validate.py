@@ -22,7 +22,7 @@ from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.commands.validate import validate_run_root
-from kdflow.commands.validate_checks import topk_problems
+from kdflow.tasks.validate_checks import topk_problems
 
 TAG, TOP_K = "abcdef012345", 8
 Corruption = Callable[[np.ndarray, np.ndarray], None]

@@ -1,28 +1,42 @@
 """kdflow's benchmarks, each printing one JSON object per line: `kdflow bench NAME [options]`.
 
-One module per benchmark (`BENCHES` names them); `harness` holds what they share (a measurement in a fresh
-process, peak memory, JSON-line output); `store_train`, `stores` and the `fidelity_*` modules are helpers of
-the store, scale and fidelity benches. Only the command line (`kdflow.cli`) imports this package; a benchmark's
-module is imported when it runs, so `kdflow --help` stays instant.
+Every benchmark ships in the wheel. Users run precompute, loss, tokenise, store, teacher-pass, train-step,
+logits-precision and gpu (the GPU check): what their own machine, teacher and settings cost. fidelity and scale
+are developer benchmarks, marked "(developers)" in `kdflow bench --help`: they answer questions about kdflow's own
+design (which kind of stored target a student learns from best, over many stored runs; how memory, start-up and
+requests grow with a run's size, on S3 through moto, a test extra).
+
+One module per benchmark (`BENCHES` names them), with helpers beside them: `harness` (a measurement in a fresh
+process, peak memory, JSON-line output, the exit rule), `args` (the command line every bench shares), and the
+helpers of one bench each (`store_train`; `scale_stores`; the `fidelity_*` modules; `gpu_plan`, `gpu_steps`,
+`gpu_teachers`; `logits_precision_measure`; `train_step_measure`). A bench with a `records(args)` function yields
+the dicts its JSON lines are printed from, so that Python code (the GPU check) takes its measurements as they are.
+
+The benchmarks build on the stages' own code (kdflow.schemas, kdflow.tasks) and the demo's assets, never on a
+command, a flow or the CLI (tests/test_layout.py); only the command line (`kdflow.cli`) imports this package, and a
+benchmark's module is imported when it runs, so `kdflow --help` stays instant.
 """
 
 from __future__ import annotations
 
 import importlib
 
-# `kdflow bench NAME` -> the module whose main(argv) runs it (the CLI's choices, in its --help order).
+# `kdflow bench NAME` -> the module whose main(argv) runs it (the CLI's choices, in its --help order: the users'
+# benchmarks, then the developers').
 BENCHES = {
     "precompute": "kdflow.bench.precompute",
     "loss": "kdflow.bench.loss",
     "tokenise": "kdflow.bench.tokenise",
     "store": "kdflow.bench.store",
-    "fidelity": "kdflow.bench.fidelity",
     "teacher-pass": "kdflow.bench.teacher_pass",
-    "gpu": "kdflow.bench.gpu",
-    "logits-precision": "kdflow.bench.logits_precision",
     "train-step": "kdflow.bench.train_step",
+    "logits-precision": "kdflow.bench.logits_precision",
+    "gpu": "kdflow.bench.gpu",
+    "fidelity": "kdflow.bench.fidelity",
     "scale": "kdflow.bench.scale",
 }
+
+DEVELOPERS = "(developers) "  # what marks a developer benchmark in the listing
 
 # What each one measures, for `kdflow bench --help` (its module's docstring says how).
 SUMMARIES = {
@@ -30,12 +44,12 @@ SUMMARIES = {
     "loss": "time and peak memory of the fused top-K KL loss against a dense one",
     "tokenise": "the tokenizer's batch speed against the tokenise stage end to end",
     "store": "bytes/position, KL and speed of every top-K codec setting",
-    "fidelity": "how well a student learns the teacher from each kind of stored target",
     "teacher-pass": "the whole teacher pass against the bare forward of the same model and batch",
-    "gpu": "the GPU check: every CUDA path at the reference teacher's shapes (infra/gpu-check.sh)",
-    "logits-precision": "how far a 16-bit teacher's rounded logits move what the pass stores",
     "train-step": "the student's training step against its limit",
-    "scale": "how memory, start-up and requests grow with the run's size, on local disk and on S3",
+    "logits-precision": "how far a 16-bit teacher's rounded logits move what the pass stores",
+    "gpu": "the GPU check: every CUDA path at the reference teacher's shapes (infra/gpu-check.sh)",
+    "fidelity": DEVELOPERS + "how well a student learns the teacher from each kind of stored target",
+    "scale": DEVELOPERS + "how memory, start-up and requests grow with the run's size, on local disk and on S3",
 }
 
 

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kdflow.bench.args import bench_parser
 from kdflow.bench.fidelity_summary import print_table, store_of, summarise
 
 VARIANTS = ("topk128", "codec", "hybrid", "sampled", "online", "ce")
@@ -47,8 +48,8 @@ DEFAULT_VARIANTS = ("topk128", "codec", "hybrid", "sampled", "ce")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdflow bench fidelity", description=__doc__.splitlines()[0])
-    parser.add_argument("--run-root", default="runs/bench-fidelity")
+    parser = bench_parser("fidelity", __doc__, run_root=True, seq_len=256, threads=True,
+                          helps={"threads": "torch threads (0: torch's default)"})
     parser.add_argument("--seeds", default="0,1,2", help="student seeds (init and data order), comma-separated")
     parser.add_argument("--steps", type=int, default=400, help="optimiser steps of every student")
     parser.add_argument("--corpus-tokens", "--max-tokens", dest="max_tokens", type=int, default=50176,
@@ -57,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="evaluate the student every N steps of its run (0: steps // 8)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--sequences-per-shard", type=int, default=32)
     parser.add_argument("--eval-shards", type=int, default=2, help="held-out token shards (the last ones)")
     parser.add_argument("--hybrid", default="", help="H,S of the hybrid store (default: precompute.sampling's)")
@@ -66,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"any of {', '.join(VARIANTS)}")
     parser.add_argument("--max-new-runs", type=int, default=0,
                         help="train at most N runs not yet stored, then summarise what is stored (0: all)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return parser
 
 

@@ -17,6 +17,8 @@ summary (also `--out`); exit 0 when no step failed (skips included).
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
 estimates, what would skip) at full size without building anything; `--only` runs some steps and what they need;
 `--progress-log` appends each step as it starts and ends, for a summary of a check stopped from outside.
+Each step is a function (gpu_steps.py, gpu_teachers.py) that returns its record: a bench's measurements come
+from its `records`, the dicts its JSON lines are printed from, so nothing here parses printed text.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from typing import Any
 
 from kdflow.bench import logits_precision_measure
 from kdflow.bench import gpu_steps as steps_
+from kdflow.bench import gpu_teachers as teachers
+from kdflow.bench.args import bench_parser
 from kdflow.bench.gpu_plan import H200_MEMORY_GIB, plan, sizes
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdflow bench gpu", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the rehearsal")
+    parser = bench_parser("gpu", __doc__, device="cuda", devices=["cuda", "cpu"],
+                          helps={"device": "cpu: the rehearsal"})
     parser.add_argument("--quick", action="store_true", help="small sizes (the rehearsal's; default with --device cpu)")
     parser.add_argument("--plan", action="store_true", help="print the plan at these sizes and exit (builds nothing)")
     parser.add_argument("--memory-gib", type=float, default=H200_MEMORY_GIB, help="--plan: the device's memory")
@@ -122,7 +126,7 @@ def check_config(work: Path, device: str, size: dict[str, Any], depth: int, four
         "run_root": str(work / "run"),
         "dataset": {"path": str(work / "docs.jsonl"), "documents_per_part": 64},
         "seq_len": size["seq_len"],
-        "teacher": {"model": str(steps_.teacher_folder(work, depth)), "load_in_4bit": four_bit, "device": device,
+        "teacher": {"model": str(teachers.teacher_folder(work, depth)), "load_in_4bit": four_bit, "device": device,
                     "dtype": "bfloat16"},
         "precompute": {"top_k": size["top_k"], "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
         "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"],
@@ -211,15 +215,11 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
                for bits in ("4bit", "bf16") for depth in (low, high)}
     main_config = configs[(high, "4bit")]
     long_s = 0 if quick else 60  # what a teacher step needs at full size, at the least
-    loss_argv = ["--device", device, "--tokens", ",".join(map(str, size["loss_tokens"])), "--vocab",
-                 str(size["loss_vocab"]), "--hidden", str(size["loss_hidden"]), "--repeats", str(size["pass_repeats"]),
-                 "--autocast-bf16", "--dense-max-gib", "100"]
-    steps.run("bench_loss", lambda: steps_.bench("loss", loss_argv), needs_s=long_s / 2)
-    steps.run("bench_precompute", lambda: steps_.bench("precompute", ["--device", device, *size["topk_bench"]]),
-              needs_s=long_s / 2)
-    steps.run("teacher", lambda: steps_.build_teachers(work, size, device))
-    steps.run("teacher_weights_4bit", lambda: steps_.teacher_weights([configs[(d, "4bit")] for d in (low, high)],
-                                                                     (low, high), size["shapes"]),
+    steps.run("bench_loss", lambda: steps_.bench_loss(device, size), needs_s=long_s / 2)
+    steps.run("bench_precompute", lambda: steps_.bench_precompute(device, size), needs_s=long_s / 2)
+    steps.run("teacher", lambda: teachers.build_teachers(work, size, device))
+    steps.run("teacher_weights_4bit", lambda: teachers.teacher_weights([configs[(d, "4bit")] for d in (low, high)],
+                                                                       (low, high), size["shapes"]),
               needs=("teacher",), needs_s=long_s / 2)
     steps.run("tokens", lambda: steps_.tokens(main_config), needs=("teacher",))
     steps.run("tune_precompute", lambda: steps_.tune(main_config, size), needs=("tokens",), needs_s=2 * long_s)
@@ -239,13 +239,10 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
                   lambda bits=bits: steps_.extrapolate(steps.results, (low, high), size["shapes"], bits), needs=names,
                   needs_s=float("-inf"))  # arithmetic on what was measured: never skipped for time
     steps.run("logits_precision", lambda: logits_precision_measure.logits_precision(
-        steps_.teacher_folder(work, low), device, size["precision_tokens"]),
+        teachers.teacher_folder(work, low), device, size["precision_tokens"]),
               needs=("teacher",), needs_s=long_s / 2)
-    train_steps = ["--steps", "3", "--warmup", "1"] if not quick else ["--steps", "1", "--warmup", "0"]
-    train_argv = [str(main_config), "--variants", "plain,fused", *train_steps, "--device", device,
-                  "--seq-len", str(size["train_seq_len"]), "--check-float32"]
-    steps.run("bench_train_step", lambda: steps_.bench("train-step", train_argv), needs=("precompute",),
-              needs_s=long_s / 2)
+    steps.run("bench_train_step", lambda: steps_.bench_train_step(main_config, device, size, quick),
+              needs=("precompute",), needs_s=long_s / 2)
     steps.run("train_bf16", lambda: steps_.train(main_config), needs=("precompute",), needs_s=long_s / 2)
     for mode in ("sampled", "hybrid"):
         steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),

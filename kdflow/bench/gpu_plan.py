@@ -69,8 +69,8 @@ def sizes(quick: bool) -> dict[str, Any]:
     """Every size of the check; the quick ones keep the CPU rehearsal to about a minute on two cores."""
     if quick:
         return {"shapes": QUICK_SHAPES, "depths": (1, 2), "seq_len": 32, "documents": 16, "per_shard": 16, "top_k": 32,
-                "micro_batches": "2,4", "topk_bench": ["--vocab", "4096", "--hidden", "64", "--seq-len", "32",
-                                                       "--micro-batches", "2", "--repeats", "1"],
+                "micro_batches": "2,4", "topk_bench": {"vocab": 4096, "hidden": 64, "seq_len": 32, "micro_batches": "2",
+                                                       "repeats": 1},
                 "loss_tokens": [256], "loss_hidden": 64, "loss_vocab": 4096, "pass_shards": 1,
                 "pass_bits": ("4bit",), "pass_repeats": 1, "precision_tokens": 64,
                 "student_steps": 3, "batch_size": 4, "train_seq_len": 32}
@@ -78,8 +78,8 @@ def sizes(quick: bool) -> dict[str, Any]:
     # in a real run (1,024 a shard by default); one micro-batch a shard would time the shard's end serially.
     return {"shapes": REFERENCE_SHAPES, "depths": (2, 4), "seq_len": 1024, "documents": 3000, "per_shard": 128,
             "top_k": 128,
-            "micro_batches": "16,32", "topk_bench": ["--hidden", "2560", "--micro-batches", "16,32",
-                                                       "--repeats", "3", "--dense-limit-gib", "60"],
+            "micro_batches": "16,32", "topk_bench": {"hidden": 2560, "micro_batches": "16,32", "repeats": 3,
+                                                       "dense_limit_gib": 60.0},
             "loss_tokens": [8192, 16384, 32768], "loss_hidden": 2560, "loss_vocab": REFERENCE_VOCAB, "pass_shards": 2,
             "pass_bits": ("4bit", "bf16"), "pass_repeats": 2, "precision_tokens": 8192,
             "student_steps": 6, "batch_size": 8, "train_seq_len": 1024}

@@ -1,39 +1,29 @@
-"""The steps of `kdflow bench gpu` (kdflow/bench/gpu.py runs them): each returns its record or raises.
+"""The steps of `kdflow bench gpu` (kdflow/bench/gpu.py runs them): each returns its record (a dict) or raises.
 
-None of them imports Prefect: they call the tasks layer and the benches directly, so that on the GPU machine
-only the image's packages and the carried wheels (infra/gpu-wheels.txt) are needed.
+Each calls functions, never a command's main: the tasks layer, and a bench's `records` (the dicts its JSON lines
+are printed from) with its options set by name (`kdflow.bench.args.options`), judged by `bench`; nothing parses
+printed text. None of them imports Prefect, so that on the GPU machine only the image's packages and the carried
+wheels (infra/gpu-wheels.txt) are needed. The teachers are built in gpu_teachers.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, GIB, model_parameters, teacher_bytes
+from kdflow.bench.args import options
+from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, model_parameters
+
+HEADROOM = 0.10  # of the device's memory, left free by the recommended micro-batch (tune's default)
 
 
 class Skipped(Exception):
     """Raised by a step that decides not to run (its reason is recorded; a skip is never a failure)."""
-
-
-def json_lines(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-
-def captured(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str]:
-    """Run a `kdflow` subcommand's main in this process, its stdout captured (and echoed to stderr)."""
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        code = main(argv)
-    sys.stderr.write(buffer.getvalue())
-    return code, buffer.getvalue()
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:
@@ -43,106 +33,7 @@ def write_yaml(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
-BUILT = "teachers.json"  # in the work folder once every teacher is saved
-TUNED = "tuned.json"  # in the work folder once `kdflow tune precompute` recommended a micro-batch
-
-
-def teacher_folder(work: Path, depth: int) -> Path:
-    return work / f"teacher-L{depth}"
-
-
-def build_teachers(work: Path, size: dict[str, Any], device: str) -> dict[str, Any]:
-    """Random Qwen3-MoE teachers with the check's shapes at each depth, and a tokenizer of exactly their
-    vocabulary (a tiny BPE trained on Python's docs, its vocabulary padded with ids it never produces), so
-    that the student's vocabulary is the teacher's."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from kdflow.bench.tokenise import pydoc_paragraphs, train_tiny_tokenizer
-
-    shapes = size["shapes"]
-    record_path = work / BUILT
-    if record_path.is_file():  # a second call on a machine still warm, with the same --work-dir: build once
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-        if record["shapes"] == shapes and all(teacher_folder(work, d).is_dir() for d in size["depths"]):
-            return record | {"reused": str(record_path)}
-    tokenizer = train_tiny_tokenizer(work / "tokenizer", pydoc_paragraphs(400), 384)
-    _pad_vocabulary(tokenizer / "tokenizer.json", shapes["vocab_size"])
-    texts = pydoc_paragraphs(size["documents"])
-    (work / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    built = {}
-    for depth in size["depths"]:
-        config = Qwen3MoeConfig(**(shapes | {"num_hidden_layers": depth}), intermediate_size=4 * shapes["hidden_size"],
-                                max_position_embeddings=max(4096, size["seq_len"]), tie_word_embeddings=False,
-                                eos_token_id=0, bos_token_id=0, pad_token_id=1)
-        torch.manual_seed(depth)
-        build_on = device if device == "cuda" else "cpu"  # random init of billions of weights: on the GPU there
-        with torch.device(build_on):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        folder = teacher_folder(work, depth)
-        model.save_pretrained(folder)
-        for name in tokenizer.iterdir():
-            shutil.copy(name, folder / name.name)
-        built[f"L{depth}"] = {"parameters": sum(p.numel() for p in model.parameters())}
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    record = {"architecture": "Qwen3MoeForCausalLM", "shapes": shapes, "depths": built}
-    record_path.write_text(json.dumps(record), encoding="utf-8")  # last: a build stopped midway is redone
-    return record
-
-
-def teacher_weights(config_paths: list[Path], depths: tuple[int, int], shapes: dict[str, int]) -> dict[str, Any]:
-    """Each depth's 4-bit teacher loaded as the pass loads it (`load_teacher`): its weights by kind, any expert
-    left in 16 bits (a failure), the load's seconds and peak device memory; the full depth's 4-bit weights
-    extrapolated from the two depths, against the plan's arithmetic (what a 24 GB GPU must hold)."""
-    import time
-
-    import torch
-
-    from kdflow.schemas.config_io import load_config
-    from kdflow.tasks.common.fused_experts import fused_expert_weights, weight_bytes
-    from kdflow.tasks.common.teacher_loading import load_teacher
-
-    out: dict[str, Any] = {}
-    totals = {}
-    for depth, path in zip(depths, config_paths, strict=True):
-        teacher = load_config(path).teacher
-        cuda = teacher.device.startswith("cuda")
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        started = time.perf_counter()
-        model = load_teacher(teacher)
-        seconds = time.perf_counter() - started
-        sizes, left = weight_bytes(model), fused_expert_weights(model)
-        totals[depth] = sum(sizes.values())
-        peak = round(torch.cuda.max_memory_allocated() / GIB, 3) if cuda else None
-        out[f"L{depth}"] = {"load_s": round(seconds, 2), "total_gib": round(totals[depth] / GIB, 4),
-                            "weight_bytes": sizes,
-                            "experts_left_unquantised": [name for name, *_ in left], "peak_load_gib": peak}
-        del model
-        if left:
-            raise RuntimeError(f"{len(left)} expert weight(s) of the L{depth} teacher not quantised: {left[0][0]}")
-    low, high = depths
-    per_layer = (totals[high] - totals[low]) / (high - low)
-    layers, float_bytes = shapes["num_hidden_layers"], 2 if teacher.dtype in ("bfloat16", "float16") else 4
-    full = int(totals[low] + per_layer * (layers - low))
-    planned = teacher_bytes(shapes, layers, True, float_bytes=float_bytes)
-    out["full_depth"] = {"what": f"extrapolation to {layers} layers from L{low} and L{high}",
-                         "weights_4bit_bytes": full, "weights_4bit_gib": round(full / GIB, 3),
-                         "planned_bytes": planned, "planned_gib": round(planned / GIB, 3),
-                         "weights_4bit_experts_16bit_gib": round(
-                             teacher_bytes(shapes, layers, True, experts_4bit=False, float_bytes=float_bytes) / GIB, 3)}
-    return out
-
-
-def _pad_vocabulary(tokenizer_json: Path, vocab: int) -> None:
-    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    entries = data["model"]["vocab"]
-    for index in range(len(entries), vocab):
-        entries[f"<|unused{index}|>"] = index
-    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+TUNED = "tuned.json"  # in the work folder once `tune_precompute` recommended a micro-batch
 
 
 def tokens(config_path: Path) -> dict[str, Any]:
@@ -158,17 +49,30 @@ def tokens(config_path: Path) -> dict[str, Any]:
 
 
 def tune(config_path: Path, size: dict[str, Any]) -> dict[str, Any]:
-    from kdflow.commands.tune import main as tune_main
+    """`kdflow tune precompute CONFIG --write` as functions: the candidates timed, the recommendation written into
+    the config (and into the work folder, for a later call with --only)."""
+    from kdflow.tasks.common.launch import config_file
+    from kdflow.tasks.teacher import tune_search
+    from kdflow.tasks.teacher.tune_file import check_tune_request, write_micro_batch
 
-    code, out = captured(tune_main, [str(config_path), "--micro-batches", size["micro_batches"], "--batches", "2",
-                                     "--write", "--json", "--timeout-s", "150"])
-    result = json_lines(out)[-1]
-    if code != 0:
-        raise RuntimeError(f"kdflow tune precompute exited {code}: no recommendation")
+    request = check_tune_request(config_path, micro_batches=size["micro_batches"], batches=2, headroom=HEADROOM,
+                                 timeout_s=150, write=True)
+    with config_file(request.config, "kdflow-gpu-tune-") as path:
+        candidates = tune_search.tune(path, request.sizes, batches=2, timeout_s=150, on_candidate=_said)
+    print(tune_search.table(candidates, HEADROOM), file=sys.stderr)
+    result = tune_search.summary(candidates, HEADROOM)
+    if result["recommended_micro_batch"] is None:
+        raise RuntimeError(f"tune precompute: no candidate ran with {HEADROOM:.0%} headroom: no recommendation")
+    write_micro_batch(config_path, result["recommended_micro_batch"])
     record = {key: result[key] for key in ("recommended_micro_batch", "recommended_tokens_per_s", "fastest_micro_batch",
                                            "recommended_over_fastest", "candidates")}
     (config_path.parent / TUNED).write_text(json.dumps(record), encoding="utf-8")
     return record
+
+
+def _said(candidate: Any) -> None:
+    print(f"tune precompute: micro-batch {candidate.micro_batch}: {candidate.status} {candidate.message}".rstrip(),
+          file=sys.stderr, flush=True)
 
 
 def tuned_micro_batch(work: Path, results: dict[str, dict[str, Any]]) -> int | None:
@@ -209,18 +113,16 @@ def targets(config_path: Path, mode: str) -> dict[str, Any]:
     return precompute(write_yaml(config_path.with_name(f"check-{mode}.yaml"), data)) | {"targets": mode}
 
 
-def bench(what: str, argv: list[str]) -> dict[str, Any]:
-    """A `kdflow bench` run: failed when it exits non-zero or a record holds an error; records that say they were
-    skipped (planned, nothing attempted) are listed, never counted as errors."""
-    from kdflow.bench import run_bench
-
-    code, out = captured(lambda bench_argv: run_bench(what, bench_argv), argv)
-    records = json_lines(out)
+def bench(what: str, records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """A bench's records judged (each echoed to stderr, the check's log, as it comes): failed when there are none or
+    one holds an error; records that say they were skipped (planned, nothing attempted) are listed, never counted
+    as errors, and when every one is, the step is skipped."""
+    records = [_echo(record) for record in records]
     skipped = [r for r in records if r.get("skipped") or str(r.get("status", "")).startswith("skipped")]
     errors = [r for r in records
               if r not in skipped and (r.get("error") or str(r.get("status", "")).startswith("error"))]
-    if code != 0 or not records or errors:
-        raise RuntimeError(f"kdflow bench {what} exited {code}: {errors[0] if errors else 'no records'}")
+    if not records or errors:
+        raise RuntimeError(f"kdflow bench {what}: {errors[0] if errors else 'no records'}")
     if len(skipped) == len(records):
         raise Skipped(f"every record skipped: {skipped[0].get('skipped') or skipped[0].get('status')}")
     off = [r for r in records if r.get("float32_check", {}).get("ok") is False]
@@ -232,13 +134,46 @@ def bench(what: str, argv: list[str]) -> dict[str, Any]:
     return {"records": records, "skipped_records": len(skipped)}
 
 
+def _echo(record: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps(record), file=sys.stderr, flush=True)
+    return record
+
+
+def bench_loss(device: str, size: dict[str, Any]) -> dict[str, Any]:
+    """`kdflow bench loss` under bf16 autocast at the check's sizes (fused against dense, and a float32 reference)."""
+    from kdflow.bench import loss
+
+    args = options(loss.build_parser(), device=device, tokens=size["loss_tokens"], vocab=[size["loss_vocab"]],
+                   hidden=[size["loss_hidden"]], repeats=size["pass_repeats"], autocast_bf16=True, dense_max_gib=100)
+    return bench("loss", loss.records(args))
+
+
+def bench_precompute(device: str, size: dict[str, Any]) -> dict[str, Any]:
+    """`kdflow bench precompute`: the top-K step chunked against dense, at the check's sizes."""
+    from kdflow.bench import precompute
+
+    args = precompute.prepare(options(precompute.build_parser(), device=device, **size["topk_bench"]))
+    return bench("precompute", precompute.records(args))
+
+
+def bench_train_step(config_path: Path, device: str, size: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """`kdflow bench train-step`, plain against fused, the fused step checked against float32."""
+    from kdflow.bench import train_step
+
+    counts = {"steps": 1, "warmup": 0} if quick else {"steps": 3, "warmup": 1}
+    args = options(train_step.build_parser(), config=str(config_path), variants="plain,fused", device=device,
+                   seq_len=size["train_seq_len"], check_float32=True, **counts)
+    return bench("train-step", train_step.records(args))
+
+
 def teacher_pass(config_path: Path, micro_batch: int | None, shards: int, depth: int,
                  shapes: dict[str, int], repeats: int = 2) -> dict[str, Any]:
     """`kdflow bench teacher-pass` (body, forward, topk, stage) on one teacher; with MFU from its active params."""
-    argv = ["--config", str(config_path), "--shards", str(shards), "--repeats", str(repeats)]
-    if micro_batch:
-        argv += ["--micro-batch", str(micro_batch)]
-    result = bench("teacher-pass", argv)
+    from kdflow.bench import teacher_pass as bench_teacher_pass
+
+    args = options(bench_teacher_pass.build_parser(), config=str(config_path), shards=shards, repeats=repeats,
+                   micro_batch=micro_batch or None)
+    result = bench("teacher-pass", bench_teacher_pass.records(args))
     modes = {r["mode"]: r for r in result["records"] if "mode" in r}
     ratios = next((r for r in result["records"] if r.get("what") == "ratios"), {})
     active = matmul_parameters(shapes, depth)

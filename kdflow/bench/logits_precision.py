@@ -15,21 +15,21 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kdflow.bench.args import bench_parser
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdflow bench logits-precision", description=__doc__.splitlines()[0])
-    parser.add_argument("--run-root", default="runs/bench-logits-precision", help="where the demo teacher is kept")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("logits-precision", __doc__, run_root=True, device="cpu", seq_len=256, top_k=128, seed=0,
+                          helps={"run_root": "where the demo teacher is kept",
+                                 "seq_len": "tokens of each (documents shorter are passed over)",
+                                 "seed": "which documents (a random pick)"})
     parser.add_argument("--sequences", type=int, default=8, help="documents of the corpus, one sequence each")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens of each (documents shorter are passed over)")
-    parser.add_argument("--top-k", type=int, default=128)
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0, help="which documents (a random pick)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     for name in ("sequences", "seq_len", "top_k"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -18,8 +18,10 @@ import json
 import math
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, peak_bytes, reset_peak, run_fresh, synchronise
 
 GIB = 2**30
@@ -30,13 +32,20 @@ MODULE = "kdflow.bench.loss"  # the child of each measurement: python -m MODULE 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.modes or set(args.modes) - {"fused", "dense"}:
         parser.error(f"--modes must be a comma list of fused, dense; got {','.join(args.modes)}")
     if args.measure:
         emit(_measure(json.loads(args.measure)))
         return 0
+    for record in records(args):
+        emit(record)
+    return 0
+
+
+def records(args: argparse.Namespace) -> Iterator[dict]:
+    """Each mode's record at every size, as it is measured (in a fresh process each); `args` from `_parser`."""
     dense_limit = min(args.dense_max_gib * GIB, 0.6 * _available_memory_bytes(args.device))
     for vocab, width, tokens in itertools.product(args.vocab, args.hidden, args.tokens):
         spec = {"tokens": tokens, "vocab": vocab, "hidden": width, "top_k": args.top_k,
@@ -52,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                                            f"{dense_limit / GIB:.1f} GiB"}
             else:
                 dense = _run_child(spec | {"mode": "dense", "compare_fused": "fused" in args.modes})
-            emit(dense)
+            yield dense
         if "fused" in args.modes:
             fused = _run_child(spec | {"mode": "fused"})
             if dense is not None and "loss_abs_diff" in dense:
@@ -60,24 +69,20 @@ def main(argv: list[str] | None = None) -> int:
                 peak_ratio = dense["peak_bytes"] / max(fused["peak_bytes"], 1)
                 fused["peak_ratio_dense_over_fused"] = round(peak_ratio, 2)
                 fused["time_ratio_fused_over_dense"] = round(fused["seconds"] / dense["seconds"], 3)
-            emit(fused)
-    return 0
+            yield fused
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     def int_list(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part]
 
-    parser = argparse.ArgumentParser(prog="kdflow bench loss", description=__doc__.splitlines()[0])
+    parser = bench_parser("loss", __doc__, device="cpu", devices=["cpu", "cuda"], top_k=128, repeats=2,
+                          helps={"repeats": "timed steps per measurement (min is reported)"})
     parser.add_argument("--tokens", type=int_list, default=[2048, 8192, 32768], help="comma list of N")
     parser.add_argument("--vocab", type=int_list, default=[49152], help="comma list of V")
     parser.add_argument("--hidden", type=int_list, default=[576], help="comma list of H")
-    parser.add_argument("--top-k", type=int, default=128)
     parser.add_argument("--modes", type=lambda text: text.split(","), default=["fused", "dense"])
     parser.add_argument("--chunk-tokens", type=int, default=4096)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="timed steps per measurement (min is reported)")
     parser.add_argument("--dense-max-gib", type=float, default=12.0,
                         help="skip dense above this estimated peak")
     parser.add_argument("--autocast-bf16", action="store_true",

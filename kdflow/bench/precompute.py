@@ -17,13 +17,14 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import PeakMemory, emit, run_fresh
 from kdflow.tasks.teacher.topk import choose_chunk_tokens, chunked_topk
 
@@ -37,13 +38,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdflow bench precompute", description=__doc__.splitlines()[0])
+    parser = bench_parser("precompute", __doc__, device="auto", devices=["auto", "cpu", "cuda"], seq_len=None,
+                          top_k=128, repeats=3, seed=0, threads=True,
+                          helps={"seq_len": "tokens per sequence (default: 512 on cuda, 64 on cpu)",
+                                 "repeats": "timed runs per measurement (median reported)"})
     parser.add_argument("--vocab", type=int, default=196_608)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--seq-len", type=int, default=None, help="default: 512 on cuda, 64 on cpu")
     parser.add_argument("--micro-batches", default="14,28,56", help="comma-separated micro-batch sizes")
-    parser.add_argument("--top-k", type=int, default=128)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu"
     )
@@ -55,10 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-budget-mib", type=int, default=None, help="memory for one chunk's logits; default 1024 cuda, 512 cpu"
     )
     parser.add_argument("--dense-limit-gib", type=float, default=None, help="skip dense runs estimated above this")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed runs first; default 1 cuda, 0 cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     # Internal: one CPU measurement in a fresh process.
     parser.add_argument("--worker-mode", choices=["chunked", "dense"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-micro-batch", type=int, help=argparse.SUPPRESS)
@@ -257,7 +255,17 @@ def compare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = resolve_defaults(build_parser().parse_args(argv))
+    args = prepare(build_parser().parse_args(argv))
+    if args.worker_mode is not None:
+        return run_worker(args)
+    for record in records(args):
+        emit(record)
+    return 0
+
+
+def prepare(args: argparse.Namespace) -> argparse.Namespace:
+    """The options checked, the device's defaults filled in, torch's threads set: -> `args` for `records`."""
+    args = resolve_defaults(args)
     if args.vocab_chunk < 0:
         raise SystemExit(f"--vocab-chunk must be >= 0, got {args.vocab_chunk}")
     for name in ("vocab", "hidden", "seq_len", "top_k", "chunk_tokens", "repeats"):
@@ -267,23 +275,25 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--top-k must be <= --vocab ({args.vocab}), got {args.top_k}")
     if args.threads > 0:  # one thread makes CPU timings robust to other tenants (no parallel-region waits)
         torch.set_num_threads(args.threads)
-    if args.worker_mode is not None:
-        return run_worker(args)
+    return args
+
+
+def records(args: argparse.Namespace) -> Iterator[dict]:
+    """Both modes' records for each micro-batch, chunked with its agreement to dense; `args` from `prepare`."""
     micro_batches = [int(size) for size in args.micro_batches.split(",") if size.strip()]
     with tempfile.TemporaryDirectory(prefix="kdflow-bench-") as out_dir:
         for micro_batch in micro_batches:
-            results, records = {}, {}
+            results, measured = {}, {}
             for mode in ("chunked", "dense"):
                 if args.device == "cpu":
-                    records[mode], results[mode] = measure_in_subprocess(args, mode, micro_batch, Path(out_dir))
+                    measured[mode], results[mode] = measure_in_subprocess(args, mode, micro_batch, Path(out_dir))
                 else:
-                    records[mode], results[mode] = measure(args, mode, micro_batch)
+                    measured[mode], results[mode] = measure(args, mode, micro_batch)
                     torch.cuda.empty_cache()
-            compare(records["chunked"], records["dense"], results["chunked"], results["dense"])
+            compare(measured["chunked"], measured["dense"], results["chunked"], results["dense"])
             for mode in ("chunked", "dense"):
-                records[mode].update(loadavg_1m=round(os.getloadavg()[0], 2), measured=MEASURED)
-                emit(records[mode])
-    return 0
+                measured[mode].update(loadavg_1m=round(os.getloadavg()[0], 2), measured=MEASURED)
+                yield measured[mode]
 
 
 if __name__ == "__main__":

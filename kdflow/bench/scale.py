@@ -3,8 +3,9 @@
 A synthetic teacher (a Llama built from a config: the reference vocabulary of 196,608, a tiny body) makes
 top-K stores (K=128) for runs of two sizes, once on local disk; each is then copied to moto's S3 server
 (started here, on loopback) as well. Per size and store, in a fresh process each: training (peak RSS, the
-data loader's wait as a fraction of step time, start-up: opening the stores), `kdflow validate` and
-`kdflow status` (peak RSS, seconds), and on S3 the requests each made, per shard. Then run roots holding
+data loader's wait as a fraction of step time, start-up: opening the stores), the checks of
+`kdflow validate` and the lines of `kdflow status` (kdflow.tasks.validate and run_status: peak RSS, seconds),
+and on S3 the requests each made, per shard. Then run roots holding
 only commit records (thousands of shards, tiny data files) time `kdflow status` and a stage's start-up
 (one listing and the records of the token and top-K stores) as the shard count grows.
 Prints one JSON object per line; every line carries the load average. Needs moto (the test extra) for S3.
@@ -13,8 +14,6 @@ Prints one JSON object per line; every line carries the load average. Needs moto
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kdflow.bench import harness
+from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import open_root, peak_rss_mib, run_fresh
 from kdflow.bench.scale_stores import Moto, records_only, store_env
 
@@ -76,14 +76,21 @@ def child(kind: str, target: str) -> dict[str, Any]:
         config = load_config(target)
         plan = plan_pass(open_run_root(config), teacher_pass_settings(config), None, torch.device("cpu"))
         out |= {"startup_s": round(time.perf_counter() - started, 3), "todo": len(plan.todo)}
-    elif kind in ("validate", "status"):
-        from kdflow.commands.status import print_status
-        from kdflow.commands.validate import validate_run_root
+    elif kind in ("validate", "status"):  # the checks and lines `kdflow validate` and `kdflow status` print
+        from kdflow.tasks.run_status import status_lines
+        from kdflow.tasks.validate import store_reports
 
         started = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            code = validate_run_root(target) if kind == "validate" else print_status(target)
-        out |= {"exit_code": code, "output_lines": len(printed.getvalue().splitlines())}
+        run_root = open_root(target)
+        if not run_root.exists(run_root.root):
+            out |= {"exit_code": 1, "output_lines": 1}
+        elif kind == "status":
+            out |= {"exit_code": 0, "output_lines": len(list(status_lines(run_root)))}
+        else:
+            reports = list(store_reports(run_root))
+            # validate prints a heading, a line per store, note and problem, and its verdict (or "no stores")
+            lines = 1 + sum(1 + len(r.notes) + len(r.problems) for r in reports) + 1
+            out |= {"exit_code": int(not reports or any(r.problems for r in reports)), "output_lines": lines}
     elif kind == "startup":
         from kdflow.schemas.commits import list_commits, stage_dir
         from kdflow.schemas.store_info import topk_tags
@@ -238,7 +245,7 @@ def measure_run(label: dict[str, Any], run_root: str, config_path: Path, env: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kdflow bench scale", description=__doc__.splitlines()[0])
+    parser = bench_parser("scale", __doc__, top_k=128, seq_len=512)
     parser.add_argument("--child", nargs=2, metavar=("KIND", "TARGET"), help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="0.25M,1M", help="run sizes in tokens, comma list (K and M suffixes)")
     parser.add_argument("--stores", default="disk,s3", help="disk, s3 (moto's server on loopback), or both")
@@ -250,8 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-hidden", type=int, default=8, help="the synthetic teacher's hidden size")
     parser.add_argument("--tokenizer-vocab", type=int, default=4096,
                         help="the BPE trained here (the student's vocabulary)")
-    parser.add_argument("--top-k", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--sequences-per-shard", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import note, open_root
 from kdflow.schemas.codec import DecodedTopk, TopkCodec, decode, encode, from_v1
 from kdflow.schemas.codec_meta import CRC32, Renumbering
@@ -278,16 +279,15 @@ def run_settings(shards: list[Shard], vocab: int, counts: np.ndarray, repeats: i
             print(json.dumps({"source": source} | record | ratios), flush=True)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdflow bench store", description=__doc__.splitlines()[0])
-    parser.add_argument("--run-root", default="runs/bench-store",
-                        help="where the real stores are built (kept for reruns)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("store", __doc__, run_root=True, repeats=3,
+                          helps={"run_root": "where the real stores are built (kept for reruns)",
+                                 "repeats": "timings: best of this many"})
     parser.add_argument("--shards", type=int, default=8, help="token shards of 16 rows x 512 tokens (real)")
     parser.add_argument("--synthetic", action="store_true",
                         help="the synthetic V=196,608 teacher instead of the real one")
     parser.add_argument("--vocab", type=int, default=196_608, help="synthetic vocabulary")
     parser.add_argument("--rows", type=int, default=16, help="synthetic rows of 512 positions")
-    parser.add_argument("--repeats", type=int, default=3, help="timings: best of this many")
     parser.add_argument("--only", default=None, help="only settings whose label contains this")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="real: also train the demo-size student this many steps on the default and the "
@@ -296,7 +296,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.synthetic:

@@ -35,23 +35,24 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from kdflow.bench.args import bench_parser
 
 MODES = ("body", "forward", "topk", "stage")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdflow bench teacher-pass", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser("teacher-pass", __doc__, run_root=True, repeats=3, threads=True, device=None,
+                          helps={"run_root": "where the demo inputs are prepared",
+                                 "repeats": "rounds; each mode reports its best",
+                                 "device": "default: the config's teacher.device"})
     parser.add_argument("--config", help="a config whose token store exists (default: the demo's, under --run-root)")
-    parser.add_argument("--run-root", default="runs/bench-teacher-pass", help="where the demo inputs are prepared")
     parser.add_argument("--shards", type=int, default=3, help="token shards timed per mode and round")
     parser.add_argument("--micro-batch", type=int, help="default: the config's precompute.micro_batch")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds; each mode reports its best")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--device", help="default: the config's teacher.device")
     return parser
 
 
@@ -218,7 +219,15 @@ def empty_store(topk: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    from kdflow.bench.harness import emit
+
+    for record in records(build_parser().parse_args(argv)):
+        emit(record)
+    return 0
+
+
+def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """Each mode's record (its best round), then the ratios between modes; `args` from `_parser`."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes must be a comma list of {', '.join(MODES)}; got {args.modes!r}")
@@ -230,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from kdflow.bench.harness import emit
     from kdflow.schemas.config_io import load_config
     from kdflow.tasks.common.models import resolve_device
     from kdflow.tasks.common.teacher_loading import load_teacher
@@ -271,17 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         rates[mode] = tokens / best
         # the stage's best round: its background writer busy, the pass blocked on it ([0]: the untimed call)
         extra = stage_calls[1:][seconds[mode].index(best)] if mode == "stage" else {}
-        emit(common | {"mode": mode, "tokens_per_s": round(rates[mode], 1), "seconds_best": round(best, 3),
-                       "seconds_median": round(statistics.median(seconds[mode]), 3),
-                       "seconds_all": [round(s, 3) for s in seconds[mode]],
-                       "cpu_seconds_best": round(min(cpu_seconds[mode]), 3),
-                       "loadavg_1m": round(os.getloadavg()[0], 2)} | extra)
+        yield (common | {"mode": mode, "tokens_per_s": round(rates[mode], 1), "seconds_best": round(best, 3),
+                        "seconds_median": round(statistics.median(seconds[mode]), 3),
+                        "seconds_all": [round(s, 3) for s in seconds[mode]],
+                        "cpu_seconds_best": round(min(cpu_seconds[mode]), 3),
+                        "loadavg_1m": round(os.getloadavg()[0], 2)} | extra)
     ratios = {f"{num}/{den}": round(rates[num] / rates[den], 3)
               for num, den in (("stage", "forward"), ("stage", "body"), ("stage", "topk"), ("topk", "forward"),
                                ("topk", "body")) if num in rates and den in rates}
     loadavg = [round(x, 2) for x in os.getloadavg()]
-    emit({"bench": "teacher_pass", "what": "ratios", **ratios, "loadavg": loadavg})
-    return 0
+    yield {"bench": "teacher_pass", "what": "ratios", **ratios, "loadavg": loadavg}
 
 
 if __name__ == "__main__":

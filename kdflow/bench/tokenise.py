@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kdflow.bench.args import bench_parser
+
 
 def pydoc_paragraphs(count: int) -> list[str]:
     """`count` documents: the paragraphs of Python's shipped documentation, repeated in order."""
@@ -107,15 +109,14 @@ def time_stage(config: Any, tokenizer: Any) -> tuple[float, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kdflow bench tokenise", description=__doc__.splitlines()[0])
+    parser = bench_parser("tokenise", __doc__, seq_len=512, repeats=3,
+                          helps={"repeats": "best of this many timings per side"})
     parser.add_argument("--tokenizer", help="a local tokenizer folder (default: train a tiny byte-level BPE)")
     parser.add_argument("--gguf-file", help="a GGUF file inside --tokenizer to read the tokenizer from")
     parser.add_argument("--documents", type=int, default=20_000)
     parser.add_argument("--vocab-size", type=int, default=384,
                         help="vocabulary of the tokenizer trained when none is given")
-    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--sequences-per-shard", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many timings per side")
     parser.add_argument("--parallelism", default="false,true",
                         help="TOKENIZERS_PARALLELISM values to measure, comma list")
     args = parser.parse_args(argv)

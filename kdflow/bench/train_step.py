@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
+from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, run_fresh
 from kdflow.bench.train_step_measure import measure, with_overrides
 
@@ -55,56 +57,64 @@ TARGETS = {"b/a": 0.95, "c/b": 0.95}
 MODULE = "kdflow.bench.train_step"  # the child of each measurement: python -m MODULE --measure SPEC
 
 
+def _refuse(message: str) -> NoReturn:
+    raise SystemExit(f"kdflow bench train-step: {message}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.measure:
         emit(measure(json.loads(args.measure)))
         return 0
+    for record in records(args, parser.error):
+        emit(record)
+    return 0
+
+
+def records(args: argparse.Namespace, error: Callable[[str], NoReturn] = _refuse) -> Iterator[dict[str, Any]]:
+    """Each variant's record (the fastest of its repeats), then the ratios; `args` from `_parser`. A wrong
+    --variants or --options goes to `error` (the command line's: usage and exit 2) before anything runs."""
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS):
-        parser.error(f"--variants must be a comma list of {', '.join(VARIANTS)}; got {args.variants}")
+        error(f"--variants must be a comma list of {', '.join(VARIANTS)}; got {args.variants}")
     options = [name for name in args.options.split(",") if name] if args.options else []
+    option_overrides = {option: _option_overrides(option, error) for option in options}
     config = _bench_config(args)
     check_inputs(config, variants)
     base = {"config": config.model_dump(mode="json"), "warmup": args.warmup, "steps": args.steps,
             "check_float32": args.check_float32}
     specs = [base | {"variant": variant, "label": variant} for variant in variants]
     for option in options:
-        overrides = _option_overrides(option, parser)
         specs.append(base | {"variant": "fused", "label": f"fused+{option}",
-                             "config": with_overrides(config, overrides).model_dump(mode="json")})
+                             "config": with_overrides(config, option_overrides[option]).model_dump(mode="json")})
     runs: dict[str, list[dict[str, Any]]] = {spec["label"]: [] for spec in specs}
     for _ in range(args.repeats):
         for spec in specs:
             runs[spec["label"]].append(_run_child(spec))
-    records = {label: _fastest(measured) for label, measured in runs.items()}
-    for record in records.values():
-        emit(record)
+    fastest = {label: _fastest(measured) for label, measured in runs.items()}
+    yield from fastest.values()
     for name, (top, bottom) in {"b/a": ("fused", "plain"), "c/b": ("stage", "fused")}.items():
-        if _measured(records.get(top)) and _measured(records.get(bottom)):
-            emit(_ratio(name, records[top], records[bottom]) | {"target": TARGETS[name]})
+        if _measured(fastest.get(top)) and _measured(fastest.get(bottom)):
+            yield _ratio(name, fastest[top], fastest[bottom]) | {"target": TARGETS[name]}
     for option in options:
         label = f"fused+{option}"
-        if _measured(records.get(label)) and _measured(records.get("fused")):
-            emit(_ratio(f"{label}/fused", records[label], records["fused"]))
-    return 0
+        if _measured(fastest.get(label)) and _measured(fastest.get("fused")):
+            yield _ratio(f"{label}/fused", fastest[label], fastest["fused"])
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from kdflow.schemas.config_io import parse_override
 
-    parser = argparse.ArgumentParser(prog="kdflow bench train-step", description=__doc__.splitlines()[0])
+    parser = bench_parser("train-step", __doc__, run_root=True, repeats=1, device=None, seq_len=None,
+                          helps={"run_root": "where the demo's inputs are prepared and kept (without a config file)",
+                                 "repeats": "measure each variant this many times (round robin); report the fastest",
+                                 "device": "cpu, cuda, cuda:N (default: student.device)",
+                                 "seq_len": "tokens per sequence (default: the config's seq_len)"})
     parser.add_argument("config", nargs="?", help="student config (YAML); default: the demo's, configs/demo.yaml")
-    parser.add_argument("--run-root", default="runs/bench-train-step",
-                        help="where the demo's inputs are prepared and kept (without a config file)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: student.batch_size)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the config's seq_len)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (compile, first touch)")
-    parser.add_argument("--repeats", type=int, default=1, help="measure each variant this many times (round robin); "
-                        "report the fastest")
-    parser.add_argument("--device", help="cpu, cuda, cuda:N (default: student.device)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of plain, fused, stage")
     parser.add_argument("--options", default="",
                         help="comma list of options to measure with the fused step: gradient_checkpointing, compile, "
@@ -164,7 +174,7 @@ def check_inputs(config: Any, variants: list[str]) -> None:
                              "--variants)") from None
 
 
-def _option_overrides(option: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+def _option_overrides(option: str, error: Callable[[str], NoReturn]) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for part in option.split("+"):
         if part.startswith("attn="):
@@ -173,7 +183,7 @@ def _option_overrides(option: str, parser: argparse.ArgumentParser) -> dict[str,
             key, value = OPTION_KEYS[part]
             overrides[key] = value
         else:
-            parser.error(f"unknown option {part!r} in --options (gradient_checkpointing, compile, attn=NAME)")
+            error(f"unknown option {part!r} in --options (gradient_checkpointing, compile, attn=NAME)")
     return overrides
 
 

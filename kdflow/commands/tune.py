@@ -4,15 +4,14 @@ Each candidate loads the configured teacher in a fresh process and times a few r
 (`kdflow.tasks.teacher.tune_search`); the table shows tok/s, peak memory and headroom, and the recommendation is the
 fastest candidate that leaves `--headroom` of the memory free. `--write` puts it into CONFIG.yaml as
 `precompute.micro_batch`, editing that one value in place (comments and layout kept), so that the run
-uses it from its first shard to its last.
+uses it from its first shard to its last. The checks and the edit are `kdflow.tasks.teacher.tune_file`'s; this
+module parses the options and prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,26 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from kdflow.schemas.config_io import load_config
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.common.launch import config_file
-    from kdflow.tasks.teacher import tune_search
-
-    if not 0.0 <= args.headroom < 1.0:
-        raise ConfigError(f"--headroom must be a fraction in [0, 1), got {args.headroom}")
-    if args.batches < 1 or args.warmup < 0 or args.timeout_s <= 0:
-        raise ConfigError("--batches must be >= 1, --warmup >= 0 and --timeout-s > 0")
-    overrides = dict(_override(item) for item in args.set)
-    config = load_config(args.config, overrides)
-    sizes = (tune_search.parse_micro_batches(args.micro_batches) if args.micro_batches is not None
-             else tune_search.default_micro_batches(config.precompute))
-    run_root, settings = open_run_root(config), teacher_pass_settings(config)
-    rows_from = tune_search.check_tune_inputs(run_root, settings,
-                                              seq_len_given=_seq_len_given(args.config, overrides))
-    if args.write:
-        _check_writable(Path(args.config), settings, tune_search, run_root)
     from kdflow.tasks.common.models import resolve_device
+    from kdflow.tasks.teacher import tune_search
+    from kdflow.tasks.teacher.tune_file import check_tune_request, write_micro_batch
 
+    request = check_tune_request(args.config, dict(_override(item) for item in args.set),
+                                 micro_batches=args.micro_batches, headroom=args.headroom, batches=args.batches,
+                                 warmup=args.warmup, timeout_s=args.timeout_s, write=args.write)
+    config, sizes = request.config, request.sizes
     device = resolve_device(config.teacher.device)
     on = f"{device} ({config.teacher.device})" if config.teacher.device == "auto" else str(device)
     pre = config.precompute
@@ -72,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = (f"top_k {pre.top_k}" if pre.targets == "topk"
                else f"{pre.targets} targets ({head}{pre.sampling.samples} samples)")
     print(f"kdflow tune precompute: {config.teacher.model} on {on}, seq_len {config.seq_len}, "
-          f"{targets}; candidates {','.join(map(str, sizes))}; rows: {rows_from}", flush=True)
+          f"{targets}; candidates {','.join(map(str, sizes))}; rows: {request.rows_from}", flush=True)
 
     def report(candidate: tune_search.Candidate) -> None:
         if candidate.status == "ok":
@@ -116,75 +104,3 @@ def _override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set expects KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
     return key.strip(), yaml.safe_load(value)
-
-
-def _seq_len_given(path: str, overrides: dict[str, Any]) -> bool:
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    return "seq_len" in data or "seq_len" in overrides
-
-
-def _check_writable(path: Path, settings: Any, search: Any, run_root: Any) -> None:
-    """--write must be able to edit the file, and must not change the micro-batch of a run already under way."""
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"--write: {path} is not writable")
-    computed = search.committed_micro_batches(run_root, settings)
-    if computed:
-        raise ConfigError(f"--write: this config's top-K store already has shards computed with micro_batch "
-                          f"{','.join(map(str, sorted(computed)))}; the micro-batch stays fixed for a run "
-                          "(tune without --write)")
-
-
-# --- editing one value of a YAML file in place -----------------------------------------------------------
-
-_TOP_KEY = re.compile(r"^(?P<key>[A-Za-z_][\w.-]*)\s*:(?P<rest>.*)$")
-
-
-def set_nested_value(text: str, section: str, key: str, value: Any) -> str:
-    """`section: {key: value}` set in YAML text, keeping every other line (comments included) as it is.
-
-    A block-style `section:` gets its `key:` line's value replaced (a trailing comment kept) or a new line
-    under it; without the section, one is appended. The caller checks the result parses to what it should.
-    """
-    lines = text.splitlines(keepends=True)
-    rendered = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-    start = next((i for i, line in enumerate(lines) if (m := _TOP_KEY.match(line)) and m["key"] == section), None)
-    if start is None:
-        tail = "" if not text or text.endswith("\n") else "\n"
-        return text + f"{tail}{section}:\n  {key}: {rendered}\n"
-    end = start + 1
-    while end < len(lines) and (not lines[end].strip() or lines[end][0] in " \t#"):
-        end += 1
-    children = [line for line in lines[start + 1:end] if line.strip() and not line.lstrip().startswith("#")]
-    indent = re.match(r"^[ \t]*", children[0]).group(0) if children else "  "
-    pattern = re.compile(rf"^{re.escape(indent)}{re.escape(key)}\s*:"
-                         rf"(?P<value>[^#\n]*?)(?P<comment>\s+#.*)?(?P<eol>\r?\n?)$")
-    for i in range(start + 1, end):
-        match = pattern.match(lines[i])
-        if match:
-            lines[i] = f"{indent}{key}: {rendered}{match['comment'] or ''}{match['eol']}"
-            return "".join(lines)
-    if not lines[start].endswith("\n"):
-        lines[start] += "\n"
-    lines.insert(start + 1, f"{indent}{key}: {rendered}\n")
-    return "".join(lines)
-
-
-def write_micro_batch(path: Path, micro_batch: int) -> None:
-    """precompute.micro_batch = micro_batch in the YAML file, in place; refused (nothing written) when the edit
-    would change anything else, e.g. a flow-style `precompute: {...}`."""
-    text = path.read_text(encoding="utf-8")
-    before = yaml.safe_load(text) or {}
-    edited = set_nested_value(text, "precompute", "micro_batch", micro_batch)
-    expected = dict(before)
-    expected["precompute"] = {**(before.get("precompute") or {}), "micro_batch": micro_batch}
-    try:
-        after = yaml.safe_load(edited)
-    except yaml.YAMLError:
-        after = None
-    if after != expected:
-        raise ConfigError(f"--write: cannot edit {path} in place; set precompute.micro_batch: {micro_batch} "
-                          "there by hand")
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(edited, encoding="utf-8")
-    os.chmod(temporary, path.stat().st_mode & 0o7777)
-    os.replace(temporary, path)

@@ -1,4 +1,4 @@
-"""The content checks of `kdflow validate` (kdflow.commands.validate), pure numpy: token ids within the vocabulary;
+"""The content checks of `kdflow validate` (kdflow.tasks.validate), pure numpy: token ids within the vocabulary;
 top-K ids unique per position, log-probs finite, <= 0, sorted descending, tail mass in [0, 1]; a decoded v2
 shard's mass within its codec's precision. Each returns its problems as lines (none: fine).
 """

@@ -1,0 +1,113 @@
+"""Where a run root stands, one line per store and per student: committed/expected shards, rows, tokens,
+fingerprints, whether a store is stale, and the dataset's files against what materialise read.
+
+`kdflow status` (kdflow.commands.status) prints these lines; `kdflow bench scale` times them at scale.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import yaml
+
+from kdflow.schemas.commits import StageComplete, list_commits, read_complete
+from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, SOURCES_FILE, STUDENTS_DIR,
+                                   TOKENS_DIR, TOPK_DIR, checkpoint_name, is_store_name)
+from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
+from kdflow.schemas.store_info import tokens_made_from, topk_tags
+
+
+def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None,
+                token_store: StageComplete | None = None) -> tuple[str, int | None]:
+    done = read_complete(run_root, store)
+    fingerprint = done.fingerprint if done else None
+    records = list_commits(run_root, store, stage, fingerprint)
+    made_from = tokens_made_from(records.values()) if stage == "topk" else set()
+    stale = token_store is not None and bool(made_from) and token_store.fingerprint not in made_from  # as validate
+    if (expected is None or stale) and done is not None:
+        expected = done.shards  # a stale store is measured against its own token store, not today's
+    tokens = sum(r.tokens for r in records.values())
+    rows = sum(r.rows for r in records.values())
+    fingerprints = sorted({r.fingerprint for r in records.values()}) or ["-"]
+    state = "complete" if done is not None and len(records) == done.shards else "in progress" if records else "empty"
+    state = f"stale ({state})" if stale else state
+    # Corpus parts count tokens only under a token budget (dataset.max_tokens); 0 there means "not counted".
+    counted = f"{tokens:>14,} tokens" if tokens or stage != "corpus" or not rows else f"{'tokens not counted':>21}"
+    line = (f"{label:<22} {len(records):>6}/{expected if expected is not None else '?':<6} shards  {rows:>10,} rows  "
+            f"{counted}  {state:<16}  fingerprint {','.join(fingerprints)}")
+    return line, done.shards if done else None
+
+
+def status_lines(run_root: RunRoot) -> Iterator[str]:
+    """The status of an existing run root, line by line (each as soon as its store is read)."""
+    yield f"run root: {run_root.display(run_root.root)}"
+    line, _ = _store_line(run_root, "corpus", run_root.path(CORPUS_DIR), "corpus", None)
+    yield line
+    sources = _sources_line(run_root)
+    if sources:
+        yield sources
+    line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
+    yield line
+    token_store = read_complete(run_root, run_root.path(TOKENS_DIR))
+    stale = 0
+    for tag in topk_tags(run_root):
+        line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards,
+                              token_store)
+        stale += "stale (" in line
+        yield line
+    if stale:
+        it = "it" if stale == 1 else "them"
+        yield (f"  stale: computed from token shards since replaced by tokenise; training skips {it} (delete to free "
+               "space)")
+    for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
+        yield _student_line(run_root, name)
+
+
+def _sources_line(run_root: RunRoot) -> str | None:
+    """The dataset's files against what materialise read (`corpus/_sources.json`), from the record alone: a file
+    since edited or removed is named, as the next run would name it; None where there is no record."""
+    from pydantic import ValidationError
+
+    from kdflow.schemas.dataset_record import DatasetRecord
+    from kdflow.tasks.corpus.dataset_changes import SHOWN, recorded_changes
+
+    path = f"{run_root.path(CORPUS_DIR)}/{SOURCES_FILE}"
+    try:
+        recorded = DatasetRecord.model_validate_json(run_root.read_bytes(path)) if run_root.exists(path) else None
+    except (ValidationError, ValueError, OSError):
+        return None
+    if recorded is None:
+        return None
+    found, label = recorded_changes(recorded), f"{CORPUS_DIR}/{SOURCES_FILE}"
+    files = f"{len(recorded.files)} file{'' if len(recorded.files) == 1 else 's'}"
+    if not found:
+        return f"{label:<22} {files} as materialise read them"
+    if len(found) == len(recorded.files) and all(" removed" in change for change in found):  # as pre-flight
+        return f"{label:<22} {files}, none found here (a complete corpus store does not need them)"
+    shown = ", ".join(found[:SHOWN]) + (f" and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
+    return (f"{label:<22} {files}, CHANGED since materialise read them: {shown}; the next run refuses "
+            "(put the files back, or give the changed corpus a new run_root)")
+
+
+def _student_line(run_root: RunRoot, name: str) -> str:
+    """Where a student's training stands: the step of its latest complete checkpoint (the one a rerun resumes
+    from) of the steps its config asks for, whether the final model is there, and its last held-out KL."""
+    folder = run_root.path(STUDENTS_DIR, name)
+    steps = complete_checkpoint_steps(run_root, folder)
+    config = yaml.safe_load(_read(run_root, f"{folder}/{CONFIG_FILE}") or b"{}") or {}
+    target = config.get("student", {}).get("steps")
+    saved = (f"{len(steps)} checkpoint{'' if len(steps) == 1 else 's'} (latest {checkpoint_name(steps[-1])})"
+             if steps else "no checkpoint yet")
+    final = "final model saved" if run_root.exists(f"{folder}/{FINAL_DIR}/config.json") else "no final model yet"
+    line = (f"{'students/' + name:<22} step {steps[-1] if steps else 0:,} of "
+            f"{f'{target:,}' if isinstance(target, int) else '?'}: {saved}, {final}")
+    evaluations = (_read(run_root, f"{folder}/{EVAL_FILE}") or b"").splitlines()
+    last = json.loads(evaluations[-1]) if evaluations else {}
+    if last.get("kl") is not None:
+        line += f"; held-out KL {last['kl']:.4f} at step {last['step']:,}"
+    return line
+
+
+def _read(run_root: RunRoot, path: str) -> bytes | None:
+    return run_root.read_bytes(path) if run_root.exists(path) else None
