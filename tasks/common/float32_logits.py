@@ -7,9 +7,9 @@ nats of KL per position, 3.4x what the store's codec may cost (`kdflow bench log
 `Float32Logits` wraps the teacher's own 16-bit `nn.Linear` lm_head; its weight is not copied. On CUDA the one
 16-bit matmul writes float32 (cuBLAS accumulates in float32 anyway: `torch.mm(..., out_dtype=torch.float32)`, no
 extra memory, the same tensor-core matmul; the GPU check times it); on other devices, or a torch without that
-overload, both operands are upcast a slab at a time. The chunked top-K and the sampler (kdflow.tasks.teacher.topk,
-.sampling) take the weight and this choice from it; calling the module gives the same float32 logits
-(`model(ids).logits`).
+overload, both operands are upcast a slab at a time. The teacher's slab loop (kdflow.tasks.teacher.slab, under the
+chunked top-K and the sampler) takes the weight and this choice from it; calling the module gives the same float32
+logits (`model(ids).logits`).
 """
 
 from __future__ import annotations

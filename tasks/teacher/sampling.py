@@ -1,8 +1,8 @@
 """Sampled teacher targets inside the chunked pass: an exact top-H head plus S tokens sampled outside it.
 
 What is stored and why the weights are unbiased: `kdflow.tasks.common.sampled`. Here, for `chunk_tokens`
-rows at a time (and optionally vocabulary slabs, like `kdflow.tasks.teacher.topk`), every token id j of a
-position gets a key z_j + noise_j; the head is the top-H of the logits, the sample the S largest keys
+rows at a time and optionally vocabulary slabs (the slab loop: `kdflow.tasks.teacher.slab`), every token id j
+of a position gets a key z_j + noise_j; the head is the top-H of the logits, the sample the S largest keys
 outside the head, the threshold the (S+1)-th. `[rows, seq, vocab]` never exists: per chunk one float32
 logits buffer (shared with the top-K pass) and two 8-byte buffers (the noise and its scratch), reused.
 
@@ -32,7 +32,7 @@ from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final
 from kdflow.tasks.common.sampled import SCHEMES, SampledTargets, cat_targets
 from kdflow.tasks.teacher.sampling_noise import (HASH_VERSION, key_noise_, mix64_, position_streams, token_keys,
                                                  uniform_noise_)
-from kdflow.tasks.teacher.topk import _SlabLogits, _vocab_size
+from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 
 __all__ = ["HASH_VERSION", "SAMPLER_BYTES_PER_LOGIT", "RunningSample", "SamplingPlan", "TeacherSampledStep",
            "check_sampling_fits", "chunked_sampled", "key_noise_", "merge_ordered", "mix64_", "position_streams",
@@ -176,7 +176,9 @@ class RunningSample:
         key_top, key_cols = top_ordered(keys, self.plan.candidates)
         slab_keys = (key_top, key_cols + first_id, logits.gather(1, key_cols))
         head_top, head_cols = top_ordered(logits, self.plan.head)  # (c, h)
-        lse, tail_lse = _slab_lse(logits, head_cols, scratch=keys)
+        # float64 exponentials (in the keys' buffer, read above), so that the slab's max, which depends on the
+        # cut, moves the sums by float64 rounding only.
+        lse, tail_lse = split_logsumexp_(logits, head_cols, exp=keys)
         self._merge((head_top, head_cols + first_id), slab_keys, lse, tail_lse)
 
     def _merge(self, slab_head: tuple[Tensor, Tensor], slab_keys: tuple[Tensor, Tensor, Tensor],
@@ -218,20 +220,6 @@ class RunningSample:
         )
 
 
-def _slab_lse(logits: Tensor, head_cols: Tensor, scratch: Tensor) -> tuple[Tensor, Tensor]:
-    """(full, outside-the-slab's-head) log-sum-exps (c,) of logits (c, s), in float64.
-
-    The exponentials are float64 (in scratch, a float64 (c, s) buffer we may overwrite), so that the slab's
-    max, which depends on the cut, moves the sums by float64 rounding only.
-    """
-    row_max = logits.amax(1).double()  # (c,)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    exp = scratch.copy_(logits).sub_(row_max[:, None]).exp_()  # (c, s)
-    head_sum = exp.gather(1, head_cols).sum(1)  # (c,)
-    tail_sum = exp.scatter_(1, head_cols, 0.0).sum(1)
-    return row_max + (tail_sum + head_sum).log(), row_max + tail_sum.log()
-
-
 @torch.inference_mode()
 def sample_slabs(slabs: Iterable[tuple[int, Tensor]], plan: SamplingPlan, streams: Tensor,
                  vocab_size: int) -> SampledTargets:
@@ -254,36 +242,38 @@ def chunked_sampled(
     with (plan.seed, shard) they seed its noise, so the result does not depend on chunk_tokens, vocab_chunk
     or how the shard is cut into micro-batches. Returns (N, ...) fields on hidden's device.
     """
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
+    slabs = TeacherSlabs(hidden, lm_head, chunk_tokens, vocab_chunk=vocab_chunk)
     if rows.shape != (hidden.shape[0],) or positions.shape != rows.shape:
         raise ValueError(f"rows and positions must be ({hidden.shape[0]},), "
                          f"got {tuple(rows.shape)}, {tuple(positions.shape)}")
-    if chunk_tokens < 1 or (vocab_chunk is not None and vocab_chunk < 1):
-        raise ValueError(f"chunk_tokens and vocab_chunk must be >= 1, got {chunk_tokens}, {vocab_chunk}")
-    vocab_size = _vocab_size(lm_head, hidden)
-    plan.check(vocab_size)
-    n_tokens = hidden.shape[0]
-    block = max(1, min(chunk_tokens, n_tokens))
-    cols = min(vocab_chunk or vocab_size, vocab_size)
-    slab_logits = _SlabLogits(lm_head, hidden, vocab_size, block, cols)
-    workspace = _Workspace(block, cols, hidden.device)
-    parts = []
-    for start in range(0, n_tokens, block):
-        stop = min(start + block, n_tokens)
-        streams = position_streams(plan.seed, shard, rows[start:stop], positions[start:stop])  # (c,)
-        running = RunningSample(plan, streams, workspace)
-        for first_id, logits in slab_logits.slabs(hidden[start:stop]):  # (c, s) float32
-            if logit_transform is not None and not logit_transform.is_identity:
-                logit_transform.apply_(logits)
-            running.add(logits, first_id)
-        parts.append(running.finish(vocab_size))
-    if not parts:
+    plan.check(slabs.vocab_size)
+    targets = _SampledTargets(plan, shard, rows, positions, slabs.vocab_size,
+                              _Workspace(slabs.rows, slabs.cols, hidden.device))
+    slabs.run(targets, logit_transform)
+    if not targets.parts:
         empty = (hidden.new_empty((0, plan.head), dtype=torch.int32),
                  hidden.new_empty((0, plan.samples), dtype=torch.int32))
         zero = hidden.new_empty(0, dtype=torch.float32)
         return SampledTargets(empty[0], empty[0].float(), zero, empty[1], empty[1].float(), zero)
-    return cat_targets(parts)
+    return cat_targets(targets.parts)
+
+
+class _SampledTargets:
+    """The sampled targets of every row (`kdflow.tasks.teacher.slab.SlabTargets`), one part per block of rows."""
+
+    def __init__(self, plan: SamplingPlan, shard: int, rows: Tensor, positions: Tensor, vocab_size: int,
+                 workspace: _Workspace) -> None:
+        self.plan, self.shard, self.rows, self.positions = plan, shard, rows, positions
+        self.vocab_size, self.workspace = vocab_size, workspace
+        self.parts: list[SampledTargets] = []
+
+    def block(self, start: int, stop: int) -> RunningSample:
+        streams = position_streams(self.plan.seed, self.shard, self.rows[start:stop],
+                                   self.positions[start:stop])  # (c,)
+        return RunningSample(self.plan, streams, self.workspace)
+
+    def gather(self, running: RunningSample, start: int, stop: int) -> None:
+        self.parts.append(running.finish(self.vocab_size))
 
 
 class TeacherSampledStep:

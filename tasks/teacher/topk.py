@@ -1,10 +1,8 @@
 """The teacher's top-K over the full vocabulary, without ever holding (tokens, vocab) logits.
 
-The reference teacher has a 196,608-token vocabulary: `micro_batch x seq x vocab` logits were what limited
-the teacher pass. Here lm_head is applied to `chunk_tokens` rows at a time; each chunk's float32 logits
-live in one reused buffer, from which we take the top-K and the log-sum-exp over the whole vocabulary,
-so peak memory depends on the chunk, not on the micro-batch. Optionally the vocabulary is cut into slabs
-too (`vocab_chunk`), whose top-Ks and log-sum-exps are merged: the same result in less memory per row.
+The slab loop (`kdflow.tasks.teacher.slab`) hands us each block of rows' float32 logits, slab by slab; from
+each we take the top-K and the log-sum-exp, and slabs (`vocab_chunk`) merge their top-Ks and log-sum-exps:
+the same result as one pass over the whole vocabulary, in less memory per row.
 
 The tail (the teacher's mass outside its top-K) comes from the same pass, never as 1 - sum(exp(top-K)):
 the top-K entries of the exp buffer are zeroed before the one sum over the vocabulary, which gives the
@@ -14,13 +12,11 @@ cancellation). Slabs merge their complements plus the candidates the merged top-
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor, nn
 
-from kdflow.tasks.common.float32_logits import Float32Logits, float32_logits, float32_output_matmul
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
+from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 
 # Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
 # compute-dtype logits (bf16 is half a row) and the scratch of topk.
@@ -54,135 +50,6 @@ def choose_chunk_tokens(
     return max(minimum, rows)
 
 
-def _plain_weight(lm_head: nn.Module | Tensor) -> tuple[Tensor, Tensor | None] | None:
-    """(weight (V, H), bias (V,) or None) when we may do the matmul ourselves; None means call the module.
-
-    Only an exact `nn.Linear` qualifies, or one wrapped in `Float32Logits`: quantised layers (bitsandbytes
-    Linear4bit, ...) subclass it but store packed weights, so they must run their own forward.
-    """
-    if isinstance(lm_head, Tensor):
-        return lm_head, None
-    if type(lm_head) is nn.Linear or isinstance(lm_head, Float32Logits):
-        return lm_head.weight, lm_head.bias
-    return None
-
-
-def _vocab_size(lm_head: nn.Module | Tensor, hidden: Tensor) -> int:
-    plain = _plain_weight(lm_head)
-    if plain is not None:
-        return plain[0].shape[0]
-    out_features = getattr(lm_head, "out_features", None)
-    if isinstance(out_features, int):
-        return out_features
-    if hidden.shape[0] == 0:
-        raise ValueError(f"cannot tell the vocabulary size of {type(lm_head).__name__} from an empty input")
-    # An unknown module: one row tells us its output width.
-    return lm_head(hidden[:1]).shape[-1]
-
-
-def _check_plain_weight(weight: Tensor, bias: Tensor | None, hidden: Tensor, float32_out: bool) -> None:
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"lm_head weight must be (vocab, {hidden.shape[1]}) to match hidden, got {tuple(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype and weight.dtype != torch.float32 and not float32_out:  # those upcast
-        raise ValueError(f"hidden dtype {hidden.dtype} does not match lm_head weight dtype {weight.dtype}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"lm_head bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-
-
-class _SlabLogits:
-    """Float32 logits of one block of rows over one vocabulary slab, in buffers allocated once per call.
-
-    Reusing the buffers matters on CPU, where each fresh multi-hundred-MB tensor is new pages to fault in;
-    on CUDA the caching allocator would reuse them anyway. A module (quantised, ...) is called whole: it
-    allocates its own output and cannot be cut into slabs. A `Float32Logits` head's logits are never rounded
-    to its 16-bit dtype (`teacher.lm_head_float32`).
-    """
-
-    def __init__(self, lm_head: nn.Module | Tensor, hidden: Tensor, vocab_size: int, rows: int, cols: int,
-                 workspace: dict[str, Tensor] | None = None) -> None:
-        self.lm_head = lm_head
-        self.plain = _plain_weight(lm_head)
-        self.float32_out = isinstance(lm_head, Float32Logits)
-        self.vocab_size = vocab_size
-        self.cols = cols
-        if self.plain is None:
-            if cols < vocab_size:
-                raise ValueError(f"vocab_chunk needs a plain weight or nn.Linear lm_head, not {type(lm_head).__name__}")
-            return
-        weight, bias = self.plain
-        _check_plain_weight(weight, bias, hidden, self.float32_out)
-        # Flat storage, so that a smaller last block or slab is still a contiguous (c, s) view. None where the
-        # 16-bit matmul writes float32 itself (Float32Logits on CUDA): each slab is then a new tensor.
-        writes_float32 = (self.float32_out and hidden.dtype == weight.dtype
-                          and float32_output_matmul(hidden.device))
-        self.logits_f32 = None if writes_float32 else _buffer(workspace, "logits_f32", rows * cols, torch.float32,
-                                                              hidden.device)  # (C * S,)
-        self.logits_low: Tensor | None = None
-        if weight.dtype != torch.float32 and not self.float32_out:
-            # bf16/fp16 matmul output, upcast below; the model's own logits are rounded the same way.
-            self.logits_low = _buffer(workspace, "logits_low", rows * cols, weight.dtype, hidden.device)
-
-    def slabs(self, hidden_rows: Tensor) -> Iterator[tuple[int, Tensor]]:
-        """hidden_rows (c, H) -> (first vocabulary id, float32 logits (c, s) that we may overwrite) per slab."""
-        if self.plain is None:
-            logits = self.lm_head(hidden_rows)  # a fresh tensor: safe to transform in place
-            yield 0, logits if logits.dtype == torch.float32 else logits.float()
-            return
-        weight, bias = self.plain
-        rows = hidden_rows.shape[0]
-        if hidden_rows.dtype != weight.dtype and not self.float32_out:  # 16-bit hidden states, float32 lm_head
-            hidden_rows = hidden_rows.to(weight.dtype)
-        elif self.float32_out and self.logits_f32 is not None:  # Float32Logits, upcast: once a block, not a slab
-            hidden_rows = hidden_rows.float()
-        for first_id in range(0, self.vocab_size, self.cols):
-            width = min(self.cols, self.vocab_size - first_id)
-            logits_f32 = None if self.logits_f32 is None else self.logits_f32[: rows * width].view(rows, width)
-            if self.float32_out:
-                yield first_id, float32_logits(hidden_rows, weight[first_id : first_id + width],
-                                               None if bias is None else bias[first_id : first_id + width],
-                                               out=logits_f32)
-                continue
-            target = logits_f32 if self.logits_low is None else self.logits_low[: rows * width].view(rows, width)
-            weight_slab = weight[first_id : first_id + width]  # (s, H), contiguous rows of the weight
-            if bias is None:
-                torch.mm(hidden_rows, weight_slab.t(), out=target)
-            else:
-                torch.addmm(bias[first_id : first_id + width], hidden_rows, weight_slab.t(), out=target)
-            if self.logits_low is not None:
-                logits_f32.copy_(target)
-            yield first_id, logits_f32
-
-
-def _buffer(workspace: dict[str, Tensor] | None, name: str, numel: int, dtype: torch.dtype,
-            device: torch.device) -> Tensor:
-    """A flat buffer of `numel` elements; kept in `workspace` across calls when one is given. On CPU a fresh
-    (chunk, vocab) buffer per micro-batch is hundreds of MB of new pages to fault in every time (~2% of the
-    demo teacher's pass on this machine's CPU)."""
-    if workspace is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    buffer = workspace.get(name)
-    if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
-        buffer = workspace[name] = torch.empty(numel, dtype=dtype, device=device)
-    return buffer[:numel]
-
-
-def _logsumexp_(logits: Tensor, top_logits: Tensor, top_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """float32 logits (c, s) and their top-k (c, k) -> (log-sum-exp of each row, log-sum-exp of each row
-    without its top-k), both (c,); overwrites logits with exp(logits - max), top-k entries zeroed.
-
-    In place so the chunk needs no second (c, V) temporary; the row max comes free from the top-K. The
-    complement is summed directly (no 1 - sum(top) cancellation); -inf when the top-k is the whole row.
-    """
-    row_max = top_logits[:, 0]  # (c,)
-    logits.sub_(row_max[:, None]).exp_()
-    logits.scatter_(1, top_ids, 0.0)
-    rest = logits.sum(dim=1)  # (c,) the one pass over the vocabulary
-    top = (top_logits - row_max[:, None]).exp().sum(dim=1)  # (c,) k terms, the largest is 1
-    return row_max + (rest + top).log(), row_max + rest.log()
-
-
 class _RunningTopk:
     """Top-K logits, their ids, the log-sum-exp and the log-sum-exp outside the top-K of a block of rows,
     accumulated over vocabulary slabs."""
@@ -197,7 +64,9 @@ class _RunningTopk:
     def add(self, logits: Tensor, first_id: int) -> None:
         """Fold in one slab's float32 logits (c, s); the slab's logits are destroyed."""
         slab_logits, slab_ids = torch.topk(logits, min(self.k, logits.shape[1]), dim=1, sorted=True)  # (c, k')
-        slab_log_normaliser, slab_log_rest = _logsumexp_(logits, slab_logits, slab_ids)  # (c,), (c,)
+        # In place on the slab's float32 logits; the row max comes free from the sorted top-K.
+        slab_log_normaliser, slab_log_rest = split_logsumexp_(logits, slab_ids, exp=logits,
+                                                              row_max=slab_logits[:, 0])  # (c,), (c,)
         if first_id:
             slab_ids += first_id
         if self.top_logits is None:  # the first (with the default, the only) slab: nothing to merge
@@ -212,6 +81,24 @@ class _RunningTopk:
         rest = torch.stack([self.log_rest, slab_log_rest, dropped]).logsumexp(dim=0)
         self.log_normaliser = torch.logaddexp(self.log_normaliser, slab_log_normaliser)
         self.log_rest = rest
+
+
+class _TopkTargets:
+    """The top-K targets of every row (`kdflow.tasks.teacher.slab.SlabTargets`), written block by block."""
+
+    def __init__(self, n_tokens: int, k: int, device: torch.device) -> None:
+        self.k = k
+        self.topk_ids = torch.empty((n_tokens, k), dtype=torch.int32, device=device)  # (N, K)
+        self.topk_logprobs = torch.empty((n_tokens, k), dtype=torch.float32, device=device)  # (N, K)
+        self.tail_logprob = torch.empty((n_tokens,), dtype=torch.float32, device=device)  # (N,)
+
+    def block(self, start: int, stop: int) -> _RunningTopk:
+        return _RunningTopk(self.k)
+
+    def gather(self, running: _RunningTopk, start: int, stop: int) -> None:
+        torch.sub(running.top_logits, running.log_normaliser[:, None], out=self.topk_logprobs[start:stop])
+        torch.sub(running.log_rest, running.log_normaliser, out=self.tail_logprob[start:stop])
+        self.topk_ids[start:stop].copy_(running.top_ids)
 
 
 @torch.inference_mode()
@@ -240,34 +127,14 @@ def chunked_topk(
     workspace: a dict the caller keeps between calls, holding the chunk's logits buffers (reused, not
     reallocated; one caller at a time).
     """
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be (tokens, hidden_size), got shape {tuple(hidden.shape)}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if vocab_chunk is not None and vocab_chunk < 1:
-        raise ValueError(f"vocab_chunk must be >= 1 or None, got {vocab_chunk}")
-    n_tokens = hidden.shape[0]
-    vocab_size = _vocab_size(lm_head, hidden)
-    if not 1 <= k <= vocab_size:
-        raise ValueError(f"k must be between 1 and the vocabulary size {vocab_size}, got {k}")
-
-    topk_ids = torch.empty((n_tokens, k), dtype=torch.int32, device=hidden.device)  # (N, K)
-    topk_logprobs = torch.empty((n_tokens, k), dtype=torch.float32, device=hidden.device)  # (N, K)
-    tail_logprob = torch.empty((n_tokens,), dtype=torch.float32, device=hidden.device)  # (N,)
-    rows = max(1, min(chunk_tokens, n_tokens))
-    cols = min(vocab_chunk or vocab_size, vocab_size)
-    slab_logits = _SlabLogits(lm_head, hidden, vocab_size, rows, cols, workspace)
-    for start in range(0, n_tokens, rows):
-        stop = min(start + rows, n_tokens)
-        running = _RunningTopk(k)
-        for first_id, logits in slab_logits.slabs(hidden[start:stop]):  # (c, s) float32
-            if logit_transform is not None and not logit_transform.is_identity:
-                logit_transform.apply_(logits)
-            running.add(logits, first_id)
-        torch.sub(running.top_logits, running.log_normaliser[:, None], out=topk_logprobs[start:stop])
-        torch.sub(running.log_rest, running.log_normaliser, out=tail_logprob[start:stop])
-        topk_ids[start:stop].copy_(running.top_ids)
-    return (topk_ids, topk_logprobs, tail_logprob) if return_tail else (topk_ids, topk_logprobs)
+    slabs = TeacherSlabs(hidden, lm_head, chunk_tokens, vocab_chunk=vocab_chunk, workspace=workspace)
+    if not 1 <= k <= slabs.vocab_size:
+        raise ValueError(f"k must be between 1 and the vocabulary size {slabs.vocab_size}, got {k}")
+    targets = _TopkTargets(hidden.shape[0], k, hidden.device)
+    slabs.run(targets, logit_transform)
+    if return_tail:
+        return targets.topk_ids, targets.topk_logprobs, targets.tail_logprob
+    return targets.topk_ids, targets.topk_logprobs
 
 
 class TeacherTopkStep:
