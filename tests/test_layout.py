@@ -18,12 +18,9 @@ from typing import Any
 import pytest
 import yaml
 from support.children import run
+from support.modules import REPO, source_modules
 
 from kdflow.schemas.config_io import config_from_dict, dump_config, load_config
-
-REPO = Path(__file__).parent.parent
-FOLDERS = {"kdflow": "kdflow", "schemas": "kdflow.schemas", "tasks": "kdflow.tasks", "flows": "kdflow.flows",
-           "configs": "kdflow.configs"}
 
 # What each layer may import from kdflow (besides itself): contracts at the bottom, apps at the top.
 ALLOWED = {
@@ -38,17 +35,6 @@ ALLOWED = {
     "kdflow.bench": ("kdflow.schemas", "kdflow.tasks", "kdflow.demo_assets", "kdflow.configs", "kdflow.bench"),
     "kdflow": ("kdflow",),
 }
-
-
-def source_modules() -> dict[str, Path]:
-    """Installed module name -> file, for every Python file of the four package folders."""
-    modules = {}
-    for folder, package in FOLDERS.items():
-        for path in sorted((REPO / folder).rglob("*.py")):
-            parts = path.relative_to(REPO / folder).with_suffix("").parts
-            name = ".".join((package, *parts)).removesuffix(".__init__")
-            modules[name] = path
-    return modules
 
 
 def kdflow_imports(path: Path, module: str, *, type_checking: bool = True) -> set[str]:

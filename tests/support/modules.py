@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).parent.parent.parent
@@ -9,8 +10,10 @@ FOLDERS = {"kdflow": "kdflow", "schemas": "kdflow.schemas", "tasks": "kdflow.tas
            "configs": "kdflow.configs"}
 
 
+@functools.cache
 def source_modules() -> dict[str, Path]:
-    """Installed module name -> file, for every Python file of the package folders."""
+    """Installed module name -> file, for every Python file of the package folders (read once: callers must not
+    change the dict)."""
     modules = {}
     for folder, package in FOLDERS.items():
         for path in sorted((REPO / folder).rglob("*.py")):
