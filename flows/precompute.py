@@ -29,10 +29,10 @@ from kdflow.schemas.protocol import LEASE_OWNER_ENV, describe_exit_code, format_
 from kdflow.schemas.stage_settings import TeacherPassSettings, open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
-from kdflow.tasks.common.launch import WorkerFailed, WorkerUserError, config_file, outcome_error, run_child
+from kdflow.tasks.common.launch import WorkerFailed, config_file, outcome_error, run_child
 from kdflow.tasks.teacher.precompute_worker import MODULE as WORKER_MODULE
 
-__all__ = ["WorkerFailed", "WorkerUserError", "precompute_flow", "precompute_shards_flow", "run_teacher_worker"]
+__all__ = ["precompute_flow", "precompute_shards_flow", "run_teacher_worker"]
 
 
 def _retry_if_retryable(task: Any, task_run: Any, state: Any) -> bool:

@@ -42,8 +42,9 @@ def test_a_user_error_fails_at_once_with_the_workers_message(prefect_harness, ma
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from kdflow.flows.precompute import WorkerUserError, precompute_flow
+    from kdflow.flows.precompute import precompute_flow
     from kdflow.schemas.errors import KDFlowError
+    from kdflow.tasks.common.launch import WorkerUserError
 
     # The teacher's limits are checked before the token store is even read: no need to tokenise here.
     config = make_config(precompute__max_attempts=3, precompute__retry_delay_s=0, precompute__top_k=1000)

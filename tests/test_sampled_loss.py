@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kdflow.tasks.common.sampled import SCHEMES, SampledTargets, ht_weights, target_kind
+from kdflow.schemas.sampled_settings import SCHEMES
+from kdflow.tasks.common.sampled import SampledTargets, ht_weights, target_kind
 from kdflow.tasks.student.losses import fused_topk_kl
 from kdflow.tasks.student.sampled_loss import fused_sampled_kl
 from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled

@@ -10,9 +10,11 @@ from torch import Tensor, nn
 
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.common.sampled import SCHEMES, SampledTargets, cat_targets
+from kdflow.schemas.sampled_settings import SCHEMES
+from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.sampling import (SamplingPlan, TeacherSampledStep, check_sampling_fits, chunked_sampled,
-                                           mix64_, position_streams, sample_slabs, token_keys, uniform_noise_)
+                                           sample_slabs)
+from kdflow.tasks.teacher.sampling_noise import mix64_, position_streams, token_keys, uniform_noise_
 
 MASK64 = (1 << 64) - 1
 FIELDS = [f.name for f in fields(SampledTargets)]

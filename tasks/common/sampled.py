@@ -28,7 +28,7 @@ from torch import Tensor
 
 from kdflow.schemas.sampled_settings import SCHEMES
 
-__all__ = ["SCHEMES", "TARGET_KINDS", "SampledTargets", "cat_targets", "ht_weights", "target_kind"]
+__all__ = ["TARGET_KINDS", "SampledTargets", "cat_targets", "ht_weights", "target_kind"]
 TARGET_KINDS = ("topk", "sampled", "hybrid")
 
 

@@ -39,7 +39,7 @@ from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher_config
-from kdflow.tasks.teacher.sampled_pass import check_sampling_fits
+from kdflow.tasks.teacher.sampling import check_sampling_fits
 from kdflow.tasks.teacher.shard_computer import ShardComputer
 from kdflow.tasks.teacher.store_quality import pass_fidelity
 

@@ -20,16 +20,16 @@ from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, encode_sampled
 from kdflow.schemas.commits import StageComplete
 from kdflow.schemas.config import PrecomputeConfig
+from kdflow.schemas.sampled_settings import HASH_VERSION
 from kdflow.schemas.shards import StreamShardWriter
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.sampled import SampledTargets
-from kdflow.tasks.teacher.sampling import (HASH_VERSION, SAMPLER_BYTES_PER_LOGIT, SamplingPlan, TeacherSampledStep,
-                                           check_sampling_fits)
+from kdflow.tasks.teacher.sampling import SAMPLER_BYTES_PER_LOGIT, SamplingPlan, TeacherSampledStep
 from kdflow.tasks.teacher.store_codec import renumbering_table
 from kdflow.tasks.teacher.topk import choose_chunk_tokens
 
-__all__ = ["SampledPass", "check_sampling_fits", "sampled_chunk_tokens", "sampled_codec", "sampled_step"]
+__all__ = ["SampledPass", "sampled_chunk_tokens", "sampled_codec", "sampled_step"]
 _HOST_DTYPES = {"head_ids": torch.int32, "head_logprobs": torch.float32, "tail_logprob": torch.float32,
                 "sample_ids": torch.int32, "sample_logprobs": torch.float32, "log_threshold": torch.float32}
 

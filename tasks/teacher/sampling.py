@@ -28,15 +28,14 @@ from torch import Tensor, nn
 
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.sampled_settings import SCHEMES
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
-from kdflow.tasks.common.sampled import SCHEMES, SampledTargets, cat_targets
-from kdflow.tasks.teacher.sampling_noise import (HASH_VERSION, key_noise_, mix64_, position_streams, token_keys,
-                                                 uniform_noise_)
+from kdflow.tasks.common.sampled import SampledTargets, cat_targets
+from kdflow.tasks.teacher.sampling_noise import key_noise_, position_streams, token_keys, uniform_noise_
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 
-__all__ = ["HASH_VERSION", "SAMPLER_BYTES_PER_LOGIT", "RunningSample", "SamplingPlan", "TeacherSampledStep",
-           "check_sampling_fits", "chunked_sampled", "key_noise_", "merge_ordered", "mix64_", "position_streams",
-           "sample_slabs", "token_keys", "top_ordered", "uniform_noise_"]
+__all__ = ["SAMPLER_BYTES_PER_LOGIT", "RunningSample", "SamplingPlan", "TeacherSampledStep", "check_sampling_fits",
+           "chunked_sampled", "merge_ordered", "sample_slabs", "top_ordered"]
 
 # Bytes per (row, id) the sampler holds, in units of topk.choose_chunk_tokens' `logits_dtype_bytes`
 # (which it doubles): float32 logits, the float64 noise/keys, its int64 scratch, a bool mask: ~24 bytes.
