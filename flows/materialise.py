@@ -22,7 +22,7 @@ from kdflow.tasks.corpus.materialise import materialise_into
 def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     count_tokens = None
     if config.dataset.max_tokens is not None:
-        tokenizer = load_tokenizer(config)
+        tokenizer = load_tokenizer(config.teacher, config.tokenizer)
 
         def count_tokens(texts: list[str]) -> list[int]:
             encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]

@@ -107,7 +107,7 @@ def _fan_out(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[int] | Non
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(runs)} shard-range flow runs did not complete: "
                            f"{', '.join(failed[:5])}")
-    tags = find_topk_stores(run_root, config)
+    tags = find_topk_stores(run_root, config.teacher, config.precompute)
     if len(tags) != 1:
         raise StoreError(f"expected one top-K store for this config after the fan-out, found {len(tags)} "
                          f"({', '.join(tags) or 'none'}); with teacher.dtype auto, hosts with and without a GPU make "
@@ -199,7 +199,7 @@ def _committed_already(run_root: RunRoot, config: KDFlowConfig, shard_ids: list[
     """{'tag', 'written': 0} when this config's top-K store already holds every asked-for shard (read from the
     store's files: no worker started, no teacher loaded), else None."""
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
-    tags = find_topk_stores(run_root, config) if tokens_done is not None else []
+    tags = find_topk_stores(run_root, config.teacher, config.precompute) if tokens_done is not None else []
     if len(tags) != 1:
         return None
     ids = sorted(shard_ids) if shard_ids else list(range(tokens_done.shards))

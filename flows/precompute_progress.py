@@ -15,7 +15,7 @@ from kdflow.tasks.common.progress import format_duration
 def precompute_key(config: KDFlowConfig, shard_ids: list[int] | None = None) -> str:
     """`precompute-HASH` for the store this config makes (run root, teacher, K, dtype: known without loading the
     teacher, the same on every rerun), `precompute-HASH-shards-0-15` for one range of it."""
-    store = section_hash(config.run_root, teacher_section(config), config.precompute.top_k,
+    store = section_hash(config.run_root, teacher_section(config.teacher), config.precompute.top_k,
                          config.precompute.logprobs_dtype, config.seq_len, length=10)
     return artifact_key("precompute", store, *(["shards", format_shard_ids(shard_ids)] if shard_ids else []))
 

@@ -20,7 +20,7 @@ from kdflow.tasks.corpus.tokenise import tokenise_into
 
 @task(name="tokenise-corpus", cache_policy=NONE)
 def tokenise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     write_stage_config(run_root, config, stage_dir(run_root, "tokens"))
     progress = Progress("tokenise", None, unit="shard")
     try:

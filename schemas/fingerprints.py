@@ -10,7 +10,7 @@ import hashlib
 import json
 from typing import Any
 
-from kdflow.schemas.config import KDFlowConfig, section_hash
+from kdflow.schemas.config import KDFlowConfig, PrecomputeConfig, section_hash
 from kdflow.schemas.store_info import store_format
 
 
@@ -45,12 +45,16 @@ def topk_fingerprint(teacher_fp: str, tokens_fp: str, config: KDFlowConfig) -> s
     """Also the store's TAG under topk/: teacher + K + store format + the token store it reads.
 
     v1 keeps its formula (K and the log-prob dtype), so stores made before v2 keep their tags and resume;
-    v2 hashes `store_format(config)`, which names the format ("v2", "kdflow.topk.v2") and every codec
+    v2 hashes `store_format(config.precompute)`, which names the format ("v2", "kdflow.topk.v2") and every codec
     parameter, so a store made with other codec settings is another store."""
-    pre = config.precompute
-    if pre.store.format == "v1":
-        return section_hash("topk", teacher_fp, tokens_fp, pre.top_k, pre.logprobs_dtype, length=12)
-    return section_hash("topk", teacher_fp, tokens_fp, pre.top_k, store_format(config), length=12)
+    return topk_fingerprint_of(teacher_fp, tokens_fp, config.precompute)
+
+
+def topk_fingerprint_of(teacher_fp: str, tokens_fp: str, precompute: PrecomputeConfig) -> str:
+    """topk_fingerprint from the section it reads (the teacher pass's view of the config)."""
+    if precompute.store.format == "v1":
+        return section_hash("topk", teacher_fp, tokens_fp, precompute.top_k, precompute.logprobs_dtype, length=12)
+    return section_hash("topk", teacher_fp, tokens_fp, precompute.top_k, store_format(precompute), length=12)
 
 
 # The student settings a checkpoint resumes with: data, model and optimisation. Steps, saving, evaluation and

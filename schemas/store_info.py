@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kdflow.schemas.codec_sampled import sampled_format, sampled_label
 from kdflow.schemas.commits import CommitRecord, read_complete, stage_dir
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import PrecomputeConfig, TeacherConfig
 from kdflow.schemas.layout import STORE_FILE, TOPK_DIR, is_store_name
 from kdflow.schemas.storage import RunRoot
 
@@ -33,11 +33,11 @@ class TopkStoreInfo(BaseModel):
     logprobs_dtype: str
     seq_len: int
     format: str = "v1"  # stores written before v2 have no such key
-    store: dict[str, Any] | None = None  # `store_format(config)` of the config that made it (None: v1, before v2)
+    store: dict[str, Any] | None = None  # `store_format(precompute)` of the config that made it (None: v1, before v2)
     codec: dict[str, Any] | None = None  # v2: the codec's settings (TopkCodec.settings(), with the table's sha256)
 
     def store_format(self) -> dict[str, Any]:
-        """What this store's format settings are, in the terms of `store_format(config)`."""
+        """What this store's format settings are, in the terms of `store_format(precompute)`."""
         return self.store if self.store is not None else {"format": "v1", "logprobs_dtype": self.logprobs_dtype}
 
     @property
@@ -53,10 +53,10 @@ class TopkStoreInfo(BaseModel):
         return self.store_format().get("targets", "topk")
 
 
-def store_format(config: KDFlowConfig) -> dict[str, Any]:
-    """The top-K store format the config asks for: v1 {format, logprobs_dtype}, v2 the codec's parameters.
-    In the store's fingerprint (v2), `_store.json`, and compared with the store before training on it."""
-    pre, store = config.precompute, config.precompute.store
+def store_format(precompute: PrecomputeConfig) -> dict[str, Any]:
+    """The top-K store format the precompute section asks for: v1 {format, logprobs_dtype}, v2 the codec's
+    parameters. In the store's fingerprint (v2), `_store.json`, and compared with the store before training on it."""
+    pre, store = precompute, precompute.store
     if store.format == "v1":
         return {"format": "v1", "logprobs_dtype": pre.logprobs_dtype}
     settings = {"format": "v2", "codec": "kdflow.topk.v2", "values": store.values,
@@ -77,9 +77,10 @@ def format_label(settings: dict[str, Any]) -> str:
             f"renumbering {settings.get('renumbering')}")
 
 
-def format_mismatch(info: TopkStoreInfo, config: KDFlowConfig, shown: str) -> str | None:
-    """The one-line reason a store may not be trained on with this config, or None when the formats agree."""
-    made, asked = info.store_format(), store_format(config)
+def format_mismatch(info: TopkStoreInfo, precompute: PrecomputeConfig, shown: str) -> str | None:
+    """The one-line reason a store may not be trained on with this precompute section, or None when the formats
+    agree."""
+    made, asked = info.store_format(), store_format(precompute)
     if made == asked:
         return None
     if made.get("targets", "topk") != asked.get("targets", "topk"):
@@ -90,9 +91,9 @@ def format_mismatch(info: TopkStoreInfo, config: KDFlowConfig, shown: str) -> st
             "or run precompute to make the store asked for")
 
 
-def teacher_section(config: KDFlowConfig) -> dict[str, Any]:
+def teacher_section(teacher: TeacherConfig) -> dict[str, Any]:
     """The teacher settings a store records and is matched by."""
-    return config.teacher.model_dump(mode="json", exclude={"device"})
+    return teacher.model_dump(mode="json", exclude={"device"})
 
 
 def write_store_info(run_root: RunRoot, store: str, info: TopkStoreInfo) -> None:
@@ -112,19 +113,20 @@ def topk_tags(run_root: RunRoot) -> list[str]:
     return [tag for tag in run_root.listdir(run_root.path(TOPK_DIR)) if is_store_name(tag)]
 
 
-def find_topk_stores(run_root: RunRoot, config: KDFlowConfig, *, any_format: bool = False) -> list[str]:
-    """Tags of the top-K stores made for this config's teacher, K, token store and store format, read from their
+def find_topk_stores(run_root: RunRoot, teacher: TeacherConfig, precompute: PrecomputeConfig, *,
+                     any_format: bool = False) -> list[str]:
+    """Tags of the top-K stores made for this teacher, K, token store and store format, read from their
     _store.json (no teacher loaded; with teacher.dtype auto, a CPU and a GPU host make two). `any_format`: also
     those made with other format settings (to name them in an error)."""
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     if tokens_done is None:
         return []
-    teacher, wanted = teacher_section(config), store_format(config)
+    made_by, wanted = teacher_section(teacher), store_format(precompute)
     tags = []
     for tag in topk_tags(run_root):
         info = read_store_info(run_root, stage_dir(run_root, "topk", tag))
-        if (info is not None and info.tokens_fingerprint == tokens_done.fingerprint and info.teacher == teacher
-                and info.top_k == config.precompute.top_k and (any_format or info.store_format() == wanted)):
+        if (info is not None and info.tokens_fingerprint == tokens_done.fingerprint and info.teacher == made_by
+                and info.top_k == precompute.top_k and (any_format or info.store_format() == wanted)):
             tags.append(tag)
     return tags
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kdflow.schemas.commits import StageComplete, read_complete, stage_dir
-from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import FingerprintMismatch, StoreError
-from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint
 from kdflow.schemas.storage import RunRoot
 
 
@@ -43,16 +41,16 @@ def check_store_tokenizer(store_tokenizer_fp: str | None, tokenizer_fp: str, sto
         )
 
 
-def open_token_store(run_root: RunRoot, config: KDFlowConfig, tokenizer_fp: str) -> TokenStore:
+def open_token_store(run_root: RunRoot, tokenizer_fp: str, expected: str) -> TokenStore:
     """The token store, if it is complete, was made with the tokenizer of fingerprint `tokenizer_fp` and from this
-    config's dataset, seq_len and shard size (its fingerprint); else a StoreError that says to run tokenise."""
+    config's dataset, seq_len and shard size (`expected`: the tokens fingerprint they give, with `tokenizer_fp`);
+    else a StoreError that says to run tokenise."""
     store = stage_dir(run_root, "tokens")
     shown = run_root.display(store)
     done = read_complete(run_root, store)
     if done is None:
         raise StoreError(f"token store {shown} is not complete; run tokenise first")
     check_store_tokenizer(done.extra.tokenizer_fingerprint, tokenizer_fp, shown)
-    expected = tokens_fingerprint(corpus_fingerprint(config), tokenizer_fp, config)
     if done.fingerprint != expected:
         raise StoreError(f"token store {shown} (fingerprint {done.fingerprint}) was made from another dataset, "
                          f"seq_len or shard size than this config ({expected}); run tokenise first")

@@ -85,7 +85,7 @@ def _tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, int]:
 
     config = make_config(dataset__max_documents=16)
     materialise(config)
-    shards = tokenise(config, load_tokenizer(config)).shards
+    shards = tokenise(config, load_tokenizer(config.teacher, config.tokenizer)).shards
     assert shards >= 2
     # Two ranges, so the fan-out makes exactly two flow runs: one for each GPU worker.
     return make_config(dataset__max_documents=16, precompute__shards_per_flow_run=math.ceil(shards / 2)), shards

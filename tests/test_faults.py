@@ -106,7 +106,7 @@ def test_a_data_file_without_its_commit_record_is_never_read_and_is_recomputed(r
     assert 2 not in list_commits(run_root, str(store), "topk", prepared.tag)
     assert 2 not in set(load_manifest(run_root, str(store), "topk", prepared.tag, config.seq_len)["shard_id"])
     with pytest.raises(StoreError) as caught:  # the student's reader refuses it, in one line
-        open_stores(config, load_tokenizer(config))
+        open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
     assert "shard-00002" in str(caught.value) and "is not committed; run precompute first" in str(caught.value)
     assert "\n" not in str(caught.value)
     assert validate_run_root(config.run_root) == 1

@@ -37,7 +37,7 @@ def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
                                      "num_key_value_heads": 1, "intermediate_size": 64}},
     })
     materialise(config)
-    assert tokenise(config, load_tokenizer(config)).shards >= 3
+    assert tokenise(config, load_tokenizer(config.teacher, config.tokenizer)).shards >= 3
     return config
 
 

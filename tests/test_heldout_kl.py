@@ -54,7 +54,7 @@ def _reference(config, teacher_dir: Path) -> tuple[float, float]:
 
     from kdflow.tasks.student.data import open_distill_data
 
-    data = open_distill_data(config, load_tokenizer(config))
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
     batch = data.load(data.eval_rows)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
     student = AutoModelForCausalLM.from_pretrained(student_path(config, "final")).eval()

@@ -69,7 +69,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(16))
     config = tiny_config(base / "run", tiny_teacher_dir, corpus)
     materialise(config)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     precompute_shards(config)
     train(config)
     return {"corpus": corpus, "run_root": config.run_root, "files": data_hashes(Path(config.run_root)),

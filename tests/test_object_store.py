@@ -72,7 +72,7 @@ def prepare(config: KDFlowConfig) -> None:
     from kdflow.tasks.corpus.tokenise import tokenise
 
     materialise(config)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
 
 
 def worker(config_path: Path, **env: str) -> subprocess.Popen:
@@ -223,7 +223,7 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
     config = make_config(run_root=bucket.run_root, dataset__max_documents=24, precompute__micro_batch=3, **overrides)
     prepare(config)
     assert precompute_shards(config)["complete"]
-    data = open_distill_data(config, load_tokenizer(config))
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
     rows = np.array([data.train_rows - 1, 0, 4, 3, 0])  # across shards, out of order, one repeated
     batch = data.train_batch(rows)
     run_root = RunRoot(config.run_root)

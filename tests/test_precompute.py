@@ -105,7 +105,7 @@ def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config
     assert len(manifest) == tokens_done.shards
     done = read_complete(run_root, stage_dir(run_root, "topk", summary["tag"]))
     assert done.shards == tokens_done.shards and done.fingerprint == summary["tag"]
-    assert find_topk_stores(RunRoot(config.run_root), config) == [summary["tag"]]
+    assert find_topk_stores(RunRoot(config.run_root), config.teacher, config.precompute) == [summary["tag"]]
 
 
 def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config, caplog) -> None:

@@ -69,7 +69,7 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
     config = make_config(run_root=s3_run_root, dataset__max_documents=14)
     run_root = RunRoot(config.run_root)
     assert not run_root.is_local
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
 
     corpus = materialise(config)
     tokens = tokenise(config, tokenizer)

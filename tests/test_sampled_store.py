@@ -100,7 +100,7 @@ def test_a_corrupt_row_is_named_and_the_top_k_reader_refuses_sampled_shards() ->
 
 def prepare(config: Any) -> Any:
     materialise(config, None)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     return config
 
 
@@ -164,7 +164,7 @@ def test_training_reads_sampled_targets_and_a_top_k_config_on_them_is_an_error(m
 
     config = prepare(sampled_config(make_config, student__steps=2, student__eval_shards=1))
     tag = precompute_shards(config)["tag"]
-    data = open_distill_data(config, load_tokenizer(config))
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
     batch = data.train_batch(np.arange(2))
     assert batch.topk_ids.shape == (2, 32, 4) and [t.shape for t in batch.samples] == [(2, 32, 6), (2, 32, 6), (2, 32)]
     summary = train(config)

@@ -96,7 +96,7 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
     info = _info(config, summary["tag"])
     assert info.tail_computed and info.model_extra["imported"]["teacher"] == "sharp-tiny"
     config = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     with caplog.at_level(logging.WARNING, logger="kdflow.train"):
         open_stores(config, tokenizer)
         open_stores(config, tokenizer)

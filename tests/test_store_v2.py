@@ -33,7 +33,7 @@ from kdflow.commands.validate import validate_run_root
 def prepared(make_config: Callable[..., Any], **overrides: Any) -> tuple[Any, dict[str, Any]]:
     config = make_config(dataset__max_documents=24, **overrides)
     materialise(config)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     return config, precompute_shards(config)
 
 
@@ -46,7 +46,7 @@ def test_v2_store_records_its_codec_everywhere(make_config: Callable[..., Any]) 
     config, summary = prepared(make_config)
     run_root, store = store_of(config, summary["tag"])
     info = read_store_info(run_root, store)
-    assert info.format == "v2" and info.store == store_format(config)
+    assert info.format == "v2" and info.store == store_format(config.precompute)
     assert info.store == {"format": "v2", "codec": CODEC_NAME, "values": "sqrt", "levels": 400, "tail": "float16",
                           "keep_mass": None, "zstd_level": 1, "renumbering": "unigram"}
     assert info.codec["codec"] == CODEC_NAME and info.codec["renumbering"].startswith("sha256:")
@@ -85,7 +85,7 @@ def test_loader_yields_the_stored_tail_and_trains(make_config: Callable[..., Any
 
     config, summary = prepared(make_config, precompute__store__keep_mass=0.5)  # near-uniform tiny teacher
     run_root, store = store_of(config, summary["tag"])
-    data = open_distill_data(config, load_tokenizer(config))
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
     assert data.stores.codec == read_store_info(run_root, store).codec
     rows = np.array([0, data.train_rows - 1, 5])
     batch = data.train_batch(rows)
@@ -101,7 +101,7 @@ def test_loader_yields_the_stored_tail_and_trains(make_config: Callable[..., Any
 
 def test_training_on_a_store_of_other_codec_settings_is_a_one_line_error(make_config: Callable[..., Any]) -> None:
     config, summary = prepared(make_config)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     for change, asked in (({"precompute__store__levels": 256}, "v2 sqrt/256"),
                           ({"precompute__store__format": "v1"}, "v1 float16")):
         other = make_config(dataset__max_documents=24, **change)
@@ -122,7 +122,7 @@ def test_v1_store_keeps_reading(make_config: Callable[..., Any], capsys: pytest.
     assert info.format == "v1" and info.store is None and info.codec is None  # _store.json as before v2
     record = read_commit(run_root, store, "topk", 0)
     assert TopkShard(run_root, f"{store}/{record.data_file}").format == 1 and record.extra.format is None
-    batch = open_distill_data(config, load_tokenizer(config)).train_batch(np.array([0, 1]))
+    batch = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer)).train_batch(np.array([0, 1]))
     mass = batch.topk_logprobs.double().exp().sum(-1) + batch.tail_logprob.double().exp()
     assert ((mass - 1).abs() < 1e-2).all()  # v1: the tail is derived as 1 - sum
     assert validate_run_root(config.run_root) == 0, capsys.readouterr().out

@@ -31,7 +31,8 @@ def complete_store(config: KDFlowConfig, tokenizer_fp: str | None, fingerprint: 
 def test_a_store_made_for_this_config_and_tokenizer_opens(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
     complete_store(config, "tok", tokens_fingerprint(corpus_fingerprint(config), "tok", config))
-    opened = open_token_store(open_run_root(config), config, "tok")
+    expected = tokens_fingerprint(corpus_fingerprint(config), "tok", config)
+    opened = open_token_store(open_run_root(config), "tok", expected)
     assert (opened.shards, opened.tokenizer_fingerprint) == (3, "tok")
     assert opened.path == stage_dir(open_run_root(config), "tokens")
 
@@ -39,16 +40,16 @@ def test_a_store_made_for_this_config_and_tokenizer_opens(tmp_path: Path) -> Non
 def test_missing_foreign_tokenizer_and_other_inputs_are_one_line_each(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
     with pytest.raises(StoreError, match="is not complete; run tokenise first"):
-        open_token_store(open_run_root(config), config, "tok")
+        open_token_store(open_run_root(config), "tok", tokens_fingerprint(corpus_fingerprint(config), "tok", config))
     complete_store(config, "other", tokens_fingerprint(corpus_fingerprint(config), "other", config))
     with pytest.raises(FingerprintMismatch, match="tokenizer fingerprint other, but this config's tokenizer is tok"):
-        open_token_store(open_run_root(config), config, "tok")
+        open_token_store(open_run_root(config), "tok", tokens_fingerprint(corpus_fingerprint(config), "tok", config))
     complete_store(config, None, "whatever")
     with pytest.raises(FingerprintMismatch, match="does not record its tokenizer fingerprint"):
-        open_token_store(open_run_root(config), config, "tok")
+        open_token_store(open_run_root(config), "tok", tokens_fingerprint(corpus_fingerprint(config), "tok", config))
     complete_store(config, "tok", "made-from-other-inputs")
     with pytest.raises(StoreError, match="run tokenise first"):
-        open_token_store(open_run_root(config), config, "tok")
+        open_token_store(open_run_root(config), "tok", tokens_fingerprint(corpus_fingerprint(config), "tok", config))
 
 
 def test_stage_views_resolve_reads_across_sections(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ def tokenised(make_config: Callable[..., Any]) -> Callable[..., tuple[Any, Any, 
     def build(**overrides: Any) -> tuple[Any, Any, Any]:
         config = make_config(**overrides)
         materialise(config)
-        tokenizer = load_tokenizer(config)
+        tokenizer = load_tokenizer(config.teacher, config.tokenizer)
         return config, tokenizer, tokenise(config, tokenizer)
 
     return build
@@ -154,7 +154,7 @@ def test_interrupted_run_resumes_to_identical_shards(make_config: Callable[..., 
     interrupted = make_config(run_root=str(tmp_path / "interrupted"))
     materialise(reference)
     materialise(interrupted)
-    tokenizer = load_tokenizer(reference)
+    tokenizer = load_tokenizer(reference.teacher, reference.tokenizer)
     expected = tokenise(reference, tokenizer)
 
     def stop_at_five(record: Any) -> None:
@@ -179,7 +179,7 @@ def test_interrupted_run_resumes_to_identical_shards(make_config: Callable[..., 
 
 def test_tokenise_needs_a_complete_corpus(make_config: Callable[..., Any]) -> None:
     config = make_config()
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     with pytest.raises(StoreError, match="run materialise first"):
         tokenise(config, tokenizer)
     materialise(config)
@@ -198,7 +198,7 @@ def test_a_corpus_shorter_than_one_sequence_is_named_as_such_before_the_teacher_
 
     config = make_config(dataset__max_documents=1, seq_len=512)
     materialise(config)
-    summary = tokenise(config, load_tokenizer(config))
+    summary = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     assert (summary.shards, summary.sequences) == (0, 0)
     assert held_out_problem(0, summary.shards, summary.sequences).startswith(  # not "eval_shards=0 leaves no ..."
         "the token store holds no sequence: the corpus gave fewer tokens than one sequence of seq_len")
@@ -211,7 +211,7 @@ def test_truncation_set_on_the_rust_tokenizer_does_not_cut_documents(make_config
     still give every document whole, as calling the transformers tokenizer does."""
     config = make_config()
     materialise(config)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     tokenizer.backend_tokenizer.enable_truncation(max_length=8)
     tokenise(config, tokenizer)
     assert tokenizer.backend_tokenizer.truncation is not None  # the caller's tokenizer is left as it was

@@ -149,7 +149,7 @@ def test_order_covers_every_training_row_once_per_epoch_and_ranks_split_batches(
     from kdflow.tasks.student.data import epoch_permutation, open_distill_data
 
     config = fresh_run(student__eval_shards=2, student__eval_sequences=10)
-    data = open_distill_data(config, load_tokenizer(config))
+    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
     pairs = data.stores.pairs
     rows = data.train_rows
     assert (rows == sum(p.rows for p in pairs[:-2])
@@ -196,7 +196,7 @@ def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Pat
     record = read_commit(run_root, store, "topk", 3)
     write_commit(run_root, store, record.model_copy(update={"input_sha256": "0" * 64}))  # shard 3 names another input
     with pytest.raises(StoreError) as caught:
-        open_stores(config, load_tokenizer(config))
+        open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
     assert_one_line(caught.value, "shard-00003", "made from another token shard")
 
     # Another corpus: tokenise rewrites tokens/ and the top-K store is stale. (A corpus that only grew or
@@ -205,7 +205,7 @@ def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Pat
     other = fresh_run(dataset__path=str(reordered))
     make_tokens(other)
     with pytest.raises(StoreError) as caught:
-        open_stores(other, load_tokenizer(other))
+        open_stores(other, load_tokenizer(other.teacher, other.tokenizer))
     assert_one_line(caught.value, "no top-K store", "made for another teacher, K or token store", "run precompute")
 
 
@@ -217,7 +217,7 @@ def test_topk_store_with_other_k_or_seq_len_is_an_error(fresh_run, sharp_teacher
     shutil.rmtree(stage_dir(RunRoot(config.run_root), "topk", DENSE_TAG))
     write_dense_topk(config, sharp_teacher_dir, tag="other", **{what: 4 if what == "top_k" else 16})
     with pytest.raises(StoreError) as caught:
-        open_stores(config, load_tokenizer(config))
+        open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
     assert_one_line(caught.value,
                     "K=4, precompute.top_k is 8" if what == "top_k" else "seq_len 16, the token store's is 32")
 
@@ -271,7 +271,7 @@ def test_checkpoints_on_an_object_store_roundtrip_and_half_written_ones_are_igno
     from kdflow.tasks.student.train import build_optimizer
 
     config = fresh_run()
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     model = build_student(config, tokenizer)
     optimizer, scheduler = build_optimizer(model, config.student)
     model(torch.arange(8)[None]).logits.sum().backward()

@@ -80,7 +80,7 @@ def test_switching_an_option_keeps_the_fingerprint_so_a_run_resumes_with_it(fres
     from kdflow.tasks.student.train import train, training_fingerprint
 
     plain = fresh_run(**COMMON)
-    stores = open_stores(plain, load_tokenizer(plain))
+    stores = open_stores(plain, load_tokenizer(plain.teacher, plain.tokenizer))
     for settings in OPTIONS.values():
         assert training_fingerprint(fresh_run(**COMMON, **settings), stores) == training_fingerprint(plain, stores)
     assert train(plain, on_step=stop_at(2))["steps"] == 2
@@ -127,7 +127,7 @@ def test_a_gathered_state_saved_as_checkpoint_and_final_has_weights_in_both(fres
     from kdflow.tasks.student.train import build_optimizer
 
     config = fresh_run()
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     model = build_student(config, tokenizer)
     optimizer, scheduler = build_optimizer(model, config.student)
     gathered = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

@@ -68,7 +68,7 @@ def tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, Any]:
     """A small run root with corpus and tokens stores: -> (config, tokenizer)."""
     config = make_config(dataset__max_documents=16)
     materialise(config)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     assert tokenise(config, tokenizer).shards >= 4
     return config, tokenizer
 

@@ -181,7 +181,7 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
     base = _base_config(args, root)
     write_corpus(Path(base.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(base.teacher.model))
-    tokenizer = load_tokenizer(base)
+    tokenizer = load_tokenizer(base.teacher, base.tokenizer)
 
     def count_tokens(texts: list[str]) -> list[int]:
         encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
@@ -245,7 +245,7 @@ class Teacher:
 
             student = self.config.student.model_copy(update={"eval_sequences": 10**9})
             every_row = self.config.model_copy(update={"student": student})
-            self._heldout = open_distill_data(every_row, load_tokenizer(every_row))
+            self._heldout = open_distill_data(every_row, load_tokenizer(every_row.teacher, every_row.tokenizer))
         return self._heldout
 
 

@@ -153,7 +153,7 @@ def tokens(config_path: Path) -> dict[str, Any]:
 
     config = load_config(config_path)
     materialise(config)
-    summary = tokenise(config, load_tokenizer(config))
+    summary = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     return {"shards": summary.shards, "sequences": summary.sequences, "tokens": summary.tokens}
 
 

@@ -59,7 +59,7 @@ def child(kind: str, target: str) -> dict[str, Any]:
 
         started = time.perf_counter()
         config = load_config(target)
-        tokenizer = load_tokenizer(config)
+        tokenizer = load_tokenizer(config.teacher, config.tokenizer)
         opened = time.perf_counter()
         open_distill_data(config, tokenizer)  # what training does first: list the stores, read the records
         out["startup_s"] = round(time.perf_counter() - opened, 3)
@@ -162,7 +162,7 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
     run_root = work / name
     config = config_from_dict(run_config(str(run_root), corpus, teacher, documents, args))
     materialise(config)
-    tokenised = tokenise(config, load_tokenizer(config))
+    tokenised = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     started = time.perf_counter()
     summary = precompute_shards(config)
     topk_bytes = sum(p.stat().st_size for p in (run_root / "topk").rglob("shard-*.arrow"))

@@ -72,7 +72,7 @@ def build_real_stores(run_root: str, shards: int) -> RealStores:
     started = time.perf_counter()
     write_corpus(Path(default.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(default.teacher.model))
-    tokenizer = load_tokenizer(default)
+    tokenizer = load_tokenizer(default.teacher, default.tokenizer)
 
     def count_tokens(texts: list[str]) -> list[int]:  # the max_tokens budget, as the materialise flow counts it
         return [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -167,7 +167,7 @@ def loader_rate(config: KDFlowConfig, batches: int = 8) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = open_distill_data(config, load_tokenizer(config))
+        data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
         size = config.student.batch_size
         data.train_batch(np.arange(size))  # opens (maps) the shards once, as a training run does
         started = time.perf_counter()
@@ -187,7 +187,7 @@ def _heldout_kl(final_dir: str, config: KDFlowConfig) -> dict[str, float]:
     from kdflow.tasks.student.train import DistillLoss, evaluate
 
     model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32)
-    return evaluate(DistillLoss(model), open_distill_data(config, load_tokenizer(config)), config, torch.device("cpu"))
+    return evaluate(DistillLoss(model), open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer)), config, torch.device("cpu"))
 
 
 def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:

@@ -66,7 +66,7 @@ def prepare_demo(run_root: str) -> Any:
     config = demo_config(root)
     write_corpus(Path(config.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(config.teacher.model))
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     materialise(config, lambda texts: [len(ids) + 1 for ids in
                                        tokenizer(texts, add_special_tokens=False)["input_ids"]])
     tokenise(config, tokenizer)
@@ -81,14 +81,15 @@ def scratch_copy(config: Any, shards: int, folder: str) -> tuple[Any, list[Any]]
     from kdflow.bench.harness import open_root
     from kdflow.schemas.commits import list_commits, stage_dir, write_complete
     from kdflow.schemas.errors import StoreError
-    from kdflow.schemas.fingerprints import tokenizer_fingerprint
+    from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint
     from kdflow.schemas.shards import read_token_shard
     from kdflow.schemas.stage_settings import open_run_root
     from kdflow.schemas.token_store import open_token_store
     from kdflow.tasks.common.tokenizer import load_tokenizer
 
     source = open_run_root(config)
-    store = open_token_store(source, config, tokenizer_fingerprint(load_tokenizer(config)))
+    tokenizer_fp = tokenizer_fingerprint(load_tokenizer(config.teacher, config.tokenizer))
+    store = open_token_store(source, tokenizer_fp, tokens_fingerprint(corpus_fingerprint(config), tokenizer_fp, config))
     tokens, done = store.path, store.complete
     records = list_commits(source, tokens, "tokens", done.fingerprint)
     missing = [i for i in range(shards) if i not in records]

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
         model = args.tokenizer or str(train_tiny_tokenizer(work / "tokenizer", pydoc_paragraphs(400), args.vocab_size))
         config = _config(work, corpus, model, args.gguf_file, args)
-        tokenizer = load_tokenizer(config)
+        tokenizer = load_tokenizer(config.teacher, config.tokenizer)
         materialise(config)  # not timed: the corpus parts are the stage's input
         corpus_bytes = sum(p.stat().st_size for p in (work / "run" / CORPUS_DIR).glob("*.parquet"))
         common = {"bench": "tokenise", "documents": len(texts), "chars": sum(map(len, texts)), "vocab": len(tokenizer),

@@ -154,7 +154,7 @@ def check_inputs(config: Any, variants: list[str]) -> None:
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
 
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     if "stage" in variants:
         try:
             open_stores(config, tokenizer)

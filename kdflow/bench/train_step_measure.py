@@ -105,7 +105,7 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
                                             next_token_labels)
 
     student = config.student
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     batch, source = _first_batch(config, tokenizer)
     batch = batch.to(device)
     model = apply_student_options(build_student(config, tokenizer).to(device), student, device)
@@ -205,7 +205,7 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
     total = warmup + steps + 1  # the last one for the tensor peak, under the profiler
     config = with_overrides(config, {"student.name": name, "student.steps": total, "student.eval_every": 0,
                                       "student.save_every": total + 1, "student.eval_sequences": 1})
-    open_stores(config, load_tokenizer(config))  # no stores at this seq_len: skipped, with the reason
+    open_stores(config, load_tokenizer(config.teacher, config.tokenizer))  # no stores at this seq_len: skipped, with the reason
     run_root = open_run_root(config)
     student_dir = run_root.path(STUDENTS_DIR, name)
     timed_end = warmup + steps

@@ -165,7 +165,7 @@ def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None,
         from kdflow.tasks.common.tokenizer import load_tokenizer
 
         config = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")))
-        tokenizer = load_tokenizer(config)
+        tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     except Exception as error:  # noqa: BLE001 - any failure only means the upper bound is not checked
         return None, f"the tokenizer could not be loaded ({type(error).__name__})"
     wanted = done.extra.tokenizer_fingerprint if done else None

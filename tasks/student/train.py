@@ -65,7 +65,7 @@ class StudentRun:
         self.device = rank_device(student.device, torchrun_rank().local_rank if world_size > 1 else 0, world_size)
         self.sharding = choose_sharding(student.distributed.sharding, self.device, world_size)
         self.autocast = autocast_for(self.device, student.autocast_bf16)
-        self.tokenizer = student_tokenizer(config, load_tokenizer(config))
+        self.tokenizer = student_tokenizer(config, load_tokenizer(config.teacher, config.tokenizer))
         self.data = open_distill_data(config, self.tokenizer, self.run_root)
         fingerprint = training_fingerprint(config, self.data.stores)
         if self.is_main:

@@ -55,7 +55,7 @@ def import_store(cfg: KDFlowConfig, source: str, layout_name: str, teacher_name:
         raise ConfigError("the imported teacher needs a name (--teacher)")
     layout = logit_layout(layout_name)
     run_root = run_root if run_root is not None else open_run_root(cfg)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.teacher, cfg.tokenizer)
     vocab_size, seq_len, top_k, per_shard = len(tokenizer), cfg.seq_len, cfg.precompute.top_k, \
         cfg.precompute.sequences_per_shard
     table = read_logit_dataset(source)
@@ -91,7 +91,8 @@ def import_store(cfg: KDFlowConfig, source: str, layout_name: str, teacher_name:
     write_store_info(run_root, store, TopkStoreInfo(
         tag=tag, teacher_fingerprint=teacher_fp, tokens_fingerprint=tokens_fp,
         teacher={"imported": teacher_name}, teacher_identity={"imported": teacher_name, "source": source},
-        top_k=top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=seq_len, store=store_format(cfg),
+        top_k=top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=seq_len,
+        store=store_format(cfg.precompute),
         imported=imported, **v2))
     info = TopkShardInfo(teacher_fingerprint=teacher_fp, tokens_fingerprint=tokens_fp, top_k=top_k, seq_len=seq_len,
                          logprobs_dtype=cfg.precompute.logprobs_dtype, vocab_size=vocab_size,

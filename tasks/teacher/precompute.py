@@ -26,7 +26,7 @@ from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInf
                                     write_complete)
 from kdflow.schemas.config import KDFlowConfig, dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.fingerprints import tokenizer_fingerprint, topk_fingerprint
+from kdflow.schemas.fingerprints import corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint, topk_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
 from kdflow.schemas.stage_settings import open_run_root
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
@@ -106,15 +106,16 @@ def plan_pass(cfg: KDFlowConfig, shard_ids: list[int] | None, device: torch.devi
     mismatch = tokenizer_mismatch(cfg.tokenizer, cfg.teacher)  # ids of another vocabulary would be silent garbage
     if mismatch is not None:
         raise ConfigError(mismatch)
-    tokenizer = load_tokenizer(cfg)
-    tokens = open_token_store(run_root, cfg, tokenizer_fingerprint(tokenizer))
+    tokenizer = load_tokenizer(cfg.teacher, cfg.tokenizer)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)
+    tokens = open_token_store(run_root, tokenizer_fp, tokens_fingerprint(corpus_fingerprint(cfg), tokenizer_fp, cfg))
     tokens_store, tokens_done = tokens.path, tokens.complete
     wanted = _requested(shard_ids, tokens_done.shards)
     teacher_fp = teacher_fingerprint(cfg.teacher, device=device)
     tag = topk_fingerprint(teacher_fp, tokens_done.fingerprint, cfg)
     store = stage_dir(run_root, "topk", tag)
     existing = read_store_info(run_root, store)
-    mismatch = format_mismatch(existing, cfg, run_root.display(store)) if existing is not None else None
+    mismatch = format_mismatch(existing, cfg.precompute, run_root.display(store)) if existing is not None else None
     if mismatch is not None:  # the tag names the format, so only a damaged or foreign _store.json gets here
         raise StoreError(mismatch)
     committed = list_commits(run_root, store, "topk", tag)  # one listing, not a request per shard
@@ -252,10 +253,10 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
 def _write_store_files(cfg: KDFlowConfig, plan: PassPlan, codec: TopkCodec | None) -> None:
     """The resolved config, and _store.json: what made this store, for readers that do not load the teacher."""
     plan.run_root.write_bytes_atomic(f"{plan.store}/{CONFIG_FILE}", dump_config(cfg).encode())
-    v2 = {} if codec is None else {"format": "v2", "store": store_format(cfg), "codec": codec.settings()}
+    v2 = {} if codec is None else {"format": "v2", "store": store_format(cfg.precompute), "codec": codec.settings()}
     write_store_info(plan.run_root, plan.store, TopkStoreInfo(
         tag=plan.tag, teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
-        teacher=teacher_section(cfg), teacher_identity=teacher_identity(cfg.teacher, device=plan.device),
+        teacher=teacher_section(cfg.teacher), teacher_identity=teacher_identity(cfg.teacher, device=plan.device),
         top_k=cfg.precompute.top_k, logprobs_dtype=cfg.precompute.logprobs_dtype, seq_len=cfg.seq_len, **v2))
 
 

@@ -113,7 +113,7 @@ def committed_micro_batches(config: KDFlowConfig, run_root: RunRoot | None = Non
     """Micro-batches the committed shards of this config's top-K stores were computed with."""
     run_root = run_root if run_root is not None else open_run_root(config)
     sizes = set()
-    for tag in find_topk_stores(run_root, config):
+    for tag in find_topk_stores(run_root, config.teacher, config.precompute):
         for record in list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag).values():
             if record.extra.micro_batch is not None:
                 sizes.add(record.extra.micro_batch)

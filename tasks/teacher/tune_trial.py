@@ -140,7 +140,7 @@ def measure_candidate(config: KDFlowConfig, micro_batch: int, batches: int, warm
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"teacher.device is {config.teacher.device} but this machine has no CUDA device")
     check_teacher_limits(load_teacher_config(config.teacher), top_k=config.precompute.top_k, seq_len=config.seq_len)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     started = time.perf_counter()
     model = load_teacher(config.teacher, device=device)
     load_seconds = time.perf_counter() - started

@@ -51,13 +51,13 @@ def run_config(run_root: Path, teacher_dir: Path, corpus: Path, **overrides: Any
 def make_tokens(config: KDFlowConfig) -> None:
     """The real corpus and tokenise stages."""
     materialise(config)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
 
 
 def prepare(config: Any) -> Any:
     """materialise + tokenise: the token store the teacher pass reads."""
     materialise(config, None)
-    tokenise(config, load_tokenizer(config))
+    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
     return config
 
 
