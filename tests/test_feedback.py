@@ -20,6 +20,7 @@ from kdflow.schemas.config import KDFlowConfig, config_from_dict
 @pytest.fixture(scope="module")
 def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> KDFlowConfig:
     """Corpus and token shards of a tiny run (the pure stages), shared by this module's tests."""
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -36,8 +37,10 @@ def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
                     "architecture": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                                      "num_key_value_heads": 1, "intermediate_size": 64}},
     })
-    materialise(config)
-    assert tokenise(config, load_tokenizer(config.teacher, config.tokenizer)).shards >= 3
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenised = tokenise(open_run_root(config), tokenise_settings(config),
+                         load_tokenizer(config.teacher, config.tokenizer))
+    assert tokenised.shards >= 3
     return config
 
 

@@ -59,6 +59,7 @@ def tiny_config(run_root: Path, teacher: Path, corpus: Path) -> KDFlowConfig:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> dict[str, Any]:
     """The uninterrupted run (the stages' own functions, in this process): its files' hashes and final weights."""
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -68,8 +69,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
     base = tmp_path_factory.mktemp("uninterrupted")
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(16))
     config = tiny_config(base / "run", tiny_teacher_dir, corpus)
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     precompute_shards(config)
     train(config)
     return {"corpus": corpus, "run_root": config.run_root, "files": data_hashes(Path(config.run_root)),

@@ -67,12 +67,13 @@ def bucket(moto: MotoProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucke
 
 
 def prepare(config: KDFlowConfig) -> None:
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
 
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
 
 
 def worker(config_path: Path, **env: str) -> subprocess.Popen:

@@ -127,10 +127,11 @@ def test_a_check_registered_later_runs_for_its_stages(make_config, monkeypatch) 
 
 
 def test_a_corpus_already_materialised_needs_no_dataset(make_config, tmp_path, corpus_file) -> None:
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root
     from kdflow.tasks.corpus.materialise import materialise
 
     config = make_config(dataset__max_documents=8)
-    materialise(config)
+    materialise(open_run_root(config), materialise_settings(config))
     os.rename(corpus_file, tmp_path / "moved.jsonl")  # the source is gone, the corpus store is complete
     assert run_preflight(config) == []
 

@@ -21,6 +21,7 @@ from kdflow.schemas.config import config_from_dict
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -99,8 +100,8 @@ def test_a_corrupt_row_is_named_and_the_top_k_reader_refuses_sampled_shards() ->
 
 
 def prepare(config: Any) -> Any:
-    materialise(config, None)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config), None)
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     return config
 
 

@@ -20,6 +20,7 @@ from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stag
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE, commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import read_store_info, store_format
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -32,8 +33,8 @@ from kdflow.commands.validate import validate_run_root
 
 def prepared(make_config: Callable[..., Any], **overrides: Any) -> tuple[Any, dict[str, Any]]:
     config = make_config(dataset__max_documents=24, **overrides)
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     return config, precompute_shards(config)
 
 

@@ -172,6 +172,7 @@ def _sampling(config: Any) -> dict[str, Any] | None:
 def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
     """The demo teacher (dequantised once), the docs as jsonl, corpus and token stores."""
     from kdflow.demo_assets import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -187,8 +188,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
         encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         return [len(ids) + 1 for ids in encoded]
 
-    materialise(base, count_tokens)
-    tokenise(base, tokenizer)
+    materialise(open_run_root(base), materialise_settings(base), count_tokens)
+    tokenise(open_run_root(base), tokenise_settings(base), tokenizer)
     return root, base
 
 

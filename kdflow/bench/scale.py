@@ -154,6 +154,7 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
                      args: argparse.Namespace) -> tuple[Path, dict]:
     """materialise, tokenise and the teacher pass on local disk (not measured); -> (run root, store sizes)."""
     from kdflow.schemas.config import config_from_dict
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -161,8 +162,9 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
 
     run_root = work / name
     config = config_from_dict(run_config(str(run_root), corpus, teacher, documents, args))
-    materialise(config)
-    tokenised = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenised = tokenise(open_run_root(config), tokenise_settings(config),
+                         load_tokenizer(config.teacher, config.tokenizer))
     started = time.perf_counter()
     summary = precompute_shards(config)
     topk_bytes = sum(p.stat().st_size for p in (run_root / "topk").rglob("shard-*.arrow"))

@@ -60,6 +60,7 @@ def bench_config(root: str, shards: int, **overrides: Any) -> KDFlowConfig:
 def build_real_stores(run_root: str, shards: int) -> RealStores:
     """The demo teacher and text, tokens, and both top-K stores (committed shards are kept: a rerun reuses them)."""
     from kdflow.demo_assets import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
+    from kdflow.schemas.stage_settings import materialise_settings, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -77,8 +78,8 @@ def build_real_stores(run_root: str, shards: int) -> RealStores:
     def count_tokens(texts: list[str]) -> list[int]:  # the max_tokens budget, as the materialise flow counts it
         return [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-    materialise(default, count_tokens)
-    tokenise(default, tokenizer)
+    materialise(open_run_root(default), materialise_settings(default), count_tokens)
+    tokenise(open_run_root(default), tokenise_settings(default), tokenizer)
     seconds["text_and_tokens"] = round(time.perf_counter() - started, 1)
     tags = []
     for name, config in (("default", default), ("lossless", lossless)):

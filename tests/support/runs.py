@@ -21,6 +21,7 @@ from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, r
 from kdflow.schemas.config import KDFlowConfig, config_from_dict, set_dotted
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import read_token_shard, topk_batch, topk_shard_writer
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
@@ -50,14 +51,14 @@ def run_config(run_root: Path, teacher_dir: Path, corpus: Path, **overrides: Any
 
 def make_tokens(config: KDFlowConfig) -> None:
     """The real corpus and tokenise stages."""
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
 
 
 def prepare(config: Any) -> Any:
     """materialise + tokenise: the token store the teacher pass reads."""
-    materialise(config, None)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config), None)
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     return config
 
 
