@@ -193,6 +193,7 @@ def test_deployment_form_shows_sections_in_pipeline_order_with_titles(prefect_ha
 def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.jsonl_log import read_jsonl
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
@@ -200,7 +201,7 @@ def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
     precompute_shards(tokenised)  # a no-op when the tests above ran first
     config = tokenised.model_copy(update={"student": tokenised.student.model_copy(
         update={"name": "boarded", "steps": 3, "tensorboard": True, "eval_every": 0})})
-    train(config)
+    train(open_run_root(config), training_settings(config))
     folder = Path(config.run_root, "students", "boarded", "tensorboard")
     events = EventAccumulator(str(folder))
     events.Reload()
@@ -239,7 +240,7 @@ def test_the_eta_leaves_out_the_evaluation_before_the_first_step(tokenised, tmp_
     data = tokenised.model_dump(mode="json") | {"run_root": str(tmp_path / "run")}
     data["student"] |= {"steps": 10, "log_every": 2}
     config = config_from_dict(data)
-    monitor = TrainingMonitor(config, RunRoot(config.run_root), str(tmp_path / "run" / "student"), 0,
+    monitor = TrainingMonitor(config.student, RunRoot(config.run_root), str(tmp_path / "run" / "student"), 0,
                               on_event=events.append, clock=lambda: clock[0])
     evaluation = {"kl": 1.0, "perplexity": 2.0, "top1_agreement": 0.5}
     clock[0] += 60.0

@@ -160,22 +160,24 @@ def test_the_fingerprint_names_the_kind_and_its_parameters(make_config) -> None:
 
 
 def test_training_reads_sampled_targets_and_a_top_k_config_on_them_is_an_error(make_config) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.student.train import train
 
     config = prepare(sampled_config(make_config, student__steps=2, student__eval_shards=1))
     tag = precompute_shards(config)["tag"]
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
     batch = data.train_batch(np.arange(2))
     assert batch.topk_ids.shape == (2, 32, 4) and [t.shape for t in batch.samples] == [(2, 32, 6), (2, 32, 6), (2, 32)]
-    summary = train(config)
+    summary = train(open_run_root(config), training_settings(config))
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
     assert 0.0 <= summary["eval_after"]["top1_agreement"] <= 1.0 and summary["eval_after"]["kl"] > 0
     as_top_k = config.model_copy(update={"precompute": config.precompute.model_copy(update={"targets": "topk"}),
                                          "student": config.student.model_copy(
                                              update={"topk_tag": tag, "name": "other"})})
     with pytest.raises(StoreError) as error:
-        train(as_top_k)
+        train(open_run_root(as_top_k), training_settings(as_top_k))
     message = str(error.value)
     assert ("\n" not in message and "holds hybrid H4+S6 (priority, seed 5)" in message
             and "precompute.targets" in message)
@@ -186,6 +188,7 @@ def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_con
     import logging
 
     from kdflow.flows.train import training_report
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     config = prepare(sampled_config(make_config, "sampled", student__steps=2, student__eval_shards=1))
@@ -199,7 +202,7 @@ def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_con
     logger.setLevel(logging.INFO)
     logger.disabled = False
     try:
-        summary = train(config)
+        summary = train(open_run_root(config), training_settings(config))
     finally:
         logger.removeHandler(handler)
         logger.level, logger.disabled = saved

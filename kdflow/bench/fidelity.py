@@ -241,12 +241,14 @@ class Teacher:
     def heldout(self) -> Any:
         """Every held-out row (not only `student.eval_sequences` of them)."""
         if self._heldout is None:
+            from kdflow.schemas.stage_settings import open_run_root, training_settings
             from kdflow.tasks.common.tokenizer import load_tokenizer
             from kdflow.tasks.student.data import open_distill_data
 
             student = self.config.student.model_copy(update={"eval_sequences": 10**9})
             every_row = self.config.model_copy(update={"student": student})
-            self._heldout = open_distill_data(every_row, load_tokenizer(every_row.teacher, every_row.tokenizer))
+            self._heldout = open_distill_data(open_run_root(every_row), training_settings(every_row),
+                                              load_tokenizer(every_row.teacher, every_row.tokenizer))
         return self._heldout
 
 

@@ -53,6 +53,7 @@ def child(kind: str, target: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if kind == "train":
         from kdflow.schemas.config import load_config
+        from kdflow.schemas.stage_settings import open_run_root, training_settings
         from kdflow.tasks.common.tokenizer import load_tokenizer
         from kdflow.tasks.student.data import open_distill_data
         from kdflow.tasks.student.train import train
@@ -61,9 +62,10 @@ def child(kind: str, target: str) -> dict[str, Any]:
         config = load_config(target)
         tokenizer = load_tokenizer(config.teacher, config.tokenizer)
         opened = time.perf_counter()
-        open_distill_data(config, tokenizer)  # what training does first: list the stores, read the records
+        # what training does first: list the stores, read the records
+        open_distill_data(open_run_root(config), training_settings(config), tokenizer)
         out["startup_s"] = round(time.perf_counter() - opened, 3)
-        summary = train(config)
+        summary = train(open_run_root(config), training_settings(config))
         out |= {"steps": summary["steps"], "train_rows": summary["train_rows"], "final_loss": summary["final_loss"]}
     elif kind == "plan":  # the teacher pass's start-up on a finished store: list, read records, nothing to do
         import torch

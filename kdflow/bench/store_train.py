@@ -162,13 +162,15 @@ def loader_rate(config: KDFlowConfig, batches: int = 8) -> float:
     """Positions/s of the data loader (read + decode + stack) on one core, for training-sized random batches."""
     import torch
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+        data = open_distill_data(open_run_root(config), training_settings(config),
+                                 load_tokenizer(config.teacher, config.tokenizer))
         size = config.student.batch_size
         data.train_batch(np.arange(size))  # opens (maps) the shards once, as a training run does
         started = time.perf_counter()
@@ -183,17 +185,21 @@ def _heldout_kl(final_dir: str, config: KDFlowConfig) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.student.train import DistillLoss, evaluate
 
     model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32)
-    return evaluate(DistillLoss(model), open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer)), config, torch.device("cpu"))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
+    return evaluate(DistillLoss(model), data, config.student, torch.device("cpu"))
 
 
 def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:
     """The same student trained on the default store and on the lossless one; held-out KL of both against the
     lossless store (and each against its own), training positions/s, and the loader's rate on one core."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     run_root = Path(stores.default.run_root)
@@ -203,7 +209,8 @@ def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:
         shutil.rmtree(run_root / "students" / name, ignore_errors=True)  # the same steps from scratch on each rerun
         student = _student_config(config, name, steps)
         rates: list[float] = []
-        result = train(student, on_step=lambda record: rates.append(record["tokens_per_s"]) and False)
+        result = train(open_run_root(student), training_settings(student),
+                       on_step=lambda record: rates.append(record["tokens_per_s"]) and False)
         final = str(run_root / "students" / name / "final")
         kls[label] = _heldout_kl(final, _student_config(stores.lossless, name, steps))
         records.append({"student": label, "steps": result["steps"], "batch_size": student.student.batch_size,

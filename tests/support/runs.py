@@ -105,11 +105,12 @@ def final_weights(config: KDFlowConfig) -> dict[str, torch.Tensor]:
 
 def trained_tiny_run(base: Path, teacher_dir: Path) -> KDFlowConfig:
     """A 3-step student under `base/run`: 20 documents tokenised, a dense top-K store, trained to final/."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(20))
     config = run_config(base / "run", teacher_dir, corpus, student__steps=3, student__eval_shards=1)
     make_tokens(config)
     write_dense_topk(config, teacher_dir)
-    train(config)
+    train(open_run_root(config), training_settings(config))
     return config
