@@ -189,8 +189,7 @@ def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make
                           student__grad_accum=2)
 
     mark = len(bucket.moto.requests())
-    remote = train(open_run_root(on_s3), training_settings(on_s3))
-    local = train(open_run_root(on_disk), training_settings(on_disk))
+    remote, local = (train(open_run_root(run), training_settings(run)) for run in (on_s3, on_disk))
     assert remote["final_loss"] == local["final_loss"] and remote["eval_after"] == local["eval_after"]
     metrics = [json.loads(line) for line in RunRoot(on_s3.run_root).read_bytes(
         f"{RunRoot(on_s3.run_root).path('students', 'student')}/metrics.jsonl").decode().splitlines()]
