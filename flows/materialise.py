@@ -10,7 +10,8 @@ from prefect.cache_policies import NONE
 
 from kdflow.flows.common import as_config, preflight_when_deployed
 from kdflow.schemas.commits import stage_dir
-from kdflow.schemas.config import KDFlowConfig, write_stage_config
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_io import write_stage_config
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import Progress, count_of

@@ -59,7 +59,7 @@ def run(argv: list[str] | None = None) -> int:
     def body() -> dict[str, Any] | None:
         from transformers.utils import logging as transformers_logging
 
-        from kdflow.schemas.config import load_config
+        from kdflow.schemas.config_io import load_config
         from kdflow.schemas.stage_settings import open_run_root, training_settings
         from kdflow.tasks.student.distributed import barrier, init_process_group, rank_device, shutdown, torchrun_rank
         from kdflow.tasks.student.train import train
