@@ -16,7 +16,7 @@ from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import Progress, count_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.materialise import materialise_into
+from kdflow.tasks.corpus.materialise import materialise
 
 
 @task(name="materialise-corpus", cache_policy=NONE)
@@ -33,8 +33,8 @@ def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any
     write_stage_config(run_root, config, stage_dir(run_root, "corpus"))
     progress = Progress("materialise", None, unit="part")
     try:
-        summary = materialise_into(run_root, materialise_settings(config), count_tokens,
-                                   on_part=lambda r: progress.update(1, r.tokens))
+        summary = materialise(run_root, materialise_settings(config), count_tokens,
+                              on_part=lambda r: progress.update(1, r.tokens))
     finally:
         progress.close()
     result = asdict(summary) | {"seconds": progress.elapsed}

@@ -51,7 +51,7 @@ def pipeline_report(run_root: RunRoot, config: KDFlowConfig, results: dict[str, 
         from kdflow.flows.train import report_key, student_report
 
         lines += ["", f"Training curve and evaluation: {ui_link(report_key(config.student.name))}", "", "---", "",
-                  student_report(run_root, config, train)]
+                  student_report(run_root, config.student.name, train)]
     return "\n".join(lines) + "\n"
 
 

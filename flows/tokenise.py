@@ -16,7 +16,7 @@ from kdflow.schemas.stage_settings import open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import Progress, count_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.tokenise import tokenise_into
+from kdflow.tasks.corpus.tokenise import tokenise
 
 
 @task(name="tokenise-corpus", cache_policy=NONE)
@@ -25,8 +25,8 @@ def tokenise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     write_stage_config(run_root, config, stage_dir(run_root, "tokens"))
     progress = Progress("tokenise", None, unit="shard")
     try:
-        summary = tokenise_into(run_root, tokenise_settings(config), tokenizer,
-                                on_shard=lambda r: progress.update(1, r.tokens))
+        summary = tokenise(run_root, tokenise_settings(config), tokenizer,
+                           on_shard=lambda r: progress.update(1, r.tokens))
     finally:
         progress.close()
     if summary.shards and not summary.shards_written:

@@ -22,7 +22,7 @@ from kdflow.flows.common import as_config, preflight_when_deployed
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import METRICS_FILE, STUDENTS_DIR, TRAINING_CURVE_FILE
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.stage_settings import open_run_root, training_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.launch import config_file, outcome_error, run_child
 from kdflow.tasks.common.progress import format_duration
@@ -96,9 +96,9 @@ def _curve_png(run_root: RunRoot, student_dir: str) -> bytes | None:
         return None
 
 
-def student_report(run_root: RunRoot, config: KDFlowConfig, summary: dict[str, Any]) -> str:
+def student_report(run_root: RunRoot, student_name: str, summary: dict[str, Any]) -> str:
     """The final report of a training run (training_report), with its metrics and curve read from the run root."""
-    student_dir = run_root.path(STUDENTS_DIR, config.student.name)
+    student_dir = run_root.path(STUDENTS_DIR, student_name)
     metrics = read_jsonl(run_root, f"{student_dir}/{METRICS_FILE}")
     return training_report(summary, metrics, png=_curve_png(run_root, student_dir))
 
@@ -108,8 +108,8 @@ class TrainingArtifacts:
     in this process or from torchrun's rank 0: a progress bar under `train-NAME-progress`, updated in place, and
     the curve under `train-NAME`, a new version after every evaluation (the final report is its last one)."""
 
-    def __init__(self, run_root: RunRoot, config: KDFlowConfig) -> None:
-        self.name = config.student.name
+    def __init__(self, run_root: RunRoot, student_name: str, steps: int) -> None:
+        self.name, self.steps = student_name, steps
         self.run_root = run_root
         self.student_dir = self.run_root.path(STUDENTS_DIR, self.name)
         self.progress = KeyedProgress(artifact_key("train", self.name, "progress"))
@@ -143,13 +143,13 @@ class TrainingArtifacts:
                             f"training curve of student {self.name}, step {event['step']}"):
             self.curves += 1
 
-    def finished(self, config: KDFlowConfig, summary: dict[str, Any]) -> None:
+    def finished(self, summary: dict[str, Any]) -> None:
         """The final report as the curve's last version, and the progress bar at 100 %."""
         loss = summary.get("final_loss")
-        self.progress.set(100.0, f"{summary['steps']}/{config.student.steps} steps done in "
+        self.progress.set(100.0, f"{summary['steps']}/{self.steps} steps done in "
                                  f"{format_duration(summary.get('seconds') or 0.0)}"
                                  + (f", final loss {loss:.4f}" if loss is not None else ""), force=True)
-        publish_markdown(report_key(self.name), student_report(self.run_root, config, summary),
+        publish_markdown(report_key(self.name), student_report(self.run_root, self.name, summary),
                          f"training curve and evaluation of student {self.name}")
 
 
@@ -174,12 +174,12 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     run_root.ensure_writable()
     distributed = config.student.distributed
     world_size = world_size_of(distributed)
-    artifacts = TrainingArtifacts(run_root, config)
+    artifacts = TrainingArtifacts(run_root, config.student.name, config.student.steps)
     if world_size == 1:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # as the workers do: loading and saving bars are noise in a log
-        summary = train(config, on_event=artifacts.update, run_root=run_root)
+        summary = train(run_root, training_settings(config), on_event=artifacts.update)
     else:
         check_layout(config.student, world_size)  # a one-line error here, before any process starts
         summary = run_torchrun(config, on_event=artifacts.update)
@@ -187,7 +187,7 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
             get_run_logger().info("train-student %s: node %d done; rank 0 ran on another node and reports there",
                                   config.student.name, distributed.node_rank)
             return {"student": config.student.name, "node_rank": distributed.node_rank, "world_size": world_size}
-    artifacts.finished(config, summary)
+    artifacts.finished(summary)
     if summary["steps"] == summary["start_step"] and not summary["stopped"]:
         get_run_logger().info("train-student %s: %d/%d steps already done, nothing to do", config.student.name,
                               summary["steps"], config.student.steps)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kdflow.schemas.config import DatasetConfig, KDFlowConfig, PrecomputeConfig, TeacherConfig
+from kdflow.schemas.config import DatasetConfig, KDFlowConfig, PrecomputeConfig, StudentConfig, TeacherConfig
 from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.fingerprints import corpus_fingerprint, tokens_fingerprint_of, topk_fingerprint_of
 from kdflow.schemas.storage import RunRoot
@@ -83,6 +83,40 @@ class TeacherPassSettings:
 def teacher_pass_settings(config: KDFlowConfig) -> TeacherPassSettings:
     return TeacherPassSettings(config.teacher, config.tokenizer, config.precompute, config.seq_len,
                                corpus_fingerprint(config), dump_config(config))
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """What training reads. The teacher section: the held-out full KL loads it, the top-K store is found by it
+    and the model card names it (with the dataset). The token and top-K stores' fingerprints need the tokenizer's
+    and the teacher's, known only once they are loaded: the methods below compute them from what the view holds."""
+
+    student: StudentConfig
+    data: StudentDataSettings
+    teacher: TeacherConfig
+    tokenizer: str | None  # the config's `tokenizer`; None: the teacher's own
+    precompute: PrecomputeConfig  # K and the store format the top-K store must have been made with
+    dataset: DatasetConfig  # named on the model card
+    corpus_fingerprint: str
+    resolved_config: str  # dump_config(config): kept beside the student (`config.yaml`), what it trains with
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len
+
+    def tokens_fingerprint(self, tokenizer_fp: str) -> str:
+        """The fingerprint of the token store training reads, made with the tokenizer of `tokenizer_fp`."""
+        return tokens_fingerprint_of(self.corpus_fingerprint, tokenizer_fp, self.data.seq_len,
+                                     self.precompute.sequences_per_shard)
+
+    def topk_fingerprint(self, teacher_fp: str, tokens_fp: str) -> str:
+        """The TAG of the top-K store precompute makes for this teacher and token store (topk_fingerprint)."""
+        return topk_fingerprint_of(teacher_fp, tokens_fp, self.precompute)
+
+
+def training_settings(config: KDFlowConfig) -> TrainingSettings:
+    return TrainingSettings(config.student, student_data_settings(config), config.teacher, config.tokenizer,
+                            config.precompute, config.dataset, corpus_fingerprint(config), dump_config(config))
 
 
 def held_out_problem(eval_shards: int, shards: int, sequences: int) -> str | None:

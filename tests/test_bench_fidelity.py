@@ -137,7 +137,7 @@ def test_online_kd_curve_and_the_dense_eval_match_a_full_forward_of_both_models(
     from support.runs import prepare
 
     from kdflow.bench.fidelity_runs import TeacherStates, dense_eval, teacher_heldout_ce, train_with_curve
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.common.teacher_loading import load_teacher
@@ -148,7 +148,8 @@ def test_online_kd_curve_and_the_dense_eval_match_a_full_forward_of_both_models(
     precompute_shards(open_run_root(config), teacher_pass_settings(config))
     teacher = load_teacher(config.teacher).eval()
     states = TeacherStates(teacher)
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
     student, curve, info = train_with_curve(config, states, data, {0, 2}, online=True, chunk=7)
     assert [p["step"] for p in curve] == [0, 2, 3] and info["steps"] == 3
     assert math.isfinite(info["final_train_loss"]) and info["final_train_loss"] > 0

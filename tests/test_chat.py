@@ -182,13 +182,14 @@ def test_only_an_init_from_student_keeps_a_chat_template(tmp_path: Path, tiny_te
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with_template = AutoTokenizer.from_pretrained(tiny_teacher_dir)
     with_template.chat_template = template
-    assert student_tokenizer(run_config(tmp_path, tiny_teacher_dir, corpus), with_template).chat_template is None
+    base = run_config(tmp_path, tiny_teacher_dir, corpus).student
+    assert student_tokenizer(base, with_template).chat_template is None
 
     init_dir = tmp_path / "instruct"
     with_template.chat_template = template
     with_template.save_pretrained(init_dir)
     config = run_config(tmp_path, tiny_teacher_dir, corpus, student__init_from=str(init_dir))
-    assert student_tokenizer(config, AutoTokenizer.from_pretrained(tiny_teacher_dir)).chat_template == template
+    assert student_tokenizer(config.student, AutoTokenizer.from_pretrained(tiny_teacher_dir)).chat_template == template
 
 
 TERMINAL_USERS = ["What does the with statement do in Python?", "And what does a for loop do?",

@@ -158,9 +158,11 @@ def test_status_marks_a_top_k_store_of_replaced_token_shards_stale(fresh_run,
 def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.schemas.config_io import dump_config
     from kdflow.commands.status import print_status
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
-    train(fresh_run(student__steps=2, student__save_every=2))
+    first = fresh_run(student__steps=2, student__save_every=2)
+    train(open_run_root(first), training_settings(first))
     config = fresh_run(student__steps=6)  # rerun for more steps, stopped in a checkpoint's write (no marker yet)
     student = Path(config.run_root, "students", config.student.name)
     (student / "config.yaml").write_text(dump_config(config))

@@ -15,6 +15,7 @@ from support.corpus import DOCS, write_jsonl
 from kdflow.schemas.dataset_record import DatasetRecord
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.preflight import run_preflight
 
@@ -24,7 +25,7 @@ def _refused(config: Any) -> str:
     with pytest.raises(ConfigError) as by_preflight:
         run_preflight(config, "materialise")
     with pytest.raises(ConfigError) as by_stage:
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
     assert str(by_preflight.value) == str(by_stage.value)
     return str(by_stage.value)
 
@@ -45,14 +46,16 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
     first = write_jsonl(folder / "a.jsonl", DOCS[:6])
     write_jsonl(folder / "b.jsonl", DOCS[6:])
     config = make_config(dataset__path=str(folder), dataset__documents_per_part=4)
-    assert materialise(config).documents == len(DOCS)
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)
     store = os.path.join(config.run_root, CORPUS_DIR)
     assert os.path.exists(os.path.join(store, SOURCES_FILE))
-    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+    assert run_preflight(config, "materialise") == []
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0
 
     original = first.read_bytes()
     os.utime(first, ns=(1, 1))  # the same bytes, another modification time (a copy, a touch): hashed, no change
-    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+    assert run_preflight(config, "materialise") == []
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0
     recorded = DatasetRecord.model_validate_json(Path(store, SOURCES_FILE).read_bytes())
     assert [f.mtime_ns for f in recorded.files if f.name == str(first)] == [1]  # hashed once, not every run
 
@@ -68,7 +71,7 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
         f"corpus/_sources.json 2 files, CHANGED since materialise read them: {first}: other bytes, same size; "
         "the next run refuses (put the files back, or give the changed corpus a new run_root)")
     first.write_bytes(original)
-    assert materialise(config).parts_written == 0  # put back as it was
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0  # put back as it was
     assert _status_line(config, capsys) == "corpus/_sources.json 2 files as materialise read them"
 
     extra = write_jsonl(folder / "c.jsonl", ["a new document"])
@@ -78,7 +81,8 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
     assert f"({folder / 'b.jsonl'} removed)" in _refused(config)
     assert f"CHANGED since materialise read them: {folder / 'b.jsonl'} removed;" in _status_line(config, capsys)
     first.unlink()  # nothing of the source is left: a complete store does not need it
-    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+    assert run_preflight(config, "materialise") == []
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0
     gone = " 2 files, none found here (a complete corpus store does not need them)"
     assert _status_line(config, capsys).endswith(gone)
 
@@ -87,15 +91,16 @@ def test_a_store_without_the_record_or_of_another_fingerprint_is_not_checked(
         make_config: Callable[..., Any], tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "docs.jsonl", DOCS)
     config = make_config(dataset__path=str(source), dataset__documents_per_part=4)
-    materialise(config)
+    materialise(open_run_root(config), materialise_settings(config))
     record = Path(config.run_root) / CORPUS_DIR / SOURCES_FILE
     record.unlink()  # as a store made before the record existed
     write_jsonl(source, DOCS + ["added later"])
-    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+    assert run_preflight(config, "materialise") == []
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0
     assert not record.exists()  # parts made from unknown files: no record is made up for them
 
     other = make_config(dataset__path=str(source), dataset__documents_per_part=5)  # another fingerprint: a new store
-    assert materialise(other).documents == len(DOCS) + 1
+    assert materialise(open_run_root(other), materialise_settings(other)).documents == len(DOCS) + 1
     assert run_preflight(other, "materialise") == []
     write_jsonl(source, DOCS)
     assert "-> " in _refused(other)
@@ -107,7 +112,7 @@ def test_a_saved_dataset_is_recorded_file_by_file(make_config: Callable[..., Any
     folder = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(folder))
     config = make_config(dataset__path=str(folder), dataset__documents_per_part=4)
-    materialise(config)
+    materialise(open_run_root(config), materialise_settings(config))
     datasets.Dataset.from_dict({"text": DOCS[:3]}).save_to_disk(str(tmp_path / "tmp"))
     for name in os.listdir(tmp_path / "tmp"):
         os.replace(tmp_path / "tmp" / name, folder / name)

@@ -14,6 +14,7 @@ import pytest
 from support.corpus import DOCS, committed_documents
 
 from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.tasks.corpus.fields import field_names, field_value
 from kdflow.tasks.corpus.materialise import DataError, materialise
 from kdflow.tasks.corpus.probe import probe_dataset
@@ -60,7 +61,7 @@ def test_a_nested_text_field_gives_the_same_documents(make_config: Callable[...,
     config = make_config(dataset__path=path, dataset__text_field="meta.body", dataset__documents_per_part=4,
                          dataset__streaming=streaming)
     assert probe_dataset(config.dataset) is None
-    assert materialise(config).documents == len(DOCS)
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)
     assert committed_documents(config) == list(enumerate(DOCS))
     with pytest.raises(ConfigError) as caught:  # the fields listed are the ones a text_field can name
         probe_dataset(make_config(dataset__path=path, dataset__text_field="meta.title").dataset)
@@ -76,7 +77,7 @@ def test_a_nested_record_named_as_the_text_is_refused_in_one_line(make_config: C
     assert str(caught.value).endswith("is a nested record in " + config.dataset.path
                                       + ", not text (its fields: meta.source.site)")
     with pytest.raises(DataError) as caught:  # and materialise, run without the pre-flight look
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
     assert str(caught.value) == ("dataset field 'meta.source' holds dict, not text (record 1 of the dataset, "
                                  "counting from 1)")
 
@@ -96,7 +97,7 @@ def test_records_under_a_key_of_a_json_file_are_read_with_json_field(make_config
     config = make_config(dataset__path=str(path), dataset__json_field="data", dataset__streaming=streaming,
                          dataset__documents_per_part=4)
     assert probe_dataset(config.dataset) is None
-    assert materialise(config).documents == len(DOCS)
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)
     assert committed_documents(config) == list(enumerate(DOCS))
     with pytest.raises(ConfigError, match=r"dataset.json_field='dat' is not a key of .*squad-like.json \(it has: "
                                           r"version, data\)$"):

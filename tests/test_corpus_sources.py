@@ -15,6 +15,7 @@ from support.corpus import DOCS, committed_documents, write_jsonl, write_source
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.fingerprints import corpus_fingerprint
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.tasks.corpus.materialise import DataError, materialise
 from kdflow.tasks.corpus.probe import probe_dataset
 from kdflow.tasks.corpus.dataset_files import file_builder
@@ -45,7 +46,7 @@ def test_compressed_json_and_text_files_give_the_same_documents(make_config: Cal
         path += suffix
     config = make_config(dataset__path=path, dataset__documents_per_part=4, dataset__streaming=streaming)
     assert probe_dataset(config.dataset) is None  # the pre-flight look reads the first record through it
-    assert materialise(config).documents == len(DOCS)
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)
     assert committed_documents(config) == list(enumerate(DOCS))
     wrong = make_config(dataset__path=path, dataset__text_field="body")
     if kind != "txt":
@@ -65,7 +66,7 @@ def test_files_saved_with_a_byte_order_mark_and_crlf_line_ends_give_the_same_doc
         path = _compress(path, suffix)
     config = make_config(dataset__path=str(path), dataset__documents_per_part=4, dataset__streaming=streaming)
     assert probe_dataset(config.dataset) is None
-    materialise(config)
+    materialise(open_run_root(config), materialise_settings(config))
     assert committed_documents(config) == list(enumerate(DOCS))
 
 
@@ -78,8 +79,9 @@ def test_a_bad_line_in_a_compressed_file_is_named_and_an_unknown_file_type_is_re
     plain = tmp_path / "docs.jsonl"
     plain.write_text("\n".join(lines) + "\n")
     path = _compress(plain, ".gz")
+    compressed = make_config(dataset__path=str(path))
     with pytest.raises(DataError) as caught:
-        materialise(make_config(dataset__path=str(path)))
+        materialise(open_run_root(compressed), materialise_settings(compressed))
     assert str(caught.value).startswith(f"dataset file {path}: line 8 is not valid JSON (")
     settings = tmp_path / "settings.yaml"  # a file that exists but is no corpus: not taken for a hub dataset id
     settings.write_text("a: 1\n")
@@ -101,7 +103,7 @@ def test_data_files_are_found_inside_a_local_folder_and_left_to_the_hub_for_a_hu
     write_jsonl(folder / "03" / "other.jsonl", ["not asked for"])
     config = make_config(dataset__path=str(folder), dataset__data_files="*/docs.jsonl", dataset__documents_per_part=4)
     assert probe_dataset(config.dataset) is None
-    assert materialise(config).documents == len(DOCS)
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)
     assert committed_documents(config) == list(enumerate(DOCS))
     listed = make_config(dataset__path=str(folder), dataset__data_files=["02/docs.jsonl", "00/docs.jsonl"])
     assert file_builder(listed.dataset) == ("json", [str(folder / "02" / "docs.jsonl"),
@@ -144,8 +146,9 @@ def test_a_saved_dataset_folder_is_read_with_its_split_and_resumes(make_config: 
         raise KeyboardInterrupt("stopped after the first part")
 
     with pytest.raises(KeyboardInterrupt):
-        materialise(config, on_part=stop_after_one)
-    assert materialise(config).parts_written == 2  # resumed after the first part
+        materialise(open_run_root(config), materialise_settings(config), on_part=stop_after_one)
+    resumed = materialise(open_run_root(config), materialise_settings(config))
+    assert resumed.parts_written == 2  # resumed after the first part
     assert committed_documents(config) == list(enumerate(DOCS))
     with pytest.raises(ConfigError, match=r"dataset.text_field='body' is not a field of .*saved \(its first record "
                                           r"has: n, text\)"):
@@ -190,7 +193,7 @@ def test_txt_files_give_a_document_per_line_paragraph_or_file_as_sample_by_says(
         config = make_config(run_root=str(tmp_path / sample_by), dataset__path=str(books),
                              dataset__sample_by=sample_by, dataset__streaming=streaming)
         assert probe_dataset(config.dataset) is None
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
         assert [text.strip("\n") for _, text in committed_documents(config)] == [d.strip("\n") for d in documents]
         fingerprints.add(corpus_fingerprint(config))
     assert len(fingerprints) == 3  # another split of the same files is another corpus
@@ -235,7 +238,7 @@ def test_csv_and_tsv_files_give_their_text_column_as_written(make_config: Callab
     config = make_config(dataset__path=str(path), dataset__text_field="body", dataset__documents_per_part=4,
                          dataset__streaming=streaming)
     assert probe_dataset(config.dataset) is None
-    assert materialise(config).documents == len(docs)
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(docs)
     assert committed_documents(config) == list(enumerate(docs))
     with pytest.raises(ConfigError) as caught:
         probe_dataset(make_config(dataset__path=str(path)).dataset)
@@ -246,13 +249,15 @@ def test_a_csv_row_with_another_number_of_fields_or_an_open_quote_is_named(make_
                                                                           tmp_path: Path) -> None:
     rows = tmp_path / "rows.csv"
     rows.write_text('id,text\n1,hello\n2,"two, fields"\n3,three,fields\n')
+    ragged = make_config(dataset__path=str(rows))
     with pytest.raises(DataError) as caught:
-        materialise(make_config(dataset__path=str(rows)))
+        materialise(open_run_root(ragged), materialise_settings(ragged))
     assert str(caught.value) == f"dataset file {rows}: line 4 has 3 fields, its header 2"
     quote = tmp_path / "quote.tsv"
     quote.write_text('id\ttext\n1\t"never closed\n2\tnext\n')
+    quoted = make_config(run_root=str(tmp_path / "q"), dataset__path=str(quote))
     with pytest.raises(DataError) as caught:
-        materialise(make_config(run_root=str(tmp_path / "q"), dataset__path=str(quote)))
+        materialise(open_run_root(quoted), materialise_settings(quoted))
     assert str(caught.value) == (f"dataset file {quote}: line 3: unexpected end of data "
                                  "(a quoted field never closed?)")
     empty = tmp_path / "empty.csv"
@@ -293,6 +298,7 @@ def test_a_later_file_without_the_text_field_is_named_before_any_work(tmp_path: 
 def test_a_record_whose_text_is_not_a_string_is_named_counting_from_one(make_config: Callable[..., Any],
                                                                        tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "nums.jsonl", ["a real document", {"text": 123}])
+    numbers = make_config(dataset__path=str(source))
     with pytest.raises(DataError) as caught:  # it said "record 1" for the second line
-        materialise(make_config(dataset__path=str(source)))
+        materialise(open_run_root(numbers), materialise_settings(numbers))
     assert str(caught.value) == "dataset field 'text' holds int, not text (record 2 of the dataset, counting from 1)"

@@ -79,13 +79,15 @@ def test_deploy_all_creates_every_deployment(prefect_stack: PrefectStack, deploy
 
 def _tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, int]:
     """Materialise and tokenise in this process (the pure functions); -> (config, token shards)."""
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
 
     config = make_config(dataset__max_documents=16)
-    materialise(config)
-    shards = tokenise(config, load_tokenizer(config.teacher, config.tokenizer)).shards
+    materialise(open_run_root(config), materialise_settings(config))
+    shards = tokenise(open_run_root(config), tokenise_settings(config),
+                      load_tokenizer(config.teacher, config.tokenizer)).shards
     assert shards >= 2
     # Two ranges, so the fan-out makes exactly two flow runs: one for each GPU worker.
     return make_config(dataset__max_documents=16, precompute__shards_per_flow_run=math.ceil(shards / 2)), shards

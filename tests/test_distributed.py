@@ -76,13 +76,14 @@ def fresh_run(prepared_run: tuple[Path, Path], tiny_teacher_dir: Path, tmp_path:
 def one_rank(prepared_run: tuple[Path, Path], tiny_teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> dict[str, Any]:
     """The uninterrupted 1-process run everything is compared with: metrics, evaluations, final weights."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     run_root, corpus = prepared_run
     copy = tmp_path_factory.mktemp("one-rank") / "run"
     shutil.copytree(run_root, copy)
     config = run_config(copy, tiny_teacher_dir, corpus, **(COMMON | {"student__grad_accum": 1}))
-    train(config)
+    train(open_run_root(config), training_settings(config))
     return {"metrics": read_lines(student_path(config, "metrics.jsonl")),
             "evals": read_lines(student_path(config, "eval.jsonl")),
             "weights": final_weights(config), "optimizer": load_optimizer_state(config, STEPS)}
@@ -163,6 +164,7 @@ def test_two_ddp_ranks_match_one_rank_and_the_final_model_generates(fresh_run, o
 
 @pytest.mark.usefixtures("children")
 def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(fresh_run, one_rank) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     # 2 ranks (FSDP on CPU) stopped after step 3, finished on 1 rank.
@@ -173,12 +175,13 @@ def test_fsdp_runs_resume_across_rank_counts_and_end_like_an_uninterrupted_run(f
     assert sorted(saved["state"]) == list(range(len(one_rank["optimizer"]["state"])))
     for index, state in one_rank["optimizer"]["state"].items():
         assert saved["state"][index]["exp_avg"].shape == state["exp_avg"].shape
-    resumed = train(two_then_one)
+    resumed = train(open_run_root(two_then_one), training_settings(two_then_one))
     assert resumed["start_step"] == 3 and resumed["resumed_from"].endswith("checkpoint-3")
 
     # 1 rank stopped after step 3, finished on 2 FSDP ranks.
     one_then_two = fresh_run(student__name="one-then-two", student__distributed__sharding="fsdp")
-    assert train(one_then_two, on_step=lambda record: record["step"] == 3)["steps"] == 3
+    assert train(open_run_root(one_then_two), training_settings(one_then_two),
+                 on_step=lambda record: record["step"] == 3)["steps"] == 3
     finished = torchrun(one_then_two)
     assert finished["start_step"] == 3 and finished["steps"] == STEPS and not finished["stopped"]
     final_optimizer = load_optimizer_state(one_then_two, STEPS)
@@ -230,6 +233,7 @@ def _pids_running(marker: str) -> list[int]:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
 @pytest.mark.usefixtures("children")
 def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.distributed import torchrun_arguments
     from kdflow.tasks.student.train import train
     from kdflow.tasks.student.train_worker import EXEC_TORCHRUN
@@ -262,7 +266,8 @@ def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fres
             os.kill(pid, signal.SIGKILL)
     assert leftovers == []  # the ranks died with their parent
 
-    resumed = train(config, on_step=lambda record: True)  # on one rank, from the newest complete checkpoint
+    # on one rank, from the newest complete checkpoint
+    resumed = train(open_run_root(config), training_settings(config), on_step=lambda record: True)
     assert resumed["start_step"] >= 2 and resumed["steps"] == resumed["start_step"] + 1
 
 

@@ -92,6 +92,7 @@ def test_validate_fix_makes_the_next_run_recompute_exactly_the_damaged_shards(ru
 
 
 def test_a_data_file_without_its_commit_record_is_never_read_and_is_recomputed(run_copy, prepared, capsys) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
 
@@ -107,7 +108,7 @@ def test_a_data_file_without_its_commit_record_is_never_read_and_is_recomputed(r
     assert 2 not in list_commits(run_root, str(store), "topk", prepared.tag)
     assert 2 not in set(load_manifest(run_root, str(store), "topk", prepared.tag, config.seq_len)["shard_id"])
     with pytest.raises(StoreError) as caught:  # the student's reader refuses it, in one line
-        open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
+        open_stores(open_run_root(config), training_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     assert "shard-00002" in str(caught.value) and "is not committed; run precompute first" in str(caught.value)
     assert "\n" not in str(caught.value)
     assert validate_run_root(config.run_root) == 1
@@ -153,16 +154,19 @@ def test_two_workers_racing_on_one_run_root_compute_each_shard_once(run_copy, pr
 
 TRAIN_SLOWLY = ("import sys, time\n"
                 "from kdflow.schemas.config_io import load_config\n"
+                "from kdflow.schemas.stage_settings import open_run_root, training_settings\n"
                 "from kdflow.tasks.student.train import train\n"
-                "train(load_config(sys.argv[1]), on_step=lambda record: time.sleep(0.25))\n")
+                "config = load_config(sys.argv[1])\n"
+                "train(open_run_root(config), training_settings(config), on_step=lambda record: time.sleep(0.25))\n")
 
 
 @pytest.mark.usefixtures("children")
 def test_student_killed_mid_run_resumes_to_the_same_weights(run_copy, prepared, tmp_path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     whole = run_copy("reference", student__name="whole")
-    train(whole)
+    train(open_run_root(whole), training_settings(whole))
     killed = fault_config(Path(whole.run_root), prepared.teacher, prepared.corpus, student__name="killed")
     student = Path(killed.run_root) / "students" / "killed"
 
@@ -192,7 +196,7 @@ def test_student_killed_mid_run_resumes_to_the_same_weights(run_copy, prepared, 
     half = shutil.copytree(newest, student / f"checkpoint-{complete[-1] + 2}")
     (half / "checkpoint.json").unlink()
 
-    resumed = train(killed)
+    resumed = train(open_run_root(killed), training_settings(killed))
     assert resumed["start_step"] == complete[-1] and resumed["resumed_from"].endswith(newest.name)
     checkpoints = [p for p in student.iterdir() if "checkpoint-" in p.name]  # pruned: the newest two, both whole
     assert sorted(p.name for p in checkpoints) == ["checkpoint-4", "checkpoint-6"]

@@ -154,6 +154,7 @@ def test_a_failed_write_probe_leaves_nothing_behind(full_disk_run) -> None:
 @pytest.mark.usefixtures("children")
 def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpoint(small_disk, run_copy,
                                                                                     tmp_path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     disk, why = small_disk
@@ -162,7 +163,7 @@ def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpo
     config = run_copy("reference", run_root=disk.path / "run")
     disk.resize(disk.used_pages() + 24)  # room for the logs, not for a checkpoint (weights and optimizer: ~300 KB)
     with pytest.raises(StoreError) as caught:
-        train(config)
+        train(open_run_root(config), training_settings(config))
     student = Path(config.run_root) / "students" / config.student.name
     message = str(caught.value)
     assert message.startswith(f"disk full at {student / 'checkpoint-2'} (needs about ") and "\n" not in message
@@ -171,7 +172,7 @@ def test_disk_full_while_saving_a_checkpoint_names_it_and_leaves_no_half_checkpo
     steps = [json.loads(line)["step"] for line in (student / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     disk.resize(disk.pages(16 << 20))  # someone frees space: the rerun trains from the start (nothing was saved)
-    assert train(config)["steps"] == config.student.steps
+    assert train(open_run_root(config), training_settings(config))["steps"] == config.student.steps
 
 
 # --- bad input --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from kdflow.schemas.config_io import config_from_dict
 @pytest.fixture(scope="module")
 def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> KDFlowConfig:
     """Corpus and token shards of a tiny run (the pure stages), shared by this module's tests."""
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -30,8 +31,10 @@ def tokenised(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
     config = tiny_config(base / "run", tiny_teacher_dir, write_jsonl(base / "docs.jsonl", sample_documents(40)),
                          precompute__micro_batch=2, student__name="watched", student__steps=8, student__log_every=2,
                          student__eval_every=4, student__save_every=4)
-    materialise(config)
-    assert tokenise(config, load_tokenizer(config.teacher, config.tokenizer)).shards >= 3
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenised = tokenise(open_run_root(config), tokenise_settings(config),
+                         load_tokenizer(config.teacher, config.tokenizer))
+    assert tokenised.shards >= 3
     return config
 
 
@@ -186,7 +189,7 @@ def test_deployment_form_shows_sections_in_pipeline_order_with_titles(prefect_ha
 def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
     from kdflow.tasks.student.jsonl_log import read_jsonl
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
@@ -195,7 +198,7 @@ def test_tensorboard_event_files_hold_the_same_numbers(tokenised) -> None:
     precompute_shards(open_run_root(tokenised), teacher_pass_settings(tokenised))
     config = tokenised.model_copy(update={"student": tokenised.student.model_copy(
         update={"name": "boarded", "steps": 3, "tensorboard": True, "eval_every": 0})})
-    train(config)
+    train(open_run_root(config), training_settings(config))
     folder = Path(config.run_root, "students", "boarded", "tensorboard")
     events = EventAccumulator(str(folder))
     events.Reload()
@@ -234,7 +237,7 @@ def test_the_eta_leaves_out_the_evaluation_before_the_first_step(tokenised, tmp_
     data = tokenised.model_dump(mode="json") | {"run_root": str(tmp_path / "run")}
     data["student"] |= {"steps": 10, "log_every": 2}
     config = config_from_dict(data)
-    monitor = TrainingMonitor(config, RunRoot(config.run_root), str(tmp_path / "run" / "student"), 0,
+    monitor = TrainingMonitor(config.student, RunRoot(config.run_root), str(tmp_path / "run" / "student"), 0,
                               on_event=events.append, clock=lambda: clock[0])
     evaluation = {"kl": 1.0, "perplexity": 2.0, "top1_agreement": 0.5}
     clock[0] += 60.0

@@ -52,9 +52,11 @@ def _reference(config, teacher_dir: Path) -> tuple[float, float]:
     """(full KL, K+1-bucket KL to the stored top-K) per position over the held-out rows, from plain forwards."""
     from transformers import AutoModelForCausalLM
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_distill_data
 
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
     batch = data.load(data.eval_rows)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
     student = AutoModelForCausalLM.from_pretrained(student_path(config, "final")).eval()
@@ -76,6 +78,7 @@ def _reference(config, teacher_dir: Path) -> tuple[float, float]:
 
 def test_evaluation_reports_the_full_kl_beside_the_stored_one(fresh_run, sharp_teacher_dir: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student import heldout_teacher
     from kdflow.tasks.student.train import train
 
@@ -83,7 +86,7 @@ def test_evaluation_reports_the_full_kl_beside_the_stored_one(fresh_run, sharp_t
     real_load = heldout_teacher.load_teacher
     monkeypatch.setattr(heldout_teacher, "load_teacher", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     config = fresh_run(student__steps=4, student__eval_every=2, student__eval_full_kl=True)
-    summary = train(config)
+    summary = train(open_run_root(config), training_settings(config))
     evals = read_lines(student_path(config, "eval.jsonl"))
     assert [e["step"] for e in evals] == [0, 2, 4] and len(loads) == 1  # the teacher loaded once per run
     after = summary["eval_after"]
@@ -98,6 +101,7 @@ def test_evaluation_reports_the_full_kl_beside_the_stored_one(fresh_run, sharp_t
 
 def test_full_kl_off_loads_no_teacher_and_auto_follows_the_teachers_size(fresh_run,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student import heldout_teacher
     from kdflow.tasks.student.train import train
 
@@ -105,19 +109,21 @@ def test_full_kl_off_loads_no_teacher_and_auto_follows_the_teachers_size(fresh_r
         raise AssertionError("the teacher was loaded with student.eval_full_kl off")
 
     config = fresh_run(student__steps=2, student__eval_full_kl=False)
-    assert not heldout_teacher.full_kl_wanted(config)
+    assert not heldout_teacher.full_kl_wanted(config.student.eval_full_kl, config.teacher)
     monkeypatch.setattr(heldout_teacher, "load_teacher", refuse)
-    summary = train(config)
+    summary = train(open_run_root(config), training_settings(config))
     assert "kl_full" not in summary["eval_after"] and math.isfinite(summary["eval_after"]["kl_stored"])
 
     auto = fresh_run()
-    assert auto.student.eval_full_kl == "auto" and heldout_teacher.full_kl_wanted(auto)  # a tiny local teacher
-    size = heldout_teacher.teacher_weight_bytes(auto)
+    assert auto.student.eval_full_kl == "auto"
+    assert heldout_teacher.full_kl_wanted(auto.student.eval_full_kl, auto.teacher)  # a tiny local teacher
+    size = heldout_teacher.teacher_weight_bytes(auto.teacher)
     assert size is not None and size > 0
     monkeypatch.setattr(heldout_teacher, "EVAL_FULL_KL_AUTO_BYTES", size - 1)
-    assert not heldout_teacher.full_kl_wanted(auto)  # one byte over the limit: off
+    assert not heldout_teacher.full_kl_wanted(auto.student.eval_full_kl, auto.teacher)  # one byte over the limit: off
     hub = fresh_run(teacher__model="some-org/some-32b-teacher")
-    assert heldout_teacher.teacher_weight_bytes(hub) is None and not heldout_teacher.full_kl_wanted(hub)
+    assert heldout_teacher.teacher_weight_bytes(hub.teacher) is None
+    assert not heldout_teacher.full_kl_wanted(hub.student.eval_full_kl, hub.teacher)
 
 
 def test_demo_summary_names_each_kl_for_what_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

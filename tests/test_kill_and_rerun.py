@@ -52,7 +52,8 @@ def kill_config(run_root: Path, teacher: Path, corpus: Path) -> KDFlowConfig:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) -> dict[str, Any]:
     """The uninterrupted run (the stages' own functions, in this process): its files' hashes and final weights."""
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import (materialise_settings, open_run_root, teacher_pass_settings,
+                                               tokenise_settings, training_settings)
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -62,10 +63,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_teacher_dir: Path) 
     base = tmp_path_factory.mktemp("uninterrupted")
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(16))
     config = kill_config(base / "run", tiny_teacher_dir, corpus)
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     precompute_shards(open_run_root(config), teacher_pass_settings(config))
-    train(config)
+    train(open_run_root(config), training_settings(config))
     return {"corpus": corpus, "run_root": config.run_root, "files": data_hashes(Path(config.run_root)),
             "weights": final_weights(config)}
 
@@ -203,12 +204,14 @@ def test_two_runs_at_once_on_one_run_root_while_every_core_is_busy(reference, ti
 TRAIN_GATED = ("import json, logging, os, sys, time\n"
                "logging.basicConfig(level=logging.INFO)\n"
                "from kdflow.schemas.config_io import load_config\n"
+               "from kdflow.schemas.stage_settings import open_run_root, training_settings\n"
                "from kdflow.tasks.student.train import train\n"
                "gate = sys.argv[2] if len(sys.argv) > 2 else None\n"
                "def on_step(record):\n"
                "    while gate and record['step'] == 2 and not os.path.exists(gate):\n"
                "        time.sleep(0.05)\n"
-               "summary = train(load_config(sys.argv[1]), on_step=on_step)\n"
+               "config = load_config(sys.argv[1])\n"
+               "summary = train(open_run_root(config), training_settings(config), on_step=on_step)\n"
                "print('SUMMARY', json.dumps({k: summary[k] for k in ('start_step', 'steps')}), flush=True)\n")
 
 

@@ -14,6 +14,7 @@ from support.corpus import DOCS, committed_documents, sample_documents, write_js
 from kdflow.schemas.commits import list_commits, read_complete
 from kdflow.schemas.errors import KDFlowError
 from kdflow.schemas.layout import CORPUS_DIR
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.tasks.corpus.materialise import DataError, materialise
 
@@ -29,7 +30,7 @@ def store_files(config: Any) -> dict[str, tuple[int, str]]:
 @pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "txt", "folder", "glob"])
 def test_formats_give_the_documents_in_order(make_config: Callable[..., Any], tmp_path: Path, kind: str) -> None:
     config = make_config(dataset__path=write_source(tmp_path / "src", kind, DOCS), dataset__documents_per_part=4)
-    summary = materialise(config)
+    summary = materialise(open_run_root(config), materialise_settings(config))
     assert (summary.parts, summary.documents, summary.parts_written, summary.skipped_empty) == (3, 11, 3, 0)
     assert committed_documents(config) == list(enumerate(DOCS))
     done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
@@ -40,14 +41,14 @@ def test_formats_give_the_documents_in_order(make_config: Callable[..., Any], tm
 def test_streaming_reads_the_same_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:
     config = make_config(dataset__path=write_source(tmp_path / "src", "jsonl", DOCS), dataset__streaming=True,
                          dataset__documents_per_part=5)
-    assert materialise(config).parts == 3
+    assert materialise(open_run_root(config), materialise_settings(config)).parts == 3
     assert committed_documents(config) == list(enumerate(DOCS))
 
 
 def test_empty_documents_are_skipped_and_counted(make_config: Callable[..., Any], tmp_path: Path) -> None:
     docs = ["", "first", "   ", "second", "\n\t", "third", ""]
     config = make_config(dataset__path=str(write_jsonl(tmp_path / "e.jsonl", docs)), dataset__documents_per_part=2)
-    summary = materialise(config)
+    summary = materialise(open_run_root(config), materialise_settings(config))
     assert (summary.documents, summary.skipped_empty) == (3, 4)
     assert committed_documents(config) == [(0, "first"), (1, "second"), (2, "third")]
     done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
@@ -57,7 +58,7 @@ def test_empty_documents_are_skipped_and_counted(make_config: Callable[..., Any]
 def test_max_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:
     config = make_config(dataset__path=write_source(tmp_path / "src", "jsonl", DOCS), dataset__max_documents=6,
                          dataset__documents_per_part=4)
-    summary = materialise(config)
+    summary = materialise(open_run_root(config), materialise_settings(config))
     assert (summary.parts, summary.documents) == (2, 6)
     assert committed_documents(config) == list(enumerate(DOCS[:6]))
     done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
@@ -76,8 +77,8 @@ def test_max_tokens_stops_once_the_budget_is_reached(make_config: Callable[..., 
     budget = sum(counts[:20]) - 3  # reached inside document 19: it is the last one taken
     config = make_config(dataset__max_tokens=budget)
     with pytest.raises(KDFlowError, match="max_tokens needs a tokenizer"):
-        materialise(config)
-    summary = materialise(config, count_tokens)
+        materialise(open_run_root(config), materialise_settings(config))
+    summary = materialise(open_run_root(config), materialise_settings(config), count_tokens)
     assert (summary.documents, summary.tokens) == (20, sum(counts[:20]))
     assert [text for _, text in committed_documents(config)] == sample_documents(20)
 
@@ -86,7 +87,7 @@ def test_missing_text_field_is_one_line_error(make_config: Callable[..., Any], t
     path = write_jsonl(tmp_path / "bodies.jsonl", [{"body": "hello", "id": 1}])
     config = make_config(dataset__path=str(path))
     with pytest.raises(DataError) as caught:
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
     assert str(caught.value) == "dataset has no text field 'text' (fields: body, id)"
     assert list_commits(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR), "corpus") == {}
 
@@ -102,7 +103,7 @@ def test_invalid_utf8_names_file_and_line(make_config: Callable[..., Any], tmp_p
     path.write_bytes(content)
     config = make_config(dataset__path=str(path), dataset__streaming=streaming)
     with pytest.raises(DataError) as caught:
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
     message = str(caught.value)
     assert message.startswith(f"{path}: invalid UTF-8 at line {line}") and "\n" not in message
     run_root = RunRoot(config.run_root)
@@ -119,7 +120,7 @@ def test_a_malformed_json_line_names_its_file_and_line(make_config: Callable[...
     path.write_text("\n".join(lines) + "\n")
     config = make_config(dataset__path=str(path), dataset__streaming=streaming, dataset__documents_per_part=8)
     with pytest.raises(DataError) as caught:
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
     assert str(caught.value).startswith(f"dataset file {path}: line 30 is not valid JSON (")
     assert "\n" not in str(caught.value)
     run_root = RunRoot(config.run_root)
@@ -136,7 +137,7 @@ def test_an_empty_dataset_says_so(make_config: Callable[..., Any], tmp_path: Pat
     path.write_text(content)
     config = make_config(dataset__path=str(path))
     with pytest.raises(DataError) as caught:
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
     assert str(caught.value).startswith(f"dataset '{path}'") and says in str(caught.value), str(caught.value)
     run_root = RunRoot(config.run_root)
     assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
@@ -144,10 +145,10 @@ def test_an_empty_dataset_says_so(make_config: Callable[..., Any], tmp_path: Pat
 
 def test_rerun_does_no_work(make_config: Callable[..., Any]) -> None:
     config = make_config()
-    first = materialise(config)
+    first = materialise(open_run_root(config), materialise_settings(config))
     assert (first.parts, first.documents, first.parts_written) == (4, 60, 4)
     before = store_files(config)
-    again = materialise(config)
+    again = materialise(open_run_root(config), materialise_settings(config))
     assert again.parts_written == 0 and (again.parts, again.documents, again.fingerprint) == (4, 60, first.fingerprint)
     assert store_files(config) == before
 
@@ -173,7 +174,7 @@ def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., A
                            **{f"dataset__{budget}": limit})
 
     reference, interrupted = config_at("reference"), config_at("interrupted")
-    expected = materialise(reference, count_tokens)
+    expected = materialise(open_run_root(reference), materialise_settings(reference), count_tokens)
     seen: list[int] = []
 
     def stop_after_two(record: Any) -> None:
@@ -182,12 +183,12 @@ def test_interrupted_run_resumes_to_identical_parts(make_config: Callable[..., A
             raise KeyboardInterrupt("stopped after part 1")
 
     with pytest.raises(KeyboardInterrupt):
-        materialise(interrupted, count_tokens, on_part=stop_after_two)
+        materialise(open_run_root(interrupted), materialise_settings(interrupted), count_tokens, on_part=stop_after_two)
     run_root = RunRoot(interrupted.run_root)
     assert sorted(list_commits(run_root, run_root.path(CORPUS_DIR), "corpus")) == [0, 1]
     assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
 
-    resumed = materialise(interrupted, count_tokens)
+    resumed = materialise(open_run_root(interrupted), materialise_settings(interrupted), count_tokens)
     assert resumed.parts_written == expected.parts - 2
     assert (resumed.parts, resumed.documents, resumed.tokens) == (expected.parts, 33, expected.tokens)
     assert resumed.skipped_empty == expected.skipped_empty == 5

@@ -63,14 +63,15 @@ def test_the_final_folder_carries_a_card_that_hub_and_transformers_read(trained:
 def test_a_resumed_run_rewrites_the_card_at_its_later_step(trained: Any) -> None:
     from huggingface_hub import ModelCard
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     final = student_path(trained, "final", "README.md")
     before = final.read_text()
-    train(trained)  # nothing to do: the card stays as it is
+    train(open_run_root(trained), training_settings(trained))  # nothing to do: the card stays as it is
     assert final.read_text() == before
     longer = trained.model_copy(update={"student": trained.student.model_copy(update={"steps": 5})})
-    train(longer)
+    train(open_run_root(longer), training_settings(longer))
     text = ModelCard.load(final).text
     assert "| steps | 5 (batch" in text and f"| tokens | {5 * trained.student.batch_size * trained.seq_len:,} |" in text
     assert "| held-out | step 0 | step 5 |" in text

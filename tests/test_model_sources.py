@@ -100,6 +100,7 @@ def test_a_hub_teacher_in_the_local_cache_is_checked_and_gives_the_store_its_fol
 
 def test_a_hub_student_in_the_local_cache_passes_pre_flight_trains_and_its_card_names_it(
         fresh_run, hub_cache: Path, tmp_path: Path, sharp_teacher_dir: Path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     # The same vocabulary with another end-of-text token: what an instruct teacher's base sibling ships.
@@ -112,7 +113,7 @@ def test_a_hub_student_in_the_local_cache_passes_pre_flight_trains_and_its_card_
                          ["train"]) == [ignored, "student.lr=0.001 with student.init_from: a peak meant for random "
                                         "weights can undo what a pretrained student knows in a few steps; from "
                                         "pretrained weights 1e-5 to 1e-4 is usual"]
-    summary = train(config)
+    summary = train(open_run_root(config), training_settings(config))
     assert summary["steps"] == 2
     card = student_path(config, "final", "README.md").read_text()
     assert f"base_model: {STUDENT_ID}" in card.split("---")[1]
@@ -120,6 +121,7 @@ def test_a_hub_student_in_the_local_cache_passes_pre_flight_trains_and_its_card_
 
 def test_a_student_of_another_vocabulary_is_refused_in_pre_flight_from_a_folder_or_the_hub_cache(
         fresh_run, hub_cache: Path, tmp_path: Path, sharp_teacher_dir: Path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     other = pretrained_student(tmp_path / "other", sharp_teacher_dir, other_vocabulary(tmp_path / "other-tok"))
@@ -131,7 +133,7 @@ def test_a_student_of_another_vocabulary_is_refused_in_pre_flight_from_a_folder_
         message = str(caught.value)
         assert message.startswith(f"student.init_from={init_from!r} has another vocabulary: ") and "\n" not in message
         with pytest.raises(KDFlowError) as caught:  # the training stage checks again when it loads the model
-            train(config)
+            train(open_run_root(config), training_settings(config))
         assert str(caught.value) == message
     assert not [path for path in student_path(config).rglob("*") if path.is_file()]  # no checkpoint, no model
 
@@ -149,6 +151,7 @@ def test_a_student_whose_embedding_is_smaller_than_the_vocabulary_is_refused(
 
 def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_in_pre_flight_and_at_load(fresh_run,
                                                                                           hub_cache: Path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     config = fresh_run(student__init_from="kdflow-test/not-downloaded")
@@ -160,7 +163,7 @@ def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_in_pre_flight_and
         "can be reached (hf download kdflow-test/not-downloaded) into that cache, or give a local model folder (there "
         f"is no folder 'kdflow-test/not-downloaded' in the working directory {os.getcwd()})")
     with pytest.raises(KDFlowError) as caught:  # the stage checks again when it loads the model
-        train(config)
+        train(open_run_root(config), training_settings(config))
     message = str(caught.value)
     assert message.startswith("student.init_from 'kdflow-test/not-downloaded' is not a loadable causal LM: ")
     assert "\n" not in message

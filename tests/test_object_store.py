@@ -68,12 +68,13 @@ def bucket(moto: MotoProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucke
 
 
 def prepare(config: KDFlowConfig) -> None:
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
 
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
 
 
 def worker(config_path: Path, **env: str) -> subprocess.Popen:
@@ -176,7 +177,7 @@ def test_two_processes_racing_on_the_same_shards_write_each_record_once(
 def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make_config, tmp_path: Path) -> None:
     import fsspec
 
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.commands.validate import validate_run_root
@@ -189,7 +190,7 @@ def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make
                           student__grad_accum=2)
 
     mark = len(bucket.moto.requests())
-    remote, local = train(on_s3), train(on_disk)
+    remote, local = (train(open_run_root(run), training_settings(run)) for run in (on_s3, on_disk))
     assert remote["final_loss"] == local["final_loss"] and remote["eval_after"] == local["eval_after"]
     metrics = [json.loads(line) for line in RunRoot(on_s3.run_root).read_bytes(
         f"{RunRoot(on_s3.run_root).path('students', 'student')}/metrics.jsonl").decode().splitlines()]
@@ -215,7 +216,7 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
 
     from kdflow.schemas.codec_sampled import SampledShard
     from kdflow.schemas.shards import TopkShard
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.teacher.precompute import precompute_shards
@@ -226,7 +227,8 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
     config = make_config(run_root=bucket.run_root, dataset__max_documents=24, precompute__micro_batch=3, **overrides)
     prepare(config)
     assert precompute_shards(open_run_root(config), teacher_pass_settings(config))["complete"]
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
     rows = np.array([data.train_rows - 1, 0, 4, 3, 0])  # across shards, out of order, one repeated
     batch = data.train_batch(rows)
     run_root = RunRoot(config.run_root)

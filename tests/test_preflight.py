@@ -128,10 +128,11 @@ def test_a_check_in_the_list_runs_for_its_stages(make_config, monkeypatch) -> No
 
 
 def test_a_corpus_already_materialised_needs_no_dataset(make_config, tmp_path, corpus_file) -> None:
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root
     from kdflow.tasks.corpus.materialise import materialise
 
     config = make_config(dataset__max_documents=8)
-    materialise(config)
+    materialise(open_run_root(config), materialise_settings(config))
     os.rename(corpus_file, tmp_path / "moved.jsonl")  # the source is gone, the corpus store is complete
     assert run_preflight(config) == []
 
@@ -281,6 +282,7 @@ def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(
 
     from kdflow.schemas.config_io import config_from_dict, set_dotted
     from kdflow.schemas.errors import StoreError
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     config = trained_tiny_run(tmp_path, tiny_teacher_dir)
@@ -303,11 +305,12 @@ def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(
     with pytest.raises(ConfigError, match="precompute.top_k 8, now 4"):
         run_preflight(fewer_ids, ["precompute", "train"])  # it would train on the one precompute makes
     # Training refuses it too, and leaves the config beside the student as it was: the next try is refused again.
+    faster = changed(student__lr=0.02)
     with pytest.raises(StoreError, match="was trained with other data or settings"):
-        train(changed(student__lr=0.02))
+        train(open_run_root(faster), training_settings(faster))
     assert (student / "config.yaml").read_text() == dump_config(config)
     with pytest.raises(ConfigError, match="student.lr 0.01, now 0.02"):
         run_preflight(changed(student__lr=0.02), ["train"])
     longer = changed(student__steps=4)
-    train(longer)
+    train(open_run_root(longer), training_settings(longer))
     assert (student / "config.yaml").read_text() == dump_config(longer)

@@ -60,7 +60,8 @@ def _s3_keys(endpoint: str, run_root: str, under: str) -> list[str]:
 
 def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_config: Callable[..., Any]) -> None:
     from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import (materialise_settings, open_run_root, teacher_pass_settings,
+                                               tokenise_settings)
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
@@ -72,8 +73,8 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
     assert not run_root.is_local
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
 
-    corpus = materialise(config)
-    tokens = tokenise(config, tokenizer)
+    corpus = materialise(open_run_root(config), materialise_settings(config))
+    tokens = tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     topk = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert corpus.parts_written == corpus.parts >= 1 and tokens.shards_written == tokens.shards >= 2
     assert topk["written"] == tokens.shards and topk["complete"]
@@ -87,8 +88,8 @@ def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_
     assert sum(key.startswith(f"run/topk/{topk['tag']}/") and key.endswith(".arrow") for key in keys) == tokens.shards
 
     # Rerun: everything is committed, so no stage writes anything.
-    assert materialise(config).parts_written == 0
-    assert tokenise(config, tokenizer).shards_written == 0
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0
+    assert tokenise(open_run_root(config), tokenise_settings(config), tokenizer).shards_written == 0
     again = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert again["written"] == 0 and again["skipped"] == tokens.shards
 
@@ -153,6 +154,7 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
     from kdflow.schemas.dataset_record import DatasetRecord
     from kdflow.schemas.errors import ConfigError
     from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.preflight import run_preflight
 
@@ -163,7 +165,7 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # tests/conftest.py
     config = make_config(run_root=str(tmp_path / "run"), dataset__path=source, dataset__documents_per_part=4,
                          dataset__streaming=streaming)
-    assert materialise(config).documents == len(DOCS)
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)
     recorded = DatasetRecord.model_validate_json(Path(config.run_root, CORPUS_DIR, SOURCES_FILE).read_bytes())
     assert [(f.name, f.size, f.sha256) for f in recorded.files] == [(source, len(original), None)]
     assert recorded.files[0].version and run_preflight(config, "materialise") == []
@@ -173,11 +175,12 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
     with pytest.raises(ConfigError, match=re.escape(f"({source}: another version (")):
         run_preflight(config, "materialise")
     with pytest.raises(ConfigError, match="changed since materialise read them"):
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
     fs.pipe(source, original + b'{"text": "one more"}\n')
     fs.invalidate_cache()
     with pytest.raises(ConfigError, match=re.escape(f"({source}: {len(original):,} -> {len(original) + 21:,} bytes)")):
         run_preflight(config, "materialise")
     fs.pipe(source, original)  # put back: the first bytes, the first ETag
     fs.invalidate_cache()
-    assert run_preflight(config, "materialise") == [] and materialise(config).parts_written == 0
+    assert run_preflight(config, "materialise") == []
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0

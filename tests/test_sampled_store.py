@@ -22,7 +22,7 @@ from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.errors import ConfigError, KDFlowError, StoreError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
-from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root, teacher_pass_settings, tokenise_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common.teacher_loading import load_teacher
@@ -101,8 +101,8 @@ def test_a_corrupt_row_is_named_and_the_top_k_reader_refuses_sampled_shards() ->
 
 
 def prepare(config: Any) -> Any:
-    materialise(config, None)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config), None)
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     return config
 
 
@@ -161,22 +161,24 @@ def test_the_fingerprint_names_the_kind_and_its_parameters(make_config) -> None:
 
 
 def test_training_reads_sampled_targets_and_a_top_k_config_on_them_is_an_error(make_config) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.student.train import train
 
     config = prepare(sampled_config(make_config, student__steps=2, student__eval_shards=1))
     tag = precompute_shards(open_run_root(config), teacher_pass_settings(config))["tag"]
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
     batch = data.train_batch(np.arange(2))
     assert batch.topk_ids.shape == (2, 32, 4) and [t.shape for t in batch.samples] == [(2, 32, 6), (2, 32, 6), (2, 32)]
-    summary = train(config)
+    summary = train(open_run_root(config), training_settings(config))
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
     assert 0.0 <= summary["eval_after"]["top1_agreement"] <= 1.0 and summary["eval_after"]["kl"] > 0
     as_top_k = config.model_copy(update={"precompute": config.precompute.model_copy(update={"targets": "topk"}),
                                          "student": config.student.model_copy(
                                              update={"topk_tag": tag, "name": "other"})})
     with pytest.raises(StoreError) as error:
-        train(as_top_k)
+        train(open_run_root(as_top_k), training_settings(as_top_k))
     message = str(error.value)
     assert ("\n" not in message and "holds hybrid H4+S6 (priority, seed 5)" in message
             and "precompute.targets" in message)
@@ -187,6 +189,7 @@ def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_con
     import logging
 
     from kdflow.flows.train import training_report
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     config = prepare(sampled_config(make_config, "sampled", student__steps=2, student__eval_shards=1))
@@ -200,7 +203,7 @@ def test_training_on_sampled_only_targets_reports_top1_as_not_available(make_con
     logger.setLevel(logging.INFO)
     logger.disabled = False
     try:
-        summary = train(config)
+        summary = train(open_run_root(config), training_settings(config))
     finally:
         logger.removeHandler(handler)
         logger.level, logger.disabled = saved

@@ -54,6 +54,7 @@ def _exported(fresh_run, tmp_path: Path, layout: str = "kdflow") -> tuple[object
 def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path) -> None:
     import datasets
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     original, out = _exported(fresh_run, tmp_path)
@@ -67,8 +68,8 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
                            "kdflow", "sharp-tiny")
     assert summary["complete"] and summary["tail"] == "source" and summary["written"] == summary["shards"]
     imported_cfg = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
-    train(original)
-    train(imported_cfg)
+    train(open_run_root(original), training_settings(original))
+    train(open_run_root(imported_cfg), training_settings(imported_cfg))
     assert _losses(imported_cfg) == pytest.approx(_losses(original), rel=1e-5)
 
     # the default v2 codec (sqrt levels): the same loss within its rounding
@@ -78,12 +79,13 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
     assert _info(coded_cfg, coded["tag"]).format == "v2"
     coded_cfg = _at(tmp_path / "coded", fresh_run, student__topk_tag=coded["tag"], student__steps=3,
                           student__save_every=3)
-    train(coded_cfg)
+    train(open_run_root(coded_cfg), training_settings(coded_cfg))
     assert _losses(coded_cfg) == pytest.approx(_losses(original), rel=1e-2)
 
 
 def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_run, tmp_path: Path,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_stores
 
     original, out = _exported(fresh_run, tmp_path, "stacked")
@@ -101,8 +103,8 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
     config = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     with caplog.at_level(logging.WARNING, logger="kdflow.train"):
-        open_stores(config, tokenizer)
-        open_stores(config, tokenizer)
+        open_stores(open_run_root(config), training_settings(config), tokenizer)
+        open_stores(open_run_root(config), training_settings(config), tokenizer)
     assert len([r for r in caplog.records if "without tail mass" in r.getMessage()]) == 1
 
     import datasets  # the same rows as a Hugging Face dataset folder: the same arrays, the same store

@@ -20,7 +20,8 @@ from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stag
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE, commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
-from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+from kdflow.schemas.stage_settings import (materialise_settings, open_run_root, teacher_pass_settings,
+                                           tokenise_settings, training_settings)
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import read_store_info, store_format
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -33,8 +34,8 @@ from kdflow.commands.validate import validate_run_root
 
 def prepared(make_config: Callable[..., Any], **overrides: Any) -> tuple[Any, dict[str, Any]]:
     config = make_config(dataset__max_documents=24, **overrides)
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     return config, precompute_shards(open_run_root(config), teacher_pass_settings(config))
 
 
@@ -82,11 +83,13 @@ def test_tags_name_the_format_and_v1_keeps_its_tag(make_config: Callable[..., An
 
 
 def test_loader_yields_the_stored_tail_and_trains(make_config: Callable[..., Any]) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     config, summary = prepared(make_config, precompute__store__keep_mass=0.5)  # near-uniform tiny teacher
     run_root, store = store_of(config, summary["tag"])
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
     assert data.stores.codec == read_store_info(run_root, store).codec
     rows = np.array([0, data.train_rows - 1, 5])
     batch = data.train_batch(rows)
@@ -96,7 +99,7 @@ def test_loader_yields_the_stored_tail_and_trains(make_config: Callable[..., Any
         assert np.array_equal(batch.topk_ids[i].numpy(), decoded.ids[0])
         assert np.array_equal(batch.tail_logprob[i].numpy(), decoded.tail[0])
     assert (batch.topk_ids < 0).any()  # adaptive K: padding reaches the loss, which ignores it
-    result = train(config)
+    result = train(open_run_root(config), training_settings(config))
     assert result["steps"] == config.student.steps and np.isfinite(result["eval_after"]["kl"])
 
 
@@ -107,13 +110,13 @@ def test_training_on_a_store_of_other_codec_settings_is_a_one_line_error(make_co
                           ({"precompute__store__format": "v1"}, "v1 float16")):
         other = make_config(dataset__max_documents=24, **change)
         with pytest.raises(StoreError) as caught:
-            open_distill_data(other, tokenizer)
+            open_distill_data(open_run_root(other), training_settings(other), tokenizer)
         message = str(caught.value)
         assert "\n" not in message and "was made as v2 sqrt/400" in message and f"asks for {asked}" in message
         # naming the store explicitly does not mix settings either
         explicit = make_config(dataset__max_documents=24, student__topk_tag=summary["tag"], **change)
         with pytest.raises(StoreError, match=f"was made as v2 sqrt/400.*asks for {asked}"):
-            open_distill_data(explicit, tokenizer)
+            open_distill_data(open_run_root(explicit), training_settings(explicit), tokenizer)
 
 
 def test_v1_store_keeps_reading(make_config: Callable[..., Any], capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,7 +126,9 @@ def test_v1_store_keeps_reading(make_config: Callable[..., Any], capsys: pytest.
     assert info.format == "v1" and info.store is None and info.codec is None  # _store.json as before v2
     record = read_commit(run_root, store, "topk", 0)
     assert TopkShard(run_root, f"{store}/{record.data_file}").format == 1 and record.extra.format is None
-    batch = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer)).train_batch(np.array([0, 1]))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
+    batch = data.train_batch(np.array([0, 1]))
     mass = batch.topk_logprobs.double().exp().sum(-1) + batch.tail_logprob.double().exp()
     assert ((mass - 1).abs() < 1e-2).all()  # v1: the tail is derived as 1 - sum
     assert validate_run_root(config.run_root) == 0, capsys.readouterr().out

@@ -16,6 +16,7 @@ from kdflow.schemas.commits import list_commits, read_complete
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CORPUS_DIR, TOKENS_DIR, commit_file_name, data_file_name
 from kdflow.schemas.shards import read_token_shard
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
@@ -57,9 +58,9 @@ def tokenised(make_config: Callable[..., Any]) -> Callable[..., tuple[Any, Any, 
     """-> build(**overrides): a materialised config, its tokenizer, and the first tokenise summary."""
     def build(**overrides: Any) -> tuple[Any, Any, Any]:
         config = make_config(**overrides)
-        materialise(config)
+        materialise(open_run_root(config), materialise_settings(config))
         tokenizer = load_tokenizer(config.teacher, config.tokenizer)
-        return config, tokenizer, tokenise(config, tokenizer)
+        return config, tokenizer, tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
 
     return build
 
@@ -113,7 +114,7 @@ def test_rerun_does_no_work(tokenised: Callable[..., tuple[Any, Any, Any]]) -> N
     run_root, store = token_store(config)
     before = {name: os.stat(f"{store}/{name}").st_mtime_ns for name in run_root.listdir(store)}
     hashes = shard_hashes(config)
-    again = tokenise(config, tokenizer)
+    again = tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     assert again.shards_written == 0
     assert ((again.shards, again.sequences, again.dropped_tokens, again.fingerprint)
             == (first.shards, first.sequences, first.dropped_tokens, first.fingerprint))
@@ -130,7 +131,7 @@ def test_lost_commit_record_is_recomputed_identically(tokenised: Callable[..., t
     shard = {"last": first.shards - 1, "middle": first.shards // 2, "first": 0}[which]
     os.remove(f"{store}/{commit_file_name('tokens', shard)}")  # the data file stays, but is no longer trusted
     assert shard not in list_commits(run_root, store, "tokens", first.fingerprint)
-    again = tokenise(config, tokenizer)
+    again = tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     # A sequential stage resumes after the committed prefix: it rewrites the lost shard and the ones after it.
     assert again.shards_written == first.shards - shard
     assert sorted(list_commits(run_root, store, "tokens", first.fingerprint)) == list(range(first.shards))
@@ -145,29 +146,29 @@ def test_truncated_shard_is_recomputed(tokenised: Callable[..., tuple[Any, Any, 
     path = f"{store}/{data_file_name('tokens', 3)}"
     os.truncate(path, os.path.getsize(path) - 10)
     assert 3 not in list_commits(run_root, store, "tokens", first.fingerprint)
-    assert tokenise(config, tokenizer).shards_written == first.shards - 3
+    assert tokenise(open_run_root(config), tokenise_settings(config), tokenizer).shards_written == first.shards - 3
     assert shard_hashes(config) == hashes
 
 
 def test_interrupted_run_resumes_to_identical_shards(make_config: Callable[..., Any], tmp_path: Path) -> None:
     reference = make_config(run_root=str(tmp_path / "reference"))
     interrupted = make_config(run_root=str(tmp_path / "interrupted"))
-    materialise(reference)
-    materialise(interrupted)
+    materialise(open_run_root(reference), materialise_settings(reference))
+    materialise(open_run_root(interrupted), materialise_settings(interrupted))
     tokenizer = load_tokenizer(reference.teacher, reference.tokenizer)
-    expected = tokenise(reference, tokenizer)
+    expected = tokenise(open_run_root(reference), tokenise_settings(reference), tokenizer)
 
     def stop_at_five(record: Any) -> None:
         if record.shard_id == 5:
             raise KeyboardInterrupt("stopped after shard 5")
 
     with pytest.raises(KeyboardInterrupt):
-        tokenise(interrupted, tokenizer, on_shard=stop_at_five)
+        tokenise(open_run_root(interrupted), tokenise_settings(interrupted), tokenizer, on_shard=stop_at_five)
     run_root, store = token_store(interrupted)
     records = list_commits(run_root, store, "tokens")
     assert sorted(records) == list(range(6)) and read_complete(run_root, store) is None
     assert records[5].extra.end_offset > 0  # the resume point lies inside a document
-    resumed = tokenise(interrupted, tokenizer)
+    resumed = tokenise(open_run_root(interrupted), tokenise_settings(interrupted), tokenizer)
     assert resumed.shards_written == expected.shards - 6
     # The rate counts what this run wrote, not the six shards committed before it.
     assert resumed.tokens_written == resumed.tokens - sum(records[i].tokens for i in range(6))
@@ -181,15 +182,16 @@ def test_tokenise_needs_a_complete_corpus(make_config: Callable[..., Any]) -> No
     config = make_config()
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     with pytest.raises(StoreError, match="run materialise first"):
-        tokenise(config, tokenizer)
-    materialise(config)
+        tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
+    materialise(open_run_root(config), materialise_settings(config))
     run_root = RunRoot(config.run_root)
     os.remove(run_root.path(CORPUS_DIR, commit_file_name("corpus", 1)))
     with pytest.raises(StoreError, match="no valid commit for part 1; run materialise again"):
-        tokenise(config, tokenizer)
+        tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     # Another corpus config (a different fingerprint) is not this corpus either.
+    other = make_config(dataset__max_documents=10)
     with pytest.raises(StoreError, match="run materialise first"):
-        tokenise(make_config(dataset__max_documents=10), tokenizer)
+        tokenise(open_run_root(other), tokenise_settings(other), tokenizer)
 
 
 def test_a_corpus_shorter_than_one_sequence_is_named_as_such_before_the_teacher_pass(
@@ -197,8 +199,9 @@ def test_a_corpus_shorter_than_one_sequence_is_named_as_such_before_the_teacher_
     from kdflow.schemas.stage_settings import held_out_problem
 
     config = make_config(dataset__max_documents=1, seq_len=512)
-    materialise(config)
-    summary = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    summary = tokenise(open_run_root(config), tokenise_settings(config),
+                       load_tokenizer(config.teacher, config.tokenizer))
     assert (summary.shards, summary.sequences) == (0, 0)
     assert held_out_problem(0, summary.shards, summary.sequences).startswith(  # not "eval_shards=0 leaves no ..."
         "the token store holds no sequence: the corpus gave fewer tokens than one sequence of seq_len")
@@ -210,10 +213,10 @@ def test_truncation_set_on_the_rust_tokenizer_does_not_cut_documents(make_config
     """A tokenizer.json may carry truncation; the stage encodes through the Rust tokenizer directly, and must
     still give every document whole, as calling the transformers tokenizer does."""
     config = make_config()
-    materialise(config)
+    materialise(open_run_root(config), materialise_settings(config))
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     tokenizer.backend_tokenizer.enable_truncation(max_length=8)
-    tokenise(config, tokenizer)
+    tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     assert tokenizer.backend_tokenizer.truncation is not None  # the caller's tokenizer is left as it was
     expected, _ = reference_rows(tokenizer, sample_documents(60), SEQ_LEN)
     np.testing.assert_array_equal(all_rows(config), expected)

@@ -40,10 +40,11 @@ def assert_one_line(error: BaseException, *phrases: str) -> None:
 
 
 def test_training_reduces_heldout_kl_logs_every_step_and_keeps_two_checkpoints(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     config = fresh_run(student__steps=16, student__save_every=3, student__eval_every=8, student__kd__kd_weight=0.8)
-    summary = train(config)
+    summary = train(open_run_root(config), training_settings(config))
 
     before, after = summary["eval_before"], summary["eval_after"]
     assert before["step"] == 0 and after["step"] == 16
@@ -70,13 +71,15 @@ def test_training_reduces_heldout_kl_logs_every_step_and_keeps_two_checkpoints(f
                        load_file(student_path(config, "checkpoint-16", "model.safetensors"))["model.norm.weight"])
 
     files = {p: p.stat().st_mtime_ns for p in student_path(config).rglob("*")}
-    again = train(config)  # a rerun of a finished run trains nothing and touches no file
+    # a rerun of a finished run trains nothing and touches no file
+    again = train(open_run_root(config), training_settings(config))
     assert again["start_step"] == again["steps"] == 16 and again["tokens"] == 0
     assert again["eval_after"] == after and again["final_loss"] == summary["final_loss"]
     assert {p: p.stat().st_mtime_ns for p in student_path(config).rglob("*")} == files
 
 
 def test_interrupted_and_resumed_runs_end_with_the_same_weights(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     def stop_at(step: int, *, crash: bool) -> Callable[[dict[str, Any]], bool]:
@@ -88,19 +91,20 @@ def test_interrupted_and_resumed_runs_end_with_the_same_weights(fresh_run) -> No
 
     common = {"student__steps": 7, "student__save_every": 2, "student__grad_accum": 2}
     whole = fresh_run(student__name="whole", **common)
-    train(whole)
+    train(open_run_root(whole), training_settings(whole))
 
     crashed = fresh_run(student__name="crashed", **common)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(crashed, on_step=stop_at(5, crash=True))  # after step 5: the newest checkpoint is step 4
-    resumed = train(crashed)
+        # after step 5: the newest checkpoint is step 4
+        train(open_run_root(crashed), training_settings(crashed), on_step=stop_at(5, crash=True))
+    resumed = train(open_run_root(crashed), training_settings(crashed))
     assert resumed["start_step"] == 4 and resumed["resumed_from"].endswith("checkpoint-4")
 
     stopped = fresh_run(student__name="stopped", **common)
-    first = train(stopped, on_step=stop_at(3, crash=False))
+    first = train(open_run_root(stopped), training_settings(stopped), on_step=stop_at(3, crash=False))
     assert first["stopped"] and first["steps"] == 3 and student_path(stopped, "checkpoint-3",
                                                                      "checkpoint.json").exists()
-    assert train(stopped)["start_step"] == 3
+    assert train(open_run_root(stopped), training_settings(stopped))["start_step"] == 3
 
     reference = final_weights(whole)
     for run in (crashed, stopped):
@@ -115,6 +119,7 @@ def test_interrupted_and_resumed_runs_end_with_the_same_weights(fresh_run) -> No
 
 
 def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     # lr 1e-3: Adam divides by |g| + 1e-8, so where a gradient is ~1e-8 its rounding shows in the step;
@@ -122,8 +127,8 @@ def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:
     common = {"student__steps": 3, "student__lr": 1e-3}
     one_batch = fresh_run(student__name="one", student__grad_accum=1, **common)
     accumulated = fresh_run(student__name="accumulated", student__grad_accum=2, **common)
-    train(one_batch)
-    train(accumulated)
+    train(open_run_root(one_batch), training_settings(one_batch))
+    train(open_run_root(accumulated), training_settings(accumulated))
     for key in ("loss", "kd", "ce", "grad_norm"):
         expected = [r[key] for r in read_lines(student_path(one_batch, "metrics.jsonl"))]
         assert ([r[key] for r in read_lines(student_path(accumulated, "metrics.jsonl"))]
@@ -134,11 +139,13 @@ def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:
 
 
 def test_a_checkpoint_of_other_settings_is_not_resumed(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
-    train(fresh_run(student__steps=2))
+    first, other = fresh_run(student__steps=2), fresh_run(student__steps=4, student__lr=5e-3)
+    train(open_run_root(first), training_settings(first))
     with pytest.raises(StoreError) as caught:
-        train(fresh_run(student__steps=4, student__lr=5e-3))
+        train(open_run_root(other), training_settings(other))
     assert_one_line(caught.value, "trained with other data or settings", "student.name")
 
 
@@ -146,10 +153,12 @@ def test_a_checkpoint_of_other_settings_is_not_resumed(fresh_run) -> None:
 
 
 def test_order_covers_every_training_row_once_per_epoch_and_ranks_split_batches(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import epoch_permutation, open_distill_data
 
     config = fresh_run(student__eval_shards=2, student__eval_sequences=10)
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
     pairs = data.stores.pairs
     rows = data.train_rows
     assert (rows == sum(p.rows for p in pairs[:-2])
@@ -188,6 +197,7 @@ def test_order_covers_every_training_row_once_per_epoch_and_ranks_split_batches(
 
 
 def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_stores
 
     config = fresh_run()
@@ -196,7 +206,7 @@ def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Pat
     record = read_commit(run_root, store, "topk", 3)
     write_commit(run_root, store, record.model_copy(update={"input_sha256": "0" * 64}))  # shard 3 names another input
     with pytest.raises(StoreError) as caught:
-        open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
+        open_stores(open_run_root(config), training_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     assert_one_line(caught.value, "shard-00003", "made from another token shard")
 
     # Another corpus: tokenise rewrites tokens/ and the top-K store is stale. (A corpus that only grew or
@@ -205,19 +215,20 @@ def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Pat
     other = fresh_run(dataset__path=str(reordered))
     make_tokens(other)
     with pytest.raises(StoreError) as caught:
-        open_stores(other, load_tokenizer(other.teacher, other.tokenizer))
+        open_stores(open_run_root(other), training_settings(other), load_tokenizer(other.teacher, other.tokenizer))
     assert_one_line(caught.value, "no top-K store", "made for another teacher, K or token store", "run precompute")
 
 
 @pytest.mark.parametrize("what", ["top_k", "seq_len"])
 def test_topk_store_with_other_k_or_seq_len_is_an_error(fresh_run, sharp_teacher_dir: Path, what: str) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_stores
 
     config = fresh_run()
     shutil.rmtree(stage_dir(RunRoot(config.run_root), "topk", DENSE_TAG))
     write_dense_topk(config, sharp_teacher_dir, tag="other", **{what: 4 if what == "top_k" else 16})
     with pytest.raises(StoreError) as caught:
-        open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
+        open_stores(open_run_root(config), training_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     assert_one_line(caught.value,
                     "K=4, precompute.top_k is 8" if what == "top_k" else "seq_len 16, the token store's is 32")
 
@@ -225,17 +236,20 @@ def test_topk_store_with_other_k_or_seq_len_is_an_error(fresh_run, sharp_teacher
 def test_tokenizer_other_than_the_token_stores_is_an_error(fresh_run, tmp_path: Path, sharp_teacher_dir: Path) -> None:
     from transformers import AutoTokenizer
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     tokenizer = AutoTokenizer.from_pretrained(sharp_teacher_dir)
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(tmp_path / "other-tokenizer")
+    foreign = fresh_run(tokenizer=str(tmp_path / "other-tokenizer"))
     with pytest.raises(FingerprintMismatch) as caught:
-        train(fresh_run(tokenizer=str(tmp_path / "other-tokenizer")))
+        train(open_run_root(foreign), training_settings(foreign))
     assert_one_line(caught.value, "tokenizer", "fingerprint")
 
 
 def test_init_from_that_is_not_a_model_is_an_error(fresh_run, tmp_path: Path) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     (tmp_path / "empty").mkdir()
@@ -243,20 +257,23 @@ def test_init_from_that_is_not_a_model_is_an_error(fresh_run, tmp_path: Path) ->
     (tmp_path / "config-only" / "config.json").write_text("{}")
     for folder, phrase in (("empty", "no config.json"), ("config-only", "no model weights"),
                            ("missing", "no such folder")):
+        config = fresh_run(student__init_from=str(tmp_path / folder))
         with pytest.raises(KDFlowError) as caught:
-            train(fresh_run(student__init_from=str(tmp_path / folder)))
+            train(open_run_root(config), training_settings(config))
         assert_one_line(caught.value, "student.init_from", "is not a model", phrase)
 
 
 def test_init_from_a_saved_student_continues_from_its_weights(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     first = fresh_run(student__name="first", student__steps=2)
-    train(first)
+    train(open_run_root(first), training_settings(first))
     second = fresh_run(student__name="second", student__steps=1, student__lr=1e-9, student__warmup_steps=0,
                        student__init_from=str(student_path(first, "final")))
-    summary = train(second)
-    assert summary["eval_before"]["kl"] == pytest.approx(train(first)["eval_after"]["kl"], rel=1e-6)
+    summary = train(open_run_root(second), training_settings(second))
+    again = train(open_run_root(first), training_settings(first))
+    assert summary["eval_before"]["kl"] == pytest.approx(again["eval_after"]["kl"], rel=1e-6)
 
 
 # --- checkpoints on an object store -----------------------------------------------------------------------
@@ -272,7 +289,7 @@ def test_checkpoints_on_an_object_store_roundtrip_and_half_written_ones_are_igno
 
     config = fresh_run()
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
-    model = build_student(config, tokenizer)
+    model = build_student(config.student, config.seq_len, tokenizer)
     optimizer, scheduler = build_optimizer(model, config.student)
     model(torch.arange(8)[None]).logits.sum().backward()
     optimizer.step()

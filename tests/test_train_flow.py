@@ -46,7 +46,7 @@ def test_training_report_shows_the_curve_and_evaluation() -> None:
 
 
 def test_training_on_the_real_precompute_output(tmp_path: Path, sharp_teacher_dir: Path) -> None:
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
 
@@ -54,7 +54,7 @@ def test_training_on_the_real_precompute_output(tmp_path: Path, sharp_teacher_di
     config = run_config(tmp_path / "run", sharp_teacher_dir, corpus, student__steps=2, student__eval_shards=1)
     make_tokens(config)
     precompute_shards(open_run_root(config), teacher_pass_settings(config))
-    summary = train(config)
+    summary = train(open_run_root(config), training_settings(config))
     assert summary["topk_store"].startswith(str(tmp_path / "run" / "topk"))
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
     assert (tmp_path / "run" / "students" / "student" / "final" / "model.safetensors").exists()

@@ -37,24 +37,26 @@ def default_run(prepared_run, sharp_teacher_dir, tmp_path_factory) -> dict[str, 
 
     from support.runs import run_config
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     run_root, corpus = prepared_run
     copy = tmp_path_factory.mktemp("default") / "run"
     shutil.copytree(run_root, copy)
     config = run_config(copy, sharp_teacher_dir, corpus, **COMMON)
-    train(config)
+    train(open_run_root(config), training_settings(config))
     return {"metrics": read_lines(student_path(config, "metrics.jsonl")),
             "evals": read_lines(student_path(config, "eval.jsonl")), "weights": final_weights(config)}
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_option_trains_like_the_default_and_resumes_exactly(fresh_run, default_run, option: str) -> None:  # noqa: F811
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     settings = COMMON | OPTIONS[option]
     whole = fresh_run(student__name="whole", **settings)
-    train(whole)
+    train(open_run_root(whole), training_settings(whole))
     metrics = read_lines(student_path(whole, "metrics.jsonl"))
     for key in ("loss", "kd", "ce", "grad_norm"):
         expected = [r[key] for r in default_run["metrics"]]
@@ -66,8 +68,8 @@ def test_option_trains_like_the_default_and_resumes_exactly(fresh_run, default_r
         torch.testing.assert_close(weights[name], tensor, atol=5e-5, rtol=0, msg=name)
 
     stopped = fresh_run(student__name="stopped", **settings)
-    assert train(stopped, on_step=stop_at(3))["steps"] == 3
-    resumed = train(stopped)
+    assert train(open_run_root(stopped), training_settings(stopped), on_step=stop_at(3))["steps"] == 3
+    resumed = train(open_run_root(stopped), training_settings(stopped))
     assert resumed["start_step"] == 3 and resumed["resumed_from"].endswith("checkpoint-3")
     assert [r["loss"] for r in read_lines(student_path(stopped, "metrics.jsonl"))] == [r["loss"] for r in metrics]
     for name, tensor in weights.items():
@@ -75,26 +77,31 @@ def test_option_trains_like_the_default_and_resumes_exactly(fresh_run, default_r
 
 
 def test_switching_an_option_keeps_the_fingerprint_so_a_run_resumes_with_it(fresh_run) -> None:  # noqa: F811
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
     from kdflow.tasks.student.train import train, training_fingerprint
 
     plain = fresh_run(**COMMON)
-    stores = open_stores(plain, load_tokenizer(plain.teacher, plain.tokenizer))
+    stores = open_stores(open_run_root(plain), training_settings(plain), load_tokenizer(plain.teacher, plain.tokenizer))
     for settings in OPTIONS.values():
-        assert training_fingerprint(fresh_run(**COMMON, **settings), stores) == training_fingerprint(plain, stores)
-    assert train(plain, on_step=stop_at(2))["steps"] == 2
-    resumed = train(fresh_run(**COMMON, student__gradient_checkpointing=True, student__attn_implementation="eager"))
+        other = fresh_run(**COMMON, **settings).student
+        assert training_fingerprint(other, stores) == training_fingerprint(plain.student, stores)
+    assert train(open_run_root(plain), training_settings(plain), on_step=stop_at(2))["steps"] == 2
+    changed = fresh_run(**COMMON, student__gradient_checkpointing=True, student__attn_implementation="eager")
+    resumed = train(open_run_root(changed), training_settings(changed))
     assert resumed["start_step"] == 2 and resumed["steps"] == 7
 
 
 def test_flash_attention_that_cannot_run_here_is_a_one_line_error(fresh_run) -> None:  # noqa: F811
     import importlib.util
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
+    config = fresh_run(student__attn_implementation="flash_attention_2")
     with pytest.raises(ConfigError) as caught:
-        train(fresh_run(student__attn_implementation="flash_attention_2"))
+        train(open_run_root(config), training_settings(config))
     message = str(caught.value)
     assert "\n" not in message and "student.attn_implementation=flash_attention_2" in message, message
     if importlib.util.find_spec("flash_attn") is None:
@@ -128,7 +135,7 @@ def test_a_gathered_state_saved_as_checkpoint_and_final_has_weights_in_both(fres
 
     config = fresh_run()
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
-    model = build_student(config, tokenizer)
+    model = build_student(config.student, config.seq_len, tokenizer)
     optimizer, scheduler = build_optimizer(model, config.student)
     gathered = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     run_root, student_dir = RunRoot(str(tmp_path / "run")), str(tmp_path / "run" / "students" / "s")

@@ -17,6 +17,7 @@ from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, r
                                     write_complete)
 from kdflow.schemas.layout import TOKENS_DIR, commit_file_name, data_file_name
 from kdflow.schemas.shards import topk_batch, topk_shard_writer
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
@@ -68,9 +69,9 @@ def write_topk_store(config: Any, corrupt: dict[int, Corruption] | None = None,
 def tokenised_run(make_config: Callable[..., Any]) -> tuple[Any, Any]:
     """A small run root with corpus and tokens stores: -> (config, tokenizer)."""
     config = make_config(dataset__max_documents=16)
-    materialise(config)
+    materialise(open_run_root(config), materialise_settings(config))
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
-    assert tokenise(config, tokenizer).shards >= 4
+    assert tokenise(open_run_root(config), tokenise_settings(config), tokenizer).shards >= 4
     return config, tokenizer
 
 
@@ -116,7 +117,7 @@ def test_changed_token_shard_is_found_fixed_and_recomputed(tokenised_run: tuple[
     assert "shard(s) 2 have no commit record: the next run of tokenise computes what is missing" in out
     assert f"topk/{TAG}" in out and "shard(s) 2: their token shards are not committed yet" in out
 
-    summary = tokenise(config, tokenizer)
+    summary = tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     assert summary.shards_written == summary.shards - 2  # from the removed shard on
     assert sha256_of(run_root, shard) == original
     code, out = run_validate(capsys, config.run_root)
@@ -133,7 +134,7 @@ def test_truncated_shard_is_caught_by_its_size(tokenised_run: tuple[Any, Any],
     code, out = run_validate(capsys, config.run_root, fix=True)
     assert code == 1
     assert f"tokens shard 1: invalid commit record: data file has {size - 7} bytes, its record says {size}" in out
-    assert tokenise(config, tokenizer).shards_written > 0
+    assert tokenise(open_run_root(config), tokenise_settings(config), tokenizer).shards_written > 0
     assert run_validate(capsys, config.run_root)[0] == 0
 
 
@@ -146,7 +147,7 @@ def test_changed_corpus_part_is_recomputed_by_materialise(tokenised_run: tuple[A
     flip_byte(part, offset=len(Path(part).read_bytes()) // 2)
     code, out = run_validate(capsys, config.run_root, fix=True)
     assert code == 1 and "corpus shard 0: part-00000.parquet has sha256" in out
-    assert materialise(config).parts_written == 1
+    assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 1
     assert sha256_of(run_root, part) == original and run_validate(capsys, config.run_root)[0] == 0
 
 

@@ -171,6 +171,7 @@ def _sampling(config: Any) -> dict[str, Any] | None:
 def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
     """The demo teacher (dequantised once), the docs as jsonl, corpus and token stores."""
     from kdflow.demo_assets import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -186,8 +187,8 @@ def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
         encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         return [len(ids) + 1 for ids in encoded]
 
-    materialise(base, count_tokens)
-    tokenise(base, tokenizer)
+    materialise(open_run_root(base), materialise_settings(base), count_tokens)
+    tokenise(open_run_root(base), tokenise_settings(base), tokenizer)
     return root, base
 
 
@@ -239,12 +240,14 @@ class Teacher:
     def heldout(self) -> Any:
         """Every held-out row (not only `student.eval_sequences` of them)."""
         if self._heldout is None:
+            from kdflow.schemas.stage_settings import open_run_root, training_settings
             from kdflow.tasks.common.tokenizer import load_tokenizer
             from kdflow.tasks.student.data import open_distill_data
 
             student = self.config.student.model_copy(update={"eval_sequences": 10**9})
             every_row = self.config.model_copy(update={"student": student})
-            self._heldout = open_distill_data(every_row, load_tokenizer(every_row.teacher, every_row.tokenizer))
+            self._heldout = open_distill_data(open_run_root(every_row), training_settings(every_row),
+                                              load_tokenizer(every_row.teacher, every_row.tokenizer))
         return self._heldout
 
 

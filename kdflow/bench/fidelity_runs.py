@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.stage_settings import open_run_root, training_settings
 from kdflow.tasks.common.models import body_hidden_states, model_body, output_layer
 from kdflow.tasks.student.data import DistillData, ShardPair
 from kdflow.tasks.student.distributed import clip_grad_norm
@@ -69,7 +70,7 @@ def _chunked_full_kl(hidden: Tensor, weight: Tensor, teacher: TeacherStates, row
 
 def _online_step(run: StudentRun, teacher: TeacherStates, position: int, chunk: int) -> float:
     """One optimiser step of online full-vocabulary KD on the global batch at `position`; -> its loss."""
-    student = run.config.student
+    student = run.student
     model, data = run.model, run.data
     body, head = model_body(model), output_layer(model)
     rows = data.locate(data.rank_rows(position, student.batch_size, 0, 1))
@@ -104,7 +105,7 @@ def train_with_curve(config: KDFlowConfig, teacher: TeacherStates, heldout: Dist
     student = config.student
     if online and (student.grad_accum != 1 or student.kd.kd_weight != 1.0 or student.kd.temperature != 1.0):
         raise ValueError("online KD here mirrors one process, grad_accum 1, pure KD at temperature 1")
-    run = StudentRun(config, 0, 1)
+    run = StudentRun(open_run_root(config), training_settings(config), 0, 1)
     if run.start_step:
         raise RuntimeError(f"{run.student_dir} holds a checkpoint: the benchmark's runs start from scratch")
     curve: Curve = []

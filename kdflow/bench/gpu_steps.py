@@ -38,13 +38,15 @@ TUNED = "tuned.json"  # in the work folder once `tune_precompute` recommended a 
 
 def tokens(config_path: Path) -> dict[str, Any]:
     from kdflow.schemas.config_io import load_config
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
 
     config = load_config(config_path)
-    materialise(config)
-    summary = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    summary = tokenise(open_run_root(config), tokenise_settings(config),
+                       load_tokenizer(config.teacher, config.tokenizer))
     return {"shards": summary.shards, "sequences": summary.sequences, "tokens": summary.tokens}
 
 

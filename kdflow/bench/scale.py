@@ -53,6 +53,7 @@ def child(kind: str, target: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if kind == "train":
         from kdflow.schemas.config_io import load_config
+        from kdflow.schemas.stage_settings import open_run_root, training_settings
         from kdflow.tasks.common.tokenizer import load_tokenizer
         from kdflow.tasks.student.data import open_distill_data
         from kdflow.tasks.student.train import train
@@ -61,9 +62,10 @@ def child(kind: str, target: str) -> dict[str, Any]:
         config = load_config(target)
         tokenizer = load_tokenizer(config.teacher, config.tokenizer)
         opened = time.perf_counter()
-        open_distill_data(config, tokenizer)  # what training does first: list the stores, read the records
+        # what training does first: list the stores, read the records
+        open_distill_data(open_run_root(config), training_settings(config), tokenizer)
         out["startup_s"] = round(time.perf_counter() - opened, 3)
-        summary = train(config)
+        summary = train(open_run_root(config), training_settings(config))
         out |= {"steps": summary["steps"], "train_rows": summary["train_rows"], "final_loss": summary["final_loss"]}
     elif kind == "plan":  # the teacher pass's start-up on a finished store: list, read records, nothing to do
         import torch
@@ -163,7 +165,8 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
                      args: argparse.Namespace) -> tuple[Path, dict]:
     """materialise, tokenise and the teacher pass on local disk (not measured); -> (run root, store sizes)."""
     from kdflow.schemas.config_io import config_from_dict
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import (materialise_settings, open_run_root, teacher_pass_settings,
+                                               tokenise_settings)
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -171,8 +174,9 @@ def prepare_disk_run(work: Path, name: str, corpus: Path, teacher: Path, documen
 
     run_root = work / name
     config = config_from_dict(run_config(str(run_root), corpus, teacher, documents, args))
-    materialise(config)
-    tokenised = tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenised = tokenise(open_run_root(config), tokenise_settings(config),
+                         load_tokenizer(config.teacher, config.tokenizer))
     started = time.perf_counter()
     summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     topk_bytes = sum(p.stat().st_size for p in (run_root / "topk").rglob("shard-*.arrow"))

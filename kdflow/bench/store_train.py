@@ -61,6 +61,7 @@ def bench_config(root: str, shards: int, **overrides: Any) -> KDFlowConfig:
 def build_real_stores(run_root: str, shards: int) -> RealStores:
     """The demo teacher and text, tokens, and both top-K stores (committed shards are kept: a rerun reuses them)."""
     from kdflow.demo_assets import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
+    from kdflow.schemas.stage_settings import materialise_settings, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -78,8 +79,8 @@ def build_real_stores(run_root: str, shards: int) -> RealStores:
     def count_tokens(texts: list[str]) -> list[int]:  # the max_tokens budget, as the materialise flow counts it
         return [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-    materialise(default, count_tokens)
-    tokenise(default, tokenizer)
+    materialise(open_run_root(default), materialise_settings(default), count_tokens)
+    tokenise(open_run_root(default), tokenise_settings(default), tokenizer)
     seconds["text_and_tokens"] = round(time.perf_counter() - started, 1)
     tags = []
     for name, config in (("default", default), ("lossless", lossless)):
@@ -162,13 +163,15 @@ def loader_rate(config: KDFlowConfig, batches: int = 8) -> float:
     """Positions/s of the data loader (read + decode + stack) on one core, for training-sized random batches."""
     import torch
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
+        data = open_distill_data(open_run_root(config), training_settings(config),
+                                 load_tokenizer(config.teacher, config.tokenizer))
         size = config.student.batch_size
         data.train_batch(np.arange(size))  # opens (maps) the shards once, as a training run does
         started = time.perf_counter()
@@ -183,18 +186,21 @@ def _heldout_kl(final_dir: str, config: KDFlowConfig) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.student.train import DistillLoss, evaluate
 
     model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32)
-    data = open_distill_data(config, load_tokenizer(config.teacher, config.tokenizer))
-    return evaluate(DistillLoss(model), data, config, torch.device("cpu"))
+    data = open_distill_data(open_run_root(config), training_settings(config),
+                             load_tokenizer(config.teacher, config.tokenizer))
+    return evaluate(DistillLoss(model), data, config.student, torch.device("cpu"))
 
 
 def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:
     """The same student trained on the default store and on the lossless one; held-out KL of both against the
     lossless store (and each against its own), training positions/s, and the loader's rate on one core."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     run_root = Path(stores.default.run_root)
@@ -204,7 +210,8 @@ def train_comparison(stores: RealStores, steps: int) -> list[dict[str, Any]]:
         shutil.rmtree(run_root / "students" / name, ignore_errors=True)  # the same steps from scratch on each rerun
         student = _student_config(config, name, steps)
         rates: list[float] = []
-        result = train(student, on_step=lambda record: rates.append(record["tokens_per_s"]) and False)
+        result = train(open_run_root(student), training_settings(student),
+                       on_step=lambda record: rates.append(record["tokens_per_s"]) and False)
         final = str(run_root / "students" / name / "final")
         kls[label] = _heldout_kl(final, _student_config(stores.lossless, name, steps))
         records.append({"student": label, "steps": result["steps"], "batch_size": student.student.batch_size,

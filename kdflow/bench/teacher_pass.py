@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def prepare_demo(run_root: str) -> Any:
     """The demo's teacher folder, text, corpus and token shards under `run_root` (kept for reruns) -> config."""
     from kdflow.demo_assets import demo_config, local_run_root, locate_teacher_gguf, prepare_teacher, write_corpus
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -68,9 +69,9 @@ def prepare_demo(run_root: str) -> Any:
     write_corpus(Path(config.dataset.path))
     prepare_teacher(locate_teacher_gguf(), Path(config.teacher.model))
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
-    materialise(config, lambda texts: [len(ids) + 1 for ids in
+    materialise(open_run_root(config), materialise_settings(config), lambda texts: [len(ids) + 1 for ids in
                                        tokenizer(texts, add_special_tokens=False)["input_ids"]])
-    tokenise(config, tokenizer)
+    tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     return config
 
 

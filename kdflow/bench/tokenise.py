@@ -100,11 +100,12 @@ def stage_rows_match(config: Any, ids: list[list[int]], eos_id: int) -> bool:
 def time_stage(config: Any, tokenizer: Any) -> tuple[float, Any]:
     """-> (seconds, summary) of the tokenise stage from scratch (an earlier token store is removed first)."""
     from kdflow.schemas.layout import TOKENS_DIR
+    from kdflow.schemas.stage_settings import open_run_root, tokenise_settings
     from kdflow.tasks.corpus.tokenise import tokenise
 
     shutil.rmtree(Path(config.run_root) / TOKENS_DIR, ignore_errors=True)
     started = time.perf_counter()
-    summary = tokenise(config, tokenizer)
+    summary = tokenise(open_run_root(config), tokenise_settings(config), tokenizer)
     return time.perf_counter() - started, summary
 
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gguf-file needs --tokenizer (the folder that holds it)")
 
     from kdflow.schemas.layout import CORPUS_DIR
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.materialise import materialise
     from kdflow.tasks.corpus.tokenise import DOCS_PER_BATCH
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         model = args.tokenizer or str(train_tiny_tokenizer(work / "tokenizer", pydoc_paragraphs(400), args.vocab_size))
         config = _config(work, corpus, model, args.gguf_file, args)
         tokenizer = load_tokenizer(config.teacher, config.tokenizer)
-        materialise(config)  # not timed: the corpus parts are the stage's input
+        # not timed: the corpus parts are the stage's input
+        materialise(open_run_root(config), materialise_settings(config))
         corpus_bytes = sum(p.stat().st_size for p in (work / "run" / CORPUS_DIR).glob("*.parquet"))
         common = {"bench": "tokenise", "documents": len(texts), "chars": sum(map(len, texts)), "vocab": len(tokenizer),
                   "tokenizer": args.tokenizer or f"trained byte-level BPE {args.vocab_size}", "cpus": os.cpu_count(),

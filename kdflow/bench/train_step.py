@@ -162,13 +162,14 @@ def prepare_demo_stores(run_root: str) -> Any:
 def check_inputs(config: Any, variants: list[str]) -> None:
     """A KDFlowError naming what is missing: the tokenizer every variant needs, the stores the stage trains on."""
     from kdflow.schemas.errors import KDFlowError, StoreError
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
 
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     if "stage" in variants:
         try:
-            open_stores(config, tokenizer)
+            open_stores(open_run_root(config), training_settings(config), tokenizer)
         except KDFlowError as error:
             raise StoreError(f"the stage variant trains on the config's stores: {error} (or leave stage out of "
                              "--variants)") from None

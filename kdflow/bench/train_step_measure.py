@@ -62,11 +62,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 def _first_batch(config: Any, tokenizer: Any) -> tuple[Any, str]:
     """The first training batch of the config's stores, else a synthetic one; -> (DistillBatch, source)."""
     from kdflow.schemas.errors import KDFlowError
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_distill_data
 
     batch_size = config.student.batch_size
     try:
-        data = open_distill_data(config, tokenizer)
+        data = open_distill_data(open_run_root(config), training_settings(config), tokenizer)
         return data.train_batch(data.rank_rows(0, batch_size, 0, 1)), "stores"
     except KDFlowError as error:
         return _synthetic_batch(batch_size, config.seq_len, config.precompute.top_k, len(tokenizer)), \
@@ -108,7 +109,7 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     batch, source = _first_batch(config, tokenizer)
     batch = batch.to(device)
-    model = apply_student_options(build_student(config, tokenizer).to(device), student, device)
+    model = apply_student_options(build_student(config.student, config.seq_len, tokenizer).to(device), student, device)
     model.train()
     module = DistillLoss(model)
     optimizer, scheduler = build_optimizer(model, student)
@@ -195,7 +196,7 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
     """(c) `train()` on the real shards with a scratch student; timed between the on_step calls of steps
     `warmup` and `warmup + steps`, so everything the loop does between two steps is inside."""
     from kdflow.schemas.layout import STUDENTS_DIR
-    from kdflow.schemas.stage_settings import open_run_root
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
     from kdflow.tasks.student.jsonl_log import read_jsonl
@@ -206,7 +207,7 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
     config = with_overrides(config, {"student.name": name, "student.steps": total, "student.eval_every": 0,
                                       "student.save_every": total + 1, "student.eval_sequences": 1})
     # no stores at this seq_len: skipped, with the reason
-    open_stores(config, load_tokenizer(config.teacher, config.tokenizer))
+    open_stores(open_run_root(config), training_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     run_root = open_run_root(config)
     student_dir = run_root.path(STUDENTS_DIR, name)
     timed_end = warmup + steps
@@ -225,7 +226,7 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
         return record["step"] >= total  # stop: no closing evaluation or final model
 
     try:
-        train(config, on_step=on_step)
+        train(open_run_root(config), training_settings(config), on_step=on_step)
         metrics = read_jsonl(run_root, f"{student_dir}/metrics.jsonl")
     finally:
         if run_root.is_local:

@@ -14,12 +14,12 @@ from typing import Any
 
 from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPartInfo, StageComplete, commit_or_remove,
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
-from kdflow.schemas.config import DatasetConfig, KDFlowConfig
+from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.dataset_record import read_dataset_record, write_dataset_record
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import corpus_table, write_corpus_part
-from kdflow.schemas.stage_settings import MaterialiseSettings, materialise_settings, open_run_root
+from kdflow.schemas.stage_settings import MaterialiseSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.hub_access import object_store_reads
@@ -219,15 +219,6 @@ class _Part:
 
 
 def materialise(
-    config: KDFlowConfig,
-    count_tokens: CountTokens | None = None,
-    on_part: Callable[[CommitRecord], None] | None = None,
-) -> MaterialiseSummary:
-    """Write (or resume) the corpus store of this config's run root (materialise_into)."""
-    return materialise_into(open_run_root(config), materialise_settings(config), count_tokens, on_part)
-
-
-def materialise_into(
     run_root: RunRoot,
     settings: MaterialiseSettings,
     count_tokens: CountTokens | None = None,

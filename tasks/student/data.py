@@ -20,15 +20,12 @@ import numpy as np
 import torch
 
 from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir
-from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.fingerprints import (corpus_fingerprint, tokenizer_fingerprint, tokens_fingerprint,
-                                         topk_fingerprint)
+from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
 from kdflow.schemas.shard_rows import ShardRows, take_rows
 from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
-from kdflow.schemas.stage_settings import (StudentDataSettings, held_out_problem, open_run_root,
-                                          student_data_settings)
+from kdflow.schemas.stage_settings import StudentDataSettings, TrainingSettings, held_out_problem
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
 from kdflow.schemas.token_store import open_token_store
@@ -92,16 +89,16 @@ class DistillBatch:
 # --- locating and verifying the stores --------------------------------------------------------------------
 
 
-def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, first_token: CommitRecord) -> str:
+def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: str, first_token: CommitRecord) -> str:
     """The top-K store to train on: `student.topk_tag`; else the store precompute made for this config's
     teacher, K and token store (found through its `_store.json`; of several, e.g. a CPU and a GPU pass
     with dtype auto, the one this host would make); else the one store without `_store.json` whose first
     shard was made from this token store (written by other tools)."""
-    if config.student.topk_tag is not None:
-        return stage_dir(run_root, "topk", config.student.topk_tag)
-    made_for_config = find_topk_stores(run_root, config.teacher, config.precompute)
+    if settings.student.topk_tag is not None:
+        return stage_dir(run_root, "topk", settings.student.topk_tag)
+    made_for_config = find_topk_stores(run_root, settings.teacher, settings.precompute)
     if len(made_for_config) > 1:
-        here = topk_fingerprint(teacher_fingerprint(config.teacher), tokens_fp, config)
+        here = settings.topk_fingerprint(teacher_fingerprint(settings.teacher), tokens_fp)
         made_for_config = [tag for tag in made_for_config if tag == here] or made_for_config
     if len(made_for_config) == 1:
         return stage_dir(run_root, "topk", made_for_config[0])
@@ -109,10 +106,10 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
     if made_for_config:
         raise StoreError(f"several top-K stores under {topk_root} fit this config ({', '.join(made_for_config)}): "
                          "choose one with student.topk_tag")
-    other_format = find_topk_stores(run_root, config.teacher, config.precompute, any_format=True)
+    other_format = find_topk_stores(run_root, settings.teacher, settings.precompute, any_format=True)
     if other_format:  # made for this teacher, K and token store, with other format settings: name both
         store = stage_dir(run_root, "topk", other_format[0])
-        raise StoreError(format_mismatch(read_store_info(run_root, store), config.precompute,
+        raise StoreError(format_mismatch(read_store_info(run_root, store), settings.precompute,
                                          run_root.display(store)))
     ours, others = [], []
     for tag in topk_tags(run_root):
@@ -132,13 +129,10 @@ def find_topk_store(run_root: RunRoot, config: KDFlowConfig, tokens_fp: str, fir
                      f"{tokens_fp}{found}; run precompute first")
 
 
-def open_stores(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None = None) -> DistillStores:
-    """Find the token and top-K stores for this config and check that they belong together, shard by shard."""
-    run_root = run_root if run_root is not None else open_run_root(config)
-    settings = student_data_settings(config)
+def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -> DistillStores:
+    """Find the token and top-K stores for these settings and check that they belong together, shard by shard."""
     tokenizer_fp = tokenizer_fingerprint(tokenizer)
-    tokens = open_token_store(run_root, tokenizer_fp,
-                              tokens_fingerprint(corpus_fingerprint(config), tokenizer_fp, config))
+    tokens = open_token_store(run_root, tokenizer_fp, settings.tokens_fingerprint(tokenizer_fp))
     tokens_store, complete, tokens_fp = tokens.path, tokens.complete, tokens.fingerprint
     shown = run_root.display(tokens_store)
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_fp)
@@ -146,9 +140,9 @@ def open_stores(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None =
     if missing or not token_records:
         raise StoreError(f"token store {shown} lacks shard(s) {missing[:5] or 'all'}; run tokenise first")
 
-    topk_store = find_topk_store(run_root, config, tokens_fp, token_records[0])
+    topk_store = find_topk_store(run_root, settings, tokens_fp, token_records[0])
     info = read_store_info(run_root, topk_store)
-    mismatch = format_mismatch(info, config.precompute, run_root.display(topk_store)) if info is not None else None
+    mismatch = format_mismatch(info, settings.precompute, run_root.display(topk_store)) if info is not None else None
     if mismatch is not None:  # student.topk_tag named a store of other format settings
         raise StoreError(mismatch)
     if info is not None and info.tail_computed and topk_store not in _TAIL_WARNED:
@@ -160,10 +154,11 @@ def open_stores(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None =
     fingerprints = {record.fingerprint for record in topk_records.values()}
     if len(fingerprints) > 1:
         raise StoreError(f"top-K store {run_root.display(topk_store)} mixes fingerprints {sorted(fingerprints)}")
-    pairs = tuple(_verify_pair(run_root, settings, token_records[i], topk_records.get(i), tokens_store, topk_store)
+    data = settings.data
+    pairs = tuple(_verify_pair(run_root, data, token_records[i], topk_records.get(i), tokens_store, topk_store)
                   for i in range(complete.shards))
     return DistillStores(tokens_store, topk_store, tokens_fp, tokens.tokenizer_fingerprint, fingerprints.pop(),
-                         settings.seq_len, settings.top_k, pairs, info.codec if info is not None else None,
+                         data.seq_len, data.top_k, pairs, info.codec if info is not None else None,
                          info.targets if info is not None else "topk",
                          info.store_format().get("sampling") if info else None)
 
@@ -305,9 +300,7 @@ class DistillData:
             return self._readers[shard_id]
 
 
-def open_distill_data(config: KDFlowConfig, tokenizer: Any, run_root: RunRoot | None = None) -> DistillData:
-    run_root = run_root if run_root is not None else open_run_root(config)
-    settings = student_data_settings(config)
-    stores = open_stores(config, tokenizer, run_root)
-    return DistillData(run_root, stores, eval_shards=settings.eval_shards, eval_sequences=settings.eval_sequences,
-                       seed=settings.seed)
+def open_distill_data(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -> DistillData:
+    data = settings.data
+    return DistillData(run_root, open_stores(run_root, settings, tokenizer), eval_shards=data.eval_shards,
+                       eval_sequences=data.eval_sequences, seed=data.seed)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kdflow.schemas.config import EVAL_FULL_KL_AUTO_BYTES, KDFlowConfig
+from kdflow.schemas.config import EVAL_FULL_KL_AUTO_BYTES, TeacherConfig
 from kdflow.schemas.errors import KDFlowError
 from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.model_files import WEIGHT_SUFFIXES, check_teacher_files
@@ -34,27 +34,26 @@ from kdflow.tasks.common.teacher_loading import load_teacher
 EVAL_CHUNK = 256  # positions per chunk of teacher and student logits: a few (256, vocab) float32 tensors at a time
 
 
-def teacher_weight_bytes(config: KDFlowConfig) -> int | None:
+def teacher_weight_bytes(teacher: TeacherConfig) -> int | None:
     """Bytes of the teacher's weight files when it is a local folder (its GGUF file alone, if it names one), None
     for a hub id or a folder that is not there."""
     try:
-        folder = check_teacher_files(config.teacher)
+        folder = check_teacher_files(teacher)
     except KDFlowError:  # not a usable model folder: auto leaves the evaluation off
         return None
     if folder is None:
         return None
-    names = [config.teacher.gguf_file] if config.teacher.gguf_file else \
+    names = [teacher.gguf_file] if teacher.gguf_file else \
         [name for name in os.listdir(folder) if name.endswith(WEIGHT_SUFFIXES) and not name.endswith(".index.json")]
     return sum(os.path.getsize(os.path.join(folder, name)) for name in names)
 
 
-def full_kl_wanted(config: KDFlowConfig) -> bool:
-    """student.eval_full_kl resolved: true/false as given; auto: on for a local teacher of at most
+def full_kl_wanted(setting: bool | str, teacher: TeacherConfig) -> bool:
+    """student.eval_full_kl (`setting`) resolved: true/false as given; auto: on for a local teacher of at most
     EVAL_FULL_KL_AUTO_BYTES of weight files (never for a hub id: it may not be downloaded, or be large)."""
-    setting = config.student.eval_full_kl
     if setting != "auto":
         return bool(setting)
-    size = teacher_weight_bytes(config)
+    size = teacher_weight_bytes(teacher)
     return size is not None and size <= EVAL_FULL_KL_AUTO_BYTES
 
 
@@ -88,8 +87,8 @@ class HeldoutTeacher:
         self.states: dict[tuple[int, int], Tensor] = {}  # (shard id, row) -> (T, D), in the teacher's dtype
 
     @classmethod
-    def load(cls, config: KDFlowConfig, device: torch.device) -> HeldoutTeacher:
-        return cls(load_teacher(config.teacher, device=device))
+    def load(cls, teacher: TeacherConfig, device: torch.device) -> HeldoutTeacher:
+        return cls(load_teacher(teacher, device=device))
 
     def fill(self, rows: list[tuple[Any, int]], input_ids: Tensor) -> None:
         """Hidden states of `rows` ((shard pair, row) pairs) from their (n, T) input ids, those not yet held."""

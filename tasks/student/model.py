@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import StudentArchitecture, StudentConfig
 from kdflow.schemas.errors import KDFlowError, first_line
 from kdflow.tasks.common.model_configs import init_vocab_problem
 from kdflow.tasks.common.model_files import hub_id, model_folder_problem
@@ -46,9 +46,8 @@ def load_causal_lm(source: str, *, what: str, dtype: torch.dtype | None = None, 
     return model.to(device) if device is not None else model
 
 
-def build_student(config: KDFlowConfig, tokenizer: Any) -> nn.Module:
-    """A fresh float32 student: `init_from` if set, else a Llama of `student.architecture`, seeded."""
-    student = config.student
+def build_student(student: StudentConfig, seq_len: int, tokenizer: Any) -> nn.Module:
+    """A fresh float32 student: `init_from` if set, else a Llama of `student.architecture` for `seq_len`, seeded."""
     if student.init_from is not None:
         model = load_causal_lm(student.init_from, what="student.init_from", dtype=torch.float32, hub=True)
         check_init_tokenizer(student.init_from, tokenizer)
@@ -56,15 +55,15 @@ def build_student(config: KDFlowConfig, tokenizer: Any) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(student.seed)  # the initial weights depend on the seed only
-        model = AutoModelForCausalLM.from_config(llama_config(config, tokenizer), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(llama_config(student.architecture, seq_len, tokenizer),
+                                                 dtype=torch.float32)
     check_student(model, tokenizer)
     return model
 
 
-def llama_config(config: KDFlowConfig, tokenizer: Any) -> Any:
+def llama_config(arch: StudentArchitecture, seq_len: int, tokenizer: Any) -> Any:
     from transformers import LlamaConfig
 
-    arch = config.student.architecture
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return LlamaConfig(
         vocab_size=len(tokenizer),  # includes added special tokens, so every input id has an embedding
@@ -75,7 +74,7 @@ def llama_config(config: KDFlowConfig, tokenizer: Any) -> Any:
         intermediate_size=arch.intermediate_size,
         tie_word_embeddings=arch.tie_word_embeddings,
         rope_theta=arch.rope_theta,
-        max_position_embeddings=config.seq_len,  # the length it is trained at; RoPE extrapolates beyond
+        max_position_embeddings=seq_len,  # the length it is trained at; RoPE extrapolates beyond
         bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=pad_id,
@@ -122,15 +121,15 @@ def check_init_tokenizer(source: str, tokenizer: Any) -> None:
         raise StudentError(problem)
 
 
-def student_tokenizer(config: KDFlowConfig, tokenizer: Any) -> Any:
+def student_tokenizer(student: StudentConfig, tokenizer: Any) -> Any:
     """The tokenizer saved with the student. A base student (built from `architecture`) gets no chat
     template, so `kdflow chat` continues text; an `init_from` student keeps its own template, if any."""
     from transformers import AutoTokenizer
 
     template = None
-    if config.student.init_from is not None:
+    if student.init_from is not None:
         try:
-            init_from = config.student.init_from
+            init_from = student.init_from
             template = AutoTokenizer.from_pretrained(hub_id(init_from) or os.path.expanduser(init_from)).chat_template
         except (OSError, ValueError):
             template = None

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import yaml
 
-from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import TRAINING_CURVE_FILE
+from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.common.model_files import hub_id
@@ -44,7 +44,7 @@ def hardware(device: torch.device, world_size: int) -> str:
     return f"{ranks}{what}, torch {torch.__version__}"
 
 
-def card_facts(config: KDFlowConfig, run_root: RunRoot, stores: Any, *, step: int, elapsed_s: float,
+def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, step: int, elapsed_s: float,
                tokens_per_step: int, evals: list[dict[str, Any]], device: torch.device, world_size: int,
                parameters: int, curve: bool) -> dict[str, Any]:
     """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores)."""
@@ -59,7 +59,7 @@ def card_facts(config: KDFlowConfig, run_root: RunRoot, stores: Any, *, step: in
         kept = f"exact head of {sampling.get('head')} + {sampling.get('samples')} sampled tokens"
     else:
         kept = f"{sampling.get('samples')} sampled tokens"
-    teacher, dataset, student = config.teacher, config.dataset, config.student
+    teacher, dataset, student = settings.teacher, settings.dataset, settings.student
     return {
         "name": student.name, "teacher": teacher.model, "teacher_gguf": teacher.gguf_file,
         "teacher_4bit": teacher.load_in_4bit, "dataset": dataset.path, "dataset_name": dataset.name,

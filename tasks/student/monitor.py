@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config import StudentConfig
 from kdflow.schemas.layout import TENSORBOARD_DIR, TRAINING_CURVE_FILE
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import format_duration
@@ -110,10 +110,9 @@ class TrainingMonitor:
     """Log lines every `log_every` steps, the curve after each evaluation, events for the flow. Only the process
     that writes files (rank 0) is `enabled`; the others do nothing."""
 
-    def __init__(self, config: KDFlowConfig, run_root: RunRoot, student_dir: str, start_step: int, *,
+    def __init__(self, student: StudentConfig, run_root: RunRoot, student_dir: str, start_step: int, *,
                  enabled: bool = True, on_event: OnEvent | None = None, last_eval_step: int | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        student = config.student
         self.name, self.steps, self.log_every = student.name, student.steps, student.log_every
         self.run_root, self.student_dir, self.enabled, self.on_event = run_root, student_dir, enabled, on_event
         self.clock, self.start_step, self.started = clock, start_step, clock()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdflow.schemas.config import KDConfig, KDFlowConfig, StudentConfig, section_hash
+from kdflow.schemas.config import KDConfig, StudentConfig, section_hash
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
 from kdflow.tasks.common.models import model_body, output_layer
@@ -53,13 +53,13 @@ def build_optimizer(model: nn.Module, student: StudentConfig) -> tuple[torch.opt
     return optimizer, scheduler
 
 
-def training_fingerprint(config: KDFlowConfig, stores: DistillStores) -> str:
+def training_fingerprint(student: StudentConfig, stores: DistillStores) -> str:
     """What a checkpoint must share with this config to be resumed: data, model and optimisation settings.
     Steps, saving, evaluation and device settings may change between runs, and so may the ones that change
     how the student computes but not what (attn_implementation, gradient_checkpointing, compile: equal up to
     float rounding, like the number of ranks)."""
     return section_hash("student", stores.topk_fingerprint, stores.tokens_fingerprint,
-                        student_resume_fields(config.student))
+                        student_resume_fields(student))
 
 
 def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
@@ -125,13 +125,12 @@ def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
 
 
 def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
-                   config: KDFlowConfig, rank: int, world_size: int, device: torch.device,
+                   student: StudentConfig, rank: int, world_size: int, device: torch.device,
                    autocast: contextlib.AbstractContextManager,
                    batches: list[DistillBatch] | None = None) -> dict[str, float]:
     """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not); `batches`:
     its micro-batches if already read (by the prefetcher). -> global loss, kd, ce (sums of normalised parts),
     grad norm."""
-    student = config.student
     if batches is None:
         batches = data.step_batches(position, student.batch_size, student.grad_accum, rank, world_size)
     global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
@@ -157,7 +156,7 @@ def _chunked_argmax(hidden: torch.Tensor, head: nn.Module, chunk: int) -> torch.
 
 
 @torch.no_grad()
-def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device: torch.device, *, rank: int = 0,
+def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, device: torch.device, *, rank: int = 0,
              world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None,
              teacher: HeldoutTeacher | None = None) -> dict[str, float] | None:
     """Held-out evaluation through `module` (a DistillLoss, wrapped or not), means per position: `kl_stored`, the KL
@@ -170,7 +169,7 @@ def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device:
     seq_len = data.stores.seq_len
     total_rows = len(data.eval_rows)
     global_counts = (float(total_rows * seq_len), float(total_rows * (seq_len - 1)))
-    micro = max(1, config.student.batch_size // (world_size * config.student.grad_accum))
+    micro = max(1, student.batch_size // (world_size * student.grad_accum))
     mine = data.eval_batches(micro, rank, world_size)
     # Every rank runs the same number of forwards (FSDP gathers weights in each): rank 0 holds the most rows;
     # a rank out of rows runs a spare batch whose results it drops.
@@ -178,7 +177,7 @@ def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device:
     was_training = module.training
     module.eval()
     sums = [0.0, 0.0, 0.0, 0.0]  # kd, ce, top-1 matches, full KL
-    chunk = config.student.kd.chunk_tokens
+    chunk = student.kd.chunk_tokens
     for i in range(rounds):
         spare = i >= len(mine)
         rows = data.eval_rows[:1] if spare else mine[i]
@@ -191,7 +190,7 @@ def evaluate(module: nn.Module, data: DistillData, config: KDFlowConfig, device:
             return _chunked_argmax(hidden, head, chunk), teacher.kl_sum(rows, hidden, head) if full else 0.0
 
         _, kd_part, ce_part, (predicted, kl_full) = distill_loss(
-            module, batch, config.student.kd, global_counts, autocast, kd_weight=1.0, temperature=1.0,
+            module, batch, student.kd, global_counts, autocast, kd_weight=1.0, temperature=1.0,
             probe=probe)  # predicted (n*T,)
         if spare:
             continue

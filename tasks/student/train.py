@@ -22,11 +22,9 @@ from typing import Any
 
 import torch
 
-from kdflow.schemas.config import KDFlowConfig
-from kdflow.schemas.config_io import write_stage_config
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
-from kdflow.schemas.stage_settings import open_run_root
+from kdflow.schemas.layout import CONFIG_FILE, EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
+from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.tokenizer import load_tokenizer
@@ -57,18 +55,18 @@ OnStep = Callable[[dict[str, Any]], bool | None]
 class StudentRun:
     """One process's view of a training run: model, optimiser, data, position, logs; resumed if possible."""
 
-    def __init__(self, config: KDFlowConfig, rank: int, world_size: int, run_root: RunRoot | None = None) -> None:
-        student = config.student
+    def __init__(self, run_root: RunRoot, settings: TrainingSettings, rank: int, world_size: int) -> None:
+        student = settings.student
         check_layout(student, world_size)
-        self.config, self.rank, self.world_size, self.is_main = config, rank, world_size, rank == 0
-        self.run_root = run_root if run_root is not None else open_run_root(config)
+        self.settings, self.student, self.rank, self.world_size = settings, student, rank, world_size
+        self.is_main, self.run_root = rank == 0, run_root
         self.student_dir = self.run_root.path(STUDENTS_DIR, student.name)
         self.device = rank_device(student.device, torchrun_rank().local_rank if world_size > 1 else 0, world_size)
         self.sharding = choose_sharding(student.distributed.sharding, self.device, world_size)
         self.autocast = autocast_for(self.device, student.autocast_bf16)
-        self.tokenizer = student_tokenizer(config, load_tokenizer(config.teacher, config.tokenizer))
-        self.data = open_distill_data(config, self.tokenizer, self.run_root)
-        fingerprint = training_fingerprint(config, self.data.stores)
+        self.tokenizer = student_tokenizer(student, load_tokenizer(settings.teacher, settings.tokenizer))
+        self.data = open_distill_data(run_root, settings, self.tokenizer)
+        fingerprint = training_fingerprint(student, self.data.stores)
         if self.is_main:
             self.run_root.makedirs(self.student_dir)
             remove_stale_temp_files(self.run_root, self.student_dir)  # of killed runs (this one holds the lease)
@@ -84,9 +82,9 @@ class StudentRun:
             self.model = load_checkpoint_model(self.run_root, self.checkpoint.path, self.device)
             check_student(self.model, self.tokenizer)
         else:  # seeded: every rank builds the same weights
-            self.model = build_student(config, self.tokenizer).to(self.device)
+            self.model = build_student(student, settings.seq_len, self.tokenizer).to(self.device)
         if self.is_main:  # beside the student: a config it trains and resumes with (not one refused above)
-            write_stage_config(self.run_root, config, self.student_dir)
+            self.write_config()
         apply_student_options(self.model, student, self.device)  # attention, gradient checkpointing, compile
         self.model.train()
         # self.model stays the HF student (its parameters may be shards); self.module runs it with the loss.
@@ -109,7 +107,8 @@ class StudentRun:
             student.prefetch_steps)  # the next steps' batches, read while this one computes
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
         # The held-out kl_full: the teacher loaded at the first evaluation, on every rank or none.
-        self.full_kl = bool(self.data.eval_rows) and not any_rank(not full_kl_wanted(config), self.device)
+        wanted = full_kl_wanted(student.eval_full_kl, settings.teacher)
+        self.full_kl = bool(self.data.eval_rows) and not any_rank(not wanted, self.device)
         self.heldout_teacher: HeldoutTeacher | None = None
 
     def step(self) -> dict[str, Any]:
@@ -117,16 +116,16 @@ class StudentRun:
         started = time.perf_counter()
         self._gathered = (-1, None)  # a full copy of old weights is no use any more
         lr = self.scheduler.get_last_lr()[0]
-        student = self.config.student
+        student = self.student
         upcoming = [self.state.position + k * student.batch_size for k in range(1, student.prefetch_steps + 1)
                     if self.state.step + k < student.steps]
         batches, data_wait = self.loader.get(self.state.position, upcoming)
-        result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, self.config, self.rank,
+        result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, student, self.rank,
                                 self.world_size, self.device, self.autocast, batches=batches)
         self.scheduler.step()
         seconds = time.perf_counter() - started
         state = self.state
-        self.state = TrainingState(state.step + 1, state.position + self.config.student.batch_size,
+        self.state = TrainingState(state.step + 1, state.position + student.batch_size,
                                    state.elapsed_s + seconds, state.fingerprint)
         record = {"step": self.state.step, **result, "lr": lr, "tokens": self.tokens_per_step,
                   "tokens_per_s": self.tokens_per_step / max(seconds, 1e-9), "elapsed": self.state.elapsed_s,
@@ -137,8 +136,8 @@ class StudentRun:
 
     def evaluate(self) -> None:
         if self.full_kl and self.heldout_teacher is None:
-            self.heldout_teacher = HeldoutTeacher.load(self.config, self.device)
-        result = evaluate(self.module, self.data, self.config, self.device, rank=self.rank, world_size=self.world_size,
+            self.heldout_teacher = HeldoutTeacher.load(self.settings.teacher, self.device)
+        result = evaluate(self.module, self.data, self.student, self.device, rank=self.rank, world_size=self.world_size,
                           autocast=self.autocast, teacher=self.heldout_teacher)
         if result is not None:
             self.evals.append({"step": self.state.step} | result)
@@ -159,12 +158,12 @@ class StudentRun:
         model_state = self.full_model_state()
         optimizer_state = full_optimizer_state(self.module, self.optimizer, self.sharding)
         if self.is_main:
-            keep = self.config.student.keep_checkpoints
+            keep = self.student.keep_checkpoints
             save_checkpoint(self.run_root, self.student_dir, self.model, self.tokenizer, self.optimizer, self.scheduler,
                             self.state, model_state=model_state, optimizer_state=optimizer_state,
                             keep_hint=f"; student.keep_checkpoints={keep} needs room for {keep + 1} checkpoints while "
                                       "the next one is written (free space, or lower it)")
-            prune_checkpoints(self.run_root, self.student_dir, self.config.student.keep_checkpoints)
+            prune_checkpoints(self.run_root, self.student_dir, keep)
             self.flush_logs()
         self.saved_step = self.state.step
 
@@ -183,11 +182,17 @@ class StudentRun:
 
     def card_files(self) -> dict[str, bytes]:
         """The model card (README.md) and its curve, for final/ (kdflow.tasks.student.model_card)."""
-        facts = card_facts(self.config, self.run_root, self.data.stores, step=self.state.step,
+        facts = card_facts(self.settings, self.run_root, self.data.stores, step=self.state.step,
                            elapsed_s=self.state.elapsed_s, tokens_per_step=self.tokens_per_step,
                            evals=self.evals.records, device=self.device, world_size=self.world_size,
                            parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed())
         return card_files(facts, self.metrics.records, self.evals.records)
+
+    def write_config(self) -> None:
+        """The resolved config beside the student, as write_stage_config writes one: a rerun touches no file."""
+        path, text = f"{self.student_dir}/{CONFIG_FILE}", self.settings.resolved_config.encode()
+        if not self.run_root.exists(path) or self.run_root.read_bytes(path) != text:
+            self.run_root.write_bytes_atomic(path, text)
 
     def flush_logs(self) -> None:
         self.metrics.flush()
@@ -196,7 +201,7 @@ class StudentRun:
     def summary(self, stopped: bool) -> dict[str, Any]:
         display, records, evals = self.run_root.display, self.metrics.records, self.evals.records
         return {
-            "student": self.config.student.name,
+            "student": self.student.name,
             "student_dir": display(self.student_dir),
             "final_dir": None if stopped else display(f"{self.student_dir}/{FINAL_DIR}"),
             "steps": self.state.step,
@@ -213,20 +218,18 @@ class StudentRun:
         }
 
 
-def train(config: KDFlowConfig, *, rank: int = 0, world_size: int = 1, on_step: OnStep | None = None,
-          on_event: OnEvent | None = None, run_root: RunRoot | None = None) -> dict[str, Any]:
+def train(run_root: RunRoot, settings: TrainingSettings, *, rank: int = 0, world_size: int = 1,
+          on_step: OnStep | None = None, on_event: OnEvent | None = None) -> dict[str, Any]:
     """Train (or resume) students/NAME to `student.steps`; -> a small summary dict.
 
     `on_step(record)` is called after every optimiser step with its metrics; returning True stops the
     run there after saving a checkpoint (a resumed run continues exactly from it). `on_event` gets rank 0's
-    progress and evaluation events (kdflow.tasks.student.monitor). `run_root`: the one the caller opened
-    (default: the config's).
+    progress and evaluation events (kdflow.tasks.student.monitor).
     """
-    run_root = run_root if run_root is not None else open_run_root(config)
-    with hold_student(run_root, config.student, rank) as lease:  # one trainer per student: a second run waits
-        run = StudentRun(config, rank, world_size, run_root)
-        student = config.student
-        monitor = TrainingMonitor(config, run.run_root, run.student_dir, run.state.step, enabled=run.is_main,
+    student = settings.student
+    with hold_student(run_root, student, rank) as lease:  # one trainer per student: a second run waits
+        run = StudentRun(run_root, settings, rank, world_size)
+        monitor = TrainingMonitor(student, run.run_root, run.student_dir, run.state.step, enabled=run.is_main,
                                   on_event=on_event,
                                   last_eval_step=run.evals.records[-1]["step"] if run.evals.records else None)
         stopped = False

@@ -5,7 +5,8 @@
         [--stop-at-step S]
 
 Each rank joins the process group (backend from `student.distributed.backend`), then calls
-`kdflow.tasks.student.train.train(config, rank=RANK, world_size=WORLD_SIZE)`. `--stop-at-step S` ends the run
+`kdflow.tasks.student.train.train(run_root, settings, rank=RANK, world_size=WORLD_SIZE)`, the run root and
+the training view (`training_settings`) read from the config file. `--stop-at-step S` ends the run
 after step S with a checkpoint (a run handed to another job, or to another number of ranks, resumes from
 it). Lines for the flow on stdout follow the worker protocol (`kdflow.schemas.protocol`): the result from
 rank 0, an error line from a rank that failed (exit code 2 is a user error). Rank 0 logs at INFO, the
@@ -59,7 +60,7 @@ def run(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as transformers_logging
 
         from kdflow.schemas.config_io import load_config
-        from kdflow.schemas.stage_settings import open_run_root
+        from kdflow.schemas.stage_settings import open_run_root, training_settings
         from kdflow.tasks.student.distributed import barrier, init_process_group, rank_device, shutdown, torchrun_rank
         from kdflow.tasks.student.train import train
 
@@ -69,9 +70,9 @@ def run(argv: list[str] | None = None) -> int:
         device = rank_device(config.student.device, ranks.local_rank, ranks.world_size)
         backend = init_process_group(config.student.distributed, ranks, device)
         logging.getLogger("kdflow").info("rank %d of %d on %s (%s)", ranks.rank, ranks.world_size, device, backend)
-        summary = train(config, rank=ranks.rank, world_size=ranks.world_size, on_step=_stop_at(args.stop_at_step),
-                        on_event=lambda event: emit(PROGRESS_PREFIX, event),  # rank 0's steps and evaluations
-                        run_root=open_run_root(config))
+        summary = train(open_run_root(config), training_settings(config), rank=ranks.rank, world_size=ranks.world_size,
+                        on_step=_stop_at(args.stop_at_step),
+                        on_event=lambda event: emit(PROGRESS_PREFIX, event))  # rank 0's steps and evaluations
         barrier()  # rank 0 has written everything when any rank reports success
         shutdown()
         return summary | {"world_size": ranks.world_size, "backend": backend} if ranks.rank == 0 else None

@@ -22,6 +22,7 @@ from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, r
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import read_token_shard, topk_batch, topk_shard_writer
+from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
@@ -40,14 +41,14 @@ def run_config(run_root: Path, teacher_dir: Path, corpus: Path, **overrides: Any
 
 def make_tokens(config: KDFlowConfig) -> None:
     """The real corpus and tokenise stages."""
-    materialise(config)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config))
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
 
 
 def prepare(config: Any) -> Any:
     """materialise + tokenise: the token store the teacher pass reads."""
-    materialise(config, None)
-    tokenise(config, load_tokenizer(config.teacher, config.tokenizer))
+    materialise(open_run_root(config), materialise_settings(config), None)
+    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     return config
 
 
@@ -94,11 +95,12 @@ def final_weights(config: KDFlowConfig) -> dict[str, torch.Tensor]:
 
 def trained_tiny_run(base: Path, teacher_dir: Path) -> KDFlowConfig:
     """A 3-step student under `base/run`: 20 documents tokenised, a dense top-K store, trained to final/."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
     corpus = write_jsonl(base / "docs.jsonl", sample_documents(20))
     config = run_config(base / "run", teacher_dir, corpus, student__steps=3, student__eval_shards=1)
     make_tokens(config)
     write_dense_topk(config, teacher_dir)
-    train(config)
+    train(open_run_root(config), training_settings(config))
     return config
