@@ -99,7 +99,7 @@ def test_a_rerun_skips_stored_results(make_config, tmp_path, monkeypatch: pytest
 
     from kdflow.bench import fidelity, fidelity_runs
     from kdflow.bench.fidelity_results import Results
-    from kdflow.tasks.teacher import loading
+    from kdflow.tasks.common import teacher_loading
 
     base = prepare(make_config(dataset__max_documents=16, student__steps=2, student__eval_shards=1))
     args, variants, seeds = fidelity.parse(["--steps", "2", "--seeds", "0,1", "--variants", "topk128,ce",
@@ -115,7 +115,7 @@ def test_a_rerun_skips_stored_results(make_config, tmp_path, monkeypatch: pytest
         raise AssertionError("a stored result was computed again")
 
     monkeypatch.setattr(fidelity_runs, "train_with_curve", refuse)
-    monkeypatch.setattr(loading, "load_teacher", refuse)
+    monkeypatch.setattr(teacher_loading, "load_teacher", refuse)
     again = fidelity.run_benchmark(args, base, results, variants, seeds)
     assert [r for r in again if r["kind"] == "run"] == trained
     assert all(r["written_now"] == 0 for r in again if r["kind"] == "store")

@@ -221,9 +221,10 @@ def test_a_store_counts_as_done_only_for_the_teacher_it_was_made_from(tokenised)
     info = TopkStoreInfo(tag="t", teacher_fingerprint="f", tokens_fingerprint="k", teacher={},
                          teacher_identity=identity,
                          top_k=8, logprobs_dtype="float16", seq_len=32)
-    assert _same_teacher(tokenised, info)
-    assert not _same_teacher(tokenised, info.model_copy(update={"teacher_identity": identity | {"weights": "other"}}))
-    assert not _same_teacher(tokenised, None)
+    assert _same_teacher(tokenised.teacher, info)
+    other_weights = info.model_copy(update={"teacher_identity": identity | {"weights": "other"}})
+    assert not _same_teacher(tokenised.teacher, other_weights)
+    assert not _same_teacher(tokenised.teacher, None)
 
 
 def test_the_eta_leaves_out_the_evaluation_before_the_first_step(tokenised, tmp_path) -> None:

@@ -25,6 +25,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (the [t
 
 from support.s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds, use_endpoint  # noqa: E402
 
+from kdflow.commands.validate import validate_run_root  # noqa: E402
 from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit  # noqa: E402
 from kdflow.schemas.config import KDFlowConfig  # noqa: E402
 from kdflow.schemas.config_io import dump_config
@@ -180,7 +181,6 @@ def test_training_on_s3_reads_exactly_what_it_reads_on_disk(bucket: Bucket, make
     from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
     from kdflow.tasks.student.train import train
     from kdflow.tasks.teacher.precompute import precompute_shards
-    from kdflow.commands.validate import validate_run_root
 
     on_s3 = make_config(run_root=bucket.run_root, dataset__max_documents=40, student__steps=3, student__grad_accum=2)
     prepare(on_s3)
@@ -220,7 +220,6 @@ def test_v1_and_sampled_stores_on_s3_load_the_rows_their_shards_hold(bucket: Buc
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
     from kdflow.tasks.teacher.precompute import precompute_shards
-    from kdflow.commands.validate import validate_run_root
 
     overrides = ({"precompute__store__format": "v1"} if store == "v1" else
                  {"precompute__targets": "hybrid", "precompute__sampling": {"head": 4, "samples": 6, "seed": 5}})
@@ -265,8 +264,7 @@ def test_missing_credentials_a_missing_bucket_and_wrong_credentials_are_one_line
         bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     RunRoot(bucket.run_root).write_bytes_atomic(RunRoot(bucket.run_root).path("corpus", "x"), b"1")
     no_credentials = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
-                      "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-                      "AWS_CONFIG_FILE": "/nonexistent"}
+                      "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}
     assert_one_line(kdflow_cli("status", bucket.run_root, **no_credentials), bucket.run_root, "no credentials")
     missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
     assert_one_line(kdflow_cli("status", missing), missing, "bucket", "does not exist")
