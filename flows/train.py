@@ -29,7 +29,8 @@ from kdflow.tasks.common.progress import format_duration
 from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
 from kdflow.tasks.student.jsonl_log import read_jsonl
 from kdflow.tasks.student.monitor import percent, step_line
-from kdflow.tasks.student.train import check_layout, train
+from kdflow.tasks.student.steps import check_layout
+from kdflow.tasks.student.train import train
 from kdflow.tasks.student.train_worker import EXEC_TORCHRUN, MODULE as TRAIN_WORKER_MODULE
 
 _SPARKS = "▁▂▃▄▅▆▇█"

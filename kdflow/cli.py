@@ -58,15 +58,15 @@ def _cmd_configs(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from kdflow.schemas.config_io import run_root_of
     from kdflow.commands.status import print_status
+    from kdflow.schemas.config_io import run_root_of
 
     return print_status(run_root_of(args.run_root))
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from kdflow.schemas.config_io import run_root_of
     from kdflow.commands.validate import validate_run_root
+    from kdflow.schemas.config_io import run_root_of
 
     return validate_run_root(run_root_of(args.run_root), fix=args.fix)
 

@@ -138,9 +138,9 @@ def test_online_kd_curve_and_the_dense_eval_match_a_full_forward_of_both_models(
 
     from kdflow.bench.fidelity_runs import TeacherStates, dense_eval, teacher_heldout_ce, train_with_curve
     from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
+    from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
-    from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.teacher.precompute import precompute_shards
 
     config = prepare(make_config(dataset__max_documents=16, student__steps=3, student__eval_shards=1,

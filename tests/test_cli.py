@@ -156,8 +156,8 @@ def test_status_marks_a_top_k_store_of_replaced_token_shards_stale(fresh_run,
 
 
 def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.CaptureFixture[str]) -> None:
-    from kdflow.schemas.config_io import dump_config
     from kdflow.commands.status import print_status
+    from kdflow.schemas.config_io import dump_config
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 

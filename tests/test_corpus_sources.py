@@ -16,9 +16,9 @@ from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
+from kdflow.tasks.corpus.dataset_files import file_builder
 from kdflow.tasks.corpus.materialise import DataError, materialise
 from kdflow.tasks.corpus.probe import probe_dataset
-from kdflow.tasks.corpus.dataset_files import file_builder
 
 
 def _compress(path: Path, suffix: str) -> Path:

@@ -26,6 +26,7 @@ from support.corpus import flip_byte
 from support.faults import (REPO, assert_clean_and_identical, fault_config, lines_with, shard_files, start_worker,
                             topk_store, worker_env, write_config)
 
+from kdflow.commands.validate import validate_run_root
 from kdflow.schemas.commits import list_commits, load_manifest
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import commit_file_name, data_file_name
@@ -33,7 +34,6 @@ from kdflow.schemas.protocol import PROGRESS_PREFIX, RESULT_PREFIX
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.teacher.precompute import precompute_shards
-from kdflow.commands.validate import validate_run_root
 
 
 # --- the teacher pass -------------------------------------------------------------------------------------

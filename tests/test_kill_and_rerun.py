@@ -28,12 +28,12 @@ from support.children import kill_group, processes_with_env, started, wait_until
 from support.corpus import sample_documents, write_jsonl
 from support.tiny import tiny_config
 
+from kdflow.commands.validate import validate_run_root
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.owners import parse_owner_tag
 from kdflow.tasks.common.faults import parse_faults
 from kdflow.tasks.common.scratch import scratch_owner, scratch_root
-from kdflow.commands.validate import validate_run_root
 
 REPO = Path(__file__).resolve().parents[1]
 # Where a run is stopped and killed, in the order the stages reach them.

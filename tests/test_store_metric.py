@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kdflow.schemas.codec import DecodedTopk, TopkCodec, decode, encode
-from kdflow.tasks.teacher.store_metric import full_kl_dense, full_kl_from_topk, tail_plogp_dense
 from kdflow.tasks.teacher.store_fidelity import bucket_kl
+from kdflow.tasks.teacher.store_metric import full_kl_dense, full_kl_from_topk, tail_plogp_dense
 
 VOCAB, SEQ, K = 700, 24, 32
 

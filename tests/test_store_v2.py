@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
+from kdflow.commands.validate import validate_run_root
 from kdflow.schemas.codec import CODEC_NAME, TopkCodec, decode, encode
 from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir, write_commit
 from kdflow.schemas.errors import StoreError
@@ -29,7 +30,6 @@ from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.tasks.student.data import open_distill_data
 from kdflow.tasks.teacher.precompute import precompute_shards
-from kdflow.commands.validate import validate_run_root
 
 
 def prepared(make_config: Callable[..., Any], **overrides: Any) -> tuple[Any, dict[str, Any]]:
@@ -71,8 +71,8 @@ def test_v2_store_records_its_codec_everywhere(make_config: Callable[..., Any]) 
 
 
 def test_tags_name_the_format_and_v1_keeps_its_tag(make_config: Callable[..., Any]) -> None:
-    from kdflow.schemas.fingerprints import topk_fingerprint
     from kdflow.schemas.config import section_hash
+    from kdflow.schemas.fingerprints import topk_fingerprint
 
     tags = {topk_fingerprint("t", "k", make_config(**{f"precompute__store__{key}": value}))
             for key, value in [("levels", 400), ("levels", 320), ("values", "float16"), ("tail", "float32"),

@@ -67,11 +67,11 @@ def test_bench_scale_repeats_only_full_shards_under_their_own_ids(make_config: C
     """`kdflow bench scale --teacher-tokens`: a run larger than what the teacher computed repeats its full shards
     (never the short last one), each under its own id and commit record, and the copy validates as a run root."""
     from kdflow.bench.scale import subset_run
+    from kdflow.commands.validate import validate_run_root
     from kdflow.schemas.commits import list_commits, read_complete
     from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.teacher.precompute import precompute_shards
-    from kdflow.commands.validate import validate_run_root
 
     config = prepare(make_config(dataset__max_documents=12))
     precompute_shards(open_run_root(config), teacher_pass_settings(config))

@@ -285,7 +285,7 @@ def test_checkpoints_on_an_object_store_roundtrip_and_half_written_ones_are_igno
     from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
                                                  load_training_state, prune_checkpoints, save_checkpoint)
     from kdflow.tasks.student.model import build_student
-    from kdflow.tasks.student.train import build_optimizer
+    from kdflow.tasks.student.steps import build_optimizer
 
     config = fresh_run()
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)

@@ -80,7 +80,8 @@ def test_switching_an_option_keeps_the_fingerprint_so_a_run_resumes_with_it(fres
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_stores
-    from kdflow.tasks.student.train import train, training_fingerprint
+    from kdflow.tasks.student.steps import training_fingerprint
+    from kdflow.tasks.student.train import train
 
     plain = fresh_run(**COMMON)
     stores = open_stores(open_run_root(plain), training_settings(plain), load_tokenizer(plain.teacher, plain.tokenizer))
@@ -131,7 +132,7 @@ def test_a_gathered_state_saved_as_checkpoint_and_final_has_weights_in_both(fres
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.checkpoint import TrainingState, save_checkpoint, save_final
     from kdflow.tasks.student.model import build_student
-    from kdflow.tasks.student.train import build_optimizer
+    from kdflow.tasks.student.steps import build_optimizer
 
     config = fresh_run()
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)

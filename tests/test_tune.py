@@ -22,8 +22,8 @@ from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.tasks.teacher import tune_search
-from kdflow.tasks.teacher.tune_trial import measure_candidate
 from kdflow.tasks.teacher.tune_file import set_nested_value, write_micro_batch
+from kdflow.tasks.teacher.tune_trial import measure_candidate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,6 +13,7 @@ import pytest
 from support.corpus import TINY_VOCAB, flip_byte
 
 from kdflow.cli import main as cli_main
+from kdflow.commands.validate import validate_run_root
 from kdflow.schemas.commits import (CommitRecord, StageComplete, list_commits, read_complete, stage_dir, write_commit,
                                     write_complete)
 from kdflow.schemas.layout import TOKENS_DIR, commit_file_name, data_file_name
@@ -22,7 +23,6 @@ from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
-from kdflow.commands.validate import validate_run_root
 from kdflow.tasks.validate_checks import topk_problems
 
 TAG, TOP_K = "abcdef012345", 8

@@ -24,7 +24,8 @@ from kdflow.schemas.stage_settings import open_run_root, training_settings
 from kdflow.tasks.common.models import body_hidden_states, model_body, output_layer
 from kdflow.tasks.student.data import DistillData, ShardPair
 from kdflow.tasks.student.distributed import clip_grad_norm
-from kdflow.tasks.student.train import StudentRun, next_token_labels
+from kdflow.tasks.student.steps import next_token_labels
+from kdflow.tasks.student.train import StudentRun
 
 
 class TeacherStates:

@@ -230,7 +230,8 @@ def train(config_path: Path) -> dict[str, Any]:
     import torch
 
     from kdflow.schemas.config_io import load_config
-    from kdflow.tasks.student.train import autocast_for, train as train_stage
+    from kdflow.tasks.student.steps import autocast_for
+    from kdflow.tasks.student.train import train as train_stage
 
     config = load_config(config_path)
     device = torch.device(config.student.device)

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from kdflow.bench.logits_precision_measure import logits_precision
     from kdflow.bench.harness import emit
+    from kdflow.bench.logits_precision_measure import logits_precision
     from kdflow.demo_assets import corpus_lines, demo_config, local_run_root, locate_teacher_gguf, prepare_teacher
 
     folder = Path(demo_config(local_run_root(args.run_root)).teacher.model)

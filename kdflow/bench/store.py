@@ -139,8 +139,8 @@ def measure_setting(label: str, options: dict[str, Any], shards: list[Shard], vo
                     repeats: int, tail_plogp: list[np.ndarray], store_files: dict[str, bytes]) -> dict[str, Any]:
     """Encode every shard with one codec setting; bytes, the full KL to the teacher and the K+1-bucket lower bound
     against the exact input, invalid tails, speed."""
-    from kdflow.tasks.teacher.store_metric import full_kl_from_topk, kl_summary
     from kdflow.tasks.teacher.store_fidelity import bucket_fields, bucket_kl
+    from kdflow.tasks.teacher.store_metric import full_kl_from_topk, kl_summary
 
     options = dict(options)
     renumbering = table if options.pop("table") == "unigram" else None
@@ -193,8 +193,8 @@ def measure_v1(shards: list[Shard], vocab: int, tail_plogp: list[np.ndarray], st
                ) -> dict[str, Any]:
     """v1 for comparison: int32 ids + float16 log-probs, the tail derived as 1 - sum(exp) (what v1 readers do).
     KL figures are over the positions where they are finite; `share_infinite_kl`: where the derived tail is 0."""
-    from kdflow.tasks.teacher.store_metric import full_kl_from_topk
     from kdflow.tasks.teacher.store_fidelity import bucket_kl
+    from kdflow.tasks.teacher.store_metric import full_kl_from_topk
 
     _, seq_len, top_k = shards[0][0].shape
     schema = topk_schema(seq_len, top_k, "float16")

@@ -121,8 +121,8 @@ def dense_tail_plogp(stores: RealStores, shards: list[tuple[np.ndarray, np.ndarr
     from kdflow.schemas.layout import data_file_name
     from kdflow.schemas.shards import read_token_shard
     from kdflow.tasks.common.teacher_loading import load_teacher
-    from kdflow.tasks.teacher.store_metric import tail_plogp_dense
     from kdflow.tasks.teacher.store_fidelity import dense_logprobs
+    from kdflow.tasks.teacher.store_metric import tail_plogp_dense
 
     run_root = open_run_root(stores.lossless)
     model = load_teacher(stores.lossless.teacher, device="cpu")
@@ -189,7 +189,7 @@ def _heldout_kl(final_dir: str, config: KDFlowConfig) -> dict[str, float]:
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.data import open_distill_data
-    from kdflow.tasks.student.train import DistillLoss, evaluate
+    from kdflow.tasks.student.steps import DistillLoss, evaluate
 
     model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32)
     data = open_distill_data(open_run_root(config), training_settings(config),

@@ -138,10 +138,10 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     import torch
 
     from kdflow.schemas.layout import TOPK_DIR
+    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.common.float32_logits import Float32Logits
     from kdflow.tasks.common.models import body_hidden_states, output_layer
     from kdflow.tasks.teacher.loading import output_rows
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.tasks.teacher.sampled_pass import sampled_step
     from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens

@@ -102,8 +102,7 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
     from kdflow.tasks.student.distributed import clip_grad_norm
     from kdflow.tasks.student.model import build_student
     from kdflow.tasks.student.options import apply_student_options
-    from kdflow.tasks.student.train import (DistillLoss, autocast_for, build_optimizer, distill_loss,
-                                            next_token_labels)
+    from kdflow.tasks.student.steps import DistillLoss, autocast_for, build_optimizer, distill_loss, next_token_labels
 
     student = config.student
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)

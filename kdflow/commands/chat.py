@@ -107,8 +107,8 @@ class ChatSession:
 
     def say(self, message: str) -> None:
         """One turn: the input (cut if needed), the reply streamed, the history updated."""
-        from kdflow.tasks.student.generate import reply_to
         from kdflow.tasks.student.conversation import MessageTooLong
+        from kdflow.tasks.student.generate import reply_to
 
         conversation = self.conversation
         try:
@@ -188,8 +188,8 @@ def chat_main(args: argparse.Namespace) -> int:
     import torch
 
     from kdflow.schemas.errors import KDFlowError
-    from kdflow.tasks.student.generate import Decoding, continue_text, load_student, max_positions
     from kdflow.tasks.student.conversation import Conversation
+    from kdflow.tasks.student.generate import Decoding, continue_text, load_student, max_positions
 
     decoding = Decoding(args.max_new_tokens, args.greedy, args.temperature, args.top_p, args.top_k)
     try:

@@ -26,8 +26,8 @@ from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import KDFlowError
 from kdflow.tasks.common.float32_logits import SIXTEEN_BIT, Float32Logits
 from kdflow.tasks.common.fused_experts import quantise_fused_experts, quantising_fused_experts
-from kdflow.tasks.common.models import output_layer, resolve_device, resolve_dtype
 from kdflow.tasks.common.model_files import check_teacher_files
+from kdflow.tasks.common.models import output_layer, resolve_device, resolve_dtype
 
 
 class TeacherPlacementError(KDFlowError):

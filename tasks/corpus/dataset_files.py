@@ -16,8 +16,8 @@ from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.common.saved_datasets import is_saved_dataset
 from kdflow.tasks.common.model_files import from_cwd
+from kdflow.tasks.common.saved_datasets import is_saved_dataset
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "text"}
 DELIMITERS = {"csv": ",", "tsv": "\t"}  # `datasets`' csv builder reads both, given the delimiter

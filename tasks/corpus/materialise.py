@@ -25,11 +25,11 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.common.hub_access import object_store_reads
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
-from kdflow.tasks.corpus.fields import field_names, field_value
+from kdflow.tasks.corpus.dataset_changes import check_unchanged, snapshot, with_current_times
 from kdflow.tasks.corpus.dataset_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
                                               open_file, pandas_column_names, uncompressed)
 from kdflow.tasks.corpus.dataset_files import file_builder as _file_builder
-from kdflow.tasks.corpus.dataset_changes import check_unchanged, snapshot, with_current_times
+from kdflow.tasks.corpus.fields import field_names, field_value
 
 CountTokens = Callable[[list[str]], list[int]]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.errors import ConfigError, first_line
-from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.common.model_files import from_cwd
-from kdflow.tasks.corpus.fields import arrow_shape, features_shape, field_names, field_value, has_field
+from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.corpus.dataset_files import DELIMITERS, SAVED, csv_header, file_builder, open_file, uncompressed
+from kdflow.tasks.corpus.fields import arrow_shape, features_shape, field_names, field_value, has_field
 
 HUB_PROBE_TIMEOUT_S = 30.0
 WHOLE_JSON_PROBE_BYTES = 64 << 20  # a local JSON file laid out over many lines is read whole up to this size

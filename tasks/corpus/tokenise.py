@@ -31,12 +31,13 @@ import numpy as np
 
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, commit_or_remove,
                                     committed_prefix, list_commits, read_complete, stage_dir, write_complete)
+from kdflow.schemas.disk_space import DiskFull
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint, tokens_fingerprint_of
 from kdflow.schemas.layout import data_file_name
 from kdflow.schemas.shards import TEXT, read_corpus_part, token_batch, token_shard_writer
 from kdflow.schemas.stage_settings import TokeniseSettings
-from kdflow.schemas.storage import DiskFull, RunRoot, remove_stale_temp_files
+from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 
 DOCS_PER_BATCH = 1024

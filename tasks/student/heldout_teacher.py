@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from kdflow.schemas.config import EVAL_FULL_KL_AUTO_BYTES, TeacherConfig
 from kdflow.schemas.errors import KDFlowError
-from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.model_files import WEIGHT_SUFFIXES, check_teacher_files
+from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.teacher_loading import load_teacher
 
 EVAL_CHUNK = 256  # positions per chunk of teacher and student logits: a few (256, vocab) float32 tensors at a time

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kdflow.tasks.student.chunked_loss import (IGNORE_INDEX, ChunkOptions, KDTerm, PrecomputedGradients,
-                                               StudentChunk, check_labels, check_options, check_student_inputs,
-                                               chunk_options, counted_rows, fused_distillation_loss)
+from kdflow.tasks.student.chunked_loss import (ChunkOptions, KDTerm, StudentChunk, check_labels, check_options,
+                                               check_student_inputs, chunk_options, counted_rows,
+                                               fused_distillation_loss)
 
-__all__ = ["IGNORE_INDEX", "PrecomputedGradients", "bucket_kd", "fused_topk_kl"]
+__all__ = ["bucket_kd", "fused_topk_kl"]
 
 
 def fused_topk_kl(

@@ -41,14 +41,12 @@ from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_i
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
-from kdflow.tasks.student.steps import (IGNORE_INDEX, DistillLoss, autocast_for, build_optimizer, check_layout,
-                                        distill_loss, evaluate, next_token_labels, optimiser_step,
-                                        training_fingerprint)
+from kdflow.tasks.student.steps import (DistillLoss, autocast_for, build_optimizer, check_layout, evaluate,
+                                        optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
 
 # Re-exported: callers import the pieces of a step from here too.
-__all__ = ["IGNORE_INDEX", "DistillLoss", "StudentRun", "autocast_for", "build_optimizer", "check_layout",
-           "distill_loss", "evaluate", "next_token_labels", "train", "training_fingerprint"]
+__all__ = ["StudentRun", "train"]
 OnStep = Callable[[dict[str, Any]], bool | None]
 
 

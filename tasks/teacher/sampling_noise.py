@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kdflow.schemas.sampled_settings import HASH_VERSION
 
-__all__ = ["HASH_VERSION", "key_noise_", "mix64_", "position_streams", "token_keys", "uniform_noise_"]
+__all__ = ["key_noise_", "mix64_", "position_streams", "token_keys", "uniform_noise_"]
 
 
 def _signed(value: int) -> int:
