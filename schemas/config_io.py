@@ -105,8 +105,14 @@ def dump_config(config: KDFlowConfig) -> str:
 
 def write_stage_config(run_root: RunRoot, config: KDFlowConfig, folder: str) -> None:
     """The resolved config, beside a stage's output: what made these files, readable by people."""
-    path, text = f"{folder}/{CONFIG_FILE}", dump_config(config).encode()
-    if not run_root.exists(path) or run_root.read_bytes(path) != text:  # a rerun touches no file
+    write_resolved_config(run_root, folder, dump_config(config))
+
+
+def write_resolved_config(run_root: RunRoot, folder: str, resolved: str) -> None:
+    """`resolved` (dump_config's text, as a stage's settings view keeps it) as `folder/config.yaml`; a rerun that
+    would write the same bytes touches no file."""
+    path, text = f"{folder}/{CONFIG_FILE}", resolved.encode()
+    if not run_root.exists(path) or run_root.read_bytes(path) != text:
         run_root.write_bytes_atomic(path, text)
 
 

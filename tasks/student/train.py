@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from kdflow.schemas.config_io import write_resolved_config
 from kdflow.schemas.errors import StoreError
-from kdflow.schemas.layout import CONFIG_FILE, EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
+from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
 from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
@@ -187,10 +188,8 @@ class StudentRun:
         return card_files(facts, self.metrics.records, self.evals.records)
 
     def write_config(self) -> None:
-        """The resolved config beside the student, as write_stage_config writes one: a rerun touches no file."""
-        path, text = f"{self.student_dir}/{CONFIG_FILE}", self.settings.resolved_config.encode()
-        if not self.run_root.exists(path) or self.run_root.read_bytes(path) != text:
-            self.run_root.write_bytes_atomic(path, text)
+        """The resolved config beside the student (a rerun touches no file)."""
+        write_resolved_config(self.run_root, self.student_dir, self.settings.resolved_config)
 
     def flush_logs(self) -> None:
         self.metrics.flush()
