@@ -230,13 +230,14 @@ def train(config_path: Path) -> dict[str, Any]:
     import torch
 
     from kdflow.schemas.config_io import load_config
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.steps import autocast_for
     from kdflow.tasks.student.train import train as train_stage
 
     config = load_config(config_path)
     device = torch.device(config.student.device)
     autocast = autocast_for(device, config.student.autocast_bf16)
-    summary = train_stage(config)
+    summary = train_stage(open_run_root(config), training_settings(config))
     loss = summary["final_loss"]
     if loss is None or not torch.isfinite(torch.tensor(loss)):
         raise RuntimeError(f"training ended with loss {loss}")
