@@ -167,6 +167,28 @@ def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
     assert through == []
 
 
+# Where the whole KDFlowConfig may be a parameter: flows, commands and benches, the views built from it, fingerprints,
+# the config's own text, pre-flight (it checks every section) and the worker launch (it writes the config file).
+WHOLE_CONFIG = ("kdflow.flows", "kdflow.commands", "kdflow.bench", "kdflow.cli", "kdflow.demo_assets",
+                "kdflow.schemas.stage_settings", "kdflow.schemas.fingerprints", "kdflow.schemas.config_io",
+                "kdflow.tasks.preflight", "kdflow.tasks.preflight_stores", "kdflow.tasks.common.launch")
+
+
+def test_stages_take_their_own_settings_not_the_whole_config() -> None:
+    """One front door per stage: below flows and commands a function takes the run root and its stage's view (or the
+    section it reads), never the whole config."""
+    wrong = []
+    for module, path in source_modules().items():
+        if module.startswith(WHOLE_CONFIG):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(a.annotation is not None and "KDFlowConfig" in ast.unparse(a.annotation) for a in arguments):
+                    wrong.append(f"{module}.{node.name}")
+    assert wrong == []
+
+
 @pytest.mark.usefixtures("children")
 def test_no_stage_code_imports_prefect() -> None:
     """Every module of kdflow.schemas and kdflow.tasks imports without pulling Prefect in."""
