@@ -135,7 +135,7 @@ def logit_rows(table: pa.Table, layout: LogitLayout, start: int, stop: int, seq_
         ids_field = lp_field = layout.stacked
         ids, logprobs = _integers(stacked[:, :, 0], start, ids_field), stacked[:, :, 1]
     else:
-        ids_field, lp_field = layout.ids, layout.logprobs
+        ids_field, lp_field = layout.ids, layout.values
         ids = _integers(_dense(rows.column(ids_field), start, ids_field, [seq_len, None], ["position", "id"]),
                         start, ids_field)
         logprobs = _dense(rows.column(lp_field), start, lp_field, [seq_len, None], ["position", "log-prob"])

@@ -43,7 +43,7 @@ def layout_table(layout: LogitLayout, input_ids: np.ndarray, ids: np.ndarray, lo
         columns[layout.stacked] = _nested(np.stack([ids.astype(np.float32), logprobs.astype(np.float32)], axis=2))
     else:
         columns[layout.ids] = _nested(ids.astype(np.int32))
-        columns[layout.logprobs] = _nested(logprobs.astype(np.float32))
+        columns[layout.values] = _nested(logprobs.astype(np.float32))
     if layout.tail is not None:
         columns[layout.tail] = _nested(tail.astype(np.float32))
     return pa.table(columns)
