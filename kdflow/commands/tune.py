@@ -14,11 +14,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-import yaml
-
-from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.config_io import parse_override
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the recommendation into CONFIG as precompute.micro_batch")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line after the table")
     parser.add_argument("--verbose", action="store_true", help="show the candidates' own log lines (stderr)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", action="append", default=[], type=parse_override, metavar="KEY=VALUE",
                         help="override a config key (repeatable)")
     return parser
 
@@ -49,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from kdflow.tasks.teacher import tune_search
     from kdflow.tasks.teacher.tune_file import check_tune_request, write_micro_batch
 
-    request = check_tune_request(args.config, dict(_override(item) for item in args.set),
+    request = check_tune_request(args.config, dict(args.set),
                                  micro_batches=args.micro_batches, headroom=args.headroom, batches=args.batches,
                                  warmup=args.warmup, timeout_s=args.timeout_s, write=args.write)
     config, sizes = request.config, request.sizes
@@ -97,10 +94,3 @@ def _worker_log(line: str) -> None:
 
 def _quiet(line: str) -> None:
     pass
-
-
-def _override(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise ConfigError(f"--set expects KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
