@@ -1,0 +1,123 @@
+"""`kdflow bench head`: the teacher's head (lm_head, log-sum-exp, top-K and tail over the whole vocabulary) per
+token, each way the pass can take it, against the bare lm_head matmul of the same shapes.
+
+Variants: `matmul` (the matmul alone, into the logits buffer: the floor), `slab` (today's slab loop,
+kdflow.tasks.teacher.topk.chunked_topk), `tiled` (the tiled top-K, kdflow.tasks.teacher.tiled_topk, with its tile
+statistics in torch) and `tiled-triton` (the same with the Triton tile kernel; CUDA only, skipped elsewhere). One
+JSON line per (shape, variant): microseconds per token (the best of `--repeats` after a warm-up), the ratio to the
+matmul, and the largest difference of its log-probs and tail from the slab loop's with the share of ids it agrees
+on. Random hidden states and weights: the speed does not depend on what the numbers mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from kdflow.bench.args import bench_parser
+from kdflow.bench.harness import emit, note, synchronise
+
+VARIANTS = ("matmul", "slab", "tiled", "tiled-triton")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for record in records(args):
+        emit(record)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    def int_list(text: str) -> list[int]:
+        return [int(part) for part in text.split(",") if part]
+
+    parser = bench_parser("head", __doc__, device="cpu", devices=["cpu", "cuda"], top_k=128, repeats=3,
+                          helps={"repeats": "timed runs per variant after one warm-up (the best is reported)"})
+    parser.add_argument("--vocab", type=int_list, default=[32768], help="vocabulary sizes (comma list)")
+    parser.add_argument("--hidden", type=int_list, default=[512], help="hidden sizes (comma list)")
+    parser.add_argument("--tokens", type=int, default=2048, help="rows of hidden states")
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="rows per block (the pass's chunk_tokens)")
+    parser.add_argument("--tile", type=int, default=128, help="ids per tile of the tiled variants")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="weights and logits (default: bfloat16 on CUDA, float32 on CPU where bf16 is slower)")
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
+                        help=f"comma list of {', '.join(VARIANTS)}")
+    return parser
+
+
+def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
+    from kdflow.tasks.teacher.tiled_topk import tiled_head_topk
+    from kdflow.tasks.teacher.topk import chunked_topk
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"kdflow bench head: unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    for vocab, width in itertools.product(args.vocab, args.hidden):
+        shape = {"vocab": vocab, "hidden": width, "tokens": args.tokens, "top_k": args.top_k,
+                 "chunk_tokens": args.chunk_tokens, "tile": args.tile, "dtype": str(dtype).removeprefix("torch."),
+                 "device": str(device)}
+        note({"bench": "head", **shape, "note": "shape"})
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        hidden = torch.randn(args.tokens, width, generator=generator).to(device, dtype)
+        weight = (torch.randn(vocab, width, generator=generator) / width**0.5).to(device, dtype)
+        rows = min(args.chunk_tokens, args.tokens)
+        buffer = torch.empty(rows, vocab, dtype=dtype, device=device)
+
+        def matmul() -> None:
+            for start in range(0, args.tokens, rows):
+                torch.mm(hidden[start:start + rows], weight.t(), out=buffer[: min(rows, args.tokens - start)])
+
+        runs: dict[str, Callable[[], Any]] = {
+            "matmul": matmul,
+            "slab": lambda: chunked_topk(hidden, weight, args.top_k, args.chunk_tokens, return_tail=True),
+            "tiled": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile),
+            "tiled-triton": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile,
+                                                    stats=tile_stats_triton),
+        }
+        reference, floor = None, None
+        for variant in [name for name in VARIANTS if name in args.variants]:
+            record = {"bench": "head", "variant": variant, **shape}
+            if variant == "tiled-triton" and (device.type != "cuda" or not triton_available()):
+                yield record | {"skipped": "the Triton kernel is timed on CUDA with Triton installed"}
+                continue
+            seconds, result = _best_of(runs[variant], args.repeats, device)
+            record["us_per_token"] = round(seconds / args.tokens * 1e6, 4)
+            if variant == "matmul":
+                floor = seconds
+            elif floor is not None:
+                record["over_matmul"] = round(seconds / floor, 3)
+            if variant == "slab":
+                reference = result
+            elif reference is not None and result is not None:
+                record |= _agreement(reference, result)
+            yield record
+
+
+def _best_of(run: Callable[[], Any], repeats: int, device: torch.device) -> tuple[float, Any]:
+    result = run()  # warm-up: kernels compiled, buffers allocated
+    synchronise(device)
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        result = run()
+        synchronise(device)
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def _agreement(reference: tuple, result: tuple) -> dict[str, float]:
+    """How far a variant's (ids, log-probs, tail) are from the slab loop's: values compared as sorted sets per row,
+    since ties may order ids differently."""
+    ref_ids, ref_lp, ref_tail = (tensor.cpu() for tensor in reference)
+    ids, lp, tail = (tensor.cpu() for tensor in result)
+    same = (ref_ids.sort(1).values == ids.sort(1).values).float().mean().item()
+    return {"max_logprob_diff": float((ref_lp - lp).abs().max()), "max_tail_diff": float((ref_tail - tail).abs().max()),
+            "ids_agree": round(same, 6)}

@@ -1,0 +1,101 @@
+"""Top-K, log-sum-exp and tail of a block of logits, reading the whole vocabulary once.
+
+At the reference teacher's 196,608 ids the head cost 4.3x its own matmul: after the matmul the slab loop makes
+several more passes over the (rows, vocab) logits (upcast, `torch.topk` over every id, exp, gather, scatter,
+sum). Here the logits are read once, tile by tile, for two numbers per tile of `tile` ids: its max and the sum of
+exp(logit - max) (`tile_stats`; a Triton kernel on CUDA, kdflow.tasks.teacher.tile_stats_kernel, the same sums in
+torch elsewhere). Everything after that touches only small arrays and K tiles:
+
+- the K largest logits of a row lie in the K tiles with the largest maxima (each of those tiles holds one logit
+  at least as large as the K-th largest tile max, so no logit below that can be among the top K), so `torch.topk`
+  runs over K x tile candidates gathered from those tiles (1/12 of the row at K = 128, tile = 128, V = 196,608);
+- the log-sum-exp combines the tiles' partial sums;
+- the tail (the mass outside the top K) is summed directly, never as 1 - sum(top K): the unselected tiles' partial
+  sums plus the selected tiles' candidates that did not make the top K, so a peaked row keeps its tail's relative
+  precision, as the slab loop's `split_logsumexp_` does.
+
+The result equals the slab loop's top-K over the same logits (ties may pick other ids of equal value) and its
+log-sum-exps up to float rounding (sums in another order); `kdflow bench head` times both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+TileStats = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+
+
+def tile_stats_torch(logits: Tensor, tile: int) -> tuple[Tensor, Tensor]:
+    """logits (c, V) -> (max (c, n), sum of exp(logit - max) (c, n)) float32 per tile of `tile` ids, n = ceil(V /
+    tile); the last tile is padded with -inf. A tile of -inf only has max -inf and sum 0."""
+    rows, vocab = logits.shape
+    tiles = -(-vocab // tile)
+    padded = logits.float()
+    if tiles * tile != vocab:
+        padded = torch.nn.functional.pad(padded, (0, tiles * tile - vocab), value=float("-inf"))
+    view = padded.view(rows, tiles, tile)
+    tile_max = view.amax(2)
+    safe = torch.where(torch.isfinite(tile_max), tile_max, torch.zeros_like(tile_max))
+    return tile_max, (view - safe[:, :, None]).exp().sum(2)
+
+
+def tiled_topk(logits: Tensor, k: int, tile: int = 128,
+               stats: TileStats = tile_stats_torch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """logits (c, V), any float dtype -> (top logits (c, k) float32 by descending value, their ids (c, k) int64,
+    log-sum-exp (c,), log-sum-exp outside the top k (c,), -inf where the top k is the whole row)."""
+    rows, vocab = logits.shape
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
+    if tile < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
+    tile_max, tile_sum = stats(logits, tile)  # (c, n) float32
+    tiles = tile_max.shape[1]
+    picked = torch.topk(tile_max, min(k, tiles), dim=1, sorted=False).indices  # (c, k')
+    columns = (picked[:, :, None] * tile + torch.arange(tile, device=logits.device)).flatten(1)  # (c, k' * tile)
+    outside = columns >= vocab  # the last tile's padding
+    candidates = logits.gather(1, columns.clamp_max(vocab - 1)).float().masked_fill_(outside, float("-inf"))
+    top_logits, positions = torch.topk(candidates, k, dim=1, sorted=True)  # (c, k)
+    top_ids = columns.gather(1, positions)
+
+    # Sums relative to the row max, in float64: many partial sums of very different sizes meet here.
+    row_max = top_logits[:, :1].double()  # (c, 1), the largest logit
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    scaled = tile_sum.double() * (tile_max.double() - row_max).exp()  # (c, n) each tile's sum, one scale
+    unpicked = scaled.scatter(1, picked, 0.0).sum(1)  # tiles holding no top-k candidate
+    exp_candidates = (candidates.double() - row_max).exp()
+    kept = exp_candidates.gather(1, positions).sum(1)
+    rest = unpicked + exp_candidates.scatter_(1, positions, 0.0).sum(1)
+    row_max = row_max[:, 0]
+    log_normaliser = (row_max + (kept + rest).log()).float()
+    log_rest = (row_max + rest.log()).float()
+    return top_logits, top_ids, log_normaliser, log_rest
+
+
+def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,
+                    stats: TileStats = tile_stats_torch) -> tuple[Tensor, Tensor, Tensor]:
+    """`chunked_topk(..., return_tail=True)`'s contract for a plain lm_head weight (V, H) and no final-logit
+    transform: hidden (N, H) -> ids (N, K) int32, log-probs (N, K) float32, tail (N,) float32. Each block of
+    `chunk_tokens` rows is one matmul into a logits buffer of the weight's dtype (rounded as the model rounds its
+    own logits), then `tiled_topk` over it."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden (N, H) and weight (V, H) do not match: {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}")
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    rows = max(1, min(chunk_tokens, tokens))
+    buffer = torch.empty(rows * vocab, dtype=weight.dtype, device=hidden.device)
+    ids = torch.empty((tokens, k), dtype=torch.int32, device=hidden.device)
+    logprobs = torch.empty((tokens, k), dtype=torch.float32, device=hidden.device)
+    tail = torch.empty((tokens,), dtype=torch.float32, device=hidden.device)
+    with torch.inference_mode():
+        for start in range(0, tokens, rows):
+            stop = min(start + rows, tokens)
+            logits = buffer[: (stop - start) * vocab].view(stop - start, vocab)
+            torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
+            top, top_ids, log_normaliser, log_rest = tiled_topk(logits, k, tile, stats)
+            torch.sub(top, log_normaliser[:, None], out=logprobs[start:stop])
+            torch.sub(log_rest, log_normaliser, out=tail[start:stop])
+            ids[start:stop].copy_(top_ids)
+    return ids, logprobs, tail
