@@ -152,6 +152,9 @@ class PrecomputeConfig(_Section):
     chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per chunk of logits; empty: from "
                                                                        "the memory budget")
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
+    head: Literal["slab", "tiled"] = Field(
+        default="slab", description="How the top-K pass reads the logits: slab (the slab loop) or tiled (once, per "
+                                    "tile of ids; a Triton kernel on CUDA); the same values either way")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
     sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K shards "
                                                                        "alike)")

@@ -109,6 +109,15 @@ def test_every_token_shard_gets_an_aligned_topk_shard_equal_to_dense(make_config
     assert find_topk_stores(RunRoot(config.run_root), config.teacher, config.precompute) == [summary["tag"]]
 
 
+def test_the_tiled_head_writes_the_same_store_and_each_shard_says_so(make_config) -> None:
+    config = prepare(make_config(precompute__head="tiled", dataset__max_documents=16))
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
+    assert_matches_dense(config, summary["tag"], load_teacher(config.teacher))
+    run_root = RunRoot(config.run_root)
+    records = list_commits(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"])
+    assert records and {record.extra.head for record in records.values()} == {"tiled"}
+
+
 def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config, caplog) -> None:
     config = prepare(make_config(dataset__max_documents=24))
     with caplog.at_level("INFO", logger="kdflow.precompute"):

@@ -75,6 +75,22 @@ def test_tiny_model_teacher_step_equals_full_logits(kind: str) -> None:
     torch.testing.assert_close(tail_logprob.double(), dense_tail(full, topk_ids), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma2_softcap"])
+def test_the_tiled_head_gives_the_model_its_own_top_k(kind: str) -> None:
+    """`precompute.head: tiled` on whole models; a head it cannot take (soft-capping) keeps the slab loop."""
+    model = tiny_model(kind)
+    input_ids = torch.randint(0, 512, (3, 11), generator=torch.Generator().manual_seed(2))
+    step = TeacherTopkStep(model, k=16, chunk_tokens=7, head="tiled")
+    assert step.head == ("slab" if kind == "gemma2_softcap" else "tiled")
+    topk_ids, topk_logprobs, tail_logprob = step(input_ids)
+    ref_ids, ref_logprobs = model_reference(model, input_ids, 16)
+    assert torch.equal(topk_ids.long(), ref_ids)
+    torch.testing.assert_close(topk_logprobs.double(), ref_logprobs, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids).logits.double(), dim=-1)
+    torch.testing.assert_close(tail_logprob.double(), dense_tail(full, topk_ids), atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_body_hidden_states_then_chunked_topk(kind: str) -> None:
     """The call the precompute worker makes, spelled out."""

@@ -23,7 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from kdflow.tasks.common.models import LogitTransform
+from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
 
 TileStats = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
@@ -99,3 +102,20 @@ def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *
             torch.sub(log_rest, log_normaliser, out=tail[start:stop])
             ids[start:stop].copy_(top_ids)
     return ids, logprobs, tail
+
+
+def tiled_head_fits(lm_head: nn.Module, transform: LogitTransform | None, vocab_chunk: int | None) -> bool:
+    """Whether `precompute.head: tiled` can take this teacher's head: an exact `nn.Linear` without bias (a
+    quantised or float32-logits head computes its own logits), the whole vocabulary at once, no final-logit
+    transform (soft-capping, scaling). Else the pass keeps the slab loop, and its shards record `head: slab`."""
+    plain = type(lm_head) is nn.Linear and lm_head.bias is None
+    return plain and vocab_chunk is None and (transform is None or transform.is_identity)
+
+
+def tiled_variant(device: torch.device) -> str:
+    """What a tiled head runs on `device`: the Triton tile kernel on CUDA when Triton is installed, else torch."""
+    return "tiled-triton" if device.type == "cuda" and triton_available() else "tiled"
+
+
+def tile_stats_for(variant: str) -> TileStats:
+    return tile_stats_triton if variant == "tiled-triton" else tile_stats_torch

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
+from kdflow.tasks.teacher.tiled_topk import tile_stats_for, tiled_head_fits, tiled_head_topk, tiled_variant
 
 # Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
 # compute-dtype logits (bf16 is half a row) and the scratch of topk.
@@ -141,7 +142,8 @@ class TeacherTopkStep:
     """One micro-batch through the teacher: body hidden states, then chunked top-K with the model's own
     final-logit transform. Results stay on the model's device; the caller copies them to the host once."""
 
-    def __init__(self, model: nn.Module, k: int, chunk_tokens: int, *, vocab_chunk: int | None = None) -> None:
+    def __init__(self, model: nn.Module, k: int, chunk_tokens: int, *, vocab_chunk: int | None = None,
+                 head: str = "slab") -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model = model
@@ -154,12 +156,20 @@ class TeacherTopkStep:
         self.chunk_tokens = chunk_tokens
         self.vocab_chunk = vocab_chunk
         self.workspace: dict[str, Tensor] = {}  # the chunk's logits buffers, reused by every micro-batch
+        # "tiled" needs a plain weight, one vocabulary slab and no final-logit transform; else the slab loop runs.
+        self.tiled = head == "tiled" and tiled_head_fits(self.lm_head, self.logit_transform, vocab_chunk)
+        self.head = "slab" if not self.tiled else tiled_variant(next(model.parameters()).device)
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32,
         tail_logprob (B, T) float32."""
         batch, seq_len = input_ids.shape
         hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
+        if self.tiled:
+            topk_ids, topk_logprobs, tail_logprob = tiled_head_topk(
+                hidden.flatten(0, 1), self.lm_head.weight, self.k, self.chunk_tokens, stats=tile_stats_for(self.head))
+            return (topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k),
+                    tail_logprob.view(batch, seq_len))
         topk_ids, topk_logprobs, tail_logprob = chunked_topk(
             hidden.flatten(0, 1),
             self.lm_head,
