@@ -1,0 +1,140 @@
+"""A student made from the teacher: its embedding, final norm and head, and a chosen subset of its blocks.
+
+The field makes small models from big ones by pruning the teacher and then distilling it on its own logits; a
+student that starts as part of the teacher starts near it. Which blocks to keep is measured, not guessed: on
+calibration rows (token ids from the run's token store) each block is scored by how much it changes its input
+(`importance="cosine"`: the mean over tokens of 1 - cos(block input, block output); a block that barely turns the
+hidden state is the cheapest to drop) or by how much the teacher's loss on those rows rises when that block alone is
+skipped (`importance="skip_loss"`, one forward per block). The `layers` highest-scoring blocks are kept, in their
+order.
+
+The pruned model is built from the teacher's own config with fewer layers, and the kept blocks' weights are copied
+in under their new numbers, so it computes exactly what the teacher computes with the other blocks removed (the
+test builds that reference by cutting the teacher's own module list). Per-layer config lists (`layer_types`, a
+MoE's `mlp_only_layers`) follow the kept blocks. Any decoder transformers builds as `model.layers` works: dense
+(Llama) and MoE (Qwen3-MoE) are tested.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kdflow.tasks.common.models import model_body
+
+IMPORTANCE = ("cosine", "skip_loss")
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What a pruned student keeps of the teacher, for its card and its config."""
+
+    kept: tuple[int, ...]  # the teacher's block numbers, in order
+    scores: tuple[float, ...]  # every teacher block's importance (higher: more important)
+    importance: str
+    teacher_layers: int
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model_body(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no `model.layers` list of blocks to choose from")
+    return layers
+
+
+@torch.no_grad()
+def block_importance(model: nn.Module, input_ids: Tensor, importance: str = "cosine") -> list[float]:
+    """One score per block of `model` on calibration rows `input_ids` (n, T): higher means the block matters more."""
+    if importance not in IMPORTANCE:
+        raise ValueError(f"importance must be one of {IMPORTANCE}, got {importance!r}")
+    layers = decoder_layers(model)
+    if importance == "skip_loss":  # the rise of the loss when the block alone is skipped
+        full = float(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
+        return [_loss_without(model, input_ids, skip) - full for skip in range(len(layers))]
+    changes: list[Tensor] = []
+
+    def measure(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        before = args[0] if args else kwargs["hidden_states"]
+        after = output[0] if isinstance(output, tuple) else output
+        cosine = nn.functional.cosine_similarity(before.float(), after.float(), dim=-1)  # (n, T)
+        changes.append((1.0 - cosine).mean())
+
+    hooks = [layer.register_forward_hook(measure, with_kwargs=True) for layer in layers]
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [float(change) for change in changes]
+
+
+def _loss_without(model: nn.Module, input_ids: Tensor, skip: int) -> float:
+    """The model's next-token loss on input_ids with block `skip` left out (its input passed on unchanged)."""
+    body = model_body(model)
+    layers = decoder_layers(model)
+    saved = (body.layers, model.config.num_hidden_layers)
+    body.layers = nn.ModuleList([layer for index, layer in enumerate(layers) if index != skip])
+    model.config.num_hidden_layers = len(body.layers)
+    try:
+        return float(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
+    finally:
+        body.layers, model.config.num_hidden_layers = saved
+
+
+def choose_blocks(scores: list[float], layers: int) -> tuple[int, ...]:
+    """The `layers` highest-scoring blocks, in the teacher's order (ties: the earlier block)."""
+    if not 1 <= layers <= len(scores):
+        raise ValueError(f"keep between 1 and the teacher's {len(scores)} blocks, got {layers}")
+    ranked = sorted(range(len(scores)), key=lambda index: (-scores[index], index))
+    return tuple(sorted(ranked[:layers]))
+
+
+def pruned_config(config: object, kept: tuple[int, ...]) -> object:
+    """The teacher's config with only the kept blocks; per-layer lists follow them."""
+    pruned = copy.deepcopy(config)
+    teacher_layers = config.num_hidden_layers
+    pruned.num_hidden_layers = len(kept)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) == teacher_layers:
+        pruned.layer_types = [layer_types[index] for index in kept]
+    if hasattr(config, "mlp_only_layers"):  # MoE: which blocks have a dense MLP instead of experts
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense = {index for index in range(teacher_layers)
+                 if index in set(config.mlp_only_layers or []) or (index + 1) % step != 0}
+        pruned.mlp_only_layers = [new for new, old in enumerate(kept) if old in dense]
+        pruned.decoder_sparse_step = 1
+    return pruned
+
+
+def prune_teacher(teacher: nn.Module, kept: tuple[int, ...], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A new model of the teacher's kind holding the teacher's weights except the blocks not in `kept`."""
+    from transformers import AutoModelForCausalLM
+
+    layers = decoder_layers(teacher)
+    if not kept or list(kept) != sorted(set(kept)) or kept[-1] >= len(layers):
+        raise ValueError(f"kept blocks must be distinct, ascending and below {len(layers)}, got {list(kept)}")
+    config = pruned_config(teacher.config, kept)
+    student = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    renumber = {old: new for new, old in enumerate(kept)}
+    prefix = _layers_prefix(teacher)
+    state = {}
+    for name, tensor in teacher.state_dict().items():
+        if name.startswith(prefix):
+            index, rest = name[len(prefix):].split(".", 1)
+            if int(index) not in renumber:
+                continue
+            name = f"{prefix}{renumber[int(index)]}.{rest}"
+        state[name] = tensor.to(dtype)
+    student.load_state_dict(state, strict=True)
+    return student.eval()
+
+
+def _layers_prefix(model: nn.Module) -> str:
+    layers = decoder_layers(model)
+    for name, module in model.named_modules():
+        if module is layers:
+            return f"{name}."
+    raise ValueError(f"{type(model).__name__}: cannot find the name of its block list")

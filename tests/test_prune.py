@@ -1,0 +1,86 @@
+"""A student pruned from the teacher (kdflow.tasks.student.prune): it computes exactly what the teacher computes with
+the other blocks cut out of its own module list, and block importance finds the block that does nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from kdflow.tasks.student.prune import block_importance, choose_blocks, prune_teacher, pruned_config
+
+pytestmark = pytest.mark.unit
+
+SHAPES = dict(vocab_size=256, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=64)
+
+
+def tiny(kind: str) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**SHAPES)
+    else:  # block 1 has a dense MLP, the others experts: the pruned config must keep each block's kind
+        config = transformers.Qwen3MoeConfig(**SHAPES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             mlp_only_layers=[1])
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def cut_reference(teacher: nn.Module, kept: tuple[int, ...]) -> nn.Module:
+    """The teacher itself with the other blocks removed from its module list (no config surgery, no copying)."""
+    reference = copy.deepcopy(teacher)
+    reference.model.layers = nn.ModuleList([reference.model.layers[index] for index in kept])
+    reference.config.num_hidden_layers = len(kept)
+    return reference
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("kept", [(0, 2, 3), (1,), (0, 1, 2, 3, 4)])
+def test_a_pruned_student_computes_what_the_kept_blocks_compute(kind: str, kept: tuple[int, ...]) -> None:
+    teacher = tiny(kind)
+    student = prune_teacher(teacher, kept)
+    assert student.config.num_hidden_layers == len(kept) and type(student) is type(teacher)
+    input_ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(len(kept)))
+    with torch.no_grad():
+        got = student(input_ids=input_ids, use_cache=False).logits
+        want = cut_reference(teacher, kept)(input_ids=input_ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if kind == "qwen3_moe":
+        assert student.config.mlp_only_layers == [new for new, old in enumerate(kept) if old == 1]
+
+
+def test_the_pruned_config_follows_per_layer_lists() -> None:
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**SHAPES, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)
+    pruned = pruned_config(config, (0, 1, 3))  # sparse blocks are 1 and 3 ((index + 1) % 2 == 0)
+    assert pruned.mlp_only_layers == [0] and pruned.decoder_sparse_step == 1 and pruned.num_hidden_layers == 3
+    assert config.num_hidden_layers == 5  # the teacher's own config is untouched
+
+
+@pytest.mark.parametrize("importance", ["cosine", "skip_loss"])
+def test_importance_finds_the_block_that_does_nothing(importance: str) -> None:
+    teacher = tiny("llama")
+    with torch.no_grad():  # block 3 adds nothing to its input: both residual branches output zeros
+        teacher.model.layers[3].self_attn.o_proj.weight.zero_()
+        teacher.model.layers[3].mlp.down_proj.weight.zero_()
+    input_ids = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(0))
+    scores = block_importance(teacher, input_ids, importance)
+    assert len(scores) == 5
+    others = scores[:3] + scores[4:]
+    assert scores[3] == pytest.approx(0.0, abs=1e-5) and min(abs(score) for score in others) > 1e-4
+    if importance == "cosine":  # (a random model's loss may fall without a block: skip_loss can be negative)
+        assert 3 not in choose_blocks(scores, 4)
+    assert teacher.config.num_hidden_layers == 5 and len(teacher.model.layers) == 5  # the teacher is left whole
+
+
+def test_choosing_blocks_keeps_the_best_in_order_and_refuses_bad_counts() -> None:
+    assert choose_blocks([0.3, 0.1, 0.5, 0.2], 2) == (0, 2)
+    assert choose_blocks([0.1, 0.1, 0.1], 2) == (0, 1)
+    with pytest.raises(ValueError, match="keep between 1 and the teacher's 3 blocks, got 4"):
+        choose_blocks([0.1, 0.2, 0.3], 4)
+    with pytest.raises(ValueError, match="distinct, ascending"):
+        prune_teacher(tiny("llama"), (2, 1))
