@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kdflow.flows.artifacts import KeyedProgress, KeyedTable, artifact_key
-from kdflow.schemas.config import section_hash
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot

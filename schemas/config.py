@@ -3,15 +3,14 @@
 Every default lives here, in the field definitions. The config is frozen (stages cannot drift apart by
 mutating it) and strict: an unknown key is an error that names the key, so a typo never silently falls
 back to a default. Pydantic models also make Prefect render the config as a form in its UI.
-The config in and out of text (YAML files, `--set` overrides): kdflow.schemas.config_io.
+The config in and out of text (YAML files, `--set` overrides): kdflow.schemas.config_io; its parts' fingerprints:
+kdflow.schemas.config_hash.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
@@ -228,6 +227,18 @@ class DistributedConfig(_Section):
                                     "auto: fsdp on CUDA, ddp on CPU")
 
 
+class PruneConfig(_Section):
+    """A student made from the teacher: its embedding, final norm, head and the `layers` most important blocks."""
+
+    layers: PositiveInt = Field(description="Teacher blocks the student keeps (the most important, in their order)")
+    importance: Literal["cosine", "skip_loss"] = Field(
+        default="cosine", description="How blocks are ranked on the calibration rows: cosine (how much a block turns "
+                                      "its input; one forward) or skip_loss (how much the teacher's loss rises "
+                                      "without it; one forward per block)")
+    calibration_rows: PositiveInt = Field(default=16, description="Training rows of the token store the importance "
+                                                                   "is measured on")
+
+
 class StudentConfig(_Section):
     """The student: its architecture, optimiser and schedule, evaluation, checkpoints, loss and ranks."""
 
@@ -236,6 +247,9 @@ class StudentConfig(_Section):
                                   description="A model to start from instead of `architecture`: a Hugging Face folder "
                                               "or hub id with the run tokenizer's vocabulary (the teacher's)")
     architecture: StudentArchitecture = StudentArchitecture()
+    prune: PruneConfig | None = Field(default=None, title="Prune the teacher",
+                                      description="Start from the teacher's own weights with fewer blocks instead of "
+                                                  "`architecture` (kdflow.tasks.student.prune); empty: off")
     steps: PositiveInt = Field(default=200, description="Optimiser steps in total (a resumed run continues to this)")
     batch_size: PositiveInt = Field(default=8, description="Sequences per optimiser step (global, all ranks)")
     grad_accum: PositiveInt = Field(default=1, description="Micro-batches per optimiser step on each rank")
@@ -283,6 +297,12 @@ class StudentConfig(_Section):
                                          "renewed; a trainer on another host that stops renewing it for this long is "
                                          "taken over")
 
+    @model_validator(mode="after")
+    def _one_start(self) -> StudentConfig:
+        if self.prune is not None and self.init_from is not None:
+            raise ValueError("student.prune and student.init_from both say where the student starts: set one")
+        return self
+
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
@@ -326,22 +346,3 @@ class KDFlowConfig(_Section):
 
 # The pipeline's stages, in order: what `kdflow run --stages` and the `pipeline` flow take.
 STAGES = ("materialise", "tokenise", "precompute", "train")
-
-
-def _hashed_fields(model: BaseModel, dumped: dict[str, Any]) -> dict[str, Any]:
-    """`dumped` (model's JSON dump) less the fields of HASHED_WHEN_SET left at their default, in nested sections too."""
-    fields = type(model).model_fields
-    for name in getattr(model, "HASHED_WHEN_SET", ()):
-        if getattr(model, name) == fields[name].default:
-            dumped.pop(name, None)
-    for name in fields:
-        if isinstance(value := getattr(model, name), BaseModel):
-            _hashed_fields(value, dumped[name])
-    return dumped
-
-
-def section_hash(*parts: BaseModel | dict | str | int | None, length: int = 16) -> str:
-    """A short, stable hash of config parts (canonical JSON), used in fingerprints and store tags."""
-    payload = [_hashed_fields(p, p.model_dump(mode="json")) if isinstance(p, BaseModel) else p for p in parts]
-    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:length]

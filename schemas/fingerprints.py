@@ -10,7 +10,8 @@ import hashlib
 import json
 from typing import Any
 
-from kdflow.schemas.config import KDFlowConfig, PrecomputeConfig, section_hash
+from kdflow.schemas.config import KDFlowConfig, PrecomputeConfig
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.store_info import store_format
 
 
@@ -59,12 +60,15 @@ def topk_fingerprint_of(teacher_fp: str, tokens_fp: str, precompute: PrecomputeC
 
 # The student settings a checkpoint resumes with: data, model and optimisation. Steps, saving, evaluation and
 # device settings may change between runs, and so may those that change how the student computes but not what.
-RESUME_FIELDS: dict[str, Any] = {"init_from": True, "architecture": True, "batch_size": True, "lr": True,
-                                 "min_lr_ratio": True, "warmup_steps": True, "weight_decay": True, "betas": True,
-                                 "grad_clip": True, "eval_shards": True, "seed": True,
+RESUME_FIELDS: dict[str, Any] = {"init_from": True, "prune": True, "architecture": True, "batch_size": True,
+                                 "lr": True, "min_lr_ratio": True, "warmup_steps": True, "weight_decay": True,
+                                 "betas": True, "grad_clip": True, "eval_shards": True, "seed": True,
                                  "kd": {"kd_weight", "temperature"}}
 
 
 def student_resume_fields(student: Any) -> dict[str, Any]:
     """The student's part of a checkpoint's fingerprint (with the top-K and token stores' fingerprints)."""
-    return student.model_dump(mode="json", include=RESUME_FIELDS)
+    fields = student.model_dump(mode="json", include=RESUME_FIELDS)
+    if fields.get("prune") is None:  # checkpoints from before `student.prune` keep resuming
+        fields.pop("prune", None)
+    return fields

@@ -10,7 +10,8 @@ import pydantic
 import pytest
 import yaml
 
-from kdflow.schemas.config import KDFlowConfig, section_hash
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.config_io import config_from_dict, dump_config, load_config
 from kdflow.schemas.errors import ConfigError
 

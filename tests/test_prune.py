@@ -84,3 +84,27 @@ def test_choosing_blocks_keeps_the_best_in_order_and_refuses_bad_counts() -> Non
         choose_blocks([0.1, 0.2, 0.3], 4)
     with pytest.raises(ValueError, match="distinct, ascending"):
         prune_teacher(tiny("llama"), (2, 1))
+
+
+def test_training_a_student_pruned_from_the_teacher(fresh_run, sharp_teacher_dir) -> None:
+    """`student.prune`: the student starts as the teacher's most important blocks, nearer the teacher than a random
+    student, records what it kept in its saved config, and resumes without measuring again."""
+    import json
+
+    from support.runs import student_path
+
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    teacher_layers = json.loads((sharp_teacher_dir / "config.json").read_text())["num_hidden_layers"]
+    pruned = fresh_run(student__steps=2, student__name="pruned", student__prune={"layers": teacher_layers - 1})
+    random = fresh_run(student__steps=2, student__name="random")
+    summary = train(open_run_root(pruned), training_settings(pruned))
+    baseline = train(open_run_root(random), training_settings(random))
+    assert summary["eval_before"]["kl"] < baseline["eval_before"]["kl"]
+    saved = json.loads(student_path(pruned, "final", "config.json").read_text())
+    assert saved["num_hidden_layers"] == teacher_layers - 1
+    assert saved["kdflow_prune"]["teacher_layers"] == teacher_layers and len(saved["kdflow_prune"]["kept"]) == \
+        teacher_layers - 1
+    again = fresh_run(student__steps=3, student__name="pruned", student__prune={"layers": teacher_layers - 1})
+    assert train(open_run_root(again), training_settings(again))["start_step"] == 2

@@ -71,7 +71,7 @@ def test_v2_store_records_its_codec_everywhere(make_config: Callable[..., Any]) 
 
 
 def test_tags_name_the_format_and_v1_keeps_its_tag(make_config: Callable[..., Any]) -> None:
-    from kdflow.schemas.config import section_hash
+    from kdflow.schemas.config_hash import section_hash
     from kdflow.schemas.fingerprints import topk_fingerprint
 
     tags = {topk_fingerprint("t", "k", make_config(**{f"precompute__store__{key}": value}))

@@ -31,7 +31,8 @@ from typing import Any
 
 from kdflow.demo_assets import (TEACHER_GGUF, TEACHER_PACKAGE, demo_config, local_run_root, locate_teacher_gguf,
                                 prepare_teacher, write_corpus)
-from kdflow.schemas.config import KDFlowConfig, section_hash
+from kdflow.schemas.config import KDFlowConfig
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.config_io import dump_config
 
 RESOLVED_CONFIG = "demo-config.yaml"

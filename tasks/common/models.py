@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kdflow.schemas.config import TeacherConfig, section_hash
+from kdflow.schemas.config import TeacherConfig
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.devices import cuda_unavailable, no_cuda_message
 from kdflow.tasks.common.float32_logits import SIXTEEN_BIT

@@ -138,3 +138,28 @@ def _layers_prefix(model: nn.Module) -> str:
         if module is layers:
             return f"{name}."
     raise ValueError(f"{type(model).__name__}: cannot find the name of its block list")
+
+
+def pruned_student(teacher_section: object, layers: int, importance: str, calibration_ids: Tensor,
+                   tokenizer: object) -> tuple[nn.Module, PrunePlan]:
+    """`student.prune`: the teacher (loaded unquantised on the CPU: 4-bit weights cannot be copied into a float32
+    student) scored on `calibration_ids` (n, T), cut to its `layers` most important blocks, as a float32 student.
+    What was kept goes into the student's config (`kdflow_prune`), so that it is saved with the model and its card
+    can say it."""
+    from kdflow.tasks.common.teacher_loading import load_teacher
+
+    section = teacher_section.model_copy(update={"load_in_4bit": False, "device": "cpu"})
+    teacher = load_teacher(section, device="cpu")
+    scores = block_importance(teacher, calibration_ids.to("cpu"), importance)
+    kept = choose_blocks(scores, layers)
+    student = prune_teacher(teacher, kept)
+    vocab = len(tokenizer)
+    if student.get_output_embeddings().weight.shape[0] < vocab:
+        raise ValueError(f"the teacher's vocabulary is smaller than the tokenizer's {vocab}")
+    plan = PrunePlan(kept=kept, scores=tuple(round(score, 6) for score in scores), importance=importance,
+                     teacher_layers=len(scores))
+    student.config.kdflow_prune = {"teacher": teacher_section.model, "kept": list(plan.kept),
+                                   "teacher_layers": plan.teacher_layers, "importance": importance,
+                                   "scores": list(plan.scores)}
+    del teacher
+    return student, plan

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kdflow.schemas.config import KDConfig, StudentConfig, section_hash
+from kdflow.schemas.config import KDConfig, StudentConfig
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
 from kdflow.tasks.common.models import model_body, output_layer

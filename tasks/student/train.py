@@ -16,6 +16,7 @@ and only rank 0 writes files. The pieces of a step and of an evaluation are in k
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,9 +43,12 @@ from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_i
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
+from kdflow.tasks.student.prune import pruned_student
 from kdflow.tasks.student.steps import (DistillLoss, autocast_for, build_optimizer, check_layout, evaluate,
                                         optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
+
+logger = logging.getLogger("kdflow.train")
 
 # Re-exported: callers import the pieces of a step from here too.
 __all__ = ["StudentRun", "train"]
@@ -80,6 +84,8 @@ class StudentRun:
         if self.checkpoint is not None:
             self.model = load_checkpoint_model(self.run_root, self.checkpoint.path, self.device)
             check_student(self.model, self.tokenizer)
+        elif student.prune is not None:  # the teacher's own blocks: every rank measures and keeps the same ones
+            self.model = self.pruned_from_teacher().to(self.device)
         else:  # seeded: every rank builds the same weights
             self.model = build_student(student, settings.seq_len, self.tokenizer).to(self.device)
         if self.is_main:  # beside the student: a config it trains and resumes with (not one refused above)
@@ -186,6 +192,17 @@ class StudentRun:
                            evals=self.evals.records, device=self.device, world_size=self.world_size,
                            parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed())
         return card_files(facts, self.metrics.records, self.evals.records)
+
+    def pruned_from_teacher(self) -> torch.nn.Module:
+        prune = self.student.prune
+        rows = self.data.global_batch(0, prune.calibration_rows)  # the first training rows, the same on every rank
+        calibration = self.data.train_batch(rows).input_ids
+        model, plan = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
+                                     self.tokenizer)
+        check_student(model, self.tokenizer)
+        logger.info("student pruned from the teacher: blocks %s of %d kept (importance %s on %d rows)",
+                    list(plan.kept), plan.teacher_layers, plan.importance, len(rows))
+        return model
 
     def write_config(self) -> None:
         """The resolved config beside the student (a rerun touches no file)."""

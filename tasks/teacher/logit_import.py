@@ -19,7 +19,8 @@ from kdflow.schemas.codec import encode
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, TopkShardInfo,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
                                     write_complete)
-from kdflow.schemas.config import PrecomputeConfig, section_hash
+from kdflow.schemas.config import PrecomputeConfig
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name
