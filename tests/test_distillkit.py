@@ -18,7 +18,7 @@ from kdflow.tasks.teacher.distillkit import distillkit_rows, distillkit_table
 from kdflow.tasks.teacher.distillkit_bytes import pack_bits, unpack_bits
 from kdflow.tasks.teacher.distillkit_settings import (DistillKitSettings, ResidualBin, distillkit_settings,
                                                       lossless_settings, read_distillkit_settings,
-                                                      write_distillkit_settings)
+                                                      settings_for_source, write_distillkit_settings)
 from kdflow.tasks.teacher.source_rows import FULL
 
 VOCAB = 300
@@ -236,6 +236,8 @@ def test_settings_are_read_from_a_capture_folder_or_a_distillkit_config(tmp_path
     config.write_text("teacher:\n  kind: dataset\n  logprob_compressor:\n    d: 128256\n    k: 50\n    exact_k: 1\n"
                       "    polynomial_terms: [0, 1, sqrt]\n    residual_bins: []\n")
     read = read_distillkit_settings(config)
+    assert settings_for_source(tmp_path / "data-00000.parquet") == settings == settings_for_source(tmp_path)
+    assert settings_for_source(tmp_path, given=config) == read
     assert (read.d, read.k, read.exact_dtype, read.delta_encoding, read.index_bits) == (128256, 50, "float32", True, 17)
 
 

@@ -180,6 +180,15 @@ def read_distillkit_settings(path: str | Path) -> DistillKitSettings:
     return distillkit_settings(data, str(file))
 
 
+def settings_for_source(source: str | Path, given: str | Path | None = None) -> DistillKitSettings:
+    """The settings an import of `source` uses: the file the user `given`, else the capture's own
+    `compression_config.yaml` in the source folder (or beside the Parquet file the source names)."""
+    if given is not None:
+        return read_distillkit_settings(given)
+    source = Path(source)
+    return read_distillkit_settings(source if source.is_dir() else source.parent)
+
+
 def write_distillkit_settings(settings: DistillKitSettings, folder: str | Path) -> Path:
     """Write `compression_config.yaml` into `folder` (atomically: a reader never sees half of it)."""
     target = Path(folder) / SETTINGS_FILE
