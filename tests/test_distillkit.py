@@ -11,6 +11,7 @@ import struct
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from kdflow.schemas.errors import ConfigError, StoreError
@@ -52,6 +53,10 @@ def test_lossless_round_trip_gives_the_same_ids_and_logprobs():
     assert np.array_equal(rows.tokens.reshape(3, 7), tokens)
     assert np.array_equal(rows.ids.reshape(3, 7, 16), ids)
     assert np.array_equal(rows.logprobs.reshape(3, 7, 16), logprobs)
+    batch = distillkit_table(tokens, ids, logprobs, settings).combine_chunks().to_batches()[0]
+    middle = distillkit_rows(batch.slice(1, 1), settings, 1, 16, VOCAB)  # a slice, as a streaming reader gives
+    assert middle.offsets.tolist() == [0, 7] and np.array_equal(middle.ids, ids[1])
+    assert np.array_equal(middle.tokens, tokens[1]) and np.array_equal(middle.logprobs, logprobs[1])
 
 
 def test_lossy_round_trip_stays_within_the_residual_quantisation_step():
@@ -170,6 +175,28 @@ def test_empty_slots_survive_only_exact_settings():
         distillkit_table(tokens, ids, logprobs, lossless_settings(VOCAB, 5))
 
 
+def test_an_export_on_disk_reads_back_in_batches_with_its_settings_file(tmp_path):
+    """As export writes it and a streaming import reads it: Parquet under data/, the settings one folder up,
+    record batches of a few rows each, first_row counting on."""
+    tokens, ids, logprobs = teacher_topk(5, 6, 8, seed=5)
+    settings = DistillKitSettings(d=VOCAB, k=8, exact_k=3, exact_dtype="float16", polynomial_terms=(0, 1),
+                                  residual_bins=(ResidualBin("float32", 12, 5),), delta_encoding=False)
+    (tmp_path / "data").mkdir()
+    pq.write_table(distillkit_table(tokens, ids, logprobs, settings), tmp_path / "data" / "train-00000.parquet")
+    write_distillkit_settings(settings, tmp_path)
+    found = settings_for_source(tmp_path / "data" / "train-00000.parquet")
+    assert found == settings
+    first, parts = 0, []
+    for batch in pq.ParquetFile(tmp_path / "data" / "train-00000.parquet").iter_batches(batch_size=2):
+        parts.append(distillkit_rows(batch, found, first, 8, VOCAB))
+        first += batch.num_rows
+    assert [part.first_row for part in parts] == [0, 2, 4] and sum(part.rows for part in parts) == 5
+    got_ids, got = by_id(np.concatenate([p.ids for p in parts]), np.concatenate([p.logprobs for p in parts]))
+    want_ids, want = by_id(ids.reshape(-1, 8), logprobs.reshape(-1, 8))
+    assert np.array_equal(got_ids, want_ids)
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -11, atol=2e-3)  # float16 exact, 12-bit residuals
+
+
 def _capture(settings: DistillKitSettings, **changes) -> pa.RecordBatch:
     tokens, ids, logprobs = teacher_topk(3, 4, settings.k)
     table = distillkit_table(tokens, ids, logprobs, settings)
@@ -196,9 +223,11 @@ def _bytes(rows: list) -> pa.Array:
      r"^row 11 field bytepacked_indices: an id outside the vocabulary of 300 at position 0$"),
     ({"labels": pa.array([[1, 2, 3, 4], [1], [1, 2, 3, 4]], pa.list_(pa.int64()))},
      r"^row 11 field labels: 1 values for 4 input_ids"),
-    ({"coeffs": pa.array([[1.0]] * 3)}, r"^field coeffs: DistillKit's legacy compressed format"),
+    ({"coeffs": pa.array([[1.0]] * 3)}, r"^row 10 field coeffs: DistillKit's legacy compressed format"),
     ({"input_ids": pa.array([[1, 2, 3, 4], None, [1, 2, 3, 4]], pa.list_(pa.int64()))},
-     r"^row 11 field input_ids: a null list"),
+     r"^row 11 field input_ids: a null list$"),
+    ({"compressed_logprobs": _bytes([[[0] * 16] * 4, [[0] * 16] * 4, [[0] * 16, None, [0] * 16, [0] * 16]])},
+     r"^row 12 field compressed_logprobs: a null list at position 1$"),
 ])
 def test_bad_input_is_one_line_naming_row_and_field(change, message):
     with pytest.raises(StoreError, match=message) as error:
@@ -237,6 +266,8 @@ def test_settings_are_read_from_a_capture_folder_or_a_distillkit_config(tmp_path
                       "    polynomial_terms: [0, 1, sqrt]\n    residual_bins: []\n")
     read = read_distillkit_settings(config)
     assert settings_for_source(tmp_path / "data-00000.parquet") == settings == settings_for_source(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert settings_for_source(tmp_path / "data" / "train-00000-of-00001.parquet") == settings
     assert settings_for_source(tmp_path, given=config) == read
     assert (read.d, read.k, read.exact_dtype, read.delta_encoding, read.index_bits) == (128256, 50, "float32", True, 17)
 

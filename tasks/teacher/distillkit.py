@@ -41,8 +41,9 @@ def _flat(array: pa.Array, field: str, first_row: int, depth: int) -> tuple[np.n
                              f"(type {array.type})")
         if array.null_count:
             bad = int(np.flatnonzero(np.asarray(array.is_null()))[0])
-            where = f"row {first_row + bad}" if level == 0 else f"row {first_row} (position {bad} overall)"
-            raise StoreError(f"{where} field {field}: a null list")
+            row, position = (bad, None) if level == 0 else _row_of(offsets[0], bad)
+            at = "" if position is None else f" at position {position}"
+            raise StoreError(f"row {first_row + row} field {field}: a null list{at}")
         starts = np.asarray(array.offsets, dtype=np.int64)
         offsets.append(starts - starts[0])
         array = array.flatten()
@@ -112,8 +113,8 @@ def distillkit_rows(batch: pa.RecordBatch, settings: DistillKitSettings, first_r
     with fewer pads with id -1 and log-prob -inf. Every problem is one StoreError naming the row and field."""
     for name in LEGACY_COLUMNS:
         if _column(batch, name) is not None:
-            raise StoreError(f"field {name}: DistillKit's legacy compressed format (packed_indices, exact_values, "
-                             "coeffs) is not supported")
+            raise StoreError(f"row {first_row} field {name}: DistillKit's legacy compressed format (packed_indices, "
+                             "exact_values, coeffs) is not supported")
     for name in (TOKENS, LOGPROBS, INDICES):
         if _column(batch, name) is None:
             raise StoreError(f"row {first_row} field {name}: DistillKit's packed format needs this column")

@@ -182,11 +182,14 @@ def read_distillkit_settings(path: str | Path) -> DistillKitSettings:
 
 def settings_for_source(source: str | Path, given: str | Path | None = None) -> DistillKitSettings:
     """The settings an import of `source` uses: the file the user `given`, else the capture's own
-    `compression_config.yaml` in the source folder (or beside the Parquet file the source names)."""
+    `compression_config.yaml` in the source folder, or beside the Parquet file the source names or one folder
+    up (a dataset folder with its files in `data/`)."""
     if given is not None:
         return read_distillkit_settings(given)
     source = Path(source)
-    return read_distillkit_settings(source if source.is_dir() else source.parent)
+    folders = [source] if source.is_dir() else [source.parent, source.parent.parent]
+    found = [folder for folder in folders if (folder / SETTINGS_FILE).is_file()]
+    return read_distillkit_settings(found[0] if found else folders[0])
 
 
 def write_distillkit_settings(settings: DistillKitSettings, folder: str | Path) -> Path:
