@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.tasks.teacher.distillkit import distillkit_rows, distillkit_table
+from kdflow.tasks.teacher.distillkit import distillkit_rows, distillkit_table, is_distillkit
 from kdflow.tasks.teacher.distillkit_bytes import pack_bits, unpack_bits
 from kdflow.tasks.teacher.distillkit_settings import (DistillKitSettings, ResidualBin, distillkit_settings,
                                                       lossless_settings, read_distillkit_settings,
@@ -48,6 +48,8 @@ def test_lossless_round_trip_gives_the_same_ids_and_logprobs():
     tokens, ids, logprobs = teacher_topk(3, 7, 16)
     settings = lossless_settings(VOCAB, 16)
     rows = read_back(distillkit_table(tokens, ids, logprobs, settings), settings, 16)
+    table = distillkit_table(tokens, ids, logprobs, settings)
+    assert is_distillkit(table.column_names) and not is_distillkit(["input_ids", "topk_ids", "topk_logprobs"])
     assert rows.normalisation == FULL and rows.tail is None and rows.target.all()
     assert rows.offsets.tolist() == [0, 7, 14, 21]
     assert np.array_equal(rows.tokens.reshape(3, 7), tokens)

@@ -27,6 +27,11 @@ LEGACY_COLUMNS = ("packed_indices", "exact_values", "coeffs")  # DistillKit's ol
 IGNORE_LABEL = -100  # what the writer puts in `labels` at positions without a target (the transformers value)
 
 
+def is_distillkit(column_names: list[str]) -> bool:
+    """Whether a source's columns are DistillKit's packed ones (for an importer that recognises the format)."""
+    return {TOKENS, LOGPROBS, INDICES} <= set(column_names)
+
+
 def _column(batch: pa.RecordBatch, name: str) -> pa.Array | None:
     index = batch.schema.get_field_index(name)
     return None if index < 0 else batch.column(index)
