@@ -155,6 +155,8 @@ def declare_layout(layout: str | None, columns: dict[str, str | None], **setting
             base.pop(field, None)
     changes = {role: column or None for role, column in columns.items()}
     changes.update({key: value for key, value in settings.items() if value is not None})
+    if changes.get("kind", "logprobs") != "logprobs" and "tail" not in columns:
+        base.pop("tail", None)  # a base's tail means nothing beside renormalised values or logits
     if layout is not None and not changes:
         return start
     return layout_from_mapping({**base, **changes}, name if layout is None else f"{name}+options")

@@ -69,9 +69,11 @@ def _builtin(layout: LogitLayout) -> bool:
 
 
 def _missing(table: pa.Table | pa.RecordBatch, layout: LogitLayout) -> str | None:
-    """The first of the layout's columns the source lacks. A built-in's optional columns (tail, masks, text) may be
-    absent, as exports of older kdflow versions lack some; a declared layout names only columns the source has."""
-    wanted = layout.required() if LAYOUTS.get(layout.name) == layout else (*layout.required(), *layout.optional())
+    """The first of the layout's columns the source lacks. The tail and the text may be absent (the tail is then
+    1 - sum p, the text unchecked), and so may a built-in's masks, as older kdflow exports lack them; the masks of a
+    declared layout change what is trained on, so a name that the source lacks is an error, not ignored."""
+    masks = tuple(c for c in (layout.target_mask, layout.attention_mask) if c is not None)
+    wanted = layout.required() if LAYOUTS.get(layout.name) == layout else (*layout.required(), *masks)
     return next((name for name in wanted if name not in table.schema.names), None)
 
 

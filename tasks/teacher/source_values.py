@@ -63,7 +63,7 @@ def log_probs(layout: LogitLayout, values: np.ndarray, real: np.ndarray, target:
     field = layout.stacked or layout.values
     if layout.kind == "logits":  # log-softmax over the K kept, in float64 (several captures store float64 logits)
         top = np.where(target, values[:, 0], 0.0)[:, None]  # sorted descending: the first entry is the largest
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"):  # positions without a target: log(0), set to -inf
             shifted = np.where(real, values - top, -np.inf)
             return shifted - np.log(np.exp(shifted).sum(1, keepdims=True)), TOP_K, None
     with np.errstate(invalid="ignore", over="ignore"):
