@@ -10,6 +10,7 @@ the K, or raw logits).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -232,6 +233,8 @@ def _kdflow_rows(change: str) -> pa.Table:
         values = [[p + [-30.0] for p in row] for row in values]
     elif change == "ragged K":
         bad_ids.pop(), bad_values.pop()
+    elif change == "values K":
+        bad_values.pop()
     elif change == "positions":
         ids[1].pop(), values[1].pop()
     elif change == "outside":
@@ -256,6 +259,7 @@ def _kdflow_rows(change: str) -> pa.Table:
     ("K", "row 10 field topk_ids: K=5, the config's precompute.top_k is 4; set precompute.top_k: 5"),
     ("ragged K", "row 11 field topk_ids: ragged K: position 2 has 3 ids, others 4"),
     ("positions", "row 11 field topk_ids: 2 positions, input_ids has 3"),
+    ("values K", "row 11 field topk_logprobs: another number of values than ids at position 2 (topk_ids has K=4)"),
     ("outside", "row 11 field topk_ids: id 57 at position 2 is outside the vocabulary of 50"),
     ("repeated", "row 11 field topk_ids: a repeated id at position 2"),
     ("unsorted", "row 11 field topk_logprobs: log-probs not sorted by descending value at position 2"),
@@ -313,3 +317,32 @@ def test_check_text_compares_each_row_of_source_rows_with_its_tokens(tiny_tokeni
     bad = rows([texts[0], "something else entirely"])
     with pytest.raises(StoreError, match=r"^row 21 field text: the tokenizer's encoding differs from input_ids at "):
         check_text(bad, tokenizer, bad.first_row, LAYOUTS["kdflow"])
+
+
+def test_an_ids_first_source_read_as_stacked_names_the_order_and_a_bad_pair_is_one_line() -> None:
+    # What kdflow's own stacked export wrote before the built-in followed LlamaKD's order: ids first.
+    teacher = _teacher([3, 2], seed=8)
+    pairs = [np.stack([row["ids"].astype(float), _top(row, "full")], 1).tolist() for row in teacher]
+    tokens = _nested([row["tokens"].tolist() for row in teacher], pa.int64(), 1)
+    with pytest.raises(StoreError) as error:
+        source_rows(pa.table({"inputs": tokens, "targets": _nested(pairs, pa.float64(), 3)}), LAYOUTS["stacked"], 0,
+                    K, VOCAB)
+    assert str(error.value).endswith("the pair order is probably reversed (layout stacked reads values_first; "
+                                     "declare stacked_order: ids_first)")
+    pairs[1][1].append(pairs[1][1][0])
+    with pytest.raises(StoreError) as error:
+        source_rows(pa.table({"inputs": tokens, "targets": _nested(pairs, pa.float64(), 3)}), LAYOUTS["stacked"], 0,
+                    K, VOCAB)
+    assert str(error.value) == "row 1 field targets: not a pair of lists (ids and values) at position 1"
+
+
+def test_a_boolean_target_mask_per_position_and_an_empty_batch() -> None:
+    table, _ = _own_capture()
+    mask = pa.array([[True, False, True, True], [False] * 5], type=pa.list_(pa.bool_()))
+    layout = declare_layout(None, {"tokens": "tokens", "ids": "top_ids", "values": "topk_logits",
+                                   "target_mask": "loss_mask"}, kind="logits")
+    rows = source_rows(table.append_column("loss_mask", mask), layout, 0, K, VOCAB)
+    assert rows.target.tolist() == [True, False, True, True] + [False] * 5
+    assert (rows.ids[~rows.target] == -1).all() and np.isneginf(rows.logprobs[~rows.target]).all()
+    empty = source_rows(table.slice(0, 0), dataclasses.replace(layout, target_mask=None), 5, K, VOCAB)
+    assert empty.rows == 0 and empty.ids.shape == (0, K) and empty.offsets.tolist() == [0]

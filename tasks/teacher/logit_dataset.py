@@ -255,7 +255,10 @@ def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row
     real = target[:, None] & ~padding
     tokens = whole_ids(tokens_raw, keep, first_row, row_lengths, layout.tokens)
     outside_vocabulary(tokens, keep, vocab_size, first_row, row_lengths, layout.tokens, "token id")
-    ids = whole_ids(ids_raw, real, first_row, row_lengths, ids_field, pair_order_hint(layout, values, real))
+    try:
+        ids = whole_ids(ids_raw, real, first_row, row_lengths, ids_field)
+    except StoreError as error:  # name the likelier cause where the pair looks the other way round
+        raise StoreError(f"{error}{pair_order_hint(layout, values, real)}") from None
     outside_vocabulary(ids, real, vocab_size, first_row, row_lengths, ids_field, "id")
     distinct = np.sort(np.where(real, ids, -2 - np.arange(ids.shape[1])), axis=1)
     fail(target & (distinct[:, 1:] == distinct[:, :-1]).any(1), ids_field, "a repeated id")

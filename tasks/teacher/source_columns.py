@@ -63,7 +63,7 @@ def nested(column: pa.Array | pa.ChunkedArray, field: str, first_row: int, names
         index = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
         row, position = origin(lengths, len(names), index)
         raise StoreError(f"row {first_row + row} field {field}: a null value at position {position}")
-    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)):
+    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or pa.types.is_boolean(array.type)):
         raise StoreError(f"row {first_row} field {field}: values of type {array.type}, not numbers")
     return array.to_numpy(zero_copy_only=False), lengths
 

@@ -21,25 +21,31 @@ from kdflow.tasks.teacher.source_rows import FULL, TOP_K
 MASS_TOLERANCE = 5e-3
 
 
-def whole_ids(values: np.ndarray, real: np.ndarray, first_row: int, row_lengths: np.ndarray, field: str,
-              after: str = "") -> np.ndarray:
+def _per_position(hits: np.ndarray) -> np.ndarray:
+    """(N,) or (N, K) -> (N,): whether each position has a hit."""
+    return hits if hits.ndim == 1 else hits.any(axis=1)
+
+
+def whole_ids(values: np.ndarray, real: np.ndarray, first_row: int, row_lengths: np.ndarray, field: str
+              ) -> np.ndarray:
     """Ids stored as integers or floats -> int64 (-1 outside `real`); a float that is not a whole number where it
-    counts is a StoreError (`after` ends the message: a hint at the cause)."""
+    counts is a StoreError."""
+    if values.dtype.kind not in "iuf":
+        raise StoreError(f"row {first_row} field {field}: ids of type {values.dtype}, not numbers")
     if values.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
             bad = real & ~(np.isfinite(values) & (values == np.round(values)))
-        fail_at(first_row, row_lengths, bad.reshape(len(bad), -1).any(1), field, "ids that are not whole numbers",
-                after)
+        fail_at(first_row, row_lengths, _per_position(bad), field, "ids that are not whole numbers")
     return np.where(real, values, -1).astype(np.int64)
 
 
 def outside_vocabulary(ids: np.ndarray, real: np.ndarray, vocab_size: int, first_row: int, row_lengths: np.ndarray,
                        field: str, name: str) -> None:
-    bad = (real & ((ids < 0) | (ids >= vocab_size))).reshape(len(ids), -1)
-    hit = first_position(first_row, row_lengths, bad.any(1))
+    bad = real & ((ids < 0) | (ids >= vocab_size))
+    hit = first_position(first_row, row_lengths, _per_position(bad))
     if hit is not None:
-        position = int(np.flatnonzero(bad.any(1))[0])
-        value = ids.reshape(len(ids), -1)[position][bad[position]][0]
+        position = int(np.flatnonzero(_per_position(bad))[0])
+        value = np.atleast_1d(ids[position])[np.atleast_1d(bad[position])][0]
         raise StoreError(f"row {hit[0]} field {field}: {name} {value} at position {hit[1]} is outside the "
                          f"vocabulary of {vocab_size}")
 
@@ -65,7 +71,7 @@ def log_probs(layout: LogitLayout, values: np.ndarray, real: np.ndarray, target:
         top = np.where(target, values[:, 0], 0.0)[:, None]  # sorted descending: the first entry is the largest
         with np.errstate(invalid="ignore", divide="ignore"):  # positions without a target: log(0), set to -inf
             shifted = np.where(real, values - top, -np.inf)
-            return shifted - np.log(np.exp(shifted).sum(1, keepdims=True)), TOP_K, None
+            return np.where(real, shifted - np.log(np.exp(shifted).sum(1, keepdims=True)), -np.inf), TOP_K, None
     with np.errstate(invalid="ignore", over="ignore"):
         mass = np.where(real, np.exp(values), 0.0).sum(1)
     if layout.kind == "renormalised":
