@@ -71,10 +71,6 @@ class LogitLayout:
     def required(self) -> tuple[str, ...]:
         return (self.tokens, *self.target_fields())
 
-    def optional(self) -> tuple[str, ...]:
-        """The declared optional columns (tail, masks, text)."""
-        return tuple(c for c in (self.tail, self.target_mask, self.attention_mask, self.text) if c is not None)
-
     def declared(self) -> dict[str, Any]:
         """The layout as the YAML mapping that declares it (what an import records)."""
         return {key: value for key, value in dataclasses.asdict(self).items() if value not in (None, "")}

@@ -1,7 +1,10 @@
 """A top-K logit dataset read for import: a local Hugging Face dataset folder (`datasets.load_from_disk`), Parquet
-files or JSON lines, mapped by a declared layout (kdflow.schemas.logit_layouts) to the arrays of a top-K store and
-checked row by row. Every problem is one line naming the row and the field (a `StoreError`), found before the
-importer writes anything.
+files or JSON lines, mapped by a declared layout (kdflow.schemas.logit_layouts) and checked. Every problem is one
+line naming the row and the field (a `StoreError`), found before the importer writes anything.
+
+`source_rows` maps a batch of rows of any length to SourceRows (masks applied, values of any kind turned into
+log-probs), vectorised over the batch's positions (reading in source_columns, value checks in source_values).
+`logit_rows` is the fixed-length reader the importer used before; it goes once the importer reads SourceRows.
 """
 
 from __future__ import annotations
