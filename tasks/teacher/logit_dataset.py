@@ -1,7 +1,10 @@
 """A top-K logit dataset read for import: a local Hugging Face dataset folder (`datasets.load_from_disk`), Parquet
-files or JSON lines, mapped by a declared layout (kdflow.schemas.logit_layouts) to the arrays of a top-K store and
-checked row by row. Every problem is one line naming the row and the field (a `StoreError`), found before the
-importer writes anything.
+files or JSON lines, mapped by a declared layout (kdflow.schemas.logit_layouts) and checked. Every problem is one
+line naming the row and the field (a `StoreError`), found before the importer writes anything.
+
+`source_rows` maps a batch of rows of any length to SourceRows (masks applied, values of any kind turned into
+log-probs), vectorised over the batch's positions (reading in source_columns, value checks in source_values).
+`logit_rows` is the fixed-length reader the importer used before; it goes once the importer reads SourceRows.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.logit_layouts import LogitLayout
+from kdflow.schemas.logit_layouts import LAYOUTS, LogitLayout
 from kdflow.tasks.common.saved_datasets import is_saved_dataset, load_saved_dataset
+from kdflow.tasks.teacher.source_columns import (any_per_position, entries_per_position, fail_at, list_depth, nested,
+                                                 same_rows)
+from kdflow.tasks.teacher.source_rows import SourceRows
+from kdflow.tasks.teacher.source_values import (MASS_TOLERANCE, log_probs, outside_vocabulary, pair_order_hint,
+                                                whole_ids)
 
-# Log-probs rounded to float16 by their writer can sum a little above 1 (each p is off by ~p * |log p| * 2^-11);
-# a source whose kept mass exceeds 1 by more than this is wrong, not rounded.
-MASS_TOLERANCE = 5e-3
 
 
 @dataclass
@@ -62,11 +67,24 @@ def read_logit_dataset(path: str) -> pa.Table:
     raise ConfigError(f"import source {path!r} is no dataset folder, Parquet or JSON lines file")
 
 
-def check_columns(table: pa.Table, layout: LogitLayout, path: str) -> None:
-    missing = [name for name in layout.required() if name not in table.column_names]
-    if missing:
-        raise StoreError(f"import source {path!r} has no column {missing[0]!r} of layout {layout.name} "
-                         f"(columns: {', '.join(table.column_names)})")
+def _builtin(layout: LogitLayout) -> bool:
+    return LAYOUTS.get(layout.name) == layout
+
+
+def _missing(table: pa.Table | pa.RecordBatch, layout: LogitLayout) -> str | None:
+    """The first of the layout's columns the source lacks. The tail and the text may be absent (the tail is then
+    1 - sum p, the text unchecked), and so may a built-in's masks, as older kdflow exports lack them; the masks of a
+    declared layout change what is trained on, so a name that the source lacks is an error, not ignored."""
+    masks = tuple(c for c in (layout.target_mask, layout.attention_mask) if c is not None)
+    wanted = layout.required() if LAYOUTS.get(layout.name) == layout else (*layout.required(), *masks)
+    return next((name for name in wanted if name not in table.schema.names), None)
+
+
+def check_columns(table: pa.Table | pa.RecordBatch, layout: LogitLayout, path: str) -> None:
+    missing = _missing(table, layout)
+    if missing is not None:
+        raise StoreError(f"import source {path!r} has no column {missing!r} of layout {layout.name} "
+                         f"(columns: {', '.join(table.schema.names)})")
 
 
 def _dense(column: pa.ChunkedArray, start: int, field: str, sizes: list[int | None], what: list[str]) -> np.ndarray:
@@ -133,7 +151,8 @@ def logit_rows(table: pa.Table, layout: LogitLayout, start: int, stop: int, seq_
         stacked = _dense(rows.column(layout.stacked), start, layout.stacked, [seq_len, 2, None],
                          ["position", "pair", "entry"])
         ids_field = lp_field = layout.stacked
-        ids, logprobs = _integers(stacked[:, :, 0], start, ids_field), stacked[:, :, 1]
+        ids_at = 0 if layout.stacked_order == "ids_first" else 1
+        ids, logprobs = _integers(stacked[:, :, ids_at], start, ids_field), stacked[:, :, 1 - ids_at]
     else:
         ids_field, lp_field = layout.ids, layout.values
         ids = _integers(_dense(rows.column(ids_field), start, ids_field, [seq_len, None], ["position", "id"]),
@@ -174,6 +193,91 @@ def logit_rows(table: pa.Table, layout: LogitLayout, start: int, stop: int, seq_
     return LogitRows(tokens.astype(np.int32), ids.astype(np.int32), logprobs.astype(np.float32), tail, text)
 
 
+def _targets(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row: int, row_lengths: np.ndarray,
+             top_k: int) -> tuple[str, str, np.ndarray, np.ndarray]:
+    """(ids field, values field, raw ids (N, K), values (N, K) float64) in the declared pair order."""
+    n = int(row_lengths.sum())
+    if layout.stacked is not None:
+        field = layout.stacked
+        flat, lengths = nested(batch.column(field), field, first_row, ("position", "pair", "entry"))
+        same_rows(first_row, field, lengths[0], layout.tokens, row_lengths)
+        fail_at(first_row, row_lengths, lengths[1] != 2, field, "not a pair of lists (ids and values)")
+        k = entries_per_position(first_row, field, lengths, top_k, "entry")
+        grid = flat.reshape(n, 2, k)
+        ids_at = 0 if layout.stacked_order == "ids_first" else 1
+        return field, field, grid[:, ids_at], grid[:, 1 - ids_at].astype(np.float64)
+    ids_flat, ids_lengths = nested(batch.column(layout.ids), layout.ids, first_row, ("position", "id"))
+    same_rows(first_row, layout.ids, ids_lengths[0], layout.tokens, row_lengths)
+    k = entries_per_position(first_row, layout.ids, ids_lengths, top_k, "id")
+    values, lengths = nested(batch.column(layout.values), layout.values, first_row, ("position", "value"))
+    same_rows(first_row, layout.values, lengths[0], layout.tokens, row_lengths)
+    fail_at(first_row, row_lengths, lengths[1] != ids_lengths[1], layout.values, "another number of values than ids",
+            f" ({layout.ids} has K={k})")
+    return layout.ids, layout.values, ids_flat.reshape(n, k), values.reshape(n, k).astype(np.float64)
+
+
+def _position_column(batch: pa.RecordBatch | pa.Table, field: str | None, layout: LogitLayout, first_row: int,
+                     row_lengths: np.ndarray) -> np.ndarray | None:
+    """A per-position column (`[T]`, or `[T][K]` for a mask) as (N,) values, or None where absent."""
+    if field is None or field not in batch.schema.names:
+        return None
+    depth = 2 if field == layout.target_mask and list_depth(batch.schema.field(field).type) == 2 else 1
+    values, lengths = nested(batch.column(field), field, first_row, ("position", "entry")[:depth])
+    same_rows(first_row, field, lengths[0], layout.tokens, row_lengths)
+    return any_per_position(values, lengths) if depth == 2 else values
+
+
+def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row: int, top_k: int,
+                vocab_size: int) -> SourceRows:
+    """Rows of any length mapped by `layout` to canonical SourceRows and checked, before anything is written.
+
+    Positions with attention mask 0 are dropped; positions with target mask 0, or whose values are all -inf (how
+    axolotl pads prompts), keep their token but get no target. Values become log-probs by `layout.kind`: logprobs
+    stay (normalisation full), renormalised must sum to 1 over the K, logits get a log-softmax over the K (both
+    normalisation top_k). Each problem is one StoreError line naming the source row, the field and the position."""
+    missing = _missing(batch, layout)
+    if missing is not None:
+        raise StoreError(f"row {first_row}: no column {missing!r} of layout {layout.name} "
+                         f"(columns: {', '.join(batch.schema.names)})")
+    tokens_raw, (row_lengths,) = nested(batch.column(layout.tokens), layout.tokens, first_row, ("position",))
+    ids_field, values_field, ids_raw, values = _targets(batch, layout, first_row, row_lengths, top_k)
+    attention = _position_column(batch, layout.attention_mask, layout, first_row, row_lengths)
+    keep = np.ones(len(tokens_raw), bool) if attention is None else attention != 0
+    mask = _position_column(batch, layout.target_mask, layout, first_row, row_lengths)
+    target = keep.copy() if mask is None else keep & (mask != 0)
+
+    def fail(hits: np.ndarray, field: str, problem: str) -> None:
+        fail_at(first_row, row_lengths, hits, field, problem)
+
+    fail(target & np.isnan(values).any(1), values_field, "a value that is not a number")
+    padding = values == -np.inf
+    target &= ~padding.all(1)
+    fail(target & (values == np.inf).any(1), values_field, "a value of +inf")
+    fail(target & (padding[:, :-1] & ~padding[:, 1:]).any(1), values_field,
+         "-inf before a finite value (-inf may only pad the end of a position)")
+    real = target[:, None] & ~padding
+    tokens = whole_ids(tokens_raw, keep, first_row, row_lengths, layout.tokens)
+    outside_vocabulary(tokens, keep, vocab_size, first_row, row_lengths, layout.tokens, "token id")
+    try:
+        ids = whole_ids(ids_raw, real, first_row, row_lengths, ids_field)
+    except StoreError as error:  # name the likelier cause where the pair looks the other way round
+        raise StoreError(f"{error}{pair_order_hint(layout, values, real)}") from None
+    outside_vocabulary(ids, real, vocab_size, first_row, row_lengths, ids_field, "id")
+    distinct = np.sort(np.where(real, ids, -2 - np.arange(ids.shape[1])), axis=1)
+    fail(target & (distinct[:, 1:] == distinct[:, :-1]).any(1), ids_field, "a repeated id")
+    with np.errstate(invalid="ignore"):
+        fail(target & ((np.diff(values, axis=1) > 0) & real[:, 1:]).any(1), values_field,
+             f"{'logits' if layout.kind == 'logits' else 'log-probs'} not sorted by descending value")
+    tail = _position_column(batch, layout.tail, layout, first_row, row_lengths) if layout.kind == "logprobs" else None
+    logprobs, normalisation, tail = log_probs(layout, values, real, target, tail, first_row, row_lengths)
+    rows = np.repeat(np.arange(len(row_lengths)), row_lengths)
+    offsets = np.concatenate(([0], np.cumsum(np.bincount(rows[keep], minlength=len(row_lengths))))).astype(np.int64)
+    text = batch.column(layout.text).to_pylist() if layout.text and layout.text in batch.schema.names else None
+    return SourceRows(first_row=first_row, offsets=offsets, tokens=tokens[keep].astype(np.int32),
+                      ids=ids[keep].astype(np.int32), logprobs=logprobs[keep].astype(np.float32), target=target[keep],
+                      tail=None if tail is None else tail[keep], text=text, normalisation=normalisation)
+
+
 def computed_tail(logprobs: np.ndarray) -> np.ndarray:
     """(n, T, K) -> (n, T) float32: log(1 - sum p) in float64, clamped to [0, 1] (-inf where nothing is left)."""
     mass = np.exp(np.asarray(logprobs, dtype=np.float64)).sum(-1)
@@ -181,11 +285,12 @@ def computed_tail(logprobs: np.ndarray) -> np.ndarray:
         return np.log(np.clip(1.0 - mass, 0.0, 1.0)).astype(np.float32)
 
 
-def check_text(rows: LogitRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
+def check_text(rows: LogitRows | SourceRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
     """Where the source holds the text: the tokenizer's encoding of it must begin with the row's token ids."""
     if rows.text is None:
         return
-    for offset, (text, ids) in enumerate(zip(rows.text, rows.input_ids)):
+    token_rows = (np.split(rows.tokens, rows.offsets[1:-1]) if isinstance(rows, SourceRows) else rows.input_ids)
+    for offset, (text, ids) in enumerate(zip(rows.text, token_rows)):
         encoded = np.asarray(tokenizer(text or "", add_special_tokens=False)["input_ids"][:len(ids)], np.int64)
         if len(encoded) < len(ids) or not np.array_equal(encoded, ids):
             differ = np.flatnonzero(encoded[:len(ids)] != ids[:len(encoded)])

@@ -40,7 +40,8 @@ def layout_table(layout: LogitLayout, input_ids: np.ndarray, ids: np.ndarray, lo
     """One shard's arrays as a table in `layout`."""
     columns: dict[str, pa.Array] = {layout.tokens: _nested(input_ids.astype(np.int32))}
     if layout.stacked is not None:
-        columns[layout.stacked] = _nested(np.stack([ids.astype(np.float32), logprobs.astype(np.float32)], axis=2))
+        pair = [ids.astype(np.float32), logprobs.astype(np.float32)]
+        columns[layout.stacked] = _nested(np.stack(pair if layout.stacked_order == "ids_first" else pair[::-1], axis=2))
     else:
         columns[layout.ids] = _nested(ids.astype(np.int32))
         columns[layout.values] = _nested(logprobs.astype(np.float32))

@@ -24,7 +24,7 @@ from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name
-from kdflow.schemas.logit_layouts import logit_layout
+from kdflow.schemas.logit_layouts import LogitLayout, resolve_layout
 from kdflow.schemas.shards import (read_token_shard, token_batch, token_shard_writer, topk_batch, topk_shard_writer,
                                    topk_v2_shard_writer)
 from kdflow.schemas.stage_settings import TeacherPassSettings
@@ -47,15 +47,16 @@ def _check_targets(pre: PrecomputeConfig) -> None:
                           "set precompute.targets: topk")
 
 
-def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, layout_name: str, teacher_name: str,
-                 tokenizer: Any = None) -> dict[str, Any]:
-    """Import `source` (layout `layout_name`) as the targets of teacher `teacher_name`; -> a summary with the TAG.
-    `tokenizer`: the run's, already loaded (else loaded here)."""
+def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, layout_name: str | LogitLayout,
+                 teacher_name: str, tokenizer: Any = None) -> dict[str, Any]:
+    """Import `source` (layout `layout_name`: a built-in's name, a YAML file, or a declared layout) as the targets
+    of teacher `teacher_name`; -> a summary with the TAG. `tokenizer`: the run's, already loaded (else loaded
+    here)."""
     pre = settings.precompute
     _check_targets(pre)
     if not teacher_name.strip():
         raise ConfigError("the imported teacher needs a name (--teacher)")
-    layout = logit_layout(layout_name)
+    layout = resolve_layout(layout_name)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.teacher, settings.tokenizer)
     vocab_size, seq_len, top_k, per_shard = len(tokenizer), settings.seq_len, pre.top_k, pre.sequences_per_shard
     table = read_logit_dataset(source)
