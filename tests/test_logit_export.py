@@ -206,6 +206,16 @@ def test_axolotl_round_trip_imports_and_trains_to_the_original_losses(fresh_run,
     train(open_run_root(imported), training_settings(imported))
     losses = [[r["loss"] for r in read_lines(student_path(c, "metrics.jsonl"))] for c in (original, imported)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    # credit: the imported store's card names the imported teacher; kl_full against teacher.model is not computed
+    # (the config does not say the imported teacher is teacher.model), and the card says why in one line
+    evals = [read_lines(student_path(c, "eval.jsonl")) for c in (original, imported)]
+    assert all("kl_full" in e for e in evals[0]) and not any("kl_full" in e for e in evals[1])
+    card = student_path(imported, "final", "README.md").read_text()
+    assert "| teacher | `sharp-tiny` (its targets imported with `kdflow store import`) |" in card
+    assert card.count(Path(original.teacher.model).name) == 1 and str(tmp_path) not in card  # in the note only
+    assert ("No kl_full: the store's targets were imported from teacher 'sharp-tiny', and the config does not say "
+            f"that is teacher.model '{Path(original.teacher.model).name}' (student.imported_is_teacher_model).\n"
+            in card)
 
 
 def test_a_layout_that_cannot_say_what_the_store_holds_is_refused_before_anything_is_written(
