@@ -9,10 +9,10 @@ distribution, per position:
 The teacher is loaded once per run, on the student's device, only when `student.eval_full_kl` asks for it (auto:
 a local teacher of at most EVAL_FULL_KL_AUTO_BYTES of weight files) and, on an imported store, only when
 `student.imported_is_teacher_model` says the store's teacher is `teacher.model`. Its body runs once over this
-rank's held-out rows and is then dropped. What is kept in memory: the final hidden states of those rows and the output layer, from
-which every evaluation recomputes the teacher's logits chunk by chunk (the model's own logit scaling and
-softcapping applied): the same logits a dense forward gives, without keeping (rows, T, vocab) numbers and without
-writing anything to the stores.
+rank's held-out rows and is then dropped. What is kept in memory: the final hidden states of those rows and the
+output layer, from which every evaluation recomputes the teacher's logits chunk by chunk (the model's own logit
+scaling and softcapping applied): the same logits a dense forward gives, without keeping (rows, T, vocab) numbers
+and without writing anything to the stores.
 
 When the two vocabularies differ (a teacher whose lm_head has padding rows beyond the tokenizer), the ids both
 have are compared one by one and the ids only one side has form one bucket on each side.
