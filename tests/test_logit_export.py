@@ -169,21 +169,47 @@ def _check_columns(layout: LogitLayout, table: pa.Table, seq_len: int, k: int) -
         assert np.asarray(row[layout.target_mask]).shape == (seq_len, k)
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_every_built_in_layout_exports_a_real_store_as_documented(fresh_run, tmp_path: Path, name: str) -> None:
+def _log_softmax(values: np.ndarray) -> np.ndarray:
+    """Over the last axis, in float64, -inf entries kept at -inf (the reference a trainer applies to logits)."""
+    values = values.astype(np.float64)
+    top = np.max(values, axis=-1, keepdims=True)
+    return values - (np.log(np.exp(values - top).sum(axis=-1, keepdims=True)) + top)
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS.values(), AXOLOTL, VALUES_FIRST, LOGITS, KDFLOW],
+                         ids=lambda layout: layout.name)
+def test_every_layout_exports_a_real_store_as_documented(fresh_run, tmp_path: Path, layout: LogitLayout) -> None:
     import datasets
 
     original = fresh_run(student__topk_tag=DENSE_TAG, **V1)
-    layout = LAYOUTS[name]
     out = tmp_path / "out"
-    summary = export_store(str(original.run_root), str(out), DENSE_TAG, name)
+    summary = export_store(str(original.run_root), str(out), DENSE_TAG, layout)
     assert summary["kind"] == layout.kind and summary["normalisation"] == "full"
     assert json.loads((out / "kdflow_export.json").read_text()) == summary
     files = sorted(str(p) for p in (out / "data").glob("*.parquet"))
     _check_columns(layout, pq.read_table(files[0]), 32, 8)
-    loaded = datasets.load_dataset("parquet", data_files=files, split="train")
-    assert loaded.num_rows == summary["rows"]
+    table = pa.concat_tables(pq.read_table(f) for f in files)
+    assert table.num_rows == summary["rows"] == datasets.load_dataset("parquet", data_files=files,
+                                                                        split="train").num_rows
     assert not list((out / "data").glob(".*"))  # no temporary file left
+    want_ids, want_logprobs = _store_arrays(original, DENSE_TAG)
+    if layout.stacked is not None:
+        pair = np.asarray(table.column(layout.stacked).to_pylist(), np.float32)  # (n, T, 2, K)
+        got_ids, values = (pair[:, :, 0], pair[:, :, 1]) if layout.stacked_order == "ids_first" else \
+            (pair[:, :, 1], pair[:, :, 0])
+    else:
+        got_ids = np.asarray(table.column(layout.ids).to_pylist())
+        values = np.asarray(table.column(layout.values).to_pylist(), np.float32)
+    assert np.array_equal(got_ids, want_ids)
+    reference = want_logprobs.astype(np.float32)
+    if layout.kind == "logprobs":
+        assert np.array_equal(values, reference)
+    else:  # renormalised, or logits a log-softmax turns into it: the store's distribution over its K
+        np.testing.assert_allclose(_log_softmax(values), _log_softmax(reference), atol=1e-5)
+    if layout.kind == "renormalised":
+        np.testing.assert_allclose(np.exp(values.astype(np.float64)).sum(-1), 1.0, atol=1e-5)
+    if layout.target_mask is not None:  # every position of this store has a target
+        assert np.asarray(table.column(layout.target_mask).to_pylist()).all()
 
 
 def test_axolotl_round_trip_imports_and_trains_to_the_original_losses(fresh_run, tmp_path: Path) -> None:
