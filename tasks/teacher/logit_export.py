@@ -69,8 +69,6 @@ def export_problem(layout: LogitLayout, normalisation: str, masked: bool) -> str
         return (f"its log-probs are renormalised over the K ids (no tail), layout {layout.name} declares log-probs "
                 "over the full vocabulary" + (" and a tail" if layout.tail is not None else "")
                 + "; export to a renormalised or logits layout")
-    if layout.tail is not None and layout.kind != "logprobs":
-        return f"layout {layout.name} has a tail column but its values are {layout.kind}, which have no tail"
     if masked and layout.target_mask is None:
         return (f"it has positions without a teacher target (prompt or masked) and layout {layout.name} has no "
                 "target_mask column to say so; export to a layout with one")
