@@ -87,6 +87,32 @@ def test_axolotl_rows_carry_renormalised_logprobs_a_per_id_mask_and_gatherable_i
     assert rows[1]["target_token_ids"][2][2:] == [0, 0]  # adaptive K's padding: a valid placeholder, masked
 
 
+def test_axolotl_s_top_k_forward_kl_reads_the_rows_as_written() -> None:
+    """The KD loss axolotl's trainer computes on a batch of these rows (gather the student's log-probs at every id,
+    keep the entries target_mask marks, sum p (log p - log q) over them; it then divides by a count, left out
+    here), written from its description, equals a dense reference over the store's own distribution: no -inf reaches the sum, no id is
+    out of range."""
+    import torch
+
+    input_ids, ids, logprobs, tail = _decoded()
+    target = np.ones(input_ids.shape, bool)
+    target[:, :2] = False
+    rows = layout_table(AXOLOTL, input_ids, ids, logprobs, None, target).to_pydict()
+    student = torch.randn(2, 5, VOCAB, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    log_q = torch.log_softmax(student, -1)
+    gathered = torch.gather(log_q, -1, torch.tensor(rows["target_token_ids"]))
+    mask = torch.tensor(rows["target_mask"]).bool()
+    teacher = torch.tensor(rows["target_logprobs"], dtype=torch.float64)[mask]
+    loss = (teacher.exp() * (teacher - gathered[mask])).sum()
+    reference = 0.0
+    for r in range(2):
+        for t in range(2, 5):
+            kept = [(int(i), float(v)) for i, v in zip(ids[r, t], logprobs[r, t]) if i >= 0]
+            total = sum(math.exp(v) for _, v in kept)
+            reference += sum(math.exp(v) / total * (v - math.log(total) - float(log_q[r, t, i])) for i, v in kept)
+    assert float(loss) == pytest.approx(reference, rel=1e-5)
+
+
 def test_the_stacked_pair_follows_its_declared_order() -> None:
     input_ids, ids, logprobs, tail = _decoded(padded=False)
     first = layout_table(VALUES_FIRST, input_ids, ids, logprobs, tail).column("targets").to_pylist()
