@@ -90,8 +90,8 @@ def test_axolotl_rows_carry_renormalised_logprobs_a_per_id_mask_and_gatherable_i
 def test_axolotl_s_top_k_forward_kl_reads_the_rows_as_written() -> None:
     """The KD loss axolotl's trainer computes on a batch of these rows (gather the student's log-probs at every id,
     keep the entries target_mask marks, sum p (log p - log q) over them; it then divides by a count, left out
-    here), written from its description, equals a dense reference over the store's own distribution: no -inf reaches the sum, no id is
-    out of range."""
+    here), written from its description, equals a dense reference over the store's own distribution: no -inf
+    reaches the sum, no id is out of range."""
     import torch
 
     input_ids, ids, logprobs, tail = _decoded()
