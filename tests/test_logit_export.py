@@ -274,3 +274,9 @@ def test_axolotl_round_trip_imports_and_trains_to_the_original_losses(fresh_run,
     assert ("No kl_full: the store's targets were imported from teacher 'sharp-tiny', and the config does not say "
             f"that is teacher.model '{Path(original.teacher.model).name}' (student.imported_is_teacher_model).\n"
             in card)
+    # saying the imported teacher is teacher.model (it is: the store was exported from its own targets) brings it back
+    same = imported.model_copy(update={"student": imported.student.model_copy(
+        update={"name": "same-teacher", "imported_is_teacher_model": True})})
+    train(open_run_root(same), training_settings(same))
+    assert all("kl_full" in e for e in read_lines(student_path(same, "eval.jsonl")))
+    assert "No kl_full" not in student_path(same, "final", "README.md").read_text()
