@@ -48,10 +48,11 @@ from kdflow.tasks.student.steps import (DistillLoss, autocast_for, build_optimiz
                                         optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
 
+logger = logging.getLogger("kdflow.train")
+
 # Re-exported: callers import the pieces of a step from here too.
 __all__ = ["StudentRun", "train"]
 OnStep = Callable[[dict[str, Any]], bool | None]
-logger = logging.getLogger("kdflow.train")
 
 
 class StudentRun:
