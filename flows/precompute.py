@@ -162,7 +162,7 @@ def _store_report_artifact(run_root: RunRoot, tag: str, fidelity: dict[str, Any]
         summary = store_summary(run_root, tag, rows=64) | (fidelity or {})
         create_markdown_artifact(report_markdown(summary), key=f"topk-store-report-{tag}",
                                  description=f"top-K store {tag}: bytes/position, KL to the teacher, histograms")
-        return {k: summary[k] for k in ("bytes_per_position", "kl_full_mean", "kl_full_max",
+        return {k: summary[k] for k in ("bytes_per_position", "kl_teacher_store_mean", "kl_teacher_store_max",
                                                   "kl_buckets_lower_bound_mean") if k in summary}
     except Exception as error:  # noqa: BLE001 - a report is a convenience, the store is the truth
         get_run_logger().warning("store report artifact not created: %s", error)

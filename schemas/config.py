@@ -268,6 +268,7 @@ class StudentConfig(_Section):
                     "teacher pass over them per run (the teacher loaded on the student's device while it runs). "
                     "auto: on when the teacher is a local folder whose weight files total at most "
                     "EVAL_FULL_KL_AUTO_BYTES (1 GiB); true: always; false: never")
+    imported_is_teacher_model: bool = Field(False, description="Imported store made by teacher.model: kl_full on it")
     save_every: PositiveInt = Field(default=100, description="Steps between checkpoints")
     keep_checkpoints: PositiveInt = Field(default=2, description="Complete checkpoints kept in students/NAME (newest)")
     topk_tag: str | None = Field(default=None, description="Train on topk/TAG; default: the store made for this config")

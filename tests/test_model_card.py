@@ -45,7 +45,10 @@ def test_the_final_folder_carries_a_card_that_hub_and_transformers_read(trained:
     batch, seq_len = trained.student.batch_size, trained.seq_len
     assert f"| steps | 3 (batch {batch} sequences) |" in text
     assert f"| tokens | {3 * batch * seq_len:,} |" in text
-    assert f"| teacher | `{trained.teacher.model}` |" in text and f"`{trained.dataset.path}`" in text
+    assert f"| teacher | `{Path(trained.teacher.model).name}` |" in text
+    assert f"| corpus | `{Path(trained.dataset.path).name}`, split `train` |" in text
+    assert "| store | `topk/dense`, format " in text
+    assert str(Path(trained.run_root).parent) not in text and "/tmp" not in text  # no local path travels
     assert f"| bytes per position | {stored_bytes_per_position(trained):.1f} over " in text
     assert f"{sum(p.numel() for p in model.parameters()):,} parameters, initialised from random weights" in text
     assert "top-8 per position" in text and "CPU (" in text
@@ -112,3 +115,28 @@ def test_the_stored_kl_is_one_row_named_for_the_store_s_targets(targets: str, na
     rows = [line for line in text.splitlines() if line.startswith("| ") and "0.5000" in line]
     assert rows == [f"| {name} | 0.9000 | 0.5000 |"], rows
     assert "kl_stored" not in text and "| kl |" not in text
+
+
+def test_an_imported_store_s_card_credits_its_teacher_and_says_why_there_is_no_kl_full() -> None:
+    from kdflow.schemas.store_info import TopkStoreInfo
+    from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
+    from kdflow.tasks.student.model_card import shown_name
+
+    base = {"tag": "t", "teacher_fingerprint": "f", "tokens_fingerprint": "g", "teacher_identity": {}, "top_k": 8,
+            "logprobs_dtype": "float16", "seq_len": 16}
+    computed = TopkStoreInfo(teacher={"model": "org/teacher"}, **base)
+    imported = TopkStoreInfo(teacher={"imported": "Llama-405B"}, imported={"teacher": "Llama-405B"}, **base)
+    assert imported_teacher(computed) is None and imported_teacher(None) is None
+    assert imported_teacher(imported) == "Llama-405B"
+    assert full_kl_off_reason(computed, "org/teacher", False) is None  # a store kdflow computed: as today
+    assert full_kl_off_reason(imported, "org/teacher", True) is None  # the config says they are the same teacher
+    note = full_kl_off_reason(imported, "org/teacher", False)
+    assert note == ("no kl_full: the store's targets were imported from teacher 'Llama-405B', and the config does "
+                    "not say that is teacher.model 'org/teacher' (student.imported_is_teacher_model)")
+    text = render_card(facts(teacher="Llama-405B", imported=True, kl_full_note=note,
+                             evals=[{"step": 2, "kl_stored": 0.5, "sequences": 4}]))
+    assert "| teacher | `Llama-405B` (its targets imported with `kdflow store import`) |" in text
+    assert "\nNo kl_full: the store's targets were imported from teacher 'Llama-405B'," in text
+    assert "full-vocabulary KL" not in text
+    assert [shown_name(n) for n in ("org/name", "/tmp/x/teacher/", "~/corpus.jsonl", "s3://b/k", "package:p")] == [
+        "org/name", "teacher", "corpus.jsonl", "s3://b/k", "package:p"]

@@ -86,4 +86,4 @@ def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect
     [report] = [a for a in artifacts if a.key == f"topk-store-report-{result['tag']}"]
     assert report.type == "markdown" and "bytes / position" in report.data and "KL(teacher \u2016 store)" in report.data
     assert 0 < result["bytes_per_position"] < 6 * config.precompute.top_k
-    assert 0 <= result["kl_buckets_lower_bound_mean"] < 1e-3 and result["kl_full_mean"] > 0
+    assert 0 <= result["kl_buckets_lower_bound_mean"] < 1e-3 and result["kl_teacher_store_mean"] > 0

@@ -257,7 +257,8 @@ def test_validate_checks_sampled_stores_by_their_own_contract(make_config, capsy
     # The store report: the pass re-ran a few rows (same micro-batches, same seed) and drew the same samples.
     fidelity = summary["fidelity"]
     assert fidelity["positions_with_other_samples"] == 0 and fidelity["kl_buckets_lower_bound_mean"] < 1e-3
-    assert fidelity["kl_full_mean"] > 0 and fidelity["kl_full_infinite_positions"] == 0  # the store metric
+    # the store metric
+    assert fidelity["kl_teacher_store_mean"] > 0 and fidelity["kl_teacher_store_infinite_positions"] == 0
     from kdflow.commands.store_report import store_report
     from kdflow.tasks.teacher.store_quality import report_markdown
 

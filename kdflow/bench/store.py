@@ -5,7 +5,7 @@ Real (default): the demo teacher (SmolLM2-135M-Instruct, V = 49,152) at K = 128 
 stores under `--run-root`: the default codec, and a lossless one (float32 values and tail: the teacher's
 float32 capture, exactly). Every setting is then encoded from the lossless store's contents, shard by shard
 as a store would hold them. Per setting:
-- `kl_full_*`: the store metric, KL(teacher || what the store implies: its ids at their stored probabilities,
+- `kl_teacher_store_*`: the store metric, KL(teacher || what the store implies: its ids at their stored probabilities,
   its tail spread evenly over the ids it does not hold) over the full vocabulary, per position, in nats
   (`kdflow.tasks.teacher.store_metric.full_kl_from_topk`; the tail's sum of p log p from a dense teacher pass
   over the same rows). The same definition for every setting: smaller is more faithful, adaptive K included.
@@ -140,7 +140,7 @@ def measure_setting(label: str, options: dict[str, Any], shards: list[Shard], vo
     """Encode every shard with one codec setting; bytes, the full KL to the teacher and the K+1-bucket lower bound
     against the exact input, invalid tails, speed."""
     from kdflow.tasks.teacher.store_fidelity import bucket_fields, bucket_kl
-    from kdflow.tasks.teacher.store_metric import full_kl_from_topk, kl_summary
+    from kdflow.tasks.teacher.store_metric import STORE_KL, full_kl_from_topk, kl_summary
 
     options = dict(options)
     renumbering = table if options.pop("table") == "unigram" else None
@@ -180,7 +180,7 @@ def measure_setting(label: str, options: dict[str, Any], shards: list[Shard], vo
         "renumbering_table_B": len(renumbering.to_bytes()) if renumbering is not None else 0,
         "data_B": round(sizes.data / positions, 2), "records_and_store_files_B":
             round((sizes.records + sizes.store_files) / positions, 2), "schema_metadata_B_per_shard": schema_bytes,
-        **kl_summary(np.concatenate(full), "kl_full"), **bucket_fields(np.concatenate(kls)),
+        **kl_summary(np.concatenate(full), STORE_KL), **bucket_fields(np.concatenate(kls)),
         "invalid_positions": invalid, "mean_kept": float(np.concatenate(kept).mean()),
         "mass_moved_to_tail": float(np.concatenate(moved).mean()),
         "encode_pos_s": round(positions / encode_s), "decode_pos_s": round(positions / decode_s),
@@ -194,7 +194,7 @@ def measure_v1(shards: list[Shard], vocab: int, tail_plogp: list[np.ndarray], st
     """v1 for comparison: int32 ids + float16 log-probs, the tail derived as 1 - sum(exp) (what v1 readers do).
     KL figures are over the positions where they are finite; `share_infinite_kl`: where the derived tail is 0."""
     from kdflow.tasks.teacher.store_fidelity import bucket_kl
-    from kdflow.tasks.teacher.store_metric import full_kl_from_topk
+    from kdflow.tasks.teacher.store_metric import STORE_KL, full_kl_from_topk
 
     _, seq_len, top_k = shards[0][0].shape
     schema = topk_schema(seq_len, top_k, "float16")
@@ -213,7 +213,7 @@ def measure_v1(shards: list[Shard], vocab: int, tail_plogp: list[np.ndarray], st
     sizes = written_store_bytes(None, schema, batches, None, store_files)
     return {"setting": "v1 int32 ids + float16, tail = 1 - sum", "vocab": vocab, "positions": positions,
             "bytes_per_position": round(sizes.per_position, 2), "data_B": round(sizes.data / positions, 2),
-            "kl_full_mean": float(full_kl[finite].mean()), "kl_full_max": float(full_kl[finite].max()),
+            f"{STORE_KL}_mean": float(full_kl[finite].mean()), f"{STORE_KL}_max": float(full_kl[finite].max()),
             "kl_buckets_lower_bound_mean": float(kl[finite].mean()), "share_infinite_kl": float((~finite).mean()),
             "invalid_positions": invalid, "loadavg_1m": _loadavg()}
 

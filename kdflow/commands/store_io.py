@@ -67,7 +67,9 @@ def import_main(argv: list[str] | None = None) -> int:
 def export_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdflow store export", description=(
         "Write a top-K store as Parquet shards (OUT_DIR/data/train-*.parquet) that "
-        f"datasets.load_dataset('parquet', ...) reads. Layouts: {_LAYOUTS}"))
+        "datasets.load_dataset('parquet', ...) reads, each column as the layout declares it (full, renormalised or "
+        "logit values, the stacked pair's order, a per-id target mask where the layout has one), so that the "
+        f"trainer the layout comes from reads it. Layouts: {_LAYOUTS}"))
     parser.add_argument("run_root", help="the run root, or the config file that names it")
     parser.add_argument("out_dir")
     parser.add_argument("--tag", help="the store (default: the run root's only one)")

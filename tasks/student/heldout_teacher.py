@@ -7,11 +7,12 @@ distribution, per position:
     kl_full = sum_j p_j (log p_j - log q_j)      (p: the teacher's softmax, q: the student's, over every id j)
 
 The teacher is loaded once per run, on the student's device, only when `student.eval_full_kl` asks for it (auto:
-a local teacher of at most EVAL_FULL_KL_AUTO_BYTES of weight files); its body runs once over this rank's held-out
-rows and is then dropped. What is kept in memory: the final hidden states of those rows and the output layer, from
-which every evaluation recomputes the teacher's logits chunk by chunk (the model's own logit scaling and
-softcapping applied): the same logits a dense forward gives, without keeping (rows, T, vocab) numbers and without
-writing anything to the stores.
+a local teacher of at most EVAL_FULL_KL_AUTO_BYTES of weight files) and, on an imported store, only when
+`student.imported_is_teacher_model` says the store's teacher is `teacher.model`. Its body runs once over this
+rank's held-out rows and is then dropped. What is kept in memory: the final hidden states of those rows and the
+output layer, from which every evaluation recomputes the teacher's logits chunk by chunk (the model's own logit
+scaling and softcapping applied): the same logits a dense forward gives, without keeping (rows, T, vocab) numbers
+and without writing anything to the stores.
 
 When the two vocabularies differ (a teacher whose lm_head has padding rows beyond the tokenizer), the ids both
 have are compared one by one and the ids only one side has form one bucket on each side.
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 
 from kdflow.schemas.config import EVAL_FULL_KL_AUTO_BYTES, TeacherConfig
 from kdflow.schemas.errors import KDFlowError
+from kdflow.schemas.store_info import TopkStoreInfo
 from kdflow.tasks.common.model_files import WEIGHT_SUFFIXES, check_teacher_files
 from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.teacher_loading import load_teacher
@@ -55,6 +57,23 @@ def full_kl_wanted(setting: bool | str, teacher: TeacherConfig) -> bool:
         return bool(setting)
     size = teacher_weight_bytes(teacher)
     return size is not None and size <= EVAL_FULL_KL_AUTO_BYTES
+
+
+def imported_teacher(info: TopkStoreInfo | None) -> str | None:
+    """The teacher an imported store names (`_store.json` `imported.teacher`); None for a store kdflow computed."""
+    imported = (info.model_extra or {}).get("imported") if info is not None else None
+    return str(imported.get("teacher")) if isinstance(imported, dict) and imported.get("teacher") else None
+
+
+def full_kl_off_reason(info: TopkStoreInfo | None, teacher_model: str, same_teacher: bool) -> str | None:
+    """Why kl_full is not computed on this store whatever student.eval_full_kl says, in one line: its targets
+    were imported from another teacher, which the config does not say is teacher.model (KL to a model the student
+    never learnt from would read as a distance to its teacher). None: nothing stands in the way."""
+    name = imported_teacher(info)
+    if name is None or same_teacher:
+        return None
+    return (f"no kl_full: the store's targets were imported from teacher {name!r}, and the config does not say "
+            f"that is teacher.model {teacher_model!r} (student.imported_is_teacher_model)")
 
 
 def full_kl_sum(teacher_logits: Tensor, student_logits: Tensor) -> Tensor:

@@ -5,6 +5,10 @@ YAML front matter (`library_name: transformers`, `base_model` when the student w
 then what made the student (teacher, corpus, top-K store, steps, tokens, hardware), its held-out metrics against
 the teacher (every value `eval.jsonl` holds, first and last evaluation), the training curve
 (`training_curve.png` beside the card, when matplotlib is installed) and how to load it and chat with it.
+The card names things as a reader elsewhere can find them: a hub id as it is, a local folder or file by its last
+part, the store by `topk/TAG`. On an imported store the teacher is the one `kdflow store import` named, not
+`teacher.model`, and the card says in one line why there is no `kl_full` when the config does not say the two are
+the same (`student.imported_is_teacher_model`).
 `card_facts` gathers the facts of a run (rank 0, at the end of training); `render_card` is a pure function of
 them. Both are written with the final model each time it is written, so a resumed run's card shows its last step.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 from typing import Any
 
 import torch
@@ -22,7 +27,8 @@ from kdflow.schemas.layout import TRAINING_CURVE_FILE
 from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
-from kdflow.tasks.common.model_files import hub_id
+from kdflow.tasks.common.model_files import PACKAGE_PREFIX, hub_id
+from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
@@ -60,17 +66,29 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
     else:
         kept = f"{sampling.get('samples')} sampled tokens"
     teacher, dataset, student = settings.teacher, settings.dataset, settings.student
+    imported = imported_teacher(info)
     return {
-        "name": student.name, "teacher": teacher.model, "teacher_gguf": teacher.gguf_file,
-        "teacher_4bit": teacher.load_in_4bit, "dataset": dataset.path, "dataset_name": dataset.name,
-        "dataset_split": dataset.split, "init_from": student.init_from, "seq_len": stores.seq_len,
-        "store": run_root.display(stores.topk_store), "targets": stores.targets, "kept": kept,
+        "name": student.name, "teacher": imported or shown_name(teacher.model), "imported": imported is not None,
+        "teacher_gguf": None if imported else teacher.gguf_file, "teacher_4bit": not imported and teacher.load_in_4bit,
+        "dataset": shown_name(dataset.path), "dataset_name": dataset.name, "dataset_split": dataset.split,
+        "init_from": shown_name(student.init_from) if student.init_from else None, "seq_len": stores.seq_len,
+        "store": f"topk/{info.tag if info is not None else posixpath.basename(stores.topk_store.rstrip('/'))}",
+        "targets": stores.targets, "kept": kept,
         "format": format_label(info.store_format()) if info is not None else "v1 (no _store.json)",
         "bytes_per_position": stored / positions if positions and stored else None, "store_positions": positions,
         "steps": step, "tokens": step * tokens_per_step, "batch_size": student.batch_size,
         "parameters": parameters, "hardware": hardware(device, world_size), "training_s": elapsed_s,
         "evals": [evals[0], evals[-1]] if len(evals) > 1 else list(evals), "curve": curve,
+        "kl_full_note": full_kl_off_reason(info, shown_name(teacher.model), student.imported_is_teacher_model),
     }
+
+
+def shown_name(name: str) -> str:
+    """How a card names a model, corpus or store: a hub id, package or URL as it is, a local path by its last part
+    only (a card travels; the folder it was written in means nothing where it is read)."""
+    if hub_id(name) or "://" in name or name.startswith(PACKAGE_PREFIX):
+        return name
+    return os.path.basename(os.path.normpath(os.path.expanduser(name))) or name
 
 
 def _front_matter(facts: dict[str, Any]) -> str:
@@ -117,6 +135,7 @@ def render_card(facts: dict[str, Any]) -> str:
     """The card's text (front matter and Markdown) from `card_facts`."""
     teacher = f"`{facts['teacher']}`" + (f" (GGUF `{facts['teacher_gguf']}`)" if facts.get("teacher_gguf") else "")
     teacher += ", 4-bit" if facts.get("teacher_4bit") else ""
+    teacher += " (its targets imported with `kdflow store import`)" if facts.get("imported") else ""
     corpus = f"`{facts['dataset']}`" + (f" (`{facts['dataset_name']}`)" if facts.get("dataset_name") else "")
     corpus += f", split `{facts['dataset_split']}`"
     per_position = facts.get("bytes_per_position")
@@ -137,6 +156,8 @@ def render_card(facts: dict[str, Any]) -> str:
              "against the teacher's log-probabilities, computed once over the corpus and stored.", "",
              "## Training", "", "| | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in rows], "",
              "## Held-out metrics", "", *_metrics_table(facts.get("evals") or [], facts.get("targets")), "",
+             *([f"{facts['kl_full_note'][0].upper()}{facts['kl_full_note'][1:]}.", ""]
+               if facts.get("kl_full_note") and facts.get("evals") else []),
              "## Training curve", ""]
     if facts.get("curve"):
         lines.append(f"![training curve: loss per step and held-out KL]({TRAINING_CURVE_FILE})")

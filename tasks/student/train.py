@@ -28,6 +28,7 @@ from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
 from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
+from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
@@ -36,7 +37,7 @@ from kdflow.tasks.student.data import open_distill_data
 from kdflow.tasks.student.distributed import (any_rank, barrier, choose_sharding, full_model_state,
                                               full_optimizer_state, load_full_optimizer_state, rank_device,
                                               torchrun_rank, wrap_for_training)
-from kdflow.tasks.student.heldout_teacher import HeldoutTeacher, full_kl_wanted
+from kdflow.tasks.student.heldout_teacher import HeldoutTeacher, full_kl_off_reason, full_kl_wanted
 from kdflow.tasks.student.jsonl_log import JsonlLog
 from kdflow.tasks.student.model import build_student, check_student, student_tokenizer
 from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_installed
@@ -111,8 +112,15 @@ class StudentRun:
             position, student.batch_size, student.grad_accum, rank, world_size, pin=self.device.type == "cuda"),
             student.prefetch_steps)  # the next steps' batches, read while this one computes
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
-        # The held-out kl_full: the teacher loaded at the first evaluation, on every rank or none.
+        # The held-out kl_full: the teacher loaded at the first evaluation, on every rank or none; never on a store
+        # imported from a teacher the config does not say is teacher.model (it would be a KL to another model).
         wanted = full_kl_wanted(student.eval_full_kl, settings.teacher)
+        off = full_kl_off_reason(read_store_info(run_root, self.data.stores.topk_store), settings.teacher.model,
+                                 student.imported_is_teacher_model)
+        if wanted and off is not None:
+            wanted = False
+            if self.is_main:
+                logger.warning(off)
         self.full_kl = bool(self.data.eval_rows) and not any_rank(not wanted, self.device)
         self.heldout_teacher: HeldoutTeacher | None = None
 

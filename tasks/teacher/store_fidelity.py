@@ -2,7 +2,7 @@
 and sampled stores alike (kdflow.tasks.teacher.store_quality, kdflow.tasks.teacher.sampled_quality).
 
 - `full_fidelity`: the store metric (kdflow.tasks.teacher.store_metric) over the whole vocabulary, from a dense
-  teacher pass (`dense_logprobs`), as `kl_full_*`;
+  teacher pass (`dense_logprobs`), as `kl_teacher_store_*`;
 - `bucket_kl`: KL(exact || stored) over the K+1 buckets "each id both hold, everything else", a lower bound of
   the full KL that depends on the ids held, as `kl_buckets_lower_bound_*` (`bucket_fields`).
 """
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kdflow.schemas.codec import DecodedTopk
-from kdflow.tasks.teacher.store_metric import full_kl_dense, kl_summary
+from kdflow.tasks.teacher.store_metric import STORE_KL, full_kl_dense, kl_summary
 
 
 def bucket_kl(exact: DecodedTopk, stored: DecodedTopk) -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +74,7 @@ def dense_logprobs(model: Any, input_ids: np.ndarray, micro_batch: int, chunk: i
 def full_fidelity(model: Any, input_ids: np.ndarray, held_ids: np.ndarray, held_logprobs: np.ndarray,
                   rest_logprob: np.ndarray, micro_batch: int) -> dict[str, Any]:
     """The store metric on the picked rows: held_ids (n, T, M) (-1: none) with their stored log-probs, rest (n, T)
-    the log of the store's mass for every other id. -> kl_full_mean / _p99 / _max / _infinite_positions."""
+    the log of the store's mass for every other id. -> kl_teacher_store_mean / _p99 / _max / _infinite_positions."""
     held_ids = held_ids.reshape(-1, held_ids.shape[-1])
     held_logprobs = held_logprobs.reshape(held_ids.shape)
     rest_logprob, parts, done = rest_logprob.ravel(), [], 0
@@ -82,4 +82,4 @@ def full_fidelity(model: Any, input_ids: np.ndarray, held_ids: np.ndarray, held_
         stop = done + len(logprobs)
         parts.append(full_kl_dense(logprobs, held_ids[done:stop], held_logprobs[done:stop], rest_logprob[done:stop]))
         done = stop
-    return kl_summary(np.concatenate(parts), "kl_full")
+    return kl_summary(np.concatenate(parts), STORE_KL)

@@ -22,6 +22,10 @@ import numpy as np
 
 from kdflow.schemas.codec import DecodedTopk
 
+# The store metric's key prefix in reports: KL(teacher || store). Its own name, because eval.jsonl's `kl_full` is
+# KL(teacher || student), and one key must not mean two things.
+STORE_KL = "kl_teacher_store"
+
 
 def _rest_logq(stored_p: np.ndarray, rest: np.ndarray, held: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """-> log Z (the stored total) and the log of q at each id not held, both (P,), float64."""

@@ -4,7 +4,7 @@ Without a teacher (`store_summary`): bytes per position, every byte of the store
 the format and codec, and over a sample of rows the tail-mass histogram and how many positions keep how many
 ids (adaptive K). With the teacher (`teacher_fidelity`): a few rows re-run through it, float32 logits over the
 full vocabulary as at capture, and two figures per position:
-- `kl_full_*`: the store metric, KL(teacher || what the store implies) over the whole vocabulary, from a dense
+- `kl_teacher_store_*`: the store metric, KL(teacher || what the store implies) over the whole vocabulary, from a dense
   teacher pass (`kdflow.tasks.teacher.store_metric`, run by `kdflow.tasks.teacher.store_fidelity`): one
   definition for every store kind, comparable across stores (smaller is more faithful);
 - `kl_buckets_lower_bound_*`: KL(exact || stored) over the K+1 buckets "each id both hold, everything else",
@@ -29,6 +29,7 @@ from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.teacher.sampled_quality import sampled_fidelity, sampled_markdown, sampled_summary
 from kdflow.tasks.teacher.sampling import TeacherSampledStep
 from kdflow.tasks.teacher.store_fidelity import bucket_fields, bucket_kl, full_fidelity
+from kdflow.tasks.teacher.store_metric import STORE_KL
 
 TAIL_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # tail-mass histogram: 0, then below each edge, then the rest
 
@@ -155,7 +156,7 @@ def report_markdown(summary: dict[str, Any]) -> str:
              f"| bytes / position (every file of the store) | {summary['bytes_per_position']} "
              f"(v1 at this K: {summary.get('v1_bytes_per_position', '-')}) |"]
     lines += sampled_markdown(summary)
-    for key, name in (("kl_full", "full-vocabulary KL(teacher \u2016 store), the store metric"),
+    for key, name in ((STORE_KL, "full-vocabulary KL(teacher \u2016 store), the store metric"),
                       ("kl_buckets_lower_bound", "K+1-bucket KL (a lower bound, depends on the ids held)")):
         if f"{key}_mean" in summary:
             lines.append(f"| {name}, nats/position | mean {summary[f'{key}_mean']:.3g}, p99 "
