@@ -221,3 +221,10 @@ def test_kill_9_mid_import_resumes_to_the_uninterrupted_bytes(make_config, tmp_p
         return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))}
 
     assert files(tmp_path / "run") == files(tmp_path / "reference") and len(files(tmp_path / "run")) == 8
+
+
+def test_a_source_without_a_column_of_its_layout_says_which(make_config, tmp_path: Path) -> None:
+    source = _write_parts(tmp_path / "src", _table(6, 20).drop_columns(["target_logprobs"]), [])
+    with pytest.raises(StoreError, match="has no column 'target_logprobs' of layout axolotl"):
+        _import(_config(make_config, tmp_path / "run"), source)
+    assert not (tmp_path / "run" / "tokens").exists()

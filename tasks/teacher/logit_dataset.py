@@ -1,13 +1,10 @@
-"""A top-K logit dataset read for import: a local Hugging Face dataset folder (`datasets.load_from_disk`), Parquet
-files or JSON lines, mapped by a declared layout (kdflow.schemas.logit_layouts) to the arrays of a top-K store and
-checked row by row. Every problem is one line naming the row and the field (a `StoreError`), found before the
+"""A top-K logit dataset's record batches (read by kdflow.tasks.teacher.logit_reader) mapped by a declared layout
+(kdflow.schemas.logit_layouts) to the arrays of a top-K store and checked row by row. Every problem is one line naming the row and the field (a `StoreError`), found before the
 importer writes anything.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.errors import StoreError
 from kdflow.schemas.logit_layouts import LogitLayout
-from kdflow.tasks.common.saved_datasets import is_saved_dataset, load_saved_dataset
 
 # Log-probs rounded to float16 by their writer can sum a little above 1 (each p is off by ~p * |log p| * 2^-11);
 # a source whose kept mass exceeds 1 by more than this is wrong, not rounded.
@@ -33,33 +29,6 @@ class LogitRows:
     logprobs: np.ndarray  # (n, T, K) float32
     tail: np.ndarray | None  # (n, T) float32, or None when the source has none
     text: list[str] | None
-
-
-def read_logit_dataset(path: str) -> pa.Table:
-    """The whole source as one Arrow table (memory-mapped where the format allows)."""
-    if not os.path.exists(path):
-        raise ConfigError(f"import source {path!r} does not exist")
-    try:
-        if is_saved_dataset(path):
-            data = load_saved_dataset(path)
-            if data._indices is not None:
-                data = data.flatten_indices()
-            return data.data.table
-        files = ([os.path.join(root, name) for root, _, names in sorted(os.walk(path)) for name in sorted(names)]
-                 if os.path.isdir(path) else [path])
-        parquet = [f for f in files if f.endswith(".parquet")]
-        jsonl = [f for f in files if f.endswith((".jsonl", ".json"))]
-        if parquet:
-            import pyarrow.parquet as pq
-
-            return pa.concat_tables([pq.read_table(f) for f in parquet])
-        if jsonl:
-            import pyarrow.json as pj
-
-            return pa.concat_tables([pj.read_json(f) for f in jsonl])
-    except (OSError, ValueError, pa.ArrowInvalid) as error:
-        raise StoreError(f"cannot read import source {path!r}: {str(error).splitlines()[0]}") from None
-    raise ConfigError(f"import source {path!r} is no dataset folder, Parquet or JSON lines file")
 
 
 def check_columns(table: pa.Table, layout: LogitLayout, path: str) -> None:
@@ -179,29 +148,6 @@ def computed_tail(logprobs: np.ndarray) -> np.ndarray:
     mass = np.exp(np.asarray(logprobs, dtype=np.float64)).sum(-1)
     with np.errstate(divide="ignore"):
         return np.log(np.clip(1.0 - mass, 0.0, 1.0)).astype(np.float32)
-
-
-def check_text(rows: LogitRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
-    """Where the source holds the text: the tokenizer's encoding of it must begin with the row's token ids."""
-    if rows.text is None:
-        return
-    for offset, (text, ids) in enumerate(zip(rows.text, rows.input_ids)):
-        encoded = np.asarray(tokenizer(text or "", add_special_tokens=False)["input_ids"][:len(ids)], np.int64)
-        if len(encoded) < len(ids) or not np.array_equal(encoded, ids):
-            differ = np.flatnonzero(encoded[:len(ids)] != ids[:len(encoded)])
-            at = int(differ[0]) if len(differ) else min(len(encoded), len(ids))
-            raise StoreError(f"row {start + offset} field {layout.text}: the tokenizer's encoding differs from "
-                             f"{layout.tokens} at position {at}")
-
-
-def digest_rows(digest: Any, rows: LogitRows) -> None:
-    """Fold the rows' arrays into `digest` (what the imported store's teacher fingerprint names)."""
-    for array in (rows.input_ids, rows.ids, rows.logprobs, rows.tail):
-        digest.update(b"none" if array is None else np.ascontiguousarray(array).tobytes())
-
-
-def new_digest() -> Any:
-    return hashlib.sha256()
 
 
 # --- TEMPORARY ADAPTER (issue 45, part "stream"): replaced at the merge by the "layouts" part's real

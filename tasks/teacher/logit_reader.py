@@ -23,7 +23,8 @@ import pyarrow as pa
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.tasks.common.saved_datasets import is_saved_dataset
 
-BATCH_ROWS = 256  # rows per batch handed on: bounded memory whatever the source's row groups or blocks hold
+BATCH_ROWS = 256  # at most this many rows per batch handed on ...
+BATCH_BYTES = 64 << 20  # ... and about this many bytes of Arrow data (long rows of a large K: fewer rows)
 JSON_BLOCK_BYTES = 32 << 20  # bytes of JSON lines parsed at a time: must hold the longest line (row)
 
 
@@ -108,7 +109,8 @@ def _file_batches(kind: str, name: str, columns: list[str] | None, json_block_by
 def iter_source(source: SourceFiles, columns: list[str] | None = None, start_row: int = 0,
                 batch_rows: int = BATCH_ROWS, json_block_bytes: int = JSON_BLOCK_BYTES
                 ) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """(first_row, batch) over every row from `start_row` on, batches of at most `batch_rows` rows, in order.
+    """(first_row, batch) over every row from `start_row` on, in order, in batches of at most `batch_rows` rows
+    and about BATCH_BYTES.
 
     `columns`: read only these (those a file lacks are left out; the caller checks which it needs). Rows before
     `start_row` are read past without being handed on (a resumed import). `json_block_bytes` must hold the longest
@@ -117,8 +119,10 @@ def iter_source(source: SourceFiles, columns: list[str] | None = None, start_row
     for name in source.files:
         try:
             for batch in _file_batches(source.kind, name, columns, json_block_bytes):
-                for offset in range(0, batch.num_rows, batch_rows):
-                    piece = batch.slice(offset, batch_rows)
+                per_row = batch.nbytes / max(batch.num_rows, 1)
+                step = max(1, min(batch_rows, int(BATCH_BYTES // max(per_row, 1))))
+                for offset in range(0, batch.num_rows, step):
+                    piece = batch.slice(offset, step)
                     if row + piece.num_rows > start_row:
                         skip = max(0, start_row - row)
                         yield row + skip, piece.slice(skip)

@@ -24,7 +24,7 @@ from kdflow.schemas.config import section_hash
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import IMPORTS_DIR
 from kdflow.schemas.logit_layouts import LogitLayout
-from kdflow.schemas.storage import RunRoot
+from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.logit_dataset import source_rows
 from kdflow.tasks.teacher.logit_packing import PackedRows, RowPacker
@@ -158,6 +158,7 @@ def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: L
         record = json.loads(run_root.read_bytes(done))
         return Checked(**record | {"shards": [StagedShard(**s) for s in record["shards"]], "reused": len(
             record["shards"])})
+    remove_stale_temp_files(run_root, staging)  # half-written staged files of a killed import
     shards = _staged_so_far(run_root, staging)
     reused = len(shards)
     packer = RowPacker(packing.seq_len, (shards[-1].next_row, shards[-1].next_offset) if shards else (0, 0))
@@ -165,6 +166,10 @@ def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: L
     wanted = [c for c in (layout.tokens, *layout.target_fields(), layout.tail, layout.target_mask,
                           layout.attention_mask, layout.text) if c]
     for first_row, batch in iter_source(source, wanted, start_row=packer.start[0]):
+        missing = [name for name in layout.required() if name not in batch.schema.names]
+        if missing:
+            raise StoreError(f"import source {source.path!r} has no column {missing[0]!r} of layout {layout.name} "
+                             f"(from row {first_row} on)")
         rows = source_rows(batch, layout, first_row, packing.top_k, packing.vocab_size)
         check_text(rows, tokenizer, layout)
         if normalisation is not None and rows.normalisation != normalisation:
