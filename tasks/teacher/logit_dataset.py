@@ -1,6 +1,6 @@
 """A top-K logit dataset's record batches (read by kdflow.tasks.teacher.logit_reader) mapped by a declared layout
-(kdflow.schemas.logit_layouts) to the arrays of a top-K store and checked row by row. Every problem is one line naming the row and the field (a `StoreError`), found before the
-importer writes anything.
+(kdflow.schemas.logit_layouts) to the arrays of a top-K store and checked row by row. Every problem is one line
+naming the row and the field (a `StoreError`), found before the importer writes anything.
 """
 
 from __future__ import annotations
