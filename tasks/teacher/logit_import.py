@@ -69,6 +69,9 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     staging = staging_dir(run_root, files, layout, packing)
     checked = stage_source(run_root, staging, files, layout, packing, tokenizer)  # every row passed from here on
 
+    if checked.masked and pre.store.format == "v1":  # v1 shards have no place for the mask: never drop it silently
+        raise ConfigError(f"import source {source!r} has positions without a teacher target, which only the v2 store "
+                          "format records; set precompute.store.format: v2")
     tok_fp = tokenizer_fingerprint(tokenizer)
     tokens_fp = settings.tokens_fingerprint(tok_fp)
     teacher_fp = section_hash("imported-teacher", teacher_name, checked.digest)
@@ -82,7 +85,7 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     codec = store_codec(settings, run_root, store, tokens_done, vocab_size, **extra)
     imported = {"source": source, "layout": layout.name, "teacher": teacher_name, "rows": checked.rows,
                 "positions": checked.positions, "packed_rows": checked.packed_rows,
-                "dropped_positions": checked.dropped_positions,
+                "dropped_positions": checked.dropped_positions, "normalisation": checked.normalisation,
                 "tail": TAIL_SOURCE if checked.has_tail else TAIL_COMPUTED}
     run_root.write_bytes_atomic(f"{store}/{CONFIG_FILE}", settings.resolved_config.encode())
     v2 = {} if codec is None else {"format": "v2", "codec": codec.settings()}
