@@ -83,15 +83,22 @@ def test_packing_is_concatenation_cut_every_seq_len_and_resumes_from_its_positio
                 np.testing.assert_array_equal(getattr(mine, name), getattr(theirs, name))
 
 
-def _table(rows: int, length: int, seed: int = 0, vocab: int = 200, k: int = 8) -> pa.Table:
-    """Rows of the axolotl layout with valid top-K targets: distinct ids, log-probs sorted, mass below 1."""
+def _table(rows: int, length: int | list[int], seed: int = 0, vocab: int = 200, k: int = 8) -> pa.Table:
+    """Rows of the axolotl layout with valid top-K targets: distinct ids, log-probs sorted, mass below 1.
+    `length`: every row's, or a list cycled over the rows."""
     rng = np.random.default_rng(seed)
-    n = rows * length
+    lengths = [length] * rows if isinstance(length, int) else [length[i % len(length)] for i in range(rows)]
+    n = sum(lengths)
     ids = np.argsort(rng.random((n, vocab)), axis=1)[:, :k]
     logprobs = np.sort(np.log(rng.dirichlet(np.ones(k + 1), n)[:, :k]), axis=-1)[:, ::-1]
-    return pa.table({"input_ids": rng.integers(0, vocab, (rows, length)).tolist(),
-                     "target_token_ids": ids.reshape(rows, length, k).tolist(),
-                     "target_logprobs": logprobs.reshape(rows, length, k).tolist()})
+    tokens = rng.integers(0, vocab, n)
+    starts = np.cumsum([0, *lengths])
+
+    def per_row(array: np.ndarray) -> list:
+        return [array[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
+
+    return pa.table({"input_ids": per_row(tokens), "target_token_ids": per_row(ids),
+                     "target_logprobs": per_row(logprobs)})
 
 
 def _read_all(path: Path, **options) -> tuple[list[int], pa.Table]:
@@ -228,3 +235,23 @@ def test_a_source_without_a_column_of_its_layout_says_which(make_config, tmp_pat
     with pytest.raises(StoreError, match="has no column 'target_logprobs' of layout axolotl"):
         _import(_config(make_config, tmp_path / "run"), source)
     assert not (tmp_path / "run" / "tokens").exists()
+
+
+def test_rows_of_varying_length_are_imported_as_their_concatenation_cut_every_seq_len(make_config,
+                                                                                      tmp_path: Path) -> None:
+    lengths = [5, 40, 17, 32, 1, 70, 9]
+    table = _table(30, lengths, seed=3)
+    total = sum(len(row) for row in table.column("input_ids").to_pylist())
+    source = _write_parts(tmp_path / "src", table, [11, 12])
+    summary = _import(_config(make_config, tmp_path / "run"), source)
+    rows = total // 32
+    assert (summary["positions"], summary["packed_rows"], summary["dropped_positions"]) == (total, rows, total % 32)
+    root = RunRoot(str(tmp_path / "run"))
+    tokens = np.concatenate([read_token_shard(root, str(p)) for p in sorted((tmp_path / "run" / "tokens").glob(
+        "shard-*.arrow"))])
+    ids = np.concatenate([read_topk_shard(root, str(p))[0] for p in sorted(
+        (tmp_path / "run" / "topk" / summary["tag"]).glob("shard-*.arrow"))])
+    flat_tokens = [t for row in table.column("input_ids").to_pylist() for t in row]
+    flat_ids = [p for row in table.column("target_token_ids").to_pylist() for p in row]
+    np.testing.assert_array_equal(tokens, np.asarray(flat_tokens[:rows * 32]).reshape(rows, 32))
+    np.testing.assert_array_equal(ids, np.asarray(flat_ids[:rows * 32]).reshape(rows, 32, 8))

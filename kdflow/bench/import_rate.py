@@ -2,10 +2,10 @@
 the source's size, so that flat memory shows: the peak resident set should stay the same as the source grows.
 
 For each size of `--positions` it writes a synthetic Parquet source in the axolotl layout (random valid top-K
-rows: K distinct ids in the vocabulary, log-probs sorted descending, mass below 1; rows of varying length, one
-length per row group), then imports it into an empty run root in a fresh process (`kdflow.bench.harness.run_fresh`),
-which reports its wall time and its peak resident set. The source is not counted in the rate's time; the load
-average is printed beside the rate, since on a busy machine the rate means little. One JSON line per size.
+rows: K distinct ids in the vocabulary, log-probs sorted descending, mass below 1; rows of varying length), then
+imports it into an empty run root in a fresh process (`kdflow.bench.harness.run_fresh`), which reports its wall
+time and its peak resident set. The source is not counted in the rate's time; the load average is printed beside
+the rate, since on a busy machine the rate means little. One JSON line per size.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ LENGTHS = (96, 200, 333, 512, 1000)  # row lengths of the source: not multiples 
 
 
 def write_source(path: Path, positions: int, top_k: int, vocab: int, seed: int, group_rows: int) -> dict[str, int]:
-    """A Parquet file of about `positions` positions, written row group by row group (flat memory here too)."""
+    """A Parquet file of at least `positions` positions (whole rows), written row group by row group (flat memory
+    here too)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -38,14 +39,15 @@ def write_source(path: Path, positions: int, top_k: int, vocab: int, seed: int, 
     writer = None
     try:
         while written < positions:
-            length = int(LENGTHS[rows // group_rows % len(LENGTHS)])
-            count = min(group_rows, max(1, -(-(positions - written) // length)))
-            n = count * length
+            lengths = rng.choice(LENGTHS, group_rows)
+            count = min(group_rows, int(np.searchsorted(np.cumsum(lengths), positions - written)) + 1)
+            lengths = lengths[:count]
+            n = int(lengths.sum())
             base = rng.integers(0, vocab, n)
             ids = ((base[:, None] + np.arange(top_k) * step) % vocab).astype(np.int32)  # K distinct ids
             # each p <= 1/(K+1), descending: the kept mass stays below 1
             logprobs = (-np.log(top_k + 1) - np.cumsum(rng.exponential(0.3, (n, top_k)), axis=1)).astype(np.float32)
-            offsets = pa.array(np.arange(count + 1, dtype=np.int32) * length)
+            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             table = pa.table({
                 "input_ids": pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, vocab, n, dtype=np.int32))),
                 "target_token_ids": pa.ListArray.from_arrays(
@@ -78,13 +80,15 @@ def child(argv: list[str]) -> int:
     """In a fresh process: import the source with the config; print one JSON line (seconds, peak RSS)."""
     from kdflow.schemas.config_io import load_config
     from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+    from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.teacher.logit_import import import_store
 
     config_path, source = argv
     config = load_config(config_path, {})
     settings = teacher_pass_settings(config)
+    tokenizer = load_tokenizer(settings.teacher, settings.tokenizer)  # not timed: transformers' import and load
     started = time.perf_counter()
-    summary = import_store(open_run_root(config), settings, source, LAYOUT, "bench-teacher")
+    summary = import_store(open_run_root(config), settings, source, LAYOUT, "bench-teacher", tokenizer)
     seconds = time.perf_counter() - started
     print(json.dumps({"seconds": seconds, "peak_rss_mib": peak_rss_mib(), "packed_rows": summary["packed_rows"],
                       "shards": summary["shards"], "complete": summary["complete"]}), flush=True)

@@ -152,24 +152,35 @@ def computed_tail(logprobs: np.ndarray) -> np.ndarray:
 
 # --- TEMPORARY ADAPTER (issue 45, part "stream"): replaced at the merge by the "layouts" part's real
 # `kdflow.tasks.teacher.source_rows.source_rows`, which reads rows of any length, masks and every layout kind. It
-# maps a batch of fixed-length rows through `logit_rows` (seq_len = the batch's first row's length) so that the
-# streaming importer can be built and tested before then.
+# maps each run of equal-length rows of a batch through `logit_rows` (seq_len = that run's row length), so that the
+# streaming importer can be built and tested on rows of varying length before then.
 def source_rows(batch: pa.RecordBatch, layout: LogitLayout, first_row: int, top_k: int, vocab_size: int) -> Any:
     from kdflow.tasks.teacher.source_rows import SourceRows
 
     table = pa.Table.from_batches([batch])
     check_columns(table, layout, "the source")
-    lengths = pc.list_value_length(table.column(layout.tokens)).to_numpy(zero_copy_only=False)
-    seq_len = int(lengths[0]) if len(lengths) else 0
-    try:
-        rows = logit_rows(table, layout, 0, table.num_rows, seq_len, top_k, vocab_size)
-    except StoreError as error:  # logit_rows counts rows from the batch's first: name the source's row
-        words = str(error).split(" ", 2)
-        if words[0] != "row" or not words[1].isdigit():
-            raise
-        raise StoreError(f"row {first_row + int(words[1])} {words[2]}") from None
-    n = table.num_rows * seq_len
-    return SourceRows(first_row=first_row, offsets=np.arange(table.num_rows + 1, dtype=np.int64) * seq_len,
-                      tokens=rows.input_ids.reshape(n), ids=rows.ids.reshape(n, top_k),
-                      logprobs=rows.logprobs.reshape(n, top_k), target=np.ones(n, dtype=bool),
-                      tail=None if rows.tail is None else rows.tail.reshape(n), text=rows.text)
+    lengths = pc.list_value_length(table.column(layout.tokens)).to_numpy(zero_copy_only=False).astype(np.int64)
+    cuts = [0, *(np.flatnonzero(np.diff(lengths)) + 1).tolist(), len(lengths)]
+    parts, texts = [], []
+    for start, stop in zip(cuts[:-1], cuts[1:]):
+        try:
+            rows = logit_rows(table, layout, start, stop, int(lengths[start]), top_k, vocab_size)
+        except StoreError as error:  # logit_rows counts rows from the batch's first: name the source's row
+            words = str(error).split(" ", 2)
+            if words[0] != "row" or not words[1].isdigit():
+                raise
+            raise StoreError(f"row {first_row + int(words[1])} {words[2]}") from None
+        parts.append(rows)
+        texts.extend(rows.text or [])
+    n = int(lengths.sum())
+
+    def flat(name: str, *shape: int) -> np.ndarray:
+        return np.concatenate([getattr(p, name).reshape(-1, *shape) for p in parts]) if parts else np.zeros(
+            (0, *shape), np.float32)
+
+    has_tail = bool(parts) and parts[0].tail is not None
+    return SourceRows(first_row=first_row, offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                      tokens=flat("input_ids").astype(np.int32), ids=flat("ids", top_k).astype(np.int32),
+                      logprobs=flat("logprobs", top_k).astype(np.float32), target=np.ones(n, dtype=bool),
+                      tail=flat("tail") if has_tail else None,
+                      text=texts if parts and parts[0].text is not None else None)
