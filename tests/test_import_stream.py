@@ -121,11 +121,13 @@ def test_the_reader_streams_all_three_formats_in_order_in_small_batches(tmp_path
     for name, part in (("a.jsonl", table.slice(0, 12)), ("b.jsonl", table.slice(12))):
         (tmp_path / "js" / name).write_text("".join(json.dumps(row) + "\n" for row in part.to_pylist()))
     datasets.Dataset.from_list(table.to_pylist()).save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(table.slice(0, 2).to_pylist()),
+                          "train": datasets.Dataset.from_list(table.to_pylist())}).save_to_disk(str(tmp_path / "dict"))
     assert len(list((tmp_path / "saved").glob("*.arrow"))) == 3
     longest = max(len(line) for line in (tmp_path / "js" / "a.jsonl").read_text().splitlines())
 
     for path, extra in ((tmp_path / "pq", {}), (tmp_path / "js", {"json_block_bytes": longest * 2 + 2}),
-                        (tmp_path / "saved", {})):
+                        (tmp_path / "saved", {}), (tmp_path / "dict", {})):
         firsts, read = _read_all(path, batch_rows=3, **extra)
         assert read.column("input_ids").to_pylist() == table.column("input_ids").to_pylist(), path
         np.testing.assert_allclose(np.asarray(read.column("target_logprobs").to_pylist()),
