@@ -9,6 +9,7 @@ RUN_ROOT/
   students/NAME/   checkpoint-STEP/ (checkpoint.json last), final/, metrics.jsonl, eval.jsonl, config.yaml,
                    training_curve.png (tensorboard/), trainer.lease (while trained)
   _faults/         markers of injected faults that fired (KDFLOW_FAULT)
+  _imports/KEY/    `kdflow store import`'s staged packed shards while it checks its source (removed when done)
 ```
 Temporary files are `.NAME.tmp-PID-HOSTTAG-TOKEN` beside NAME (`temp_name`); the next run of the stage
 that writes a folder removes those whose writer is gone. Names only (no I/O): `kdflow.schemas.commits` and
@@ -23,6 +24,7 @@ from typing import Literal
 Stage = Literal["corpus", "tokens", "topk"]
 
 CORPUS_DIR, TOKENS_DIR, TOPK_DIR, STUDENTS_DIR, FAULTS_DIR = "corpus", "tokens", "topk", "students", "_faults"
+IMPORTS_DIR = "_imports"  # an import's staged work: no reader looks there, and a killed import resumes from it
 
 # In every store folder.
 COMMIT_SUFFIX = ".commit.json"

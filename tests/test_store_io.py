@@ -157,8 +157,6 @@ def _source(tmp_path: Path, change: str) -> Path:
         logprobs[1][6][0], logprobs[1][6][1] = logprobs[1][6][1], logprobs[1][6][0]
     elif change == "sum above 1":
         logprobs[2][7] = [-0.1] * k
-    elif change == "length":
-        input_ids[1] = input_ids[1][:31]
     table = {"input_ids": input_ids, "target_token_ids": ids, "target_logprobs": logprobs}
     if change == "text":
         table = {"input_ids": input_ids, "topk_ids": ids, "topk_logprobs": logprobs,
@@ -173,7 +171,6 @@ def _source(tmp_path: Path, change: str) -> Path:
     ("id outside", "row 2 field target_token_ids: id 1000000 at position 5 is outside the vocabulary"),
     ("unsorted", "row 1 field target_logprobs: log-probs not sorted by descending value at position 6"),
     ("sum above 1", "row 2 field target_logprobs: log-probs whose probabilities sum above 1 at position 7"),
-    ("length", "row 1 field input_ids: 31 positions, the config's seq_len is 32"),
     ("text", "row 0 field text: the tokenizer's encoding differs from input_ids at position 0"),
 ])
 def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(

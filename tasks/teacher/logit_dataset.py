@@ -1,74 +1,24 @@
-"""A top-K logit dataset read for import: a local Hugging Face dataset folder (`datasets.load_from_disk`), Parquet
-files or JSON lines, mapped by a declared layout (kdflow.schemas.logit_layouts) and checked. Every problem is one
-line naming the row and the field (a `StoreError`), found before the importer writes anything.
+"""A top-K logit dataset's record batches (read by kdflow.tasks.teacher.logit_reader) mapped by a declared layout
+(kdflow.schemas.logit_layouts) and checked. Every problem is one line naming the row and the field (a `StoreError`),
+found before the importer makes anything visible.
 
 `source_rows` maps a batch of rows of any length to SourceRows (masks applied, values of any kind turned into
 log-probs), vectorised over the batch's positions (reading in source_columns, value checks in source_values).
-`logit_rows` is the fixed-length reader the importer used before; it goes once the importer reads SourceRows.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.errors import StoreError
 from kdflow.schemas.logit_layouts import LAYOUTS, LogitLayout
-from kdflow.tasks.common.saved_datasets import is_saved_dataset, load_saved_dataset
 from kdflow.tasks.teacher.source_columns import (any_per_position, entries_per_position, fail_at, list_depth, nested,
                                                  same_rows)
 from kdflow.tasks.teacher.source_rows import SourceRows
-from kdflow.tasks.teacher.source_values import (MASS_TOLERANCE, log_probs, outside_vocabulary, pair_order_hint,
-                                                whole_ids)
-
-
-
-@dataclass
-class LogitRows:
-    """Rows [start, stop) of a source, as a top-K store holds them."""
-
-    input_ids: np.ndarray  # (n, T) int32
-    ids: np.ndarray  # (n, T, K) int32
-    logprobs: np.ndarray  # (n, T, K) float32
-    tail: np.ndarray | None  # (n, T) float32, or None when the source has none
-    text: list[str] | None
-
-
-def read_logit_dataset(path: str) -> pa.Table:
-    """The whole source as one Arrow table (memory-mapped where the format allows)."""
-    if not os.path.exists(path):
-        raise ConfigError(f"import source {path!r} does not exist")
-    try:
-        if is_saved_dataset(path):
-            data = load_saved_dataset(path)
-            if data._indices is not None:
-                data = data.flatten_indices()
-            return data.data.table
-        files = ([os.path.join(root, name) for root, _, names in sorted(os.walk(path)) for name in sorted(names)]
-                 if os.path.isdir(path) else [path])
-        parquet = [f for f in files if f.endswith(".parquet")]
-        jsonl = [f for f in files if f.endswith((".jsonl", ".json"))]
-        if parquet:
-            import pyarrow.parquet as pq
-
-            return pa.concat_tables([pq.read_table(f) for f in parquet])
-        if jsonl:
-            import pyarrow.json as pj
-
-            return pa.concat_tables([pj.read_json(f) for f in jsonl])
-    except (OSError, ValueError, pa.ArrowInvalid) as error:
-        raise StoreError(f"cannot read import source {path!r}: {str(error).splitlines()[0]}") from None
-    raise ConfigError(f"import source {path!r} is no dataset folder, Parquet or JSON lines file")
-
-
-def _builtin(layout: LogitLayout) -> bool:
-    return LAYOUTS.get(layout.name) == layout
+from kdflow.tasks.teacher.source_values import log_probs, outside_vocabulary, pair_order_hint, whole_ids
 
 
 def _missing(table: pa.Table | pa.RecordBatch, layout: LogitLayout) -> str | None:
@@ -85,112 +35,6 @@ def check_columns(table: pa.Table | pa.RecordBatch, layout: LogitLayout, path: s
     if missing is not None:
         raise StoreError(f"import source {path!r} has no column {missing!r} of layout {layout.name} "
                          f"(columns: {', '.join(table.schema.names)})")
-
-
-def _dense(column: pa.ChunkedArray, start: int, field: str, sizes: list[int | None], what: list[str]) -> np.ndarray:
-    """A nested list column of rows [start, ...) -> one numpy array; ragged or wrong sizes name row and field.
-
-    `sizes`: the wanted length of each nesting level (None: whatever the first entry has, the same for all)."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    shape, per_row = [len(array)], 1  # per_row: entries of the current level per source row
-    for level, (size, name) in enumerate(zip(sizes, what)):
-        if array.null_count:
-            index = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
-            raise StoreError(f"row {start + index // per_row} field {field}: a null {name} list")
-        if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
-                or pa.types.is_fixed_size_list(array.type)):
-            raise StoreError(f"row {start} field {field}: not a list of {name}s (type {column.type})")
-        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
-        expected = size if size is not None else (int(lengths[0]) if len(lengths) else 0)
-        wrong = np.flatnonzero(lengths != expected)
-        if len(wrong):
-            index = int(wrong[0])
-            row = start + index // per_row
-            if level == 0:
-                raise StoreError(f"row {row} field {field}: {lengths[index]} {name}s, the config's seq_len is "
-                                 f"{expected}")
-            position = index % per_row // (per_row // shape[1])
-            kind = "ragged K: " if size is None else ""
-            raise StoreError(f"row {row} field {field}: {kind}position {position} has {lengths[index]} {name}s, "
-                             f"{'others' if size is None else 'expected'} {expected}")
-        shape.append(expected)
-        per_row *= expected
-        array = array.flatten()
-    if array.null_count:
-        index = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
-        raise StoreError(f"row {start + index // per_row} field {field}: a null value")
-    return array.to_numpy(zero_copy_only=False).reshape(shape)
-
-
-def _integers(values: np.ndarray, start: int, field: str) -> np.ndarray:
-    if values.dtype.kind == "f":
-        bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(1)
-                             | (values != np.round(values)).reshape(len(values), -1).any(1))
-        if len(bad):
-            raise StoreError(f"row {start + int(bad[0])} field {field}: ids that are not whole numbers")
-    elif values.dtype.kind not in "iu":
-        raise StoreError(f"row {start} field {field}: ids of type {values.dtype}, not integers")
-    return values.astype(np.int64)
-
-
-def _first(mask: np.ndarray) -> tuple[int, int] | None:
-    """(row, position) of the first True of a (n, T, ...) mask, or None."""
-    flat = mask.reshape(mask.shape[0], mask.shape[1], -1).any(-1)
-    hits = np.argwhere(flat)
-    return (int(hits[0][0]), int(hits[0][1])) if len(hits) else None
-
-
-def logit_rows(table: pa.Table, layout: LogitLayout, start: int, stop: int, seq_len: int, top_k: int,
-                vocab_size: int) -> LogitRows:
-    """Rows [start, stop) mapped and checked: lengths, K, ids in the vocabulary and distinct per position,
-    log-probs finite, sorted descending and summing to at most 1, tail at most 0."""
-    rows = table.slice(start, stop - start)
-    tokens = _integers(_dense(rows.column(layout.tokens), start, layout.tokens, [seq_len], ["position"]), start,
-                       layout.tokens)
-    if layout.stacked is not None:
-        stacked = _dense(rows.column(layout.stacked), start, layout.stacked, [seq_len, 2, None],
-                         ["position", "pair", "entry"])
-        ids_field = lp_field = layout.stacked
-        ids_at = 0 if layout.stacked_order == "ids_first" else 1
-        ids, logprobs = _integers(stacked[:, :, ids_at], start, ids_field), stacked[:, :, 1 - ids_at]
-    else:
-        ids_field, lp_field = layout.ids, layout.values
-        ids = _integers(_dense(rows.column(ids_field), start, ids_field, [seq_len, None], ["position", "id"]),
-                        start, ids_field)
-        logprobs = _dense(rows.column(lp_field), start, lp_field, [seq_len, None], ["position", "log-prob"])
-        if logprobs.shape != ids.shape:
-            raise StoreError(f"row {start} field {lp_field}: K={logprobs.shape[-1]}, {ids_field} has "
-                             f"K={ids.shape[-1]}")
-    if ids.shape[-1] != top_k:
-        raise StoreError(f"row {start} field {ids_field}: K={ids.shape[-1]}, the config's precompute.top_k is "
-                         f"{top_k}; set precompute.top_k: {ids.shape[-1]}")
-    for field, values, name in ((layout.tokens, tokens, "token id"), (ids_field, ids, "id")):
-        hit = _first((values < 0) | (values >= vocab_size))
-        if hit is not None:
-            value = values[hit][(values[hit] < 0) | (values[hit] >= vocab_size)].ravel()[0]
-            raise StoreError(f"row {start + hit[0]} field {field}: {name} {value} at position {hit[1]} is outside "
-                             f"the vocabulary of {vocab_size}")
-    ordered = np.sort(ids, axis=-1)
-    hit = _first(ordered[..., 1:] == ordered[..., :-1])
-    if hit is not None:
-        raise StoreError(f"row {start + hit[0]} field {ids_field}: position {hit[1]} repeats an id")
-    logprobs = logprobs.astype(np.float64)
-    for problem, mask in (("a log-prob that is not finite", ~np.isfinite(logprobs)),
-                          ("log-probs not sorted by descending value", np.diff(logprobs, axis=-1) > 0),
-                          ("log-probs whose probabilities sum above 1",
-                           (np.exp(logprobs).sum(-1) > 1 + MASS_TOLERANCE)[..., None])):
-        hit = _first(mask)
-        if hit is not None:
-            raise StoreError(f"row {start + hit[0]} field {lp_field}: {problem} at position {hit[1]}")
-    tail = None
-    if layout.tail is not None and layout.tail in table.column_names:
-        tail = _dense(rows.column(layout.tail), start, layout.tail, [seq_len], ["position"]).astype(np.float64)
-        hit = _first(((tail > MASS_TOLERANCE) | np.isnan(tail))[..., None])
-        if hit is not None:
-            raise StoreError(f"row {start + hit[0]} field {layout.tail}: a tail log-mass above 0 at position {hit[1]}")
-        tail = np.minimum(tail, 0.0).astype(np.float32)
-    text = rows.column(layout.text).to_pylist() if layout.text and layout.text in table.column_names else None
-    return LogitRows(tokens.astype(np.int32), ids.astype(np.int32), logprobs.astype(np.float32), tail, text)
 
 
 def _targets(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row: int, row_lengths: np.ndarray,
@@ -285,12 +129,11 @@ def computed_tail(logprobs: np.ndarray) -> np.ndarray:
         return np.log(np.clip(1.0 - mass, 0.0, 1.0)).astype(np.float32)
 
 
-def check_text(rows: LogitRows | SourceRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
+def check_text(rows: SourceRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
     """Where the source holds the text: the tokenizer's encoding of it must begin with the row's token ids."""
     if rows.text is None:
         return
-    token_rows = (np.split(rows.tokens, rows.offsets[1:-1]) if isinstance(rows, SourceRows) else rows.input_ids)
-    for offset, (text, ids) in enumerate(zip(rows.text, token_rows)):
+    for offset, (text, ids) in enumerate(zip(rows.text, np.split(rows.tokens, rows.offsets[1:-1]))):
         encoded = np.asarray(tokenizer(text or "", add_special_tokens=False)["input_ids"][:len(ids)], np.int64)
         if len(encoded) < len(ids) or not np.array_equal(encoded, ids):
             differ = np.flatnonzero(encoded[:len(ids)] != ids[:len(encoded)])
@@ -299,11 +142,3 @@ def check_text(rows: LogitRows | SourceRows, tokenizer: Any, start: int, layout:
                              f"{layout.tokens} at position {at}")
 
 
-def digest_rows(digest: Any, rows: LogitRows) -> None:
-    """Fold the rows' arrays into `digest` (what the imported store's teacher fingerprint names)."""
-    for array in (rows.input_ids, rows.ids, rows.logprobs, rows.tail):
-        digest.update(b"none" if array is None else np.ascontiguousarray(array).tobytes())
-
-
-def new_digest() -> Any:
-    return hashlib.sha256()

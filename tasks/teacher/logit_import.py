@@ -1,15 +1,19 @@
 """`kdflow store import`: a top-K logit dataset -> a token store and a top-K store in the run root (no Prefect).
 
-Every row of the source is checked first (kdflow.tasks.teacher.logit_dataset); nothing is written before all
-pass. Then the token store (`tokens/`, the fingerprint this config expects, so training opens it as its own) and
-the top-K store (`topk/TAG/`, in the config's store format: v2 with its codec or v1) are written shard by shard
-with the commit protocol of every stage: data file, then commit record, then `_complete.json`. A rerun skips the
-committed shards, so a killed import resumes. The store's teacher fingerprint hashes the teacher's name and the
-source's arrays, so another source is another TAG; `_store.json` records the import under `imported`.
+One pass over the source (kdflow.tasks.teacher.logit_staging) reads it batch by batch, checks every row once, packs
+the rows (any length) into `seq_len` rows as tokenise packs documents (kdflow.tasks.teacher.logit_packing) and
+stages them under `_imports/KEY/`, where no reader looks; a bad row stops it with one line naming row and column and
+nothing visible. Only then are the token store (`tokens/`, the fingerprint this config expects, so training opens
+it as its own) and the top-K store (`topk/TAG/`, in the config's store format: v2 with its codec or v1) written
+from the staged shards with the commit protocol of every stage: data file, then commit record, then
+`_complete.json`; the staging folder goes last. A rerun keeps the staged shards and the committed ones, so an import
+killed at any moment resumes. The store's teacher fingerprint hashes the teacher's name, the layout and the packed
+arrays, so another source's contents are another TAG; `_store.json` records the import under `imported`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -31,8 +35,10 @@ from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import TopkStoreInfo, store_format, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.teacher.logit_dataset import (check_columns, check_text, computed_tail, digest_rows, new_digest,
-                                               read_logit_dataset, logit_rows)
+from kdflow.tasks.teacher.logit_dataset import computed_tail
+from kdflow.tasks.teacher.logit_reader import source_files
+from kdflow.tasks.teacher.logit_staging import Checked, Packing, read_staged, stage_source, staging_dir
+from kdflow.tasks.teacher.source_rows import FULL
 from kdflow.tasks.teacher.store_codec import store_codec
 
 logger = logging.getLogger("kdflow.import")
@@ -57,36 +63,32 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     if not teacher_name.strip():
         raise ConfigError("the imported teacher needs a name (--teacher)")
     layout = resolve_layout(layout_name)
+    files = source_files(source)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.teacher, settings.tokenizer)
-    vocab_size, seq_len, top_k, per_shard = len(tokenizer), settings.seq_len, pre.top_k, pre.sequences_per_shard
-    table = read_logit_dataset(source)
-    check_columns(table, layout, source)
-    if table.num_rows == 0:
-        raise StoreError(f"import source {source!r} has no rows")
-    ranges = [(start, min(start + per_shard, table.num_rows)) for start in range(0, table.num_rows, per_shard)]
+    vocab_size, seq_len, top_k = len(tokenizer), settings.seq_len, pre.top_k
+    packing = Packing(seq_len, top_k, vocab_size, pre.sequences_per_shard)
+    run_root.ensure_writable()
+    staging = staging_dir(run_root, files, layout, packing)
+    checked = stage_source(run_root, staging, files, layout, packing, tokenizer)  # every row passed from here on
 
-    def rows_of(start: int, stop: int) -> Any:
-        return logit_rows(table, layout, start, stop, seq_len, top_k, vocab_size)
-
-    digest, has_tail = new_digest(), None  # pass 1: every row checked before anything is written
-    digest.update(f"{layout.name}\n".encode())
-    for start, stop in ranges:
-        rows = rows_of(start, stop)
-        check_text(rows, tokenizer, start, layout)
-        has_tail = rows.tail is not None
-        digest_rows(digest, rows)
-
+    if checked.masked and pre.store.format == "v1":  # v1 shards have no place for the mask: never drop it silently
+        raise ConfigError(f"import source {source!r} has positions without a teacher target, which only the v2 store "
+                          "format records; set precompute.store.format: v2")
     tok_fp = tokenizer_fingerprint(tokenizer)
     tokens_fp = settings.tokens_fingerprint(tok_fp)
-    teacher_fp = section_hash("imported-teacher", teacher_name, digest.hexdigest())
+    teacher_fp = section_hash("imported-teacher", teacher_name, checked.digest)
     tag = settings.topk_fingerprint(teacher_fp, tokens_fp)
-    run_root.ensure_writable()
-    tokens_done = _write_tokens(run_root, settings, ranges, rows_of, tokens_fp, tok_fp, vocab_size, source)
+    tokens_done = _write_tokens(run_root, settings, staging, checked, tokens_fp, tok_fp, vocab_size, source)
     store = stage_dir(run_root, "topk", tag)
     remove_stale_temp_files(run_root, store)
-    codec = store_codec(settings, run_root, store, tokens_done, vocab_size)
-    imported = {"source": source, "layout": layout.name, "teacher": teacher_name, "rows": table.num_rows,
-                "tail": TAIL_SOURCE if has_tail else TAIL_COMPUTED}
+    # the store format's new keywords only where this source needs them (a masked or top_k store)
+    extra = {**({"masked": True} if checked.masked else {}),
+             **({"normalisation": checked.normalisation} if checked.normalisation != FULL else {})}
+    codec = store_codec(settings, run_root, store, tokens_done, vocab_size, **extra)
+    imported = {"source": source, "layout": layout.name, "teacher": teacher_name, "rows": checked.rows,
+                "positions": checked.positions, "packed_rows": checked.packed_rows,
+                "dropped_positions": checked.dropped_positions, "normalisation": checked.normalisation,
+                "tail": TAIL_SOURCE if checked.has_tail else TAIL_COMPUTED}
     run_root.write_bytes_atomic(f"{store}/{CONFIG_FILE}", settings.resolved_config.encode())
     v2 = {} if codec is None else {"format": "v2", "codec": codec.settings()}
     write_store_info(run_root, store, TopkStoreInfo(
@@ -95,43 +97,52 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
         top_k=top_k, logprobs_dtype=pre.logprobs_dtype, seq_len=seq_len, store=store_format(pre),
         imported=imported, **v2))
     info = TopkShardInfo(teacher_fingerprint=teacher_fp, tokens_fingerprint=tokens_fp, top_k=top_k, seq_len=seq_len,
-                         logprobs_dtype=pre.logprobs_dtype, vocab_size=vocab_size,
-                         **({} if codec is None else {"format": "v2", "codec": codec.settings()}))
+                         logprobs_dtype=pre.logprobs_dtype, vocab_size=vocab_size, **v2)
     token_records = list_commits(run_root, stage_dir(run_root, "tokens"), "tokens", tokens_fp)
     committed = list_commits(run_root, store, "topk", tag)
     written = 0
-    for shard_id, (start, stop) in enumerate(ranges):
-        if shard_id in committed:
+    for staged in checked.shards:
+        if staged.shard_id in committed:
             continue
-        rows = rows_of(start, stop)
-        tail = rows.tail if rows.tail is not None else computed_tail(rows.logprobs)
-        name = data_file_name("topk", shard_id)
+        packed = read_staged(run_root, staging, staged)
+        name = data_file_name("topk", staged.shard_id)
         path = f"{store}/{name}"
         opened = (topk_shard_writer(run_root, path, seq_len, top_k, pre.logprobs_dtype) if codec is None
                   else topk_v2_shard_writer(run_root, path, codec))
         with opened as writer:
             if codec is None:
-                writer.write(*topk_batch(rows.ids, rows.logprobs, pre.logprobs_dtype))
+                writer.write(*topk_batch(packed.ids, packed.logprobs, pre.logprobs_dtype))
             else:
-                writer.write_batch(encode(codec, rows.ids, rows.logprobs, tail))
+                tail = packed.tail if packed.tail is not None else computed_tail(packed.logprobs)
+                target = {"target": packed.target} if checked.masked else {}
+                writer.write_batch(encode(codec, packed.ids, packed.logprobs, tail, **target))
         commit_or_remove(run_root, store, CommitRecord(
-            stage="topk", shard_id=shard_id, data_file=name, rows=stop - start, tokens=(stop - start) * seq_len,
-            bytes=writer.sink.nbytes, sha256=writer.sink.sha256, input_sha256=token_records[shard_id].sha256,
+            stage="topk", shard_id=staged.shard_id, data_file=name, rows=staged.rows, tokens=staged.rows * seq_len,
+            bytes=writer.sink.nbytes, sha256=writer.sink.sha256, input_sha256=token_records[staged.shard_id].sha256,
             fingerprint=tag, extra=info), exclusive=True)
         written += 1
     from kdflow.tasks.teacher.precompute import complete_if_done  # the teacher pass's own completion
 
     complete_if_done(run_root, store, tag, tokens_done)
-    logger.info("import: %d rows of %s as top-K store %s (%d shards written, %d already committed)",
-                table.num_rows, source, tag, written, len(ranges) - written)
-    return {"tag": tag, "store": run_root.display(store), "rows": table.num_rows, "shards": len(ranges),
-            "written": written, "skipped": len(ranges) - written, "teacher_fingerprint": teacher_fp,
-            "tail": imported["tail"], "complete": read_complete(run_root, store) is not None}
+    complete = read_complete(run_root, store) is not None
+    if complete:  # the staged shards are in the stores now
+        with contextlib.suppress(FileNotFoundError):
+            run_root.fs.rm(staging, recursive=True)
+    shards = len(checked.shards)
+    logger.info("import: %d rows (%d positions) of %s packed into %d rows of %d as top-K store %s (%d shards "
+                "written, %d already committed, %d positions dropped)", checked.rows, checked.positions, source,
+                checked.packed_rows, seq_len, tag, written, shards - written, checked.dropped_positions)
+    return {"tag": tag, "store": run_root.display(store), "rows": checked.rows, "shards": shards,
+            "written": written, "skipped": shards - written, "teacher_fingerprint": teacher_fp,
+            "tail": imported["tail"], "complete": complete, "positions": checked.positions,
+            "packed_rows": checked.packed_rows, "dropped_positions": checked.dropped_positions,
+            "staged_reused": checked.reused, "masked": checked.masked, "normalisation": checked.normalisation}
 
 
-def _write_tokens(run_root: RunRoot, settings: TeacherPassSettings, ranges: list[tuple[int, int]], rows_of: Any,
-                  tokens_fp: str, tok_fp: str, vocab_size: int, source: str) -> StageComplete:
-    """tokens/: the source's token ids, shard by shard; committed shards are kept if they hold the same ids."""
+def _write_tokens(run_root: RunRoot, settings: TeacherPassSettings, staging: str, checked: Checked, tokens_fp: str,
+                  tok_fp: str, vocab_size: int, source: str) -> StageComplete:
+    """tokens/: the packed rows' token ids, shard by shard (token shard i pairs with top-K shard i); committed
+    shards are kept if they hold the same ids."""
     store = stage_dir(run_root, "tokens")
     shown, seq_len = run_root.display(store), settings.seq_len
     done = read_complete(run_root, store)
@@ -140,8 +151,9 @@ def _write_tokens(run_root: RunRoot, settings: TeacherPassSettings, ranges: list
                          "import into a new run root")
     remove_stale_temp_files(run_root, store)
     checks = check_commits(run_root, store, "tokens", tokens_fp)
-    for shard_id, (start, stop) in enumerate(ranges):
-        input_ids = rows_of(start, stop).input_ids
+    for staged in checked.shards:
+        shard_id = staged.shard_id
+        input_ids = read_staged(run_root, staging, staged).tokens
         record = checks.get(shard_id, (None, ""))[0]
         if record is not None:
             if not np.array_equal(read_token_shard(run_root, f"{store}/{record.data_file}", seq_len), input_ids):
@@ -152,13 +164,14 @@ def _write_tokens(run_root: RunRoot, settings: TeacherPassSettings, ranges: list
         with token_shard_writer(run_root, f"{store}/{name}", seq_len) as writer:
             writer.write(token_batch(input_ids))
         commit_or_remove(run_root, store, CommitRecord(
-            stage="tokens", shard_id=shard_id, data_file=name, rows=stop - start, tokens=(stop - start) * seq_len,
+            stage="tokens", shard_id=shard_id, data_file=name, rows=staged.rows, tokens=staged.rows * seq_len,
             bytes=writer.sink.nbytes, sha256=writer.sink.sha256, fingerprint=tokens_fp,
             extra=TokenShardInfo(seq_len=seq_len, tokenizer_fingerprint=tok_fp, vocab_size=vocab_size)))
-    rows = ranges[-1][1]
-    complete = StageComplete(stage="tokens", shards=len(ranges), rows=rows, tokens=rows * seq_len,
+    rows = checked.packed_rows
+    complete = StageComplete(stage="tokens", shards=len(checked.shards), rows=rows, tokens=rows * seq_len,
                              fingerprint=tokens_fp,
-                             extra=TokensCompleteInfo(dropped_tokens=0, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
+                             extra=TokensCompleteInfo(dropped_tokens=checked.dropped_positions, seq_len=seq_len,
+                                                      tokenizer_fingerprint=tok_fp,
                                                       corpus_fingerprint=settings.corpus_fingerprint,
                                                       vocab_size=vocab_size, imported_from=source))
     if done is None or done.shards != complete.shards:

@@ -1,0 +1,132 @@
+"""Streaming reads of an import source: a local saved Hugging Face dataset folder (its Arrow files), Parquet files or
+JSON lines, as record batches of at most `batch_rows` rows, never the whole table.
+
+Files are read in a stable order (the dataset folder's own list; otherwise the sorted paths under the source), so
+row numbers are the same on every run and in every message. Memory stays flat in the source's size: Parquet is
+read by row group (`iter_batches`), JSON lines in blocks (`pyarrow.json.open_json`), a dataset's Arrow stream files
+batch by batch from a plain file handle (not memory-mapped, so what was read is not kept mapped in the process).
+
+`source_fingerprint` names the files' names, sizes and modification times: what the importer keys its staged work
+by, so a rerun on an unchanged source picks up where a killed import stopped and a changed source starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.tasks.common.saved_datasets import is_saved_dataset
+
+BATCH_ROWS = 256  # at most this many rows per batch handed on ...
+BATCH_BYTES = 64 << 20  # ... and about this many bytes of Arrow data (long rows of a large K: fewer rows)
+JSON_BLOCK_BYTES = 32 << 20  # bytes of JSON lines parsed at a time: must hold the longest line (row)
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """The files of one import source, in reading order, and how they are read."""
+
+    path: str
+    kind: str  # "arrow" (a saved dataset folder), "parquet" or "jsonl"
+    files: tuple[str, ...]
+    extra: tuple[str, ...] = ()  # the dataset folder's metadata files: part of the fingerprint, not read as rows
+
+
+def _saved_dataset_files(path: str) -> SourceFiles:
+    """A `save_to_disk` folder: a Dataset's `state.json` lists its Arrow files in order; a DatasetDict's split
+    `train` (else its first) is read, as `datasets.load_from_disk` would."""
+    folder = path
+    if not os.path.isfile(os.path.join(folder, "state.json")):
+        with open(os.path.join(folder, "dataset_dict.json"), encoding="utf-8") as handle:
+            splits = json.load(handle).get("splits") or []
+        if not splits:
+            raise StoreError(f"import source {path!r}: its dataset_dict.json names no split")
+        folder = os.path.join(path, "train" if "train" in splits else splits[0])
+    with open(os.path.join(folder, "state.json"), encoding="utf-8") as handle:
+        state = json.load(handle)
+    if state.get("_indices_data_files"):
+        raise StoreError(f"import source {path!r} is a dataset with an indices mapping; save it again after "
+                         "`flatten_indices()`")
+    files = tuple(os.path.join(folder, entry["filename"]) for entry in state.get("_data_files", []))
+    extra = tuple(os.path.join(folder, name) for name in ("state.json", "dataset_info.json")
+                  if os.path.isfile(os.path.join(folder, name)))
+    return SourceFiles(path, "arrow", files, extra)
+
+
+def source_files(path: str) -> SourceFiles:
+    """The source's files in reading order; a one-line error for a path that is none of the three formats."""
+    if not os.path.exists(path):
+        raise ConfigError(f"import source {path!r} does not exist")
+    if is_saved_dataset(path):
+        return _saved_dataset_files(path)
+    files = ([os.path.join(root, name) for root, dirs, names in sorted(os.walk(path)) for name in sorted(names)]
+             if os.path.isdir(path) else [path])
+    parquet = tuple(f for f in files if f.endswith(".parquet"))
+    jsonl = tuple(f for f in files if f.endswith((".jsonl", ".json")))
+    if parquet:
+        return SourceFiles(path, "parquet", parquet)
+    if jsonl:
+        return SourceFiles(path, "jsonl", jsonl)
+    raise ConfigError(f"import source {path!r} is no dataset folder, Parquet or JSON lines file")
+
+
+def source_fingerprint(source: SourceFiles) -> str:
+    """sha256 over the files' paths relative to the source, sizes and modification times (not their bytes:
+    hashing a 100 GB source twice would cost more than the import)."""
+    sha = hashlib.sha256(source.kind.encode())
+    base = source.path if os.path.isdir(source.path) else os.path.dirname(source.path)
+    for name in (*source.files, *source.extra):
+        stat = os.stat(name)
+        sha.update(f"{os.path.relpath(name, base)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return sha.hexdigest()
+
+
+def _file_batches(kind: str, name: str, columns: list[str] | None, json_block_bytes: int) -> Iterator[pa.RecordBatch]:
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        with pq.ParquetFile(name) as reader:
+            present = None if columns is None else [c for c in columns if c in reader.schema_arrow.names]
+            yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=present)
+    elif kind == "jsonl":
+        import pyarrow.json as pj
+
+        reader = pj.open_json(name, read_options=pj.ReadOptions(block_size=json_block_bytes))
+        for batch in reader:
+            yield batch if columns is None else batch.select([c for c in columns if c in batch.schema.names])
+    else:
+        with pa.OSFile(name, "rb") as handle:
+            for batch in pa.ipc.open_stream(handle):
+                yield batch if columns is None else batch.select([c for c in columns if c in batch.schema.names])
+
+
+def iter_source(source: SourceFiles, columns: list[str] | None = None, start_row: int = 0,
+                batch_rows: int = BATCH_ROWS, json_block_bytes: int = JSON_BLOCK_BYTES
+                ) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(first_row, batch) over every row from `start_row` on, in order, in batches of at most `batch_rows` rows
+    and about BATCH_BYTES.
+
+    `columns`: read only these (those a file lacks are left out; the caller checks which it needs). Rows before
+    `start_row` are read past without being handed on (a resumed import). `json_block_bytes` must hold the longest
+    line of a JSON lines source."""
+    row = 0
+    for name in source.files:
+        try:
+            for batch in _file_batches(source.kind, name, columns, json_block_bytes):
+                per_row = batch.nbytes / max(batch.num_rows, 1)
+                step = max(1, min(batch_rows, int(BATCH_BYTES // max(per_row, 1))))
+                for offset in range(0, batch.num_rows, step):
+                    piece = batch.slice(offset, step)
+                    if row + piece.num_rows > start_row:
+                        skip = max(0, start_row - row)
+                        yield row + skip, piece.slice(skip)
+                    row += piece.num_rows
+        except (OSError, ValueError, pa.ArrowInvalid) as error:
+            raise StoreError(f"cannot read import source file {name!r} (after row {row}): "
+                             f"{str(error).splitlines()[0]}") from None
