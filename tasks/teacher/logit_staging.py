@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kdflow.schemas.config import section_hash
+from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import IMPORTS_DIR
 from kdflow.schemas.logit_layouts import LogitLayout
