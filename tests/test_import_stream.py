@@ -84,7 +84,7 @@ def test_packing_is_concatenation_cut_every_seq_len_and_resumes_from_its_positio
 
 
 def _table(rows: int, length: int | list[int], seed: int = 0, vocab: int = 200, k: int = 8) -> pa.Table:
-    """Rows of the axolotl layout with valid top-K targets: distinct ids, log-probs sorted, mass below 1.
+    """Rows of kdflow's own layout with valid top-K targets: distinct ids, log-probs sorted, mass below 1.
     `length`: every row's, or a list cycled over the rows."""
     rng = np.random.default_rng(seed)
     lengths = [length] * rows if isinstance(length, int) else [length[i % len(length)] for i in range(rows)]
@@ -97,8 +97,8 @@ def _table(rows: int, length: int | list[int], seed: int = 0, vocab: int = 200, 
     def per_row(array: np.ndarray) -> list:
         return [array[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
 
-    return pa.table({"input_ids": per_row(tokens), "target_token_ids": per_row(ids),
-                     "target_logprobs": per_row(logprobs)})
+    return pa.table({"input_ids": per_row(tokens), "topk_ids": per_row(ids),
+                     "topk_logprobs": per_row(logprobs)})
 
 
 def _read_all(path: Path, **options) -> tuple[list[int], pa.Table]:
@@ -130,8 +130,8 @@ def test_the_reader_streams_all_three_formats_in_order_in_small_batches(tmp_path
                         (tmp_path / "saved", {}), (tmp_path / "dict", {})):
         firsts, read = _read_all(path, batch_rows=3, **extra)
         assert read.column("input_ids").to_pylist() == table.column("input_ids").to_pylist(), path
-        np.testing.assert_allclose(np.asarray(read.column("target_logprobs").to_pylist()),
-                                   np.asarray(table.column("target_logprobs").to_pylist()))
+        np.testing.assert_allclose(np.asarray(read.column("topk_logprobs").to_pylist()),
+                                   np.asarray(table.column("topk_logprobs").to_pylist()))
         assert firsts == sorted(firsts) and firsts[0] == 0 and len(firsts) >= 8
         skipped, rest = _read_all(path, batch_rows=3, start_row=11, columns=["input_ids"], **extra)
         assert skipped[0] == 11 and rest.column_names == ["input_ids"]
@@ -144,7 +144,7 @@ def _config(make_config, root: Path, **overrides):
 
 
 def _import(config, source: Path, teacher: str = "t") -> dict:
-    return import_store(open_run_root(config), teacher_pass_settings(config), str(source), "axolotl", teacher)
+    return import_store(open_run_root(config), teacher_pass_settings(config), str(source), "kdflow", teacher)
 
 
 def _write_parts(folder: Path, table: pa.Table, cuts: list[int]) -> Path:
@@ -171,16 +171,16 @@ def test_a_multi_file_parquet_source_is_imported_in_one_pass_as_its_packed_rows(
     flat = np.asarray(table.column("input_ids").to_pylist()).ravel()
     np.testing.assert_array_equal(tokens, flat.reshape(25, 32))
     np.testing.assert_array_equal(np.concatenate(ids), np.asarray(
-        table.column("target_token_ids").to_pylist()).reshape(25, 32, 8))
+        table.column("topk_ids").to_pylist()).reshape(25, 32, 8))
     np.testing.assert_allclose(np.concatenate(logprobs), np.asarray(
-        table.column("target_logprobs").to_pylist()).reshape(25, 32, 8), rtol=1e-6)
+        table.column("topk_logprobs").to_pylist()).reshape(25, 32, 8), rtol=1e-6)
     assert not (tmp_path / "run" / "_imports").exists() or not any((tmp_path / "run" / "_imports").iterdir())
 
     # the same contents in other files (other names and times): the same store; other contents: another TAG
     same = _import(_config(make_config, tmp_path / "same"), _write_parts(tmp_path / "src2", table, [20]))
     assert same["tag"] == summary["tag"]
-    changed = table.set_column(2, "target_logprobs", pa.array(
-        [[[v - 0.01 for v in position] for position in row] for row in table.column("target_logprobs").to_pylist()]))
+    changed = table.set_column(2, "topk_logprobs", pa.array(
+        [[[v - 0.01 for v in position] for position in row] for row in table.column("topk_logprobs").to_pylist()]))
     other = _import(_config(make_config, tmp_path / "other"), _write_parts(tmp_path / "src3", changed, [20]))
     assert other["tag"] != summary["tag"]
 
@@ -188,9 +188,9 @@ def test_a_multi_file_parquet_source_is_imported_in_one_pass_as_its_packed_rows(
 def test_a_bad_row_in_the_last_file_leaves_nothing_visible_and_fails_the_rerun_alike(make_config,
                                                                                       tmp_path: Path) -> None:
     table = _table(40, 20)
-    rows = table.column("target_token_ids").to_pylist()
+    rows = table.column("topk_ids").to_pylist()
     rows[37][3][2] = 10**6
-    bad = table.set_column(1, "target_token_ids", pa.array(rows))
+    bad = table.set_column(1, "topk_ids", pa.array(rows))
     source = _write_parts(tmp_path / "src", bad, [13, 27])
     config = _config(make_config, tmp_path / "run")
     messages = []
@@ -200,7 +200,7 @@ def test_a_bad_row_in_the_last_file_leaves_nothing_visible_and_fails_the_rerun_a
         messages.append(str(error.value))
         assert not (tmp_path / "run" / "tokens").exists() and not (tmp_path / "run" / "topk").exists()
     assert messages[0] == messages[1]
-    assert messages[0].startswith("row 37 field target_token_ids: id 1000000 at position 3 is outside")
+    assert messages[0].startswith("row 37 field topk_ids: id 1000000 at position 3 is outside")
     assert "\n" not in messages[0]
     staged = [p.name for p in (tmp_path / "run" / "_imports").rglob("packed-*.npz")]
     assert len(staged) == 2, staged  # what passed is kept for the rerun after the source is fixed
@@ -215,7 +215,7 @@ def test_kill_9_mid_import_resumes_to_the_uninterrupted_bytes(make_config, tmp_p
     reference = _import(_config(make_config, tmp_path / "reference"), source)
     config = write_config(_config(make_config, tmp_path / "run"), tmp_path / "run.yaml")
     command = [sys.executable, "-m", "kdflow", "store", "import", str(source), "--config", str(config), "--layout",
-               "axolotl", "--teacher", "t"]
+               "kdflow", "--teacher", "t"]
     killed = run(command, what="import killed", timeout=600,
                  env=os.environ | {"KDFLOW_FAULT": "kill@at=commit,stage=import,shard=2"})
     assert killed.returncode == -9, killed.stderr
@@ -233,8 +233,8 @@ def test_kill_9_mid_import_resumes_to_the_uninterrupted_bytes(make_config, tmp_p
 
 
 def test_a_source_without_a_column_of_its_layout_says_which(make_config, tmp_path: Path) -> None:
-    source = _write_parts(tmp_path / "src", _table(6, 20).drop_columns(["target_logprobs"]), [])
-    with pytest.raises(StoreError, match="has no column 'target_logprobs' of layout axolotl"):
+    source = _write_parts(tmp_path / "src", _table(6, 20).drop_columns(["topk_logprobs"]), [])
+    with pytest.raises(StoreError, match="has no column 'topk_logprobs' of layout kdflow"):
         _import(_config(make_config, tmp_path / "run"), source)
     assert not (tmp_path / "run" / "tokens").exists()
 
@@ -254,6 +254,6 @@ def test_rows_of_varying_length_are_imported_as_their_concatenation_cut_every_se
     ids = np.concatenate([read_topk_shard(root, str(p))[0] for p in sorted(
         (tmp_path / "run" / "topk" / summary["tag"]).glob("shard-*.arrow"))])
     flat_tokens = [t for row in table.column("input_ids").to_pylist() for t in row]
-    flat_ids = [p for row in table.column("target_token_ids").to_pylist() for p in row]
+    flat_ids = [p for row in table.column("topk_ids").to_pylist() for p in row]
     np.testing.assert_array_equal(tokens, np.asarray(flat_tokens[:rows * 32]).reshape(rows, 32))
     np.testing.assert_array_equal(ids, np.asarray(flat_ids[:rows * 32]).reshape(rows, 32, 8))

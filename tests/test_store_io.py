@@ -158,6 +158,8 @@ def _source(tmp_path: Path, change: str) -> Path:
     elif change == "sum above 1":
         logprobs[2][7] = [-0.1] * k
     table = {"input_ids": input_ids, "target_token_ids": ids, "target_logprobs": logprobs}
+    if change == "sum above 1":  # full-vocabulary log-probs (axolotl's are renormalised over the K: summing to 1)
+        table = {"input_ids": input_ids, "topk_ids": ids, "topk_logprobs": logprobs}
     if change == "text":
         table = {"input_ids": input_ids, "topk_ids": ids, "topk_logprobs": logprobs,
                  "text": ["hello world"] * rows}
@@ -170,7 +172,7 @@ def _source(tmp_path: Path, change: str) -> Path:
     ("ragged K", "row 1 field target_token_ids: ragged K: position 4 has 7"),
     ("id outside", "row 2 field target_token_ids: id 1000000 at position 5 is outside the vocabulary"),
     ("unsorted", "row 1 field target_logprobs: log-probs not sorted by descending value at position 6"),
-    ("sum above 1", "row 2 field target_logprobs: log-probs whose probabilities sum above 1 at position 7"),
+    ("sum above 1", "row 2 field topk_logprobs: log-probs whose probabilities sum above 1 at position 7"),
     ("text", "row 0 field text: the tokenizer's encoding differs from input_ids at position 0"),
 ])
 def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
@@ -178,7 +180,7 @@ def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
     config = _at(tmp_path / "imported", fresh_run, **V1)
     with pytest.raises(StoreError) as error:
         import_store(open_run_root(config), teacher_pass_settings(config), str(_source(tmp_path, change)),
-                     "kdflow" if change == "text" else "axolotl", "t")
+                     "kdflow" if change in ("text", "sum above 1") else "axolotl", "t")
     assert "\n" not in str(error.value) and where in str(error.value), str(error.value)
     assert not (tmp_path / "imported").exists() or not any((tmp_path / "imported").rglob("*.arrow"))
 
@@ -199,7 +201,8 @@ def test_the_commands_export_and_import(fresh_run, tmp_path: Path) -> None:
     exported = kdflow("export", str(original.run_root), str(out), "--tag", DENSE_TAG, "--layout", "axolotl")
     assert exported.returncode == 0, exported.stderr
     assert json.loads(exported.stdout)["layout"] == "axolotl"
-    config = write_config(_at(tmp_path / "imported", fresh_run, **V1), tmp_path / "imported.yaml")
+    # axolotl's rows are renormalised over the K: a v2 store records that (v1 has no place for it)
+    config = write_config(_at(tmp_path / "imported", fresh_run, student__steps=3), tmp_path / "imported.yaml")
     bad = kdflow("import", str(_source(tmp_path, "unsorted")), "--config", str(config), "--layout", "axolotl",
                  "--teacher", "t")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
