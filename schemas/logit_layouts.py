@@ -18,7 +18,7 @@ import yaml
 
 from kdflow.schemas.errors import ConfigError
 
-KINDS = ("logprobs", "renormalised", "logits")
+KINDS = ("logprobs", "renormalised", "logits", "distillkit")  # distillkit: its packed bytes (distillkit.py)
 STACKED_ORDERS = ("ids_first", "values_first")
 # The roles a column can play; the other fields say what the values are, or name and document the layout.
 ROLES = ("tokens", "ids", "values", "stacked", "tail", "target_mask", "attention_mask", "text")
@@ -90,6 +90,11 @@ LAYOUTS: dict[str, LogitLayout] = {layout.name: layout for layout in (
                 target_mask="target_mask", attention_mask="attention_mask",
                 source="axolotl src/axolotl/integrations/kd/chat_template.py (transform_logprobs) and "
                        "topk_logprob/forward_kl.py (the loss reads target_mask [B, T, K])"),
+    LogitLayout("distillkit", "DistillKit's packed captures: input_ids, compressed_logprobs, bytepacked_indices "
+                "(decoded with the capture's compression_config.yaml)",
+                tokens="input_ids", ids="bytepacked_indices", values="compressed_logprobs", kind="distillkit",
+                attention_mask="attention_mask",
+                source="arcee-ai/DistillKit at commit a61c2e7 (its logprob compressor; docs/formats.md)"),
     LogitLayout("logits", "top-K raw logits: input_ids, attention_mask, token_ids, top_values (logits)",
                 tokens="input_ids", ids="token_ids", values="top_values", kind="logits",
                 attention_mask="attention_mask",

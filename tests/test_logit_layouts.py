@@ -202,7 +202,7 @@ def test_a_command_line_declared_layout_reads_its_capture(options: list[str]) ->
      "layout bad: name the column of the values (or one `stacked` column of both)"),
     (lambda p: declare_layout(p("tokens: a\nstacked: b\nstacked_order: logprobs_first\n"), {}),
      "layout bad: stacked_order must be one of ids_first, values_first, not 'logprobs_first'"),
-    (lambda p: declare_layout("llamakd", {}), "unknown logit layout 'llamakd'; known: axolotl, kdflow, logits"),
+    (lambda p: declare_layout("llamakd", {}), "unknown logit layout 'llamakd'; known: axolotl, distillkit, kdflow, logits"),
     (lambda p: declare_layout(p("tokens: a\nids: b\nvalues: c\ntail: d\nkind: logits\n"), {}),
      "layout bad: a tail column needs kind logprobs (kind logits has no known tail)"),
     (lambda p: declare_layout("kdflow", {"tail": "t"}, kind="renormalised"),

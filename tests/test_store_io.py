@@ -83,6 +83,35 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
     assert _losses(coded_cfg) == pytest.approx(_losses(original), rel=1e-2)
 
 
+def test_a_store_exported_as_distillkit_imports_back_to_the_same_targets(fresh_run, tmp_path: Path) -> None:
+    """DistillKit's packed format (lossless settings written beside the data) out and in again: the same ids and
+    log-probs, position for position; the capture's own settings file is what the import reads."""
+    from kdflow.schemas.commits import list_commits
+    from kdflow.schemas.shards import TopkShard
+
+    original, out = _exported(fresh_run, tmp_path, "distillkit")
+    assert (out / "compression_config.yaml").is_file()
+    assert {"input_ids", "compressed_logprobs", "bytepacked_indices"} <= set(
+        pq.read_table(sorted((out / "data").glob("*.parquet"))[0]).column_names)
+    config = _at(tmp_path / "imported", fresh_run, **V1)
+    summary = import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), "distillkit",
+                           "sharp-tiny")
+    assert summary["complete"] and summary["tail"] == "computed"
+
+    def arrays(run_root: str, tag: str) -> list:
+        root = RunRoot(run_root)
+        store = stage_dir(root, "topk", tag)
+        return [TopkShard(root, f"{store}/{record.data_file}").read()
+                for _, record in sorted(list_commits(root, store, "topk").items())]
+
+    for before, after in zip(arrays(original.run_root, DENSE_TAG), arrays(config.run_root, summary["tag"]),
+                             strict=True):
+        np.testing.assert_array_equal(after.ids, before.ids)
+        # float16 rows whose mass rounds above 1 are scaled back to 1 by the reader (as DistillKit's own does)
+        np.testing.assert_allclose(after.logprobs.astype(np.float32), before.logprobs.astype(np.float32), rtol=2e-3,
+                                   atol=1e-4)
+
+
 def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_run, tmp_path: Path,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     from kdflow.schemas.stage_settings import open_run_root, training_settings

@@ -38,6 +38,8 @@ def import_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kind", choices=KINDS, help="what the values are (default logprobs)")
     parser.add_argument("--stacked-order", choices=STACKED_ORDERS, help="which of a stacked pair comes first")
     parser.add_argument("--teacher", required=True, help="the name of the teacher that made the targets")
+    parser.add_argument("--distillkit-settings", metavar="FILE", help="--layout distillkit: the capture's compressor "
+                        "settings (default: the compression_config.yaml it ships)")
     return parser
 
 
@@ -57,7 +59,8 @@ def import_main(argv: list[str] | None = None) -> int:
 
     layout = declared_layout(args)
     config = load_config(args.config, dict(args.set or []))
-    summary = import_store(open_run_root(config), teacher_pass_settings(config), args.source, layout, args.teacher)
+    summary = import_store(open_run_root(config), teacher_pass_settings(config), args.source, layout, args.teacher,
+                           distillkit_settings=args.distillkit_settings)
     print(json.dumps(summary))
     print(f"imported as top-K store {summary['tag']}: train on it with "
           f"`kdflow run {shlex.quote(args.config)} --stages train --set student.topk_tag={summary['tag']}`")
@@ -74,8 +77,11 @@ def export_main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--tag", help="the store (default: the run root's only one)")
     parser.add_argument("--layout", default="kdflow", choices=sorted(LAYOUTS), help="column layout (default kdflow)")
+    parser.add_argument("--distillkit-settings", metavar="FILE", help="--layout distillkit: the compressor settings "
+                        "to write with (default: lossless, every value an exact float32)")
     args = parser.parse_args(argv)
     from kdflow.tasks.teacher.logit_export import export_store
 
-    print(json.dumps(export_store(run_root_of(args.run_root), args.out_dir, args.tag, args.layout)))
+    print(json.dumps(export_store(run_root_of(args.run_root), args.out_dir, args.tag, args.layout,
+                                  distillkit_settings=args.distillkit_settings)))
     return 0

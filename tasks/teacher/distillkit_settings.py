@@ -187,7 +187,7 @@ def settings_for_source(source: str | Path, given: str | Path | None = None) -> 
     if given is not None:
         return read_distillkit_settings(given)
     source = Path(source)
-    folders = [source] if source.is_dir() else [source.parent, source.parent.parent]
+    folders = [source, source.parent] if source.is_dir() else [source.parent, source.parent.parent]
     found = [folder for folder in folders if (folder / SETTINGS_FILE).is_file()]
     return read_distillkit_settings(found[0] if found else folders[0])
 

@@ -37,6 +37,9 @@ from kdflow.schemas.logit_layouts import LogitLayout, logit_layout
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
+from kdflow.tasks.teacher.distillkit import distillkit_table
+from kdflow.tasks.teacher.distillkit_settings import (lossless_settings, read_distillkit_settings,
+                                                      write_distillkit_settings)
 
 EXPORT_INFO = "kdflow_export.json"
 FULL = "full"  # the store's log-probs are over the whole vocabulary, its tail known
@@ -65,11 +68,11 @@ def renormalised(logprobs: np.ndarray) -> np.ndarray:
 def export_problem(layout: LogitLayout, normalisation: str, masked: bool) -> str | None:
     """Why a store of `normalisation` (with positions lacking targets when `masked`) cannot be written in
     `layout` without presenting its values as what they are not; None when it can."""
-    if normalisation == TOP_K and (layout.kind == "logprobs" or layout.tail is not None):
+    if normalisation == TOP_K and (layout.kind in ("logprobs", "distillkit") or layout.tail is not None):
         return (f"its log-probs are renormalised over the K ids (no tail), layout {layout.name} declares log-probs "
                 "over the full vocabulary" + (" and a tail" if layout.tail is not None else "")
                 + "; export to a renormalised or logits layout")
-    if masked and layout.target_mask is None:
+    if masked and layout.target_mask is None and layout.kind != "distillkit":  # DistillKit's rows mask by labels
         return (f"it has positions without a teacher target (prompt or masked) and layout {layout.name} has no "
                 "target_mask column to say so; export to a layout with one")
     return None
@@ -136,10 +139,11 @@ def _pick_tag(run_root: RunRoot, tag: str | None) -> str:
     return tags[0]
 
 
-def export_store(url: str, out_dir: str, tag: str | None = None,
-                 layout: LogitLayout | str = "kdflow") -> dict[str, Any]:
+def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLayout | str = "kdflow", *,
+                 distillkit_settings: str | None = None) -> dict[str, Any]:
     """Write store `tag` of run root `url` (default: its only store) to `out_dir` in `layout` (a declared layout or
-    a built-in's name); -> a summary."""
+    a built-in's name); -> a summary. DistillKit's packed layout is written with the compressor settings of the file
+    `distillkit_settings` (default: lossless, kdflow.tasks.teacher.distillkit_settings), saved beside the data."""
     layout = logit_layout(layout) if isinstance(layout, str) else layout
     run_root = RunRoot(url)
     tag = _pick_tag(run_root, tag)
@@ -167,6 +171,15 @@ def export_store(url: str, out_dir: str, tag: str | None = None,
     problem = export_problem(layout, normalisation, masked)
     if problem is not None:
         raise ConfigError(f"top-K store {tag} cannot be exported in layout {layout.name}: {problem}")
+    packed = None
+    if layout.kind == "distillkit":
+        vocab = (pairs[0][1].extra.vocab_size or getattr(first.codec, "vocab_size", None)
+                 or getattr(getattr(tokens_done, "extra", None), "vocab_size", None))
+        if not distillkit_settings and vocab is None:
+            raise ConfigError(f"top-K store {tag} does not record the teacher's vocabulary size, which DistillKit's "
+                              "lossless settings need; give --distillkit-settings FILE")
+        packed = (read_distillkit_settings(distillkit_settings) if distillkit_settings
+                  else lossless_settings(vocab, first.read([0]).ids.shape[-1]))
     os.makedirs(os.path.join(out_dir, "data"), exist_ok=True)
     files = []
     for shard_id, record, token in pairs:
@@ -176,8 +189,11 @@ def export_store(url: str, out_dir: str, tag: str | None = None,
         target = os.path.join(out_dir, name)
         temporary = os.path.join(out_dir, "data", f".{os.path.basename(name)}.tmp-{os.getpid()}")
         tail = decoded.tail if normalisation == FULL else None
-        pq.write_table(layout_table(layout, input_ids, decoded.ids, decoded.logprobs, tail, _target(decoded)),
-                       temporary, compression="zstd")
+        if packed is None:
+            table = layout_table(layout, input_ids, decoded.ids, decoded.logprobs, tail, _target(decoded))
+        else:
+            table = distillkit_table(input_ids, decoded.ids, decoded.logprobs, packed, target=_target(decoded))
+        pq.write_table(table, temporary, compression="zstd")
         os.replace(temporary, target)
         files.append(name)
     summary = {"tag": tag, "layout": layout.name, "kind": layout.kind, "files": files, "rows": done.rows,
@@ -186,6 +202,8 @@ def export_store(url: str, out_dir: str, tag: str | None = None,
                "normalisation": normalisation, "teacher": info.teacher if info else None,
                "tail": "stored" if layout.tail else "not exported",
                "target_mask": "exported" if layout.target_mask else "not exported"}
+    if packed is not None:
+        write_distillkit_settings(packed, out_dir)
     with open(os.path.join(out_dir, EXPORT_INFO), "w") as handle:
         json.dump(summary, handle, indent=1)
     return summary

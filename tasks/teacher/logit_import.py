@@ -37,7 +37,8 @@ from kdflow.schemas.store_info import TopkStoreInfo, store_format, write_store_i
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.logit_dataset import computed_tail
 from kdflow.tasks.teacher.logit_reader import source_files
-from kdflow.tasks.teacher.logit_staging import Checked, Packing, read_staged, stage_source, staging_dir
+from kdflow.tasks.teacher.logit_staging import (Checked, Packing, read_staged, row_reader, stage_source,
+                                               staging_dir)
 from kdflow.tasks.teacher.source_rows import FULL
 from kdflow.tasks.teacher.store_codec import store_codec
 
@@ -54,10 +55,10 @@ def _check_targets(pre: PrecomputeConfig) -> None:
 
 
 def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, layout_name: str | LogitLayout,
-                 teacher_name: str, tokenizer: Any = None) -> dict[str, Any]:
+                 teacher_name: str, tokenizer: Any = None, distillkit_settings: str | None = None) -> dict[str, Any]:
     """Import `source` (layout `layout_name`: a built-in's name, a YAML file, or a declared layout) as the targets
     of teacher `teacher_name`; -> a summary with the TAG. `tokenizer`: the run's, already loaded (else loaded
-    here)."""
+    here). `distillkit_settings`: a DistillKit capture's compressor settings file, where the capture lacks one."""
     pre = settings.precompute
     _check_targets(pre)
     if not teacher_name.strip():
@@ -68,8 +69,9 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     vocab_size, seq_len, top_k = len(tokenizer), settings.seq_len, pre.top_k
     packing = Packing(seq_len, top_k, vocab_size, pre.sequences_per_shard)
     run_root.ensure_writable()
-    staging = staging_dir(run_root, files, layout, packing)
-    checked = stage_source(run_root, staging, files, layout, packing, tokenizer)  # every row passed from here on
+    read_rows, decoder = row_reader(layout, files, distillkit_settings)  # settings problems: before anything
+    staging = staging_dir(run_root, files, layout, packing, decoder)
+    checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
 
     if checked.masked and pre.store.format == "v1":  # v1 shards have no place for the mask: never drop it silently
         raise ConfigError(f"import source {source!r} has positions without a teacher target, which only the v2 store "

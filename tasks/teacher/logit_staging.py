@@ -16,9 +16,11 @@ import hashlib
 import io
 import json
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import StoreError
@@ -29,7 +31,9 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.logit_dataset import check_columns, check_text, source_rows
 from kdflow.tasks.teacher.logit_packing import PackedRows, RowPacker
 from kdflow.tasks.teacher.logit_reader import SourceFiles, iter_source, source_fingerprint
-from kdflow.tasks.teacher.source_rows import FULL
+from kdflow.tasks.teacher.distillkit import distillkit_rows
+from kdflow.tasks.teacher.distillkit_settings import settings_for_source
+from kdflow.tasks.teacher.source_rows import FULL, SourceRows
 
 STAGING_VERSION = 1  # of the staged files' layout: part of KEY, so an older kdflow's staging is never reused
 CHECKED_FILE = "_checked.json"  # written once every row passed: the totals the stores are written from
@@ -85,8 +89,25 @@ class Checked:
         return self.shards[0].has_tail
 
 
-def staging_dir(run_root: RunRoot, source: SourceFiles, layout: LogitLayout, packing: Packing) -> str:
-    key = section_hash("import-staging", STAGING_VERSION, source_fingerprint(source), repr(layout), asdict(packing))
+RowReader = Callable[[pa.RecordBatch, int, int, int], SourceRows]  # (batch, first_row, top_k, vocab_size)
+
+
+def row_reader(layout: LogitLayout, source: SourceFiles, distillkit_settings: str | None = None
+               ) -> tuple[RowReader, str]:
+    """How a batch of the source becomes SourceRows, and what besides the layout decides it (for KEY): the layout's
+    own mapping, or for DistillKit's packed captures their decoder with the capture's compressor settings (the file
+    the user gave, else the one the capture ships)."""
+    if layout.kind != "distillkit":
+        return (lambda batch, first_row, top_k, vocab: source_rows(batch, layout, first_row, top_k, vocab)), ""
+    settings = settings_for_source(source.path, distillkit_settings)
+    return (lambda batch, first_row, top_k, vocab: distillkit_rows(batch, settings, first_row, top_k, vocab)), \
+        repr(settings)
+
+
+def staging_dir(run_root: RunRoot, source: SourceFiles, layout: LogitLayout, packing: Packing, decoder: str = ""
+                ) -> str:
+    key = section_hash("import-staging", STAGING_VERSION, source_fingerprint(source), repr(layout), asdict(packing),
+                       *([decoder] if decoder else []))
     return run_root.path(IMPORTS_DIR, key[:24])
 
 
@@ -137,7 +158,7 @@ def _staged_so_far(run_root: RunRoot, staging: str) -> list[StagedShard]:
 
 
 def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: LogitLayout, packing: Packing,
-                 tokenizer: Any) -> Checked:
+                 tokenizer: Any, read_rows: RowReader | None = None) -> Checked:
     """Check every row of `source` once and stage its packed shards (resuming staged work); -> the totals."""
     done = f"{staging}/{CHECKED_FILE}"
     if run_root.exists(done):
@@ -149,11 +170,12 @@ def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: L
     reused = len(shards)
     packer = RowPacker(packing.seq_len, (shards[-1].next_row, shards[-1].next_offset) if shards else (0, 0))
     positions = normalisation = None
+    read_rows = read_rows or row_reader(layout, source)[0]
     wanted = [c for c in (layout.tokens, *layout.target_fields(), layout.tail, layout.target_mask,
-                          layout.attention_mask, layout.text) if c]
+                          layout.attention_mask, layout.text) if c] + (["labels"] if layout.kind == "distillkit" else [])
     for first_row, batch in iter_source(source, wanted, start_row=packer.start[0]):
         check_columns(batch, layout, source.path)
-        rows = source_rows(batch, layout, first_row, packing.top_k, packing.vocab_size)
+        rows = read_rows(batch, first_row, packing.top_k, packing.vocab_size)
         check_text(rows, tokenizer, first_row, layout)
         if normalisation is not None and rows.normalisation != normalisation:
             raise StoreError(f"row {first_row}: normalisation {rows.normalisation}, earlier rows {normalisation}")
