@@ -277,3 +277,17 @@ def test_only_takes_the_named_steps_with_what_they_need(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"--only names no step teacher_pas \(steps: bench_loss, "):
         _only("tokens,teacher_pas", tmp_path, args, sizes(True))
     assert not (tmp_path / "teachers").exists() and not list(tmp_path.glob("**/*.safetensors"))
+
+
+@pytest.mark.unit
+def test_a_check_whose_every_step_skipped_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No time left for any step: nothing was measured, and that is no pass (the H200 run's exit 0 with every step
+    skipped read as a success); one step measured and none failed is a pass."""
+    from kdflow.bench.gpu import main
+
+    assert main(["--device", "cpu", "--budget-s", "0", "--work-dir", str(tmp_path / "work")]) == 1
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert not summary["ok"] and summary["failed"] == [] and summary["measured"] == 0
+    assert set(summary["skipped"]) == set(summary["steps"]) and "no step measured anything" in captured.err
+    assert not list((tmp_path / "work").glob("teachers/**/*.safetensors"))

@@ -12,7 +12,8 @@ dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked a
 `kdflow bench train-step` with a student of the teacher's vocabulary; the training stage; the logits' precision in
 bf16 against float32, and the float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when
 two GPUs are visible. A step that would not finish within `--budget-s` is skipped. The last stdout line is the
-summary (also `--out`); exit 0 when no step failed (skips included).
+summary (also `--out`); exit 0 when no step failed (skips included) and at least one step ran to the end:
+a check whose every step skipped measured nothing and exits 1.
 
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
 estimates, what would skip) at full size without building anything; `--only` runs some steps and what they need;
@@ -179,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         _run_steps(steps, work, args, size)
     results = {step["name"]: {k: v for k, v in step.items() if k != "name"} for step in setup} | steps.results
     failed = [name for name, result in results.items() if result["status"] == "failed"]
-    summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick, "ok": not failed, "failed": failed,
+    # A check in which every step skipped (no time left, --only of nothing measurable) measured nothing: that
+    # is no pass, whatever the reasons; the set-up steps measure nothing either.
+    measured = [name for name, result in steps.results.items() if result["status"] == "ok"]
+    summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick, "ok": bool(measured) and not failed,
+               "measured": len(measured), "failed": failed,
                "skipped": [name for name, result in results.items() if result["status"] == "skipped"],
                "seconds": round(time.perf_counter() - started, 1), "loadavg": [round(x, 2) for x in os.getloadavg()],
                "environment": environment(), "steps": results}
@@ -187,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     print(text, flush=True)
-    return 0 if not failed else 1
+    if not measured:
+        print("kdflow bench gpu: no step measured anything (every one skipped)", file=sys.stderr, flush=True)
+    return 0 if summary["ok"] else 1
 
 
 def _only(asked_text: str, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> set[str]:
