@@ -134,6 +134,9 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     assert full["weights_4bit_bytes"] == pytest.approx(full["planned_bytes"], rel=0.02)  # the plan's arithmetic
     tuned = steps["tune_precompute"]["recommended_micro_batch"]
     assert tuned in (2, 4) and steps["teacher_pass_L2_4bit"]["micro_batch"] == tuned
+    profile = steps["profile"]  # the table's shape on the GPU: every family, the 4-bit experts' dequantisation seen
+    assert profile["time_basis"] == "cpu_us" and profile["layers"] == 2 and profile["micro_batch"] == tuned
+    assert profile["cpu_us"]["expert_gemm"] > 0 and profile["cpu_us"]["expert_dequantisation"] > 0
     assert set(steps["teacher_pass_L1_4bit"]["ratios"]) >= {"stage/forward", "topk/forward", "stage/topk"}
     writer = steps["teacher_pass_L1_4bit"]["stage_writer"]  # where the stage's time went, beyond the device's
     assert 0 < writer["writer_busy_s"] <= writer["call_s"] and writer["waited_for_writer_s"] >= 0

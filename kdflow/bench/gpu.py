@@ -5,7 +5,8 @@ Random Qwen3-MoE teachers with llm-jp-4-32b-a3b-base's per-layer shapes and 196,
 (kdflow/bench/gpu_plan.py says where the shapes come from) at two depths, in 4-bit (bitsandbytes, the fused experts
 too: kdflow.tasks.common.fused_experts) and bf16. Then, each step timed, its outcome recorded (ok, skipped with its
 reason, failed with its error) and the rest run on: each 4-bit teacher's weights as loaded (and the full depth's,
-extrapolated); token shards; `kdflow tune precompute`; the pass in its worker; `kdflow bench teacher-pass` at the
+extrapolated); token shards; `kdflow tune precompute`; one micro-batch of the pass profiled, its time by kernel
+family (gpu_profile.py); the pass in its worker; `kdflow bench teacher-pass` at the
 tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active parameters) and the
 full-depth tok/s extrapolated from both depths; sampled and hybrid targets; `kdflow bench precompute` (chunked vs
 dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked against a float32 dense reference);
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench import logits_precision_measure
+from kdflow.bench import gpu_profile, logits_precision_measure
 from kdflow.bench import gpu_steps as steps_
 from kdflow.bench import gpu_teachers as teachers
 from kdflow.bench.args import bench_parser
@@ -232,6 +233,8 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     steps.run("tune_precompute", lambda: steps_.tune(main_config, size), needs=("tokens",), needs_s=2 * long_s)
     steps.run("precompute", lambda: steps_.precompute(main_config), needs=("tokens",), needs_s=long_s)
     tuned = steps_.tuned_micro_batch(work, steps.results)
+    steps.run("profile", lambda: gpu_profile.profile_teacher(main_config, tuned), needs=("teacher",),
+              needs_s=long_s / 2)
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
             steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")
