@@ -9,9 +9,10 @@ a forward pre-hook and closed by its forward hook: attention, router, experts, a
 and the pass's own phases too (step, device-to-host, encoding). The chunked head multiplies by the lm_head's weight
 without calling its module, so a GEMM under the step's label and no module's is the lm_head's. An op is classified
 by its innermost label and its name (with its kernels' names on a GPU) through `FAMILY_PATTERNS`, a table read
-top to bottom, first match wins; what no row matches is "other". The table is tested on op names collected from a CPU profile of a tiny
-Qwen3-MoE pass (tests/test_gpu_profile.py) and holds the CUDA kernel names the H200 run will show where known
-(cuBLAS/CUTLASS GEMMs, bitsandbytes' kDequantize, flash/efficient attention, radix sort/topk, Memcpy DtoH).
+top to bottom, first match wins; what no row matches is "other". The table is tested on op names collected from
+a CPU profile of a tiny Qwen3-MoE pass (tests/test_gpu_profile.py) and on the CUDA kernel names the H200 is
+expected to show (cuBLAS/CUTLASS GEMMs, bitsandbytes' kDequantize, flash attention, topk, Memcpy DtoH); the
+record lists each family's costliest op names, so a name the table misses shows under "other" there.
 
 Pure torch (+ numpy/pyarrow for the encoding); no Prefect.
 """
