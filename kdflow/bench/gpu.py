@@ -6,15 +6,17 @@ Random Qwen3-MoE teachers with llm-jp-4-32b-a3b-base's per-layer shapes and 196,
 too: kdflow.tasks.common.fused_experts) and bf16. Then, each step timed, its outcome recorded (ok, skipped with its
 reason, failed with its error) and the rest run on: each 4-bit teacher's weights as loaded (and the full depth's,
 extrapolated); token shards; `kdflow tune precompute`; one micro-batch of the pass profiled, its time by kernel
-family (gpu_profile.py); the pass in its worker; `kdflow bench teacher-pass` at the
-tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active parameters) and the
-full-depth tok/s extrapolated from both depths; sampled and hybrid targets; `kdflow bench precompute` (chunked vs
-dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked against a float32 dense reference);
-`kdflow bench train-step` with a student of the teacher's vocabulary; the training stage; the logits' precision in
-bf16 against float32, and the float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when
-two GPUs are visible. A step that would not finish within `--budget-s` is skipped. The last stdout line is the
-summary (also `--out`); exit 0 when no step failed (skips included) and at least one step ran to the end:
-a check whose every step skipped measured nothing and exits 1.
+family (gpu_profile.py); the full-depth teacher built in the device's memory and timed in bf16 and 4-bit, MFU
+against the measured matmul rate and the datasheet peak (gpu_full_depth.py); the pass in its worker; `kdflow bench
+teacher-pass` at the tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active
+parameters) and the full-depth tok/s extrapolated from both depths (constrained: a pass's per-layer cost at least
+its forward's); sampled and hybrid targets; `kdflow bench precompute` (chunked vs dense top-K); `kdflow bench loss`
+under bf16 autocast (fused vs dense, checked against a float32 dense reference); `kdflow bench train-step` with a
+student of the teacher's vocabulary; the training stage; the logits' precision in bf16 against float32, and the
+float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when two GPUs are visible. A step that
+would not finish within `--budget-s` is skipped. The last stdout line is the summary (also `--out`); exit 0 when no
+step failed (skips included) and at least one step ran to the end: a check whose every step skipped measured nothing
+and exits 1.
 
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
 estimates, what would skip) at full size without building anything; `--only` runs some steps and what they need;
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench import gpu_profile, logits_precision_measure
+from kdflow.bench import gpu_full_depth, gpu_profile, logits_precision_measure
 from kdflow.bench import gpu_steps as steps_
 from kdflow.bench import gpu_teachers as teachers
 from kdflow.bench.args import bench_parser
@@ -235,6 +237,7 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     tuned = steps_.tuned_micro_batch(work, steps.results)
     steps.run("profile", lambda: gpu_profile.profile_teacher(main_config, tuned), needs=("teacher",),
               needs_s=long_s / 2)
+    steps.run("full_depth", lambda: gpu_full_depth.check_step(size, device, tuned), needs_s=long_s)
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
             steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")

@@ -95,7 +95,7 @@ def teacher_weights(config_paths: list[Path], depths: tuple[int, int], shapes: d
     layers, float_bytes = shapes["num_hidden_layers"], 2 if teacher.dtype in ("bfloat16", "float16") else 4
     full = int(totals[low] + per_layer * (layers - low))
     planned = teacher_bytes(shapes, layers, True, float_bytes=float_bytes)
-    out["full_depth"] = {"what": f"extrapolation to {layers} layers from L{low} and L{high}",
+    out["full_depth"] = {"what": f"extrapolated to {layers} layers from L{low} and L{high}",
                          "weights_4bit_bytes": full, "weights_4bit_gib": round(full / GIB, 3),
                          "planned_bytes": planned, "planned_gib": round(planned / GIB, 3),
                          "weights_4bit_experts_16bit_gib": round(
