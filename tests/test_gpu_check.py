@@ -35,7 +35,8 @@ def test_plan_at_full_size_skips_only_the_dense_loss_at_32k(capsys: pytest.Captu
     full = steps["full_depth"]  # measured now, no longer extrapolated: bf16 (~60 GiB) and 4-bit fit the H200
     assert full["would"] == "run" and full["layers"] == 32 and 55 < full["weights_bf16_gib"] < full["estimated_gib"]
     assert steps["profile"]["would"] == "run" and plan["time_s"]["new_steps"] == (
-        full["estimated_s"] + steps["profile"]["estimated_s"])
+        full["estimated_s"] + steps["profile"]["estimated_s"] + steps["hub_layout_load"]["estimated_s"])
+    assert steps["hub_layout_load"]["would"] == "run" and 5 < steps["hub_layout_load"]["checkpoint_gib"] < 6
     assert plan["time_s"]["whole_call"] <= plan["time_s"]["limit"] == 540  # one call of at most 9 minutes
     small = json.loads(json.dumps(__import__("kdflow.bench.gpu_plan", fromlist=["plan"]).plan(False, 40.0)))
     assert "teacher_pass_L4_bf16" not in small["would_skip"] and "loss_dense_8192" in small["would_skip"]
@@ -143,6 +144,8 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     full = steps["full_depth"]  # the quick shapes' full depth (2 layers), both precisions, as on the H200
     assert full["4bit"]["experts_left_unquantised"] == [] and set(full["4bit/bf16"]) == {"body", "forward", "topk"}
     assert full["micro_batch"] == tuned and full["roofline_tflops"]["datasheet_dense_bf16"] == 989.0
+    hub = steps["hub_layout_load"]  # the hub's per-expert layout, loaded in 4-bit in a child
+    assert hub["experts_left_unquantised"] == [] and hub["peak_host_rss_gib"] > 0 and hub["written"]["files"] >= 1
     profile = steps["profile"]  # the table's shape on the GPU: every family, the 4-bit experts' dequantisation seen
     assert profile["time_basis"] == "cpu_us" and profile["layers"] == 2 and profile["micro_batch"] == tuned
     assert profile["cpu_us"]["expert_gemm"] > 0 and profile["cpu_us"]["expert_dequantisation"] > 0

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench import gpu_full_depth, gpu_profile, logits_precision_measure
+from kdflow.bench import gpu_full_depth, gpu_hub_layout, gpu_profile, logits_precision_measure
 from kdflow.bench import gpu_steps as steps_
 from kdflow.bench import gpu_teachers as teachers
 from kdflow.bench.args import bench_parser
@@ -260,6 +260,8 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     for mode in ("sampled", "hybrid"):
         steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),
                   needs_s=long_s)
+    # Last, as the least needed by the others: a second call (`--only hub_layout_load`) when it is out of time.
+    steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s * 2 / 3)
     gpus = torch_gpus()
     if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
         steps.run("fsdp_2_process", lambda: steps_.fsdp(main_config), needs=("precompute",), needs_s=long_s / 2)

@@ -36,12 +36,14 @@ H200_MEMORY_GIB = 139.0
 # Time, from the H200 check of 2026-12-04 (docs/results/gpu-check-h200-2026-12-04.md): the whole call then (set-up
 # included), the limit of one call (infra/gpu-check.sh), and what the steps added since are expected to take: the
 # full-depth step builds (random init on the device) and quantises ~32B parameters, then times 3 modes in 2
-# precisions at the extrapolated full-depth rate (~24,300 tok/s constrained); the profile loads the L4 teacher.
+# precisions at the extrapolated full-depth rate (~24,300 tok/s constrained); the profile loads the L4 teacher;
+# the hub-layout load writes and loads a 2-layer checkpoint at full width.
 LAST_CHECK_S = 406
 CALL_LIMIT_S = 540
 FULL_DEPTH_FIXED_S = 35
 FULL_DEPTH_TOKENS_PER_S = 24_000
 PROFILE_S = 15
+HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
 BF16_PEAK_TFLOPS = 790.0  # the H200's measured bf16 matmul rate on the lent machine (KINDS.md), the MFU roofline
 
 
@@ -83,7 +85,7 @@ def sizes(quick: bool) -> dict[str, Any]:
                 "loss_tokens": [256], "loss_hidden": 64, "loss_vocab": 4096, "pass_shards": 1,
                 "pass_bits": ("4bit",), "pass_repeats": 1, "precision_tokens": 64,
                 "student_steps": 3, "batch_size": 4, "train_seq_len": 32,
-                "full_depth": {"micro_batch": 2, "repeats": 1, "matmul_size": 256}}
+                "full_depth": {"micro_batch": 2, "repeats": 1, "matmul_size": 256}, "hub_layout_layers": 2}
     # 128 sequences a shard: 4 micro-batches of 32, so that the pass's host side overlaps the device as it does
     # in a real run (1,024 a shard by default); one micro-batch a shard would time the shard's end serially.
     return {"shapes": REFERENCE_SHAPES, "depths": (2, 4), "seq_len": 1024, "documents": 3000, "per_shard": 128,
@@ -93,7 +95,7 @@ def sizes(quick: bool) -> dict[str, Any]:
             "loss_tokens": [8192, 16384, 32768], "loss_hidden": 2560, "loss_vocab": REFERENCE_VOCAB, "pass_shards": 2,
             "pass_bits": ("4bit", "bf16"), "pass_repeats": 2, "precision_tokens": 8192,
             "student_steps": 6, "batch_size": 8, "train_seq_len": 1024,
-            "full_depth": {"micro_batch": 32, "repeats": 2, "matmul_size": 8192}}
+            "full_depth": {"micro_batch": 32, "repeats": 2, "matmul_size": 8192}, "hub_layout_layers": 2}
 
 
 def teacher_bytes(shapes: dict[str, int], layers: int, four_bit: bool, experts_4bit: bool = True,
@@ -157,7 +159,10 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
     largest = teacher_bytes(shapes, size["depths"][1], True)
     add("profile", largest + pass_activation_bytes(shapes, largest_mb, size["seq_len"]), layers=size["depths"][1],
         micro_batch_max=largest_mb, estimated_s=PROFILE_S)
-    new_s = steps["full_depth"]["estimated_s"] + PROFILE_S
+    hub = model_parameters(shapes | {"num_hidden_layers": size["hub_layout_layers"]})["total"]
+    add("hub_layout_load", teacher_bytes(shapes, size["hub_layout_layers"], True), layers=size["hub_layout_layers"],
+        checkpoint_gib=round(2 * hub / GIB, 2), estimated_s=HUB_LAYOUT_S)
+    new_s = steps["full_depth"]["estimated_s"] + PROFILE_S + HUB_LAYOUT_S
     dense_limit = 0.6 * limit
     for tokens in size["loss_tokens"]:
         dense = dense_loss_bytes(tokens, size["loss_vocab"])
