@@ -34,10 +34,13 @@ def test_plan_at_full_size_skips_only_the_dense_loss_at_32k(capsys: pytest.Captu
     assert steps["loss_dense_32768"]["estimated_gib"] > 0.6 * 139
     full = steps["full_depth"]  # measured now, no longer extrapolated: bf16 (~60 GiB) and 4-bit fit the H200
     assert full["would"] == "run" and full["layers"] == 32 and 55 < full["weights_bf16_gib"] < full["estimated_gib"]
-    assert steps["profile"]["would"] == "run" and plan["time_s"]["new_steps"] == (
-        full["estimated_s"] + steps["profile"]["estimated_s"] + steps["hub_layout_load"]["estimated_s"])
+    time_s = plan["time_s"]
+    assert steps["profile"]["would"] == "run" and time_s["first_call"] == (
+        time_s["last_check"] + full["estimated_s"] + steps["profile"]["estimated_s"])
     assert steps["hub_layout_load"]["would"] == "run" and 5 < steps["hub_layout_load"]["checkpoint_gib"] < 6
-    assert plan["time_s"]["whole_call"] <= plan["time_s"]["limit"] == 540  # one call of at most 9 minutes
+    assert steps["capped_24gib"]["estimated_gib"] == 24 and 56 in steps["capped_24gib"]["micro_batches"]
+    assert time_s["first_call"] <= time_s["limit"] == 540  # one call of at most 9 minutes
+    assert time_s["second_call_steps"] == ["capped_24gib", "hub_layout_load"] and time_s["second_call"] < 180
     small = json.loads(json.dumps(__import__("kdflow.bench.gpu_plan", fromlist=["plan"]).plan(False, 40.0)))
     assert "teacher_pass_L4_bf16" not in small["would_skip"] and "loss_dense_8192" in small["would_skip"]
     assert "full_depth" in small["would_skip"]  # 60 GiB of bf16 weights on a 40 GiB device
@@ -144,6 +147,8 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     full = steps["full_depth"]  # the quick shapes' full depth (2 layers), both precisions, as on the H200
     assert full["4bit"]["experts_left_unquantised"] == [] and set(full["4bit/bf16"]) == {"body", "forward", "topk"}
     assert full["micro_batch"] == tuned and full["roofline_tflops"]["datasheet_dense_bf16"] == 989.0
+    capped = steps["capped_24gib"]  # no cap on a CPU; the layer-by-layer 4-bit build and the candidates ran
+    assert capped["cap_gib"] is None and capped["experts_left_unquantised"] == [] and capped["fits_micro_batch"] == 4
     hub = steps["hub_layout_load"]  # the hub's per-expert layout, loaded in 4-bit in a child
     assert hub["experts_left_unquantised"] == [] and hub["peak_host_rss_gib"] > 0 and hub["written"]["files"] >= 1
     profile = steps["profile"]  # the table's shape on the GPU: every family, the 4-bit experts' dequantisation seen

@@ -55,3 +55,32 @@ def test_the_step_times_both_precisions_and_names_both_rooflines() -> None:
         assert set(out[bits]["mfu_of_measured_matmul"]) == set(rates)
         assert out[bits]["mfu_of_datasheet_peak"]["forward"] <= out[bits]["mfu_of_measured_matmul"]["forward"] * 1e6
     assert out["4bit"]["experts_left_unquantised"] == [] and out["4bit"]["weight_bytes"] < out["bf16"]["weight_bytes"]
+
+
+def test_built_layer_by_layer_the_4bit_teacher_holds_what_the_whole_build_holds() -> None:
+    """The capped step's teacher (made on the meta device, each layer given memory and quantised in turn, never
+    the whole model in 16 bits): the same 4-bit bytes by kind and the same module kinds as the model built whole
+    and quantised in place, nothing left on the meta device or in floating point, its rotary tables computed."""
+    import torch
+
+    from kdflow.bench.gpu_capped import build_quantised, capped
+    from kdflow.bench.gpu_full_depth import build_random, quantise_in_place
+    from kdflow.bench.gpu_plan import QUICK_SHAPES
+    from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
+    from kdflow.tasks.common.teacher_loading import float32_lm_head
+
+    model = build_quantised(QUICK_SHAPES, "cpu")
+    whole = build_random(QUICK_SHAPES, QUICK_SHAPES["num_hidden_layers"], "cpu")
+    float32_lm_head(whole)
+    quantise_in_place(whole)
+    assert weight_bytes(model) == weight_bytes(whole) and experts_left_unquantised(model) == []
+    assert {n: type(m).__name__ for n, m in model.named_modules()} == {
+        n: type(m).__name__ for n, m in whole.named_modules()}
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
+    ids = torch.randint(2, QUICK_SHAPES["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    out = capped(QUICK_SHAPES, "cpu", 24.0, 16, [2, 4], 8, 64)
+    assert [c["micro_batch"] for c in out["candidates"]] == [4, 2] and out["fits_micro_batch"] == 4
+    assert out["cap_gib"] is None and not out["llmjp_micro_batch_fits"]  # a CPU has no cap; 56 not tried

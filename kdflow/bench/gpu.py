@@ -13,10 +13,11 @@ parameters) and the full-depth tok/s extrapolated from both depths (constrained:
 its forward's); sampled and hybrid targets; `kdflow bench precompute` (chunked vs dense top-K); `kdflow bench loss`
 under bf16 autocast (fused vs dense, checked against a float32 dense reference); `kdflow bench train-step` with a
 student of the teacher's vocabulary; the training stage; the logits' precision in bf16 against float32, and the
-float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when two GPUs are visible. A step that
-would not finish within `--budget-s` is skipped. The last stdout line is the summary (also `--out`); exit 0 when no
-step failed (skips included) and at least one step ran to the end: a check whose every step skipped measured nothing
-and exits 1.
+float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when two GPUs are visible; last, the
+32-layer 4-bit teacher's pass under a 24 GiB cap (gpu_capped.py) and a checkpoint in the hub's per-expert layout
+loaded in 4-bit (gpu_hub_layout.py). A step that would not finish within `--budget-s` is skipped. The last stdout
+line is the summary (also `--out`); exit 0 when no step failed (skips included) and at least one step ran to the
+end: a check whose every step skipped measured nothing and exits 1.
 
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
 estimates, what would skip) at full size without building anything; `--only` runs some steps and what they need;
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench import gpu_full_depth, gpu_hub_layout, gpu_profile, logits_precision_measure
+from kdflow.bench import gpu_capped, gpu_full_depth, gpu_hub_layout, gpu_profile, logits_precision_measure
 from kdflow.bench import gpu_steps as steps_
 from kdflow.bench import gpu_teachers as teachers
 from kdflow.bench.args import bench_parser
@@ -260,8 +261,10 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     for mode in ("sampled", "hybrid"):
         steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),
                   needs_s=long_s)
-    # Last, as the least needed by the others: a second call (`--only hub_layout_load`) when it is out of time.
-    steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s * 2 / 3)
+    # Last, needed by no other step: the plan expects them skipped for time in the first call, for a second
+    # (`--only capped_24gib,hub_layout_load`).
+    steps.run("capped_24gib", lambda: gpu_capped.check_step(size, device), needs_s=long_s)
+    steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s)
     gpus = torch_gpus()
     if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
         steps.run("fsdp_2_process", lambda: steps_.fsdp(main_config), needs=("precompute",), needs_s=long_s / 2)

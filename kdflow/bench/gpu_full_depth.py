@@ -51,7 +51,8 @@ def quantise_in_place(model: Any) -> int:
     heads = (head, getattr(head, "linear", None))  # the pass's float32-logits wrapper holds the Linear
     replaced = 0
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or module in heads or isinstance(module, bnb.nn.Linear4bit):
+        if (not isinstance(module, nn.Linear) or module in heads or isinstance(module, bnb.nn.Linear4bit)
+                or module.weight.device.type == "meta"):  # a layer not yet given memory (gpu_capped.py)
             continue
         device = module.weight.device
         layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
