@@ -53,6 +53,12 @@ brief() {  # the summary as one short line a step, on stderr, last: what the end
     "$PYTHON" -c 'import json, sys
 summary = json.load(open(sys.argv[1]))
 state, seconds = ("ok" if summary["ok"] else "FAILED"), summary.get("seconds", "?")
+profile = summary["steps"].get("profile", {})
+if profile.get("status") == "ok":  # where the pass spends its time, by kernel family: above the steps
+    basis, layers, rows = profile["time_basis"], profile["layers"], profile["micro_batch"]
+    print(f"profile: {layers} layers, micro-batch {rows}, {basis}")
+    for family, share in sorted(profile["share"].items(), key=lambda item: -item[1]):
+        print(f"  {family:<22} {profile[basis][family] / 1000:>10.2f} ms {share:>7.1%}")
 print(f"gpu-check: {state}, {seconds} s; the whole summary: {sys.argv[1]}")
 for name, step in summary["steps"].items():
     status, took, why = step["status"], step.get("seconds", "-"), str(step.get("error") or step.get("reason") or "")

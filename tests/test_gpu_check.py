@@ -32,8 +32,18 @@ def test_plan_at_full_size_skips_only_the_dense_loss_at_32k(capsys: pytest.Captu
     assert all(steps[f"teacher_pass_L{d}_{b}"]["would"] == "run" for d in (2, 4) for b in ("4bit", "bf16"))
     assert steps["loss_dense_8192"]["would"] == "run" and steps["loss_fused_32768"]["would"] == "run"
     assert steps["loss_dense_32768"]["estimated_gib"] > 0.6 * 139
+    full = steps["full_depth"]  # measured now, no longer extrapolated: bf16 (~60 GiB) and 4-bit fit the H200
+    assert full["would"] == "run" and full["layers"] == 32 and 55 < full["weights_bf16_gib"] < full["estimated_gib"]
+    time_s = plan["time_s"]
+    assert steps["profile"]["would"] == "run" and time_s["first_call"] == (
+        time_s["last_check"] + full["estimated_s"] + steps["profile"]["estimated_s"])
+    assert steps["hub_layout_load"]["would"] == "run" and 5 < steps["hub_layout_load"]["checkpoint_gib"] < 6
+    assert steps["capped_24gib"]["estimated_gib"] == 24 and 56 in steps["capped_24gib"]["micro_batches"]
+    assert time_s["first_call"] <= time_s["limit"] == 540  # one call of at most 9 minutes
+    assert time_s["second_call_steps"] == ["capped_24gib", "hub_layout_load"] and time_s["second_call"] < 180
     small = json.loads(json.dumps(__import__("kdflow.bench.gpu_plan", fromlist=["plan"]).plan(False, 40.0)))
     assert "teacher_pass_L4_bf16" not in small["would_skip"] and "loss_dense_8192" in small["would_skip"]
+    assert "full_depth" in small["would_skip"]  # 60 GiB of bf16 weights on a 40 GiB device
 
 
 @pytest.mark.unit
@@ -129,17 +139,27 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     assert steps["teacher"]["architecture"] == "Qwen3MoeForCausalLM"
     weights = steps["teacher_weights_4bit"]  # every expert in 4-bit, as the pass loads it
     assert weights["L1"]["experts_left_unquantised"] == [] and weights["L2"]["weight_bytes"]["4bit"] > 0
-    assert weights["full_depth"]["what"].startswith("extrapolation")
+    assert weights["full_depth"]["what"].startswith("extrapolated")
     full = weights["full_depth"]
     assert full["weights_4bit_bytes"] == pytest.approx(full["planned_bytes"], rel=0.02)  # the plan's arithmetic
     tuned = steps["tune_precompute"]["recommended_micro_batch"]
     assert tuned in (2, 4) and steps["teacher_pass_L2_4bit"]["micro_batch"] == tuned
+    full = steps["full_depth"]  # the quick shapes' full depth (2 layers), both precisions, as on the H200
+    assert full["4bit"]["experts_left_unquantised"] == [] and set(full["4bit/bf16"]) == {"body", "forward", "topk"}
+    assert full["micro_batch"] == tuned and full["roofline_tflops"]["datasheet_dense_bf16"] == 989.0
+    capped = steps["capped_24gib"]  # no cap on a CPU; the layer-by-layer 4-bit build and the candidates ran
+    assert capped["cap_gib"] is None and capped["experts_left_unquantised"] == [] and capped["fits_micro_batch"] == 4
+    hub = steps["hub_layout_load"]  # the hub's per-expert layout, loaded in 4-bit in a child
+    assert hub["experts_left_unquantised"] == [] and hub["peak_host_rss_gib"] > 0 and hub["written"]["files"] >= 1
+    profile = steps["profile"]  # the table's shape on the GPU: every family, the 4-bit experts' dequantisation seen
+    assert profile["time_basis"] == "cpu_us" and profile["layers"] == 2 and profile["micro_batch"] == tuned
+    assert profile["cpu_us"]["expert_gemm"] > 0 and profile["cpu_us"]["expert_dequantisation"] > 0
     assert set(steps["teacher_pass_L1_4bit"]["ratios"]) >= {"stage/forward", "topk/forward", "stage/topk"}
     writer = steps["teacher_pass_L1_4bit"]["stage_writer"]  # where the stage's time went, beyond the device's
     assert 0 < writer["writer_busy_s"] <= writer["call_s"] and writer["waited_for_writer_s"] >= 0
     assert steps["precompute"]["writer"]["busy_s"] > 0 and steps["teacher_pass_L1_4bit"]["top_k"] == 32
     extrapolated = steps["extrapolated_4bit"]
-    assert extrapolated["what"].startswith("extrapolation") and "stage_tokens_per_s" in extrapolated  # CPU: noise
+    assert extrapolated["what"].startswith("extrapolated") and "stage_tokens_per_s" in extrapolated  # CPU: noise
     assert "topk_tokens_per_s" in extrapolated
     assert steps["targets_sampled"]["written"] >= 1 and steps["targets_hybrid"]["written"] >= 1
     precision = steps["logits_precision"]
@@ -212,8 +232,26 @@ def test_full_depth_extrapolation_is_linear_in_depth_and_none_when_depth_got_fas
     out = extrapolate(results, (2, 4), REFERENCE_SHAPES, "4bit")
     per_layer = (1 / 60 - 1 / 90) / 2
     assert out["stage_tokens_per_s"] == pytest.approx(1 / (1 / 90 + 30 * per_layer), abs=0.05)
-    assert out["forward_tokens_per_s"] is None and out["what"].startswith("extrapolation")
+    assert out["forward_tokens_per_s"] is None and out["what"].startswith("extrapolated")
     assert out["bf16_roofline_tokens_per_s"] == pytest.approx(790e12 / (2 * 3_324_160_512), abs=0.1)
+
+
+@pytest.mark.unit
+def test_an_extrapolated_pass_never_costs_less_a_layer_than_its_forward() -> None:
+    """The H200 run's 4-bit rates: the stage's line through L2 and L4 (0.816 us a layer) is below the forward's
+    (0.976), which a pass holding a forward cannot be; held at the forward's, the full depth is ~24,300 tok/s,
+    not the 27,489 first reported."""
+    from kdflow.bench.gpu_plan import REFERENCE_SHAPES
+    from kdflow.bench.gpu_steps import extrapolate
+
+    results = {"teacher_pass_L2_4bit": {"tokens_per_s": {"forward": 293870.6, "topk": 139381.4, "stage": 84079.1}},
+               "teacher_pass_L4_4bit": {"tokens_per_s": {"forward": 186761.4, "topk": 110351.9, "stage": 73932.6}}}
+    out = extrapolate(results, (2, 4), REFERENCE_SHAPES, "4bit")
+    forward_per_layer = (1 / 186761.4 - 1 / 293870.6) / 2
+    assert out["constrained"] == ["topk", "stage"]
+    assert out["stage_seconds_per_layer_per_mtok"] == pytest.approx(forward_per_layer * 1e6, abs=1e-4)
+    assert out["stage_tokens_per_s"] == pytest.approx(1 / (1 / 84079.1 + 30 * forward_per_layer), abs=0.1)
+    assert 24_000 < out["stage_tokens_per_s"] < 24_600 and out["stage_tokens_per_s"] < out["forward_tokens_per_s"]
 
 
 @pytest.mark.unit
@@ -277,3 +315,17 @@ def test_only_takes_the_named_steps_with_what_they_need(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"--only names no step teacher_pas \(steps: bench_loss, "):
         _only("tokens,teacher_pas", tmp_path, args, sizes(True))
     assert not (tmp_path / "teachers").exists() and not list(tmp_path.glob("**/*.safetensors"))
+
+
+@pytest.mark.unit
+def test_a_check_whose_every_step_skipped_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No time left for any step: nothing was measured, and that is no pass (the H200 run's exit 0 with every step
+    skipped read as a success); one step measured and none failed is a pass."""
+    from kdflow.bench.gpu import main
+
+    assert main(["--device", "cpu", "--budget-s", "0", "--work-dir", str(tmp_path / "work")]) == 1
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert not summary["ok"] and summary["failed"] == [] and summary["measured"] == 0
+    assert set(summary["skipped"]) == set(summary["steps"]) and "no step measured anything" in captured.err
+    assert not list((tmp_path / "work").glob("teachers/**/*.safetensors"))

@@ -5,14 +5,19 @@ Random Qwen3-MoE teachers with llm-jp-4-32b-a3b-base's per-layer shapes and 196,
 (kdflow/bench/gpu_plan.py says where the shapes come from) at two depths, in 4-bit (bitsandbytes, the fused experts
 too: kdflow.tasks.common.fused_experts) and bf16. Then, each step timed, its outcome recorded (ok, skipped with its
 reason, failed with its error) and the rest run on: each 4-bit teacher's weights as loaded (and the full depth's,
-extrapolated); token shards; `kdflow tune precompute`; the pass in its worker; `kdflow bench teacher-pass` at the
-tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active parameters) and the
-full-depth tok/s extrapolated from both depths; sampled and hybrid targets; `kdflow bench precompute` (chunked vs
-dense top-K); `kdflow bench loss` under bf16 autocast (fused vs dense, checked against a float32 dense reference);
-`kdflow bench train-step` with a student of the teacher's vocabulary; the training stage; the logits' precision in
-bf16 against float32, and the float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when
-two GPUs are visible. A step that would not finish within `--budget-s` is skipped. The last stdout line is the
-summary (also `--out`); exit 0 when no step failed (skips included).
+extrapolated); token shards; `kdflow tune precompute`; one micro-batch of the pass profiled, its time by kernel
+family (gpu_profile.py); the full-depth teacher built in the device's memory and timed in bf16 and 4-bit, MFU
+against the measured matmul rate and the datasheet peak (gpu_full_depth.py); the pass in its worker; `kdflow bench
+teacher-pass` at the tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active
+parameters) and the full-depth tok/s extrapolated from both depths (constrained: a pass's per-layer cost at least
+its forward's); sampled and hybrid targets; `kdflow bench precompute` (chunked vs dense top-K); `kdflow bench loss`
+under bf16 autocast (fused vs dense, checked against a float32 dense reference); `kdflow bench train-step` with a
+student of the teacher's vocabulary; the training stage; the logits' precision in bf16 against float32, and the
+float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when two GPUs are visible; last, the
+32-layer 4-bit teacher's pass under a 24 GiB cap (gpu_capped.py) and a checkpoint in the hub's per-expert layout
+loaded in 4-bit (gpu_hub_layout.py). A step that would not finish within `--budget-s` is skipped. The last stdout
+line is the summary (also `--out`); exit 0 when no step failed (skips included) and at least one step ran to the
+end: a check whose every step skipped measured nothing and exits 1.
 
 `--device cpu` is the rehearsal at small sizes (`--quick`); `--plan` prints the plan (sizes, memory
 estimates, what would skip) at full size without building anything; `--only` runs some steps and what they need;
@@ -35,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench import logits_precision_measure
+from kdflow.bench import gpu_capped, gpu_full_depth, gpu_hub_layout, gpu_profile, logits_precision_measure
 from kdflow.bench import gpu_steps as steps_
 from kdflow.bench import gpu_teachers as teachers
 from kdflow.bench.args import bench_parser
@@ -179,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         _run_steps(steps, work, args, size)
     results = {step["name"]: {k: v for k, v in step.items() if k != "name"} for step in setup} | steps.results
     failed = [name for name, result in results.items() if result["status"] == "failed"]
-    summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick, "ok": not failed, "failed": failed,
+    # A check in which every step skipped (no time left, --only of nothing measurable) measured nothing: that
+    # is no pass, whatever the reasons; the set-up steps measure nothing either.
+    measured = [name for name, result in steps.results.items() if result["status"] == "ok"]
+    summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick, "ok": bool(measured) and not failed,
+               "measured": len(measured), "failed": failed,
                "skipped": [name for name, result in results.items() if result["status"] == "skipped"],
                "seconds": round(time.perf_counter() - started, 1), "loadavg": [round(x, 2) for x in os.getloadavg()],
                "environment": environment(), "steps": results}
@@ -187,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     print(text, flush=True)
-    return 0 if not failed else 1
+    if not measured:
+        print("kdflow bench gpu: no step measured anything (every one skipped)", file=sys.stderr, flush=True)
+    return 0 if summary["ok"] else 1
 
 
 def _only(asked_text: str, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> set[str]:
@@ -225,6 +236,9 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     steps.run("tune_precompute", lambda: steps_.tune(main_config, size), needs=("tokens",), needs_s=2 * long_s)
     steps.run("precompute", lambda: steps_.precompute(main_config), needs=("tokens",), needs_s=long_s)
     tuned = steps_.tuned_micro_batch(work, steps.results)
+    steps.run("profile", lambda: gpu_profile.profile_teacher(main_config, tuned), needs=("teacher",),
+              needs_s=long_s / 2)
+    steps.run("full_depth", lambda: gpu_full_depth.check_step(size, device, tuned), needs_s=long_s)
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
             steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")
@@ -247,6 +261,10 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     for mode in ("sampled", "hybrid"):
         steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),
                   needs_s=long_s)
+    # Last, needed by no other step: the plan expects them skipped for time in the first call, for a second
+    # (`--only capped_24gib,hub_layout_load`).
+    steps.run("capped_24gib", lambda: gpu_capped.check_step(size, device), needs_s=long_s)
+    steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s)
     gpus = torch_gpus()
     if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
         steps.run("fsdp_2_process", lambda: steps_.fsdp(main_config), needs=("precompute",), needs_s=long_s / 2)

@@ -33,6 +33,21 @@ QUICK_SHAPES: dict[str, int] = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_hidden_layers": 2, "vocab_size": 4096,
 }
 H200_MEMORY_GIB = 139.0
+# Time, from the H200 check of 2026-12-04 (docs/results/gpu-check-h200-2026-12-04.md): the whole call then (set-up
+# included), the limit of one call (infra/gpu-check.sh), and what the steps added since are expected to take: the
+# full-depth step builds (random init on the device) and quantises ~32B parameters, then times 3 modes in 2
+# precisions at the extrapolated full-depth rate (~24,300 tok/s constrained); the profile loads the L4 teacher;
+# the hub-layout load writes and loads a 2-layer checkpoint at full width; the capped run builds the 4-bit teacher
+# layer by layer and tries five micro-batches. The last two do not fit the first call: a second call runs them.
+LAST_CHECK_S = 406
+CALL_LIMIT_S = 540
+FULL_DEPTH_FIXED_S = 35
+FULL_DEPTH_TOKENS_PER_S = 24_000
+PROFILE_S = 15
+HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
+CAPPED_S = 45  # the 32-layer 4-bit teacher built layer by layer, five micro-batches tried twice each
+SETUP_S = 15  # a call's set-up from the carried wheels (13 s on 2026-12-04)
+CAP_GIB = 24.0  # the memory promise: a 24 GB GPU (gpu_capped.py)
 BF16_PEAK_TFLOPS = 790.0  # the H200's measured bf16 matmul rate on the lent machine (KINDS.md), the MFU roofline
 
 
@@ -73,7 +88,9 @@ def sizes(quick: bool) -> dict[str, Any]:
                                                        "repeats": 1},
                 "loss_tokens": [256], "loss_hidden": 64, "loss_vocab": 4096, "pass_shards": 1,
                 "pass_bits": ("4bit",), "pass_repeats": 1, "precision_tokens": 64,
-                "student_steps": 3, "batch_size": 4, "train_seq_len": 32}
+                "student_steps": 3, "batch_size": 4, "train_seq_len": 32,
+                "full_depth": {"micro_batch": 2, "repeats": 1, "matmul_size": 256}, "hub_layout_layers": 2,
+                "capped": {"seq_len": 32, "micro_batches": [4, 2]}}
     # 128 sequences a shard: 4 micro-batches of 32, so that the pass's host side overlaps the device as it does
     # in a real run (1,024 a shard by default); one micro-batch a shard would time the shard's end serially.
     return {"shapes": REFERENCE_SHAPES, "depths": (2, 4), "seq_len": 1024, "documents": 3000, "per_shard": 128,
@@ -82,7 +99,9 @@ def sizes(quick: bool) -> dict[str, Any]:
                                                        "dense_limit_gib": 60.0},
             "loss_tokens": [8192, 16384, 32768], "loss_hidden": 2560, "loss_vocab": REFERENCE_VOCAB, "pass_shards": 2,
             "pass_bits": ("4bit", "bf16"), "pass_repeats": 2, "precision_tokens": 8192,
-            "student_steps": 6, "batch_size": 8, "train_seq_len": 1024}
+            "student_steps": 6, "batch_size": 8, "train_seq_len": 1024,
+            "full_depth": {"micro_batch": 32, "repeats": 2, "matmul_size": 8192}, "hub_layout_layers": 2,
+            "capped": {"seq_len": 512, "micro_batches": [56, 48, 32, 16, 8]}}
 
 
 def teacher_bytes(shapes: dict[str, int], layers: int, four_bit: bool, experts_4bit: bool = True,
@@ -134,11 +153,26 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
                 weights + pass_activation_bytes(shapes, largest_mb, size["seq_len"]), layers=depth,
                 weights_gib=round(weights / GIB, 2), micro_batch_max=largest_mb, seq_len=size["seq_len"])
     full = {bits: teacher_bytes(shapes, shapes["num_hidden_layers"], bits == "4bit") for bits in ("4bit", "bf16")}
-    steps["full_depth_teacher"] = {
-        "estimated_gib": round(full["4bit"] / GIB, 2), "would": "extrapolated, not built",
-        "layers": shapes["num_hidden_layers"], "weights_bf16_gib": round(full["bf16"] / GIB, 2),
-        "weights_4bit_experts_16bit_gib": round(
-            teacher_bytes(shapes, shapes["num_hidden_layers"], True, experts_4bit=False) / GIB, 2)}
+    depth = size["full_depth"]
+    full_tokens = depth["micro_batch"] * size["seq_len"]
+    # Built in bf16 in the device's memory, timed, quantised in place: the bf16 weights are the peak.
+    add("full_depth", full["bf16"] + pass_activation_bytes(shapes, depth["micro_batch"], size["seq_len"]),
+        layers=shapes["num_hidden_layers"], weights_bf16_gib=round(full["bf16"] / GIB, 2),
+        weights_4bit_gib=round(full["4bit"] / GIB, 2), micro_batch=depth["micro_batch"], seq_len=size["seq_len"],
+        weights_4bit_experts_16bit_gib=round(
+            teacher_bytes(shapes, shapes["num_hidden_layers"], True, experts_4bit=False) / GIB, 2),
+        estimated_s=round(FULL_DEPTH_FIXED_S + 2 * 3 * (1 + depth["repeats"]) * full_tokens / FULL_DEPTH_TOKENS_PER_S))
+    largest = teacher_bytes(shapes, size["depths"][1], True)
+    add("profile", largest + pass_activation_bytes(shapes, largest_mb, size["seq_len"]), layers=size["depths"][1],
+        micro_batch_max=largest_mb, estimated_s=PROFILE_S)
+    hub = model_parameters(shapes | {"num_hidden_layers": size["hub_layout_layers"]})["total"]
+    add("hub_layout_load", teacher_bytes(shapes, size["hub_layout_layers"], True), layers=size["hub_layout_layers"],
+        checkpoint_gib=round(2 * hub / GIB, 2), estimated_s=HUB_LAYOUT_S)
+    capped = size["capped"]
+    add("capped_24gib", int(CAP_GIB * GIB), layers=shapes["num_hidden_layers"], seq_len=capped["seq_len"],
+        micro_batches=capped["micro_batches"], estimated_s=CAPPED_S)
+    first_s = LAST_CHECK_S + steps["full_depth"]["estimated_s"] + PROFILE_S
+    second = ["capped_24gib", "hub_layout_load"]  # last in the check: skipped for time in the first call
     dense_limit = 0.6 * limit
     for tokens in size["loss_tokens"]:
         dense = dense_loss_bytes(tokens, size["loss_vocab"])
@@ -154,4 +188,7 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
     return {"bench": "gpu_check_plan", "quick": quick, "device_memory_gib": memory_gib, "budget_s": budget_s,
             "shapes": shapes, "depths": list(size["depths"]), "parameters_full_depth": counts,
             "card_counts_match": derived_shapes_check() if not quick else None,
-            "steps": steps, "would_skip": sorted(n for n, s in steps.items() if str(s["would"]).startswith("skip"))}
+            "steps": steps, "time_s": {"last_check": LAST_CHECK_S, "first_call": first_s, "limit": CALL_LIMIT_S,
+                                       "second_call_steps": second,
+                                       "second_call": SETUP_S + sum(steps[n]["estimated_s"] for n in second)},
+            "would_skip": sorted(n for n, s in steps.items() if str(s["would"]).startswith("skip"))}

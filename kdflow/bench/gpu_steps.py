@@ -207,14 +207,24 @@ def matmul_parameters(shapes: dict[str, int], depth: int) -> int:
 
 def extrapolate(results: dict[str, dict[str, Any]], depths: tuple[int, int], shapes: dict[str, int],
                 quant: str) -> dict[str, Any]:
-    """Full depth from two depths: seconds a token = a + b x layers, fitted through both; an EXTRAPOLATION."""
+    """Full depth from two depths: seconds a token = a + b x layers, fitted through both; EXTRAPOLATED, and
+    constrained: a pass holds a forward, so its per-layer cost (b) is held at least the forward's (the H200 run's
+    line gave the stage 0.816 us a layer against the forward's 0.976, and a full-depth rate that cannot be)."""
     low, high = (results[f"teacher_pass_L{d}_{quant}"] for d in depths)
     full = shapes["num_hidden_layers"]
-    out: dict[str, Any] = {"what": "extrapolation to full depth, not a measurement", "layers": full}
+    out: dict[str, Any] = {"what": f"extrapolated to {full} layers from L{depths[0]} and L{depths[1]}, not a "
+                           "measurement; a pass's per-layer cost held at least its forward's", "layers": full,
+                           "constrained": []}
     measured = set(low["tokens_per_s"]) & set(high["tokens_per_s"])
+    forward_per_layer = None
     for mode in [m for m in ("forward", "topk", "stage") if m in measured]:
         t_low, t_high = 1 / low["tokens_per_s"][mode], 1 / high["tokens_per_s"][mode]
         per_layer = (t_high - t_low) / (depths[1] - depths[0])
+        if mode == "forward":
+            forward_per_layer = per_layer
+        elif forward_per_layer is not None and per_layer < forward_per_layer:
+            per_layer = forward_per_layer
+            out["constrained"].append(mode)
         seconds = t_low + per_layer * (full - depths[0])
         # A deeper teacher that ran faster (noise, or a cost that does not grow with depth) extrapolates to nothing.
         out[f"{mode}_tokens_per_s"] = round(1 / seconds, 1) if per_layer > 0 else None

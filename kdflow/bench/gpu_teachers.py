@@ -67,7 +67,7 @@ def teacher_weights(config_paths: list[Path], depths: tuple[int, int], shapes: d
     import torch
 
     from kdflow.schemas.config_io import load_config
-    from kdflow.tasks.common.fused_experts import fused_expert_weights, weight_bytes
+    from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import load_teacher
 
     out: dict[str, Any] = {}
@@ -81,21 +81,21 @@ def teacher_weights(config_paths: list[Path], depths: tuple[int, int], shapes: d
         started = time.perf_counter()
         model = load_teacher(teacher)
         seconds = time.perf_counter() - started
-        sizes, left = weight_bytes(model), fused_expert_weights(model)
+        sizes, left = weight_bytes(model), experts_left_unquantised(model)
         totals[depth] = sum(sizes.values())
         peak = round(torch.cuda.max_memory_allocated() / GIB, 3) if cuda else None
         out[f"L{depth}"] = {"load_s": round(seconds, 2), "total_gib": round(totals[depth] / GIB, 4),
                             "weight_bytes": sizes,
-                            "experts_left_unquantised": [name for name, *_ in left], "peak_load_gib": peak}
+                            "experts_left_unquantised": left, "peak_load_gib": peak}
         del model
         if left:
-            raise RuntimeError(f"{len(left)} expert weight(s) of the L{depth} teacher not quantised: {left[0][0]}")
+            raise RuntimeError(f"{len(left)} expert weight(s) of the L{depth} teacher not quantised: {left[0]}")
     low, high = depths
     per_layer = (totals[high] - totals[low]) / (high - low)
     layers, float_bytes = shapes["num_hidden_layers"], 2 if teacher.dtype in ("bfloat16", "float16") else 4
     full = int(totals[low] + per_layer * (layers - low))
     planned = teacher_bytes(shapes, layers, True, float_bytes=float_bytes)
-    out["full_depth"] = {"what": f"extrapolation to {layers} layers from L{low} and L{high}",
+    out["full_depth"] = {"what": f"extrapolated to {layers} layers from L{low} and L{high}",
                          "weights_4bit_bytes": full, "weights_4bit_gib": round(full / GIB, 3),
                          "planned_bytes": planned, "planned_gib": round(planned / GIB, 3),
                          "weights_4bit_experts_16bit_gib": round(

@@ -193,3 +193,25 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     for tensor in [*model.parameters(), *model.buffers()]:
         add("4bit" if tensor.dtype == torch.uint8 else str(tensor.dtype).removeprefix("torch."), tensor)
     return out
+
+
+def _expert_module(name: str, module: nn.Module) -> bool:
+    """A module that holds routed experts, named by what transformers calls it (`mlp.experts`,
+    `block_sparse_moe.experts`, `Qwen3MoeExperts`, ...) or lying inside one (transformers 4's per-expert layers)."""
+    return "experts" in name.split(".") or type(module).__name__.endswith("Experts")
+
+
+def experts_left_unquantised(model: nn.Module) -> list[str]:
+    """Every floating-point parameter of 2 or 3 dimensions that an expert module of `model` holds: in a model
+    loaded in 4-bit there should be none (the packed values are uint8). It reads what the model holds, by module
+    name and dtype, without the expert count or the detector `quantise_fused_experts` works from, so a loader that
+    forgot the experts, or a detector that missed them, shows here. A parametrized weight is judged by its
+    stored `original` (a dequantised read-back is no weight held)."""
+    left = []
+    for module_name, module in model.named_modules():
+        if not _expert_module(module_name, module):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() in (2, 3) and param.is_floating_point():
+                left.append(f"{module_name}.{name}" if module_name else name)
+    return left

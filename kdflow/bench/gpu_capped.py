@@ -1,0 +1,137 @@
+"""The 24 GB promise, measured (issue 44, item 3): the 32-layer 4-bit reference teacher and its pass under a cap
+of 24 GiB of device memory (`torch.cuda.set_per_process_memory_fraction`), at the shipped llmjp config's
+micro-batch and below it, to find the largest that fits.
+
+The teacher cannot be built in bf16 first under the cap (60 GiB), so it is built layer by layer: the model made on
+the meta device, then each part given device memory, random values (std 0.02, norms one) and, for a decoder
+layer, quantised at once as the loader quantises (gpu_full_depth.quantise_in_place: NF4 Linear4bit layers and
+the loader's `quantise_fused_experts`), so no more than one layer is ever in 16 bits. Each candidate micro-batch
+runs the pass's step (`TeacherTopkStep`) once to warm up and once timed; out of memory is its outcome, not an
+error. On a CPU (the rehearsal) there is no cap: the same code runs at the rehearsal's sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kdflow.bench.gpu_plan import CAP_GIB, GIB
+
+LLMJP_MICRO_BATCH, LLMJP_SEQ_LEN = 56, 512  # configs/llmjp.yaml and prefect.yaml as shipped
+
+
+def build_quantised(shapes: dict[str, int], device: str, seed: int = 0) -> Any:
+    """The random Qwen3-MoE of these shapes in 4-bit, never more than one decoder layer in 16 bits on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from kdflow.bench.gpu_full_depth import quantise_in_place
+    from kdflow.tasks.common.teacher_loading import float32_lm_head
+
+    config = Qwen3MoeConfig(**shapes, intermediate_size=4 * shapes["hidden_size"], tie_word_embeddings=False,
+                            eos_token_id=0, bos_token_id=0, pad_token_id=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def materialise(module: Any) -> None:
+        module.to_empty(device=device, recurse=True)
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+
+    layers = model.model.layers
+    for name, child in model.named_children():
+        if name != "model":
+            materialise(child)
+    for name, child in model.model.named_children():
+        if name != "layers":
+            materialise(child)
+    with torch.device(device):  # its tables are computed in its constructor, not drawn: made again there
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    for layer in layers:
+        materialise(layer)
+        quantise_in_place(model)  # the layers still on the meta device are left for their turn
+    float32_lm_head(model)
+    return model.eval().requires_grad_(False)
+
+
+def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, micro_batches: list[int],
+           top_k: int, chunk_tokens: int) -> dict[str, Any]:
+    """The step: the cap set (CUDA), the teacher built under it, each micro-batch tried largest first; the largest
+    that ran is `fits_micro_batch`. The cap is lifted afterwards, whatever happened."""
+    import torch
+
+    from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
+    from kdflow.tasks.teacher.topk import TeacherTopkStep
+
+    cuda = device.startswith("cuda")
+    out: dict[str, Any] = {"layers": shapes["num_hidden_layers"], "seq_len": seq_len, "top_k": top_k,
+                           "cap_gib": cap_gib if cuda else None, "candidates": []}
+    if cuda:
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        started = time.perf_counter()
+        model = build_quantised(shapes, device)
+        out |= {"build_s": round(time.perf_counter() - started, 2),
+                "weights_gib": round(sum(weight_bytes(model).values()) / GIB, 3),
+                "experts_left_unquantised": experts_left_unquantised(model)}
+        if cuda:
+            out["peak_after_build_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        step = TeacherTopkStep(model, top_k, chunk_tokens)
+        for rows in sorted(micro_batches, reverse=True):
+            out["candidates"].append(_try(step, shapes["vocab_size"], rows, seq_len, device))
+        del model, step
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            torch.cuda.empty_cache()
+    ran = [c["micro_batch"] for c in out["candidates"] if c["status"] == "ok"]
+    out["fits_micro_batch"] = max(ran) if ran else None
+    out["llmjp_micro_batch_fits"] = LLMJP_MICRO_BATCH in ran
+    if out["experts_left_unquantised"]:
+        raise RuntimeError(f"expert weights left unquantised: {out['experts_left_unquantised'][0]}")
+    return out
+
+
+def _try(step: Any, vocab: int, rows: int, seq_len: int, device: str) -> dict[str, Any]:
+    import torch
+
+    cuda = device.startswith("cuda")
+    ids = torch.randint(2, vocab, (rows, seq_len), generator=torch.Generator().manual_seed(rows)).to(device)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with torch.inference_mode():
+            step(ids)  # warm-up
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            step(ids)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+    except torch.OutOfMemoryError as error:
+        first = (str(error).strip().splitlines() or ["out of memory"])[0]
+        return {"micro_batch": rows, "status": "out of memory", "error": first[:160]}
+    record = {"micro_batch": rows, "status": "ok", "tokens_per_s": round(ids.numel() / seconds, 1)}
+    if cuda:
+        record["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+    return record
+
+
+def check_step(size: dict[str, Any], device: str) -> dict[str, Any]:
+    """`capped_24gib` at the check's sizes: the llmjp config's micro-batch and halvings of it (full size)."""
+    from kdflow.schemas.config import PrecomputeConfig
+    from kdflow.tasks.teacher.topk import choose_chunk_tokens
+
+    settings, shapes = size["capped"], size["shapes"]
+    chunk = choose_chunk_tokens(shapes["vocab_size"], PrecomputeConfig().chunk_memory_mib << 20)
+    return capped(shapes, device, CAP_GIB, settings["seq_len"], settings["micro_batches"], size["top_k"], chunk)

@@ -1,0 +1,197 @@
+"""The GPU check's full-depth teacher (issue 44, item 2): the reference teacher at all of its layers, random
+weights, built in the device's memory (never written: 61 GiB of bf16 would not fit the machine's disk), timed in
+bf16 and then, quantised in place as the loader quantises, in 4-bit: the model body alone, the bare forward to full
+logits, and the pass's step (body + chunked log-sum-exp and top-K, `TeacherTopkStep`), on the same rows.
+
+Up to now the full-depth rate was a line through 2 and 4 layers, which gave the pass a per-layer cost below its
+own forward's (impossible: the pass holds a forward). Here it is measured. MFU is given against both the bf16
+matmul rate measured in the same call (a large square GEMM, `matmul_tflops`) and the datasheet's dense bf16 peak
+(`DATASHEET_BF16_TFLOPS`), each named in the record.
+
+4-bit as the loader makes it (`load_teacher`: bitsandbytes NF4, no double quantisation, compute in the model's
+dtype): every nn.Linear but the lm_head becomes a `Linear4bit`, and the fused 3-D experts are quantised by
+`quantise_fused_experts`, the loader's own function; the expert check then reads what the model holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, GIB, model_parameters
+
+DATASHEET_BF16_TFLOPS = 989.0  # H200 SXM, dense bf16 tensor-core peak (NVIDIA's datasheet, without sparsity)
+
+
+def build_random(shapes: dict[str, int], layers: int, device: str, seed: int = 0) -> Any:
+    """A Qwen3-MoE of these shapes and depth with random bf16 weights, made on `device` directly."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**(shapes | {"num_hidden_layers": layers}), intermediate_size=4 * shapes["hidden_size"],
+                            tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=1)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def quantise_in_place(model: Any) -> int:
+    """The loader's 4-bit, applied to a model already in memory: each nn.Linear but the output layer replaced by a
+    bitsandbytes `Linear4bit` (NF4, no double quantisation, computing in bf16), then the fused experts quantised
+    by the loader's `quantise_fused_experts`. How many Linear layers it replaced."""
+    import bitsandbytes as bnb
+    import torch
+    from torch import nn
+
+    from kdflow.tasks.common.fused_experts import quantise_fused_experts
+
+    head = model.get_output_embeddings()
+    heads = (head, getattr(head, "linear", None))  # the pass's float32-logits wrapper holds the Linear
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if (not isinstance(module, nn.Linear) or module in heads or isinstance(module, bnb.nn.Linear4bit)
+                or module.weight.device.type == "meta"):  # a layer not yet given memory (gpu_capped.py)
+            continue
+        device = module.weight.device
+        layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                  compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=False,
+                                  device="meta")
+        layer.weight = bnb.nn.Params4bit(module.weight.data.to("cpu" if device.type == "cpu" else device),
+                                         requires_grad=False, quant_type="nf4",
+                                         compress_statistics=False).to(device)
+        if module.bias is not None:
+            layer.bias = nn.Parameter(module.bias.data, requires_grad=False)
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attribute, layer)
+        replaced += 1
+    quantise_fused_experts(model, quant_type="nf4", double_quant=False)
+    return replaced
+
+
+def matmul_tflops(device: str, size: int, repeats: int = 10) -> float:
+    """The device's bf16 matmul rate: the best of `repeats` square GEMMs of `size`, in TFLOP/s."""
+    import torch
+
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first warms up
+        sync()
+        started = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best / 1e12
+
+
+def _best_seconds(run: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    run()  # warm-up: allocator, kernels chosen
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int, repeats: int) -> dict[str, float]:
+    """Tokens a second of the body, the bare forward (the model's own lm_head in its dtype, as `kdflow bench
+    teacher-pass` times it) and the pass's step on `input_ids` (best of `repeats`)."""
+    import torch
+
+    from kdflow.tasks.common.float32_logits import Float32Logits
+    from kdflow.tasks.common.models import body_hidden_states, output_layer
+    from kdflow.tasks.teacher.topk import TeacherTopkStep
+
+    step = TeacherTopkStep(model, top_k, chunk_tokens)
+    sync = torch.cuda.synchronize if input_ids.device.type == "cuda" else (lambda: None)
+    own_head = output_layer(model)
+    bare_head = own_head.linear if isinstance(own_head, Float32Logits) else own_head
+
+    def forward() -> None:
+        model.set_output_embeddings(bare_head)
+        try:
+            model(input_ids=input_ids, use_cache=False).logits  # noqa: B018 - the logits are the work
+        finally:
+            model.set_output_embeddings(own_head)
+
+    modes: dict[str, Callable[[], Any]] = {"body": lambda: body_hidden_states(model, input_ids), "forward": forward,
+                                           "topk": lambda: step(input_ids)}
+    with torch.inference_mode():
+        return {mode: round(input_ids.numel() / _best_seconds(run, repeats, sync), 1) for mode, run in modes.items()}
+
+
+def mfu(shapes: dict[str, int], layers: int, rates: dict[str, float], tflops: float) -> dict[str, float]:
+    """Each mode's share of `tflops`: 2 FLOPs a matmul parameter a token (attention's scores not counted); the body
+    stops before the lm_head, whose parameters are then left out."""
+    counts = model_parameters(shapes, layers)
+    active, head = counts["activated"] - counts["embedding"], shapes["vocab_size"] * shapes["hidden_size"]
+    return {mode: round(2 * (active - head * (mode == "body")) * rate / (tflops * 1e12), 4)
+            for mode, rate in rates.items()}
+
+
+def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: int, top_k: int, chunk_tokens: int,
+               repeats: int, matmul_size: int) -> dict[str, Any]:
+    """The step: the full-depth teacher built once in bf16, timed, quantised in place to 4-bit, timed again."""
+    import torch
+
+    from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
+    from kdflow.tasks.common.teacher_loading import float32_lm_head
+
+    layers = shapes["num_hidden_layers"]
+    cuda = device.startswith("cuda")
+    measured = matmul_tflops(device, matmul_size)
+    out: dict[str, Any] = {"layers": layers, "micro_batch": micro_batch, "seq_len": seq_len, "top_k": top_k,
+                           "what": "measured at full depth (random weights)",
+                           "roofline_tflops": {"measured_bf16_matmul": round(measured, 4),
+                                               "kinds_md_bf16_matmul": BF16_PEAK_TFLOPS,
+                                               "datasheet_dense_bf16": DATASHEET_BF16_TFLOPS}}
+    started = time.perf_counter()
+    model = build_random(shapes, layers, device)
+    float32_lm_head(model)  # as the pass loads its teacher (`teacher.lm_head_float32`, the default)
+    out["build_s"] = round(time.perf_counter() - started, 2)
+    ids = torch.randint(2, shapes["vocab_size"], (micro_batch, seq_len),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    for bits in ("bf16", "4bit"):
+        if bits == "4bit":
+            started = time.perf_counter()
+            quantise_in_place(model)
+            out["quantise_s"] = round(time.perf_counter() - started, 2)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        rates = time_modes(model, ids, top_k, chunk_tokens, repeats)
+        held = sum(weight_bytes(model).values())
+        record: dict[str, Any] = {"tokens_per_s": rates, "weight_bytes": held, "weights_gib": round(held / GIB, 3),
+                                  "mfu_of_measured_matmul": mfu(shapes, layers, rates, measured),
+                                  "mfu_of_datasheet_peak": mfu(shapes, layers, rates, DATASHEET_BF16_TFLOPS),
+                                  "topk/forward": round(rates["topk"] / rates["forward"], 4)}
+        if cuda:
+            record["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        if bits == "4bit":
+            record["experts_left_unquantised"] = experts_left_unquantised(model)
+        out[bits] = record
+    out["4bit/bf16"] = {mode: round(out["4bit"]["tokens_per_s"][mode] / out["bf16"]["tokens_per_s"][mode], 4)
+                        for mode in out["bf16"]["tokens_per_s"]}
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    if out["4bit"]["experts_left_unquantised"]:
+        raise RuntimeError(f"expert weights left unquantised: {out['4bit']['experts_left_unquantised'][0]}")
+    return out
+
+
+def check_step(size: dict[str, Any], device: str, tuned: int | None) -> dict[str, Any]:
+    """`full_depth` at the check's sizes: the tuned micro-batch (else the size's), the pass's default chunk."""
+    from kdflow.schemas.config import PrecomputeConfig
+    from kdflow.tasks.teacher.topk import choose_chunk_tokens
+
+    settings, shapes = size["full_depth"], size["shapes"]
+    chunk = choose_chunk_tokens(shapes["vocab_size"], PrecomputeConfig().chunk_memory_mib << 20)
+    return full_depth(shapes, device, tuned or settings["micro_batch"], size["seq_len"], size["top_k"], chunk,
+                      settings["repeats"], settings["matmul_size"])

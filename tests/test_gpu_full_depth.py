@@ -1,0 +1,86 @@
+"""The GPU check's full-depth step (kdflow/bench/gpu_full_depth.py): the teacher built in memory and quantised in
+place holds what the loader would have loaded from the same weights, and the step's record names its rooflines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.unit
+
+
+def test_quantised_in_place_holds_the_loaders_4bit_bytes_and_logits(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """A random Qwen3-MoE saved, loaded in 4-bit by `load_teacher`, against the same model quantised in place:
+    the same 4-bit bytes by kind, the same Linear4bit layers, the same logits (the same NF4 values)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kdflow.bench.gpu_full_depth import build_random, quantise_in_place
+    from kdflow.bench.gpu_plan import QUICK_SHAPES
+    from kdflow.schemas.config import TeacherConfig
+    from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
+    from kdflow.tasks.common.teacher_loading import load_teacher
+
+    from kdflow.tasks.common.teacher_loading import float32_lm_head
+
+    model = build_random(QUICK_SHAPES, 2, "cpu", seed=3)
+    model.save_pretrained(tmp_path / "teacher")
+    float32_lm_head(model)  # as the step builds it and the loader loads it
+    AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(tmp_path / "teacher")
+    loaded = load_teacher(TeacherConfig(model=str(tmp_path / "teacher"), device="cpu", dtype="bfloat16",
+                                        load_in_4bit=True))
+    assert quantise_in_place(model) == 2 * 4  # q, k, v, o in each layer; the router and lm_head stay bf16
+    assert experts_left_unquantised(model) == []
+    assert weight_bytes(model) == weight_bytes(loaded)
+    kinds = {name: type(module).__name__ for name, module in model.named_modules()}
+    assert kinds == {name: type(module).__name__ for name, module in loaded.named_modules()}
+    ids = torch.randint(2, QUICK_SHAPES["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, loaded(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_the_step_times_both_precisions_and_names_both_rooflines() -> None:
+    from kdflow.bench.gpu_full_depth import DATASHEET_BF16_TFLOPS, full_depth
+    from kdflow.bench.gpu_plan import QUICK_SHAPES
+
+    out = full_depth(QUICK_SHAPES, "cpu", 2, 16, 8, 64, 1, 128)
+    assert out["what"].startswith("measured at full depth") and out["layers"] == QUICK_SHAPES["num_hidden_layers"]
+    assert out["roofline_tflops"]["datasheet_dense_bf16"] == DATASHEET_BF16_TFLOPS == 989.0
+    assert out["roofline_tflops"]["measured_bf16_matmul"] > 0
+    for bits in ("bf16", "4bit"):
+        rates = out[bits]["tokens_per_s"]
+        assert set(rates) == {"body", "forward", "topk"} and all(rate > 0 for rate in rates.values())
+        assert set(out[bits]["mfu_of_measured_matmul"]) == set(rates)
+        assert out[bits]["mfu_of_datasheet_peak"]["forward"] <= out[bits]["mfu_of_measured_matmul"]["forward"] * 1e6
+    assert out["4bit"]["experts_left_unquantised"] == [] and out["4bit"]["weight_bytes"] < out["bf16"]["weight_bytes"]
+
+
+def test_built_layer_by_layer_the_4bit_teacher_holds_what_the_whole_build_holds() -> None:
+    """The capped step's teacher (made on the meta device, each layer given memory and quantised in turn, never
+    the whole model in 16 bits): the same 4-bit bytes by kind and the same module kinds as the model built whole
+    and quantised in place, nothing left on the meta device or in floating point, its rotary tables computed."""
+    import torch
+
+    from kdflow.bench.gpu_capped import build_quantised, capped
+    from kdflow.bench.gpu_full_depth import build_random, quantise_in_place
+    from kdflow.bench.gpu_plan import QUICK_SHAPES
+    from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
+    from kdflow.tasks.common.teacher_loading import float32_lm_head
+
+    model = build_quantised(QUICK_SHAPES, "cpu")
+    whole = build_random(QUICK_SHAPES, QUICK_SHAPES["num_hidden_layers"], "cpu")
+    float32_lm_head(whole)
+    quantise_in_place(whole)
+    assert weight_bytes(model) == weight_bytes(whole) and experts_left_unquantised(model) == []
+    assert {n: type(m).__name__ for n, m in model.named_modules()} == {
+        n: type(m).__name__ for n, m in whole.named_modules()}
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
+    ids = torch.randint(2, QUICK_SHAPES["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    out = capped(QUICK_SHAPES, "cpu", 24.0, 16, [2, 4], 8, 64)
+    assert [c["micro_batch"] for c in out["candidates"]] == [4, 2] and out["fits_micro_batch"] == 4
+    assert out["cap_gib"] is None and not out["llmjp_micro_batch_fits"]  # a CPU has no cap; 56 not tried
