@@ -35,8 +35,9 @@ def test_plan_at_full_size_skips_only_the_dense_loss_at_32k(capsys: pytest.Captu
     full = steps["full_depth"]  # measured now, no longer extrapolated: bf16 (~60 GiB) and 4-bit fit the H200
     assert full["would"] == "run" and full["layers"] == 32 and 55 < full["weights_bf16_gib"] < full["estimated_gib"]
     time_s = plan["time_s"]
-    assert steps["profile"]["would"] == "run" and time_s["first_call"] == (
-        time_s["last_check"] + full["estimated_s"] + steps["profile"]["estimated_s"])
+    assert steps["profile"]["would"] == "run" and steps["bench_head"]["would"] == "run"
+    assert time_s["first_call"] == (time_s["last_check"] + full["estimated_s"] + steps["profile"]["estimated_s"]
+                                    + steps["bench_head"]["estimated_s"])
     assert steps["hub_layout_load"]["would"] == "run" and 5 < steps["hub_layout_load"]["checkpoint_gib"] < 6
     assert steps["capped_24gib"]["estimated_gib"] == 24 and 56 in steps["capped_24gib"]["micro_batches"]
     assert time_s["first_call"] <= time_s["limit"] == 540  # one call of at most 9 minutes

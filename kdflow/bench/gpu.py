@@ -228,6 +228,7 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     long_s = 0 if quick else 60  # what a teacher step needs at full size, at the least
     steps.run("bench_loss", lambda: steps_.bench_loss(device, size), needs_s=long_s / 2)
     steps.run("bench_precompute", lambda: steps_.bench_precompute(device, size), needs_s=long_s / 2)
+    steps.run("bench_head", lambda: steps_.bench_head(device, size), needs_s=long_s / 4)
     steps.run("teacher", lambda: teachers.build_teachers(work, size, device))
     steps.run("teacher_weights_4bit", lambda: teachers.teacher_weights([configs[(d, "4bit")] for d in (low, high)],
                                                                        (low, high), size["shapes"]),

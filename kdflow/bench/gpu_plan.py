@@ -43,6 +43,7 @@ LAST_CHECK_S = 406
 CALL_LIMIT_S = 540
 FULL_DEPTH_FIXED_S = 35
 FULL_DEPTH_TOKENS_PER_S = 24_000
+HEAD_S = 20  # `kdflow bench head`'s four variants at 16,384 tokens (~10 ms a matmul) and the Triton compile: a guess
 PROFILE_S = 15
 HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
 CAPPED_S = 45  # the 32-layer 4-bit teacher built layer by layer, five micro-batches tried twice each
@@ -86,7 +87,7 @@ def sizes(quick: bool) -> dict[str, Any]:
         return {"shapes": QUICK_SHAPES, "depths": (1, 2), "seq_len": 32, "documents": 16, "per_shard": 16, "top_k": 32,
                 "micro_batches": "2,4", "topk_bench": {"vocab": 4096, "hidden": 64, "seq_len": 32, "micro_batches": "2",
                                                        "repeats": 1},
-                "loss_tokens": [256], "loss_hidden": 64, "loss_vocab": 4096, "pass_shards": 1,
+                "loss_tokens": [256], "loss_hidden": 64, "loss_vocab": 4096, "pass_shards": 1, "head_tokens": 256,
                 "pass_bits": ("4bit",), "pass_repeats": 1, "precision_tokens": 64,
                 "student_steps": 3, "batch_size": 4, "train_seq_len": 32,
                 "full_depth": {"micro_batch": 2, "repeats": 1, "matmul_size": 256}, "hub_layout_layers": 2,
@@ -98,6 +99,7 @@ def sizes(quick: bool) -> dict[str, Any]:
             "micro_batches": "16,32", "topk_bench": {"hidden": 2560, "micro_batches": "16,32", "repeats": 3,
                                                        "dense_limit_gib": 60.0},
             "loss_tokens": [8192, 16384, 32768], "loss_hidden": 2560, "loss_vocab": REFERENCE_VOCAB, "pass_shards": 2,
+            "head_tokens": 16384,
             "pass_bits": ("4bit", "bf16"), "pass_repeats": 2, "precision_tokens": 8192,
             "student_steps": 6, "batch_size": 8, "train_seq_len": 1024,
             "full_depth": {"micro_batch": 32, "repeats": 2, "matmul_size": 8192}, "hub_layout_layers": 2,
@@ -171,7 +173,10 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
     capped = size["capped"]
     add("capped_24gib", int(CAP_GIB * GIB), layers=shapes["num_hidden_layers"], seq_len=capped["seq_len"],
         micro_batches=capped["micro_batches"], estimated_s=CAPPED_S)
-    first_s = LAST_CHECK_S + steps["full_depth"]["estimated_s"] + PROFILE_S
+    # the head's variants: the weight, one block's bf16 logits (4,096 rows), the tiles' statistics and candidates
+    add("bench_head", 2 * size["loss_vocab"] * size["loss_hidden"] + 2 * 4096 * size["loss_vocab"] * 3,
+        tokens=size["head_tokens"], vocab=size["loss_vocab"], hidden=size["loss_hidden"], estimated_s=HEAD_S)
+    first_s = LAST_CHECK_S + steps["full_depth"]["estimated_s"] + PROFILE_S + HEAD_S
     second = ["capped_24gib", "hub_layout_load"]  # last in the check: skipped for time in the first call
     dense_limit = 0.6 * limit
     for tokens in size["loss_tokens"]:

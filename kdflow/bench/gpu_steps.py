@@ -158,6 +158,20 @@ def bench_precompute(device: str, size: dict[str, Any]) -> dict[str, Any]:
     return bench("precompute", precompute.records(args))
 
 
+def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
+    """`kdflow bench head`: the head's variants (matmul, slab loop, tiled in torch, tiled with the Triton kernel)
+    at the reference head's shapes, each checked against the slab loop's values."""
+    from kdflow.bench import head
+
+    args = options(head.build_parser(), device=device, vocab=[size["loss_vocab"]], hidden=[size["loss_hidden"]],
+                   tokens=size["head_tokens"], chunk_tokens=4096, repeats=size["pass_repeats"])
+    result = bench("head", head.records(args))
+    off = [r for r in result["records"] if r.get("ids_agree", 1.0) < 0.999 or r.get("max_logprob_diff", 0.0) > 1e-3]
+    if off:
+        raise RuntimeError(f"kdflow bench head: {off[0]['variant']} differs from the slab loop: {off[0]}")
+    return result
+
+
 def bench_train_step(config_path: Path, device: str, size: dict[str, Any], quick: bool) -> dict[str, Any]:
     """`kdflow bench train-step`, plain against fused, the fused step checked against float32."""
     from kdflow.bench import train_step
