@@ -121,7 +121,8 @@ class TopkCodec(CodecIdentity):
         and with full normalisation keeps exactly the v2 settings (and so its fingerprint)."""
         v3 = {"masked": self.masked, "normalisation": self.normalisation} if self.v3 else {}
         return v3 | {
-            "codec": CODEC_NAME_V3 if self.v3 else CODEC_NAME, "seq_len": self.seq_len, "top_k": self.top_k, "vocab_size": self.vocab_size,
+            "codec": CODEC_NAME_V3 if self.v3 else CODEC_NAME, "seq_len": self.seq_len, "top_k": self.top_k,
+            "vocab_size": self.vocab_size,
             "values": self.values, "levels": self.levels if self.values == "sqrt" else None,
             "tail": self.tail, "keep_mass": self.keep_mass, "zstd_level": self.zstd_level,
             "renumbering": None if self.renumbering is None else "sha256:" + self.renumbering.sha256,

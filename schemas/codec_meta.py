@@ -103,7 +103,8 @@ def shard_schema(codec: Any, settings_key: bytes, *, top_k: int, targets: str) -
 
 
 def codec_from_metadata(cls: type[_Codec], metadata: dict[bytes, bytes], settings_key: bytes,
-                        codec_name: str | tuple[str, ...], normalise: Callable[[dict[str, object]], dict[str, object]]) -> _Codec:
+                        codec_name: str | tuple[str, ...],
+                        normalise: Callable[[dict[str, object]], dict[str, object]]) -> _Codec:
     """The codec `cls` that a v2 shard's metadata names under `settings_key` (its `settings_json()`, then
     `normalise`d into `cls`'s keywords), with the renumbering table it carries, checked against the sha256
     the settings name. ValueError on malformed metadata. Parsed once per distinct (settings, table)."""
