@@ -13,6 +13,7 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
+from kdflow.commands.validate import validate_run_root
 from kdflow.schemas.codec import CODEC_NAME, CODEC_NAME_V3, TopkCodec, decode, encode
 from kdflow.schemas.commits import CommitRecord, list_commits, write_commit
 from kdflow.schemas.errors import ConfigError
@@ -116,7 +117,8 @@ def rewrite_masked(run_root: RunRoot, store: str, tag: str) -> np.ndarray:
     return masks[0]
 
 
-def test_training_on_a_masked_store_skips_positions_without_a_target(make_config: Callable[..., Any]) -> None:
+def test_training_on_a_masked_store_skips_positions_without_a_target(make_config: Callable[..., Any],
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from test_store_v2 import prepared, store_of
 
     from kdflow.tasks.student.train import train
@@ -131,6 +133,7 @@ def test_training_on_a_masked_store_skips_positions_without_a_target(make_config
     mask = rewrite_masked(run_root, store, summary["tag"])
     info = read_store_info(run_root, store)
     assert info.masked and info.normalisation == "full" and format_mismatch(info, config.precompute, "s") is None
+    assert validate_run_root(config.run_root) == 0, capsys.readouterr().out  # no mass is missing where no target
     data = open_distill_data(open_run_root(config), training_settings(config), tokenizer)
     batch = data.train_batch(rows)
     expected = np.stack([mask[row] for _, row in data.locate(rows)]) if all(
