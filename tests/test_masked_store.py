@@ -89,16 +89,20 @@ def test_unmasked_full_settings_are_exactly_v2_and_v3_names_what_it_holds() -> N
     assert TopkCodec.from_schema(TopkCodec(16, 8, 1000).schema()).settings() == TopkCodec(16, 8, 1000).settings()
 
 
-def rewrite_masked(run_root: RunRoot, store: str, tag: str) -> np.ndarray:
+def rewrite_masked(run_root: RunRoot, store: str, tag: str, normalisation: str = "full") -> np.ndarray:
     """The store's shards re-encoded with a target mask (the first 3 positions of each row and the whole of one
-    row without a target), records and _store.json updated -> the mask of shard 0, (rows, T)."""
+    row without a target), records and _store.json updated -> the mask of shard 0, (rows, T). `top_k`: the
+    log-probs renormalised over the K, as such a source holds them."""
     info = read_store_info(run_root, store)
     masks = {}
     for shard_id, record in list_commits(run_root, store, "topk", tag).items():
         path = f"{store}/{record.data_file}"
         shard = TopkShard(run_root, path)
-        codec = TopkCodec(**{**shard.codec.__dict__, "masked": True})
+        codec = TopkCodec(**{**shard.codec.__dict__, "masked": True, "normalisation": normalisation})
         full = shard.read()
+        if normalisation == "top_k":
+            norm = np.log(np.exp(full.logprobs.astype(np.float64)).sum(-1, keepdims=True))
+            full = full._replace(logprobs=(full.logprobs - norm).astype(np.float32))
         target = np.ones(full.ids.shape[:2], bool)
         target[:, :3] = False
         target[0] = False
@@ -156,6 +160,31 @@ def test_training_on_a_masked_store_skips_positions_without_a_target(make_config
     result = train(open_run_root(config), training_settings(config))
     assert result["steps"] == config.student.steps
     assert np.isfinite(result["eval_after"]["kl"]) and np.isfinite(result["eval_after"]["ce"])
+
+
+def test_a_top_k_store_trains_with_the_renormalised_loss_and_warns_once(
+        make_config: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+    from test_store_v2 import prepared, store_of
+
+    from kdflow.tasks.student.train import train
+
+    config, summary = prepared(make_config, precompute__store__values="float32")
+    run_root, store = store_of(config, summary["tag"])
+    rewrite_masked(run_root, store, summary["tag"], normalisation="top_k")
+    info = read_store_info(run_root, store)
+    assert info.normalisation == "top_k" and format_mismatch(info, config.precompute, "s") is None
+    tokenizer = load_tokenizer(config.teacher, config.tokenizer)
+    with caplog.at_level("WARNING", logger="kdflow.train"):
+        data = open_distill_data(open_run_root(config), training_settings(config), tokenizer)
+        open_distill_data(open_run_root(config), training_settings(config), tokenizer)
+    warned = [r for r in caplog.records if "renormalised over K: training with the renormalised-K loss" in r.message]
+    assert len(warned) == 1 and data.stores.normalisation == "top_k"
+    batch = data.train_batch(np.array([1, 2]))
+    assert torch.isnan(batch.tail_logprob).all()  # unknown, never a zero tail
+    mass = batch.topk_logprobs.double().exp().sum(-1)
+    torch.testing.assert_close(mass[batch.target], torch.ones_like(mass[batch.target]), rtol=0, atol=1e-5)
+    result = train(open_run_root(config), training_settings(config))
+    assert result["steps"] == config.student.steps and np.isfinite(result["eval_after"]["kl"])
 
 
 def test_v1_stores_cannot_hold_a_mask(make_config: Callable[..., Any]) -> None:
