@@ -66,5 +66,10 @@ RESUME_FIELDS: dict[str, Any] = {"init_from": True, "architecture": True, "batch
 
 
 def student_resume_fields(student: Any) -> dict[str, Any]:
-    """The student's part of a checkpoint's fingerprint (with the top-K and token stores' fingerprints)."""
-    return student.model_dump(mode="json", include=RESUME_FIELDS)
+    """The student's part of a checkpoint's fingerprint (with the top-K and token stores' fingerprints).
+    `kd.untargeted_ce_weight` changes the loss on masked stores: in only when set, so that checkpoints made
+    before the key existed keep their fingerprint and resume."""
+    fields = student.model_dump(mode="json", include=RESUME_FIELDS)
+    if student.kd.untargeted_ce_weight != 0.0:
+        fields["kd"]["untargeted_ce_weight"] = student.kd.untargeted_ce_weight
+    return fields

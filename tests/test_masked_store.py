@@ -38,7 +38,6 @@ def teacher_rows(rows: int, seq_len: int, top_k: int, vocab: int, seed: int = 0)
     return ids, top.astype(np.float32), rest.astype(np.float32)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("settings", [{"values": "float32"}, {"values": "sqrt", "keep_mass": 0.9},
                                       {"values": "float16", "tail": "float32"}])
 def test_masked_round_trip_with_an_all_false_row(settings: dict[str, Any]) -> None:
@@ -59,7 +58,6 @@ def test_masked_round_trip_with_an_all_false_row(settings: dict[str, Any]) -> No
     assert plain.target is None
 
 
-@pytest.mark.unit
 def test_top_k_normalisation_stores_no_tail_and_decodes_it_as_nan() -> None:
     ids, logprobs, _ = teacher_rows(3, 7, 4, 90)
     renormalised = logprobs - np.log(np.exp(logprobs.astype(np.float64)).sum(-1, keepdims=True)).astype(np.float32)
@@ -74,7 +72,6 @@ def test_top_k_normalisation_stores_no_tail_and_decodes_it_as_nan() -> None:
         encode(TopkCodec(7, 4, 90), ids, logprobs, np.zeros((3, 7)), np.zeros((3, 7), bool))
 
 
-@pytest.mark.unit
 def test_unmasked_full_settings_are_exactly_v2_and_v3_names_what_it_holds() -> None:
     assert TopkCodec(16, 8, 1000).settings() == {
         "codec": CODEC_NAME, "seq_len": 16, "top_k": 8, "vocab_size": 1000, "values": "sqrt", "levels": 400,
@@ -194,3 +191,12 @@ def test_v1_stores_cannot_hold_a_mask(make_config: Callable[..., Any]) -> None:
     with pytest.raises(ConfigError, match="keep_mass: null"):
         store_codec(teacher_pass_settings(make_config(precompute__store__keep_mass=0.9)), RunRoot(config.run_root),
                     "topk/x", None, 100, normalisation="top_k")
+
+
+def test_untargeted_ce_weight_joins_the_resume_fingerprint_only_when_set(make_config: Callable[..., Any]) -> None:
+    from kdflow.schemas.fingerprints import student_resume_fields
+
+    default = student_resume_fields(make_config().student)
+    assert default["kd"] == {"kd_weight": 1.0, "temperature": 1.0}  # as before the key existed
+    assert student_resume_fields(make_config(student__kd__untargeted_ce_weight=0.5).student)["kd"] == {
+        "kd_weight": 1.0, "temperature": 1.0, "untargeted_ce_weight": 0.5}

@@ -14,8 +14,6 @@ from support.losses import dense_reference, make_case
 
 from kdflow.tasks.student.losses import fused_topk_kl
 
-pytestmark = pytest.mark.unit
-
 
 def renormalised_reference(case: dict, target: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                            kd_weight: float = 1.0, untargeted_ce_weight: float = 0.0,
