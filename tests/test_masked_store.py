@@ -131,6 +131,7 @@ def test_training_on_a_masked_store_skips_positions_without_a_target(make_config
     rows = np.array([0, 1, 2, before.train_rows - 1])
     full = before.train_batch(rows)
     assert full.target is None
+    full_eval = [before.load(rows) for rows in before.eval_batches(4)]  # the held-out rows, unmasked
     mask = rewrite_masked(run_root, store, summary["tag"])
     info = read_store_info(run_root, store)
     assert info.masked and info.normalisation == "full" and format_mismatch(info, config.precompute, "s") is None
@@ -154,9 +155,32 @@ def test_training_on_a_masked_store_skips_positions_without_a_target(make_config
     reference = fused_topk_kl(hidden, weight, full.topk_ids.flatten(0, 1), full.topk_logprobs.flatten(0, 1),
                               tail_logprob=full.tail_logprob.flatten(), mask=targeted.flatten())
     torch.testing.assert_close(masked_kd, reference)
+    check_evaluation_skips_untargeted_positions(config, full_eval, data, tokenizer)
     result = train(open_run_root(config), training_settings(config))
     assert result["steps"] == config.student.steps
     assert np.isfinite(result["eval_after"]["kl"]) and np.isfinite(result["eval_after"]["ce"])
+
+
+def check_evaluation_skips_untargeted_positions(config: Any, full_eval: list, data: Any, tokenizer: Any) -> None:
+    """evaluate() on the masked store = KD and CE of the unmasked store's held-out rows over targeted positions."""
+    from kdflow.tasks.common.models import model_body, output_layer
+    from kdflow.tasks.student.model import build_student
+    from kdflow.tasks.student.steps import DistillLoss, evaluate, next_token_labels
+
+    model = build_student(config.student, config.seq_len, tokenizer)
+    got = evaluate(DistillLoss(model), data, config.student, torch.device("cpu"))
+    sums = np.zeros(4)  # kd, ce, targeted positions, targeted positions with a label
+    with torch.no_grad():
+        for rows, full in zip(data.eval_batches(4), full_eval, strict=True):
+            target = data.load(rows).target
+            hidden = model_body(model)(input_ids=full.input_ids).last_hidden_state.flatten(0, 1)
+            _, kd, ce = fused_topk_kl(hidden, output_layer(model).weight, full.topk_ids.flatten(0, 1),
+                                      full.topk_logprobs.flatten(0, 1), tail_logprob=full.tail_logprob.flatten(),
+                                      mask=target.flatten(), labels=next_token_labels(full.input_ids).flatten(),
+                                      global_counts=(1, 1), return_parts=True)
+            sums += [float(kd), float(ce), float(target.sum()), float(target[:, :-1].sum())]
+    assert got["kl"] == pytest.approx(sums[0] / sums[2], rel=1e-5)
+    assert got["ce"] == pytest.approx(sums[1] / sums[3], rel=1e-5)
 
 
 def test_a_top_k_store_trains_with_the_renormalised_loss_and_warns_once(
