@@ -144,3 +144,20 @@ def test_an_all_untargeted_batch_has_zero_kd_and_only_the_weighted_ce() -> None:
                                  untargeted_ce_weight=0.5, return_parts=True)
     assert kd.item() == 0.0
     torch.testing.assert_close(loss.detach(), 0.5 * ce, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalisation", ["full", "top_k"])
+def test_ranks_with_global_counts_of_targeted_positions_sum_to_the_whole_batch(normalisation: str) -> None:
+    case = renormalised_case(8) if normalisation == "top_k" else make_case(29, 61, 12, 6, seed=8)
+    target = torch.rand(29, generator=torch.Generator().manual_seed(9)) > 0.5
+    options = {"labels": case["labels"], "kd_weight": 0.8, "untargeted_ce_weight": 0.3,
+               "normalisation": normalisation, "tail_logprob": case["tail_logprob"]}
+    whole = fused_topk_kl(case["hidden"], case["weight"], case["topk_ids"], case["topk_logprobs"], bias=case["bias"],
+                          target=target, **options)
+    counts = (float(target.sum()), float((case["labels"] != -100).sum()))  # what steps._counts all-reduces
+    halves = sum(fused_topk_kl(case["hidden"][part], case["weight"], case["topk_ids"][part],
+                               case["topk_logprobs"][part], bias=case["bias"], target=target[part],
+                               global_counts=counts, **(options | {"labels": case["labels"][part],
+                                                                   "tail_logprob": case["tail_logprob"][part]}))
+                 for part in (slice(0, 13), slice(13, 29)))
+    torch.testing.assert_close(halves, whole)
