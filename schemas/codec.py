@@ -10,7 +10,7 @@ Imports only numpy, pyarrow and the standard library.
 Input of `encode`: topk_ids (rows, T, K) int32, sorted by descending log-prob; topk_logprobs (rows, T, K)
 float32, normalised over the full vocabulary; tail_logprob (rows, T) float32, the exact log of the mass
 outside the K ids (log-sum-exp over the complement, never log(1 - sum(exp))).
-Output of `decode`: `DecodedTopk(ids, logprobs, tail, kept)`; per position the kept entries come first,
+Output of `decode`: `DecodedTopk(ids, logprobs, tail, kept, target)`; per position the kept entries come first,
 sorted by descending decoded log-prob (ties in renumbered-id order), then padding: id -1, log-prob -inf;
 `kept` (n, T) counts them (K everywhere unless adaptive K is on); tail (n, T) float32 <= 0 (-inf: none).
 
