@@ -10,7 +10,7 @@ Imports only numpy, pyarrow and the standard library.
 Input of `encode`: topk_ids (rows, T, K) int32, sorted by descending log-prob; topk_logprobs (rows, T, K)
 float32, normalised over the full vocabulary; tail_logprob (rows, T) float32, the exact log of the mass
 outside the K ids (log-sum-exp over the complement, never log(1 - sum(exp))).
-Output of `decode`: `DecodedTopk(ids, logprobs, tail, kept)`; per position the kept entries come first,
+Output of `decode`: `DecodedTopk(ids, logprobs, tail, kept, target)`; per position the kept entries come first,
 sorted by descending decoded log-prob (ties in renumbered-id order), then padding: id -1, log-prob -inf;
 `kept` (n, T) counts them (K everywhere unless adaptive K is on); tail (n, T) float32 <= 0 (-inf: none).
 
@@ -43,6 +43,15 @@ sha256) and, with a renumbering, kdflow.topk_renumbering = base64(`Renumbering.t
 SmolLM2 demo's unigram table, ~245 KB for a full 196,608). Every shard carries its own table: a shard
 copied alone still decodes.
 
+v3 (codec name kdflow.topk.v3, same container, kdflow.format still 2) is v2 with a target mask and/or top-K
+normalisation; its settings add `masked` and `normalisation` (a v2 store's settings, and so its fingerprint,
+are unchanged). `masked`: a first column `target` holds the row's packbits(target) (T bits, MSB first), and
+every other column holds only the positions whose bit is 1 (a row without targets stores empty cells);
+decode gives padding elsewhere (id -1, log-prob -inf, tail -inf, kept 0) and `DecodedTopk.target`.
+`normalisation = "top_k"`: the values are log-probs renormalised over the K ids (or raw logits so
+renormalised); the teacher's tail is unknown, so no tail column is stored and decode's tail is NaN, never a
+zero tail; adaptive K is refused (it would fold mass into that unknown tail).
+
 v1 shards (topk_ids int32, topk_logprobs float16/float32, no tail) map to the same `DecodedTopk` with
 `from_v1`: tail = log(clamp(1 - sum(exp(logprobs)), 0, 1)) in float64 (-inf where the clamp bites),
 kept = K.
@@ -62,6 +71,8 @@ from kdflow.schemas.codec_meta import (CRC32, META_TARGETS, CodecIdentity, Renum
 from kdflow.schemas.codec_rows import ESCAPE, TAIL_KINDS, VALUE_KINDS, check_inputs, decode_row, encode_row, nbytes
 
 CODEC_NAME = "kdflow.topk.v2"
+CODEC_NAME_V3 = "kdflow.topk.v3"  # v2 plus a target mask and/or top-K normalisation: a name old readers refuse
+NORMALISATIONS = ("full", "top_k")
 TARGETS = "topk"
 META_CODEC = b"kdflow.topk_codec"
 
@@ -80,6 +91,8 @@ class TopkCodec(CodecIdentity):
     keep_mass: float | None = None  # adaptive K: keep entries until this share of the top-K mass
     zstd_level: int = 1
     renumbering: Renumbering | None = None
+    masked: bool = False  # a per-position target mask is stored (False: no teacher target there)
+    normalisation: str = "full"  # "full": log-probs over the whole vocabulary; "top_k": renormalised over the K
 
     def __post_init__(self) -> None:
         if min(self.seq_len, self.top_k, self.vocab_size) < 1 or self.top_k > self.vocab_size:
@@ -92,11 +105,24 @@ class TopkCodec(CodecIdentity):
             raise ValueError(f"keep_mass must be in (0, 1], got {self.keep_mass}")
         if self.renumbering is not None and len(self.renumbering.id_of_rank) != self.vocab_size:
             raise ValueError(f"renumbering covers {len(self.renumbering.id_of_rank)} ids, not {self.vocab_size}")
+        if self.normalisation not in NORMALISATIONS:
+            raise ValueError(f"normalisation must be one of {list(NORMALISATIONS)}, got {self.normalisation!r}")
+        if self.normalisation == "top_k" and self.keep_mass is not None:
+            raise ValueError("keep_mass (adaptive K) folds dropped mass into the tail, which a top_k store does not "
+                             "know: use keep_mass null")
+
+    @property
+    def v3(self) -> bool:
+        """Whether rows carry a target mask or the values are renormalised over the K: the v3 codec name."""
+        return self.masked or self.normalisation != "full"
 
     def settings(self) -> dict[str, object]:
-        """Canonical settings: codec name and every parameter that changes what is stored."""
-        return {
-            "codec": CODEC_NAME, "seq_len": self.seq_len, "top_k": self.top_k, "vocab_size": self.vocab_size,
+        """Canonical settings: codec name and every parameter that changes what is stored. A store without mask
+        and with full normalisation keeps exactly the v2 settings (and so its fingerprint)."""
+        v3 = {"masked": self.masked, "normalisation": self.normalisation} if self.v3 else {}
+        return v3 | {
+            "codec": CODEC_NAME_V3 if self.v3 else CODEC_NAME, "seq_len": self.seq_len, "top_k": self.top_k,
+            "vocab_size": self.vocab_size,
             "values": self.values, "levels": self.levels if self.values == "sqrt" else None,
             "tail": self.tail, "keep_mass": self.keep_mass, "zstd_level": self.zstd_level,
             "renumbering": None if self.renumbering is None else "sha256:" + self.renumbering.sha256,
@@ -116,10 +142,12 @@ class TopkCodec(CodecIdentity):
         return VALUE_KINDS[self.values] or nbytes(self.levels)
 
     def columns(self) -> list[str]:
-        names = ["kept"] if self.keep_mass is not None else []
+        names = ["target"] if self.masked else []
+        names += ["kept"] if self.keep_mass is not None else []
         names += ["gap_token"] + [f"gap_extra_b{j}" for j in range(self.extra_planes)]
         names += ["level_min"] if self.values == "sqrt" else []
-        return names + [f"value_b{j}" for j in range(self.value_planes)] + ["tail"]
+        names += [f"value_b{j}" for j in range(self.value_planes)]
+        return names + (["tail"] if self.normalisation == "full" else [])
 
     def schema(self) -> pa.Schema:
         """Arrow schema of a shard, codec settings and renumbering table in its metadata (built once)."""
@@ -145,7 +173,7 @@ class TopkCodec(CodecIdentity):
             raise ValueError(f"shard holds {targets!r} targets: this reader decodes {TARGETS!r} only")
         if META_CODEC not in metadata:
             raise ValueError("not a v2 top-K shard: no kdflow.topk_codec in the schema metadata")
-        codec = codec_from_metadata(cls, metadata, META_CODEC, CODEC_NAME, _with_levels)
+        codec = codec_from_metadata(cls, metadata, META_CODEC, (CODEC_NAME, CODEC_NAME_V3), _with_levels)
         if schema.names != codec.columns() + [CRC32]:
             raise ValueError(f"columns {schema.names} are not {codec.columns() + [CRC32]}")
         return codec
@@ -160,17 +188,28 @@ class DecodedTopk(NamedTuple):
     ids: np.ndarray  # (n, T, K) int32, -1 = padding
     logprobs: np.ndarray  # (n, T, K) float32 or float16, -inf = padding
     tail: np.ndarray  # (n, T) float32, log of the mass outside the kept ids
-    kept: np.ndarray  # (n, T) int32, kept entries per position
+    kept: np.ndarray  # (n, T) int32, kept entries per position (0 where there is no target)
+    target: np.ndarray | None = None  # (n, T) bool, False: no teacher target (padding there); None: all have one
 
 
-def encode(codec: TopkCodec, topk_ids: np.ndarray, topk_logprobs: np.ndarray,
-           tail_logprob: np.ndarray) -> pa.RecordBatch:
+def encode(codec: TopkCodec, topk_ids: np.ndarray, topk_logprobs: np.ndarray, tail_logprob: np.ndarray | None,
+           target: np.ndarray | None = None) -> pa.RecordBatch:
     """(rows, T, K) ids sorted by descending log-prob, (rows, T, K) log-probs, (rows, T) exact tail
-    log-mass -> one record per row with `codec.schema()`. Raises ValueError on invalid input."""
+    log-mass (a top_k codec ignores it; None there) and `target` (rows, T) bool (None: every position has a
+    target; False needs a masked codec) -> one record per row with `codec.schema()`. Positions whose target is
+    False may hold anything: they are stored as padding. Raises ValueError on invalid input."""
     ids, logprobs = np.asarray(topk_ids), np.asarray(topk_logprobs, dtype=np.float32)
-    tail = np.asarray(tail_logprob, dtype=np.float32)
-    check_inputs(codec, ids, logprobs, tail)
-    return record_batch(codec, (encode_row(codec, ids[row], logprobs[row], tail[row]) for row in range(len(ids))))
+    if tail_logprob is None and codec.normalisation == "full":
+        raise ValueError("a full-normalisation store needs tail_logprob")
+    tail = np.zeros(ids.shape[:2], np.float32) if tail_logprob is None else np.asarray(tail_logprob, np.float32)
+    mask = None if target is None else np.asarray(target, dtype=bool)
+    if mask is not None and not codec.masked and not mask.all():
+        raise ValueError("target marks positions without a teacher target, but the codec stores no mask "
+                         "(masked=False)")
+    mask = mask if codec.masked else None
+    check_inputs(codec, ids, logprobs, tail, mask)
+    return record_batch(codec, (encode_row(codec, ids[row], logprobs[row], tail[row],
+                                           None if mask is None else mask[row]) for row in range(len(ids))))
 
 
 def decode(data: pa.RecordBatch | pa.Table, *, order: str = "logprob", dtype: type = np.float32,
@@ -188,9 +227,11 @@ def decode(data: pa.RecordBatch | pa.Table, *, order: str = "logprob", dtype: ty
         raise ValueError(f"columns {data.schema.names} are not {codec.columns() + [CRC32]}")
     shape = (data.num_rows, codec.seq_len, codec.top_k)
     out = DecodedTopk(np.empty(shape, np.int32), np.empty(shape, dtype), np.empty(shape[:2], np.float32),
-                      np.empty(shape[:2], np.int32))
+                      np.empty(shape[:2], np.int32), np.empty(shape[:2], bool) if codec.masked else None)
     for row, reader in row_readers(data, codec.columns(), row_offset):
-        out.tail[row], out.kept[row] = decode_row(codec, reader, order, out.ids[row], out.logprobs[row])
+        out.tail[row], out.kept[row], target = decode_row(codec, reader, order, out.ids[row], out.logprobs[row])
+        if out.target is not None:
+            out.target[row] = target
     return out
 
 

@@ -102,7 +102,8 @@ def shard_schema(codec: Any, settings_key: bytes, *, top_k: int, targets: str) -
     return pa.schema(fields + [pa.field(CRC32, pa.uint32(), nullable=False)], metadata=metadata)
 
 
-def codec_from_metadata(cls: type[_Codec], metadata: dict[bytes, bytes], settings_key: bytes, codec_name: str,
+def codec_from_metadata(cls: type[_Codec], metadata: dict[bytes, bytes], settings_key: bytes,
+                        codec_name: str | tuple[str, ...],
                         normalise: Callable[[dict[str, object]], dict[str, object]]) -> _Codec:
     """The codec `cls` that a v2 shard's metadata names under `settings_key` (its `settings_json()`, then
     `normalise`d into `cls`'s keywords), with the renumbering table it carries, checked against the sha256
@@ -115,10 +116,13 @@ def codec_from_metadata(cls: type[_Codec], metadata: dict[bytes, bytes], setting
     try:
         settings = json.loads(metadata[settings_key])
         digest = settings.pop("renumbering")
-        if settings.pop("codec") != codec_name:
-            raise ValueError(f"codec is not {codec_name}")
+        names = (codec_name,) if isinstance(codec_name, str) else codec_name
+        name = settings.pop("codec")
+        if name not in names:
+            raise ValueError(f"codec is not {' or '.join(names)}")
         settings = normalise(settings)
-        cls(**settings)  # every check but the table's, before the table is decoded
+        if cls(**settings).settings()["codec"] != name:  # every check but the table's, before it is decoded
+            raise ValueError(f"settings {sorted(settings)} are not those of codec {name}")
     except (ValueError, TypeError, KeyError, AttributeError) as error:
         raise ValueError(f"bad {what} metadata: {error}") from None
     table = Renumbering.from_metadata(metadata, digest, settings["vocab_size"], what)

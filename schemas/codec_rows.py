@@ -49,6 +49,10 @@ class RowCodec(Protocol):
     @property
     def renumbering(self) -> RowRenumbering | None: ...
     @property
+    def masked(self) -> bool: ...
+    @property
+    def normalisation(self) -> str: ...
+    @property
     def extra_planes(self) -> int: ...
     @property
     def value_planes(self) -> int: ...
@@ -104,16 +108,23 @@ def _float_key(bits: np.ndarray, width: int) -> np.ndarray:
 # --- encode one row -----------------------------------------------------------------------------------------
 
 
-def check_inputs(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray) -> None:
+def check_inputs(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray,
+                 target: np.ndarray | None = None) -> None:
+    """Shapes of the whole input; values at the positions with a target only (`target` (rows, T) bool, None: all):
+    elsewhere the input may hold anything, it is stored as padding. A top_k codec's tail is not read."""
     shape = (len(ids), codec.seq_len, codec.top_k)
     if ids.shape != shape or logprobs.shape != shape or tail.shape != shape[:2]:
         raise ValueError(f"want ids, logprobs {shape} and tail {shape[:2]}; got {ids.shape}, "
                          f"{logprobs.shape}, {tail.shape}")
+    if target is not None:
+        if target.shape != shape[:2]:
+            raise ValueError(f"want target {shape[:2]}, got {target.shape}")
+        ids, logprobs, tail = ids[target], logprobs[target], tail[target]
     if ids.size and (ids.min() < 0 or ids.max() >= codec.vocab_size):
         raise ValueError(f"token ids must be in [0, {codec.vocab_size}), got [{ids.min()}, {ids.max()}]")
     if np.isnan(logprobs).any() or (logprobs > LOGPROB_SLACK).any():
         raise ValueError("topk_logprobs must be log-probabilities: <= 0 and not NaN")
-    if np.isnan(tail).any() or (tail > LOGPROB_SLACK).any():
+    if codec.normalisation == "full" and (np.isnan(tail).any() or (tail > LOGPROB_SLACK).any()):
         raise ValueError("tail_logprob must be a log-probability: <= 0 and not NaN")
     if (logprobs[..., 1:] > logprobs[..., :-1]).any():
         raise ValueError("topk_logprobs must be sorted descending along K")
@@ -143,10 +154,16 @@ def _value_codes(codec: RowCodec, logprobs: np.ndarray) -> tuple[np.ndarray, int
     return logprobs.view(np.uint32), 32
 
 
-def encode_row(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray) -> list[bytes]:
-    """One row (T, K), (T, K), (T,) -> its streams, uncompressed, in `codec.columns()` order."""
+def encode_row(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.ndarray,
+               target: np.ndarray | None = None) -> list[bytes]:
+    """One row (T, K), (T, K), (T,) -> its streams, uncompressed, in `codec.columns()` order. A masked codec
+    stores `target` (T,) bool (None: all True) as a bitmap and only the positions with a target."""
     top_k, vocab = codec.top_k, codec.vocab_size
     cells, kept, mask = [], None, slice(None)
+    if codec.masked:
+        target = np.ones(len(ids), bool) if target is None else target
+        cells.append(np.packbits(target).tobytes())
+        ids, logprobs, tail = ids[target], logprobs[target], tail[target]
     if codec.keep_mass is not None:
         kept, tail = _adaptive(logprobs, tail, codec.keep_mass)
         mask = np.arange(top_k) < kept[:, None]  # the leading, kept entries; they stay leading below
@@ -175,6 +192,8 @@ def encode_row(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: np.
         codes = codes - level_min[:, None]  # dropped entries may wrap: they are left out next
     codes = codes.ravel() if kept is None else codes[mask]
     cells += to_planes(codes, codec.value_planes)
+    if codec.normalisation != "full":  # the tail is unknown: not stored
+        return cells
     tail_bits = np.minimum(tail, 0).astype(TAIL_KINDS[codec.tail])
     tail_bits = tail_bits.view(np.uint16 if codec.tail == "float16" else np.uint32)
     return cells + [b"".join(to_planes(tail_bits, tail_bits.itemsize))]
@@ -225,25 +244,50 @@ def _read_ranks(codec: RowCodec, reader: RowReader, kept: np.ndarray | None, cou
     return ranks.ravel()
 
 
-def _read_keys(codec: RowCodec, reader: RowReader, kept: np.ndarray | None, count: int) -> np.ndarray:
+def _read_keys(codec: RowCodec, reader: RowReader, kept: np.ndarray | None, count: int, seq_len: int
+               ) -> np.ndarray:
     """-> order keys of the kept entries, flat uint32, in rank order (ascending key = descending log-prob)."""
-    planes, seq_len = codec.value_planes, codec.seq_len
+    planes = codec.value_planes
     if codec.values == "sqrt":
         top = codec.levels - from_planes(reader.take(seq_len * planes), seq_len, planes).astype(np.int32)
     values = from_planes(b"".join(reader.take(count) for _ in range(planes)), count, planes)
     if codec.values != "sqrt":
         return _float_key(values, 8 * planes)
     values = values.view(np.int32)  # levels - level, level = level_min + value
-    keys = (top[:, None] - values.reshape(seq_len, -1)).ravel() if kept is None else np.repeat(top, kept) - values
+    keys = (top[:, None] - values.reshape(seq_len, codec.top_k)).ravel() if kept is None else (
+        np.repeat(top, kept) - values)
     if keys.min(initial=0) < 0:
         raise reader.fail(f"decoded level beyond levels={codec.levels}")
     return keys.view(np.uint32)
 
 
 def decode_row(codec: RowCodec, reader: RowReader, order: str, ids: np.ndarray, logprobs: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray | int]:
-    """Decode one row into ids (T, K) and logprobs (T, K); -> (tail (T,), kept (T,) or K)."""
-    seq_len, top_k, vocab = codec.seq_len, codec.top_k, codec.vocab_size
+               ) -> tuple[np.ndarray, np.ndarray | int, np.ndarray | None]:
+    """Decode one row into ids (T, K) and logprobs (T, K); -> (tail (T,), kept (T,) or K, target (T,) bool or
+    None). Positions without a target decode as padding: ids -1, log-probs -inf, tail -inf, kept 0. A top_k
+    codec's tail is NaN: unknown, and never to be read as a mass."""
+    if not codec.masked:
+        return (*_decode_positions(codec, reader, order, ids, logprobs, codec.seq_len), None)
+    seq_len = codec.seq_len
+    target = np.unpackbits(np.frombuffer(reader.take((seq_len + 7) // 8), np.uint8), count=seq_len).astype(bool)
+    positions = int(target.sum())
+    part_ids, part_logprobs = np.empty((positions, *ids.shape[1:]), ids.dtype), np.empty(
+        (positions, *logprobs.shape[1:]), logprobs.dtype)
+    part_tail, part_kept = (np.empty(0, np.float32), 0) if positions == 0 else _decode_positions(
+        codec, reader, order, part_ids, part_logprobs, positions)  # a row without targets stores empty cells
+    ids[...], logprobs[...] = -1, -np.inf
+    ids[target], logprobs[target] = part_ids, part_logprobs
+    tail = np.full(seq_len, -np.inf if codec.normalisation == "full" else np.nan, np.float32)
+    tail[target] = part_tail
+    kept = np.zeros(seq_len, np.int32)
+    kept[target] = part_kept
+    return tail, kept, target
+
+
+def _decode_positions(codec: RowCodec, reader: RowReader, order: str, ids: np.ndarray, logprobs: np.ndarray,
+                      seq_len: int) -> tuple[np.ndarray, np.ndarray | int]:
+    """Decode `seq_len` stored positions into ids (seq_len, K) and logprobs (seq_len, K); -> (tail, kept)."""
+    top_k, vocab = codec.top_k, codec.vocab_size
     kept, mask = np.full(seq_len, top_k), None
     if codec.keep_mass is not None:
         planes = nbytes(top_k - 1)
@@ -253,7 +297,7 @@ def decode_row(codec: RowCodec, reader: RowReader, order: str, ids: np.ndarray, 
         mask = np.arange(top_k) < kept[:, None]
     count = seq_len * top_k if mask is None else int(kept.sum())
     ranks = _read_ranks(codec, reader, None if mask is None else kept, count)
-    keys = _read_keys(codec, reader, None if mask is None else kept, count)
+    keys = _read_keys(codec, reader, None if mask is None else kept, count, seq_len)
     if mask is None:
         ranks, keys = ranks.reshape(seq_len, top_k), keys.reshape(seq_len, top_k)
     else:  # kept entries first, then padding: rank vocab_size, the key of -inf
@@ -278,6 +322,8 @@ def decode_row(codec: RowCodec, reader: RowReader, order: str, ids: np.ndarray, 
         logprobs[...] = bits.view(codec.values)
         if not (logprobs <= LOGPROB_SLACK).all():
             raise reader.fail("decoded log-prob is NaN or positive")
+    if codec.normalisation != "full":
+        return np.full(seq_len, np.nan, np.float32), kept
     tail_bytes = np.dtype(TAIL_KINDS[codec.tail]).itemsize
     tail = from_planes(reader.take(seq_len * tail_bytes), seq_len, tail_bytes)
     tail = tail.astype(np.uint16).view(np.float16) if tail_bytes == 2 else tail.view(np.float32)

@@ -211,7 +211,7 @@ def decode_sampled(data: pa.RecordBatch | pa.Table, *, codec: SampledCodec | Non
                          np.empty((n, t, s), np.int32), np.empty((n, t, s), np.float32), np.empty((n, t), np.float32))
     for row, reader in row_readers(data, names, row_offset):
         if codec.head_codec is not None:
-            out.tail_logprob[row], _ = decode_row(codec.head_codec, reader, "logprob", out.head_ids[row],
+            out.tail_logprob[row], _, _ = decode_row(codec.head_codec, reader, "logprob", out.head_ids[row],
                                                   out.head_logprobs[row])
         _decode_samples(codec, reader, out, row)
         threshold = from_planes(reader.take(4 * t), t, 4).view(np.float32)

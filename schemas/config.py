@@ -206,6 +206,9 @@ class KDConfig(_Section):
     temperature: float = Field(default=1.0, gt=0.0, description="Softens teacher and student alike; only 1.0 for "
                                "now: no store keeps the teacher's tempered tail that T != 1 needs")
     chunk_tokens: PositiveInt = Field(default=4096, description="Positions per chunk of student logits in the loss")
+    untargeted_ce_weight: float = Field(default=0.0, ge=0.0, le=1.0, description="Weight of next-token cross-entropy "
+                                        "at positions without a teacher target (a masked store's prompt tokens); "
+                                        "0.0: no loss there")
 
 
 class DistributedConfig(_Section):

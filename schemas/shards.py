@@ -251,7 +251,7 @@ class TopkShard:
             raise StoreError(f"{self.path}: {error}") from None
         if not parts:
             return decode(self.table.slice(0, 0), codec=self.codec)
-        return DecodedTopk(*(np.concatenate(field) for field in zip(*parts)))
+        return DecodedTopk(*(None if field[0] is None else np.concatenate(field) for field in zip(*parts)))
 
 
 def read_topk_shard(

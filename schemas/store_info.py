@@ -48,6 +48,17 @@ class TopkStoreInfo(BaseModel):
         return isinstance(imported, dict) and imported.get("tail") == "computed"
 
     @property
+    def normalisation(self) -> str:
+        """"full" (log-probs over the whole vocabulary, exact tail) or "top_k" (renormalised over the K ids, the
+        teacher's tail unknown: trained with the renormalised-K loss), as the store's codec settings say."""
+        return str((self.codec or {}).get("normalisation", "full"))
+
+    @property
+    def masked(self) -> bool:
+        """Whether the store's rows carry a per-position target mask (codec kdflow.topk.v3 with masked)."""
+        return bool((self.codec or {}).get("masked", False))
+
+    @property
     def targets(self) -> str:
         """topk, or hybrid / sampled (then `store_format()["sampling"]` holds H, S, scheme, seed)."""
         return self.store_format().get("targets", "topk")
@@ -79,7 +90,8 @@ def format_label(settings: dict[str, Any]) -> str:
 
 def format_mismatch(info: TopkStoreInfo, precompute: PrecomputeConfig, shown: str) -> str | None:
     """The one-line reason a store may not be trained on with this precompute section, or None when the formats
-    agree."""
+    agree. A target mask and top-K normalisation are properties of an imported source, not of the config: they
+    live in the codec settings, never in `store_format`, and are not compared here."""
     made, asked = info.store_format(), store_format(precompute)
     if made == asked:
         return None

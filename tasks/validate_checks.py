@@ -86,10 +86,13 @@ def topk_v2_problems(decoded: DecodedTopk, codec: TopkCodec, vocab: int | None, 
     beyond = (np.where(kept, decoded.ids, 0) >= vocab).any(-1) if vocab is not None else None  # (rows, T)
     if beyond is not None and beyond.any():
         problems.append(f"top-K id {int(decoded.ids.max())} >= vocabulary {vocab} at {_where(beyond, row_offset)}")
-    mass = (np.where(kept, np.exp(decoded.logprobs.astype(np.float64)), 0.0).sum(-1)
-            + np.exp(decoded.tail.astype(np.float64)))
+    mass = np.where(kept, np.exp(decoded.logprobs.astype(np.float64)), 0.0).sum(-1)
+    if codec.normalisation == "full":  # a top_k store's K alone sum to 1 (its tail is unknown, decoded as NaN)
+        mass = mass + np.exp(decoded.tail.astype(np.float64))
     tolerance = mass_tolerance(codec)
     wrong = np.abs(mass - 1.0) > tolerance  # (rows, T)
+    if decoded.target is not None:  # positions without a target hold no distribution
+        wrong &= decoded.target
     if wrong.any():
         worst = float(mass.flat[np.abs(mass - 1.0).argmax()])
         problems.append(f"stored ids and tail hold mass {worst:.4g}, not 1 (+-{tolerance:.2g}) at "

@@ -81,9 +81,13 @@ class Teacher(Protocol):
 
 
 def fused_distillation_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, teacher: Teacher,
-                            labels: Tensor | None, options: ChunkOptions) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, kd, ce) over the counted rows of hidden (M, H), with gradients for hidden, weight and bias."""
-    return PrecomputedGradients.apply(_chunked_loss_and_grads, hidden, weight, bias, (teacher, labels), options)
+                            labels: Tensor | None, options: ChunkOptions, ce_weights: Tensor | None = None
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, kd, ce) over the counted rows of hidden (M, H), with gradients for hidden, weight and bias.
+    `ce_weights` (M,): each row's weight of cross-entropy in the loss (None: 1 - kd_weight everywhere); then
+    loss = kd_weight * kd + sum(ce_weights * ce_rows) / ce_count, and ce stays the plain mean."""
+    return PrecomputedGradients.apply(_chunked_loss_and_grads, hidden, weight, bias, (teacher, labels, ce_weights),
+                                      options)
 
 
 class PrecomputedGradients(torch.autograd.Function):
@@ -143,10 +147,10 @@ def chunk_options(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: T
 
 
 def _chunked_loss_and_grads(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, teacher_and_labels: tuple[Teacher, Tensor | None],
-    options: ChunkOptions,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None,
+    teacher_and_labels: tuple[Teacher, Tensor | None, Tensor | None], options: ChunkOptions,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
-    teacher, labels = teacher_and_labels
+    teacher, labels, ce_weights = teacher_and_labels
     rows, vocab = hidden.shape[0], weight.shape[0]
     temperature, math_dtype = options.temperature, options.math_dtype
     weight_mm = weight.detach().to(options.matmul_dtype)  # (V, H); a copy only if dtypes differ
@@ -163,6 +167,7 @@ def _chunked_loss_and_grads(
     kd_coef = options.kd_weight * temperature / options.kd_count  # d loss / d (logits / T) scale
     kd_sum = hidden.new_zeros((), dtype=torch.float64)
     ce_sum = hidden.new_zeros((), dtype=torch.float64)
+    ce_weighted = hidden.new_zeros((), dtype=torch.float64)  # with ce_weights: sum of weight x CE
 
     for start in range(0, rows, chunk):
         end = min(start + chunk, rows)
@@ -173,7 +178,8 @@ def _chunked_loss_and_grads(
         chunk_labels = None if labels is None else labels[start:end]  # (c,)
         ce_coef = None
         if chunk_labels is not None:
-            ce_coef = (chunk_labels != IGNORE_INDEX).to(math_dtype) * ((1 - options.kd_weight) / options.ce_count)
+            row_weight = 1 - options.kd_weight if ce_weights is None else ce_weights[start:end].to(math_dtype)
+            ce_coef = (chunk_labels != IGNORE_INDEX).to(math_dtype) * (row_weight / options.ce_count)
         if separate_ce:
             raw_logits = raw_buffer[: end - start]
             raw_logits.copy_(logits)
@@ -189,13 +195,16 @@ def _chunked_loss_and_grads(
         kd_sum += kd_rows.sum(dtype=torch.float64)
         if ce_rows is not None:
             ce_sum += torch.where(chunk_labels != IGNORE_INDEX, ce_rows, 0).sum(dtype=torch.float64)
+            if ce_weights is not None:
+                ce_weighted += (ce_rows * ce_coef).sum(dtype=torch.float64)  # ce_coef: 0 without a label
         if wants_grad:  # `logits` now holds d loss / d logits for the chunk, (c, V)
             _accumulate_grads_(logits, hidden_mm, weight_mm, start, end,
                                grad_hidden, grad_weight, grad_bias, options.matmul_dtype)
 
     kd_mean = kd_sum * temperature**2 / options.kd_count
     ce_mean = ce_sum / options.ce_count
-    loss = options.kd_weight * kd_mean + (1 - options.kd_weight) * ce_mean
+    ce_term = (1 - options.kd_weight) * ce_mean if ce_weights is None else ce_weighted
+    loss = options.kd_weight * kd_mean + ce_term
     grads = [
         grad_hidden,
         None if grad_weight is None else grad_weight.to(weight.dtype),

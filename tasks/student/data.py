@@ -33,7 +33,7 @@ from kdflow.schemas.topk_rows import TopkRows
 from kdflow.tasks.common.models import teacher_fingerprint
 
 logger = logging.getLogger("kdflow.train")
-_TAIL_WARNED: set[str] = set()  # stores whose computed tail was warned about in this process
+_TAIL_WARNED: set[str] = set()  # stores whose computed or unknown tail was warned about in this process
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class DistillStores:
     codec: dict[str, Any] | None = None  # v2: the codec settings of the store (_store.json); every shard must match
     targets: str = "topk"  # or hybrid / sampled: shards hold sampled targets (kdflow.schemas.codec_sampled)
     sampling: dict[str, Any] | None = None  # sampled targets: head, samples, scheme, seed (_store.json)
+    normalisation: str = "full"  # "top_k": log-probs renormalised over the K, tail unknown (renormalised-K loss)
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,12 @@ class DistillBatch:
     # Sampled targets: topk_* hold the head (K = H, 0 for `sampled`), these the sample_ids (n, T, S) int32,
     # sample_logprobs (n, T, S) float32 and log_threshold (n, T) float32 (kdflow.tasks.common.sampled).
     samples: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    target: torch.Tensor | None = None  # (n, T) bool, False: no teacher target there (masked stores); None: all
 
     def _map(self, move: Any) -> DistillBatch:
         return DistillBatch(*map(move, (self.input_ids, self.topk_ids, self.topk_logprobs, self.tail_logprob)),
-                            samples=None if self.samples is None else tuple(map(move, self.samples)))
+                            samples=None if self.samples is None else tuple(map(move, self.samples)),
+                            target=None if self.target is None else move(self.target))
 
     def to(self, device: torch.device | str) -> DistillBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
@@ -150,6 +153,10 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
         logger.warning("top-K store %s was imported without tail mass: its tail is 1 - sum(p) of the kept ids, "
                        "so the loss's tail bucket is only as exact as the source's log-probs",
                        run_root.display(topk_store))
+    if info is not None and info.normalisation == "top_k" and topk_store not in _TAIL_WARNED:
+        _TAIL_WARNED.add(topk_store)
+        logger.warning("top-K store %s holds log-probs renormalised over K: training with the renormalised-K loss, "
+                       "the teacher's tail is unknown", run_root.display(topk_store))
     topk_records = list_commits(run_root, topk_store, "topk")
     fingerprints = {record.fingerprint for record in topk_records.values()}
     if len(fingerprints) > 1:
@@ -160,7 +167,8 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
     return DistillStores(tokens_store, topk_store, tokens_fp, tokens.tokenizer_fingerprint, fingerprints.pop(),
                          data.seq_len, data.top_k, pairs, info.codec if info is not None else None,
                          info.targets if info is not None else "topk",
-                         info.store_format().get("sampling") if info else None)
+                         info.store_format().get("sampling") if info else None,
+                         info.normalisation if info is not None else "full")
 
 
 def _verify_pair(run_root: RunRoot, settings: StudentDataSettings, token: CommitRecord, topk: CommitRecord | None,
@@ -274,6 +282,7 @@ class DistillData:
         fetched = take_rows(requests)
         input_ids = np.empty((len(rows), seq_len), dtype=np.int64)  # (n, T)
         parts_out: list[np.ndarray] = []  # ids, log-probs, tail (and sample ids, log-probs, log threshold)
+        target: np.ndarray | None = None  # (n, T) bool, once a shard holds a mask
         for i, (positions, reader) in enumerate(zip(groups, readers, strict=True)):
             input_ids[positions] = decode_token_rows(fetched[2 * i], seq_len)
             decoded = reader.decode(fetched[2 * i + 1], rows[positions])
@@ -284,8 +293,12 @@ class DistillData:
                 parts_out = [np.empty((len(rows), *part.shape[1:]), dtype=part.dtype) for part in parts]
             for out, part in zip(parts_out, parts, strict=True):
                 out[positions] = part
+            if getattr(decoded, "target", None) is not None:  # a masked shard: positions without a target
+                target = np.ones((len(rows), seq_len), dtype=bool) if target is None else target
+                target[positions] = decoded.target
         tensors = [torch.from_numpy(part) for part in parts_out]
-        return DistillBatch(torch.from_numpy(input_ids), *tensors[:3], samples=tuple(tensors[3:]) if sampled else None)
+        return DistillBatch(torch.from_numpy(input_ids), *tensors[:3], samples=tuple(tensors[3:]) if sampled else None,
+                            target=None if target is None else torch.from_numpy(target))
 
     def _shard_readers(self, shard_id: int) -> tuple[ShardRows, TopkRows]:
         with self._readers_lock:

@@ -29,7 +29,7 @@ Not checked (it costs a sort): the top-K ids of a row are distinct, but for padd
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ from torch import Tensor
 from kdflow.tasks.student.chunked_loss import (ChunkOptions, KDTerm, StudentChunk, check_labels, check_options,
                                                check_student_inputs, chunk_options, counted_rows,
                                                fused_distillation_loss)
+from kdflow.tasks.student.renormalised_loss import RenormalisedTeacher
 
 __all__ = ["bucket_kd", "fused_topk_kl"]
 
@@ -51,6 +52,9 @@ def fused_topk_kl(
     tail_tempered: Tensor | None = None,
     bias: Tensor | None = None,
     mask: Tensor | None = None,
+    target: Tensor | None = None,
+    untargeted_ce_weight: float = 0.0,
+    normalisation: str = "full",
     labels: Tensor | None = None,
     kd_weight: float = 1.0,
     temperature: float = 1.0,
@@ -74,6 +78,13 @@ def fused_topk_kl(
     untempered logits. `return_parts=True` returns (loss, kd, ce) with kd (already T^2
     scaled) and ce detached, so that loss = kd_weight * kd + (1 - kd_weight) * ce.
 
+    `target` (N,) bool: False where the teacher has no target (a masked store's prompt or padding): KD skips
+    those positions (and counts only the others), their cross-entropy weighs `untargeted_ce_weight` in the loss
+    instead of 1 - kd_weight (the ce part stays the plain mean over every labelled counted position).
+    `normalisation="top_k"`: the store's log-probs are renormalised over the K and its tail unknown: KD is the
+    renormalised-K loss (`kdflow.tasks.student.renormalised_loss`, docs/loss.md), which reads no tail and is
+    exact at any temperature.
+
     Teacher ids >= V fold into the tail bucket (with a warning); if a row's top-K covers the whole
     student vocabulary the tail bucket is empty and its teacher mass (rounding, or folded ids the
     student cannot represent) is dropped. Under autocast the chunk matmuls run in the autocast dtype,
@@ -84,7 +95,13 @@ def fused_topk_kl(
     check_options(kd_weight, chunk_tokens, labels)
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if temperature != 1.0 and tail_tempered is None:
+    if normalisation not in ("full", "top_k"):
+        raise ValueError(f"normalisation must be 'full' or 'top_k', got {normalisation!r}")
+    if target is not None and (target.shape != (hidden.shape[0],) or target.dtype != torch.bool):
+        raise ValueError(f"target must be a bool ({hidden.shape[0]},) tensor, got {target.dtype} {tuple(target.shape)}")
+    if normalisation == "top_k":
+        tail_logprob = tail_tempered = None  # unknown: never read
+    elif temperature != 1.0 and tail_tempered is None:
         raise ValueError(f"temperature={temperature} needs tail_tempered, the teacher's log-sum-exp of l / T over "
                          f"the ids outside its top-K: the top-K and the tail's mass cannot soften the tail exactly")
     if temperature == 1.0:
@@ -97,15 +114,40 @@ def fused_topk_kl(
         labels = None if labels is None else labels.index_select(0, rows)
         tail_logprob = None if tail_logprob is None else tail_logprob.index_select(0, rows)
         tail_tempered = None if tail_tempered is None else tail_tempered.index_select(0, rows)
+        target = None if target is None else target.index_select(0, rows)
+    ce_weights = None
+    if target is not None and not bool(target.all()):
+        topk_ids, topk_logprobs, tail_logprob, tail_tempered = _untargeted_as_padding(
+            target, topk_ids, topk_logprobs, tail_logprob, tail_tempered)
+        ce_weights = torch.where(target, 1.0 - kd_weight, float(untargeted_ce_weight))
     has_folded_ids = _check_teacher_ids(topk_ids, topk_logprobs, vocab)
     if labels is not None:
         check_labels(labels, vocab)
     options = chunk_options(hidden, weight, bias, labels, kd_weight=kd_weight, temperature=temperature,
                             chunk_tokens=chunk_tokens, global_counts=global_counts)
+    if ce_weights is not None and global_counts is None:  # KD's local denominator: the targeted positions
+        options = replace(options, kd_count=max(float(target.sum()), 1.0))
+    if normalisation == "top_k":
+        renormalised = RenormalisedTeacher(topk_ids, topk_logprobs.detach(), has_folded_ids)
+        loss, kd, ce = fused_distillation_loss(hidden, weight, bias, renormalised, labels, options, ce_weights)
+        return (loss, kd, ce) if return_parts else loss
     teacher = _TopkTeacher(topk_ids, topk_logprobs.detach(), None if tail_logprob is None else tail_logprob.detach(),
                            None if tail_tempered is None else tail_tempered.detach(), has_folded_ids)
-    loss, kd, ce = fused_distillation_loss(hidden, weight, bias, teacher, labels, options)
+    loss, kd, ce = fused_distillation_loss(hidden, weight, bias, teacher, labels, options, ce_weights)
     return (loss, kd, ce) if return_parts else loss
+
+
+def _untargeted_as_padding(target: Tensor, topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor | None,
+                           tail_tempered: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The teacher at positions without a target made all padding (ids -1, log-probs and tails -inf), whatever
+    the caller left there: every bucket is empty, so KD and its gradient are exactly 0 there."""
+    if tail_logprob is None:  # the 1 - sum tail, computed here so that padding does not read as a tail of 1
+        mass = topk_logprobs.detach().double().exp().sum(1)
+        tail_logprob = (1.0 - mass).clamp_min(0.0).log().to(topk_logprobs.dtype)
+    none = ~target
+    tail_tempered = None if tail_tempered is None else tail_tempered.masked_fill(none, float("-inf"))
+    return (topk_ids.masked_fill(none[:, None], -1), topk_logprobs.masked_fill(none[:, None], float("-inf")),
+            tail_logprob.masked_fill(none, float("-inf")), tail_tempered)
 
 
 @dataclass(frozen=True)
@@ -205,6 +247,7 @@ def _tempered_buckets(log_p: Tensor, topk_logprobs: Tensor, valid: Tensor, tail_
     tail = torch.logaddexp(tail, folded.logsumexp(1))
     tail = torch.where(tail_is_empty, float("-inf"), tail)
     normaliser = torch.logaddexp(scaled.logsumexp(1), tail)  # (C,)
+    normaliser = torch.where(torch.isfinite(normaliser), normaliser, 0.0)  # a padding-only row stays all -inf
     return scaled - normaliser[:, None], tail - normaliser
 
 

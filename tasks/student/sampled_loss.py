@@ -86,6 +86,8 @@ def distillation_kl(hidden: Tensor, weight: Tensor, topk_ids: Tensor, topk_logpr
         return fused_topk_kl(hidden, weight, topk_ids, topk_logprobs, tail_logprob=tail_logprob, **options)
     if scheme is None or tail_logprob is None:
         raise ValueError("sampled targets need the store's sampling scheme and the head's tail_logprob")
+    if options.get("target") is not None or options.get("normalisation", "full") != "full":
+        raise ValueError("sampled targets carry no target mask and are normalised over the full vocabulary")
     targets = SampledTargets(topk_ids, topk_logprobs, tail_logprob, *samples)
     return fused_sampled_kl(hidden, weight, targets, scheme=scheme, **options)
 

@@ -75,19 +75,22 @@ class DistillLoss(nn.Module):
     module: FSDP gathers the root's weights (embeddings, norm, lm_head) for this forward, so the loss reads
     the full `lm_head.weight`, and DDP's gradient hooks fire. Never materialises (n, T, vocab) logits."""
 
-    def __init__(self, student: nn.Module, scheme: str | None = None) -> None:
+    def __init__(self, student: nn.Module, scheme: str | None = None, normalisation: str = "full") -> None:
         super().__init__()
         self.student, self.scheme = student, scheme  # scheme: a store of sampled targets (its loss: sampled_loss.py)
+        self.normalisation = normalisation  # "top_k": the store's log-probs are renormalised over K (no tail)
 
     def forward(self, input_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-                tail_logprob: torch.Tensor | None = None, samples: tuple[torch.Tensor, ...] | None = None, *,
-                global_counts: tuple[float, float], kd_weight: float, temperature: float, chunk_tokens: int,
-                predict: bool = False, probe: Probe | None = None
+                tail_logprob: torch.Tensor | None = None, samples: tuple[torch.Tensor, ...] | None = None,
+                target: torch.Tensor | None = None, *, global_counts: tuple[float, float], kd_weight: float,
+                temperature: float, chunk_tokens: int, untargeted_ce_weight: float = 0.0,
+                only_targeted: bool = False, predict: bool = False, probe: Probe | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """(n, T), (n, T, K), (n, T, K), (n, T), sampled targets' (n, T, S), (n, T, S), (n, T) or None -> loss, kd,
-        ce, and with `predict` the student's argmax (n*T,), with `probe` what `probe(hidden (n*T, H) detached,
-        lm_head)` returns (the evaluation's look at the student's full logits, while a wrapper has gathered the
-        weights), else None."""
+        """(n, T), (n, T, K), (n, T, K), (n, T), sampled targets' (n, T, S), (n, T, S), (n, T) or None, target
+        (n, T) bool or None -> loss, kd, ce, and with `predict` the student's argmax (n*T,), with `probe` what
+        `probe(hidden (n*T, H) detached, lm_head)` returns (the evaluation's look at the student's full logits,
+        while a wrapper has gathered the weights), else None. `only_targeted`: positions without a target count
+        for nothing (evaluation), else their cross-entropy weighs `untargeted_ce_weight`."""
         from kdflow.tasks.student.sampled_loss import distillation_kl
 
         head = output_layer(self.student)
@@ -98,31 +101,47 @@ class DistillLoss(nn.Module):
             tail_logprob=None if tail_logprob is None else tail_logprob.flatten(), scheme=self.scheme,
             samples=None if samples is None else tuple(t.flatten(0, 1) for t in samples),
             labels=next_token_labels(input_ids).flatten(), kd_weight=kd_weight, temperature=temperature,
-            chunk_tokens=chunk_tokens, global_counts=global_counts, return_parts=True)
+            chunk_tokens=chunk_tokens, global_counts=global_counts, return_parts=True,
+            **_target_options(target, self.normalisation, untargeted_ce_weight, only_targeted))
         if probe is not None:
             return loss, kd_part, ce_part, probe(hidden.detach(), head)
         predicted = _chunked_argmax(hidden.detach(), head, chunk_tokens) if predict else None
         return loss, kd_part, ce_part, predicted
 
 
+def _target_options(target: torch.Tensor | None, normalisation: str, untargeted_ce_weight: float,
+                    only_targeted: bool) -> dict[str, Any]:
+    """The loss's keywords for a store's target mask and normalisation (none for a plain full store, so that
+    sampled targets' loss, which knows neither, gets none)."""
+    options: dict[str, Any] = {} if normalisation == "full" else {"normalisation": normalisation}
+    if target is None:
+        return options
+    if only_targeted:
+        return options | {"mask": target.flatten()}
+    return options | {"target": target.flatten(), "untargeted_ce_weight": untargeted_ce_weight}
+
+
 def distill_loss(module: nn.Module, batch: DistillBatch, kd: KDConfig, global_counts: tuple[float, float],
                  autocast: contextlib.AbstractContextManager, *, kd_weight: float | None = None,
-                 temperature: float | None = None, predict: bool = False, probe: Probe | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+                 temperature: float | None = None, predict: bool = False, probe: Probe | None = None,
+                 only_targeted: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """One micro-batch through `module` (a DistillLoss, wrapped or not) -> (loss, kd, ce, predicted | probed | None)."""
     with autocast:
         return module(batch.input_ids, batch.topk_ids, batch.topk_logprobs, batch.tail_logprob, batch.samples,
-                      global_counts=global_counts,
+                      batch.target, global_counts=global_counts, untargeted_ce_weight=kd.untargeted_ce_weight,
+                      only_targeted=only_targeted,
                       kd_weight=kd.kd_weight if kd_weight is None else kd_weight,
                       temperature=kd.temperature if temperature is None else temperature,
                       chunk_tokens=kd.chunk_tokens, predict=predict, probe=probe)
 
 
 def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
-    """(KD positions, CE positions): every position has a teacher distribution, all but the last a label."""
+    """(KD positions, CE positions): the positions with a teacher target (all, but for a masked store's), and
+    every position but a row's last, which has no label."""
     rows = sum(batch.input_ids.shape[0] for batch in batches)
     seq_len = batches[0].input_ids.shape[1]
-    return rows * seq_len, rows * (seq_len - 1)
+    targeted = sum(batch.input_ids.numel() if batch.target is None else int(batch.target.sum()) for batch in batches)
+    return targeted, rows * (seq_len - 1)
 
 
 def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
@@ -163,13 +182,13 @@ def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, devic
     """Held-out evaluation through `module` (a DistillLoss, wrapped or not), means per position: `kl_stored`, the KL
     to the stored targets at T = 1 (top-K stores: the K+1-bucket KL to the stored, quantised top-K, which can only
     understate the true KL; `kl` is its old name, kept for readers of older logs), `kl_full` with a `teacher`
-    (every rank passes one or none): the KL to the teacher's full distribution, perplexity, top-1 agreement."""
+    (every rank passes one or none): the KL to the teacher's full distribution, perplexity, top-1 agreement.
+    A masked store's positions without a teacher target count in none of them but `kl_full` (over every position)."""
     if not data.eval_rows:
         return None
     autocast = autocast if autocast is not None else contextlib.nullcontext()
     seq_len = data.stores.seq_len
     total_rows = len(data.eval_rows)
-    global_counts = (float(total_rows * seq_len), float(total_rows * (seq_len - 1)))
     micro = max(1, student.batch_size // (world_size * student.grad_accum))
     mine = data.eval_batches(micro, rank, world_size)
     # Every rank runs the same number of forwards (FSDP gathers weights in each): rank 0 holds the most rows;
@@ -177,7 +196,9 @@ def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, devic
     rounds = math.ceil(math.ceil(total_rows / world_size) / micro)
     was_training = module.training
     module.eval()
-    sums = [0.0, 0.0, 0.0, 0.0]  # kd, ce, top-1 matches, full KL
+    # Sums (global counts of 1: the parts come back as sums), divided by the counted positions at the end: a
+    # masked store's positions without a target count for nothing, so the counts are known only once read.
+    sums = [0.0] * 6  # kd, ce, top-1 matches, full KL, targeted positions, targeted positions with a label
     chunk = student.kd.chunk_tokens
     for i in range(rounds):
         spare = i >= len(mine)
@@ -191,19 +212,23 @@ def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, devic
             return _chunked_argmax(hidden, head, chunk), teacher.kl_sum(rows, hidden, head) if full else 0.0
 
         _, kd_part, ce_part, (predicted, kl_full) = distill_loss(
-            module, batch, student.kd, global_counts, autocast, kd_weight=1.0, temperature=1.0,
-            probe=probe)  # predicted (n*T,)
+            module, batch, student.kd, (1.0, 1.0), autocast, kd_weight=1.0, temperature=1.0,
+            probe=probe, only_targeted=True)  # predicted (n*T,)
         if spare:
             continue
-        matches = (predicted == batch.topk_ids[..., 0].flatten().long()).sum() if batch.topk_ids.shape[-1] else 0
-        sums = [sums[0] + float(kd_part), sums[1] + float(ce_part), sums[2] + float(matches),
-                sums[3] + float(kl_full)]
+        targeted = torch.ones_like(batch.input_ids, dtype=torch.bool) if batch.target is None else batch.target
+        matches = 0
+        if batch.topk_ids.shape[-1]:
+            matches = ((predicted == batch.topk_ids[..., 0].flatten().long()) & targeted.flatten()).sum()
+        parts = (kd_part, ce_part, matches, kl_full, targeted.sum(), targeted[:, :-1].sum())
+        sums = [total + float(part) for total, part in zip(sums, parts, strict=True)]
     if teacher is not None:
         teacher.release_body()  # every row of this rank is held now: the body is not needed again
     module.train(was_training)
-    kl, ce, matches, kl_full = all_reduce_sum(sums, device)
-    top1 = matches / global_counts[0] if data.stores.targets != "sampled" else None  # sampled targets: no argmax
-    full = {"kl_full": kl_full / global_counts[0]} if teacher is not None else {}
+    kl, ce, matches, kl_full, n_kd, n_ce = all_reduce_sum(sums, device)
+    kl, ce = kl / max(n_kd, 1.0), ce / max(n_ce, 1.0)
+    top1 = matches / max(n_kd, 1.0) if data.stores.targets != "sampled" else None  # sampled targets: no argmax
+    full = {"kl_full": kl_full / (total_rows * seq_len)} if teacher is not None else {}
     return {"kl": kl, "kl_stored": kl, **full, "ce": ce, "perplexity": math.exp(min(ce, 700.0)),
             "top1_agreement": top1, "sequences": total_rows}
 

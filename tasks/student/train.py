@@ -95,7 +95,8 @@ class StudentRun:
         self.model.train()
         # self.model stays the HF student (its parameters may be shards); self.module runs it with the loss.
         scheme = (self.data.stores.sampling or {}).get("scheme")  # sampled targets: their loss needs the scheme
-        self.module = wrap_for_training(DistillLoss(self.model, scheme), self.model, self.sharding, self.device)
+        loss = DistillLoss(self.model, scheme, self.data.stores.normalisation)  # top_k stores: the renormalised-K loss
+        self.module = wrap_for_training(loss, self.model, self.sharding, self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, student)  # after wrapping: FSDP swaps parameters
         self.state = TrainingState(0, 0, 0.0, fingerprint)
         if self.checkpoint is not None:  # also restores the RNG states (rank 0's, on every rank)

@@ -14,7 +14,7 @@ import numpy as np
 from kdflow.schemas.codec import TopkCodec
 from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.commits import StageComplete, list_commits, stage_dir
-from kdflow.schemas.errors import StoreError
+from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE
 from kdflow.schemas.shards import read_token_shard
 from kdflow.schemas.stage_settings import TeacherPassSettings
@@ -50,14 +50,22 @@ def renumbering_table(run_root: RunRoot, store: str, tokens_done: StageComplete,
 
 
 def store_codec(settings: TeacherPassSettings, run_root: RunRoot, store: str, tokens_done: StageComplete,
-                vocab_size: int) -> TopkCodec | None:
-    """The v2 codec for this config's store and teacher vocabulary; None when the config asks for v1."""
+                vocab_size: int, masked: bool = False, normalisation: str = "full") -> TopkCodec | None:
+    """The v2 codec for this config's store and teacher vocabulary; None when the config asks for v1. `masked`
+    (a per-position target mask) and `normalisation` ("top_k": log-probs renormalised over the K, no tail) are
+    properties of an imported source: they make the v3 codec, which v1 stores cannot hold."""
     stored = settings.precompute.store
     if stored.format == "v1":
+        if masked or normalisation != "full":
+            what = "a target mask" if masked else "log-probs renormalised over the top-K (no tail)"
+            raise ConfigError(f"the source holds {what}, which a v1 store cannot: set precompute.store.format: v2")
         return None
+    if normalisation != "full" and stored.keep_mass is not None:
+        raise ConfigError("the source's log-probs are renormalised over the top-K, so adaptive K has no tail to fold "
+                          "dropped mass into: set precompute.store.keep_mass: null")
     table = renumbering_table(run_root, store, tokens_done, vocab_size) if stored.renumbering == "unigram" else None
     codec = TopkCodec(settings.seq_len, settings.precompute.top_k, vocab_size, values=stored.values,
                       levels=stored.levels, tail=stored.tail, keep_mass=stored.keep_mass, zstd_level=stored.zstd_level,
-                      renumbering=table)
+                      renumbering=table, masked=masked, normalisation=normalisation)
     codec.schema()  # built once here (compresses the table), shared by every shard and the writer thread
     return codec

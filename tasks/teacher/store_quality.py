@@ -122,7 +122,7 @@ def teacher_fidelity(step: Any, run_root: RunRoot, tag: str, picks: list[tuple[i
     input_ids = np.stack([read_token_shard(run_root, f"{tokens_store}/{token_records[s].data_file}")[r]
                           for s, r in picks])
     stored = [TopkShard(run_root, f"{store}/{records[s].data_file}").read([r]) for s, r in picks]
-    stored = DecodedTopk(*(np.concatenate(field) for field in zip(*stored)))
+    stored = DecodedTopk(*(None if field[0] is None else np.concatenate(field) for field in zip(*stored)))
     device = next(step.model.parameters()).device
     parts = []
     with torch.inference_mode():
