@@ -340,13 +340,6 @@ class KDFlowConfig(_Section):
                              f"teacher's tempered tail, which softening teacher and student alike needs (docs/loss.md)")
         return self
 
-    @property
-    def tokenizer_source(self) -> tuple[str, str | None]:
-        """(path, gguf_file) the tokenizer loads from: the explicit one, else the teacher's."""
-        if self.tokenizer is not None:
-            return self.tokenizer, None
-        return self.teacher.model, self.teacher.gguf_file
-
 
 # The pipeline's stages, in order: what `kdflow run --stages` and the `pipeline` flow take.
 STAGES = ("materialise", "tokenise", "precompute", "train")

@@ -167,7 +167,7 @@ def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None,
     wanted = done.extra.tokenizer_fingerprint if done else None
     if wanted and tokenizer_fingerprint(tokenizer) != wanted:
         return None, "the tokenizer in its config.yaml is not the one that made the store"
-    return len(tokenizer), f"from the tokenizer {config.tokenizer_source[0]}"
+    return len(tokenizer), f"from the tokenizer {config.tokenizer or config.teacher.model}"
 
 
 def validate_tokens(run_root: RunRoot) -> tuple[StoreReport, int | None, int | None]:

@@ -58,10 +58,6 @@ def test_example_loads_with_values_and_defaults(tmp_path: Path) -> None:
     assert config.precompute.top_k == 64 and config.precompute.logprobs_dtype == "float16"
     assert config.student.kd.chunk_tokens == 1024 and config.student.architecture.hidden_size == 64
     assert config.student.lr == 1e-3  # a default from the field definition
-    assert config.tokenizer_source == ("org/teacher", None)
-    assert config_from_dict(with_changes(tokenizer="tok/dir")).tokenizer_source == ("tok/dir", None)
-    gguf = config_from_dict(with_changes(teacher__gguf_file="m.gguf", teacher__load_in_4bit=False))
-    assert gguf.tokenizer_source == ("org/teacher", "m.gguf")
 
 
 @pytest.mark.parametrize("changes, key", [
