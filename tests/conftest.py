@@ -29,6 +29,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Triton kernels run in the suite through Triton's interpreter, on CPU tensors. It must be on before anything
+# imports triton (transformers and torch may, on their own): Triton builds its language's helper functions for the
+# interpreter only when the setting is there at that moment. Without a GPU nothing else runs a Triton kernel.
+if not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ["support.fixtures"]
 

@@ -199,7 +199,9 @@ def _log_softmax(values: np.ndarray) -> np.ndarray:
     return values - (np.log(np.exp(values - top).sum(axis=-1, keepdims=True)) + top)
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS.values(), AXOLOTL, VALUES_FIRST, LOGITS, KDFLOW],
+# (DistillKit's packed columns are not a layout of plain columns: its export is tested in test_store_io.py)
+@pytest.mark.parametrize("layout", [*(layout for layout in LAYOUTS.values() if layout.kind != "distillkit"), AXOLOTL,
+                                    VALUES_FIRST, LOGITS, KDFLOW],
                          ids=lambda layout: layout.name)
 def test_every_layout_exports_a_real_store_as_documented(fresh_run, tmp_path: Path, layout: LogitLayout) -> None:
     import datasets
@@ -245,14 +247,20 @@ def test_axolotl_round_trip_imports_and_trains_to_the_original_losses(fresh_run,
     lossless = {"precompute__store__values": "float32", "precompute__store__tail": "float32"}
     original = fresh_run(student__topk_tag=DENSE_TAG, **V1)
     export_store(str(original.run_root), str(tmp_path / "out"), DENSE_TAG, "axolotl")
-    imported = fresh_run(**V1 | lossless).model_copy(update={"run_root": str(tmp_path / "imported")})
+    # a v2 store: axolotl's renormalised rows make a top_k store, which v1 cannot record
+    imported = fresh_run(student__steps=3, student__save_every=3, **lossless).model_copy(
+        update={"run_root": str(tmp_path / "imported")})
     summary = import_store(open_run_root(imported), teacher_pass_settings(imported), str(tmp_path / "out" / "data"),
                            "axolotl", "sharp-tiny")
     imported = imported.model_copy(update={"student": imported.student.model_copy(
         update={"topk_tag": summary["tag"]})})
     (got_ids, got_logprobs), (want_ids, want_logprobs) = (_store_arrays(imported, summary["tag"]),
                                                           _store_arrays(original, DENSE_TAG))
-    assert np.array_equal(got_ids, want_ids)
+    # the same ids at every position; equal float16 values may come in another order (v2 breaks ties by id)
+    assert np.array_equal(np.sort(got_ids, axis=-1), np.sort(want_ids, axis=-1))
+    order_got, order_want = np.argsort(got_ids, axis=-1), np.argsort(want_ids, axis=-1)
+    got_logprobs = np.take_along_axis(got_logprobs, order_got, axis=-1)
+    want_logprobs = np.take_along_axis(want_logprobs, order_want, axis=-1)
     if LAYOUTS["axolotl"].kind == "logprobs":
         assert np.array_equal(got_logprobs, want_logprobs.astype(np.float32))
     else:

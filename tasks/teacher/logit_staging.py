@@ -172,7 +172,8 @@ def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: L
     positions = normalisation = None
     read_rows = read_rows or row_reader(layout, source)[0]
     wanted = [c for c in (layout.tokens, *layout.target_fields(), layout.tail, layout.target_mask,
-                          layout.attention_mask, layout.text) if c] + (["labels"] if layout.kind == "distillkit" else [])
+                          layout.attention_mask, layout.text) if c]
+    wanted += ["labels"] if layout.kind == "distillkit" else []  # DistillKit's rows mask targets by their labels
     for first_row, batch in iter_source(source, wanted, start_row=packer.start[0]):
         check_columns(batch, layout, source.path)
         rows = read_rows(batch, first_row, packing.top_k, packing.vocab_size)
