@@ -1,10 +1,10 @@
-"""`kdflow bench import`: the rate (positions/s, MB/s of source) and peak memory of `kdflow store import` against
-the source's size, so that flat memory shows: the peak resident set should stay the same as the source grows.
+"""`kdflow bench import`: the rate and peak memory of `kdflow store import` against the source's size.
 
-For each size of `--positions` it writes a synthetic Parquet source in the axolotl layout (random valid top-K
-rows: K distinct ids in the vocabulary, log-probs sorted descending, mass below 1; rows of varying length), then
-imports it into an empty run root in a fresh process (`kdflow.bench.harness.run_fresh`), which reports its wall
-time and its peak resident set. The source is not counted in the rate's time; the load average is printed beside
+Positions/s, MB/s of source and the peak resident set, per source size, so that flat memory shows: the peak should
+stay the same as the source grows. For each size of `--positions` it writes a synthetic Parquet source in kdflow's
+own layout, full-vocabulary log-probs (random valid top-K rows: K distinct ids in the vocabulary, log-probs sorted
+descending, mass below 1; rows of varying length), then imports it into an empty run root in a fresh process
+(`kdflow.bench.harness.run_fresh`), which reports its wall time and its peak resident set. The source is not counted in the rate's time; the load average is printed beside
 the rate, since on a busy machine the rate means little. One JSON line per size.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, note, peak_rss_mib, run_fresh
 
-LAYOUT = "axolotl"
+LAYOUT = "kdflow"
 LENGTHS = (96, 200, 333, 512, 1000)  # row lengths of the source: not multiples of seq_len, some longer than it
 
 
@@ -50,9 +50,9 @@ def write_source(path: Path, positions: int, top_k: int, vocab: int, seed: int, 
             offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             table = pa.table({
                 "input_ids": pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, vocab, n, dtype=np.int32))),
-                "target_token_ids": pa.ListArray.from_arrays(
+                "topk_ids": pa.ListArray.from_arrays(
                     offsets, pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), top_k)),
-                "target_logprobs": pa.ListArray.from_arrays(
+                "topk_logprobs": pa.ListArray.from_arrays(
                     offsets, pa.FixedSizeListArray.from_arrays(pa.array(logprobs.ravel()), top_k))})
             if writer is None:
                 writer = pq.ParquetWriter(path, table.schema)
