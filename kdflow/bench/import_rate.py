@@ -4,8 +4,9 @@ Positions/s, MB/s of source and the peak resident set, per source size, so that 
 stay the same as the source grows. For each size of `--positions` it writes a synthetic Parquet source in kdflow's
 own layout, full-vocabulary log-probs (random valid top-K rows: K distinct ids in the vocabulary, log-probs sorted
 descending, mass below 1; rows of varying length), then imports it into an empty run root in a fresh process
-(`kdflow.bench.harness.run_fresh`), which reports its wall time and its peak resident set. The source is not counted in the rate's time; the load average is printed beside
-the rate, since on a busy machine the rate means little. One JSON line per size.
+(`kdflow.bench.harness.run_fresh`), which reports its wall time and its peak resident set. The source is not
+counted in the rate's time; the load average is printed beside the rate, since on a busy machine the rate means
+little. One JSON line per size.
 """
 
 from __future__ import annotations

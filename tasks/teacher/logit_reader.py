@@ -91,7 +91,9 @@ def _file_batches(kind: str, name: str, columns: list[str] | None, json_block_by
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        with pq.ParquetFile(name) as reader:
+        # pre_buffer off: with it, iter_batches keeps every row group it read ahead until the file ends (measured:
+        # the whole 410 MB of a 3M-position source held in Arrow's pool); off, memory stays at a row group or so.
+        with pq.ParquetFile(name, pre_buffer=False) as reader:
             present = None if columns is None else [c for c in columns if c in reader.schema_arrow.names]
             yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=present)
     elif kind == "jsonl":
