@@ -176,8 +176,8 @@ def test_deployment_form_shows_sections_in_pipeline_order_with_titles(prefect_ha
         ("run_root", "Run root"), ("dataset", "Dataset"), ("tokenizer", "Tokenizer"), ("seq_len", "Sequence length"),
         ("teacher", "Teacher"), ("precompute", "Precompute"), ("student", "Student")]
     student = form_order(schema, "StudentConfig")
-    assert student[:4] == [("name", "Name"), ("init_from", "Initialise from"), ("architecture", "Architecture"),
-                           ("steps", "Steps")]
+    assert student[:5] == [("name", "Name"), ("init_from", "Initialise from"), ("architecture", "Architecture"),
+                           ("prune", "Prune the teacher"), ("steps", "Steps")]
     assert ("lr", "Learning rate") in student and student.index(("lr", "Learning rate")) < student.index(("kd", "KD"))
     assert ("rdzv_id", "Rendezvous ID") in form_order(schema, "DistributedConfig")
     assert form_order(schema, "PrecomputeConfig")[-1] == ("lease_ttl_s", "Lease TTL (s)")
