@@ -288,3 +288,17 @@ def test_axolotl_round_trip_imports_and_trains_to_the_original_losses(fresh_run,
     train(open_run_root(same), training_settings(same))
     assert all("kl_full" in e for e in read_lines(student_path(same, "eval.jsonl")))
     assert "No kl_full" not in student_path(same, "final", "README.md").read_text()
+
+
+def test_the_export_record_names_the_teacher_without_its_local_path(fresh_run, tmp_path: Path) -> None:
+    """`kdflow_export.json` travels with the export: the teacher's folder by its name, not where it lay."""
+    from kdflow.schemas.store_info import TopkStoreInfo, write_store_info
+
+    original = fresh_run(student__topk_tag=DENSE_TAG, **V1)
+    run_root = RunRoot(original.run_root)
+    write_store_info(run_root, stage_dir(run_root, "topk", DENSE_TAG), TopkStoreInfo(
+        tag=DENSE_TAG, teacher_fingerprint="t", tokens_fingerprint="k", teacher={"model": original.teacher.model},
+        teacher_identity={}, top_k=8, logprobs_dtype="float16", seq_len=32))
+    summary = export_store(str(original.run_root), str(tmp_path / "out"), DENSE_TAG, "kdflow")
+    assert summary["teacher"] == {"model": Path(original.teacher.model).name}
+    assert str(tmp_path) not in (tmp_path / "out" / "kdflow_export.json").read_text()

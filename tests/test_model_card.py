@@ -120,7 +120,7 @@ def test_the_stored_kl_is_one_row_named_for_the_store_s_targets(targets: str, na
 def test_an_imported_store_s_card_credits_its_teacher_and_says_why_there_is_no_kl_full() -> None:
     from kdflow.schemas.store_info import TopkStoreInfo
     from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
-    from kdflow.tasks.student.model_card import shown_name
+    from kdflow.tasks.common.model_files import shown_name
 
     base = {"tag": "t", "teacher_fingerprint": "f", "tokens_fingerprint": "g", "teacher_identity": {}, "top_k": 8,
             "logprobs_dtype": "float16", "seq_len": 16}

@@ -92,3 +92,11 @@ def model_folder_problem(folder: str) -> str | None:
     if not any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
         return "no model weights in it (model.safetensors or pytorch_model.bin)"
     return None
+
+
+def shown_name(name: str) -> str:
+    """How a card names a model, corpus or store: a hub id, package or URL as it is, a local path by its last part
+    only (a card travels; the folder it was written in means nothing where it is read)."""
+    if hub_id(name) or "://" in name or name.startswith(PACKAGE_PREFIX):
+        return name
+    return os.path.basename(os.path.normpath(os.path.expanduser(name))) or name

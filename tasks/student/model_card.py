@@ -27,7 +27,7 @@ from kdflow.schemas.layout import TRAINING_CURVE_FILE
 from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
-from kdflow.tasks.common.model_files import PACKAGE_PREFIX, hub_id
+from kdflow.tasks.common.model_files import hub_id, shown_name
 from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
 
 CARD_FILE = "README.md"
@@ -81,14 +81,6 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "evals": [evals[0], evals[-1]] if len(evals) > 1 else list(evals), "curve": curve,
         "kl_full_note": full_kl_off_reason(info, shown_name(teacher.model), student.imported_is_teacher_model),
     }
-
-
-def shown_name(name: str) -> str:
-    """How a card names a model, corpus or store: a hub id, package or URL as it is, a local path by its last part
-    only (a card travels; the folder it was written in means nothing where it is read)."""
-    if hub_id(name) or "://" in name or name.startswith(PACKAGE_PREFIX):
-        return name
-    return os.path.basename(os.path.normpath(os.path.expanduser(name))) or name
 
 
 def _front_matter(facts: dict[str, Any]) -> str:

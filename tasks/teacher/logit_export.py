@@ -37,6 +37,7 @@ from kdflow.schemas.logit_layouts import LogitLayout, logit_layout
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
+from kdflow.tasks.common.model_files import shown_name
 from kdflow.tasks.teacher.distillkit import distillkit_table
 from kdflow.tasks.teacher.distillkit_settings import (lossless_settings, read_distillkit_settings,
                                                       write_distillkit_settings)
@@ -119,6 +120,12 @@ def _store_normalisation(shard: TopkShard) -> str:
     return getattr(shard.codec, "normalisation", FULL)
 
 
+def _shown_teacher(teacher: dict[str, Any]) -> dict[str, Any]:
+    """The store's teacher for `kdflow_export.json`, which travels with the export: a local folder by its name only."""
+    model = teacher.get("model")
+    return teacher | ({"model": shown_name(model)} if isinstance(model, str) else {})
+
+
 def _target(decoded: Any) -> np.ndarray | None:
     """The decoded rows' target mask (n, T) bool, or None where the store keeps none (every position has one)."""
     return getattr(decoded, "target", None)
@@ -199,7 +206,7 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLa
     summary = {"tag": tag, "layout": layout.name, "kind": layout.kind, "files": files, "rows": done.rows,
                "shards": done.shards, "seq_len": info.seq_len if info else None,
                "top_k": info.top_k if info else None, "store": info.store_format() if info else None,
-               "normalisation": normalisation, "teacher": info.teacher if info else None,
+               "normalisation": normalisation, "teacher": _shown_teacher(info.teacher) if info else None,
                "tail": "stored" if layout.tail else "not exported",
                "target_mask": "exported" if layout.target_mask else "not exported"}
     if packed is not None:
