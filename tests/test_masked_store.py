@@ -11,24 +11,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
+from support.runs import precomputed_run, store_of
 import torch
 
 from kdflow.commands.validate import validate_run_root
 from kdflow.schemas.codec import CODEC_NAME, CODEC_NAME_V3, TopkCodec, decode, encode
-from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit
+from kdflow.schemas.commits import CommitRecord, list_commits, write_commit
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import commit_file_name
 from kdflow.schemas.shards import TopkShard
-from kdflow.schemas.stage_settings import (materialise_settings, open_run_root, teacher_pass_settings,
-                                           tokenise_settings, training_settings)
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import format_mismatch, read_store_info, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.materialise import materialise
-from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.tasks.student.data import open_distill_data
 from kdflow.tasks.student.losses import fused_topk_kl
-from kdflow.tasks.teacher.precompute import precompute_shards
 from kdflow.tasks.teacher.store_codec import store_codec
 
 
@@ -90,19 +87,6 @@ def test_unmasked_full_settings_are_exactly_v2_and_v3_names_what_it_holds() -> N
     assert TopkCodec.from_schema(TopkCodec(16, 8, 1000).schema()).settings() == TopkCodec(16, 8, 1000).settings()
 
 
-def prepared(make_config: Callable[..., Any], **overrides: Any) -> tuple[Any, dict[str, Any]]:
-    """A tiny run's corpus, token store and top-K store (made by precompute) -> (config, the pass's summary)."""
-    config = make_config(dataset__max_documents=24, **overrides)
-    materialise(open_run_root(config), materialise_settings(config))
-    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
-    return config, precompute_shards(open_run_root(config), teacher_pass_settings(config))
-
-
-def store_of(config: Any, tag: str) -> tuple[RunRoot, str]:
-    run_root = RunRoot(config.run_root)
-    return run_root, stage_dir(run_root, "topk", tag)
-
-
 def rewrite_masked(run_root: RunRoot, store: str, tag: str, normalisation: str = "full") -> np.ndarray:
     """The store's shards re-encoded with a target mask (the first 3 positions of each row and the whole of one
     row without a target), records and _store.json updated -> the mask of shard 0, (rows, T). `top_k`: the
@@ -139,7 +123,7 @@ def test_training_on_a_masked_store_skips_positions_without_a_target(make_config
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     from kdflow.tasks.student.train import train
 
-    config, summary = prepared(make_config, precompute__store__values="float32")
+    config, summary = precomputed_run(make_config, precompute__store__values="float32")
     run_root, store = store_of(config, summary["tag"])
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     before = open_distill_data(open_run_root(config), training_settings(config), tokenizer)
@@ -202,7 +186,7 @@ def test_a_top_k_store_trains_with_the_renormalised_loss_and_warns_once(
         make_config: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
     from kdflow.tasks.student.train import train
 
-    config, summary = prepared(make_config, precompute__store__values="float32")
+    config, summary = precomputed_run(make_config, precompute__store__values="float32")
     run_root, store = store_of(config, summary["tag"])
     rewrite_masked(run_root, store, summary["tag"], normalisation="top_k")
     info = read_store_info(run_root, store)

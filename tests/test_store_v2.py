@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
+from support.runs import precomputed_run, store_of
 
 from kdflow.commands.validate import validate_run_root
 from kdflow.schemas.codec import CODEC_NAME, TopkCodec, decode, encode
@@ -21,31 +22,16 @@ from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stag
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import RENUMBERING_FILE, commit_file_name
 from kdflow.schemas.shards import TopkShard, read_token_shard
-from kdflow.schemas.stage_settings import (materialise_settings, open_run_root, teacher_pass_settings,
-                                           tokenise_settings, training_settings)
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings, training_settings
 from kdflow.schemas.storage import RunRoot, sha256_of
 from kdflow.schemas.store_info import read_store_info, store_format
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.corpus.materialise import materialise
-from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.tasks.student.data import open_distill_data
 from kdflow.tasks.teacher.precompute import precompute_shards
 
 
-def prepared(make_config: Callable[..., Any], **overrides: Any) -> tuple[Any, dict[str, Any]]:
-    config = make_config(dataset__max_documents=24, **overrides)
-    materialise(open_run_root(config), materialise_settings(config))
-    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
-    return config, precompute_shards(open_run_root(config), teacher_pass_settings(config))
-
-
-def store_of(config: Any, tag: str) -> tuple[RunRoot, str]:
-    run_root = RunRoot(config.run_root)
-    return run_root, stage_dir(run_root, "topk", tag)
-
-
 def test_v2_store_records_its_codec_everywhere(make_config: Callable[..., Any]) -> None:
-    config, summary = prepared(make_config)
+    config, summary = precomputed_run(make_config)
     run_root, store = store_of(config, summary["tag"])
     info = read_store_info(run_root, store)
     assert info.format == "v2" and info.store == store_format(config.precompute)
@@ -86,7 +72,7 @@ def test_loader_yields_the_stored_tail_and_trains(make_config: Callable[..., Any
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train
 
-    config, summary = prepared(make_config, precompute__store__keep_mass=0.5)  # near-uniform tiny teacher
+    config, summary = precomputed_run(make_config, precompute__store__keep_mass=0.5)  # near-uniform tiny teacher
     run_root, store = store_of(config, summary["tag"])
     data = open_distill_data(open_run_root(config), training_settings(config),
                              load_tokenizer(config.teacher, config.tokenizer))
@@ -104,7 +90,7 @@ def test_loader_yields_the_stored_tail_and_trains(make_config: Callable[..., Any
 
 
 def test_training_on_a_store_of_other_codec_settings_is_a_one_line_error(make_config: Callable[..., Any]) -> None:
-    config, summary = prepared(make_config)
+    config, summary = precomputed_run(make_config)
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     for change, asked in (({"precompute__store__levels": 256}, "v2 sqrt/256"),
                           ({"precompute__store__format": "v1"}, "v1 float16")):
@@ -120,7 +106,7 @@ def test_training_on_a_store_of_other_codec_settings_is_a_one_line_error(make_co
 
 
 def test_v1_store_keeps_reading(make_config: Callable[..., Any], capsys: pytest.CaptureFixture[str]) -> None:
-    config, summary = prepared(make_config, precompute__store__format="v1")
+    config, summary = precomputed_run(make_config, precompute__store__format="v1")
     run_root, store = store_of(config, summary["tag"])
     info = read_store_info(run_root, store)
     assert info.format == "v1" and info.store is None and info.codec is None  # _store.json as before v2
@@ -144,7 +130,7 @@ def _rewrite_record(run_root: RunRoot, store: str, shard_id: int) -> None:
 
 def test_validate_catches_corrupt_and_truncated_v2_shards_and_fix_repairs(
         make_config: Callable[..., Any], capsys: pytest.CaptureFixture[str]) -> None:
-    config, summary = prepared(make_config)
+    config, summary = precomputed_run(make_config)
     run_root, store = store_of(config, summary["tag"])
     assert validate_run_root(config.run_root) == 0, capsys.readouterr().out
     capsys.readouterr()
@@ -187,7 +173,7 @@ def test_validate_catches_corrupt_and_truncated_v2_shards_and_fix_repairs(
 
 def test_validate_names_a_shard_of_another_codec_and_a_wrong_mass(
         make_config: Callable[..., Any], capsys: pytest.CaptureFixture[str]) -> None:
-    config, summary = prepared(make_config)
+    config, summary = precomputed_run(make_config)
     run_root, store = store_of(config, summary["tag"])
     records = list_commits(run_root, store, "topk")
     shard = TopkShard(run_root, f"{store}/{records[1].data_file}")
@@ -240,7 +226,7 @@ def test_store_report_cli(make_config: Callable[..., Any], capsys: pytest.Captur
                           tmp_path: Path) -> None:
     from kdflow.cli import main as cli_main
 
-    config, summary = prepared(make_config, precompute__store__keep_mass=0.5)
+    config, summary = precomputed_run(make_config, precompute__store__keep_mass=0.5)
     assert summary["fidelity"]["kl_rows"] == config.precompute.report_rows  # measured by the pass itself
     lossless = make_config(dataset__max_documents=24, precompute__store__values="float32",
                            precompute__store__tail="float32")
@@ -312,7 +298,7 @@ def test_bench_store_training_comparison_runs(make_config: Callable[..., Any]) -
     """The real bench's training half on the tiny teacher: same student on a v2 and a lossless store."""
     from kdflow.bench.store_train import RealStores, train_comparison
 
-    config, summary = prepared(make_config)
+    config, summary = precomputed_run(make_config)
     lossless = make_config(dataset__max_documents=24, precompute__store__values="float32",
                            precompute__store__tail="float32")
     lossless_tag = precompute_shards(open_run_root(lossless), teacher_pass_settings(lossless))["tag"]

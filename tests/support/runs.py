@@ -52,6 +52,22 @@ def prepare(config: Any) -> Any:
     return config
 
 
+def precomputed_run(make_config: Any, **overrides: Any) -> tuple[Any, dict[str, Any]]:
+    """A tiny run's corpus, token store and top-K store, made by the real stages (24 documents) -> (config, the
+    teacher pass's summary). `make_config`: the conftest fixture; `overrides`: its dotted keys."""
+    from kdflow.schemas.stage_settings import teacher_pass_settings
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    config = prepare(make_config(dataset__max_documents=24, **overrides))
+    return config, precompute_shards(open_run_root(config), teacher_pass_settings(config))
+
+
+def store_of(config: Any, tag: str) -> tuple[RunRoot, str]:
+    """The run root of `config` and its top-K store TAG's folder."""
+    run_root = RunRoot(config.run_root)
+    return run_root, stage_dir(run_root, "topk", tag)
+
+
 def write_dense_topk(config: KDFlowConfig, teacher_dir: Path, *, tag: str = DENSE_TAG, top_k: int | None = None,
                      seq_len: int | None = None) -> str:
     """topk/TAG from the teacher's dense log-softmax over the full vocabulary, one shard per token shard."""
