@@ -235,10 +235,16 @@ def decode(data: pa.RecordBatch | pa.Table, *, order: str = "logprob", dtype: ty
     return out
 
 
-def from_v1(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> DecodedTopk:
-    """v1 arrays (no stored tail) -> DecodedTopk: tail = log(clamp(1 - sum(exp), 0, 1)), -inf when <= 0."""
+def kept_mass_tail(topk_logprobs: np.ndarray) -> np.ndarray:
+    """(..., K) log-probs -> (...) float32: the tail of a source that stores none, log(1 - sum p) in float64 clamped
+    to [0, 1] (-inf where nothing is left); for v1 shards and imports without a tail column."""
     mass = np.exp(np.asarray(topk_logprobs, dtype=np.float64)).sum(-1)
     with np.errstate(divide="ignore"):
-        tail = np.log(np.clip(1.0 - mass, 0.0, 1.0)).astype(np.float32)
+        return np.log(np.clip(1.0 - mass, 0.0, 1.0)).astype(np.float32)
+
+
+def from_v1(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> DecodedTopk:
+    """v1 arrays (no stored tail) -> DecodedTopk: tail = `kept_mass_tail`, log(clamp(1 - sum(exp), 0, 1))."""
+    tail = kept_mass_tail(topk_logprobs)
     kept = np.full(tail.shape, topk_ids.shape[-1], np.int32)
     return DecodedTopk(np.asarray(topk_ids, np.int32), np.asarray(topk_logprobs), tail, kept)

@@ -122,13 +122,6 @@ def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row
                       tail=None if tail is None else tail[keep], text=text, normalisation=normalisation)
 
 
-def computed_tail(logprobs: np.ndarray) -> np.ndarray:
-    """(n, T, K) -> (n, T) float32: log(1 - sum p) in float64, clamped to [0, 1] (-inf where nothing is left)."""
-    mass = np.exp(np.asarray(logprobs, dtype=np.float64)).sum(-1)
-    with np.errstate(divide="ignore"):
-        return np.log(np.clip(1.0 - mass, 0.0, 1.0)).astype(np.float32)
-
-
 def check_text(rows: SourceRows, tokenizer: Any, start: int, layout: LogitLayout) -> None:
     """Where the source holds the text: the tokenizer's encoding of it must begin with the row's token ids."""
     if rows.text is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kdflow.schemas.codec import encode
+from kdflow.schemas.codec import encode, kept_mass_tail
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, TopkShardInfo,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
                                     write_complete)
@@ -35,7 +35,6 @@ from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import TopkStoreInfo, store_format, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.teacher.logit_dataset import computed_tail
 from kdflow.tasks.teacher.logit_reader import source_files
 from kdflow.tasks.teacher.logit_staging import (Checked, Packing, read_staged, row_reader, stage_source,
                                                staging_dir)
@@ -115,7 +114,7 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
             if codec is None:
                 writer.write(*topk_batch(packed.ids, packed.logprobs, pre.logprobs_dtype))
             else:
-                tail = packed.tail if packed.tail is not None else computed_tail(packed.logprobs)
+                tail = packed.tail if packed.tail is not None else kept_mass_tail(packed.logprobs)
                 target = {"target": packed.target} if checked.masked else {}
                 writer.write_batch(encode(codec, packed.ids, packed.logprobs, tail, **target))
         commit_or_remove(run_root, store, CommitRecord(
