@@ -93,7 +93,9 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = data
     for key in parents:
-        node = node.setdefault(key, {})
+        if node.get(key) is None:  # an empty optional section (`student.prune: null`) takes its first key
+            node[key] = {}
+        node = node[key]
         if not isinstance(node, dict):
             raise ConfigError(f"override '{dotted}': '{key}' is not a section")
     node[leaf] = value

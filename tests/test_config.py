@@ -159,6 +159,12 @@ def test_overrides_with_dotted_keys(tmp_path: Path) -> None:
         load_config(path, {"student.stesp": 1})
     with pytest.raises(ConfigError, match="'seq_len' is not a section"):
         load_config(path, {"seq_len.x": 1})
+    resolved = tmp_path / "resolved.yaml"  # as a run writes it: `prune: null`
+    resolved.write_text(dump_config(config), encoding="utf-8")
+    assert "prune: null" in resolved.read_text()
+    pruned = load_config(resolved, {"student.prune.layers": 3})
+    assert pruned.student.prune is not None and pruned.student.prune.layers == 3
+    assert pruned.student.prune.importance == "cosine"  # the rest of an empty section takes its defaults
 
 
 def test_config_is_frozen() -> None:

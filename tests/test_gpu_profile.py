@@ -4,6 +4,7 @@ micro-batch of a tiny 4-bit Qwen3-MoE teacher profiled: every family the pass ha
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -66,5 +67,10 @@ def test_a_profiled_micro_batch_of_a_4bit_moe_teacher_times_every_family(tiny_mo
     assert tuple(out["share"]) == FAMILIES and sum(out["share"].values()) == pytest.approx(1, abs=1e-3)
     seen = {family for family, us in out["cpu_us"].items() if us > 0}
     assert seen >= set(FAMILIES) - {"other"}, set(FAMILIES) - seen
-    assert out["share"]["other"] < 0.2 and out["device_us"] == dict.fromkeys(FAMILIES, 0.0)
+    assert out["device_us"] == dict.fromkeys(FAMILIES, 0.0)
+    # The unclassified rest is glue (the labels' own Python time, copies, adds, views), never an op that does a
+    # family's work; judged by names, not by its time share, which rises with the machine's load.
+    work = re.compile(r"mm|matmul|linear|softmax|topk|sort|logsumexp|dequant|silu|norm|rsqrt|attention|"
+                      r"histc|bincount|scatter|gather|exp\b|log\b", re.IGNORECASE)
+    assert not [name for name in out["ops"].get("other", []) if work.search(name.split(": ", 1)[1])]
     assert any("dequantize" in name for name in out["ops"]["expert_dequantisation"])
