@@ -106,5 +106,9 @@ def test_training_a_student_pruned_from_the_teacher(fresh_run, sharp_teacher_dir
     assert saved["num_hidden_layers"] == teacher_layers - 1
     assert saved["kdflow_prune"]["teacher_layers"] == teacher_layers and len(saved["kdflow_prune"]["kept"]) == \
         teacher_layers - 1
+    assert saved["kdflow_prune"]["teacher"] == sharp_teacher_dir.name  # a saved model travels: no local path
+    card = student_path(pruned, "final", "README.md").read_text()
+    kept = ", ".join(map(str, saved["kdflow_prune"]["kept"]))
+    assert f"initialised from the teacher: blocks {kept} of {teacher_layers}" in card and "random weights" not in card
     again = fresh_run(student__steps=3, student__name="pruned", student__prune={"layers": teacher_layers - 1})
     assert train(open_run_root(again), training_settings(again))["start_step"] == 2

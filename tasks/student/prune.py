@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from kdflow.tasks.common.model_files import shown_name
 from kdflow.tasks.common.models import model_body
 
 IMPORTANCE = ("cosine", "skip_loss")
@@ -158,7 +159,7 @@ def pruned_student(teacher_section: object, layers: int, importance: str, calibr
         raise ValueError(f"the teacher's vocabulary is smaller than the tokenizer's {vocab}")
     plan = PrunePlan(kept=kept, scores=tuple(round(score, 6) for score in scores), importance=importance,
                      teacher_layers=len(scores))
-    student.config.kdflow_prune = {"teacher": teacher_section.model, "kept": list(plan.kept),
+    student.config.kdflow_prune = {"teacher": shown_name(teacher_section.model), "kept": list(plan.kept),
                                    "teacher_layers": plan.teacher_layers, "importance": importance,
                                    "scores": list(plan.scores)}
     del teacher

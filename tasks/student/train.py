@@ -89,6 +89,7 @@ class StudentRun:
             self.model = self.pruned_from_teacher().to(self.device)
         else:  # seeded: every rank builds the same weights
             self.model = build_student(student, settings.seq_len, self.tokenizer).to(self.device)
+        self.pruned = getattr(self.model.config, "kdflow_prune", None)  # what a pruned student kept (its card says)
         if self.is_main:  # beside the student: a config it trains and resumes with (not one refused above)
             self.write_config()
         apply_student_options(self.model, student, self.device)  # attention, gradient checkpointing, compile
@@ -199,7 +200,8 @@ class StudentRun:
         facts = card_facts(self.settings, self.run_root, self.data.stores, step=self.state.step,
                            elapsed_s=self.state.elapsed_s, tokens_per_step=self.tokens_per_step,
                            evals=self.evals.records, device=self.device, world_size=self.world_size,
-                           parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed())
+                           parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed(),
+                           pruned=self.pruned)
         return card_files(facts, self.metrics.records, self.evals.records)
 
     def pruned_from_teacher(self) -> torch.nn.Module:
