@@ -5,8 +5,9 @@ What it runs is real: the teacher is SmolLM2-135M-Instruct, shipped as a GGUF fi
 documentation (`pydoc_data.topics`, paragraphs grouped into documents), written as a jsonl file and read
 through the same `dataset.path` route as any user's local file; the student is made from the teacher
 (`student.prune`: its embedding, norm, head and most important blocks), so it shares the tokenizer by
-construction and starts near the teacher (`--quick`, the tests' budget, trains a small random Llama). The stages are `kdflow.flows.pipeline.pipeline_flow` with Prefect in its serverless mode (no
-PREFECT_API_URL: Prefect starts a temporary local server itself).
+construction and starts near the teacher (`--quick`, the tests' budget, trains a small random Llama). The
+stages are `kdflow.flows.pipeline.pipeline_flow` with Prefect in its serverless mode (no PREFECT_API_URL:
+Prefect starts a temporary local server itself).
 
 Loading the GGUF dequantises it (~25 s for model and tokenizer on 2 idle cores), and every stage process
 that loads the teacher or its tokenizer would pay that again; so the demo dequantises it once into a
