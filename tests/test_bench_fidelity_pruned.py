@@ -48,7 +48,8 @@ def test_a_corpus_names_its_results_folder_and_bad_files_are_refused(tmp_path: P
     old.save_record({"kind": "run", "variant": "ce", "seed": 0, "key": "abc"})
     assert old.load("ce", 0, "abc")["corpus"] == "pydoc" and Results(tmp_path, "stdlib").load("ce", 0, "abc") is None
     (tmp_path / "no_text.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-    for argument, message in ((str(tmp_path / "missing.jsonl"), "cannot read it"),
+    for argument, message in (("pydocs", "not pydoc, stdlib or a .jsonl file"),
+                              (str(tmp_path / "missing.jsonl"), "cannot read it"),
                               (str(tmp_path / "no_text.jsonl"), "no string `text` field")):
         with pytest.raises(SystemExit):
             fidelity.parse(["--corpus", argument])

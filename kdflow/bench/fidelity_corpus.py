@@ -27,8 +27,10 @@ class Corpus:
 
 
 def jsonl_problem(path: str) -> str | None:
-    """Why `path` cannot be a --corpus file (one line), or None: it must exist and its first record must be a JSON
-    object with a string `text` field."""
+    """Why `path` cannot be a --corpus file (one line), or None: a .jsonl file (the corpus stage reads a file by
+    its suffix) whose first record is a JSON object with a string `text` field."""
+    if not path.endswith(".jsonl"):
+        return f"--corpus {path}: not pydoc, stdlib or a .jsonl file"
     try:
         with open(path, encoding="utf-8") as handle:
             first = next((line for line in handle if line.strip()), None)
