@@ -113,3 +113,16 @@ def test_a_pruned_student_keeps_the_same_blocks_whatever_its_seed(fresh_run) -> 
         run.loader.close()
         plans.append(run.model.config.kdflow_prune)
     assert plans[0] == plans[1]
+
+
+def test_the_share_of_the_gap_closed_by_hand() -> None:
+    from kdflow.bench.fidelity_summary import gap_closed
+
+    run = {"heldout_kl": 1.0, "heldout_ce": 5.0, "curve": [{"step": 0, "heldout_kl": 4.0, "heldout_ce": 8.0}]}
+    assert gap_closed(run, 2.0) == {"kl_gap_closed": 0.75, "ce_gap_closed": 0.5}  # 3 of 4 nats; 3 of 6 nats
+    assert gap_closed(run, None) == {"kl_gap_closed": 0.75, "ce_gap_closed": None}  # no teacher CE stored
+    assert gap_closed(run, 9.0)["ce_gap_closed"] is None  # a start below the teacher's CE has no gap to close
+    worse = run | {"heldout_kl": 5.0}
+    assert gap_closed(worse, 2.0)["kl_gap_closed"] == pytest.approx(-0.25)  # worse than its start
+    assert gap_closed({"heldout_kl": 1.0, "heldout_ce": 5.0, "curve": []}, 2.0) == {"kl_gap_closed": None,
+                                                                                     "ce_gap_closed": None}
