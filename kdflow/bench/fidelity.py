@@ -1,8 +1,9 @@
 """`kdflow bench fidelity`: how well a student learns the teacher from each kind of stored target.
 
-The demo's teacher (SmolLM2-135M-Instruct), text (Python's documentation, `pydoc_data`) and student
-(`configs/demo.yaml`), for `--steps` steps on a `--corpus-tokens` corpus. The same student (initial weights,
-data order, AdamW, schedule and steps all from `student.seed`) is trained, for each seed, on
+The demo's teacher (SmolLM2-135M-Instruct) and student (`configs/demo.yaml`), for `--steps` steps on a
+`--corpus-tokens` corpus of `--corpus` text (`kdflow.bench.fidelity_corpus`: Python's documentation, the
+default; the standard library's sources; or a jsonl file). The same student (initial weights, data order,
+AdamW, schedule and steps all from `student.seed`) is trained, for each seed, on
   topk128  lossless top-128 with the exact tail bucket (v2 store, float32 values and tail: the teacher's capture)
   codec    the same top-128 in the default v2 codec (`precompute.store` defaults: sqrt-quantised values,
            float16 tail): the store a user writes, and the store issue's check (within 1% of topk128's KL)
@@ -14,13 +15,22 @@ data order, AdamW, schedule and steps all from `student.seed`) is trained, for e
   ce       next-token cross-entropy only (kd_weight 0)
 Each student is evaluated at several steps of its one run (every --eval-every steps, 0 and the last included) on
 every held-out row with a dense teacher pass: next-token CE, full-vocabulary KL(teacher || student) and top-1
-agreement per position. Stores are made by the real teacher pass and trained on by the training loop's own
-steps; `bytes_per_position` counts every byte of the store (`kdflow.schemas.store_bytes`), and every variant's
-bytes are stated over both top-128 stores (default codec and lossless). `train_seconds` is the same quantity in
-every variant: the optimiser steps only (no evaluation, no teacher body pass; online KD's live lm_head included).
+agreement per position; each variant's share of the student's gap to the teacher closed is measured from its
+step-0 evaluation (`kdflow.bench.fidelity_summary`). Stores are made by the real teacher pass and trained on by
+the training loop's own steps; `bytes_per_position` counts every byte of the store (`kdflow.schemas.store_bytes`),
+and every variant's bytes are stated over both top-128 stores (default codec and lossless). `train_seconds` is
+the same quantity in every variant: the optimiser steps only (no evaluation, no teacher body pass; online KD's
+live lm_head included).
 
-Every variant x seed is a stored result (`kdflow.bench.fidelity_results`, a JSON file under the run root) that
-a rerun skips, so a long comparison is built up across runs (`--max-new-runs` bounds one call's work).
+With `--prune-layers N` every student is made from the teacher instead of the demo's random architecture
+(`student.prune`: its N most important blocks by `--prune-importance`, measured on calibration rows taken in an
+order of their own, not the seed's). Pruning is deterministic, so the pruned initial weights are the same for
+every variant and every seed: the seed then sets only the data order (and a sampled store's draw), and the
+step-0 evaluation, the gap's start, is the same in every run.
+
+Every variant x seed is a stored result (`kdflow.bench.fidelity_results`, a JSON file in the corpus's folder under
+the run root; the student's pruning is in its key and its name) that a rerun skips, so a long comparison is
+built up across runs (`--max-new-runs` bounds one call's work).
 Differences between variants are paired per seed (variant minus top-128, same seed) with a 95% t interval; a
 target is met only when the interval lies on its side of the bound, NOT met when it lies wholly on the other,
 and not resolved otherwise (`kdflow.bench.fidelity_stats`). Prints one JSON object per line (each store and
@@ -38,10 +48,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kdflow.bench.args import bench_parser
+from kdflow.bench.fidelity_corpus import BUILT_IN, choose_corpus, jsonl_problem, prepare
 from kdflow.bench.fidelity_summary import print_table, store_of, summarise
+from kdflow.demo_assets import local_run_root
+
+if TYPE_CHECKING:
+    from kdflow.bench.fidelity_runs import LazyTeacher
 
 VARIANTS = ("topk128", "codec", "hybrid", "sampled", "online", "ce")
 DEFAULT_VARIANTS = ("topk128", "codec", "hybrid", "sampled", "ce")
@@ -66,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"any of {', '.join(VARIANTS)}")
     parser.add_argument("--max-new-runs", type=int, default=0,
                         help="train at most N runs not yet stored, then summarise what is stored (0: all)")
+    parser.add_argument("--corpus", default="pydoc",
+                        help="pydoc (Python's documentation), stdlib (the standard library's .py sources) or a "
+                             "PATH.jsonl with a text field")
+    parser.add_argument("--prune-layers", type=int, default=0,
+                        help="make every student from the teacher: its N most important blocks (0: the demo's "
+                             "random student)")
+    parser.add_argument("--prune-importance", choices=["cosine", "skip_loss"], default="cosine",
+                        help="how --prune-layers ranks the teacher's blocks (student.prune.importance)")
     return parser
 
 
@@ -84,6 +107,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[i
         parser.error("--seeds needs one seed at least, --steps >= 1, --eval-every and --max-new-runs >= 0")
     if args.hybrid and len(args.hybrid.split(",")) != 2:
         parser.error(f"--hybrid: H,S, got {args.hybrid!r}")
+    if args.prune_layers < 0:
+        parser.error(f"--prune-layers: a number of teacher blocks (0: off), got {args.prune_layers}")
+    problem = None if args.corpus in BUILT_IN else jsonl_problem(os.path.abspath(os.path.expanduser(args.corpus)))
+    if problem:
+        parser.error(problem)
     return args, variants, seeds
 
 
@@ -97,12 +125,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    root, base = _prepare(args)
-    results = run_benchmark(args, base, Results(root), variants, seeds)
-    summary = summarise(results, variants)
+    root = local_run_root(args.run_root)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    corpus = choose_corpus(args.corpus, root)
+    base = _base_config(args, root, corpus.source)
+    emit(prepare(base, corpus))
+    stored = Results(root, corpus.name)
+    results = run_benchmark(args, base, stored, variants, seeds)
+    summary = summarise(results, variants, {"corpus": corpus.name, "student": student_label(args)})
     for record in summary:
         print(json.dumps(record), flush=True)
-    emit(Results(root).write_summary(summary))
+    emit(stored.write_summary(summary))
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only JSON lines, as every benchmark's does
         print_table(summary)
     return 0
@@ -119,11 +152,17 @@ def eval_steps(steps: int, every: int) -> list[int]:
     return sorted(set(range(0, steps + 1, every)) | {steps})
 
 
-def _base_config(args: argparse.Namespace, root: str) -> Any:
+def student_label(args: argparse.Namespace) -> str:
+    """The students' kind, in every result's name and the summary: random (the demo's architecture) or pruned."""
+    return f"pruned{args.prune_layers}-{args.prune_importance}" if args.prune_layers else "random"
+
+
+def _base_config(args: argparse.Namespace, root: str, source: str) -> Any:
     from kdflow.demo_assets import demo_config
     from kdflow.schemas.config_io import config_from_dict
 
     data = demo_config(root).model_dump(mode="json")
+    data["dataset"]["path"] = source  # pydoc's is the demo's own: its stores and results keep their fingerprints
     data["seq_len"] = args.seq_len
     data["dataset"]["max_tokens"] = args.max_tokens or None
     data["precompute"] |= {"sequences_per_shard": args.sequences_per_shard, "micro_batch": 8, "report_rows": 0}
@@ -155,8 +194,11 @@ def variant_config(base: Any, variant: str, args: argparse.Namespace, seed: int,
         pre |= {"targets": "sampled",
                 "sampling": sampling | {"samples": args.sampled, "scheme": args.scheme, "seed": seed}}
     if tags is not None:
-        data["student"] |= {"name": f"{variant}-seed{seed}", "seed": seed, "topk_tag": tags[store_of(variant, seed)]}
+        name = f"{variant}-seed{seed}" + (f"-{student_label(args)}" if args.prune_layers else "")
+        data["student"] |= {"name": name, "seed": seed, "topk_tag": tags[store_of(variant, seed)]}
         data["student"]["kd"] |= {"kd_weight": 0.0 if variant == "ce" else 1.0}
+        if args.prune_layers:  # the same blocks for every variant and seed (see the module docstring)
+            data["student"]["prune"] = {"layers": args.prune_layers, "importance": args.prune_importance}
     return config_from_dict(data, source=f"kdflow bench fidelity ({variant})")
 
 
@@ -166,30 +208,6 @@ def _sampling(config: Any) -> dict[str, Any] | None:
     if pre.targets == "topk":
         return None
     return pre.sampling.model_dump() | {"head": pre.sampling.head if pre.targets == "hybrid" else 0}
-
-
-def _prepare(args: argparse.Namespace) -> tuple[str, Any]:
-    """The demo teacher (dequantised once), the docs as jsonl, corpus and token stores."""
-    from kdflow.demo_assets import locate_teacher_gguf, local_run_root, prepare_teacher, write_corpus
-    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
-    from kdflow.tasks.common.tokenizer import load_tokenizer
-    from kdflow.tasks.corpus.materialise import materialise
-    from kdflow.tasks.corpus.tokenise import tokenise
-
-    root = local_run_root(args.run_root)
-    Path(root).mkdir(parents=True, exist_ok=True)
-    base = _base_config(args, root)
-    write_corpus(Path(base.dataset.path))
-    prepare_teacher(locate_teacher_gguf(), Path(base.teacher.model))
-    tokenizer = load_tokenizer(base.teacher, base.tokenizer)
-
-    def count_tokens(texts: list[str]) -> list[int]:
-        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        return [len(ids) + 1 for ids in encoded]
-
-    materialise(open_run_root(base), materialise_settings(base), count_tokens)
-    tokenise(open_run_root(base), tokenise_settings(base), tokenizer)
-    return root, base
 
 
 def build_stores(args: argparse.Namespace, base: Any, variants: list[str],
@@ -222,37 +240,8 @@ def build_stores(args: argparse.Namespace, base: Any, variants: list[str],
     return tags, records
 
 
-class Teacher:
-    """The teacher, its hidden states for the benchmark's rows and the held-out rows, loaded on first use (a
-    rerun whose results are all stored loads nothing)."""
-
-    def __init__(self, config: Any) -> None:
-        self.config, self._states, self._heldout = config, None, None
-
-    def states(self) -> Any:
-        if self._states is None:
-            from kdflow.bench.fidelity_runs import TeacherStates
-            from kdflow.tasks.common.teacher_loading import load_teacher
-
-            self._states = TeacherStates(load_teacher(self.config.teacher).eval())
-        return self._states
-
-    def heldout(self) -> Any:
-        """Every held-out row (not only `student.eval_sequences` of them)."""
-        if self._heldout is None:
-            from kdflow.schemas.stage_settings import open_run_root, training_settings
-            from kdflow.tasks.common.tokenizer import load_tokenizer
-            from kdflow.tasks.student.data import open_distill_data
-
-            student = self.config.student.model_copy(update={"eval_sequences": 10**9})
-            every_row = self.config.model_copy(update={"student": student})
-            self._heldout = open_distill_data(open_run_root(every_row), training_settings(every_row),
-                                              load_tokenizer(every_row.teacher, every_row.tokenizer))
-        return self._heldout
-
-
-def run_one(config: Any, variant: str, seed: int, key: str, store_tag: str, teacher: Teacher,
-            steps: list[int]) -> dict[str, Any]:
+def run_one(config: Any, variant: str, seed: int, key: str, store_tag: str, teacher: LazyTeacher,
+            steps: list[int], corpus: str) -> dict[str, Any]:
     """One student trained from scratch and evaluated at `steps` of its run; -> the result to store."""
     from kdflow.bench.fidelity_runs import train_with_curve
     from kdflow.schemas.layout import STUDENTS_DIR
@@ -261,11 +250,13 @@ def run_one(config: Any, variant: str, seed: int, key: str, store_tag: str, teac
     folder = open_run_root(config).path(STUDENTS_DIR, config.student.name)  # a local run root (the demo's)
     shutil.rmtree(folder, ignore_errors=True)  # no resume of an interrupted run: its curve is gone
     started = time.perf_counter()
-    _, curve, info = train_with_curve(config, teacher.states(), teacher.heldout(), set(steps),
-                                      online=variant == "online")
+    student, curve, info = train_with_curve(config, teacher.states(), teacher.heldout(), set(steps),
+                                            online=variant == "online")
+    kept = getattr(student.config, "kdflow_prune", None)  # what pruning kept (its teacher path left out)
     shutil.rmtree(folder, ignore_errors=True)  # the stored result is what stays
     final = curve[-1]
-    return {"kind": "run", "variant": variant, "seed": seed, "key": key, "store_tag": store_tag,
+    return {"kind": "run", "corpus": corpus, "variant": variant, "seed": seed, "key": key, "store_tag": store_tag,
+            "student": config.student.name, "prune": kept and {k: v for k, v in kept.items() if k != "teacher"},
             "steps": info["steps"], "batch_size": config.student.batch_size, "train_rows": info["train_rows"],
             "epochs": round(info["steps"] * config.student.batch_size / info["train_rows"], 2),
             "train_seconds": round(info["train_seconds"], 1),
@@ -286,16 +277,26 @@ def run_benchmark(args: argparse.Namespace, base: Any, results: Any, variants: l
     """The stores, then each variant x seed: its stored result, or a run from scratch that is then stored; and
     the teacher's own held-out CE (stored too)."""
     from kdflow.bench.fidelity_results import result_key, teacher_key
-    from kdflow.bench.fidelity_runs import teacher_heldout_ce
+    from kdflow.bench.fidelity_runs import LazyTeacher, teacher_heldout_ce
 
+    if args.prune_layers:  # refused before the teacher passes, not after them
+        from transformers import AutoConfig
+
+        from kdflow.schemas.errors import ConfigError
+        from kdflow.tasks.common.teacher_loading import source_kwargs
+
+        blocks = AutoConfig.from_pretrained(base.teacher.model, **source_kwargs(base.teacher)).num_hidden_layers
+        if args.prune_layers > blocks:
+            raise ConfigError(f"--prune-layers {args.prune_layers}: the teacher has {blocks} blocks to keep from")
     tags, out = build_stores(args, base, variants, seeds)
     steps = eval_steps(args.steps, args.eval_every)
-    teacher = Teacher(variant_config(base, "topk128", args, seeds[0], tags))
+    teacher = LazyTeacher(variant_config(base, "topk128", args, seeds[0], tags))
     key = teacher_key(tags["topk128"], teacher.config)
     record = results.load("teacher", 0, key)
     if record is None:
         heldout = teacher.heldout()
-        record = results.save_record({"kind": "teacher", "variant": "teacher", "seed": 0, "key": key,
+        record = results.save_record({"kind": "teacher", "corpus": results.corpus, "variant": "teacher", "seed": 0,
+                                      "key": key,
                                       "heldout_ce": teacher_heldout_ce(heldout, teacher.states()),
                                       "heldout_rows": len(heldout.eval_rows), "train_rows": heldout.train_rows,
                                       "train_tokens": heldout.train_rows * base.seq_len})
@@ -312,7 +313,8 @@ def run_benchmark(args: argparse.Namespace, base: Any, results: Any, variants: l
                     out.append(emit({"kind": "not_run", "variant": variant, "seed": seed,
                                      "reason": "--max-new-runs reached"}))
                     continue
-                record = results.save_record(run_one(config, variant, seed, key, store_tag, teacher, steps))
+                record = results.save_record(run_one(config, variant, seed, key, store_tag, teacher, steps,
+                                                     results.corpus))
                 new_runs += 1
             out.append(emit(record | {"stored_in": str(results.path(variant, seed, key))}))
     return out

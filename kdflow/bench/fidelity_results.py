@@ -6,6 +6,10 @@ A result's key is a hash of: the format version here, the variant, the seed, the
 (which names the teacher, the token store and every store setting), the whole student config but its name
 (architecture, steps, batch, schedule, seed, loss), `seq_len`, the held-out rows and the evaluation steps.
 Files are written to a temporary name and renamed: a killed run leaves no half-written result.
+
+Each corpus (`--corpus`) has its own folder, so results and summaries of different texts never mix:
+fidelity-results (pydoc, the folder of every result stored before there was a choice, which therefore reads as
+pydoc), fidelity-results-stdlib, and fidelity-results-STEM-HASH for a jsonl file (HASH: of its absolute path).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +42,22 @@ def teacher_key(store_tag: str, config: Any) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class Results:
-    """The folder of stored results under the benchmark's run root."""
+def results_folder(corpus: str) -> str:
+    """The folder name of one corpus's results (see the module docstring)."""
+    if corpus == "pydoc":
+        return RESULTS_DIR
+    if corpus == "stdlib":
+        return f"{RESULTS_DIR}-stdlib"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(corpus).stem)[:40]
+    return f"{RESULTS_DIR}-{stem}-{hashlib.sha256(corpus.encode()).hexdigest()[:8]}"
 
-    def __init__(self, root: str | Path) -> None:
-        self.folder = Path(root) / RESULTS_DIR
+
+class Results:
+    """The folder of one corpus's stored results under the benchmark's run root."""
+
+    def __init__(self, root: str | Path, corpus: str = "pydoc") -> None:
+        self.corpus = corpus
+        self.folder = Path(root) / results_folder(corpus)
 
     def path(self, variant: str, seed: int, key: str) -> Path:
         return self.folder / f"{variant}-seed{seed}-{key}.json"
@@ -52,7 +68,9 @@ class Results:
             record = json.loads(self.path(variant, seed, key).read_text())
         except (OSError, ValueError):
             return None
-        return record if isinstance(record, dict) and record.get("key") == key else None
+        if not isinstance(record, dict) or record.get("key") != key:
+            return None
+        return {"corpus": self.corpus} | record  # a result stored before the corpus was named: its folder's
 
     def save_record(self, record: dict[str, Any]) -> dict[str, Any]:
         """Store a result (it names its variant, seed and key); -> the record."""
@@ -84,7 +102,7 @@ class Results:
                 axes.plot([p["step"] for p in points], [p["heldout_kl"] for p in points], marker="o", label=variant)
         axes.set_xlabel("optimiser step")
         axes.set_ylabel("held-out KL(teacher || student), nats/position")
-        axes.set_title("kdflow bench fidelity: mean over seeds")
+        axes.set_title(f"kdflow bench fidelity ({Path(self.corpus).name}): mean over seeds")
         axes.legend()
         path = self.folder / PLOT_FILE
         partial = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")

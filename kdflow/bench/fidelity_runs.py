@@ -1,6 +1,6 @@
-"""The parts of `kdflow bench fidelity` that the pipeline does not have: the teacher's hidden states for the
-benchmark's rows, online full-vocabulary KD with the teacher run alongside the student, and the dense
-held-out evaluation (next-token CE and full-vocabulary KL to the teacher).
+"""The parts of `kdflow bench fidelity` that the pipeline does not have: the teacher (loaded only when a result
+is missing) and its hidden states for the benchmark's rows, online full-vocabulary KD with the teacher run
+alongside the student, and the dense held-out evaluation (next-token CE and full-vocabulary KL to the teacher).
 
 Online KD runs the teacher body once per row (`TeacherStates`), keeps its final hidden states, and applies
 the teacher's lm_head live at every step: the teacher's full distribution exactly as a live forward gives
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.stage_settings import open_run_root, training_settings
 from kdflow.tasks.common.models import body_hidden_states, model_body, output_layer
-from kdflow.tasks.student.data import DistillData, ShardPair
+from kdflow.tasks.student.data import DistillData, ShardPair, open_distill_data
 from kdflow.tasks.student.distributed import clip_grad_norm
 from kdflow.tasks.student.steps import next_token_labels
 from kdflow.tasks.student.train import StudentRun
@@ -52,6 +52,32 @@ class TeacherStates:
         hidden = torch.cat([self.states[pair.shard_id, row] for pair, row in rows])  # (n * T, D)
         with torch.inference_mode():
             return self.head(hidden[start:stop]).float()
+
+
+class LazyTeacher:
+    """The teacher, its hidden states for the benchmark's rows and the held-out rows, loaded on first use (a
+    rerun whose results are all stored loads nothing)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config, self._states, self._heldout = config, None, None
+
+    def states(self) -> Any:
+        if self._states is None:
+            from kdflow.tasks.common.teacher_loading import load_teacher  # at call time: tests replace it
+
+            self._states = TeacherStates(load_teacher(self.config.teacher).eval())
+        return self._states
+
+    def heldout(self) -> Any:
+        """Every held-out row (not only `student.eval_sequences` of them)."""
+        if self._heldout is None:
+            from kdflow.tasks.common.tokenizer import load_tokenizer
+
+            student = self.config.student.model_copy(update={"eval_sequences": 10**9})
+            every_row = self.config.model_copy(update={"student": student})
+            self._heldout = open_distill_data(open_run_root(every_row), training_settings(every_row),
+                                              load_tokenizer(every_row.teacher, every_row.tokenizer))
+        return self._heldout
 
 
 def _chunked_full_kl(hidden: Tensor, weight: Tensor, teacher: TeacherStates, rows: list[tuple[ShardPair, int]],

@@ -1,6 +1,13 @@
 """`kdflow bench fidelity`'s summary: per variant the means and spreads over seeds, byte ratios against both
-top-128 stores, paired differences against top-128 with t intervals, the held-out KL curves, and the targets,
-each `met` only when its interval lies on the right side of the bound (`kdflow.bench.fidelity_stats`)."""
+top-128 stores, paired differences against top-128 with t intervals, each variant's share of the student's gap
+to the teacher closed, the held-out KL curves, and the targets, each `met` only when its interval lies on the
+right side of the bound (`kdflow.bench.fidelity_stats`).
+
+The share of the gap closed is measured from where the student starts, its own step-0 evaluation (a pruned
+student starts near the teacher, a random one far): for held-out full KL, whose floor is 0,
+(KL at step 0 - KL at the end) / KL at step 0; for held-out CE, whose floor is the teacher's own CE on the same
+rows, (CE at step 0 - CE at the end) / (CE at step 0 - the teacher's CE). 1 is the teacher reached, 0 no
+progress, below 0 worse than the start."""
 
 from __future__ import annotations
 
@@ -24,11 +31,31 @@ def store_of(variant: str, seed: int) -> str:
     return "topk128" if variant in ("topk128", "online", "ce") else f"{variant}-seed{seed}"
 
 
-def _variant(variant: str, runs: list[dict[str, Any]], stores: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def gap_closed(run: dict[str, Any], teacher_ce: float | None) -> dict[str, float | None]:
+    """One run's share of its gap to the teacher closed, in held-out KL and CE (see the module docstring); None
+    where the run has no step-0 evaluation or starts at (or, for CE, below) the floor."""
+    start = next((point for point in run.get("curve", []) if point["step"] == 0), None)
+    if start is None:
+        return {"kl_gap_closed": None, "ce_gap_closed": None}
+    kl_gap = start["heldout_kl"]
+    ce_gap = None if teacher_ce is None or "heldout_ce" not in start else start["heldout_ce"] - teacher_ce
+    return {"kl_gap_closed": (kl_gap - run["heldout_kl"]) / kl_gap if kl_gap > 0 else None,
+            "ce_gap_closed": (start["heldout_ce"] - run["heldout_ce"]) / ce_gap if ce_gap and ce_gap > 0 else None}
+
+
+def _variant(variant: str, runs: list[dict[str, Any]], stores: dict[str, dict[str, Any]],
+             teacher_ce: float | None) -> dict[str, Any]:
     mine = [r for r in runs if r["variant"] == variant]
     record: dict[str, Any] = {"kind": "variant", "variant": variant, "seeds": [r["seed"] for r in mine]}
     for key in METRICS:
         record[key], record[f"{key}_seed_sd"] = _mean_sd([r[key] for r in mine])
+    shares = {r["seed"]: gap_closed(r, teacher_ce) for r in mine}
+    for key in ("kl_gap_closed", "ce_gap_closed"):
+        known = [share[key] for share in shares.values() if share[key] is not None]
+        record[key], record[f"{key}_seed_sd"] = _mean_sd(known) if len(known) == len(mine) else (None, None)
+    record["heldout_kl_start"], _ = _mean_sd([p["heldout_kl"] for r in mine for p in r.get("curve", [])[:1]
+                                              if p["step"] == 0])
+    record["teacher_heldout_ce"] = teacher_ce
     sizes = [stores[store_of(variant, r["seed"])]["bytes_per_position"] for r in mine
              if store_of(variant, r["seed"]) in stores]
     size = None if variant in ("online", "ce") or not sizes else statistics.fmean(sizes)
@@ -36,7 +63,8 @@ def _variant(variant: str, runs: list[dict[str, Any]], stores: dict[str, dict[st
     for name, reference in REFERENCES.items():
         base = stores.get(store_of(reference, 0), {}).get("bytes_per_position")
         record[f"bytes_over_{name}_topk128"] = None if size is None or not base else size / base
-    record["per_seed"] = {r["seed"]: {"heldout_ce": r["heldout_ce"], "heldout_kl": r["heldout_kl"]} for r in mine}
+    record["per_seed"] = {r["seed"]: {"heldout_ce": r["heldout_ce"], "heldout_kl": r["heldout_kl"]} | shares[r["seed"]]
+                          for r in mine}
     kl = paired(runs, variant, "topk128", "heldout_kl")
     record["kl_minus_topk128_per_seed"] = kl
     record["kl_minus_topk128"] = paired_interval(kl)
@@ -95,14 +123,17 @@ def curves(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
     return out
 
 
-def summarise(results: list[dict[str, Any]], variants: list[str]) -> list[dict[str, Any]]:
-    """Per variant: means, spreads over seeds, byte ratios, paired differences; the curves; the targets."""
+def summarise(results: list[dict[str, Any]], variants: list[str],
+              context: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per variant: means, spreads over seeds, byte ratios, paired differences, gap shares; the curves; the
+    targets. `context` (the corpus and the student's kind) goes into every record."""
     stores = {r["store"]: r for r in results if r["kind"] == "store"}
     runs = [r for r in results if r["kind"] == "run"]
-    out = [_variant(variant, runs, stores) for variant in variants]
+    teacher_ce = next((r["heldout_ce"] for r in results if r["kind"] == "teacher"), None)
+    out = [_variant(variant, runs, stores, teacher_ce) for variant in variants]
     by = {r["variant"]: r for r in out if r["seeds"]}
     out.append({"kind": "curves", "heldout_kl_by_step": curves(runs, variants)})
-    return out + targets(runs, by)
+    return [(context or {}) | record for record in out + targets(runs, by)]
 
 
 def _seeds(values: list[float], fmt: str) -> str:
@@ -120,20 +151,31 @@ def _interval(interval: dict[str, Any], fmt: str) -> str:
 def print_table(summary: list[dict[str, Any]]) -> None:
     """The variants (+- : standard deviation over seeds), the paired differences with their 95% t intervals,
     the curves and the targets."""
-    def cell(record: dict[str, Any], key: str, fmt: str) -> str:
+    def cell(record: dict[str, Any], key: str, fmt: str, sd_fmt: str = "{:.4f}") -> str:
         sd = record.get(f"{key}_seed_sd")
-        return "-" if record[key] is None else fmt.format(record[key]) + (f" +- {sd:.4f}" if sd is not None else "")
+        return "-" if record[key] is None else fmt.format(record[key]) + (
+            " +- " + sd_fmt.format(sd) if sd is not None else "")
 
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"
 
+    variants = [r for r in summary if r["kind"] == "variant"]
+    if variants:
+        first = variants[0]
+        teacher_ce = "-" if first["teacher_heldout_ce"] is None else f"{first['teacher_heldout_ce']:.4f}"
+        print(f"\ncorpus {first.get('corpus', '-')}, student {first.get('student', '-')}, teacher's held-out CE "
+              f"{teacher_ce}; gap closed: the share of the step-0 student's KL (floor 0) and CE (floor: the "
+              "teacher's) that training removed")
     print(f"\n{'variant':<9} {'B/pos':>7} {'/codec':>7} {'/lossless':>9} {'held-out CE':>17} {'held-out KL':>17} "
-          f"{'top-1':>14} {'KL - top128, per seed':>24} {'KL rel. top128, mean [95% CI]':>32}")
-    for record in (r for r in summary if r["kind"] == "variant"):
+          f"{'top-1':>14} {'KL gap closed':>16} {'CE gap closed':>16} {'KL - top128, per seed':>24} "
+          f"{'KL rel. top128, mean [95% CI]':>32}")
+    for record in variants:
         size = f"{record['bytes_per_position']:.1f}" if record["bytes_per_position"] is not None else "-"
         print(f"{record['variant']:<9} {size:>7} {ratio(record['bytes_over_default_codec_topk128']):>7} "
               f"{ratio(record['bytes_over_lossless_topk128']):>9} {cell(record, 'heldout_ce', '{:.4f}'):>17} "
               f"{cell(record, 'heldout_kl', '{:.4f}'):>17} {cell(record, 'heldout_top1_agreement', '{:.3f}'):>14} "
+              f"{cell(record, 'kl_gap_closed', '{:.1%}', '{:.1%}'):>16} "
+              f"{cell(record, 'ce_gap_closed', '{:.1%}', '{:.1%}'):>16} "
               f"{_seeds(record['kl_minus_topk128_per_seed'], '{:+.4f}'):>24} "
               f"{_interval(record['kl_rel_to_topk128'], '{:+.2%}'):>32}")
     for record in (r for r in summary if r["kind"] == "curves"):

@@ -33,7 +33,7 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
                                              load_training_state, prune_checkpoints, save_checkpoint, save_final)
-from kdflow.tasks.student.data import open_distill_data
+from kdflow.tasks.student.data import epoch_permutation, open_distill_data
 from kdflow.tasks.student.distributed import (any_rank, barrier, choose_sharding, full_model_state,
                                               full_optimizer_state, load_full_optimizer_state, rank_device,
                                               torchrun_rank, wrap_for_training)
@@ -206,7 +206,9 @@ class StudentRun:
 
     def pruned_from_teacher(self) -> torch.nn.Module:
         prune = self.student.prune
-        rows = self.data.global_batch(0, prune.calibration_rows)  # the first training rows, the same on every rank
+        # Training rows in an order of their own (that of seed 0), not in this student's: which blocks are kept, and
+        # so the initial weights, do not change with student.seed; the same on every rank.
+        rows = epoch_permutation(self.data.train_rows, 0, 0)[:prune.calibration_rows]
         calibration = self.data.train_batch(rows).input_ids
         model, plan = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
                                      self.tokenizer)
