@@ -13,13 +13,20 @@ import pytest
 
 
 def test_the_stdlib_corpus_is_the_library_code_in_a_fixed_order(tmp_path: Path) -> None:
-    from kdflow.demo_assets import stdlib_lines, write_stdlib_corpus
+    from kdflow.demo_assets import STDLIB_FILE_CHARS, stdlib_lines, stdlib_order, write_stdlib_corpus
 
     lines = stdlib_lines()
     records = [json.loads(line) for line in lines]
     files = [record["file"] for record in records]
     assert len(records) > 100 and all(record["text"].strip() for record in records)
-    assert files == sorted(files) and len(set(files)) == len(files)
+    assert files == sorted(files, key=stdlib_order) and len(set(files)) == len(files)
+    assert max(len(record["text"]) for record in records) <= STDLIB_FILE_CHARS
+    budget, taken = 200_000, []  # ~50K tokens of code: many modules, none of them most of it
+    for record in records:
+        if sum(map(len, taken)) >= budget:
+            break
+        taken.append(record["text"])
+    assert len(taken) >= 12 and max(map(len, taken)) < 0.2 * budget
     assert {"argparse.py", "json/decoder.py"} <= set(files)
     folders = {part for name in files for part in name.split("/")[:-1]}
     assert not folders & {"test", "tests", "idle_test", "site-packages"}, folders
