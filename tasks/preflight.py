@@ -176,15 +176,22 @@ def check_student(context: Preflight) -> None:
 # Above this peak learning rate a pretrained student is warned of (at 1e-3, the default for random students, the
 # demo teacher's own weights as a student went from a held-out KL of 0.001 to 0.59 in 6 steps).
 PRETRAINED_LR_WARNING = 3e-4
+# A student pruned from the teacher must heal what the cut broke, so it takes a higher peak than a pretrained one
+# (the demo's trains at 5e-4), but not a random student's (3e-3 in the demo's --quick budget).
+PRUNED_LR_WARNING = 1e-3
 
 
 def check_schedule(context: Preflight) -> None:
     """Warnings: the warmup takes the whole run (`--set student.steps=10` under the default 20-step warmup); a
-    pretrained student (`init_from`) under a learning rate meant for random weights."""
+    pretrained (`init_from`) or pruned (`prune`) student under a learning rate meant for random weights."""
     student = context.config.student
     if student.init_from and student.lr > PRETRAINED_LR_WARNING:
         context.warn(f"student.lr={student.lr:g} with student.init_from: a peak meant for random weights can undo "
                      f"what a pretrained student knows in a few steps; from pretrained weights 1e-5 to 1e-4 is usual")
+    if student.prune is not None and student.lr > PRUNED_LR_WARNING:
+        context.warn(f"student.lr={student.lr:g} with student.prune: a peak meant for random weights can undo the "
+                     f"teacher's blocks the student starts from; a pruned student heals at 1e-4 to "
+                     f"{PRUNED_LR_WARNING:g}")
     if student.warmup_steps >= student.steps:
         context.warn(f"student.warmup_steps={student.warmup_steps} is not below student.steps={student.steps}: the "
                      f"learning rate rises for the whole run, to {student.steps / student.warmup_steps:.0%} of "

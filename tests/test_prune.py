@@ -94,6 +94,7 @@ def test_training_a_student_pruned_from_the_teacher(fresh_run, sharp_teacher_dir
     from support.runs import student_path
 
     from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.preflight import run_preflight
     from kdflow.tasks.student.train import train
 
     teacher_layers = json.loads((sharp_teacher_dir / "config.json").read_text())["num_hidden_layers"]
@@ -110,5 +111,7 @@ def test_training_a_student_pruned_from_the_teacher(fresh_run, sharp_teacher_dir
     card = student_path(pruned, "final", "README.md").read_text()
     kept = ", ".join(map(str, saved["kdflow_prune"]["kept"]))
     assert f"initialised from the teacher: blocks {kept} of {teacher_layers}" in card and "random weights" not in card
+    hot = fresh_run(student__steps=2, student__name="hot", student__lr=3e-3, student__prune={"layers": 1})
+    assert any(w.startswith("student.lr=0.003 with student.prune") for w in run_preflight(hot, ["train"]))
     again = fresh_run(student__steps=3, student__name="pruned", student__prune={"layers": teacher_layers - 1})
     assert train(open_run_root(again), training_settings(again))["start_step"] == 2
