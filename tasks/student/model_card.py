@@ -29,6 +29,7 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.common.model_files import hub_id, shown_name
 from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
+from kdflow.tasks.student.prune import pruning_summary
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
@@ -52,8 +53,9 @@ def hardware(device: torch.device, world_size: int) -> str:
 
 def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, step: int, elapsed_s: float,
                tokens_per_step: int, evals: list[dict[str, Any]], device: torch.device, world_size: int,
-               parameters: int, curve: bool) -> dict[str, Any]:
-    """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores)."""
+               parameters: int, curve: bool, pruned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores; `pruned`: the
+    student config's `kdflow_prune` entry, when it was made from the teacher)."""
     info = read_store_info(run_root, stores.topk_store)
     positions = sum(pair.rows for pair in stores.pairs) * stores.seq_len
     stored = sum(pair.topk_bytes for pair in stores.pairs)
@@ -72,6 +74,7 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "teacher_gguf": None if imported else teacher.gguf_file, "teacher_4bit": not imported and teacher.load_in_4bit,
         "dataset": shown_name(dataset.path), "dataset_name": dataset.name, "dataset_split": dataset.split,
         "init_from": shown_name(student.init_from) if student.init_from else None, "seq_len": stores.seq_len,
+        "pruned": pruning_summary(pruned),
         "store": f"topk/{info.tag if info is not None else posixpath.basename(stores.topk_store.rstrip('/'))}",
         "targets": stores.targets, "kept": kept,
         "format": format_label(info.store_format()) if info is not None else "v1 (no _store.json)",
@@ -133,7 +136,8 @@ def render_card(facts: dict[str, Any]) -> str:
     per_position = facts.get("bytes_per_position")
     rows = [("teacher", teacher), ("corpus", corpus),
             ("student", f"{facts['parameters']:,} parameters, initialised from "
-                        + (f"`{facts['init_from']}`" if facts.get("init_from") else "random weights")),
+                        + (f"`{facts['init_from']}`" if facts.get("init_from")
+                           else facts.get("pruned") or "random weights")),
             ("teacher targets", f"{facts['targets']}: {facts['kept']} per position"),
             ("store", f"`{facts['store']}`, format {facts['format']}"),
             ("bytes per position", f"{per_position:.1f} over {facts['store_positions']:,} positions"

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kdflow.tasks.common.models import model_body
+from kdflow.tasks.common.models import decoder_layers, layers_prefix, model_body
+from kdflow.tasks.student.prune_width import WidthPlan, check_width, width_pruned
 
 IMPORTANCE = ("cosine", "skip_loss")
 
@@ -36,13 +37,7 @@ class PrunePlan:
     scores: tuple[float, ...]  # every teacher block's importance (higher: more important)
     importance: str
     teacher_layers: int
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model_body(model), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `model.layers` list of blocks to choose from")
-    return layers
+    width: WidthPlan | None = None  # the kept blocks' channels and heads, when they were narrowed too
 
 
 @torch.no_grad()
@@ -119,7 +114,7 @@ def prune_teacher(teacher: nn.Module, kept: tuple[int, ...], dtype: torch.dtype 
     config = pruned_config(teacher.config, kept)
     student = AutoModelForCausalLM.from_config(config, dtype=dtype)
     renumber = {old: new for new, old in enumerate(kept)}
-    prefix = _layers_prefix(teacher)
+    prefix = layers_prefix(teacher)
     state = {}
     for name, tensor in teacher.state_dict().items():
         if name.startswith(prefix):
@@ -132,34 +127,64 @@ def prune_teacher(teacher: nn.Module, kept: tuple[int, ...], dtype: torch.dtype 
     return student.eval()
 
 
-def _layers_prefix(model: nn.Module) -> str:
-    layers = decoder_layers(model)
-    for name, module in model.named_modules():
-        if module is layers:
-            return f"{name}."
-    raise ValueError(f"{type(model).__name__}: cannot find the name of its block list")
-
-
 def pruned_student(teacher_section: object, layers: int, importance: str, calibration_ids: Tensor,
-                   tokenizer: object) -> tuple[nn.Module, PrunePlan]:
+                   tokenizer: object, *, intermediate_size: int | None = None,
+                   key_value_heads: int | None = None) -> tuple[nn.Module, PrunePlan]:
     """`student.prune`: the teacher (loaded unquantised on the CPU: 4-bit weights cannot be copied into a float32
-    student) scored on `calibration_ids` (n, T), cut to its `layers` most important blocks, as a float32 student.
-    What was kept goes into the student's config (`kdflow_prune`), so that it is saved with the model and its card
-    can say it."""
+    student) scored on `calibration_ids` (n, T), cut to its `layers` most important blocks, as a float32 student,
+    and, when `intermediate_size` or `key_value_heads` is set, narrowed by kdflow.tasks.student.prune_width on the
+    same rows. What was kept goes into the student's config (`kdflow_prune`), so that it is saved with the model
+    and its card can say it."""
     from kdflow.tasks.common.teacher_loading import load_teacher
 
     section = teacher_section.model_copy(update={"load_in_4bit": False, "device": "cpu"})
     teacher = load_teacher(section, device="cpu")
-    scores = block_importance(teacher, calibration_ids.to("cpu"), importance)
+    narrowed = intermediate_size is not None or key_value_heads is not None
+    if narrowed:  # before anything is measured: a width the teacher cannot give is a config error
+        check_width(teacher, intermediate_size, key_value_heads)
+    calibration_ids = calibration_ids.to("cpu")
+    scores = block_importance(teacher, calibration_ids, importance)
     kept = choose_blocks(scores, layers)
     student = prune_teacher(teacher, kept)
+    del teacher
+    width = None
+    if narrowed:
+        student, width = width_pruned(student, calibration_ids, intermediate_size, key_value_heads)
     vocab = len(tokenizer)
     if student.get_output_embeddings().weight.shape[0] < vocab:
         raise ValueError(f"the teacher's vocabulary is smaller than the tokenizer's {vocab}")
     plan = PrunePlan(kept=kept, scores=tuple(round(score, 6) for score in scores), importance=importance,
-                     teacher_layers=len(scores))
+                     teacher_layers=len(scores), width=width)
     student.config.kdflow_prune = {"teacher": teacher_section.model, "kept": list(plan.kept),
                                    "teacher_layers": plan.teacher_layers, "importance": importance,
-                                   "scores": list(plan.scores)}
-    del teacher
+                                   "scores": list(plan.scores)} | width_entry(width)
     return student, plan
+
+
+def width_entry(width: WidthPlan | None) -> dict[str, object]:
+    """The widths a narrowed student kept and its teacher had, for `kdflow_prune` (empty: not narrowed)."""
+    if width is None:
+        return {}
+    entry: dict[str, object] = {}
+    if width.intermediate_size is not None:
+        entry |= {"intermediate_size": width.intermediate_size,
+                  "teacher_intermediate_size": list(width.teacher_intermediate_size)}
+    if width.key_value_heads is not None:
+        entry |= {"key_value_heads": width.key_value_heads, "teacher_key_value_heads": width.teacher_key_value_heads,
+                  "attention_heads": width.attention_heads, "teacher_attention_heads": width.teacher_attention_heads}
+    return entry
+
+
+def pruning_summary(entry: dict[str, object] | None) -> str | None:
+    """One line for the card from a student's `kdflow_prune` entry: which blocks, channels and heads it kept."""
+    if not entry:
+        return None
+    line = (f"the teacher pruned: {len(entry['kept'])} of its {entry['teacher_layers']} blocks "
+            f"({', '.join(str(index) for index in entry['kept'])}; importance {entry['importance']})")
+    if "intermediate_size" in entry:
+        widths = "/".join(str(width) for width in entry["teacher_intermediate_size"])
+        line += f", {entry['intermediate_size']} of {widths} MLP channels"
+    if "key_value_heads" in entry:
+        line += (f", {entry['key_value_heads']} of {entry['teacher_key_value_heads']} key/value heads "
+                 f"({entry['attention_heads']} of {entry['teacher_attention_heads']} query heads)")
+    return line

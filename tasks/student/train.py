@@ -44,7 +44,7 @@ from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_i
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
-from kdflow.tasks.student.prune import pruned_student
+from kdflow.tasks.student.prune import pruned_student, pruning_summary
 from kdflow.tasks.student.steps import (DistillLoss, autocast_for, build_optimizer, check_layout, evaluate,
                                         optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
@@ -199,18 +199,20 @@ class StudentRun:
         facts = card_facts(self.settings, self.run_root, self.data.stores, step=self.state.step,
                            elapsed_s=self.state.elapsed_s, tokens_per_step=self.tokens_per_step,
                            evals=self.evals.records, device=self.device, world_size=self.world_size,
-                           parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed())
+                           parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed(),
+                           pruned=getattr(self.model.config, "kdflow_prune", None))
         return card_files(facts, self.metrics.records, self.evals.records)
 
     def pruned_from_teacher(self) -> torch.nn.Module:
         prune = self.student.prune
         rows = self.data.global_batch(0, prune.calibration_rows)  # the first training rows, the same on every rank
         calibration = self.data.train_batch(rows).input_ids
-        model, plan = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
-                                     self.tokenizer)
+        model, _ = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
+                                     self.tokenizer, intermediate_size=prune.intermediate_size,
+                                     key_value_heads=prune.key_value_heads)
         check_student(model, self.tokenizer)
-        logger.info("student pruned from the teacher: blocks %s of %d kept (importance %s on %d rows)",
-                    list(plan.kept), plan.teacher_layers, plan.importance, len(rows))
+        logger.info("student made from %s, measured on %d rows", pruning_summary(model.config.kdflow_prune),
+                    len(rows))
         return model
 
     def write_config(self) -> None:
