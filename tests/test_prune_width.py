@@ -102,7 +102,8 @@ def test_importance_finds_the_channel_and_the_heads_that_do_nothing() -> None:
     teacher = tiny("llama")
     with torch.no_grad():
         teacher.model.layers[2].mlp.up_proj.weight[5].zero_()  # channel 5 of block 2: act(gate) * 0
-        head_dim = teacher.model.layers[0].self_attn.head_dim  # key/value group 1 of block 0: its values, so its heads' outputs, are 0
+        # key/value group 1 of block 0: its values are 0, so are its query heads' outputs
+        head_dim = teacher.model.layers[0].self_attn.head_dim
         teacher.model.layers[0].self_attn.v_proj.weight[head_dim:2 * head_dim].zero_()
     channel_scores, group_scores = width_importance(teacher, calibration(5))
     assert channel_scores[2][5] == 0.0 and channel_scores[2].min() == 0.0 and (channel_scores[2] > 0).sum() == 63
@@ -165,3 +166,36 @@ def test_the_card_line_says_what_was_kept() -> None:
     assert pruning_summary(entry) == ("the teacher pruned: 2 of its 5 blocks (0, 2; importance cosine), 16 of 64 MLP "
                                       "channels, 1 of 2 key/value heads (2 of 4 query heads)")
     assert pruning_summary(entry | {"teacher_intermediate_size": [16, 64]}).count("16 of 16/64 MLP channels") == 1
+
+
+def test_training_a_student_pruned_in_depth_and_width(fresh_run, sharp_teacher_dir) -> None:
+    """`student.prune` with widths: the saved student is narrower, its config and card say what it kept, it starts
+    nearer the teacher than a random student with as many blocks, channels and heads, and resumes without measuring
+    again."""
+    import json
+
+    from support.runs import student_path
+
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    teacher = json.loads((sharp_teacher_dir / "config.json").read_text())
+    prune = {"layers": teacher["num_hidden_layers"], "intermediate_size": teacher["intermediate_size"] // 2,
+             "key_value_heads": 1}
+    pruned = fresh_run(student__steps=2, student__name="narrow", student__prune=prune)
+    summary = train(open_run_root(pruned), training_settings(pruned))
+    saved = json.loads(student_path(pruned, "final", "config.json").read_text())
+    assert (saved["intermediate_size"], saved["num_key_value_heads"]) == (teacher["intermediate_size"] // 2, 1)
+    assert saved["num_attention_heads"] == teacher["num_attention_heads"] // teacher["num_key_value_heads"]
+    entry = saved["kdflow_prune"]
+    assert entry["intermediate_size"] == prune["intermediate_size"] and entry["teacher_key_value_heads"] == 2
+    card = student_path(pruned, "final", "README.md").read_text()
+    assert f"{prune['intermediate_size']} of {teacher['intermediate_size']} MLP channels, 1 of 2 key/value heads" \
+        in card
+    architecture = {"hidden_size": teacher["hidden_size"], "num_hidden_layers": teacher["num_hidden_layers"],
+                    "num_attention_heads": saved["num_attention_heads"], "num_key_value_heads": 1,
+                    "intermediate_size": saved["intermediate_size"]}
+    random = fresh_run(student__steps=2, student__name="random", student__architecture=architecture)
+    assert summary["eval_before"]["kl"] < train(open_run_root(random), training_settings(random))["eval_before"]["kl"]
+    again = fresh_run(student__steps=3, student__name="narrow", student__prune=prune)
+    assert train(open_run_root(again), training_settings(again))["start_step"] == 2

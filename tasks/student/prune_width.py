@@ -124,7 +124,8 @@ def width_importance(model: nn.Module, input_ids: Tensor) -> tuple[list[Tensor],
 
     def experts_hook(index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden, routed = (list(args) + [kwargs.get("hidden_states"), kwargs.get("top_k_index")])[:2]
+            hidden = args[0] if args else kwargs["hidden_states"]  # (tokens, H)
+            routed = args[1] if len(args) > 1 else kwargs["top_k_index"]  # (tokens, top_k): the experts chosen
             sums, counts = routed_activation(module, hidden, routed)
             channel_sums[index] = channel_sums[index] + sums
             channel_counts[index] = channel_counts[index] + counts
