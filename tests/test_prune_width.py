@@ -142,7 +142,7 @@ def test_bad_widths_are_one_line_errors() -> None:
         check_width(llama, None, 1)
 
 
-def test_an_unknown_mlp_is_a_one_line_error() -> None:
+def test_an_unknown_mlp_or_attention_is_a_one_line_error() -> None:
     import transformers
 
     config = transformers.Phi3Config(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -150,6 +150,9 @@ def test_an_unknown_mlp_is_a_one_line_error() -> None:
     phi = transformers.AutoModelForCausalLM.from_config(config)  # gate and up fused in one Linear
     with pytest.raises(ValueError, match=r"^width pruning narrows MLPs .* not Phi3MLP$"):
         check_width(phi, 8, None)
+    with pytest.raises(ValueError, match=r"^width pruning narrows attention with q_proj/k_proj/v_proj/o_proj, not "
+                                         r"Phi3Attention$"):  # q, k and v fused in one Linear
+        check_width(phi, None, 1)
 
 
 def test_widths_count_in_the_resume_fingerprint_only_when_set() -> None:

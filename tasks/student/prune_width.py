@@ -65,21 +65,29 @@ def mlp_width(layer: nn.Module) -> int:
     return mlp.down_proj.in_features if kind == "dense" else mlp.down_proj.shape[2]
 
 
-def attention_shape(model: nn.Module) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head_dim) of the model's attention, checked against its first block."""
-    config = model.config
+def head_counts(config: object) -> tuple[int, int]:
+    """(query heads, key/value heads) as the config says (no num_key_value_heads: one per query head)."""
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attention = getattr(decoder_layers(model)[0], "self_attn", None)
-    if not all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj",
-                                                                                    "o_proj")):
-        raise ValueError(f"width pruning narrows attention with q_proj/k_proj/v_proj/o_proj, not "
-                         f"{type(attention).__name__}")
-    head_dim = getattr(attention, "head_dim", None) or attention.q_proj.out_features // heads
-    if attention.q_proj.out_features != heads * head_dim or attention.k_proj.out_features != kv_heads * head_dim:
-        raise ValueError(f"{type(attention).__name__}: q_proj/k_proj widths do not match {heads} query heads, "
-                         f"{kv_heads} key/value heads of {head_dim}")
-    return heads, kv_heads, head_dim
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim) of the model's attention, checked against every block."""
+    heads, kv_heads = head_counts(model.config)
+    shapes = set()
+    for attention in (getattr(layer, "self_attn", None) for layer in decoder_layers(model)):
+        if not all(isinstance(getattr(attention, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj",
+                                                                                        "o_proj")):
+            raise ValueError(f"width pruning narrows attention with q_proj/k_proj/v_proj/o_proj, not "
+                             f"{type(attention).__name__}")
+        head_dim = getattr(attention, "head_dim", None) or attention.q_proj.out_features // heads
+        if attention.q_proj.out_features != heads * head_dim or attention.k_proj.out_features != kv_heads * head_dim:
+            raise ValueError(f"{type(attention).__name__}: q_proj/k_proj widths do not match {heads} query heads, "
+                             f"{kv_heads} key/value heads of {head_dim}")
+        shapes.add(head_dim)
+    if len(shapes) > 1:
+        raise ValueError(f"width pruning needs one head_dim in every block, not {sorted(shapes)}")
+    return heads, kv_heads, shapes.pop()
 
 
 def check_width(model: nn.Module, intermediate_size: int | None, key_value_heads: int | None) -> None:
@@ -105,15 +113,17 @@ def check_width(model: nn.Module, intermediate_size: int | None, key_value_heads
 
 
 @torch.no_grad()
-def width_importance(model: nn.Module, input_ids: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+def width_importance(model: nn.Module, input_ids: Tensor, *, channels: bool = True,
+                     groups: bool = True) -> tuple[list[Tensor], list[Tensor]]:
     """Per block: the MLP channels' importance, (I,) for a dense MLP or (E, I) for experts, and the key/value
-    groups' importance (KV,), from one forward over input_ids (n, T). Higher: the part matters more."""
+    groups' importance (KV,), from one forward over input_ids (n, T); a part not asked for gives an empty list.
+    Higher: the part matters more."""
     layers = decoder_layers(model)
-    heads, kv_heads, head_dim = attention_shape(model)
+    heads, kv_heads, head_dim = attention_shape(model) if groups else (*head_counts(model.config), 0)
     channel_sums: list[Tensor | float] = [0.0] * len(layers)
     channel_counts: list[Tensor | float] = [0.0] * len(layers)  # tokens seen (per expert: those routed to it)
     head_sums: list[Tensor | float] = [0.0] * len(layers)
-    head_counts = [0] * len(layers)
+    tokens_seen = [0] * len(layers)
 
     def dense_hook(index: int):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -135,26 +145,27 @@ def width_importance(model: nn.Module, input_ids: Tensor) -> tuple[list[Tensor],
         def hook(module: nn.Module, args: tuple) -> None:
             outputs = args[0].float().reshape(-1, heads, head_dim)  # (tokens, heads, head_dim): o_proj's input
             head_sums[index] = head_sums[index] + outputs.norm(dim=-1).sum(0)
-            head_counts[index] += outputs.shape[0]
+            tokens_seen[index] += outputs.shape[0]
         return hook
 
     hooks = []
     for index, layer in enumerate(layers):
-        kind, mlp = block_mlp(layer)
+        kind, mlp = block_mlp(layer) if channels else ("", None)
         if kind == "dense":
             hooks.append(mlp.down_proj.register_forward_pre_hook(dense_hook(index)))
-        else:
+        elif kind == "experts":
             hooks.append(mlp.register_forward_pre_hook(experts_hook(index), with_kwargs=True))
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(head_hook(index)))
+        if groups:
+            hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(head_hook(index)))
     try:
         model(input_ids=input_ids, use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
     channel_scores = [torch.as_tensor(total) / torch.as_tensor(count).clamp_min(1)
-                      for total, count in zip(channel_sums, channel_counts)]
+                      for total, count in zip(channel_sums, channel_counts)] if channels else []
     group_scores = [(torch.as_tensor(total) / max(count, 1)).reshape(kv_heads, heads // kv_heads).mean(-1)
-                    for total, count in zip(head_sums, head_counts)]
+                    for total, count in zip(head_sums, tokens_seen)] if groups else []
     return channel_scores, group_scores
 
 
@@ -200,7 +211,7 @@ def narrow(model: nn.Module, plan: WidthPlan) -> nn.Module:
     """A new model of the same kind holding `model`'s weights with only the plan's channels and heads."""
     from transformers import AutoModelForCausalLM
 
-    heads, kv_heads, head_dim = attention_shape(model)
+    heads, kv_heads, head_dim = attention_shape(model) if plan.groups is not None else (*head_counts(model.config), 0)
     per_group = heads // kv_heads
     dtype = next(model.parameters()).dtype
     student = AutoModelForCausalLM.from_config(narrowed_config(model, plan, head_dim), dtype=dtype)
@@ -263,8 +274,9 @@ def width_pruned(model: nn.Module, input_ids: Tensor, intermediate_size: int | N
     block, each block keeping its most important ones on `input_ids` (n, T); None leaves that part whole."""
     check_width(model, intermediate_size, key_value_heads)
     layers = decoder_layers(model)
-    heads, kv_heads, _ = attention_shape(model)
-    channel_scores, group_scores = width_importance(model, input_ids)
+    heads, kv_heads = head_counts(model.config)
+    channel_scores, group_scores = width_importance(model, input_ids, channels=intermediate_size is not None,
+                                                    groups=key_value_heads is not None)
     channels = groups = None
     if intermediate_size is not None:
         channels = tuple(tuple(top_in_order(row, intermediate_size) for row in scores.reshape(-1, scores.shape[-1]))
