@@ -13,7 +13,7 @@ from torch import nn
 
 from kdflow.schemas.config import StudentConfig
 from kdflow.schemas.fingerprints import student_resume_fields
-from kdflow.tasks.student.prune import prune_teacher, pruning_summary, width_entry
+from kdflow.tasks.student.prune import prune_teacher, width_entry, width_summary
 from kdflow.tasks.student.prune_width import WidthPlan, check_width, width_importance, width_pruned
 
 pytestmark = pytest.mark.unit
@@ -166,9 +166,11 @@ def test_the_card_line_says_what_was_kept() -> None:
     _, plan = width_pruned(tiny("llama"), calibration(7), 16, 1)
     entry = {"kept": [0, 2], "teacher_layers": 5, "importance": "cosine"} | width_entry(plan)
     assert entry["intermediate_size"] == 16 and entry["teacher_intermediate_size"] == [64]
-    assert pruning_summary(entry) == ("the teacher pruned: 2 of its 5 blocks (0, 2; importance cosine), 16 of 64 MLP "
-                                      "channels, 1 of 2 key/value heads (2 of 4 query heads)")
-    assert pruning_summary(entry | {"teacher_intermediate_size": [16, 64]}).count("16 of 16/64 MLP channels") == 1
+    assert width_summary(entry) == "16 of 64 MLP channels, 1 of 2 key/value heads (2 of 4 query heads)"
+    assert width_summary(entry | {"teacher_intermediate_size": [16, 64]}).startswith("16 of 16/64 MLP channels, ")
+    _, heads_only = width_pruned(tiny("qwen3_moe"), calibration(7), None, 1)
+    assert width_summary(width_entry(heads_only)) == "1 of 2 key/value heads (2 of 4 query heads)"
+    assert width_summary({"kept": [0], "teacher_layers": 5, "importance": "cosine"}) is None
 
 
 def test_training_a_student_pruned_in_depth_and_width(fresh_run, sharp_teacher_dir) -> None:
@@ -193,8 +195,8 @@ def test_training_a_student_pruned_in_depth_and_width(fresh_run, sharp_teacher_d
     entry = saved["kdflow_prune"]
     assert entry["intermediate_size"] == prune["intermediate_size"] and entry["teacher_key_value_heads"] == 2
     card = student_path(pruned, "final", "README.md").read_text()
-    assert f"{prune['intermediate_size']} of {teacher['intermediate_size']} MLP channels, 1 of 2 key/value heads" \
-        in card
+    assert f"| student width | each block keeps {prune['intermediate_size']} of {teacher['intermediate_size']} MLP " \
+        "channels, 1 of 2 key/value heads" in card
     architecture = {"hidden_size": teacher["hidden_size"], "num_hidden_layers": teacher["num_hidden_layers"],
                     "num_attention_heads": saved["num_attention_heads"], "num_key_value_heads": 1,
                     "intermediate_size": saved["intermediate_size"]}

@@ -29,7 +29,7 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.common.model_files import hub_id, shown_name
 from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
-from kdflow.tasks.student.prune import pruning_summary
+from kdflow.tasks.student.prune import width_summary
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
@@ -54,8 +54,8 @@ def hardware(device: torch.device, world_size: int) -> str:
 def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, step: int, elapsed_s: float,
                tokens_per_step: int, evals: list[dict[str, Any]], device: torch.device, world_size: int,
                parameters: int, curve: bool, pruned: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores; `pruned`: the
-    student config's `kdflow_prune` entry, when it was made from the teacher)."""
+    """What the card says about this run (`stores`: kdflow.tasks.student.data.DistillStores; `pruned`: what a
+    student made by `student.prune` kept of the teacher, its config's `kdflow_prune`)."""
     info = read_store_info(run_root, stores.topk_store)
     positions = sum(pair.rows for pair in stores.pairs) * stores.seq_len
     stored = sum(pair.topk_bytes for pair in stores.pairs)
@@ -74,7 +74,7 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "teacher_gguf": None if imported else teacher.gguf_file, "teacher_4bit": not imported and teacher.load_in_4bit,
         "dataset": shown_name(dataset.path), "dataset_name": dataset.name, "dataset_split": dataset.split,
         "init_from": shown_name(student.init_from) if student.init_from else None, "seq_len": stores.seq_len,
-        "pruned": pruning_summary(pruned),
+        "pruned": pruned_line(pruned),
         "store": f"topk/{info.tag if info is not None else posixpath.basename(stores.topk_store.rstrip('/'))}",
         "targets": stores.targets, "kept": kept,
         "format": format_label(info.store_format()) if info is not None else "v1 (no _store.json)",
@@ -83,7 +83,17 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "parameters": parameters, "hardware": hardware(device, world_size), "training_s": elapsed_s,
         "evals": [evals[0], evals[-1]] if len(evals) > 1 else list(evals), "curve": curve,
         "kl_full_note": full_kl_off_reason(info, shown_name(teacher.model), student.imported_is_teacher_model),
+        "pruned_width": width_summary(pruned),  # its blocks narrowed too (student.prune.intermediate_size, ...)
     }
+
+
+def pruned_line(pruned: dict[str, Any] | None) -> str | None:
+    """What a pruned student kept, in words: "blocks 0, 1, 8 of 30 (importance cosine)"."""
+    if not pruned:
+        return None
+    line = (f"blocks {', '.join(map(str, pruned['kept']))} of {pruned['teacher_layers']} "
+            f"(importance {pruned['importance']})")
+    return line
 
 
 def _front_matter(facts: dict[str, Any]) -> str:
@@ -136,8 +146,8 @@ def render_card(facts: dict[str, Any]) -> str:
     per_position = facts.get("bytes_per_position")
     rows = [("teacher", teacher), ("corpus", corpus),
             ("student", f"{facts['parameters']:,} parameters, initialised from "
-                        + (f"`{facts['init_from']}`" if facts.get("init_from")
-                           else facts.get("pruned") or "random weights")),
+                        + (f"`{facts['init_from']}`" if facts.get("init_from") else
+                           f"the teacher: {facts['pruned']}" if facts.get("pruned") else "random weights")),
             ("teacher targets", f"{facts['targets']}: {facts['kept']} per position"),
             ("store", f"`{facts['store']}`, format {facts['format']}"),
             ("bytes per position", f"{per_position:.1f} over {facts['store_positions']:,} positions"
@@ -147,6 +157,8 @@ def render_card(facts: dict[str, Any]) -> str:
             ("tokens", f"{facts['tokens']:,}"),
             ("hardware", facts["hardware"]),
             ("training time", f"{facts['training_s']:.0f} s")]
+    if facts.get("pruned_width"):  # under the student's row
+        rows.insert(3, ("student width", f"each block keeps {facts['pruned_width']}"))
     lines = [_front_matter(facts).rstrip("\n"), "", f"# {facts['name']}", "",
              f"A student distilled offline with kdflow from the teacher {teacher}: trained "
              "against the teacher's log-probabilities, computed once over the corpus and stored.", "",

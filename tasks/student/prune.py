@@ -18,7 +18,7 @@ MoE's `mlp_only_layers`) follow the kept blocks. Any decoder transformers builds
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -142,29 +142,27 @@ def pruned_student(teacher_section: object, layers: int, importance: str, calibr
     narrowed = intermediate_size is not None or key_value_heads is not None
     if narrowed:  # before anything is measured: a width the teacher cannot give is a config error
         check_width(teacher, intermediate_size, key_value_heads)
-    calibration_ids = calibration_ids.to("cpu")
-    scores = block_importance(teacher, calibration_ids, importance)
+    scores = block_importance(teacher, calibration_ids.to("cpu"), importance)
     kept = choose_blocks(scores, layers)
     student = prune_teacher(teacher, kept)
-    del teacher
-    width = None
-    if narrowed:
-        student, width = width_pruned(student, calibration_ids, intermediate_size, key_value_heads)
     vocab = len(tokenizer)
     if student.get_output_embeddings().weight.shape[0] < vocab:
         raise ValueError(f"the teacher's vocabulary is smaller than the tokenizer's {vocab}")
     plan = PrunePlan(kept=kept, scores=tuple(round(score, 6) for score in scores), importance=importance,
-                     teacher_layers=len(scores), width=width)
+                     teacher_layers=len(scores))
     student.config.kdflow_prune = {"teacher": teacher_section.model, "kept": list(plan.kept),
                                    "teacher_layers": plan.teacher_layers, "importance": importance,
-                                   "scores": list(plan.scores)} | width_entry(width)
+                                   "scores": list(plan.scores)}
+    del teacher
+    if narrowed:  # the kept blocks narrowed on the same rows (the new model's config carries kdflow_prune over)
+        student, width = width_pruned(student, calibration_ids.to("cpu"), intermediate_size, key_value_heads)
+        plan = replace(plan, width=width)
+        student.config.kdflow_prune = student.config.kdflow_prune | width_entry(width)
     return student, plan
 
 
-def width_entry(width: WidthPlan | None) -> dict[str, object]:
-    """The widths a narrowed student kept and its teacher had, for `kdflow_prune` (empty: not narrowed)."""
-    if width is None:
-        return {}
+def width_entry(width: WidthPlan) -> dict[str, object]:
+    """The widths a narrowed student kept and its teacher had, for `kdflow_prune`."""
     entry: dict[str, object] = {}
     if width.intermediate_size is not None:
         entry |= {"intermediate_size": width.intermediate_size,
@@ -175,16 +173,13 @@ def width_entry(width: WidthPlan | None) -> dict[str, object]:
     return entry
 
 
-def pruning_summary(entry: dict[str, object] | None) -> str | None:
-    """One line for the card from a student's `kdflow_prune` entry: which blocks, channels and heads it kept."""
-    if not entry:
-        return None
-    line = (f"the teacher pruned: {len(entry['kept'])} of its {entry['teacher_layers']} blocks "
-            f"({', '.join(str(index) for index in entry['kept'])}; importance {entry['importance']})")
-    if "intermediate_size" in entry:
+def width_summary(entry: dict[str, object] | None) -> str | None:
+    """The widths a narrowed student's blocks kept, in words, from its `kdflow_prune` entry (None: not narrowed)."""
+    parts = []
+    if entry and "intermediate_size" in entry:
         widths = "/".join(str(width) for width in entry["teacher_intermediate_size"])
-        line += f", {entry['intermediate_size']} of {widths} MLP channels"
-    if "key_value_heads" in entry:
-        line += (f", {entry['key_value_heads']} of {entry['teacher_key_value_heads']} key/value heads "
-                 f"({entry['attention_heads']} of {entry['teacher_attention_heads']} query heads)")
-    return line
+        parts.append(f"{entry['intermediate_size']} of {widths} MLP channels")
+    if entry and "key_value_heads" in entry:
+        parts.append(f"{entry['key_value_heads']} of {entry['teacher_key_value_heads']} key/value heads "
+                     f"({entry['attention_heads']} of {entry['teacher_attention_heads']} query heads)")
+    return ", ".join(parts) or None

@@ -44,7 +44,7 @@ from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_i
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
-from kdflow.tasks.student.prune import pruned_student, pruning_summary
+from kdflow.tasks.student.prune import pruned_student, width_summary
 from kdflow.tasks.student.steps import (DistillLoss, autocast_for, build_optimizer, check_layout, evaluate,
                                         optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
@@ -89,6 +89,7 @@ class StudentRun:
             self.model = self.pruned_from_teacher().to(self.device)
         else:  # seeded: every rank builds the same weights
             self.model = build_student(student, settings.seq_len, self.tokenizer).to(self.device)
+        self.pruned = getattr(self.model.config, "kdflow_prune", None)  # what a pruned student kept (its card says)
         if self.is_main:  # beside the student: a config it trains and resumes with (not one refused above)
             self.write_config()
         apply_student_options(self.model, student, self.device)  # attention, gradient checkpointing, compile
@@ -200,19 +201,21 @@ class StudentRun:
                            elapsed_s=self.state.elapsed_s, tokens_per_step=self.tokens_per_step,
                            evals=self.evals.records, device=self.device, world_size=self.world_size,
                            parameters=sum(p.numel() for p in self.model.parameters()), curve=matplotlib_installed(),
-                           pruned=getattr(self.model.config, "kdflow_prune", None))
+                           pruned=self.pruned)
         return card_files(facts, self.metrics.records, self.evals.records)
 
     def pruned_from_teacher(self) -> torch.nn.Module:
         prune = self.student.prune
         rows = self.data.global_batch(0, prune.calibration_rows)  # the first training rows, the same on every rank
         calibration = self.data.train_batch(rows).input_ids
-        model, _ = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
+        model, plan = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
                                      self.tokenizer, intermediate_size=prune.intermediate_size,
                                      key_value_heads=prune.key_value_heads)
         check_student(model, self.tokenizer)
-        logger.info("student made from %s, measured on %d rows", pruning_summary(model.config.kdflow_prune),
-                    len(rows))
+        logger.info("student pruned from the teacher: blocks %s of %d kept (importance %s on %d rows)",
+                    list(plan.kept), plan.teacher_layers, plan.importance, len(rows))
+        if plan.width is not None:
+            logger.info("and narrowed: each block keeps %s", width_summary(model.config.kdflow_prune))
         return model
 
     def write_config(self) -> None:
