@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from support.pruning import cut_reference, tiny
+from support.pruning import SHAPES, cut_reference, tiny
 from torch import nn
 
 from kdflow.schemas.config import StudentConfig
@@ -81,6 +81,24 @@ def test_a_narrowed_student_computes_what_the_teacher_computes_with_the_rest_zer
     got = logits(student, input_ids)
     torch.testing.assert_close(got, logits(zeroed_reference(teacher, plan), input_ids), rtol=1e-5, atol=1e-5)
     assert (got - logits(teacher, input_ids)).abs().max() > 1e-3  # something was dropped
+
+
+def test_biases_are_narrowed_with_their_weights() -> None:
+    import transformers
+
+    torch.manual_seed(1)  # q/k/v/o and gate/up/down with biases (as Qwen2's attention has)
+    teacher = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**SHAPES, attention_bias=True, mlp_bias=True)).eval()
+    with torch.no_grad():
+        for name, parameter in teacher.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_()  # (they start at zero)
+    student, plan = width_pruned(teacher, calibration(8), 7, 1)
+    block = student.model.layers[0]
+    assert block.self_attn.k_proj.bias.shape == (8,) and block.mlp.up_proj.bias.shape == (7,)
+    input_ids = calibration(9)
+    torch.testing.assert_close(logits(student, input_ids), logits(zeroed_reference(teacher, plan), input_ids),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
