@@ -231,7 +231,8 @@ class DistributedConfig(_Section):
 
 
 class PruneConfig(_Section):
-    """A student made from the teacher: its embedding, final norm, head and the `layers` most important blocks."""
+    """A student made from the teacher: its embedding, final norm, head and the `layers` most important blocks, and
+    optionally fewer MLP channels and attention heads in each (kdflow.tasks.student.prune_width)."""
 
     layers: PositiveInt = Field(description="Teacher blocks the student keeps (the most important, in their order)")
     importance: Literal["cosine", "skip_loss"] = Field(
@@ -240,6 +241,10 @@ class PruneConfig(_Section):
                                       "without it; one forward per block)")
     calibration_rows: PositiveInt = Field(default=16, description="Training rows of the token store the importance "
                                                                    "is measured on")
+    intermediate_size: PositiveInt | None = Field(None, description="MLP channels each kept block (each expert) "
+                                                                    "keeps, the most active ones; empty: all")
+    key_value_heads: PositiveInt | None = Field(None, description="Key/value heads each kept block keeps (with their "
+                                                                  "query heads), the most active ones; empty: all")
 
 
 class StudentConfig(_Section):

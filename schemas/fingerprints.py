@@ -68,11 +68,16 @@ RESUME_FIELDS: dict[str, Any] = {"init_from": True, "prune": True, "architecture
 
 def student_resume_fields(student: Any) -> dict[str, Any]:
     """The student's part of a checkpoint's fingerprint (with the top-K and token stores' fingerprints).
-    `kd.untargeted_ce_weight` (the loss on masked stores) and `prune` count only when set, so that checkpoints made
-    before those keys existed keep their fingerprint and resume."""
+    `kd.untargeted_ce_weight` (the loss on masked stores), `prune` and its width keys (`prune.intermediate_size`,
+    `prune.key_value_heads`) count only when set, so that checkpoints made before those keys existed keep their
+    fingerprint and resume."""
     fields = student.model_dump(mode="json", include=RESUME_FIELDS)
     if fields.get("prune") is None:  # checkpoints from before `student.prune` keep resuming
         fields.pop("prune", None)
+    else:  # nor do its width keys change the fingerprint of a student pruned in depth only
+        for key in ("intermediate_size", "key_value_heads"):
+            if fields["prune"].get(key) is None:
+                fields["prune"].pop(key, None)
     if student.kd.untargeted_ce_weight != 0.0:
         fields["kd"]["untargeted_ce_weight"] = student.kd.untargeted_ce_weight
     return fields

@@ -153,6 +153,23 @@ def model_body(model: nn.Module) -> nn.Module:
     return body
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of blocks (`model.layers`), which pruning chooses from and narrows."""
+    layers = getattr(model_body(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no `model.layers` list of blocks to choose from")
+    return layers
+
+
+def layers_prefix(model: nn.Module) -> str:
+    """How the model's state dict names its blocks, `model.layers.` for most: block N's weights start with it + N."""
+    layers = decoder_layers(model)
+    for name, module in model.named_modules():
+        if module is layers:
+            return f"{name}."
+    raise ValueError(f"{type(model).__name__}: cannot find the name of its block list")
+
+
 @torch.inference_mode()
 def body_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """input_ids (B, T) -> final hidden states (B, T, H) from the model body, never the logits."""

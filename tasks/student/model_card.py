@@ -29,6 +29,7 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.common.model_files import hub_id, shown_name
 from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
+from kdflow.tasks.student.prune import width_summary
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
@@ -82,6 +83,7 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "parameters": parameters, "hardware": hardware(device, world_size), "training_s": elapsed_s,
         "evals": [evals[0], evals[-1]] if len(evals) > 1 else list(evals), "curve": curve,
         "kl_full_note": full_kl_off_reason(info, shown_name(teacher.model), student.imported_is_teacher_model),
+        "pruned_width": width_summary(pruned),  # its blocks narrowed too (student.prune.intermediate_size, ...)
     }
 
 
@@ -155,6 +157,8 @@ def render_card(facts: dict[str, Any]) -> str:
             ("tokens", f"{facts['tokens']:,}"),
             ("hardware", facts["hardware"]),
             ("training time", f"{facts['training_s']:.0f} s")]
+    if facts.get("pruned_width"):  # under the student's row
+        rows.insert(3, ("student width", f"each block keeps {facts['pruned_width']}"))
     lines = [_front_matter(facts).rstrip("\n"), "", f"# {facts['name']}", "",
              f"A student distilled offline with kdflow from the teacher {teacher}: trained "
              "against the teacher's log-probabilities, computed once over the corpus and stored.", "",

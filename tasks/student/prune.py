@@ -18,13 +18,14 @@ MoE's `mlp_only_layers`) follow the kept blocks. Any decoder transformers builds
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from kdflow.tasks.common.model_files import shown_name
-from kdflow.tasks.common.models import model_body
+from kdflow.tasks.common.models import decoder_layers, layers_prefix, model_body
+from kdflow.tasks.student.prune_width import WidthPlan, check_width, width_pruned
 
 IMPORTANCE = ("cosine", "skip_loss")
 
@@ -37,13 +38,7 @@ class PrunePlan:
     scores: tuple[float, ...]  # every teacher block's importance (higher: more important)
     importance: str
     teacher_layers: int
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model_body(model), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `model.layers` list of blocks to choose from")
-    return layers
+    width: WidthPlan | None = None  # the kept blocks' channels and heads, when they were narrowed too
 
 
 @torch.no_grad()
@@ -120,7 +115,7 @@ def prune_teacher(teacher: nn.Module, kept: tuple[int, ...], dtype: torch.dtype 
     config = pruned_config(teacher.config, kept)
     student = AutoModelForCausalLM.from_config(config, dtype=dtype)
     renumber = {old: new for new, old in enumerate(kept)}
-    prefix = _layers_prefix(teacher)
+    prefix = layers_prefix(teacher)
     state = {}
     for name, tensor in teacher.state_dict().items():
         if name.startswith(prefix):
@@ -133,24 +128,21 @@ def prune_teacher(teacher: nn.Module, kept: tuple[int, ...], dtype: torch.dtype 
     return student.eval()
 
 
-def _layers_prefix(model: nn.Module) -> str:
-    layers = decoder_layers(model)
-    for name, module in model.named_modules():
-        if module is layers:
-            return f"{name}."
-    raise ValueError(f"{type(model).__name__}: cannot find the name of its block list")
-
-
 def pruned_student(teacher_section: object, layers: int, importance: str, calibration_ids: Tensor,
-                   tokenizer: object) -> tuple[nn.Module, PrunePlan]:
+                   tokenizer: object, *, intermediate_size: int | None = None,
+                   key_value_heads: int | None = None) -> tuple[nn.Module, PrunePlan]:
     """`student.prune`: the teacher (loaded unquantised on the CPU: 4-bit weights cannot be copied into a float32
-    student) scored on `calibration_ids` (n, T), cut to its `layers` most important blocks, as a float32 student.
-    What was kept goes into the student's config (`kdflow_prune`), so that it is saved with the model and its card
-    can say it."""
+    student) scored on `calibration_ids` (n, T), cut to its `layers` most important blocks, as a float32 student,
+    and, when `intermediate_size` or `key_value_heads` is set, narrowed by kdflow.tasks.student.prune_width on the
+    same rows. What was kept goes into the student's config (`kdflow_prune`), so that it is saved with the model
+    and its card can say it."""
     from kdflow.tasks.common.teacher_loading import load_teacher
 
     section = teacher_section.model_copy(update={"load_in_4bit": False, "device": "cpu"})
     teacher = load_teacher(section, device="cpu")
+    narrowed = intermediate_size is not None or key_value_heads is not None
+    if narrowed:  # before anything is measured: a width the teacher cannot give is a config error
+        check_width(teacher, intermediate_size, key_value_heads)
     scores = block_importance(teacher, calibration_ids.to("cpu"), importance)
     kept = choose_blocks(scores, layers)
     student = prune_teacher(teacher, kept)
@@ -163,4 +155,32 @@ def pruned_student(teacher_section: object, layers: int, importance: str, calibr
                                    "teacher_layers": plan.teacher_layers, "importance": importance,
                                    "scores": list(plan.scores)}
     del teacher
+    if narrowed:  # the kept blocks narrowed on the same rows (the new model's config carries kdflow_prune over)
+        student, width = width_pruned(student, calibration_ids.to("cpu"), intermediate_size, key_value_heads)
+        plan = replace(plan, width=width)
+        student.config.kdflow_prune = student.config.kdflow_prune | width_entry(width)
     return student, plan
+
+
+def width_entry(width: WidthPlan) -> dict[str, object]:
+    """The widths a narrowed student kept and its teacher had, for `kdflow_prune`."""
+    entry: dict[str, object] = {}
+    if width.intermediate_size is not None:
+        entry |= {"intermediate_size": width.intermediate_size,
+                  "teacher_intermediate_size": list(width.teacher_intermediate_size)}
+    if width.key_value_heads is not None:
+        entry |= {"key_value_heads": width.key_value_heads, "teacher_key_value_heads": width.teacher_key_value_heads,
+                  "attention_heads": width.attention_heads, "teacher_attention_heads": width.teacher_attention_heads}
+    return entry
+
+
+def width_summary(entry: dict[str, object] | None) -> str | None:
+    """The widths a narrowed student's blocks kept, in words, from its `kdflow_prune` entry (None: not narrowed)."""
+    parts = []
+    if entry and "intermediate_size" in entry:
+        widths = "/".join(str(width) for width in entry["teacher_intermediate_size"])
+        parts.append(f"{entry['intermediate_size']} of {widths} MLP channels")
+    if entry and "key_value_heads" in entry:
+        parts.append(f"{entry['key_value_heads']} of {entry['teacher_key_value_heads']} key/value heads "
+                     f"({entry['attention_heads']} of {entry['teacher_attention_heads']} query heads)")
+    return ", ".join(parts) or None

@@ -44,7 +44,7 @@ from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_i
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
-from kdflow.tasks.student.prune import pruned_student
+from kdflow.tasks.student.prune import pruned_student, width_summary
 from kdflow.tasks.student.steps import (DistillLoss, autocast_for, build_optimizer, check_layout, evaluate,
                                         optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
@@ -211,10 +211,13 @@ class StudentRun:
         rows = epoch_permutation(self.data.train_rows, 0, 0)[:prune.calibration_rows]
         calibration = self.data.train_batch(rows).input_ids
         model, plan = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
-                                     self.tokenizer)
+                                     self.tokenizer, intermediate_size=prune.intermediate_size,
+                                     key_value_heads=prune.key_value_heads)
         check_student(model, self.tokenizer)
         logger.info("student pruned from the teacher: blocks %s of %d kept (importance %s on %d rows)",
                     list(plan.kept), plan.teacher_layers, plan.importance, len(rows))
+        if plan.width is not None:
+            logger.info("and narrowed: each block keeps %s", width_summary(model.config.kdflow_prune))
         return model
 
     def write_config(self) -> None:
