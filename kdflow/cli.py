@@ -205,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.8)
     chat.add_argument("--top-p", type=float, default=0.95)
     chat.add_argument("--top-k", type=int, default=50)
+    chat.add_argument("--repetition-penalty", type=float, default=1.0,
+                      help="divide the scores of tokens already in the text (1: off; 1.3 helps small students)")
     chat.add_argument("--seed", type=int, default=0)
     chat.add_argument("--device", default="auto")
     chat.set_defaults(func=_cmd_chat)

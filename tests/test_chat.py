@@ -270,3 +270,29 @@ def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(student_dir: Path, tm
         assert terminal.wait() == 0, terminal.output()
     reply = json.loads(transcript.read_text().splitlines()[1])
     assert reply["stopped"] is True and 0 < reply["new_tokens"] < 100000 and reply["content"].strip()
+
+
+def test_a_repetition_penalty_divides_the_scores_of_tokens_already_in_the_text(student_dir: Path) -> None:
+    """`--repetition-penalty P` against a greedy loop written here: each step, the scores of ids already in the text
+    are divided by P where positive and multiplied by P where negative, then the largest is taken."""
+    import torch
+
+    from kdflow.cli import main
+    from kdflow.tasks.student.generate import continue_text, load_student
+
+    student = load_student(str(student_dir / "final"), "cpu")
+    tokenizer, model = student.tokenizer, student.model
+    ids = tokenizer(PROMPT)["input_ids"]
+    penalty, new = 1.8, 12
+    with torch.no_grad():
+        for _ in range(new):
+            scores = model(torch.tensor([ids])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids)))
+            scores[seen] = torch.where(scores[seen] > 0, scores[seen] / penalty, scores[seen] * penalty)
+            ids.append(int(scores.argmax()))
+    expected = tokenizer.decode(ids[-new:], skip_special_tokens=True)
+    assert continue_text(student, PROMPT, max_new_tokens=new, greedy=True, repetition_penalty=penalty) == expected
+    assert continue_text(student, PROMPT, max_new_tokens=new, greedy=True) != expected  # it changed the reply
+    with pytest.raises(ValueError, match="repetition penalty must be > 0"):
+        continue_text(student, PROMPT, repetition_penalty=0.0)
+    assert main(["chat", str(student_dir), "--prompt", PROMPT, "--repetition-penalty", "-1"]) == 2

@@ -191,7 +191,8 @@ def chat_main(args: argparse.Namespace) -> int:
     from kdflow.tasks.student.conversation import Conversation
     from kdflow.tasks.student.generate import Decoding, continue_text, load_student, max_positions
 
-    decoding = Decoding(args.max_new_tokens, args.greedy, args.temperature, args.top_p, args.top_k)
+    decoding = Decoding(args.max_new_tokens, args.greedy, args.temperature, args.top_p, args.top_k,
+                        args.repetition_penalty)
     try:
         decoding.check()
     except ValueError as error:
@@ -200,7 +201,8 @@ def chat_main(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         print(continue_text(student, args.prompt, seed=args.seed, system=args.system,
                             max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k), flush=True)
+                            top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty),
+              flush=True)
         return 0
     positions = args.max_positions or max_positions(student)
     if positions is None:

@@ -40,6 +40,7 @@ from kdflow.schemas.config_io import dump_config
 RESOLVED_CONFIG = "demo-config.yaml"
 SUMMARY_FILE = "demo-summary.json"  # per stage, the numbers of the last run that did that stage's work
 SAMPLE_PROMPT = 'The "if" statement is used for'
+SAMPLE_PENALTY = 1.3  # a repetition penalty: without one, small students loop on a word ("syntax syntax syntax")
 
 
 # --- the run ----------------------------------------------------------------------------------------------
@@ -139,14 +140,16 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
         print(f"  {label:<40} {values[0]} {values[1]}")
     print("  (KL in nats/token; the stored top-K KL merges every other id into one bucket, so it understates the "
           "full one;\n   full KL: one teacher pass over the held-out rows, student.eval_full_kl)")
-    print(f"\n  the student continues {SAMPLE_PROMPT!r}:\n    {sample.strip()!r}")
+    print(f"\n  the student continues {SAMPLE_PROMPT!r} (sampled at temperature 0.8, top-p 0.95, repetition "
+          f"penalty {SAMPLE_PENALTY:g}, seed 0):\n    {sample.strip()!r}")
     learnt = ("a student cut from the teacher starts broken (the 'before' column) and heals fast: it keeps the "
               "teacher's words and much of its grammar" if pruned else
               "teach a small random student the docs' word statistics, not yet their sentences")
     print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens {learnt};\n"
           f"   to train it further: kdflow run {shlex.quote(os.path.join(run_root, RESOLVED_CONFIG))} "
           f"--set student.steps={10 * config.student.steps})")
-    print(f"\n  try: kdflow chat {shlex.quote(student_final)} --prompt {shlex.quote(SAMPLE_PROMPT)}")
+    print(f"\n  try: kdflow chat {shlex.quote(student_final)} --prompt {shlex.quote(SAMPLE_PROMPT)} "
+          f"--repetition-penalty {SAMPLE_PENALTY:g}")
     print("=" * 78)
 
 
@@ -191,6 +194,7 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
                        else {"seconds": None, "rate": None})  # (that run was interrupted: no numbers to show)
     Path(root, SUMMARY_FILE).write_text(json.dumps({"config": config_hash, "stages": stages}, indent=1),
                                         encoding="utf-8")
-    sample = generate(os.path.join(student_dir, "final"), SAMPLE_PROMPT, device="cpu")
+    sample = generate(os.path.join(student_dir, "final"), SAMPLE_PROMPT, device="cpu",
+                      repetition_penalty=SAMPLE_PENALTY)
     print_summary(root, config, results, stages, sample, time.perf_counter() - started)
     return 0

@@ -86,13 +86,15 @@ def encode_prompt(tokenizer: Any, prompt: str, system: str | None = None) -> lis
 
 @dataclass(frozen=True)
 class Decoding:
-    """How replies are drawn: greedy, or sampled with temperature, top-p and top-k."""
+    """How replies are drawn: greedy, or sampled with temperature, top-p and top-k; `repetition_penalty` > 1 divides
+    the scores of tokens already in the text (small students otherwise loop on one word)."""
 
     max_new_tokens: int = 64
     greedy: bool = False
     temperature: float = 0.8
     top_p: float = 0.95
     top_k: int = 50
+    repetition_penalty: float = 1.0
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -101,18 +103,22 @@ class Decoding:
             raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature} (use --greedy)")
         if not self.greedy and not (0 < self.top_p <= 1 and self.top_k >= 0):
             raise ValueError(f"top-p must be in (0, 1] and top-k >= 0 (0: off), got {self.top_p} and {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition penalty must be > 0 (1: off), got {self.repetition_penalty}")
 
     def generate_kwargs(self) -> dict[str, Any]:
         self.check()
+        penalty = {"repetition_penalty": self.repetition_penalty} if self.repetition_penalty != 1.0 else {}
         if self.greedy:
-            return {"do_sample": False, "max_new_tokens": self.max_new_tokens}
+            return {"do_sample": False, "max_new_tokens": self.max_new_tokens, **penalty}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "max_new_tokens": self.max_new_tokens}
+                "max_new_tokens": self.max_new_tokens, **penalty}
 
     def describe(self) -> str:
+        penalty = f", repetition penalty {self.repetition_penalty:g}" if self.repetition_penalty != 1.0 else ""
         if self.greedy:
-            return f"greedy, up to {self.max_new_tokens} new tokens"
-        return (f"sampling (temperature {self.temperature}, top-p {self.top_p}, top-k {self.top_k}), "
+            return f"greedy{penalty}, up to {self.max_new_tokens} new tokens"
+        return (f"sampling (temperature {self.temperature}, top-p {self.top_p}, top-k {self.top_k}{penalty}), "
                 f"up to {self.max_new_tokens} new tokens")
 
 
@@ -166,9 +172,9 @@ def reply_to(student: LoadedStudent, input_ids: list[int], decoding: Decoding, *
 
 def continue_text(student: LoadedStudent, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False,
                   temperature: float = 0.8, top_p: float = 0.95, top_k: int = 50, seed: int | None = 0,
-                  system: str | None = None) -> str:
+                  system: str | None = None, repetition_penalty: float = 1.0) -> str:
     """The student's continuation of `prompt` alone (new text only, special tokens removed)."""
-    decoding = Decoding(max_new_tokens, greedy, temperature, top_p, top_k)
+    decoding = Decoding(max_new_tokens, greedy, temperature, top_p, top_k, repetition_penalty)
     decoding.check()
     if seed is not None and not greedy:
         torch.manual_seed(seed)
@@ -176,8 +182,9 @@ def continue_text(student: LoadedStudent, prompt: str, *, max_new_tokens: int = 
 
 
 def generate(student_dir: str, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
-             top_p: float = 0.95, top_k: int = 50, seed: int | None = 0, device: str = "auto") -> str:
+             top_p: float = 0.95, top_k: int = 50, seed: int | None = 0, device: str = "auto",
+             repetition_penalty: float = 1.0) -> str:
     """Load the student in `student_dir` and continue `prompt` once."""
     student = load_student(student_dir, device)
     return continue_text(student, prompt, max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature,
-                         top_p=top_p, top_k=top_k, seed=seed)
+                         top_p=top_p, top_k=top_k, seed=seed, repetition_penalty=repetition_penalty)
