@@ -37,7 +37,7 @@ def test_demo_config_fills_run_time_paths_and_quick_budget(tmp_path: Path) -> No
     assert full.teacher.model == os.path.join(root, demo_assets.TEACHER_DIR) and full.teacher.gguf_file is None
     assert quick.dataset.max_tokens < full.dataset.max_tokens
     assert quick.student.steps < full.student.steps
-    assert quick.teacher == full.teacher
+    assert quick.teacher == full.teacher and quick.student.architecture == full.student.architecture
     assert full.student.prune is not None and full.student.prune.layers == 10  # made from the teacher's blocks
     assert quick.student.prune is None and 5_000_000 < _student_parameters(quick) < 20_000_000  # a small random one
 

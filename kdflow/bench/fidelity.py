@@ -168,7 +168,7 @@ def _base_config(args: argparse.Namespace, root: str, source: str) -> Any:
     data["precompute"] |= {"sequences_per_shard": args.sequences_per_shard, "micro_batch": 8, "report_rows": 0}
     data["student"] |= {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_every": 0,
                         "eval_shards": args.eval_shards, "eval_sequences": 8, "save_every": args.steps,
-                        "keep_checkpoints": 1}
+                        "keep_checkpoints": 1, "prune": None}  # the demo's random student unless --prune-layers
     return config_from_dict(data, source="kdflow bench fidelity")
 
 

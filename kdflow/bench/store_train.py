@@ -52,7 +52,7 @@ def bench_config(root: str, shards: int, **overrides: Any) -> KDFlowConfig:
     data = demo_config(root).model_dump(mode="json")
     settings = {"seq_len": SEQ_LEN, "dataset.max_tokens": shards * ROWS_PER_SHARD * SEQ_LEN, "precompute.top_k": TOP_K,
                 "precompute.micro_batch": 4, "precompute.sequences_per_shard": ROWS_PER_SHARD,
-                "precompute.report_rows": 0} | overrides
+                "precompute.report_rows": 0, "student.prune": None} | overrides  # the demo's random student
     for dotted, value in settings.items():
         set_dotted(data, dotted, value)
     return config_from_dict(data, source="kdflow bench store")
