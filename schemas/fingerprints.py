@@ -75,6 +75,7 @@ def student_resume_fields(student: Any) -> dict[str, Any]:
     if fields.get("prune") is None:  # checkpoints from before `student.prune` keep resuming
         fields.pop("prune", None)
     else:  # nor do its width keys change the fingerprint of a student pruned in depth only
+        fields.pop("architecture")  # unused: the teacher's own shapes (the demo's config keeps one for --quick)
         for key in ("intermediate_size", "key_value_heads"):
             if fields["prune"].get(key) is None:
                 fields["prune"].pop(key, None)

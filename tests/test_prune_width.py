@@ -178,6 +178,9 @@ def test_widths_count_in_the_resume_fingerprint_only_when_set() -> None:
     assert depth_only == {"layers": 3, "importance": "cosine", "calibration_rows": 16}  # as before width pruning
     narrowed = student_resume_fields(StudentConfig(prune={"layers": 3, "key_value_heads": 1}))["prune"]
     assert narrowed == depth_only | {"key_value_heads": 1}
+    other_shape = StudentConfig(prune={"layers": 3}, architecture={"hidden_size": 64, "num_attention_heads": 2,
+                                                                     "num_key_value_heads": 1})
+    assert student_resume_fields(other_shape) == student_resume_fields(StudentConfig(prune={"layers": 3}))  # unused
 
 
 def test_the_card_line_says_what_was_kept() -> None:
