@@ -142,10 +142,9 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
           "full one;\n   full KL: one teacher pass over the held-out rows, student.eval_full_kl)")
     print(f"\n  the student continues {SAMPLE_PROMPT!r} (sampled at temperature 0.8, top-p 0.95, repetition "
           f"penalty {SAMPLE_PENALTY:g}, seed 0):\n    {sample.strip()!r}")
-    learnt = ("a student cut from the teacher starts broken (the 'before' column) and heals fast: it keeps the "
-              "teacher's words and much of its grammar" if pruned else
-              "teach a small random student the docs' word statistics, not yet their sentences")
-    print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens {learnt};\n"
+    learnt = (": a student cut from the teacher starts broken (the 'before' column) and heals fast" if pruned else
+              " teach a small random student the docs' word statistics, not yet their sentences")
+    print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens{learnt};\n"
           f"   to train it further: kdflow run {shlex.quote(os.path.join(run_root, RESOLVED_CONFIG))} "
           f"--set student.steps={10 * config.student.steps})")
     print(f"\n  try: kdflow chat {shlex.quote(student_final)} --prompt {shlex.quote(SAMPLE_PROMPT)} "
