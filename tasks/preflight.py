@@ -146,12 +146,19 @@ def check_distributed(context: Preflight) -> None:
 
 
 def check_student(context: Preflight) -> None:
-    """`student.init_from` is a model folder (or a hub id) whose tokenizer and embedding take the run's token ids."""
+    """`student.init_from` is a model folder (or a hub id) whose tokenizer and embedding take the run's token ids;
+    `student.prune` keeps no more blocks than the teacher has."""
     from kdflow.tasks.common.hub_access import check_hub_model
     from kdflow.tasks.common.model_configs import student_vocab_problem, tokenizer_vocab
     from kdflow.tasks.common.model_files import model_folder_problem, resolve_model_files
 
     config = context.config
+    prune = config.student.prune
+    if prune is not None:
+        shape = context.teacher_shape
+        if shape.layers is not None and prune.layers > shape.layers:
+            raise ConfigError(f"student.prune.layers={prune.layers}: the teacher has {shape.layers} blocks to keep "
+                              f"from (read from {shape.source})")
     init_from = config.student.init_from
     if init_from is None:
         return

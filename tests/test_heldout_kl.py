@@ -160,7 +160,8 @@ def test_demo_summary_commands_paste_into_a_shell_whatever_the_run_root(tmp_path
     demo.print_summary(root, config, results, {}, "sample", 1.0)
     out = capsys.readouterr().out
     chat = shlex.split(out.split("try: ", 1)[1].splitlines()[0])
-    assert chat == ["kdflow", "chat", f"{root}/students/{config.student.name}/final", "--prompt", demo.SAMPLE_PROMPT]
+    assert chat == ["kdflow", "chat", f"{root}/students/{config.student.name}/final", "--prompt", demo.SAMPLE_PROMPT,
+                    "--repetition-penalty", f"{demo.SAMPLE_PENALTY:g}"]
     status = shlex.split(out.split("(kdflow status ", 1)[1].split(";", 1)[0])
     assert status == [root]
     assert f"  top-K store   {root}/topk/x   (K=" in out  # under the run root as given, like the lines around it

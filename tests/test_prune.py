@@ -7,6 +7,7 @@ import pytest
 import torch
 from support.pruning import SHAPES, cut_reference, tiny
 
+from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.student.prune import block_importance, choose_blocks, prune_teacher, pruned_config
 
 pytestmark = pytest.mark.unit
@@ -88,5 +89,9 @@ def test_training_a_student_pruned_from_the_teacher(fresh_run, sharp_teacher_dir
     assert f"initialised from the teacher: blocks {kept} of {teacher_layers}" in card and "random weights" not in card
     hot = fresh_run(student__steps=2, student__name="hot", student__lr=3e-3, student__prune={"layers": 1})
     assert any(w.startswith("student.lr=0.003 with student.prune") for w in run_preflight(hot, ["train"]))
+    too_many = fresh_run(student__name="many", student__prune={"layers": teacher_layers + 1})
+    with pytest.raises(ConfigError, match=rf"^student.prune.layers={teacher_layers + 1}: the teacher has "
+                                          rf"{teacher_layers} blocks to keep from \(read from .*config.json\)$"):
+        run_preflight(too_many, ["train"])
     again = fresh_run(student__steps=3, student__name="pruned", student__prune={"layers": teacher_layers - 1})
     assert train(open_run_root(again), training_settings(again))["start_step"] == 2

@@ -92,4 +92,5 @@ def gguf_summary(metadata: dict[str, Any]) -> dict[str, Any]:
     specials = {name: metadata.get(f"tokenizer.ggml.{key}_token_id")
                 for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
     return {"architecture": arch, "vocab_size": vocab_size, "context_length": metadata.get(f"{arch}.context_length"),
+            "block_count": metadata.get(f"{arch}.block_count"),
             "tokens": tokens if isinstance(tokens, list) else None, "specials": specials}

@@ -21,6 +21,7 @@ from kdflow.tasks.common.model_files import check_teacher_files, resolve_model_f
 
 _VOCAB_KEYS = ("vocab_size", "n_vocab", "padded_vocab_size")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ModelShape:
     vocab_size: int | None
     context_length: int | None
     source: str  # where the numbers were read, for messages
+    layers: int | None = None  # its blocks (what `student.prune` keeps some of)
 
 
 def teacher_limits_problem(vocab: int | None, context: int | None, *, top_k: int, seq_len: int) -> str | None:
@@ -82,7 +84,7 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
     if local is not None and teacher.gguf_file:
         path = os.path.join(local, teacher.gguf_file)
         summary = _gguf(path, "teacher.gguf_file")
-        return ModelShape(summary["vocab_size"], summary["context_length"], path)
+        return ModelShape(summary["vocab_size"], summary["context_length"], path, summary["block_count"])
     path = os.path.join(local, "config.json") if local is not None else _cached_hub_file(teacher.model, "config.json",
                                                                                         teacher.revision)
     if path is None or teacher.gguf_file:
@@ -92,7 +94,7 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
         raise ConfigError(f"teacher.model {teacher.model!r}: its config.json names no model_type: "
                           "not a transformers model")
     text = _text_config(config)
-    return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), path)
+    return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), path, _first(text, _LAYER_KEYS))
 
 
 def tokenizer_vocab(source: str, gguf_file: str | None = None, revision: str | None = None) -> dict[str, int] | None:
