@@ -23,6 +23,7 @@ printed again from what the stores and the last run that did the work recorded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -92,6 +93,13 @@ def _fmt_rate(record: dict[str, Any]) -> str:
     return f"{rate:>10,.0f}" if rate else f"{'-':>10}"
 
 
+def sample_decoding() -> Any:
+    """How the summary's continuation is drawn (sampled, with SAMPLE_PENALTY), and so how it says it was."""
+    from kdflow.tasks.student.generate import Decoding
+
+    return Decoding(repetition_penalty=SAMPLE_PENALTY)
+
+
 def _pruned_from(model_dir: str) -> dict[str, Any] | None:
     """What a student made by `student.prune` kept of the teacher (its saved config's `kdflow_prune`), else None."""
     path = Path(model_dir, "config.json")
@@ -113,9 +121,10 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
     print(f"  text          {config.dataset.path}   (Python's documentation topics)")
     print(f"  top-K store   {os.path.join(run_root, 'topk', results['precompute']['tag'])}   "
           f"(K={config.precompute.top_k})")
+    from kdflow.tasks.student.prune import pruned_line
+
     pruned = _pruned_from(student_final)
-    made = (f"the teacher's blocks {', '.join(map(str, pruned['kept']))} of {pruned['teacher_layers']}, then distilled"
-            if pruned else "a small random Llama, distilled")
+    made = f"the teacher's {pruned_line(pruned)}, then distilled" if pruned else "a small random Llama, distilled"
     print(f"  student       {student_final}   ({made})")
     print(f"\n  {'stage':<12} {'this run':<9} {'holds':<34} {'tokens':>9} {'seconds':>8} {'tokens/s':>10}")
     for name, record in stages.items():
@@ -140,8 +149,8 @@ def print_summary(run_root: str, config: KDFlowConfig, results: dict[str, Any], 
         print(f"  {label:<40} {values[0]} {values[1]}")
     print("  (KL in nats/token; the stored top-K KL merges every other id into one bucket, so it understates the "
           "full one;\n   full KL: one teacher pass over the held-out rows, student.eval_full_kl)")
-    print(f"\n  the student continues {SAMPLE_PROMPT!r} (sampled at temperature 0.8, top-p 0.95, repetition "
-          f"penalty {SAMPLE_PENALTY:g}, seed 0):\n    {sample.strip()!r}")
+    print(f"\n  the student continues {SAMPLE_PROMPT!r} ({sample_decoding().describe()}, seed 0):\n"
+          f"    {sample.strip()!r}")
     learnt = (": a student cut from the teacher starts broken (the 'before' column) and heals fast" if pruned else
               " teach a small random student the docs' word statistics, not yet their sentences")
     print(f"  ({train['steps']} steps over {train['train_rows'] * config.seq_len:,} training tokens{learnt};\n"
@@ -193,7 +202,7 @@ def run_demo(run_root: str = "runs/demo", quick: bool = False) -> int:
                        else {"seconds": None, "rate": None})  # (that run was interrupted: no numbers to show)
     Path(root, SUMMARY_FILE).write_text(json.dumps({"config": config_hash, "stages": stages}, indent=1),
                                         encoding="utf-8")
-    sample = generate(os.path.join(student_dir, "final"), SAMPLE_PROMPT, device="cpu",
-                      repetition_penalty=SAMPLE_PENALTY)
+    sample = generate(os.path.join(student_dir, "final"), SAMPLE_PROMPT, device="cpu", seed=0,
+                      **dataclasses.asdict(sample_decoding()))
     print_summary(root, config, results, stages, sample, time.perf_counter() - started)
     return 0

@@ -29,7 +29,7 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.common.model_files import hub_id, shown_name
 from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
-from kdflow.tasks.student.prune import width_summary
+from kdflow.tasks.student.prune import pruned_line, width_summary
 
 CARD_FILE = "README.md"
 # Held-out values with a name of their own (eval.jsonl may hold more: they are shown by their key).
@@ -85,15 +85,6 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "kl_full_note": full_kl_off_reason(info, shown_name(teacher.model), student.imported_is_teacher_model),
         "pruned_width": width_summary(pruned),  # its blocks narrowed too (student.prune.intermediate_size, ...)
     }
-
-
-def pruned_line(pruned: dict[str, Any] | None) -> str | None:
-    """What a pruned student kept, in words: "blocks 0, 1, 8 of 30 (importance cosine)"."""
-    if not pruned:
-        return None
-    line = (f"blocks {', '.join(map(str, pruned['kept']))} of {pruned['teacher_layers']} "
-            f"(importance {pruned['importance']})")
-    return line
 
 
 def _front_matter(facts: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from kdflow.tasks.common.model_files import shown_name
 from kdflow.tasks.common.models import decoder_layers, layers_prefix, model_body
-from kdflow.tasks.student.prune_width import WidthPlan, check_width, width_pruned
+from kdflow.tasks.student.prune_width import WidthPlan, check_width, top_in_order, width_pruned
 
 IMPORTANCE = ("cosine", "skip_loss")
 
@@ -84,8 +84,7 @@ def choose_blocks(scores: list[float], layers: int) -> tuple[int, ...]:
     """The `layers` highest-scoring blocks, in the teacher's order (ties: the earlier block)."""
     if not 1 <= layers <= len(scores):
         raise ValueError(f"keep between 1 and the teacher's {len(scores)} blocks, got {layers}")
-    ranked = sorted(range(len(scores)), key=lambda index: (-scores[index], index))
-    return tuple(sorted(ranked[:layers]))
+    return top_in_order(scores, layers)
 
 
 def pruned_config(config: object, kept: tuple[int, ...]) -> object:
@@ -172,6 +171,15 @@ def width_entry(width: WidthPlan) -> dict[str, object]:
         entry |= {"key_value_heads": width.key_value_heads, "teacher_key_value_heads": width.teacher_key_value_heads,
                   "attention_heads": width.attention_heads, "teacher_attention_heads": width.teacher_attention_heads}
     return entry
+
+
+def pruned_line(entry: dict[str, object] | None) -> str | None:
+    """The blocks a pruned student kept, in words, from its `kdflow_prune` entry: "blocks 0, 1, 8 of 30 (importance
+    cosine)" (None: not pruned)."""
+    if not entry:
+        return None
+    return (f"blocks {', '.join(map(str, entry['kept']))} of {entry['teacher_layers']} "
+            f"(importance {entry['importance']})")
 
 
 def width_summary(entry: dict[str, object] | None) -> str | None:

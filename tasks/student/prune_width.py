@@ -20,6 +20,7 @@ will see in training, not the teacher's.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,9 +186,11 @@ def routed_activation(experts: nn.Module, hidden: Tensor, routed: Tensor) -> tup
     return sums, counts
 
 
-def top_in_order(scores: Tensor, keep: int) -> tuple[int, ...]:
-    """The `keep` highest scores' indices in ascending order (ties: the earlier index)."""
-    ranked = sorted(range(scores.numel()), key=lambda index: (-float(scores[index]), index))
+def top_in_order(scores: Tensor | Sequence[float], keep: int) -> tuple[int, ...]:
+    """The `keep` highest scores' indices in ascending order (ties: the earlier index): the blocks, channels or
+    head groups a pruned model keeps."""
+    values = scores.tolist() if isinstance(scores, Tensor) else list(scores)
+    ranked = sorted(range(len(values)), key=lambda index: (-values[index], index))
     return tuple(sorted(ranked[:keep]))
 
 
