@@ -46,7 +46,8 @@ FAMILY_PATTERNS: tuple[tuple[str, str, str], ...] = (
     ("lm_head_matmul", r"^lm_head$", _ANY),
     ("lm_head_matmul", r"^step$", _GEMM),  # the chunked head multiplies by the lm_head's weight, not its module
     ("top_k", r"^step$", r"topk|sort|radix|kth|gather"),
-    ("log_sum_exp", r"^step$", r"logsumexp|\bexp|\blog\b|log_|amax|\bmax\b|\bsum\b|reduce|sub|add|softmax"),
+    ("log_sum_exp", r"^step$", r"logsumexp|\bexp|\blog\b|log_|amax|\bmax\b|\bsum\b|reduce|sub|add|softmax|scatter"),
+    # scatter_: the kept columns zeroed before the tail is summed (slab.split_logsumexp_)
 )
 _COMPILED = tuple((family, re.compile(scope), re.compile(name, re.I)) for family, scope, name in FAMILY_PATTERNS)
 
@@ -127,8 +128,9 @@ def _scope(event: Any) -> str:
 
 
 def family_table(events: Any) -> dict[str, Any]:
-    """Self CPU and device microseconds by family over a profile's events, and each family's op names (the ten
-    costliest, to read what a family holds and to grow the table from a new machine's names)."""
+    """Self CPU and device microseconds by family over a profile's events, and each family's op names, costliest
+    first (ten of each family, to read what it holds; every one of "other", to grow the table from a new
+    machine's names)."""
     cpu_us = dict.fromkeys(FAMILIES, 0.0)
     device_us = dict.fromkeys(FAMILIES, 0.0)
     names: dict[str, dict[str, float]] = {family: {} for family in FAMILIES}
@@ -146,7 +148,8 @@ def family_table(events: Any) -> dict[str, Any]:
         names[family][key] = names[family].get(key, 0.0) + event.self_cpu_time_total + device
     return {"cpu_us": {k: round(v, 1) for k, v in cpu_us.items()},
             "device_us": {k: round(v, 1) for k, v in device_us.items()},
-            "ops": {family: [name for name, _ in sorted(seen.items(), key=lambda item: -item[1])[:10]]
+            "ops": {family: [name for name, _ in sorted(seen.items(), key=lambda item: -item[1])][
+                              :None if family == "other" else 10]
                     for family, seen in names.items() if seen}}
 
 
