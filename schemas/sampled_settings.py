@@ -10,7 +10,10 @@ from kdflow.schemas.config import PrecomputeConfig
 
 SAMPLED_KINDS = ("hybrid", "sampled")
 SCHEMES = ("priority", "gumbel")
-HASH_VERSION = "kdflow.1"  # the noise hash's constants (kdflow.tasks.teacher.sampling)
+# The noise hash a sampled store is drawn with (kdflow.tasks.teacher.sampling_noise), newest first: kdflow.2 (32-bit,
+# float32 keys) for new stores; kdflow.1 (64-bit, float64 keys) to finish a store begun before kdflow.2.
+HASH_VERSIONS = ("kdflow.2", "kdflow.1")
+HASH_VERSION = HASH_VERSIONS[0]
 
 
 def sampled_format(precompute: PrecomputeConfig) -> dict[str, object]:
@@ -20,7 +23,7 @@ def sampled_format(precompute: PrecomputeConfig) -> dict[str, object]:
     head = sampling.head if precompute.targets == "hybrid" else 0
     return {"targets": precompute.targets, "sampling": {"head": head, "samples": sampling.samples,
                                                         "scheme": sampling.scheme, "seed": sampling.seed,
-                                                        "values": sampling.values, "hash_version": HASH_VERSION}}
+                                                        "values": sampling.values, "hash_version": sampling.hash_version}}
 
 
 def sampled_label(settings: dict[str, object]) -> str:

@@ -28,10 +28,11 @@ from torch import Tensor, nn
 
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.schemas.sampled_settings import SCHEMES
+from kdflow.schemas.sampled_settings import HASH_VERSION, HASH_VERSIONS, SCHEMES
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
-from kdflow.tasks.teacher.sampling_noise import key_noise_, position_streams, token_keys, uniform_noise_
+from kdflow.tasks.teacher.sampling_noise import (key_noise_, position_streams, stream_words, token_keys, token_keys32,
+                                                 uniform_noise32_, uniform_noise_)
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 
 __all__ = ["SAMPLER_BYTES_PER_LOGIT", "RunningSample", "SamplingPlan", "TeacherSampledStep", "check_sampling_fits",
@@ -44,12 +45,14 @@ SAMPLER_BYTES_PER_LOGIT = 12
 
 @dataclass(frozen=True)
 class SamplingPlan:
-    """What one store's sampled targets are: head size H (0 for `sampled`), samples S, scheme, seed."""
+    """What one store's sampled targets are: head size H (0 for `sampled`), samples S, scheme, seed, and the noise
+    hash that draws them (`sampling_noise`)."""
 
     head: int
     samples: int
     scheme: str = "priority"
     seed: int = 0
+    hash_version: str = HASH_VERSION
 
     @property
     def kind(self) -> str:
@@ -65,7 +68,8 @@ class SamplingPlan:
             raise ValueError("precompute.targets is topk: there is nothing to sample")
         sampling = precompute.sampling
         head = sampling.head if precompute.targets == "hybrid" else 0
-        return cls(head=head, samples=sampling.samples, scheme=sampling.scheme, seed=sampling.seed)
+        return cls(head=head, samples=sampling.samples, scheme=sampling.scheme, seed=sampling.seed,
+                   hash_version=sampling.hash_version)
 
     def check(self, vocab_size: int) -> None:
         """ValueError (one line, naming the setting) unless 0 <= H, 1 <= S, H + S <= V, a known scheme."""
@@ -78,6 +82,9 @@ class SamplingPlan:
                              f"teacher's vocabulary size {vocab_size}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"precompute.sampling.scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.hash_version not in HASH_VERSIONS:
+            raise ValueError(f"precompute.sampling.hash_version must be one of {HASH_VERSIONS}, "
+                             f"got {self.hash_version!r}")
 
 
 def check_sampling_fits(precompute: PrecomputeConfig, teacher: object) -> None:
@@ -139,7 +146,7 @@ def merge_ordered(first: tuple[Tensor, ...], second: tuple[Tensor, ...], k: int)
 
 
 class _Workspace:
-    """Two flat int64 buffers for the noise of one (rows, slab) block, allocated once per call."""
+    """Two flat 8-byte buffers for the noise of one (rows, slab) block, allocated once per call."""
 
     def __init__(self, rows: int, cols: int, device: torch.device) -> None:
         self.bits = torch.empty(rows * cols, dtype=torch.int64, device=device)
@@ -147,6 +154,21 @@ class _Workspace:
 
     def views(self, rows: int, cols: int) -> tuple[Tensor, Tensor]:
         return self.bits[: rows * cols].view(rows, cols), self.noise[: rows * cols].view(rows, cols)
+
+    def keys(self, plan: SamplingPlan, streams: Tensor, logits: Tensor, first_id: int) -> tuple[Tensor, Tensor]:
+        """logits (c, s) + noise -> (keys (c, s): float32 for kdflow.2, float64 for kdflow.1; a (c, s) float64
+        scratch for the exponentials, free once the keys are read: the keys' own buffer for kdflow.1)."""
+        rows, width = logits.shape
+        if plan.hash_version == "kdflow.1":
+            bits, noise = self.views(rows, width)
+            uniform = uniform_noise_(streams, token_keys(first_id, width, logits.device), bits, noise)
+            keys = key_noise_(uniform, plan.scheme).add_(logits)
+            return keys, keys
+        halves = self.bits[: rows * width].view(torch.int32)  # two int32 buffers in the first 8-byte one
+        uniform = uniform_noise32_(stream_words(streams), token_keys32(first_id, width, logits.device),
+                                   halves[: rows * width].view(rows, width), halves[rows * width:].view(rows, width))
+        keys = key_noise_(uniform, plan.scheme).add_(logits)
+        return keys, self.noise[: rows * width].view(torch.float64).view(rows, width)
 
 
 class RunningSample:
@@ -156,7 +178,7 @@ class RunningSample:
         self.plan, self.streams, self.workspace = plan, streams, workspace  # streams (c,) int64
         self.next_id = 0
         self.head: tuple[Tensor, Tensor] | None = None  # logits (c, <=H), ids (c, <=H) int64
-        self.keys: tuple[Tensor, Tensor, Tensor] | None = None  # keys f64, ids, logits (c, <=H+S+1)
+        self.keys: tuple[Tensor, Tensor, Tensor] | None = None  # keys, ids, logits (c, <=H+S+1)
         self.lse: Tensor | None = None  # (c,) float64, over every id seen
         self.tail_lse: Tensor | None = None  # (c,) float64, over every id seen minus the running head
 
@@ -168,16 +190,13 @@ class RunningSample:
         rows, width = logits.shape
         self.next_id += width
         workspace = self.workspace or _Workspace(rows, width, logits.device)
-        bits, noise = workspace.views(rows, width)
-        keys = key_noise_(uniform_noise_(self.streams, token_keys(first_id, width, logits.device), bits, noise),
-                          self.plan.scheme)
-        keys += logits  # (c, s) float64
+        keys, scratch = workspace.keys(self.plan, self.streams, logits, first_id)  # (c, s)
         key_top, key_cols = top_ordered(keys, self.plan.candidates)
         slab_keys = (key_top, key_cols + first_id, logits.gather(1, key_cols))
         head_top, head_cols = top_ordered(logits, self.plan.head)  # (c, h)
-        # float64 exponentials (in the keys' buffer, read above), so that the slab's max, which depends on the
-        # cut, moves the sums by float64 rounding only.
-        lse, tail_lse = split_logsumexp_(logits, head_cols, exp=keys)
+        # float64 exponentials (in a scratch free once the keys are read), so that the slab's max, which depends
+        # on the cut, moves the sums by float64 rounding only.
+        lse, tail_lse = split_logsumexp_(logits, head_cols, exp=scratch)
         self._merge((head_top, head_cols + first_id), slab_keys, lse, tail_lse)
 
     def _merge(self, slab_head: tuple[Tensor, Tensor], slab_keys: tuple[Tensor, Tensor, Tensor],
@@ -199,24 +218,30 @@ class RunningSample:
             raise ValueError(f"slabs cover ids 0..{self.next_id - 1}, not the vocabulary of {vocab_size}")
         if not bool(torch.isfinite(self.lse).all()):
             raise ValueError("teacher logits have NaN or +inf entries, or a row without a finite logit")
-        head_logits, head_ids = self.head  # (c, H)
-        keys, key_ids, key_logits = self.keys  # (c, L), L = min(H + S + 1, V)
-        in_head = (key_ids[:, :, None] == head_ids[:, None, :]).any(2)  # (c, L)
-        tail_first = torch.sort(in_head.to(torch.int8), dim=1, stable=True).indices  # keeps key order
-        keys, key_ids, key_logits = (t.gather(1, tail_first) for t in (keys, key_ids, key_logits))
-        samples = self.plan.samples
-        n_tail = (~in_head).sum(1)  # (c,): S + 1, or S when the tail has only S tokens
-        kappa = torch.where(n_tail > samples, keys[:, min(samples, keys.shape[1] - 1)], -torch.inf)  # (c,)
-        lse = self.lse
-        tail_lse = self.tail_lse if self.plan.head else lse
-        return SampledTargets(
-            head_ids=head_ids.to(torch.int32),
-            head_logprobs=(head_logits.double() - lse[:, None]).float(),
-            tail_logprob=(tail_lse - lse).float(),
-            sample_ids=key_ids[:, :samples].to(torch.int32),
-            sample_logprobs=(key_logits[:, :samples].double() - lse[:, None]).float(),
-            log_threshold=(kappa - lse).float(),
-        )
+        return finish_targets(self.plan, self.head, self.keys, self.lse, self.tail_lse)
+
+
+def finish_targets(plan: SamplingPlan, head: tuple[Tensor, Tensor], keys: tuple[Tensor, Tensor, Tensor],
+                   lse: Tensor, tail_lse: Tensor) -> SampledTargets:
+    """A block's targets from its head (logits, ids) (c, H), its largest keys (keys, ids, logits) (c, L) in the order
+    (key desc, id asc), L = min(H + S + 1, V), its log-sum-exp and that outside the head (c,)."""
+    head_logits, head_ids = head
+    keys, key_ids, key_logits = keys
+    in_head = (key_ids[:, :, None] == head_ids[:, None, :]).any(2)  # (c, L)
+    tail_first = torch.sort(in_head.to(torch.int8), dim=1, stable=True).indices  # keeps key order
+    keys, key_ids, key_logits = (t.gather(1, tail_first) for t in (keys, key_ids, key_logits))
+    samples = plan.samples
+    n_tail = (~in_head).sum(1)  # (c,): S + 1, or S when the tail has only S tokens
+    kappa = torch.where(n_tail > samples, keys[:, min(samples, keys.shape[1] - 1)], -torch.inf)  # (c,)
+    tail_lse = tail_lse if plan.head else lse
+    return SampledTargets(
+        head_ids=head_ids.to(torch.int32),
+        head_logprobs=(head_logits.double() - lse[:, None]).float(),
+        tail_logprob=(tail_lse - lse).float(),
+        sample_ids=key_ids[:, :samples].to(torch.int32),
+        sample_logprobs=(key_logits[:, :samples].double() - lse[:, None]).float(),
+        log_threshold=(kappa.double() - lse).float(),
+    )
 
 
 @torch.inference_mode()
