@@ -59,7 +59,7 @@ class TopkShardInfo(_Info):
     logprobs_dtype: str | None = None
     micro_batch: int | None = None
     chunk_tokens: int | None = None
-    head: str | None = None  # how the pass took the top-K: "slab", "tiled" or "tiled-triton" (None: before the choice)
+    head: str | None = None  # how the pass read the logits: "slab", "tiled" or "tiled-triton" (None: before the choice)
     vocab_size: int | None = None  # the teacher's output rows: every top-K id is below it
     format: str | None = None  # "v2"; None: a v1 shard
     codec: dict[str, Any] | None = None  # v2: the codec's settings (as in the shard's schema metadata)

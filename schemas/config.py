@@ -137,8 +137,8 @@ class SamplingConfig(_Section):
         default="float16", description="Storage of the sampled tokens' log-probs (the head's follows precompute.store; "
                                        "the threshold is always float32)")
     hash_version: Literal["kdflow.2", "kdflow.1"] = Field(
-        default="kdflow.2", description="The draw's noise: kdflow.2 (32-bit hash, float32 keys); kdflow.1 only to finish "
-                                        "a store begun with it (its _store.json says)")
+        default="kdflow.2", description="The draw's noise: kdflow.2 (32-bit hash, float32 keys); kdflow.1 only to "
+                                        "finish a store begun with it (its _store.json says)")
 
 
 class PrecomputeConfig(_Section):

@@ -21,9 +21,9 @@ def sampled_format(precompute: PrecomputeConfig) -> dict[str, object]:
     so a store's fingerprint and `_store.json` name the kind of targets and every parameter of the draw."""
     sampling = precompute.sampling
     head = sampling.head if precompute.targets == "hybrid" else 0
-    return {"targets": precompute.targets, "sampling": {"head": head, "samples": sampling.samples,
-                                                        "scheme": sampling.scheme, "seed": sampling.seed,
-                                                        "values": sampling.values, "hash_version": sampling.hash_version}}
+    draw = {"head": head, "samples": sampling.samples, "scheme": sampling.scheme, "seed": sampling.seed,
+            "values": sampling.values, "hash_version": sampling.hash_version}
+    return {"targets": precompute.targets, "sampling": draw}
 
 
 def sampled_label(settings: dict[str, object]) -> str:

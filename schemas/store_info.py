@@ -88,12 +88,24 @@ def format_label(settings: dict[str, Any]) -> str:
             f"renumbering {settings.get('renumbering')}")
 
 
+def trained_alike(made: dict[str, Any], asked: dict[str, Any]) -> bool:
+    """Whether two store formats train the same way: equal but for the noise hash that drew a sampled store
+    (`precompute.sampling.hash_version` says how samples are drawn, not how they are read)."""
+    def reading(settings: dict[str, Any]) -> dict[str, Any]:
+        sampling = settings.get("sampling")
+        if not isinstance(sampling, dict):
+            return settings
+        return settings | {"sampling": {k: v for k, v in sampling.items() if k != "hash_version"}}
+
+    return reading(made) == reading(asked)
+
+
 def format_mismatch(info: TopkStoreInfo, precompute: PrecomputeConfig, shown: str) -> str | None:
     """The one-line reason a store may not be trained on with this precompute section, or None when the formats
-    agree. A target mask and top-K normalisation are properties of an imported source, not of the config: they
-    live in the codec settings, never in `store_format`, and are not compared here."""
+    agree (`trained_alike`). A target mask and top-K normalisation are properties of an imported source, not of
+    the config: they live in the codec settings, never in `store_format`, and are not compared here."""
     made, asked = info.store_format(), store_format(precompute)
-    if made == asked:
+    if trained_alike(made, asked):
         return None
     if made.get("targets", "topk") != asked.get("targets", "topk"):
         return (f"top-K store {shown} holds {format_label(made)} targets, the config asks for {format_label(asked)} "
@@ -126,10 +138,11 @@ def topk_tags(run_root: RunRoot) -> list[str]:
 
 
 def find_topk_stores(run_root: RunRoot, teacher: TeacherConfig, precompute: PrecomputeConfig, *,
-                     any_format: bool = False) -> list[str]:
+                     any_format: bool = False, to_train: bool = False) -> list[str]:
     """Tags of the top-K stores made for this teacher, K, token store and store format, read from their
     _store.json (no teacher loaded; with teacher.dtype auto, a CPU and a GPU host make two). `any_format`: also
-    those made with other format settings (to name them in an error)."""
+    those made with other format settings (to name them in an error); `to_train`: also those that train alike
+    (`trained_alike`: a sampled store drawn with another noise hash)."""
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     if tokens_done is None:
         return []
@@ -138,7 +151,9 @@ def find_topk_stores(run_root: RunRoot, teacher: TeacherConfig, precompute: Prec
     for tag in topk_tags(run_root):
         info = read_store_info(run_root, stage_dir(run_root, "topk", tag))
         if (info is not None and info.tokens_fingerprint == tokens_done.fingerprint and info.teacher == made_by
-                and info.top_k == precompute.top_k and (any_format or info.store_format() == wanted)):
+                and info.top_k == precompute.top_k
+                and (any_format or info.store_format() == wanted
+                     or (to_train and trained_alike(info.store_format(), wanted)))):
             tags.append(tag)
     return tags
 

@@ -30,7 +30,8 @@ from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.tokenise import tokenise
 from kdflow.tasks.teacher.precompute import precompute_shards
-from kdflow.tasks.teacher.sampling import SamplingPlan, TeacherSampledStep
+from kdflow.tasks.teacher.sampled_step import TeacherSampledStep
+from kdflow.tasks.teacher.sampling import SamplingPlan
 
 
 def random_targets(rows: int, seq_len: int, head: int, samples: int, vocab: int, seed: int = 0) -> DecodedSampled:

@@ -12,8 +12,8 @@ from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.sampled_settings import SCHEMES
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
-from kdflow.tasks.teacher.sampling import (SamplingPlan, TeacherSampledStep, check_sampling_fits, chunked_sampled,
-                                           sample_slabs)
+from kdflow.tasks.teacher.sampled_step import TeacherSampledStep
+from kdflow.tasks.teacher.sampling import SamplingPlan, check_sampling_fits, chunked_sampled, sample_slabs
 from kdflow.schemas.sampled_settings import HASH_VERSIONS
 from kdflow.tasks.teacher.sampling_noise import (mix32_, mix64_, position_streams, stream_words, token_keys,
                                                  token_keys32, uniform_noise32_, uniform_noise_)

@@ -99,7 +99,7 @@ def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: st
     shard was made from this token store (written by other tools)."""
     if settings.student.topk_tag is not None:
         return stage_dir(run_root, "topk", settings.student.topk_tag)
-    made_for_config = find_topk_stores(run_root, settings.teacher, settings.precompute)
+    made_for_config = find_topk_stores(run_root, settings.teacher, settings.precompute, to_train=True)
     if len(made_for_config) > 1:
         here = settings.topk_fingerprint(teacher_fingerprint(settings.teacher), tokens_fp)
         made_for_config = [tag for tag in made_for_config if tag == here] or made_for_config

@@ -20,12 +20,12 @@ from kdflow.schemas.codec_meta import Renumbering
 from kdflow.schemas.codec_sampled import DecodedSampled, SampledCodec, encode_sampled
 from kdflow.schemas.commits import StageComplete
 from kdflow.schemas.config import PrecomputeConfig
-from kdflow.schemas.sampled_settings import HASH_VERSION
 from kdflow.schemas.shards import StreamShardWriter
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.sampled import SampledTargets
-from kdflow.tasks.teacher.sampling import SAMPLER_BYTES_PER_LOGIT, SamplingPlan, TeacherSampledStep
+from kdflow.tasks.teacher.sampled_step import TeacherSampledStep, sampled_head
+from kdflow.tasks.teacher.sampling import SAMPLER_BYTES_PER_LOGIT, SamplingPlan
 from kdflow.tasks.teacher.store_codec import renumbering_table
 from kdflow.tasks.teacher.topk import choose_chunk_tokens
 
@@ -34,11 +34,14 @@ _HOST_DTYPES = {"head_ids": torch.int32, "head_logprobs": torch.float32, "tail_l
                 "sample_ids": torch.int32, "sample_logprobs": torch.float32, "log_threshold": torch.float32}
 
 
-def sampled_chunk_tokens(pre: PrecomputeConfig, vocab: int) -> int:
+def sampled_chunk_tokens(pre: PrecomputeConfig, vocab: int, head: str = "slab") -> int:
     """Rows per chunk: precompute.chunk_tokens, else ~3x fewer than the top-K pass takes in the same budget
-    (the sampler holds ~24 bytes per logit, the top-K pass ~8)."""
-    return pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20,
-                                                   logits_dtype_bytes=SAMPLER_BYTES_PER_LOGIT)
+    (the sampler in torch holds ~24 bytes per logit, the top-K pass ~8), or as many as the top-K pass where the
+    Triton kernels read the logits (`head` tiled-triton: nothing but the logits per row)."""
+    if pre.chunk_tokens:
+        return pre.chunk_tokens
+    per_logit = {} if head == "tiled-triton" else {"logits_dtype_bytes": SAMPLER_BYTES_PER_LOGIT}
+    return choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20, **per_logit)
 
 
 def sampled_codec(pre: PrecomputeConfig, seq_len: int, vocab: int, table: Renumbering | None = None) -> SampledCodec:
@@ -47,7 +50,7 @@ def sampled_codec(pre: PrecomputeConfig, seq_len: int, vocab: int, table: Renumb
     plan = SamplingPlan.from_config(pre)
     store_settings, sampling = pre.store, pre.sampling
     codec = SampledCodec(seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed,
-                         hash_version=HASH_VERSION, head_values=store_settings.values, levels=store_settings.levels,
+                         hash_version=plan.hash_version, head_values=store_settings.values, levels=store_settings.levels,
                          tail=store_settings.tail, sample_values=sampling.values, zstd_level=store_settings.zstd_level,
                          renumbering=table)
     codec.schema()  # built once (compresses the table), shared by every shard and the writer thread
@@ -56,7 +59,9 @@ def sampled_codec(pre: PrecomputeConfig, seq_len: int, vocab: int, table: Renumb
 
 def sampled_step(model: torch.nn.Module, pre: PrecomputeConfig, vocab: int) -> TeacherSampledStep:
     """The teacher step of this config's sampled targets, as the pass builds it (for the store report)."""
-    return TeacherSampledStep(model, SamplingPlan.from_config(pre), sampled_chunk_tokens(pre, vocab))
+    plan = SamplingPlan.from_config(pre)
+    chunk_tokens = sampled_chunk_tokens(pre, vocab, sampled_head(model, plan, pre.head))
+    return TeacherSampledStep(model, plan, chunk_tokens, head=pre.head)
 
 
 class SampledPass:
@@ -68,12 +73,14 @@ class SampledPass:
         pre = settings.precompute
         table = renumbering_table(run_root, store, tokens_done, vocab) if pre.store.renumbering == "unigram" else None
         return cls(settings, model, sampled_codec(pre, settings.seq_len, vocab, table),
-                   sampled_chunk_tokens(pre, vocab), slots)
+                   sampled_step(model, pre, vocab).chunk_tokens, slots)
 
     def __init__(self, settings: TeacherPassSettings, model: torch.nn.Module, codec: SampledCodec, chunk_tokens: int,
                  slots: int) -> None:
         self.codec, self.micro_batch, self.chunk_tokens = codec, settings.precompute.micro_batch, chunk_tokens
-        self.step = TeacherSampledStep(model, SamplingPlan.from_config(settings.precompute), chunk_tokens)
+        self.step = TeacherSampledStep(model, SamplingPlan.from_config(settings.precompute), chunk_tokens,
+                                       head=settings.precompute.head)
+        self.head = self.step.head  # slab, tiled or tiled-triton: each shard's commit record says which ran
         self.device = next(model.parameters()).device
         self.free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         shapes = {"head_ids": (codec.head,), "head_logprobs": (codec.head,), "tail_logprob": (),

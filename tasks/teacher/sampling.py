@@ -29,14 +29,14 @@ from torch import Tensor, nn
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.sampled_settings import HASH_VERSION, HASH_VERSIONS, SCHEMES
-from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
+from kdflow.tasks.common.models import LogitTransform
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.sampling_noise import (key_noise_, position_streams, stream_words, token_keys, token_keys32,
                                                  uniform_noise32_, uniform_noise_)
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 
-__all__ = ["SAMPLER_BYTES_PER_LOGIT", "RunningSample", "SamplingPlan", "TeacherSampledStep", "check_sampling_fits",
-           "chunked_sampled", "merge_ordered", "sample_slabs", "top_ordered"]
+__all__ = ["SAMPLER_BYTES_PER_LOGIT", "RunningSample", "SamplingPlan", "check_sampling_fits",
+           "chunked_sampled", "finish_targets", "merge_ordered", "sample_slabs", "top_ordered"]
 
 # Bytes per (row, id) the sampler holds, in units of topk.choose_chunk_tokens' `logits_dtype_bytes`
 # (which it doubles): float32 logits, the float64 noise/keys, its int64 scratch, a bool mask: ~24 bytes.
@@ -298,32 +298,3 @@ class _SampledTargets:
 
     def gather(self, running: RunningSample, start: int, stop: int) -> None:
         self.parts.append(running.finish(self.vocab_size))
-
-
-class TeacherSampledStep:
-    """One micro-batch through the teacher: body hidden states, then chunked sampled targets with the model's
-    own final-logit transform. Results stay on the model's device."""
-
-    def __init__(self, model: nn.Module, plan: SamplingPlan, chunk_tokens: int, *,
-                 vocab_chunk: int | None = None) -> None:
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        self.model, self.plan, self.chunk_tokens, self.vocab_chunk = model, plan, chunk_tokens, vocab_chunk
-        self.lm_head = output_layer(model)
-        self.logit_transform = final_logit_transform(model.config)
-        vocab_size = getattr(self.lm_head, "out_features", None)
-        if isinstance(vocab_size, int):
-            plan.check(vocab_size)
-
-    def __call__(self, input_ids: Tensor, *, shard: int, first_row: int,
-                 attention_mask: Tensor | None = None) -> SampledTargets:
-        """input_ids (B, T), rows first_row.. of shard `shard` -> SampledTargets with (B, T, ...) fields."""
-        batch, seq_len = input_ids.shape
-        hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, D)
-        device = hidden.device
-        rows = (torch.arange(batch, device=device) + first_row).repeat_interleave(seq_len)  # (B * T,)
-        positions = torch.arange(seq_len, device=device).repeat(batch)  # (B * T,)
-        flat = chunked_sampled(hidden.flatten(0, 1), self.lm_head, self.plan, self.chunk_tokens, shard=shard,
-                               rows=rows, positions=positions, vocab_chunk=self.vocab_chunk,
-                               logit_transform=self.logit_transform)
-        return flat.map(lambda t: t.view(batch, seq_len, *t.shape[1:]))

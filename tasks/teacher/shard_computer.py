@@ -51,8 +51,8 @@ class ShardComputer:
         # None: v1
         self.codec = store_codec(settings, run_root, store, tokens_done, vocab) if self.sampled is None else None
         coded = self.sampled.codec if self.sampled is not None else self.codec
-        head = {"head": self.step.head} if self.sampled is None else {}
-        self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": vocab} | head | (
+        self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": vocab,
+                                            "head": self.step.head} | (
             {} if coded is None else {"format": "v2", "codec": coded.settings()}))
         # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32

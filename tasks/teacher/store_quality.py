@@ -27,7 +27,7 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_bytes import store_bytes
 from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.teacher.sampled_quality import sampled_fidelity, sampled_markdown, sampled_summary
-from kdflow.tasks.teacher.sampling import TeacherSampledStep
+from kdflow.tasks.teacher.sampled_step import TeacherSampledStep
 from kdflow.tasks.teacher.store_fidelity import bucket_fields, bucket_kl, full_fidelity
 from kdflow.tasks.teacher.store_metric import STORE_KL
 

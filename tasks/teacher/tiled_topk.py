@@ -63,18 +63,25 @@ def tiled_topk(logits: Tensor, k: int, tile: int = 128,
     top_logits, positions = torch.topk(candidates, k, dim=1, sorted=True)  # (c, k)
     top_ids = columns.gather(1, positions)
 
+    log_normaliser, log_rest = tiled_logsumexps(tile_max, tile_sum, picked, candidates, positions, top_logits[:, :1])
+    return top_logits, top_ids, log_normaliser.float(), log_rest.float()
+
+
+def tiled_logsumexps(tile_max: Tensor, tile_sum: Tensor, picked: Tensor, candidates: Tensor, positions: Tensor,
+                     row_max: Tensor) -> tuple[Tensor, Tensor]:
+    """(log-sum-exp, log-sum-exp outside the kept ids) (c,) float64 of rows read as tiles: the tiles' stats (c, n),
+    the picked tiles (c, k') whose ids are the candidates' columns, the candidates' logits (c, k' * tile), the kept
+    ones' positions among them (c, k) and the row max (c, 1)."""
     # Sums relative to the row max, in float64: many partial sums of very different sizes meet here.
-    row_max = top_logits[:, :1].double()  # (c, 1), the largest logit
+    row_max = row_max.double()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     scaled = tile_sum.double() * (tile_max.double() - row_max).exp()  # (c, n) each tile's sum, one scale
-    unpicked = scaled.scatter(1, picked, 0.0).sum(1)  # tiles holding no top-k candidate
+    unpicked = scaled.scatter(1, picked, 0.0).sum(1)  # tiles holding no candidate
     exp_candidates = (candidates.double() - row_max).exp()
     kept = exp_candidates.gather(1, positions).sum(1)
     rest = unpicked + exp_candidates.scatter_(1, positions, 0.0).sum(1)
     row_max = row_max[:, 0]
-    log_normaliser = (row_max + (kept + rest).log()).float()
-    log_rest = (row_max + rest.log()).float()
-    return top_logits, top_ids, log_normaliser, log_rest
+    return row_max + (kept + rest).log(), row_max + rest.log()
 
 
 def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,

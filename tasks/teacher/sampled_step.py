@@ -1,0 +1,94 @@
+"""One micro-batch of sampled targets through the teacher: its body, then its head by the slab loop's sampler
+(`kdflow.tasks.teacher.sampling`) or, with `precompute.head: tiled`, the tiled sampler
+(`kdflow.tasks.teacher.sampled_tiles`; its Triton kernels on CUDA), which needs a plain lm_head weight, the whole
+vocabulary at once, no final-logit transform and kdflow.2 noise. Both draw the same targets from the same logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
+from kdflow.tasks.common.sampled import SampledTargets, cat_targets
+from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
+from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
+from kdflow.tasks.teacher.sampling_noise import position_streams
+from kdflow.tasks.teacher.tiled_topk import tiled_head_fits, tiled_variant
+
+__all__ = ["TeacherSampledStep", "sample_kernels", "sampled_head", "tiled_head_sample"]
+
+
+def sampled_head(model: nn.Module, plan: SamplingPlan, head: str, vocab_chunk: int | None = None) -> str:
+    """What reads this teacher's logits for `precompute.head` (slab or tiled): "slab", or "tiled" / "tiled-triton"
+    where the tiled sampler fits (a plain lm_head, the whole vocabulary, no final-logit transform, kdflow.2)."""
+    fits = tiled_head_fits(output_layer(model), final_logit_transform(model.config), vocab_chunk)
+    tiled = head == "tiled" and plan.hash_version == "kdflow.2" and fits
+    return tiled_variant(next(model.parameters()).device) if tiled else "slab"
+
+
+def sample_kernels(variant: str) -> SampleKernels:
+    """The tiled sampler's kernels for a head variant: Triton's for "tiled-triton", torch's otherwise."""
+    if variant == "tiled-triton":
+        from kdflow.tasks.teacher.sample_tile_kernel import TRITON_KERNELS
+
+        return TRITON_KERNELS
+    return TORCH_KERNELS
+
+
+def tiled_head_sample(hidden: Tensor, weight: Tensor, plan: SamplingPlan, chunk_tokens: int, *, shard: int,
+                      rows: Tensor, positions: Tensor, tile: int = 128,
+                      kernels: SampleKernels = TORCH_KERNELS) -> SampledTargets:
+    """`chunked_sampled`'s contract for a plain lm_head weight (V, H), no final-logit transform and kdflow.2 noise:
+    each block of `chunk_tokens` rows is one matmul into a logits buffer of the weight's dtype (rounded as the
+    model rounds its own logits), then `tiled_sample` over it."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden (N, H) and weight (V, H) do not match: {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}")
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    block = max(1, min(chunk_tokens, tokens))
+    buffer = torch.empty(block * vocab, dtype=weight.dtype, device=hidden.device)
+    parts = []
+    with torch.inference_mode():
+        for start in range(0, tokens, block):
+            stop = min(start + block, tokens)
+            logits = buffer[: (stop - start) * vocab].view(stop - start, vocab)
+            torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
+            streams = position_streams(plan.seed, shard, rows[start:stop], positions[start:stop])
+            parts.append(tiled_sample(logits, plan, streams, tile, kernels))
+    return cat_targets(parts)
+
+
+class TeacherSampledStep:
+    """One micro-batch through the teacher: body hidden states, then chunked sampled targets with the model's
+    own final-logit transform. Results stay on the model's device. `head`: "slab" or "tiled" (taken where it
+    fits, see the module's docstring; `self.head` says which runs: slab, tiled or tiled-triton)."""
+
+    def __init__(self, model: nn.Module, plan: SamplingPlan, chunk_tokens: int, *,
+                 vocab_chunk: int | None = None, head: str = "slab") -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.model, self.plan, self.chunk_tokens, self.vocab_chunk = model, plan, chunk_tokens, vocab_chunk
+        self.lm_head = output_layer(model)
+        self.logit_transform = final_logit_transform(model.config)
+        vocab_size = getattr(self.lm_head, "out_features", None)
+        if isinstance(vocab_size, int):
+            plan.check(vocab_size)
+        self.head = sampled_head(model, plan, head, vocab_chunk)
+
+    def __call__(self, input_ids: Tensor, *, shard: int, first_row: int,
+                 attention_mask: Tensor | None = None) -> SampledTargets:
+        """input_ids (B, T), rows first_row.. of shard `shard` -> SampledTargets with (B, T, ...) fields."""
+        batch, seq_len = input_ids.shape
+        hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, D)
+        device = hidden.device
+        rows = (torch.arange(batch, device=device) + first_row).repeat_interleave(seq_len)  # (B * T,)
+        positions = torch.arange(seq_len, device=device).repeat(batch)  # (B * T,)
+        if self.head != "slab":
+            flat = tiled_head_sample(hidden.flatten(0, 1), self.lm_head.weight, self.plan, self.chunk_tokens,
+                                     shard=shard, rows=rows, positions=positions, kernels=sample_kernels(self.head))
+        else:
+            flat = chunked_sampled(hidden.flatten(0, 1), self.lm_head, self.plan, self.chunk_tokens, shard=shard,
+                                   rows=rows, positions=positions, vocab_chunk=self.vocab_chunk,
+                                   logit_transform=self.logit_transform)
+        return flat.map(lambda t: t.view(batch, seq_len, *t.shape[1:]))
