@@ -276,3 +276,38 @@ def test_validate_checks_sampled_stores_by_their_own_contract(make_config, capsy
     twice.sample_ids[1, 2, 0] = twice.head_ids[1, 2, 0]
     assert sampled_problems(twice, 300) == ["an id appears twice among head and samples at row 1, position 2"]
     assert "not 1, at row 0, position 0" in sampled_problems(good._replace(tail_logprob=good.tail_logprob - 1), 300)[0]
+
+
+def test_a_store_drawn_with_kdflow_1_keeps_its_tag_and_trains_under_the_new_default(make_config, caplog) -> None:
+    """kdflow.2 became the default draw: a kdflow.1 store keeps the tag it was made under (to finish it, set
+    hash_version: kdflow.1), precompute under the default makes another store and says how to finish the old one,
+    and training reads either."""
+    from kdflow.schemas.config import PrecomputeConfig
+    from kdflow.schemas.fingerprints import topk_fingerprint_of
+    from kdflow.schemas.stage_settings import training_settings
+    from kdflow.tasks.student.train import train
+
+    # the tags of the default hybrid and sampled configs before kdflow.2 existed
+    old = {"hybrid": "0793e72b2dfb", "sampled": "f3646e3f657c"}
+    for kind, tag in old.items():
+        pre = PrecomputeConfig(targets=kind, sampling={"hash_version": "kdflow.1"})
+        assert topk_fingerprint_of("teacherfp", "tokensfp", pre) == tag
+        assert topk_fingerprint_of("teacherfp", "tokensfp", PrecomputeConfig(targets=kind)) != tag
+
+    first = prepare(sampled_config(make_config, precompute__sampling={"hash_version": "kdflow.1"},
+                                   student__steps=1, student__eval_shards=1))
+    old_tag = precompute_shards(open_run_root(first), teacher_pass_settings(first))["tag"]
+    now = first.model_copy(update={"precompute": first.precompute.model_copy(update={
+        "sampling": first.precompute.sampling.model_copy(update={"hash_version": "kdflow.2"})})})
+    summary = train(open_run_root(now), training_settings(now))  # the only store: drawn with kdflow.1
+    assert summary["steps"] == 1
+    with caplog.at_level("WARNING", logger="kdflow.precompute"):
+        new_tag = precompute_shards(open_run_root(now), teacher_pass_settings(now))["tag"]
+    said = [r.getMessage() for r in caplog.records if "drawn with kdflow.1 noise" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("set precompute.sampling.hash_version: kdflow.1"), said
+    run_root = RunRoot(first.run_root)
+    infos = {tag: read_store_info(run_root, stage_dir(run_root, "topk", tag)) for tag in (old_tag, new_tag)}
+    assert old_tag != new_tag
+    assert [infos[tag].store_format()["sampling"]["hash_version"] for tag in (old_tag, new_tag)] == [
+        "kdflow.1", "kdflow.2"]
+    assert [infos[tag].codec["hash_version"] for tag in (old_tag, new_tag)] == ["kdflow.1", "kdflow.2"]

@@ -43,7 +43,7 @@ LAST_CHECK_S = 406
 CALL_LIMIT_S = 540
 FULL_DEPTH_FIXED_S = 35
 FULL_DEPTH_TOKENS_PER_S = 24_000
-HEAD_S = 20  # `kdflow bench head`'s four variants at 16,384 tokens (~10 ms a matmul) and the Triton compile: a guess
+HEAD_S = 35  # `kdflow bench head`'s seven variants (top-K and sampled) at 16,384 tokens, the Triton compiles: a guess
 PROFILE_S = 15
 HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
 CAPPED_S = 45  # the 32-layer 4-bit teacher built layer by layer, five micro-batches tried twice each
@@ -173,8 +173,9 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
     capped = size["capped"]
     add("capped_24gib", int(CAP_GIB * GIB), layers=shapes["num_hidden_layers"], seq_len=capped["seq_len"],
         micro_batches=capped["micro_batches"], estimated_s=CAPPED_S)
-    # the head's variants: the weight, one block's bf16 logits (4,096 rows), the tiles' statistics and candidates
-    add("bench_head", 2 * size["loss_vocab"] * size["loss_hidden"] + 2 * 4096 * size["loss_vocab"] * 3,
+    # the head's variants: the weight and, the most of them, the sampled ones in torch over one block of 4,096 rows
+    # (float32 logits, two 8-byte noise buffers, float32 keys and their temporaries: ~32 bytes a logit)
+    add("bench_head", 2 * size["loss_vocab"] * size["loss_hidden"] + 32 * 4096 * size["loss_vocab"],
         tokens=size["head_tokens"], vocab=size["loss_vocab"], hidden=size["loss_hidden"], estimated_s=HEAD_S)
     first_s = LAST_CHECK_S + steps["full_depth"]["estimated_s"] + PROFILE_S + HEAD_S
     second = ["capped_24gib", "hub_layout_load"]  # last in the check: skipped for time in the first call

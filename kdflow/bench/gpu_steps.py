@@ -100,7 +100,8 @@ def precompute(config_path: Path) -> dict[str, Any]:
 
 
 def targets(config_path: Path, mode: str) -> dict[str, Any]:
-    """Sampled or hybrid targets: the pass in its worker on a copy of the token store (its own run root)."""
+    """Sampled or hybrid targets: the pass in its worker on a copy of the token store (its own run root), its
+    logits read by the tiled sampler (`precompute.head: tiled`: the Triton kernels on CUDA)."""
     import yaml
 
     from kdflow.schemas.layout import TOPK_DIR
@@ -111,8 +112,9 @@ def targets(config_path: Path, mode: str) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(source, root, ignore=lambda folder, names: [TOPK_DIR] if Path(folder) == source else [])
     data["run_root"] = str(root)
-    data["precompute"] |= {"targets": mode, "store": {"format": "v2"}}
-    return precompute(write_yaml(config_path.with_name(f"check-{mode}.yaml"), data)) | {"targets": mode}
+    data["precompute"] |= {"targets": mode, "head": "tiled", "store": {"format": "v2"}}
+    return precompute(write_yaml(config_path.with_name(f"check-{mode}.yaml"), data)) | {"targets": mode,
+                                                                                        "head": "tiled"}
 
 
 def bench(what: str, records: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -159,8 +161,8 @@ def bench_precompute(device: str, size: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
-    """`kdflow bench head`: the head's variants (matmul, slab loop, tiled in torch, tiled with the Triton kernel)
-    at the reference head's shapes, each checked against the slab loop's values."""
+    """`kdflow bench head`: the head's variants (matmul, slab loop, tiled in torch, tiled with the Triton kernel;
+    the same for hybrid targets) at the reference head's shapes, each checked against its slab loop's values."""
     from kdflow.bench import head
 
     args = options(head.build_parser(), device=device, vocab=[size["loss_vocab"]], hidden=[size["loss_hidden"]],

@@ -3,10 +3,13 @@ token, each way the pass can take it, against the bare lm_head matmul of the sam
 
 Variants: `matmul` (the matmul alone, into the logits buffer: the floor), `slab` (today's slab loop,
 kdflow.tasks.teacher.topk.chunked_topk), `tiled` (the tiled top-K, kdflow.tasks.teacher.tiled_topk, with its tile
-statistics in torch) and `tiled-triton` (the same with the Triton tile kernel; CUDA only, skipped elsewhere). One
-JSON line per (shape, variant): microseconds per token (the best of `--repeats` after a warm-up), the ratio to the
-matmul, and the largest difference of its log-probs and tail from the slab loop's with the share of ids it agrees
-on. Random hidden states and weights: the speed does not depend on what the numbers mean.
+statistics in torch) and `tiled-triton` (the same with the Triton tile kernel; CUDA only, skipped elsewhere); then
+the same three for hybrid targets (`--sampling H,S`, an exact top-H and S sampled tokens): `sampled-slab` (the slab
+loop's sampler, kdflow.tasks.teacher.sampling), `sampled-tiled` and `sampled-tiled-triton` (the tiled sampler,
+kdflow.tasks.teacher.sampled_tiles, in torch and with its Triton kernels). One JSON line per (shape, variant):
+microseconds per token (the best of `--repeats` after a warm-up), the ratio to the matmul, and the largest
+difference of its log-probs from its slab loop's with the share of ids it agrees on. Random hidden states and
+weights: the speed does not depend on what the numbers mean.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, note, synchronise
 
-VARIANTS = ("matmul", "slab", "tiled", "tiled-triton")
+VARIANTS = ("matmul", "slab", "tiled", "tiled-triton", "sampled-slab", "sampled-tiled", "sampled-tiled-triton")
+TRITON_VARIANTS = ("tiled-triton", "sampled-tiled-triton")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tile", type=int, default=128, help="ids per tile of the tiled variants")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="weights and logits (default: bfloat16 on CUDA, float32 on CPU where bf16 is slower)")
+    parser.add_argument("--sampling", type=int_list, default=[16, 12],
+                        help="H,S of the sampled variants' hybrid targets (precompute.sampling's defaults)")
     parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
                         help=f"comma list of {', '.join(VARIANTS)}")
     return parser
 
 
 def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from kdflow.tasks.teacher.sampled_step import sample_kernels, tiled_head_sample
+    from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
     from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
     from kdflow.tasks.teacher.tiled_topk import tiled_head_topk
     from kdflow.tasks.teacher.topk import chunked_topk
@@ -75,17 +83,30 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             for start in range(0, args.tokens, rows):
                 torch.mm(hidden[start:start + rows], weight.t(), out=buffer[: min(rows, args.tokens - start)])
 
+        plan = SamplingPlan(head=args.sampling[0], samples=args.sampling[1])
+        where = {"shard": 0, "rows": torch.arange(args.tokens, device=device) // 512,
+                 "positions": torch.arange(args.tokens, device=device) % 512}
+
+        def sampled(variant: str) -> Callable[[], Any]:
+            if variant == "sampled-slab":
+                return lambda: _sampled_fields(chunked_sampled(hidden, weight, plan, args.chunk_tokens, **where))
+            kernels = sample_kernels(variant.removeprefix("sampled-"))
+            return lambda: _sampled_fields(tiled_head_sample(hidden, weight, plan, args.chunk_tokens, tile=args.tile,
+                                                             kernels=kernels, **where))
+
         runs: dict[str, Callable[[], Any]] = {
             "matmul": matmul,
             "slab": lambda: chunked_topk(hidden, weight, args.top_k, args.chunk_tokens, return_tail=True),
             "tiled": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile),
             "tiled-triton": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile,
                                                     stats=tile_stats_triton),
-        }
-        reference, floor = None, None
+        } | {variant: sampled(variant) for variant in VARIANTS if variant.startswith("sampled-")}
+        references, floor = {}, None
         for variant in [name for name in VARIANTS if name in args.variants]:
             record = {"bench": "head", "variant": variant, **shape}
-            if variant == "tiled-triton" and (device.type != "cuda" or not triton_available()):
+            if variant.startswith("sampled-"):
+                record["sampling"] = {"head": plan.head, "samples": plan.samples, "hash_version": plan.hash_version}
+            if variant in TRITON_VARIANTS and (device.type != "cuda" or not triton_available()):
                 yield record | {"skipped": "the Triton kernel is timed on CUDA with Triton installed"}
                 continue
             seconds, result = _best_of(runs[variant], args.repeats, device)
@@ -94,10 +115,11 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 floor = seconds
             elif floor is not None:
                 record["over_matmul"] = round(seconds / floor, 3)
-            if variant == "slab":
-                reference = result
-            elif reference is not None and result is not None:
-                record |= _agreement(reference, result)
+            kind = "sampled" if variant.startswith("sampled-") else "topk"
+            if variant in ("slab", "sampled-slab"):
+                references[kind] = result
+            elif kind in references and result is not None:
+                record |= _agreement(references[kind], result)
             yield record
 
 
@@ -113,11 +135,19 @@ def _best_of(run: Callable[[], Any], repeats: int, device: torch.device) -> tupl
     return best, result
 
 
+def _sampled_fields(targets: Any) -> tuple:
+    """Hybrid targets as (ids, log-probs, tail) like the top-K variants': head and sample side by side."""
+    ids = torch.cat([targets.head_ids, targets.sample_ids], 1)
+    return ids, torch.cat([targets.head_logprobs, targets.sample_logprobs], 1), targets.tail_logprob
+
+
 def _agreement(reference: tuple, result: tuple) -> dict[str, float]:
-    """How far a variant's (ids, log-probs, tail) are from the slab loop's: values compared as sorted sets per row,
+    """How far a variant's (ids, log-probs, tail) are from its slab loop's: values compared as sorted sets per row,
     since ties may order ids differently."""
     ref_ids, ref_lp, ref_tail = (tensor.cpu() for tensor in reference)
     ids, lp, tail = (tensor.cpu() for tensor in result)
     same = (ref_ids.sort(1).values == ids.sort(1).values).float().mean().item()
-    return {"max_logprob_diff": float((ref_lp - lp).abs().max()), "max_tail_diff": float((ref_tail - tail).abs().max()),
-            "ids_agree": round(same, 6)}
+    ref_lp, lp = ref_lp.sort(1).values, lp.sort(1).values
+    finite = torch.isfinite(ref_lp) & torch.isfinite(lp)
+    return {"max_logprob_diff": float((ref_lp - lp)[finite].abs().max()) if bool(finite.any()) else 0.0,
+            "max_tail_diff": float((ref_tail - tail).abs().max()), "ids_agree": round(same, 6)}

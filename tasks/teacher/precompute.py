@@ -29,8 +29,8 @@ from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
-from kdflow.schemas.store_info import (TopkStoreInfo, format_mismatch, read_store_info, store_format, teacher_section,
-                                   write_store_info)
+from kdflow.schemas.store_info import (TopkStoreInfo, find_topk_stores, format_mismatch, read_store_info,
+                                      store_format, teacher_section, write_store_info)
 from kdflow.schemas.token_store import open_token_store
 from kdflow.tasks.common.model_configs import tokenizer_mismatch
 from kdflow.tasks.common.models import resolve_device, teacher_fingerprint, teacher_identity
@@ -118,8 +118,23 @@ def plan_pass(run_root: RunRoot, settings: TeacherPassSettings, shard_ids: list[
     if mismatch is not None:  # the tag names the format, so only a damaged or foreign _store.json gets here
         raise StoreError(mismatch)
     committed = list_commits(run_root, store, "topk", tag)  # one listing, not a request per shard
+    if existing is None and pre.targets != "topk":
+        _say_other_draws(run_root, settings, tag)
     todo = [i for i in wanted if i not in committed]
     return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo)
+
+
+def _say_other_draws(run_root: RunRoot, settings: TeacherPassSettings, tag: str) -> None:
+    """A new sampled store beside one of the same targets drawn with another noise hash (a store begun before
+    kdflow.2 became the default): say how to finish that one instead of starting this one."""
+    for other in find_topk_stores(run_root, settings.teacher, settings.precompute, to_train=True):
+        if other == tag:
+            continue
+        info = read_store_info(run_root, stage_dir(run_root, "topk", other))
+        drawn = ((info.store_format().get("sampling") or {}) if info is not None else {}).get("hash_version")
+        logger.warning("precompute: starting top-K store %s; %s holds the same targets drawn with %s noise: to "
+                       "finish that one instead, set precompute.sampling.hash_version: %s", tag,
+                       run_root.display(stage_dir(run_root, "topk", other)), drawn, drawn)
 
 
 def precompute_shards(
