@@ -125,10 +125,8 @@ class SamplingConfig(_Section):
     """Sampled teacher targets (`precompute.targets: sampled | hybrid`): per position an exact top-`head` (hybrid
     only), `samples` distinct tokens drawn from the teacher outside it, and what an unbiased loss needs."""
 
-    head: PositiveInt = Field(default=16, description="hybrid: exact top-H tokens per position (sampled targets have "
-                                                      "none)")
-    samples: PositiveInt = Field(default=12, description="Tokens sampled per position from the teacher's tail (the "
-                                                         "budget)")
+    head: PositiveInt = Field(default=16, description="hybrid: exact top-H tokens per position (sampled: none)")
+    samples: PositiveInt = Field(default=12, description="Tokens sampled per position from the teacher's tail")
     scheme: Literal["priority", "gumbel"] = Field(
         default="priority", description="priority: Duffield priority sampling (weights max(p, tau)); "
                                         "gumbel: sampling without replacement (Gumbel top-S)")
@@ -137,8 +135,7 @@ class SamplingConfig(_Section):
         default="float16", description="Storage of the sampled tokens' log-probs (the head's follows precompute.store; "
                                        "the threshold is always float32)")
     hash_version: Literal["kdflow.2", "kdflow.1"] = Field(
-        default="kdflow.2", description="The draw's noise: kdflow.2 (32-bit hash, float32 keys); kdflow.1 only to "
-                                        "finish a store begun with it (its _store.json says)")
+        default="kdflow.2", description="The draw's noise hash; kdflow.1 only to finish a store begun with it")
 
 
 class PrecomputeConfig(_Section):

@@ -50,9 +50,9 @@ def sampled_codec(pre: PrecomputeConfig, seq_len: int, vocab: int, table: Renumb
     plan = SamplingPlan.from_config(pre)
     store_settings, sampling = pre.store, pre.sampling
     codec = SampledCodec(seq_len, plan.head, plan.samples, vocab, scheme=plan.scheme, seed=plan.seed,
-                         hash_version=plan.hash_version, head_values=store_settings.values, levels=store_settings.levels,
-                         tail=store_settings.tail, sample_values=sampling.values, zstd_level=store_settings.zstd_level,
-                         renumbering=table)
+                         hash_version=plan.hash_version, head_values=store_settings.values,
+                         levels=store_settings.levels, tail=store_settings.tail, sample_values=sampling.values,
+                         zstd_level=store_settings.zstd_level, renumbering=table)
     codec.schema()  # built once (compresses the table), shared by every shard and the writer thread
     return codec
 
