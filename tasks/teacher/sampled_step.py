@@ -14,7 +14,7 @@ from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
 from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
 from kdflow.tasks.teacher.sampling_noise import position_streams
-from kdflow.tasks.teacher.tiled_topk import tiled_head_fits, tiled_variant
+from kdflow.tasks.teacher.tiled_topk import logit_blocks, tiled_head_fits, tiled_variant
 
 __all__ = ["TeacherSampledStep", "sample_kernels", "sampled_head", "tiled_head_sample"]
 
@@ -40,20 +40,10 @@ def tiled_head_sample(hidden: Tensor, weight: Tensor, plan: SamplingPlan, chunk_
                       rows: Tensor, positions: Tensor, tile: int = 128,
                       kernels: SampleKernels = TORCH_KERNELS) -> SampledTargets:
     """`chunked_sampled`'s contract for a plain lm_head weight (V, H), no final-logit transform and kdflow.2 noise:
-    each block of `chunk_tokens` rows is one matmul into a logits buffer of the weight's dtype (rounded as the
-    model rounds its own logits), then `tiled_sample` over it."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden (N, H) and weight (V, H) do not match: {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}")
-    tokens, vocab = hidden.shape[0], weight.shape[0]
-    block = max(1, min(chunk_tokens, tokens))
-    buffer = torch.empty(block * vocab, dtype=weight.dtype, device=hidden.device)
+    `tiled_sample` over each block of `tiled_topk.logit_blocks`."""
     parts = []
     with torch.inference_mode():
-        for start in range(0, tokens, block):
-            stop = min(start + block, tokens)
-            logits = buffer[: (stop - start) * vocab].view(stop - start, vocab)
-            torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
+        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens):
             streams = position_streams(plan.seed, shard, rows[start:stop], positions[start:stop])
             parts.append(tiled_sample(logits, plan, streams, tile, kernels))
     return cat_targets(parts)

@@ -20,7 +20,7 @@ log-sum-exps up to float rounding (sums in another order); `kdflow bench head` t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -84,26 +84,34 @@ def tiled_logsumexps(tile_max: Tensor, tile_sum: Tensor, picked: Tensor, candida
     return row_max + (kept + rest).log(), row_max + rest.log()
 
 
-def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,
-                    stats: TileStats = tile_stats_torch) -> tuple[Tensor, Tensor, Tensor]:
-    """`chunked_topk(..., return_tail=True)`'s contract for a plain lm_head weight (V, H) and no final-logit
-    transform: hidden (N, H) -> ids (N, K) int32, log-probs (N, K) float32, tail (N,) float32. Each block of
-    `chunk_tokens` rows is one matmul into a logits buffer of the weight's dtype (rounded as the model rounds its
-    own logits), then `tiled_topk` over it."""
+def logit_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int) -> Iterator[tuple[int, int, Tensor]]:
+    """(start, stop, logits (stop - start, V)) for each block of `chunk_tokens` rows of hidden (N, H) through a plain
+    lm_head weight (V, H): one matmul into one reused buffer of the weight's dtype (rounded as the model rounds its
+    own logits). Each block's logits are overwritten by the next."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden (N, H) and weight (V, H) do not match: {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}")
     tokens, vocab = hidden.shape[0], weight.shape[0]
     rows = max(1, min(chunk_tokens, tokens))
     buffer = torch.empty(rows * vocab, dtype=weight.dtype, device=hidden.device)
+    for start in range(0, tokens, rows):
+        stop = min(start + rows, tokens)
+        logits = buffer[: (stop - start) * vocab].view(stop - start, vocab)
+        torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
+        yield start, stop, logits
+
+
+def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,
+                    stats: TileStats = tile_stats_torch) -> tuple[Tensor, Tensor, Tensor]:
+    """`chunked_topk(..., return_tail=True)`'s contract for a plain lm_head weight (V, H) and no final-logit
+    transform: hidden (N, H) -> ids (N, K) int32, log-probs (N, K) float32, tail (N,) float32: `tiled_topk` over
+    each block of `logit_blocks`."""
+    tokens = hidden.shape[0]
     ids = torch.empty((tokens, k), dtype=torch.int32, device=hidden.device)
     logprobs = torch.empty((tokens, k), dtype=torch.float32, device=hidden.device)
     tail = torch.empty((tokens,), dtype=torch.float32, device=hidden.device)
     with torch.inference_mode():
-        for start in range(0, tokens, rows):
-            stop = min(start + rows, tokens)
-            logits = buffer[: (stop - start) * vocab].view(stop - start, vocab)
-            torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
+        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens):
             top, top_ids, log_normaliser, log_rest = tiled_topk(logits, k, tile, stats)
             torch.sub(top, log_normaliser[:, None], out=logprobs[start:stop])
             torch.sub(log_rest, log_normaliser, out=tail[start:stop])
