@@ -60,6 +60,7 @@ class TopkShardInfo(_Info):
     micro_batch: int | None = None
     chunk_tokens: int | None = None
     head: str | None = None  # how the pass read the logits: "slab", "tiled" or "tiled-triton" (None: before the choice)
+    experts: str | None = None  # how a MoE teacher's experts ran (precompute.experts); None: dense, or before it
     vocab_size: int | None = None  # the teacher's output rows: every top-K id is below it
     format: str | None = None  # "v2"; None: a v1 shard
     codec: dict[str, Any] | None = None  # v2: the codec's settings (as in the shard's schema metadata)

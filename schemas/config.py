@@ -144,19 +144,19 @@ class PrecomputeConfig(_Section):
     targets: Literal["topk", "sampled", "hybrid"] = Field(
         default="topk", description="topk: the top-K with a tail bucket; hybrid: exact top-H head + sampled tail; "
                                     "sampled: only sampled tokens (precompute.sampling)")
-    sampling: SamplingConfig = Field(default=SamplingConfig(), description="Sampled targets: head, samples, scheme, "
-                                                                           "seed")
+    sampling: SamplingConfig = Field(default=SamplingConfig(), description="Sampled targets: head, samples, scheme...")
     top_k: PositiveInt = Field(default=128, description="Teacher log-probabilities kept per position (K)")
     micro_batch: PositiveInt = Field(default=8, description="Sequences per teacher forward; fixed for the whole run")
-    chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per chunk of logits; empty: from "
-                                                                       "the memory budget")
+    chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per logits chunk; empty: by budget")
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
     head: Literal["slab", "tiled"] = Field(
-        default="slab", description="How the top-K pass reads the logits: slab (the slab loop) or tiled (once, per "
-                                    "tile of ids; a Triton kernel on CUDA); the same values either way")
+        default="slab", description="How the pass reads the logits: slab (the slab loop) or tiled (once, per tile of "
+                                    "ids; Triton kernels on CUDA); the same targets either way")
+    experts: Literal["auto", "grouped_mm", "batched_mm", "eager"] = Field(
+        default="auto", description="How a MoE teacher's experts run (transformers' experts_implementation; auto: its "
+                                    "choice); the same values up to rounding (`kdflow bench body` times them)")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
-    sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K shards "
-                                                                       "alike)")
+    sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K alike)")
     logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How v1 stores keep the "
                                                           "log-probabilities (v2: precompute.store.values)")
     store: TopkStoreConfig = Field(default=TopkStoreConfig(), description="Top-K shard format and codec settings")

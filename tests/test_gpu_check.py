@@ -41,7 +41,8 @@ def test_plan_at_full_size_skips_only_the_dense_loss_at_32k(capsys: pytest.Captu
     assert steps["hub_layout_load"]["would"] == "run" and 5 < steps["hub_layout_load"]["checkpoint_gib"] < 6
     assert steps["capped_24gib"]["estimated_gib"] == 24 and 56 in steps["capped_24gib"]["micro_batches"]
     assert time_s["first_call"] <= time_s["limit"] == 540  # one call of at most 9 minutes
-    assert time_s["second_call_steps"] == ["capped_24gib", "hub_layout_load"] and time_s["second_call"] < 180
+    assert time_s["second_call_steps"] == ["capped_24gib", "hub_layout_load", "body_variants"]
+    assert time_s["second_call"] < 180 and steps["body_variants"]["would"] == "run"
     small = json.loads(json.dumps(__import__("kdflow.bench.gpu_plan", fromlist=["plan"]).plan(False, 40.0)))
     assert "teacher_pass_L4_bf16" not in small["would_skip"] and "loss_dense_8192" in small["would_skip"]
     assert "full_depth" in small["would_skip"]  # 60 GiB of bf16 weights on a 40 GiB device
@@ -163,6 +164,11 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     assert extrapolated["what"].startswith("extrapolated") and "stage_tokens_per_s" in extrapolated  # CPU: noise
     assert "topk_tokens_per_s" in extrapolated
     assert steps["targets_sampled"]["written"] >= 1 and steps["targets_hybrid"]["written"] >= 1
+    assert steps["targets_hybrid"]["head"] == "tiled"
+    body = steps["body_variants"]  # every experts implementation and the compiled body, against eager
+    ran = {r["variant"]: r for r in body["records"] if "tokens_per_s" in r}
+    assert set(ran) == {"grouped_mm", "batched_mm", "eager", "compiled"}, body["records"]
+    assert all(r["max_rel_diff"] < 1e-2 for r in ran.values()) and body["fastest"] in ran
     precision = steps["logits_precision"]
     assert precision["positions"] == 64 and 0 < precision["topk_id_overlap_mean"] <= 1
     cost = precision["lm_head_float32"]  # the float32 head's cost and effect, to set its default by

@@ -263,9 +263,11 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
         steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),
                   needs_s=long_s)
     # Last, needed by no other step: the plan expects them skipped for time in the first call, for a second
-    # (`--only capped_24gib,hub_layout_load`).
+    # (`--only capped_24gib,hub_layout_load,body_variants`).
     steps.run("capped_24gib", lambda: gpu_capped.check_step(size, device), needs_s=long_s)
     steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s)
+    steps.run("body_variants", lambda: steps_.body_variants(main_config, tuned, quick), needs=("teacher",),
+              needs_s=long_s)
     gpus = torch_gpus()
     if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
         steps.run("fsdp_2_process", lambda: steps_.fsdp(main_config), needs=("precompute",), needs_s=long_s / 2)

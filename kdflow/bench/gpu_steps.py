@@ -174,6 +174,23 @@ def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def body_variants(config_path: Path, micro_batch: int | None, quick: bool) -> dict[str, Any]:
+    """`kdflow bench body` on the check's 4-bit teacher at the tuned micro-batch: each experts implementation and
+    the compiled body, against eager. A variant that cannot run is recorded with its error; the step fails only
+    when none ran."""
+    from kdflow.bench import body
+
+    args = options(body.build_parser(), config=str(config_path), micro_batch=micro_batch or None,
+                   repeats=1 if quick else 3, compile_backend="aot_eager" if quick else "inductor")
+    records = [_echo(record) for record in body.records(args)]
+    ran = {r["variant"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+    if not ran:
+        raise RuntimeError(f"kdflow bench body: no variant ran: {records[0] if records else 'no records'}")
+    fastest = max(ran, key=ran.__getitem__)
+    return {"records": records, "fastest": fastest, "over_grouped_mm": {
+        name: round(rate / ran["grouped_mm"], 3) for name, rate in ran.items()} if "grouped_mm" in ran else None}
+
+
 def bench_train_step(config_path: Path, device: str, size: dict[str, Any], quick: bool) -> dict[str, Any]:
     """`kdflow bench train-step`, plain against fused, the fused step checked against float32."""
     from kdflow.bench import train_step

@@ -21,6 +21,7 @@ from kdflow.schemas.shards import read_token_shard, topk_shard_writer, topk_v2_s
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
+from kdflow.tasks.teacher.body_variants import use_experts
 from kdflow.tasks.teacher.host_writer import WRITE_QUEUE_DEPTH, BackgroundWriter, HostCopies
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import output_rows, vocab_rows
@@ -38,6 +39,7 @@ class ShardComputer:
         self.settings, self.run_root, self.store, self.tag = settings, run_root, store, tag
         self.device = next(model.parameters()).device
         self.vocab_rows = vocab_rows(model)
+        experts = use_experts(model, pre.experts)  # None: a dense teacher
         vocab = output_rows(model)
         chunk_tokens = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
         try:
@@ -52,7 +54,7 @@ class ShardComputer:
         self.codec = store_codec(settings, run_root, store, tokens_done, vocab) if self.sampled is None else None
         coded = self.sampled.codec if self.sampled is not None else self.codec
         self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": vocab,
-                                            "head": self.step.head} | (
+                                            "head": self.step.head, "experts": experts} | (
             {} if coded is None else {"format": "v2", "codec": coded.settings()}))
         # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32

@@ -36,11 +36,12 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import resolve_device
 from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.teacher.body_variants import use_experts
 from kdflow.tasks.teacher.host_writer import HostCopies
 from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher_config, output_rows,
                                           vocab_rows)
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
-from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_chunk_tokens, sampled_codec
+from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_codec, sampled_step
 from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
 MIB = 1 << 20
@@ -111,14 +112,15 @@ def pass_step(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int,
     if pre.targets != "topk":  # no store here: the codec without a renumbering table (its shapes are what counts)
         candidate = dataclasses.replace(settings, precompute=pre.model_copy(update={"micro_batch": micro_batch}))
         sampled = SampledPass(candidate, model, sampled_codec(pre, settings.seq_len, vocab),
-                              sampled_chunk_tokens(pre, vocab), slots=2)
+                              sampled_step(model, pre, vocab).chunk_tokens, slots=2)
 
         def sample(input_ids: torch.Tensor, index: int) -> tuple[Any, Callable[[], None]]:
             *_, ready, release = sampled(input_ids, micro_batch, shard=0, first_row=index * micro_batch)
             return ready, release
 
         return sample, sampled.chunk_tokens
-    step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+    step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20),
+                           head=pre.head)
     storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
     host = HostCopies(device, (micro_batch, settings.seq_len, pre.top_k), storage, slots=2)
 
@@ -143,6 +145,7 @@ def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_ba
     tokenizer = load_tokenizer(teacher, settings.tokenizer)
     started = time.perf_counter()
     model = load_teacher(teacher, device=device)
+    use_experts(model, settings.precompute.experts)
     load_seconds = time.perf_counter() - started
     check_tokenizer_fits(tokenizer, model)
     ids, source = token_rows(run_root, seq_len, tokenizer, (warmup + batches) * micro_batch)

@@ -1,0 +1,58 @@
+"""`kdflow bench body`: a MoE teacher's body (the pass's forward without its head) under each way its experts can
+run, side by side at one micro-batch: transformers' `grouped_mm`, `batched_mm` and `eager`, and `compiled` (the
+body under torch.compile at the fixed shape; CUDA graphs on CUDA). One JSON line per variant: tokens/s (the best
+of `--repeats` after a warm-up; the warm-up's own seconds apart, for `compiled` its compile), how far its hidden
+states are from eager's, or the one-line error that stopped it. The teacher is the config's, loaded as the pass
+loads it (4-bit experts included); the ids are random, since the speed does not depend on what they mean.
+`precompute.experts` then picks one for the pass (kdflow.tasks.teacher.body_variants).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import Any
+
+from kdflow.bench.args import bench_parser
+from kdflow.bench.harness import emit, note
+
+
+def main(argv: list[str] | None = None) -> int:
+    for record in records(build_parser().parse_args(argv)):
+        emit(record)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kdflow.tasks.teacher.body_variants import VARIANTS
+
+    parser = bench_parser("body", __doc__, device=None, repeats=3, seq_len=None,
+                          helps={"device": "where it runs (default: the config's teacher.device)",
+                                 "seq_len": "tokens per sequence (default: the config's seq_len)"})
+    parser.add_argument("config", help="a config whose teacher is a MoE model")
+    parser.add_argument("--micro-batch", type=int, help="sequences per forward (default: precompute.micro_batch)")
+    parser.add_argument("--variants", type=lambda text: tuple(text.split(",")), default=VARIANTS,
+                        help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend for `compiled` (aot_eager: capture the graph without codegen)")
+    return parser
+
+
+def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    import torch
+
+    from kdflow.schemas.config_io import load_config
+    from kdflow.tasks.common.teacher_loading import load_teacher
+    from kdflow.tasks.teacher.body_variants import measure_body_variants
+    from kdflow.tasks.teacher.loading import output_rows
+
+    config = load_config(args.config)
+    model = load_teacher(config.teacher, device=args.device)
+    device = next(model.parameters()).device
+    rows, seq_len = args.micro_batch or config.precompute.micro_batch, args.seq_len or config.seq_len
+    ids = torch.randint(0, output_rows(model), (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    shape = {"bench": "body", "layers": model.config.num_hidden_layers, "micro_batch": rows, "seq_len": seq_len,
+             "four_bit": config.teacher.load_in_4bit, "device": str(device)}
+    note(shape | {"note": "shape"})
+    for record in measure_body_variants(model, ids.to(device), args.variants, args.repeats, args.compile_backend):
+        yield shape | record

@@ -1,0 +1,123 @@
+"""How a MoE teacher's body runs, and its variants measured side by side (issue 44, item 4).
+
+transformers 5 runs a MoE block's experts by one of several implementations (`experts_implementation`):
+`grouped_mm` (the tokens sorted by expert, one grouped GEMM per projection; its default where torch has grouped
+matmuls), `batched_mm` (each token's chosen experts' weights gathered and multiplied as a batch) and `eager` (a
+loop over the experts). `precompute.experts` picks one for the pass (`auto`: transformers' choice); each shard's
+commit record says which ran. A 4-bit teacher's experts run the same way on the layer's dequantised weights
+(`kdflow.tasks.common.fused_experts`).
+
+`measure_body_variants` times the body (embeddings to the final norm: the pass's forward without its head) under
+each implementation and `compiled` (the body under torch.compile at the micro-batch's fixed shape; on CUDA with
+CUDA graphs, `mode="reduce-overhead"`), each against `eager`'s hidden states. Pure torch; `kdflow bench body` and
+the GPU check's `body_variants` step print its records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.common.fused_experts import expert_count
+from kdflow.tasks.common.models import body_hidden_states, model_body
+
+__all__ = ["EXPERTS", "VARIANTS", "experts_in_use", "measure_body_variants", "use_experts"]
+
+EXPERTS = ("grouped_mm", "batched_mm", "eager")
+VARIANTS = (*EXPERTS, "compiled")
+
+
+def experts_in_use(model: nn.Module) -> str | None:
+    """The experts implementation the model runs (None: not a MoE model)."""
+    if expert_count(model.config) is None:
+        return None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "_experts_implementation", None) or getattr(model.config, "_experts_implementation", None)
+
+
+def use_experts(model: nn.Module, choice: str) -> str | None:
+    """`precompute.experts` on a loaded teacher: `auto` leaves transformers' choice; -> what runs (None: a dense
+    model, where the setting means nothing)."""
+    if expert_count(model.config) is None:
+        return None
+    if choice != "auto":
+        setter = getattr(model, "set_experts_implementation", None)
+        if setter is None:
+            raise ConfigError(f"precompute.experts: {choice} needs a transformers that can set a model's experts "
+                              "implementation (5.x); set precompute.experts: auto")
+        try:
+            setter(choice)
+        except (ValueError, ImportError, RuntimeError) as error:
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ConfigError(f"precompute.experts: {choice} cannot run this teacher: {first}") from None
+    return experts_in_use(model)
+
+
+def _synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _runner(model: nn.Module, variant: str, compile_backend: str) -> Callable[[Tensor], Tensor]:
+    """A function input_ids -> the body's hidden states under `variant` (the experts set as it needs)."""
+    if variant in EXPERTS:
+        use_experts(model, variant)
+        return lambda ids: body_hidden_states(model, ids)
+    use_experts(model, "grouped_mm")  # transformers' default, where torch has grouped matmuls
+    device = next(model.parameters()).device
+    mode = "reduce-overhead" if device.type == "cuda" and compile_backend == "inductor" else None
+    body = torch.compile(model_body(model), dynamic=False, backend=compile_backend, mode=mode)
+
+    def run(ids: Tensor) -> Tensor:
+        outputs = body(input_ids=ids, use_cache=False)
+        hidden = getattr(outputs, "last_hidden_state", None)
+        return (hidden if hidden is not None else outputs[0]).clone()  # CUDA graphs reuse their output buffers
+
+    return run
+
+
+def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[str, ...] = VARIANTS,
+                          repeats: int = 3, compile_backend: str = "inductor") -> Iterator[dict[str, Any]]:
+    """One record per variant: tokens/s of the body (the best of `repeats` after a warm-up, the compile's own
+    seconds apart), the largest difference of its hidden states from eager's (absolute and relative to eager's
+    largest), or the one-line error that stopped it. The model's own implementation is restored after."""
+    if expert_count(model.config) is None:
+        raise ValueError("the body's variants are a MoE teacher's: this teacher has no experts")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown body variants {unknown}; known: {', '.join(VARIANTS)}")
+    device, tokens = input_ids.device, input_ids.numel()
+    before = experts_in_use(model)
+    try:
+        with torch.inference_mode():
+            reference = _runner(model, "eager", compile_backend)(input_ids).float()
+            scale = float(reference.abs().max()) or 1.0
+            for variant in variants:
+                record: dict[str, Any] = {"variant": variant, "tokens": tokens}
+                try:
+                    run = _runner(model, variant, compile_backend)
+                    started = time.perf_counter()
+                    out = run(input_ids)  # warm-up: for `compiled`, the compile itself
+                    _synchronise(device)
+                    record["first_call_s"] = round(time.perf_counter() - started, 3)
+                    best = float("inf")
+                    for _ in range(max(1, repeats)):
+                        started = time.perf_counter()
+                        out = run(input_ids)
+                        _synchronise(device)
+                        best = min(best, time.perf_counter() - started)
+                except Exception as error:  # noqa: BLE001 - a variant that cannot run is a result, not a crash
+                    text = str(error).strip().splitlines()
+                    yield record | {"error": f"{type(error).__name__}: {text[0] if text else ''}"[:300]}
+                    continue
+                diff = float((out.float() - reference).abs().max())
+                yield record | {"experts": experts_in_use(model), "tokens_per_s": round(tokens / best, 1),
+                                "max_abs_diff": diff, "max_rel_diff": diff / scale}
+    finally:
+        if before is not None:
+            use_experts(model, before)

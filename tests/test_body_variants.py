@@ -1,0 +1,101 @@
+"""A MoE teacher's body variants (kdflow/tasks/teacher/body_variants.py): each experts implementation and the
+compiled body against eager on a tiny Qwen3-MoE teacher (in 16/32 bits and with its experts in 4-bit), the
+setting the pass takes (`precompute.experts`) and records, `kdflow bench body`, and the one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdflow.schemas.config import TeacherConfig
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.common.teacher_loading import load_teacher
+from kdflow.tasks.teacher.body_variants import EXPERTS, experts_in_use, measure_body_variants, use_experts
+
+pytestmark = pytest.mark.unit
+
+
+def moe(folder: Path, four_bit: bool = False) -> torch.nn.Module:
+    if four_bit:
+        pytest.importorskip("bitsandbytes")
+    return load_teacher(TeacherConfig(model=str(folder), device="cpu", dtype="float32" if not four_bit else "bfloat16",
+                                      load_in_4bit=four_bit))
+
+
+@pytest.mark.parametrize("four_bit", [False, True])
+def test_every_variant_computes_eagers_hidden_states(tiny_moe_teacher_dir: Path, four_bit: bool) -> None:
+    model = moe(tiny_moe_teacher_dir, four_bit)
+    before = experts_in_use(model)
+    ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    variants = (*EXPERTS, "compiled") if not four_bit else EXPERTS  # compiled: once, at full precision (slow)
+    found = {r["variant"]: r for r in measure_body_variants(model, ids, variants, repeats=1,
+                                                              compile_backend="aot_eager")}
+    assert set(found) == set(variants) and not [r for r in found.values() if "error" in r], found
+    tolerance = 1e-5 if not four_bit else 2e-2  # float32; bf16 sums in another order
+    for name, record in found.items():
+        assert record["tokens"] == 24 and record["tokens_per_s"] > 0
+        assert record["max_rel_diff"] <= tolerance, record
+        assert record["experts"] == (name if name in EXPERTS else "grouped_mm")
+    assert found["eager"]["max_abs_diff"] == 0.0
+    assert experts_in_use(model) == before  # restored
+
+
+def test_the_setting_on_a_dense_teacher_means_nothing_and_a_bad_one_is_one_line(tiny_teacher_dir: Path,
+                                                                                  tiny_moe_teacher_dir: Path) -> None:
+    dense = load_teacher(TeacherConfig(model=str(tiny_teacher_dir), device="cpu", dtype="float32"))
+    assert use_experts(dense, "eager") is None and experts_in_use(dense) is None
+    with pytest.raises(ValueError, match="has no experts"):
+        list(measure_body_variants(dense, torch.zeros(1, 4, dtype=torch.long)))
+    model = moe(tiny_moe_teacher_dir)
+    assert use_experts(model, "auto") == "grouped_mm"  # transformers' default, where torch has grouped matmuls
+    assert use_experts(model, "batched_mm") == "batched_mm"
+    with pytest.raises(ConfigError) as error:
+        use_experts(model, "no_such_kernel")
+    assert str(error.value).startswith("precompute.experts: no_such_kernel cannot run this teacher")
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="unknown body variants"):
+        list(measure_body_variants(model, torch.zeros(1, 4, dtype=torch.long), ("fastest",)))
+
+
+def test_the_pass_runs_the_chosen_experts_and_its_shards_say_which(tiny_moe_teacher_dir: Path, corpus_file: Path,
+                                                                   tmp_path: Path) -> None:
+    from support.tiny import tiny_config
+
+    from kdflow.schemas.commits import list_commits, stage_dir
+    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, teacher_pass_settings
+    from kdflow.schemas.stage_settings import tokenise_settings
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.materialise import materialise
+    from kdflow.tasks.corpus.tokenise import tokenise
+    from kdflow.tasks.teacher.precompute import precompute_shards
+
+    written = {}
+    for choice in ("auto", "eager"):
+        config = tiny_config(tmp_path / f"run-{choice}", tiny_moe_teacher_dir, corpus_file,
+                             dataset__max_documents=12, precompute__experts=choice)
+        run_root = open_run_root(config)
+        materialise(run_root, materialise_settings(config), None)
+        tokenise(run_root, tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
+        tag = precompute_shards(run_root, teacher_pass_settings(config))["tag"]
+        records = list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag)
+        written[choice] = {record.extra.experts for record in records.values()}
+    assert written == {"auto": {"grouped_mm"}, "eager": {"eager"}}
+
+
+def test_the_bench_prints_one_line_per_variant(tiny_moe_teacher_dir: Path, corpus_file: Path, tmp_path: Path) -> None:
+    from support.tiny import tiny_config
+
+    from kdflow.bench.body import build_parser, records
+    from kdflow.schemas.config_io import dump_config
+
+    path = tmp_path / "moe.yaml"
+    path.write_text(dump_config(tiny_config(tmp_path / "run", tiny_moe_teacher_dir, corpus_file,
+                                            teacher__dtype="float32")))
+    args = build_parser().parse_args([str(path), "--micro-batch", "2", "--seq-len", "8", "--repeats", "1",
+                                      "--variants", "eager,batched_mm", "--device", "cpu"])
+    found = list(records(args))
+    assert [r["variant"] for r in found] == ["eager", "batched_mm"]
+    assert all(r["bench"] == "body" and r["micro_batch"] == 2 and r["seq_len"] == 8 and r["layers"] == 2
+               for r in found)
