@@ -93,7 +93,7 @@ def test_the_bench_prints_one_line_per_variant(tiny_moe_teacher_dir: Path, corpu
     path = tmp_path / "moe.yaml"
     path.write_text(dump_config(tiny_config(tmp_path / "run", tiny_moe_teacher_dir, corpus_file,
                                             teacher__dtype="float32")))
-    args = build_parser().parse_args([str(path), "--micro-batch", "2", "--seq-len", "8", "--repeats", "1",
+    args = build_parser().parse_args(["--config", str(path), "--micro-batch", "2", "--seq-len", "8", "--repeats", "1",
                                       "--variants", "eager,batched_mm", "--device", "cpu"])
     found = list(records(args))
     assert [r["variant"] for r in found] == ["eager", "batched_mm"]

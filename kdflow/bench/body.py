@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser("body", __doc__, device=None, repeats=3, seq_len=None,
                           helps={"device": "where it runs (default: the config's teacher.device)",
                                  "seq_len": "tokens per sequence (default: the config's seq_len)"})
-    parser.add_argument("config", help="a config whose teacher is a MoE model")
+    parser.add_argument("--config", help="a config whose teacher is a MoE model (needed)")
     parser.add_argument("--micro-batch", type=int, help="sequences per forward (default: precompute.micro_batch)")
     parser.add_argument("--variants", type=lambda text: tuple(text.split(",")), default=VARIANTS,
                         help=f"comma list of {', '.join(VARIANTS)}")
@@ -46,6 +46,8 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from kdflow.tasks.teacher.body_variants import measure_body_variants
     from kdflow.tasks.teacher.loading import output_rows
 
+    if not args.config:
+        raise SystemExit("kdflow bench body: --config CONFIG is needed (a config whose teacher is a MoE model)")
     config = load_config(args.config)
     model = load_teacher(config.teacher, device=args.device)
     device = next(model.parameters()).device
