@@ -167,7 +167,9 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     assert steps["targets_hybrid"]["head"] == "tiled"
     body = steps["body_variants"]  # every experts implementation and the compiled body, against eager
     ran = {r["variant"]: r for r in body["records"] if "tokens_per_s" in r}
-    assert set(ran) == {"grouped_mm", "batched_mm", "eager", "compiled"}, body["records"]
+    assert set(ran) >= {"grouped_mm", "batched_mm", "eager", "compiled"}, body["records"]
+    fused = next(r for r in body["records"] if r["variant"] == "kdflow_fused")  # the interpreter, or no Triton
+    assert "tokens_per_s" in fused or "skipped" in fused, fused
     assert all(r["max_rel_diff"] < 1e-2 for r in ran.values()) and body["fastest"] in ran
     precision = steps["logits_precision"]
     assert precision["positions"] == 64 and 0 < precision["topk_id_overlap_mean"] <= 1

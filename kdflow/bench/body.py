@@ -1,6 +1,7 @@
 """`kdflow bench body`: a MoE teacher's body (the pass's forward without its head) under each way its experts can
-run, side by side at one micro-batch: transformers' `grouped_mm`, `batched_mm` and `eager`, and `compiled` (the
-body under torch.compile at the fixed shape; CUDA graphs on CUDA). One JSON line per variant: tokens/s (the best
+run, side by side at one micro-batch: transformers' `grouped_mm`, `batched_mm` and `eager`, kdflow's
+`kdflow_fused` (two Triton kernels, CUDA only: skipped elsewhere) and `compiled` (the body under torch.compile at
+the fixed shape; CUDA graphs on CUDA). One JSON line per variant: tokens/s (the best
 of `--repeats` after a warm-up; the warm-up's own seconds apart, for `compiled` its compile), how far its hidden
 states are from eager's, or the one-line error that stopped it. The teacher is the config's, loaded as the pass
 loads it (4-bit experts included); the ids are random, since the speed does not depend on what they mean.

@@ -47,7 +47,7 @@ HEAD_S = 35  # `kdflow bench head`'s seven variants (top-K and sampled) at 16,38
 PROFILE_S = 15
 HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
 CAPPED_S = 45  # the 32-layer 4-bit teacher built layer by layer, five micro-batches tried twice each
-BODY_S = 60  # the L4 4-bit teacher loaded, three experts implementations timed, one inductor compile: a guess
+BODY_S = 60  # the L4 4-bit teacher loaded, four experts implementations timed, one inductor compile: a guess
 SETUP_S = 15  # a call's set-up from the carried wheels (13 s on 2026-12-04)
 CAP_GIB = 24.0  # the memory promise: a 24 GB GPU (gpu_capped.py)
 BF16_PEAK_TFLOPS = 790.0  # the H200's measured bf16 matmul rate on the lent machine (KINDS.md), the MFU roofline
@@ -180,7 +180,7 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
         tokens=size["head_tokens"], vocab=size["loss_vocab"], hidden=size["loss_hidden"], estimated_s=HEAD_S)
     first_s = LAST_CHECK_S + steps["full_depth"]["estimated_s"] + PROFILE_S + HEAD_S
     add("body_variants", largest + pass_activation_bytes(shapes, largest_mb, size["seq_len"]), layers=size["depths"][1],
-        variants=["grouped_mm", "batched_mm", "eager", "compiled"], estimated_s=BODY_S)
+        variants=["grouped_mm", "batched_mm", "eager", "kdflow_fused", "compiled"], estimated_s=BODY_S)
     second = ["capped_24gib", "hub_layout_load", "body_variants"]  # last: skipped for time in the first call
     dense_limit = 0.6 * limit
     for tokens in size["loss_tokens"]:

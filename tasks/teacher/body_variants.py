@@ -3,7 +3,8 @@
 transformers 5 runs a MoE block's experts by one of several implementations (`experts_implementation`):
 `grouped_mm` (the tokens sorted by expert, one grouped GEMM per projection; its default where torch has grouped
 matmuls), `batched_mm` (each token's chosen experts' weights gathered and multiplied as a batch) and `eager` (a
-loop over the experts). `precompute.experts` picks one for the pass (`auto`: transformers' choice); each shard's
+loop over the experts); kdflow adds `kdflow_fused` (two Triton kernels with the activation fused, `fused_moe`;
+CUDA). `precompute.experts` picks one for the pass (`auto`: transformers' choice); each shard's
 commit record says which ran. A 4-bit teacher's experts run the same way on the layer's dequantised weights
 (`kdflow.tasks.common.fused_experts`).
 
@@ -15,6 +16,8 @@ the GPU check's `body_variants` step print its records.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,10 +28,11 @@ from torch import Tensor, nn
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.fused_experts import expert_count
 from kdflow.tasks.common.models import body_hidden_states, model_body
+from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, register_fused_experts
 
 __all__ = ["EXPERTS", "VARIANTS", "experts_in_use", "measure_body_variants", "use_experts"]
 
-EXPERTS = ("grouped_mm", "batched_mm", "eager")
+EXPERTS = ("grouped_mm", "batched_mm", "eager", FUSED_EXPERTS)
 VARIANTS = (*EXPERTS, "compiled")
 
 
@@ -45,6 +49,11 @@ def use_experts(model: nn.Module, choice: str) -> str | None:
     model, where the setting means nothing)."""
     if expert_count(model.config) is None:
         return None
+    if choice == FUSED_EXPERTS:
+        problem = _fused_problem(next(model.parameters()).device)
+        if problem:
+            raise ConfigError(f"precompute.experts: {FUSED_EXPERTS} {problem}; set precompute.experts: auto")
+        register_fused_experts()
     if choice != "auto":
         setter = getattr(model, "set_experts_implementation", None)
         if setter is None:
@@ -56,6 +65,15 @@ def use_experts(model: nn.Module, choice: str) -> str | None:
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise ConfigError(f"precompute.experts: {choice} cannot run this teacher: {first}") from None
     return experts_in_use(model)
+
+
+def _fused_problem(device: torch.device) -> str | None:
+    """Why the fused Triton experts cannot run here, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "needs Triton (pip install triton)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return f"runs on CUDA, not {device.type}"
+    return None
 
 
 def _synchronise(device: torch.device) -> None:
@@ -99,6 +117,9 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
             scale = float(reference.abs().max()) or 1.0
             for variant in variants:
                 record: dict[str, Any] = {"variant": variant, "tokens": tokens}
+                if variant == FUSED_EXPERTS and _fused_problem(device):
+                    yield record | {"skipped": f"{FUSED_EXPERTS} {_fused_problem(device)}"}
+                    continue
                 try:
                     run = _runner(model, variant, compile_backend)
                     started = time.perf_counter()

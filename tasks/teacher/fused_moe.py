@@ -1,0 +1,102 @@
+"""A MoE layer's experts in two Triton kernels: `precompute.experts: kdflow_fused` (issue 44, item 4).
+
+transformers' `grouped_mm` experts gather a permuted copy of the hidden states, run the gate/up projection, the
+activation and the product as separate kernels over the (tokens x k) rows, then the down projection, the routing
+weights and the sum back. Here, after sorting the (token, expert) slots by expert (torch: a sort and a count over
+tokens x k small integers):
+
+- `expert_gate_up` reads each slot's token straight from the hidden states (no permuted copy) and writes
+  silu(x W_gate^T) * (x W_up^T) with the activation and the product fused after its two GEMMs;
+- `expert_down` multiplies that by W_down^T, scales each row by its routing weight and writes it to the slot's
+  place in token order, so the unpermute is the sum of each token's k rows (float32, as transformers sums them).
+
+Blocks of `BLOCK_M` slots never straddle two experts (each expert's slots are padded up to a whole block by
+masking), so each block reads one expert's weights. A 4-bit teacher's experts are read as its layer's dequantised
+weights (`kdflow.tasks.common.fused_experts`), as the other implementations read them; NF4 inside the kernel's
+loads is not built. Tested through Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager
+experts; a GPU times it (`kdflow bench body`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FUSED_EXPERTS", "block_schedule", "fused_experts_forward", "register_fused_experts"]
+
+FUSED_EXPERTS = "kdflow_fused"
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+
+def block_schedule(expert_ids: Tensor, experts: int, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The (token, expert) slots (S,) sorted by expert -> (slot order (S,) int32: the flat (token * k + j) index
+    of each sorted slot; per block of `block` sorted slots (B,) int32: its expert, first slot, end of its expert's
+    slots). An expert's last block is partly masked; an expert without slots has no block."""
+    expert_sorted, order = torch.sort(expert_ids.reshape(-1), stable=True)
+    counts = torch.bincount(expert_sorted, minlength=experts)[:experts]  # (E,)
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    blocks = (counts + block - 1) // block  # (E,)
+    block_expert = torch.repeat_interleave(torch.arange(experts, device=counts.device), blocks)  # (B,)
+    first_block = torch.cumsum(blocks, 0) - blocks
+    within = torch.arange(block_expert.numel(), device=counts.device) - first_block[block_expert]
+    block_start = starts[block_expert] + within * block
+    return (order.to(torch.int32), block_expert.to(torch.int32), block_start.to(torch.int32),
+            ends[block_expert].to(torch.int32))
+
+
+def _check_device(tensor: Tensor) -> None:
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if tensor.device.type != "cuda" and not interpret:
+        raise ValueError(f"the fused experts run on CUDA tensors (or under TRITON_INTERPRET=1), not "
+                         f"{tensor.device.type}: set precompute.experts to grouped_mm or auto")
+
+
+def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                          top_k_weights: Tensor) -> Tensor:
+    """An experts module's forward (transformers' experts interface): hidden (T, D), chosen experts (T, k) and
+    their routing weights (T, k) -> (T, D), for experts stored as gate_up_proj (E, 2I, D) and down_proj (E, D, I)
+    with a SiLU gate and no bias."""
+    import triton
+
+    from kdflow.tasks.teacher import fused_moe_jit
+
+    if (getattr(self, "has_bias", False) or getattr(self, "is_transposed", False)
+            or not getattr(self, "is_concatenated", True) or not getattr(self, "has_gate", True)):
+        raise NotImplementedError("the fused experts take concatenated gate/up weights (E, 2I, D) without bias")
+    activation = getattr(getattr(self, "config", None), "hidden_act", "silu")
+    if activation != "silu":
+        raise NotImplementedError(f"the fused experts fuse SiLU, not {activation}")
+    _check_device(hidden_states)
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    gate_up, down = self.gate_up_proj, self.down_proj  # a 4-bit teacher's: dequantised for this call
+    experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, BLOCK_M)
+    x = hidden_states.contiguous()
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    out = torch.zeros((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
+    weights = top_k_weights.reshape(-1).contiguous()
+    blocks = block_expert.numel()
+    upcast = x.device.type != "cuda"  # the interpreter: its dot of 16-bit floats is wrong
+    if blocks:
+        fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, BLOCK_N))](
+            x, gate_up.contiguous(), h, slots, block_expert, block_start, block_end, hidden, inter, top_k,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast)
+        fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, BLOCK_N))](
+            h, down.contiguous(), out, slots, weights, block_expert, block_start, block_end, hidden, inter,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast)
+    return out.view(tokens, top_k, hidden).sum(1).to(hidden_states.dtype)
+
+
+def register_fused_experts() -> bool:
+    """Make `kdflow_fused` an experts implementation transformers can set; False where this transformers has no
+    experts interface."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register(FUSED_EXPERTS, fused_experts_forward)
+    return True

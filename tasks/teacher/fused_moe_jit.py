@@ -1,0 +1,73 @@
+"""The jitted Triton kernels of the fused MoE experts; their wrapper and contract: `fused_moe`. Imported only when a
+kernel is first used (it imports Triton).
+
+Both kernels take one block of `BLOCK_M` sorted (token, expert) slots of one expert and one tile of output columns:
+`expert_gate_up` computes silu(x W_gate^T) * (x W_up^T) for the block's tokens, gathered by index from the hidden
+states (no permuted copy); `expert_down` multiplies that by W_down^T, scales each row by its routing weight and
+writes it to the slot's place in token order (the caller sums a token's k rows).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def expert_gate_up(x_ptr, w_ptr, h_ptr, slots_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                   hidden, inter, top_k,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) intermediate channels
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)  # (BM,) sorted slots
+    live = rows < end
+    tokens = (tl.load(slots_ptr + rows, mask=live, other=0) // top_k).to(tl.int64)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_expert = w_ptr + expert * (2 * inter) * hidden
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tokens[:, None] * hidden + ks[None, :], mask=live[:, None] & (ks[None, :] < hidden),
+                    other=0.0)  # (BM, BK)
+        w_mask = (cols[:, None] < inter) & (ks[None, :] < hidden)
+        w_gate = tl.load(w_expert + cols[:, None].to(tl.int64) * hidden + ks[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(w_expert + (cols[:, None] + inter).to(tl.int64) * hidden + ks[None, :], mask=w_mask,
+                       other=0.0)  # (BN, BK)
+        if UPCAST:  # Triton's interpreter multiplies 16-bit floats wrongly: it is given float32
+            x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+        gate += tl.dot(x, tl.trans(w_gate))
+        up += tl.dot(x, tl.trans(w_up))
+    out = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up, in float32
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], out.to(h_ptr.dtype.element_ty),
+             mask=live[:, None] & (cols[None, :] < inter))
+
+
+@triton.jit
+def expert_down(h_ptr, w_ptr, out_ptr, slots_ptr, weights_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
+                hidden, inter,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) hidden channels
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    rows = start + tl.arange(0, BLOCK_M)
+    live = rows < end
+    slots = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)  # the (token, k) each row answers
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_expert = w_ptr + expert * hidden * inter
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :],
+                    mask=live[:, None] & (ks[None, :] < inter), other=0.0)  # (BM, BK)
+        w = tl.load(w_expert + cols[:, None].to(tl.int64) * inter + ks[None, :],
+                    mask=(cols[:, None] < hidden) & (ks[None, :] < inter), other=0.0)  # (BN, BK)
+        if UPCAST:
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(h, tl.trans(w))
+    scale = tl.load(weights_ptr + slots, mask=live, other=0.0).to(tl.float32)  # (BM,) routing weights
+    tl.store(out_ptr + slots[:, None] * hidden + cols[None, :], acc * scale[:, None],
+             mask=live[:, None] & (cols[None, :] < hidden))

@@ -1,0 +1,86 @@
+"""The fused MoE experts (kdflow/tasks/teacher/fused_moe.py) through Triton's interpreter against transformers' eager
+experts on fresh random inputs: the block schedule, the forward in float32 and bf16 (experts without tokens, experts
+with several blocks), and the refusals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kdflow.schemas.errors import ConfigError
+from kdflow.tasks.teacher.fused_moe import BLOCK_M, block_schedule, fused_experts_forward
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_schedule_sorts_slots_by_expert_in_blocks_that_never_straddle_two() -> None:
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    experts, block = 7, 4
+    chosen = torch.randint(0, experts - 1, (23, 3), generator=gen)  # the last expert gets no slot
+    slots, block_expert, block_start, block_end = block_schedule(chosen, experts, block)
+    flat = chosen.reshape(-1)
+    assert sorted(slots.tolist()) == list(range(flat.numel())), seed  # every slot once
+    assert flat[slots.long()].tolist() == sorted(flat.tolist()), seed  # in expert order
+    covered = []
+    for expert, start, end in zip(block_expert.tolist(), block_start.tolist(), block_end.tolist(), strict=True):
+        rows = range(start, min(start + block, end))
+        assert all(int(flat[int(slots[r])]) == expert for r in rows), seed
+        covered.extend(rows)
+    assert covered == list(range(flat.numel())) and (experts - 1) not in block_expert.tolist(), seed
+
+
+def experts_module(dtype: torch.dtype, seed: int, hidden: int = 64, inter: int = 48, experts: int = 6):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                            num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    module = Qwen3MoeExperts(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) / hidden**0.5)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) / inter**0.5)
+    return module.to(dtype)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 5, 3 * BLOCK_M + 3])  # one slot per chosen expert .. several blocks each
+def test_the_fused_forward_computes_the_eager_experts(dtype: torch.dtype, tolerance: float, tokens: int) -> None:
+    pytest.importorskip("triton")
+    seed = random.randrange(1 << 30)
+    module = experts_module(dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(tokens, 64, generator=gen).to(dtype)
+    chosen = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(tokens)])  # expert 5 never chosen
+    weights = torch.softmax(torch.randn(tokens, 2, generator=gen), 1).to(dtype)
+    with torch.no_grad():
+        expected = module(hidden, chosen, weights).float()
+        got = fused_experts_forward(module, hidden, chosen, weights)
+    assert got.dtype == dtype and got.shape == (tokens, 64)
+    scale = float(expected.abs().max())
+    assert float((got.float() - expected).abs().max()) <= tolerance * scale, seed
+
+
+def test_what_it_cannot_run_is_refused(tiny_moe_teacher_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from kdflow.schemas.config import TeacherConfig
+    from kdflow.tasks.common.teacher_loading import load_teacher
+    from kdflow.tasks.teacher.body_variants import measure_body_variants, use_experts
+
+    module = experts_module(torch.float32, 0)
+    module.config.hidden_act = "gelu"
+    with pytest.raises(NotImplementedError, match="fuse SiLU, not gelu"):
+        fused_experts_forward(module, torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter
+    with pytest.raises(ValueError, match="run on CUDA tensors"):
+        fused_experts_forward(experts_module(torch.float32, 0), torch.zeros(2, 64),
+                              torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+    model = load_teacher(TeacherConfig(model=str(tiny_moe_teacher_dir), device="cpu", dtype="float32"))
+    with pytest.raises(ConfigError, match=r"^precompute.experts: kdflow_fused runs on CUDA, not cpu; set "):
+        use_experts(model, "kdflow_fused")
+    records = list(measure_body_variants(model, torch.zeros(1, 4, dtype=torch.long), ("eager", "kdflow_fused")))
+    assert records[1] == {"variant": "kdflow_fused", "tokens": 4, "skipped": "kdflow_fused runs on CUDA, not cpu"}
