@@ -99,3 +99,26 @@ def test_the_bench_prints_one_line_per_variant(tiny_moe_teacher_dir: Path, corpu
     assert [r["variant"] for r in found] == ["eager", "batched_mm"]
     assert all(r["bench"] == "body" and r["micro_batch"] == 2 and r["seq_len"] == 8 and r["layers"] == 2
                for r in found)
+
+
+def test_write_sets_the_fastest_correct_implementation_in_the_config(tiny_moe_teacher_dir: Path, corpus_file: Path,
+                                                                     tmp_path: Path) -> None:
+    from support.tiny import tiny_config
+
+    from kdflow.bench.body import main
+    from kdflow.schemas.config_io import dump_config, load_config
+    from kdflow.tasks.teacher.body_variants import fastest_correct
+
+    runs = [{"variant": "eager", "tokens_per_s": 10.0, "max_rel_diff": 0.0},
+            {"variant": "batched_mm", "tokens_per_s": 30.0, "max_rel_diff": 0.5},  # fast and wrong
+            {"variant": "grouped_mm", "tokens_per_s": 20.0, "max_rel_diff": 1e-3},
+            {"variant": "compiled", "tokens_per_s": 40.0, "max_rel_diff": 0.0},  # not something the pass runs
+            {"variant": "kdflow_fused", "skipped": "runs on CUDA, not cpu"}]
+    assert fastest_correct(runs, 0.02) == "grouped_mm" and fastest_correct(runs[1:2], 0.02) is None
+    path = tmp_path / "moe.yaml"
+    path.write_text("# my teacher\n" + dump_config(tiny_config(tmp_path / "run", tiny_moe_teacher_dir, corpus_file,
+                                                              teacher__dtype="float32")))
+    assert main(["--config", str(path), "--micro-batch", "2", "--seq-len", "8", "--repeats", "1", "--device", "cpu",
+                 "--variants", "eager,batched_mm", "--write"]) == 0
+    assert load_config(path).precompute.experts in ("eager", "batched_mm")
+    assert path.read_text().startswith("# my teacher\n")

@@ -5,13 +5,16 @@ the fixed shape; CUDA graphs on CUDA). One JSON line per variant: tokens/s (the 
 of `--repeats` after a warm-up; the warm-up's own seconds apart, for `compiled` its compile), how far its hidden
 states are from eager's, or the one-line error that stopped it. The teacher is the config's, loaded as the pass
 loads it (4-bit experts included); the ids are random, since the speed does not depend on what they mean.
-`precompute.experts` then picks one for the pass (kdflow.tasks.teacher.body_variants).
+`precompute.experts` then picks one for the pass (kdflow.tasks.teacher.body_variants); `--write` sets it in the
+config file to the fastest implementation whose hidden states are within `--tolerance` of eager's (the compiled
+body is reported, not written: the pass runs the model uncompiled).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kdflow.bench.args import bench_parser
@@ -19,8 +22,21 @@ from kdflow.bench.harness import emit, note
 
 
 def main(argv: list[str] | None = None) -> int:
-    for record in records(build_parser().parse_args(argv)):
+    args = build_parser().parse_args(argv)
+    found = []
+    for record in records(args):
         emit(record)
+        found.append(record)
+    if args.write:
+        from kdflow.tasks.teacher.body_variants import fastest_correct
+        from kdflow.tasks.teacher.tune_file import write_precompute_setting
+
+        chosen = fastest_correct(found, args.tolerance)
+        if chosen is None:
+            raise SystemExit(f"kdflow bench body: no experts implementation ran within {args.tolerance} of eager: "
+                             "nothing written")
+        write_precompute_setting(Path(args.config), "experts", chosen)
+        note({"bench": "body", "wrote": {"precompute.experts": chosen}, "config": args.config})
     return 0
 
 
@@ -34,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=int, help="sequences per forward (default: precompute.micro_batch)")
     parser.add_argument("--variants", type=lambda text: tuple(text.split(",")), default=VARIANTS,
                         help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--write", action="store_true",
+                        help="set precompute.experts in the config file to the fastest correct implementation")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="largest difference from eager's hidden states, relative to their largest, that --write "
+                             "counts as correct (default 0.02: bf16 rounding)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend for `compiled` (aot_eager: capture the graph without codegen)")
     return parser

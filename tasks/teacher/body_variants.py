@@ -30,7 +30,7 @@ from kdflow.tasks.common.fused_experts import expert_count
 from kdflow.tasks.common.models import body_hidden_states, model_body
 from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, register_fused_experts
 
-__all__ = ["EXPERTS", "VARIANTS", "experts_in_use", "measure_body_variants", "use_experts"]
+__all__ = ["EXPERTS", "VARIANTS", "experts_in_use", "fastest_correct", "measure_body_variants", "use_experts"]
 
 EXPERTS = ("grouped_mm", "batched_mm", "eager", FUSED_EXPERTS)
 VARIANTS = (*EXPERTS, "compiled")
@@ -142,3 +142,11 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
     finally:
         if before is not None:
             use_experts(model, before)
+
+
+def fastest_correct(records: list[dict[str, Any]], tolerance: float) -> str | None:
+    """The experts implementation (not `compiled`: the pass runs the model uncompiled) with the most tokens/s among
+    those whose hidden states are within `tolerance` of eager's (relative to their largest); None when none is."""
+    correct = [r for r in records if r.get("variant") in EXPERTS and "tokens_per_s" in r
+               and r["max_rel_diff"] <= tolerance]
+    return max(correct, key=lambda r: r["tokens_per_s"])["variant"] if correct else None

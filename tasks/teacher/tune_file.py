@@ -106,20 +106,24 @@ def set_nested_value(text: str, section: str, key: str, value: Any) -> str:
 
 
 def write_micro_batch(path: Path, micro_batch: int) -> None:
-    """precompute.micro_batch = micro_batch in the YAML file, in place; refused (nothing written) when the edit
-    would change anything else, e.g. a flow-style `precompute: {...}`."""
+    """precompute.micro_batch = micro_batch in the YAML file, in place (`write_precompute_setting`)."""
+    write_precompute_setting(path, "micro_batch", micro_batch)
+
+
+def write_precompute_setting(path: Path, key: str, value: Any) -> None:
+    """precompute.KEY = value in the YAML file, in place; refused (nothing written) when the edit would change
+    anything else, e.g. a flow-style `precompute: {...}`."""
     text = path.read_text(encoding="utf-8")
     before = yaml.safe_load(text) or {}
-    edited = set_nested_value(text, "precompute", "micro_batch", micro_batch)
+    edited = set_nested_value(text, "precompute", key, value)
     expected = dict(before)
-    expected["precompute"] = {**(before.get("precompute") or {}), "micro_batch": micro_batch}
+    expected["precompute"] = {**(before.get("precompute") or {}), key: value}
     try:
         after = yaml.safe_load(edited)
     except yaml.YAMLError:
         after = None
     if after != expected:
-        raise ConfigError(f"--write: cannot edit {path} in place; set precompute.micro_batch: {micro_batch} "
-                          "there by hand")
+        raise ConfigError(f"--write: cannot edit {path} in place; set precompute.{key}: {value} there by hand")
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temporary.write_text(edited, encoding="utf-8")
     os.chmod(temporary, path.stat().st_mode & 0o7777)
