@@ -159,6 +159,12 @@ def check_student(context: Preflight) -> None:
         if shape.layers is not None and prune.layers > shape.layers:
             raise ConfigError(f"student.prune.layers={prune.layers}: the teacher has {shape.layers} blocks to keep "
                               f"from (read from {shape.source})")
+        from kdflow.tasks.student.prune_width import width_problem
+
+        problem = width_problem(prune.intermediate_size, prune.key_value_heads, mlp=shape.mlp_width,
+                                heads=shape.heads, kv_heads=shape.key_value_heads, experts=shape.experts)
+        if problem:
+            raise ConfigError(f"{problem} (read from {shape.source})")
     init_from = config.student.init_from
     if init_from is None:
         return

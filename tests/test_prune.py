@@ -93,5 +93,9 @@ def test_training_a_student_pruned_from_the_teacher(fresh_run, sharp_teacher_dir
     with pytest.raises(ConfigError, match=rf"^student.prune.layers={teacher_layers + 1}: the teacher has "
                                           rf"{teacher_layers} blocks to keep from \(read from .*config.json\)$"):
         run_preflight(too_many, ["train"])
+    too_wide = fresh_run(student__name="wide", student__prune={"layers": 1, "key_value_heads": 99})
+    with pytest.raises(ConfigError, match=r"^student.prune.key_value_heads 99 is more than the teacher's \d+ key/value "
+                                          r"heads \(read from .*config.json\)$"):
+        run_preflight(too_wide, ["train"])  # before any weight loads, not after
     again = fresh_run(student__steps=3, student__name="pruned", student__prune={"layers": teacher_layers - 1})
     assert train(open_run_root(again), training_settings(again))["start_step"] == 2

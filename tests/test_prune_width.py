@@ -144,10 +144,11 @@ def test_experts_are_scored_on_the_tokens_routed_to_them() -> None:
 
 def test_bad_widths_are_one_line_errors() -> None:
     llama, moe = tiny("llama"), tiny("qwen3_moe")
-    with pytest.raises(ValueError, match=r"^student.prune.intermediate_size 65 is more than the teacher's block 0 "
-                                         r"has \(64 MLP channels\)$"):
+    with pytest.raises(ValueError, match=r"^student.prune.intermediate_size 65 is more than the 64 MLP channels of "
+                                         r"the teacher's block 0$"):
         check_width(llama, 65, None)
-    with pytest.raises(ValueError, match=r"^student.prune.intermediate_size 17 .* block 0 has \(16 MLP channels"):
+    with pytest.raises(ValueError, match=r"^student.prune.intermediate_size 17 .* 16 MLP channels of the teacher's "
+                                         r"block 0$"):
         check_width(moe, 17, None)
     with pytest.raises(ValueError, match=r"^student.prune.intermediate_size 12 is not a multiple of 8, which a MoE"):
         check_width(moe, 12, None)
@@ -225,3 +226,21 @@ def test_training_a_student_pruned_in_depth_and_width(fresh_run, sharp_teacher_d
     assert summary["eval_before"]["kl"] < train(open_run_root(random), training_settings(random))["eval_before"]["kl"]
     again = fresh_run(student__steps=3, student__name="narrow", student__prune=prune)
     assert train(open_run_root(again), training_settings(again))["start_step"] == 2
+
+
+def test_pre_flight_reads_the_widths_from_the_teachers_config(tiny_moe_teacher_dir, tiny_teacher_dir) -> None:
+    """The widths `width_problem` checks before any weight loads, from config.json (a MoE: each expert's width)."""
+    from kdflow.schemas.config import TeacherConfig
+    from kdflow.tasks.common.model_configs import teacher_shape
+    from kdflow.tasks.student.prune_width import width_problem
+
+    moe = teacher_shape(TeacherConfig(model=str(tiny_moe_teacher_dir)))
+    assert (moe.mlp_width, moe.heads, moe.key_value_heads, moe.experts) == (32, 4, 2, True)
+    dense = teacher_shape(TeacherConfig(model=str(tiny_teacher_dir)))
+    assert dense.experts is False and dense.mlp_width is not None and dense.key_value_heads is not None
+    widths = {"mlp": moe.mlp_width, "heads": moe.heads, "kv_heads": moe.key_value_heads, "experts": moe.experts}
+    assert width_problem(16, 1, **widths) is None
+    assert width_problem(12, None, **widths).startswith("student.prune.intermediate_size 12 is not a multiple of 8")
+    assert width_problem(40, None, **widths) == ("student.prune.intermediate_size 40 is more than the 32 MLP "
+                                                 "channels of the teacher's blocks")
+    assert width_problem(40, 3, mlp=None, heads=None, kv_heads=None, experts=False) is None  # unknown: at load

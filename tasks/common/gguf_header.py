@@ -93,4 +93,7 @@ def gguf_summary(metadata: dict[str, Any]) -> dict[str, Any]:
                 for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
     return {"architecture": arch, "vocab_size": vocab_size, "context_length": metadata.get(f"{arch}.context_length"),
             "block_count": metadata.get(f"{arch}.block_count"),
+            "feed_forward_length": metadata.get(f"{arch}.feed_forward_length"),
+            "head_count": metadata.get(f"{arch}.attention.head_count"),
+            "head_count_kv": metadata.get(f"{arch}.attention.head_count_kv"),
             "tokens": tokens if isinstance(tokens, list) else None, "specials": specials}

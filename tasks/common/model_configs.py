@@ -22,6 +22,8 @@ from kdflow.tasks.common.model_files import check_teacher_files, resolve_model_f
 _VOCAB_KEYS = ("vocab_size", "n_vocab", "padded_vocab_size")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_HEAD_KEYS = ("num_attention_heads", "n_head")
+_MLP_KEYS = ("intermediate_size", "n_inner", "ffn_hidden_size")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class ModelShape:
     context_length: int | None
     source: str  # where the numbers were read, for messages
     layers: int | None = None  # its blocks (what `student.prune` keeps some of)
+    mlp_width: int | None = None  # MLP channels per block (a MoE's: each expert's); what prune.intermediate_size cuts
+    heads: int | None = None  # query heads
+    key_value_heads: int | None = None  # what prune.key_value_heads keeps some of
+    experts: bool = False  # a MoE: its experts' widths must stay a multiple of 8
 
 
 def teacher_limits_problem(vocab: int | None, context: int | None, *, top_k: int, seq_len: int) -> str | None:
@@ -84,7 +90,9 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
     if local is not None and teacher.gguf_file:
         path = os.path.join(local, teacher.gguf_file)
         summary = _gguf(path, "teacher.gguf_file")
-        return ModelShape(summary["vocab_size"], summary["context_length"], path, summary["block_count"])
+        return ModelShape(summary["vocab_size"], summary["context_length"], path, summary["block_count"],
+                          summary["feed_forward_length"], summary["head_count"],
+                          summary["head_count_kv"] or summary["head_count"])
     path = os.path.join(local, "config.json") if local is not None else _cached_hub_file(teacher.model, "config.json",
                                                                                         teacher.revision)
     if path is None or teacher.gguf_file:
@@ -94,7 +102,12 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
         raise ConfigError(f"teacher.model {teacher.model!r}: its config.json names no model_type: "
                           "not a transformers model")
     text = _text_config(config)
-    return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), path, _first(text, _LAYER_KEYS))
+    experts = max(_first(text, ("num_experts", "num_local_experts", "n_routed_experts")) or 0, 0) > 1
+    width = _first(text, ("moe_intermediate_size",)) if experts else None
+    heads = _first(text, _HEAD_KEYS)
+    return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), path, _first(text, _LAYER_KEYS),
+                      width or _first(text, _MLP_KEYS), heads, _first(text, ("num_key_value_heads",)) or heads,
+                      experts)
 
 
 def tokenizer_vocab(source: str, gguf_file: str | None = None, revision: str | None = None) -> dict[str, int] | None:

@@ -94,23 +94,34 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int]:
 def check_width(model: nn.Module, intermediate_size: int | None, key_value_heads: int | None) -> None:
     """One-line errors for widths the model cannot be narrowed to (before anything is measured)."""
     layers = decoder_layers(model)
-    if intermediate_size is not None:
-        widths = [mlp_width(layer) for layer in layers]
-        if intermediate_size > min(widths):
-            narrowest = widths.index(min(widths))
-            raise ValueError(f"student.prune.intermediate_size {intermediate_size} is more than the teacher's "
-                             f"block {narrowest} has ({min(widths)} MLP channels)")
-        if intermediate_size % EXPERT_WIDTH_STEP and any(block_mlp(layer)[0] == "experts" for layer in layers):
-            raise ValueError(f"student.prune.intermediate_size {intermediate_size} is not a multiple of "
-                             f"{EXPERT_WIDTH_STEP}, which a MoE teacher's experts need (fused grouped matmuls)")
-    if key_value_heads is not None:
-        heads, kv_heads, _ = attention_shape(model)
+    widths = [mlp_width(layer) for layer in layers] if intermediate_size is not None else [0]
+    heads, kv_heads, _ = attention_shape(model) if key_value_heads is not None else (None, None, None)
+    problem = width_problem(intermediate_size, key_value_heads, mlp=min(widths), heads=heads, kv_heads=kv_heads,
+                            experts=any(block_mlp(layer)[0] == "experts" for layer in layers),
+                            block=f"block {widths.index(min(widths))}")
+    if problem:
+        raise ValueError(problem)
+
+
+def width_problem(intermediate_size: int | None, key_value_heads: int | None, *, mlp: int | None,
+                  heads: int | None, kv_heads: int | None, experts: bool, block: str = "blocks") -> str | None:
+    """Why a teacher of these widths (None: unknown, not checked) cannot be narrowed to the asked ones, in one
+    line, or None: the rule `check_width` applies to a loaded model and pre-flight to its config."""
+    if intermediate_size is not None and mlp is not None:
+        if intermediate_size > mlp:
+            return (f"student.prune.intermediate_size {intermediate_size} is more than the {mlp} MLP channels of "
+                    f"the teacher's {block}")
+        if intermediate_size % EXPERT_WIDTH_STEP and experts:
+            return (f"student.prune.intermediate_size {intermediate_size} is not a multiple of "
+                    f"{EXPERT_WIDTH_STEP}, which a MoE teacher's experts need (fused grouped matmuls)")
+    if key_value_heads is not None and kv_heads is not None:
         if key_value_heads > kv_heads:
-            raise ValueError(f"student.prune.key_value_heads {key_value_heads} is more than the teacher's "
-                             f"{kv_heads} key/value heads")
-        if heads % kv_heads:
-            raise ValueError(f"the teacher's {heads} query heads are not a whole number per each of its {kv_heads} "
-                             "key/value heads: its heads cannot be pruned by group")
+            return (f"student.prune.key_value_heads {key_value_heads} is more than the teacher's {kv_heads} "
+                    "key/value heads")
+        if heads is not None and heads % kv_heads:
+            return (f"the teacher's {heads} query heads are not a whole number per each of its {kv_heads} "
+                    "key/value heads: its heads cannot be pruned by group")
+    return None
 
 
 @torch.no_grad()
