@@ -84,3 +84,31 @@ def test_what_it_cannot_run_is_refused(tiny_moe_teacher_dir, monkeypatch: pytest
         use_experts(model, "kdflow_fused")
     records = list(measure_body_variants(model, torch.zeros(1, 4, dtype=torch.long), ("eager", "kdflow_fused")))
     assert records[1] == {"variant": "kdflow_fused", "tokens": 4, "skipped": "kdflow_fused runs on CUDA, not cpu"}
+
+
+def test_a_4bit_layers_experts_are_read_packed_and_never_dequantised_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NF4 values read where each tile is loaded equal the layer's dequantised weights in eager's hands."""
+    pytest.importorskip("triton")
+    pytest.importorskip("bitsandbytes")
+    from kdflow.tasks.common.fused_experts import Dequantised, quantise_fused_experts
+    from kdflow.tasks.teacher.fused_moe import expert_weight
+
+    seed = random.randrange(1 << 30)
+    module = experts_module(torch.bfloat16, seed)
+    holder = torch.nn.Module()
+    holder.config = type("Config", (), {"num_experts": 6})()
+    holder.experts = module
+    assert quantise_fused_experts(holder) == 2  # gate_up_proj and down_proj, as a 4-bit teacher loads them
+    assert expert_weight(module, "gate_up_proj").nf4 and expert_weight(module, "down_proj").nf4
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(9)])
+    weights = torch.softmax(torch.randn(9, 2, generator=gen), 1).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = module(hidden, chosen, weights).float()  # eager, on the dequantised layer
+        calls = []
+        original = Dequantised.forward
+        monkeypatch.setattr(Dequantised, "forward", lambda self, packed: calls.append(1) or original(self, packed))
+        got = fused_experts_forward(module, hidden, chosen, weights)
+    assert calls == []  # no weight dequantised whole
+    assert float((got.float() - expected).abs().max()) <= 2e-2 * float(expected.abs().max()), seed

@@ -11,18 +11,22 @@ tokens x k small integers):
   place in token order, so the unpermute is the sum of each token's k rows (float32, as transformers sums them).
 
 Blocks of `BLOCK_M` slots never straddle two experts (each expert's slots are padded up to a whole block by
-masking), so each block reads one expert's weights. A 4-bit teacher's experts are read as its layer's dequantised
-weights (`kdflow.tasks.common.fused_experts`), as the other implementations read them; NF4 inside the kernel's
-loads is not built. Tested through Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager
-experts; a GPU times it (`kdflow bench body`).
+masking), so each block reads one expert's weights. A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
+are read as their packed NF4 values, dequantised where each tile is loaded: the other implementations dequantise a
+whole layer's experts first (1.8 GiB at the reference shapes, every layer, every forward). Tested through Triton's
+interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU times it (`kdflow bench body`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from kdflow.tasks.common.fused_experts import Dequantised
 
 __all__ = ["FUSED_EXPERTS", "block_schedule", "fused_experts_forward", "register_fused_experts"]
 
@@ -45,6 +49,38 @@ def block_schedule(expert_ids: Tensor, experts: int, block: int) -> tuple[Tensor
     block_start = starts[block_expert] + within * block
     return (order.to(torch.int32), block_expert.to(torch.int32), block_start.to(torch.int32),
             ends[block_expert].to(torch.int32))
+
+
+@dataclass(frozen=True)
+class ExpertWeight:
+    """An experts weight as the kernels read it: its values (16-bit, or NF4 packed two a byte), the NF4 code table
+    and per-64 scales (the values themselves again where it is not NF4: unused), and its logical shape."""
+
+    values: Tensor
+    code: Tensor
+    absmax: Tensor
+    shape: torch.Size
+    nf4: bool
+
+    @property
+    def pointers(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.values, self.code, self.absmax
+
+
+def expert_weight(module: nn.Module, name: str) -> ExpertWeight:
+    """`module.<name>` for the kernels: a 4-bit teacher's packed NF4 values as they are (never the layer
+    dequantised whole), where `kdflow.tasks.common.fused_experts` quantised them without nested statistics; else
+    the weight itself (a 4-bit weight of another kind: dequantised for this call, as the other implementations)."""
+    if parametrize.is_parametrized(module, name):
+        parametrization = module.parametrizations[name]
+        state = getattr(parametrization[0], "quant_state", None)
+        if (isinstance(parametrization[0], Dequantised) and state is not None and state.quant_type == "nf4"
+                and state.blocksize == 64 and not getattr(state, "nested", False)):
+            packed = parametrization.original.reshape(-1)
+            return ExpertWeight(packed, state.code.float().contiguous(), state.absmax.float().contiguous(),
+                                parametrization[0].shape, True)
+    weight = getattr(module, name).contiguous()
+    return ExpertWeight(weight, weight, weight, weight.shape, False)
 
 
 def _check_device(tensor: Tensor) -> None:
@@ -72,7 +108,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     _check_device(hidden_states)
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
-    gate_up, down = self.gate_up_proj, self.down_proj  # a 4-bit teacher's: dequantised for this call
+    gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
     experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, BLOCK_M)
     x = hidden_states.contiguous()
@@ -83,11 +119,11 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     upcast = x.device.type != "cuda"  # the interpreter: its dot of 16-bit floats is wrong
     if blocks:
         fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, BLOCK_N))](
-            x, gate_up.contiguous(), h, slots, block_expert, block_start, block_end, hidden, inter, top_k,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast)
+            x, *gate_up.pointers, h, slots, block_expert, block_start, block_end, hidden, inter, top_k,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, NF4=gate_up.nf4)
         fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, BLOCK_N))](
-            h, down.contiguous(), out, slots, weights, block_expert, block_start, block_end, hidden, inter,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast)
+            h, *down.pointers, out, slots, weights, block_expert, block_start, block_end, hidden, inter,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, NF4=down.nf4)
     return out.view(tokens, top_k, hidden).sum(1).to(hidden_states.dtype)
 
 

@@ -4,7 +4,9 @@ kernel is first used (it imports Triton).
 Both kernels take one block of `BLOCK_M` sorted (token, expert) slots of one expert and one tile of output columns:
 `expert_gate_up` computes silu(x W_gate^T) * (x W_up^T) for the block's tokens, gathered by index from the hidden
 states (no permuted copy); `expert_down` multiplies that by W_down^T, scales each row by its routing weight and
-writes it to the slot's place in token order (the caller sums a token's k rows).
+writes it to the slot's place in token order (the caller sums a token's k rows). With `NF4` the weights are a
+4-bit teacher's packed values (two a byte, the high nibble first, as bitsandbytes packs them), read as
+code[nibble] * absmax[index // 64] where the tile is loaded: no layer is ever dequantised whole.
 """
 
 from __future__ import annotations
@@ -14,9 +16,22 @@ import triton.language as tl
 
 
 @triton.jit
-def expert_gate_up(x_ptr, w_ptr, h_ptr, slots_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
-                   hidden, inter, top_k,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def load_weight(w_ptr, code_ptr, absmax_ptr, flat, mask, dtype: tl.constexpr, NF4: tl.constexpr):
+    """A tile of weights at flat indices `flat` (int64), as `dtype`: read as they are, or from NF4 packed values."""
+    if NF4:
+        byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
+        nibble = tl.where(flat % 2 == 0, byte >> 4, byte & 15)
+        value = tl.load(code_ptr + nibble, mask=mask, other=0.0) * tl.load(absmax_ptr + flat // 64, mask=mask,
+                                                                          other=0.0)
+        return value.to(dtype)
+    return tl.load(w_ptr + flat, mask=mask, other=0.0).to(dtype)
+
+
+@triton.jit
+def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, block_expert_ptr, block_start_ptr,
+                   block_end_ptr, hidden, inter, top_k,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                   NF4: tl.constexpr):
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) intermediate channels
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -27,15 +42,17 @@ def expert_gate_up(x_ptr, w_ptr, h_ptr, slots_ptr, block_expert_ptr, block_start
     tokens = (tl.load(slots_ptr + rows, mask=live, other=0) // top_k).to(tl.int64)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_expert = w_ptr + expert * (2 * inter) * hidden
+    w_expert = expert * (2 * inter) * hidden  # the expert's first weight, as a flat index
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + tokens[:, None] * hidden + ks[None, :], mask=live[:, None] & (ks[None, :] < hidden),
                     other=0.0)  # (BM, BK)
         w_mask = (cols[:, None] < inter) & (ks[None, :] < hidden)
-        w_gate = tl.load(w_expert + cols[:, None].to(tl.int64) * hidden + ks[None, :], mask=w_mask, other=0.0)
-        w_up = tl.load(w_expert + (cols[:, None] + inter).to(tl.int64) * hidden + ks[None, :], mask=w_mask,
-                       other=0.0)  # (BN, BK)
+        w_gate = load_weight(w_ptr, code_ptr, absmax_ptr, w_expert + cols[:, None].to(tl.int64) * hidden + ks[None, :],
+                             w_mask, x_ptr.dtype.element_ty, NF4)
+        w_up = load_weight(w_ptr, code_ptr, absmax_ptr,
+                           w_expert + (cols[:, None] + inter).to(tl.int64) * hidden + ks[None, :], w_mask,
+                           x_ptr.dtype.element_ty, NF4)  # (BN, BK)
         if UPCAST:  # Triton's interpreter multiplies 16-bit floats wrongly: it is given float32
             x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
         gate += tl.dot(x, tl.trans(w_gate))
@@ -46,9 +63,10 @@ def expert_gate_up(x_ptr, w_ptr, h_ptr, slots_ptr, block_expert_ptr, block_start
 
 
 @triton.jit
-def expert_down(h_ptr, w_ptr, out_ptr, slots_ptr, weights_ptr, block_expert_ptr, block_start_ptr, block_end_ptr,
-                hidden, inter,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_ptr, block_expert_ptr,
+                block_start_ptr, block_end_ptr, hidden, inter,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                NF4: tl.constexpr):
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) hidden channels
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -58,13 +76,13 @@ def expert_down(h_ptr, w_ptr, out_ptr, slots_ptr, weights_ptr, block_expert_ptr,
     live = rows < end
     slots = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)  # the (token, k) each row answers
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_expert = w_ptr + expert * hidden * inter
+    w_expert = expert * hidden * inter
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         h = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :],
                     mask=live[:, None] & (ks[None, :] < inter), other=0.0)  # (BM, BK)
-        w = tl.load(w_expert + cols[:, None].to(tl.int64) * inter + ks[None, :],
-                    mask=(cols[:, None] < hidden) & (ks[None, :] < inter), other=0.0)  # (BN, BK)
+        w = load_weight(w_ptr, code_ptr, absmax_ptr, w_expert + cols[:, None].to(tl.int64) * inter + ks[None, :],
+                        (cols[:, None] < hidden) & (ks[None, :] < inter), h_ptr.dtype.element_ty, NF4)  # (BN, BK)
         if UPCAST:
             h, w = h.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(h, tl.trans(w))
