@@ -116,13 +116,14 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     out = torch.zeros((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
     weights = top_k_weights.reshape(-1).contiguous()
     blocks = block_expert.numel()
+    schedule = torch.stack([block_expert, block_start, block_end], 1).contiguous()  # (B, 3)
     upcast = x.device.type != "cuda"  # the interpreter: its dot of 16-bit floats is wrong
     if blocks:
         fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, BLOCK_N))](
-            x, *gate_up.pointers, h, slots, block_expert, block_start, block_end, hidden, inter, top_k,
+            x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, NF4=gate_up.nf4)
         fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, BLOCK_N))](
-            h, *down.pointers, out, slots, weights, block_expert, block_start, block_end, hidden, inter,
+            h, *down.pointers, out, slots, weights, schedule, hidden, inter,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, NF4=down.nf4)
     return out.view(tokens, top_k, hidden).sum(1).to(hidden_states.dtype)
 

@@ -28,17 +28,20 @@ def load_weight(w_ptr, code_ptr, absmax_ptr, flat, mask, dtype: tl.constexpr, NF
 
 
 @triton.jit
-def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, block_expert_ptr, block_start_ptr,
-                   block_end_ptr, hidden, inter, top_k,
+def block_rows(schedule_ptr, BLOCK_M: tl.constexpr):
+    """This program's block, from its (expert, first slot, end of the expert's slots) row of the schedule: its
+    expert (int64), its sorted slots (BM,) and which of them are live."""
+    entry = schedule_ptr + 3 * tl.program_id(0)
+    rows = tl.load(entry + 1) + tl.arange(0, BLOCK_M)
+    return tl.load(entry).to(tl.int64), rows, rows < tl.load(entry + 2)
+
+
+@triton.jit
+def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, schedule_ptr, hidden, inter, top_k,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                    NF4: tl.constexpr):
-    block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) intermediate channels
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    start = tl.load(block_start_ptr + block)
-    end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)  # (BM,) sorted slots
-    live = rows < end
+    expert, rows, live = block_rows(schedule_ptr, BLOCK_M)  # (BM,) sorted slots
     tokens = (tl.load(slots_ptr + rows, mask=live, other=0) // top_k).to(tl.int64)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -63,17 +66,11 @@ def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, block_e
 
 
 @triton.jit
-def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_ptr, block_expert_ptr,
-                block_start_ptr, block_end_ptr, hidden, inter,
+def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_ptr, schedule_ptr, hidden, inter,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                 NF4: tl.constexpr):
-    block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) hidden channels
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    start = tl.load(block_start_ptr + block)
-    end = tl.load(block_end_ptr + block)
-    rows = start + tl.arange(0, BLOCK_M)
-    live = rows < end
+    expert, rows, live = block_rows(schedule_ptr, BLOCK_M)
     slots = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)  # the (token, k) each row answers
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_expert = expert * hidden * inter
