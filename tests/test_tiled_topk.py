@@ -129,3 +129,30 @@ def test_the_head_benchmark_measures_each_variant_and_agrees_with_the_slab_loop(
         assert found[tiled]["ids_agree"] == 1.0 and found[tiled]["max_logprob_diff"] < 1e-5, found[tiled]
     assert found["sampled-tiled"]["sampling"] == {"head": 16, "samples": 12, "hash_version": "kdflow.2"}
     assert found["slab"]["us_per_token"] > 0 and found["tiled"]["over_matmul"] > 0
+
+
+def test_a_bf16_teacher_with_float32_logits_takes_the_tiled_head(tiny_teacher_dir) -> None:
+    """`teacher.lm_head_float32` (the default) wraps a 16-bit lm_head: the tiled head and the tiled sampler read its
+    float32 logits (never rounded to 16 bits), as the slab loop does, instead of falling back to the slab loop."""
+    from kdflow.schemas.config import TeacherConfig
+    from kdflow.tasks.common.float32_logits import Float32Logits
+    from kdflow.tasks.common.models import output_layer
+    from kdflow.tasks.common.teacher_loading import load_teacher
+    from kdflow.tasks.teacher.sampled_step import TeacherSampledStep
+    from kdflow.tasks.teacher.sampling import SamplingPlan
+    from kdflow.tasks.teacher.topk import TeacherTopkStep
+
+    model = load_teacher(TeacherConfig(model=str(tiny_teacher_dir), device="cpu", dtype="bfloat16"))
+    assert isinstance(output_layer(model), Float32Logits)
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
+    tiled, slab = TeacherTopkStep(model, 16, 8, head="tiled"), TeacherTopkStep(model, 16, 8)
+    assert (tiled.head, slab.head) == ("tiled", "slab")
+    got, want = tiled(ids), slab(ids)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)  # float32 logits: no bf16 ties to reorder
+    assert torch.equal(got[0], want[0])
+    plan = SamplingPlan(head=4, samples=6)
+    sampled = [TeacherSampledStep(model, plan, 8, head=head) for head in ("tiled", "slab")]
+    assert sampled[0].head == "tiled"
+    drawn = [step(ids, shard=0, first_row=0) for step in sampled]
+    assert torch.equal(drawn[0].sample_ids, drawn[1].sample_ids) and torch.equal(drawn[0].head_ids,
+                                                                                 drawn[1].head_ids)

@@ -14,7 +14,7 @@ from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
 from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
 from kdflow.tasks.teacher.sampling_noise import position_streams
-from kdflow.tasks.teacher.tiled_topk import logit_blocks, tiled_head_fits, tiled_variant
+from kdflow.tasks.teacher.tiled_topk import float32_head, logit_blocks, tiled_head_fits, tiled_variant
 
 __all__ = ["TeacherSampledStep", "sample_kernels", "sampled_head", "tiled_head_sample"]
 
@@ -37,13 +37,13 @@ def sample_kernels(variant: str) -> SampleKernels:
 
 
 def tiled_head_sample(hidden: Tensor, weight: Tensor, plan: SamplingPlan, chunk_tokens: int, *, shard: int,
-                      rows: Tensor, positions: Tensor, tile: int = 128,
-                      kernels: SampleKernels = TORCH_KERNELS) -> SampledTargets:
+                      rows: Tensor, positions: Tensor, tile: int = 128, kernels: SampleKernels = TORCH_KERNELS,
+                      float32: bool = False) -> SampledTargets:
     """`chunked_sampled`'s contract for a plain lm_head weight (V, H), no final-logit transform and kdflow.2 noise:
     `tiled_sample` over each block of `tiled_topk.logit_blocks`."""
     parts = []
     with torch.inference_mode():
-        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens):
+        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens, float32):
             streams = position_streams(plan.seed, shard, rows[start:stop], positions[start:stop])
             parts.append(tiled_sample(logits, plan, streams, tile, kernels))
     return cat_targets(parts)
@@ -76,7 +76,8 @@ class TeacherSampledStep:
         positions = torch.arange(seq_len, device=device).repeat(batch)  # (B * T,)
         if self.head != "slab":
             flat = tiled_head_sample(hidden.flatten(0, 1), self.lm_head.weight, self.plan, self.chunk_tokens,
-                                     shard=shard, rows=rows, positions=positions, kernels=sample_kernels(self.head))
+                                     shard=shard, rows=rows, positions=positions, kernels=sample_kernels(self.head),
+                                     float32=float32_head(self.lm_head))
         else:
             flat = chunked_sampled(hidden.flatten(0, 1), self.lm_head, self.plan, self.chunk_tokens, shard=shard,
                                    rows=rows, positions=positions, vocab_chunk=self.vocab_chunk,

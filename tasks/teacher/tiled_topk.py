@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from kdflow.tasks.common.float32_logits import Float32Logits, float32_logits
 from kdflow.tasks.common.models import LogitTransform
 from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
 
@@ -84,25 +85,31 @@ def tiled_logsumexps(tile_max: Tensor, tile_sum: Tensor, picked: Tensor, candida
     return row_max + (kept + rest).log(), row_max + rest.log()
 
 
-def logit_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int) -> Iterator[tuple[int, int, Tensor]]:
+def logit_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int,
+                 float32: bool = False) -> Iterator[tuple[int, int, Tensor]]:
     """(start, stop, logits (stop - start, V)) for each block of `chunk_tokens` rows of hidden (N, H) through a plain
     lm_head weight (V, H): one matmul into one reused buffer of the weight's dtype (rounded as the model rounds its
-    own logits). Each block's logits are overwritten by the next."""
+    own logits), or with `float32` (`teacher.lm_head_float32`: a `Float32Logits` head) float32 logits, never
+    rounded to 16 bits (on CUDA the 16-bit matmul with float32 output). Each block's logits are overwritten by the
+    next."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden (N, H) and weight (V, H) do not match: {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}")
     tokens, vocab = hidden.shape[0], weight.shape[0]
     rows = max(1, min(chunk_tokens, tokens))
-    buffer = torch.empty(rows * vocab, dtype=weight.dtype, device=hidden.device)
+    buffer = torch.empty(rows * vocab, dtype=torch.float32 if float32 else weight.dtype, device=hidden.device)
     for start in range(0, tokens, rows):
         stop = min(start + rows, tokens)
         logits = buffer[: (stop - start) * vocab].view(stop - start, vocab)
-        torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
+        if float32:
+            logits = float32_logits(hidden[start:stop].to(weight.dtype), weight, out=logits)
+        else:
+            torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
         yield start, stop, logits
 
 
 def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,
-                    stats: TileStats = tile_stats_torch) -> tuple[Tensor, Tensor, Tensor]:
+                    stats: TileStats = tile_stats_torch, float32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """`chunked_topk(..., return_tail=True)`'s contract for a plain lm_head weight (V, H) and no final-logit
     transform: hidden (N, H) -> ids (N, K) int32, log-probs (N, K) float32, tail (N,) float32: `tiled_topk` over
     each block of `logit_blocks`."""
@@ -111,7 +118,7 @@ def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *
     logprobs = torch.empty((tokens, k), dtype=torch.float32, device=hidden.device)
     tail = torch.empty((tokens,), dtype=torch.float32, device=hidden.device)
     with torch.inference_mode():
-        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens):
+        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens, float32):
             top, top_ids, log_normaliser, log_rest = tiled_topk(logits, k, tile, stats)
             torch.sub(top, log_normaliser[:, None], out=logprobs[start:stop])
             torch.sub(log_rest, log_normaliser, out=tail[start:stop])
@@ -120,11 +127,17 @@ def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *
 
 
 def tiled_head_fits(lm_head: nn.Module, transform: LogitTransform | None, vocab_chunk: int | None) -> bool:
-    """Whether `precompute.head: tiled` can take this teacher's head: an exact `nn.Linear` without bias (a
-    quantised or float32-logits head computes its own logits), the whole vocabulary at once, no final-logit
-    transform (soft-capping, scaling). Else the pass keeps the slab loop, and its shards record `head: slab`."""
-    plain = type(lm_head) is nn.Linear and lm_head.bias is None
+    """Whether `precompute.head: tiled` can take this teacher's head: an exact `nn.Linear` without bias, or one
+    wrapped for float32 logits (`Float32Logits`, `teacher.lm_head_float32`: `float32_head` says which; a quantised
+    head computes its own logits), the whole vocabulary at once, no final-logit transform (soft-capping,
+    scaling). Else the pass keeps the slab loop, and its shards record `head: slab`."""
+    plain = (type(lm_head) is nn.Linear or isinstance(lm_head, Float32Logits)) and lm_head.bias is None
     return plain and vocab_chunk is None and (transform is None or transform.is_identity)
+
+
+def float32_head(lm_head: nn.Module) -> bool:
+    """Whether a tiled head's logits are float32 (`teacher.lm_head_float32` wrapped it) or the weight's dtype."""
+    return isinstance(lm_head, Float32Logits)
 
 
 def tiled_variant(device: torch.device) -> str:

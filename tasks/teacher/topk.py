@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
-from kdflow.tasks.teacher.tiled_topk import tile_stats_for, tiled_head_fits, tiled_head_topk, tiled_variant
+from kdflow.tasks.teacher.tiled_topk import (float32_head, tile_stats_for, tiled_head_fits, tiled_head_topk,
+                                             tiled_variant)
 
 # Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
 # compute-dtype logits (bf16 is half a row) and the scratch of topk.
@@ -167,7 +168,8 @@ class TeacherTopkStep:
         hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
         if self.tiled:
             topk_ids, topk_logprobs, tail_logprob = tiled_head_topk(
-                hidden.flatten(0, 1), self.lm_head.weight, self.k, self.chunk_tokens, stats=tile_stats_for(self.head))
+                hidden.flatten(0, 1), self.lm_head.weight, self.k, self.chunk_tokens, stats=tile_stats_for(self.head),
+                float32=float32_head(self.lm_head))
             return (topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k),
                     tail_logprob.view(batch, seq_len))
         topk_ids, topk_logprobs, tail_logprob = chunked_topk(
