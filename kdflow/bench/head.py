@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tile", type=int, default=128, help="ids per tile of the tiled variants")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="weights and logits (default: bfloat16 on CUDA, float32 on CPU where bf16 is slower)")
+    parser.add_argument("--logits", choices=["float32", "weight"], default="float32",
+                        help="the logits' dtype: float32 (teacher.lm_head_float32, the pass's default: a 16-bit "
+                             "weight's matmul with float32 output) or the weight's own")
     parser.add_argument("--sampling", type=int_list, default=[16, 12],
                         help="H,S of the sampled variants' hybrid targets (precompute.sampling's defaults)")
     parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
@@ -60,7 +63,8 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from kdflow.tasks.teacher.sampled_step import sample_kernels, tiled_head_sample
     from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
     from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
-    from kdflow.tasks.teacher.tiled_topk import tiled_head_topk
+    from kdflow.tasks.common.float32_logits import Float32Logits
+    from kdflow.tasks.teacher.tiled_topk import logit_blocks, tiled_head_topk
     from kdflow.tasks.teacher.topk import chunked_topk
 
     device = torch.device(args.device)
@@ -69,19 +73,23 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     if unknown:
         raise SystemExit(f"kdflow bench head: unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     for vocab, width in itertools.product(args.vocab, args.hidden):
+        float32 = args.logits == "float32" and dtype != torch.float32
         shape = {"vocab": vocab, "hidden": width, "tokens": args.tokens, "top_k": args.top_k,
                  "chunk_tokens": args.chunk_tokens, "tile": args.tile, "dtype": str(dtype).removeprefix("torch."),
-                 "device": str(device)}
+                 "logits": "float32" if float32 else str(dtype).removeprefix("torch."), "device": str(device)}
         note({"bench": "head", **shape, "note": "shape"})
         generator = torch.Generator(device="cpu").manual_seed(0)
         hidden = torch.randn(args.tokens, width, generator=generator).to(device, dtype)
         weight = (torch.randn(vocab, width, generator=generator) / width**0.5).to(device, dtype)
-        rows = min(args.chunk_tokens, args.tokens)
-        buffer = torch.empty(rows, vocab, dtype=dtype, device=device)
+        head: Any = weight  # the slab loop's lm_head: the weight, or the pass's float32-logits wrapper of it
+        if float32:
+            linear = torch.nn.Linear(width, vocab, bias=False, device=device, dtype=dtype)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            head = Float32Logits(linear)
 
-        def matmul() -> None:
-            for start in range(0, args.tokens, rows):
-                torch.mm(hidden[start:start + rows], weight.t(), out=buffer[: min(rows, args.tokens - start)])
+        def matmul() -> None:  # the pass's matmul alone, block by block into its logits buffer
+            for _ in logit_blocks(hidden, weight, args.chunk_tokens, float32):
+                pass
 
         plan = SamplingPlan(head=args.sampling[0], samples=args.sampling[1])
         where = {"shard": 0, "rows": torch.arange(args.tokens, device=device) // 512,
@@ -89,17 +97,18 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
         def sampled(variant: str) -> Callable[[], Any]:
             if variant == "sampled-slab":
-                return lambda: _sampled_fields(chunked_sampled(hidden, weight, plan, args.chunk_tokens, **where))
+                return lambda: _sampled_fields(chunked_sampled(hidden, head, plan, args.chunk_tokens, **where))
             kernels = sample_kernels(variant.removeprefix("sampled-"))
             return lambda: _sampled_fields(tiled_head_sample(hidden, weight, plan, args.chunk_tokens, tile=args.tile,
-                                                             kernels=kernels, **where))
+                                                             kernels=kernels, float32=float32, **where))
 
         runs: dict[str, Callable[[], Any]] = {
             "matmul": matmul,
-            "slab": lambda: chunked_topk(hidden, weight, args.top_k, args.chunk_tokens, return_tail=True),
-            "tiled": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile),
+            "slab": lambda: chunked_topk(hidden, head, args.top_k, args.chunk_tokens, return_tail=True),
+            "tiled": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile,
+                                             float32=float32),
             "tiled-triton": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile,
-                                                    stats=tile_stats_triton),
+                                                    stats=tile_stats_triton, float32=float32),
         } | {variant: sampled(variant) for variant in VARIANTS if variant.startswith("sampled-")}
         references, floor = {}, None
         for variant in [name for name in VARIANTS if name in args.variants]:
