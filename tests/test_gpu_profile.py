@@ -30,6 +30,8 @@ SEEN = [
     ("step", "aten::mm", "lm_head_matmul"), ("lm_head", "aten::linear", "lm_head_matmul"),
     ("step", "aten::exp_", "log_sum_exp"), ("step", "aten::log", "log_sum_exp"), ("step", "aten::sum", "log_sum_exp"),
     ("step", "aten::scatter_", "log_sum_exp"),
+    ("experts", "kdflow::fused expert_gate_up", "expert_gemm"), ("experts", "expert_down", "expert_gemm"),
+    ("step", "sample_tile_stats", "log_sum_exp"), ("step", "tile_stats", "log_sum_exp"), ("step", "tile_keys", "top_k"),
     ("step", "aten::topk", "top_k"), ("step", "aten::gather", "top_k"),
     ("d2h", "aten::to", "device_to_host"), ("encode", "kdflow::encode", "encoding"),
     ("body", "aten::add", "other"), ("embedding", "aten::index_select", "other"), ("step", "aten::copy_", "other"),

@@ -36,6 +36,9 @@ FAMILY_PATTERNS: tuple[tuple[str, str, str], ...] = (
     ("device_to_host", _ANY, r"memcpy dtoh|memcpy.*device.?to.?host"),
     ("encoding", r"^encode$", _ANY),
     ("expert_dequantisation", r"^(experts|activation)$", r"dequantize|dequant"),
+    # kdflow_fused (tasks/teacher/fused_moe.py): its two Triton kernels are the experts' GEMMs (the activation, the
+    # routing weight and NF4 reads fused in), before the activation row could take `expert_gate_up` for an "up"
+    ("expert_gemm", r"^experts$", r"expert_gate_up|expert_down"),
     ("norms", r"^norm$", _ANY),
     ("activations", r"^activation$", _ANY),
     ("activations", r"^experts$", r"silu|gelu|sigmoid|swiglu|act_and_mul|aten::mul\b|mul_kernel|mulfunctor"),
@@ -45,7 +48,9 @@ FAMILY_PATTERNS: tuple[tuple[str, str, str], ...] = (
     ("permute_unpermute", r"^(experts|moe_block)$", _ANY),
     ("lm_head_matmul", r"^lm_head$", _ANY),
     ("lm_head_matmul", r"^step$", _GEMM),  # the chunked head multiplies by the lm_head's weight, not its module
-    ("top_k", r"^step$", r"topk|sort|radix|kth|gather"),
+    ("top_k", r"^step$", r"topk|sort|radix|kth|gather|tile_keys"),  # tile_keys: the tiled sampler's candidates
+    # the tiled heads' one read of the logits (their tile statistics kernels): the log-sum-exp's pass
+    ("log_sum_exp", r"^step$", r"tile_stats"),
     ("log_sum_exp", r"^step$", r"logsumexp|\bexp|\blog\b|log_|amax|\bmax\b|\bsum\b|reduce|sub|add|softmax|scatter"),
     # scatter_: the kept columns zeroed before the tail is summed (slab.split_logsumexp_)
 )
