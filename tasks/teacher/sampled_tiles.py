@@ -90,8 +90,9 @@ def tiled_sample(logits: Tensor, plan: SamplingPlan, streams: Tensor, tile: int 
     words = stream_words(streams)
     tile_max, tile_sum, key_max = stats(logits, words, plan.scheme, tile)  # (c, n) each
     tiles = tile_max.shape[1]
+    problem = "teacher logits have NaN or +inf entries, or a row without a finite logit"
     if not bool(torch.isfinite(tile_max.amax(1)).all()) or bool(torch.isnan(tile_max).any()):
-        raise ValueError("teacher logits have NaN or +inf entries, or a row without a finite logit")
+        raise ValueError(problem)
 
     head = plan.head
     if head:
@@ -108,6 +109,8 @@ def tiled_sample(logits: Tensor, plan: SamplingPlan, streams: Tensor, tile: int 
         lse = row_max[:, 0] + (tile_sum.double() * (tile_max.double() - row_max).exp()).sum(1).log()
         tail_lse = lse
 
+    if not bool(torch.isfinite(lse).all()):  # a NaN that a kernel's max passed over still reaches the sums
+        raise ValueError(problem)
     wanted = min(plan.candidates, vocab)
     picked = _top_tiles(key_max, min(wanted, tiles))  # (c, L')
     keys = keys_of(logits, words, picked, plan.scheme, tile)  # (c, L' * tile) in id order
