@@ -16,15 +16,22 @@ import triton.language as tl
 
 
 @triton.jit
-def load_weight(w_ptr, code_ptr, absmax_ptr, flat, mask, dtype: tl.constexpr, NF4: tl.constexpr):
-    """A tile of weights at flat indices `flat` (int64), as `dtype`: read as they are, or from NF4 packed values."""
+def load_weight(w_ptr, code_ptr, absmax_ptr, flat, mask, dtype: tl.constexpr, NF4: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """A tile of weights at flat indices `flat` (int64), as `dtype` (float32 with UPCAST): read as they are, or
+    from NF4 packed values (rounded to `dtype` as bitsandbytes rounds them when it dequantises)."""
     if NF4:
         byte = tl.load(w_ptr + flat // 2, mask=mask, other=0).to(tl.int32)
         nibble = tl.where(flat % 2 == 0, byte >> 4, byte & 15)
         value = tl.load(code_ptr + nibble, mask=mask, other=0.0) * tl.load(absmax_ptr + flat // 64, mask=mask,
                                                                           other=0.0)
+        if UPCAST:  # the interpreter rounds float32 to 16 bits otherwise than the GPU: kept in float32 there
+            return value
         return value.to(dtype)
-    return tl.load(w_ptr + flat, mask=mask, other=0.0).to(dtype)
+    value = tl.load(w_ptr + flat, mask=mask, other=0.0)
+    if UPCAST:
+        return value.to(tl.float32)
+    return value.to(dtype)
 
 
 @triton.jit
@@ -52,12 +59,12 @@ def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, schedul
                     other=0.0)  # (BM, BK)
         w_mask = (cols[:, None] < inter) & (ks[None, :] < hidden)
         w_gate = load_weight(w_ptr, code_ptr, absmax_ptr, w_expert + cols[:, None].to(tl.int64) * hidden + ks[None, :],
-                             w_mask, x_ptr.dtype.element_ty, NF4)
+                             w_mask, x_ptr.dtype.element_ty, NF4, UPCAST)
         w_up = load_weight(w_ptr, code_ptr, absmax_ptr,
                            w_expert + (cols[:, None] + inter).to(tl.int64) * hidden + ks[None, :], w_mask,
-                           x_ptr.dtype.element_ty, NF4)  # (BN, BK)
+                           x_ptr.dtype.element_ty, NF4, UPCAST)  # (BN, BK)
         if UPCAST:  # Triton's interpreter multiplies 16-bit floats wrongly: it is given float32
-            x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+            x = x.to(tl.float32)
         gate += tl.dot(x, tl.trans(w_gate))
         up += tl.dot(x, tl.trans(w_up))
     out = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up, in float32
@@ -79,9 +86,10 @@ def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_
         h = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :],
                     mask=live[:, None] & (ks[None, :] < inter), other=0.0)  # (BM, BK)
         w = load_weight(w_ptr, code_ptr, absmax_ptr, w_expert + cols[:, None].to(tl.int64) * inter + ks[None, :],
-                        (cols[:, None] < hidden) & (ks[None, :] < inter), h_ptr.dtype.element_ty, NF4)  # (BN, BK)
+                        (cols[:, None] < hidden) & (ks[None, :] < inter), h_ptr.dtype.element_ty, NF4,
+                        UPCAST)  # (BN, BK)
         if UPCAST:
-            h, w = h.to(tl.float32), w.to(tl.float32)
+            h = h.to(tl.float32)
         acc += tl.dot(h, tl.trans(w))
     scale = tl.load(weights_ptr + slots, mask=live, other=0.0).to(tl.float32)  # (BM,) routing weights
     tl.store(out_ptr + slots[:, None] * hidden + cols[None, :], acc * scale[:, None],
