@@ -16,8 +16,6 @@ the GPU check's `body_variants` step print its records.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +27,7 @@ from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.fused_experts import expert_count
 from kdflow.tasks.common.models import body_hidden_states, model_body
 from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, register_fused_experts
+from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
 
 __all__ = ["EXPERTS", "VARIANTS", "experts_in_use", "fastest_correct", "measure_body_variants", "use_experts"]
 
@@ -69,9 +68,9 @@ def use_experts(model: nn.Module, choice: str) -> str | None:
 
 def _fused_problem(device: torch.device) -> str | None:
     """Why the fused Triton experts cannot run here, or None."""
-    if importlib.util.find_spec("triton") is None:
+    if not triton_available():
         return "needs Triton (pip install triton)"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if device.type != "cuda" and not interpreting():
         return f"runs on CUDA, not {device.type}"
     return None
 

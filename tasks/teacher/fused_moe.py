@@ -19,7 +19,6 @@ interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from kdflow.tasks.common.fused_experts import Dequantised
+from kdflow.tasks.teacher.tile_stats_kernel import interpreting
 
 __all__ = ["FUSED_EXPERTS", "block_schedule", "fused_experts_forward", "register_fused_experts"]
 
@@ -84,8 +84,7 @@ def expert_weight(module: nn.Module, name: str) -> ExpertWeight:
 
 
 def _check_device(tensor: Tensor) -> None:
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if tensor.device.type != "cuda" and not interpret:
+    if tensor.device.type != "cuda" and not interpreting():
         raise ValueError(f"the fused experts run on CUDA tensors (or under TRITON_INTERPRET=1), not "
                          f"{tensor.device.type}: set precompute.experts to grouped_mm or auto")
 

@@ -9,22 +9,15 @@ both through Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the 
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
 
 __all__ = ["TRITON_KERNELS", "sample_tile_stats_triton", "tile_keys_triton"]
 
 _SCHEME_CODES = {"priority": 0, "gumbel": 1}
-
-
-def _check_device(tensor: Tensor) -> None:
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if tensor.device.type != "cuda" and not interpret:
-        raise ValueError(f"the Triton sampler kernels run on CUDA tensors (or under TRITON_INTERPRET=1), not "
-                         f"{tensor.device.type}")
 
 
 def _check(logits: Tensor, tile: int, group: int) -> None:
@@ -40,7 +33,7 @@ def sample_tile_stats_triton(logits: Tensor, words: Tensor, scheme: str, tile: i
     import triton
 
     _check(logits, tile, group)
-    _check_device(logits)
+    check_triton_device(logits, "the Triton sampler kernels run")
     kernels = _kernels()
     rows, vocab = logits.shape
     tiles = triton.cdiv(vocab, tile)
@@ -54,7 +47,7 @@ def sample_tile_stats_triton(logits: Tensor, words: Tensor, scheme: str, tile: i
 def tile_keys_triton(logits: Tensor, words: Tensor, picked: Tensor, scheme: str, tile: int) -> Tensor:
     """The same as `tile_keys_torch`."""
     _check(logits, tile, 1)
-    _check_device(logits)
+    check_triton_device(logits, "the Triton sampler kernels run")
     kernels = _kernels()
     rows, vocab = logits.shape
     count = picked.shape[1]

@@ -25,19 +25,19 @@ from torch import Tensor
 
 from kdflow.tasks.teacher.sampling import SamplingPlan, finish_targets, top_ordered
 from kdflow.tasks.common.sampled import SampledTargets
-from kdflow.tasks.teacher.sampling_noise import TOKEN_DOMAIN32, UNIFORM_BITS, key_noise_, mix32_, stream_words
-from kdflow.tasks.teacher.tiled_topk import tile_stats_torch, tiled_logsumexps
+from kdflow.tasks.teacher.sampling_noise import (key_noise_, stream_words, token_keys32, token_keys32_of,
+                                                 uniform_noise32_)
+from kdflow.tasks.teacher.tiled_topk import tile_candidates, tile_columns, tile_stats_torch, tiled_logsumexps
 
 __all__ = ["SampleKernels", "TORCH_KERNELS", "element_keys", "sample_tile_stats_torch", "tile_keys_torch",
            "tiled_sample"]
 
 
-def element_keys(logits: Tensor, words: Tensor, ids: Tensor, scheme: str) -> Tensor:
-    """kdflow.2 keys: logits (c, m) float32 + the noise of (stream word (c,), id (c, m)) -> (c, m) float32."""
-    token = mix32_(ids.to(torch.int32).bitwise_xor(TOKEN_DOMAIN32 - (1 << 32)))
-    bits = mix32_(token.bitwise_xor_(words[:, None]))
-    top = torch.bitwise_right_shift(bits, 32 - UNIFORM_BITS).bitwise_and_((1 << UNIFORM_BITS) - 1)
-    uniform = top.float().add_(0.5).mul_(2.0**-UNIFORM_BITS)
+def element_keys(logits: Tensor, words: Tensor, token_keys: Tensor, scheme: str) -> Tensor:
+    """kdflow.2 keys: logits (c, m) float32 + the noise of (stream word (c,), id), the ids given by their token keys
+    (`sampling_noise.token_keys32_of`: (m,), the same for every row, or (c, m)) -> (c, m) float32."""
+    bits = torch.empty(logits.shape, dtype=torch.int32, device=logits.device)
+    uniform = uniform_noise32_(words, token_keys, bits, torch.empty_like(bits))
     return key_noise_(uniform, scheme).add_(logits)
 
 
@@ -46,8 +46,7 @@ def sample_tile_stats_torch(logits: Tensor, words: Tensor, scheme: str, tile: in
     rows, vocab = logits.shape
     tile_max, tile_sum = tile_stats_torch(logits, tile)
     tiles = tile_max.shape[1]
-    ids = torch.arange(vocab, device=logits.device).expand(rows, vocab)
-    keys = element_keys(logits.float(), words, ids, scheme)
+    keys = element_keys(logits.float(), words, token_keys32(0, vocab, logits.device), scheme)
     if tiles * tile != vocab:
         keys = torch.nn.functional.pad(keys, (0, tiles * tile - vocab), value=float("-inf"))
     return tile_max, tile_sum, keys.view(rows, tiles, tile).amax(2)
@@ -56,19 +55,13 @@ def sample_tile_stats_torch(logits: Tensor, words: Tensor, scheme: str, tile: in
 def tile_keys_torch(logits: Tensor, words: Tensor, picked: Tensor, scheme: str, tile: int) -> Tensor:
     """The keys (c, k * tile) float32 of the picked tiles (c, k), tile by tile in their order; -inf past the
     vocabulary."""
-    columns = _columns(picked, tile)
-    vocab = logits.shape[1]
-    values = logits.gather(1, columns.clamp_max(vocab - 1)).float()
-    return element_keys(values, words, columns, scheme).masked_fill_(columns >= vocab, float("-inf"))
+    columns, values = tile_candidates(logits, picked, tile)
+    return element_keys(values, words, token_keys32_of(columns), scheme)  # -inf logits: -inf keys
 
 
 SampleKernels = tuple[Callable[[Tensor, Tensor, str, int], tuple[Tensor, Tensor, Tensor]],
                       Callable[[Tensor, Tensor, Tensor, str, int], Tensor]]
 TORCH_KERNELS: SampleKernels = (sample_tile_stats_torch, tile_keys_torch)
-
-
-def _columns(picked: Tensor, tile: int) -> Tensor:
-    return (picked[:, :, None] * tile + torch.arange(tile, device=picked.device)).flatten(1)
 
 
 def _top_tiles(tile_values: Tensor, k: int) -> Tensor:
@@ -97,8 +90,7 @@ def tiled_sample(logits: Tensor, plan: SamplingPlan, streams: Tensor, tile: int 
     head = plan.head
     if head:
         picked = _top_tiles(tile_max, min(head, tiles))  # (c, h')
-        columns = _columns(picked, tile)
-        candidates = logits.gather(1, columns.clamp_max(vocab - 1)).float().masked_fill_(columns >= vocab, -torch.inf)
+        columns, candidates = tile_candidates(logits, picked, tile)
         head_logits, positions = top_ordered(candidates, head)  # (c, H)
         head_ids = columns.gather(1, positions)
         lse, tail_lse = tiled_logsumexps(tile_max, tile_sum, picked, candidates, positions, head_logits[:, :1])
@@ -115,6 +107,6 @@ def tiled_sample(logits: Tensor, plan: SamplingPlan, streams: Tensor, tile: int 
     picked = _top_tiles(key_max, min(wanted, tiles))  # (c, L')
     keys = keys_of(logits, words, picked, plan.scheme, tile)  # (c, L' * tile) in id order
     key_top, positions = top_ordered(keys, wanted)  # (c, L)
-    key_ids = _columns(picked, tile).gather(1, positions)
+    key_ids = tile_columns(picked, tile).gather(1, positions)
     key_logits = logits.gather(1, key_ids).float()
     return finish_targets(plan, (head_logits, head_ids), (key_top, key_ids, key_logits), lse, tail_lse)

@@ -22,7 +22,8 @@ from torch import Tensor
 
 
 __all__ = ["key_noise_", "mix32_", "mix64_", "position_streams", "stream_words", "token_keys",
-           "token_keys32", "uniform_noise32_", "uniform_noise_", "MIX32", "TOKEN_DOMAIN32", "UNIFORM_BITS"]
+           "token_keys32", "token_keys32_of", "uniform_noise32_", "uniform_noise_", "MIX32", "TOKEN_DOMAIN32",
+           "UNIFORM_BITS"]
 
 
 
@@ -116,15 +117,19 @@ def stream_words(streams: Tensor) -> Tensor:
 
 def token_keys32(first_id: int, width: int, device: torch.device) -> Tensor:
     """(width,) int32: mix32(id ^ domain) for ids first_id..first_id + width - 1."""
-    ids = torch.arange(first_id, first_id + width, dtype=torch.int32, device=device)
-    return mix32_(ids.bitwise_xor_(_TOKEN_DOMAIN32))
+    return token_keys32_of(torch.arange(first_id, first_id + width, dtype=torch.int32, device=device))
+
+
+def token_keys32_of(ids: Tensor) -> Tensor:
+    """mix32(id ^ domain) of any ids, as int32 (a new tensor)."""
+    return mix32_(ids.to(torch.int32).bitwise_xor(_TOKEN_DOMAIN32))
 
 
 def uniform_noise32_(words: Tensor, keys: Tensor, bits: Tensor, scratch: Tensor) -> Tensor:
-    """u in (0, 1) per (position, id): stream words (C,) int32, token keys (s,) int32 -> (C, s) float32, a view of
-    `bits`. u = (m + 1/2) 2^-23, m the top 23 bits of mix32(word ^ token key); bits and scratch are (C, s) int32
-    buffers we may overwrite."""
-    torch.bitwise_xor(words[:, None], keys[None, :], out=bits)
+    """u in (0, 1) per (position, id): stream words (C,) int32, token keys (s,) (the same ids for every position)
+    or (C, s) int32 -> (C, s) float32, a view of `bits`. u = (m + 1/2) 2^-23, m the top 23 bits of
+    mix32(word ^ token key); bits and scratch are (C, s) int32 buffers we may overwrite."""
+    torch.bitwise_xor(words[:, None], keys if keys.dim() == 2 else keys[None, :], out=bits)
     mix32_(bits, scratch)
     _shift_right32_(scratch, bits, 32 - UNIFORM_BITS)  # m
     uniform = bits.view(torch.float32)

@@ -20,6 +20,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter (TRITON_INTERPRET=1: CPU tensors, the suite)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_triton_device(tensor: Tensor, what: str) -> None:
+    """ValueError unless Triton can run a kernel on `tensor`: "{what} on CUDA tensors (or under ...), not cpu"."""
+    if tensor.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{what} on CUDA tensors (or under TRITON_INTERPRET=1), not {tensor.device.type}")
+
+
 def tile_stats_triton(logits: Tensor, tile: int, group: int = 16) -> tuple[Tensor, Tensor]:
     """The same as `tile_stats_torch`; `tile` and `group` powers of two (Triton's block shapes)."""
     import triton
@@ -28,10 +39,8 @@ def tile_stats_triton(logits: Tensor, tile: int, group: int = 16) -> tuple[Tenso
         raise ValueError(f"tile and group must be powers of two, got {tile} and {group}")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("logits must be a (rows, vocab) tensor with contiguous rows")
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if logits.device.type != "cuda" and not interpret:
-        raise ValueError(f"the Triton tile kernel runs on CUDA tensors (or under TRITON_INTERPRET=1), not "
-                         f"{logits.device.type}")
+    check_triton_device(logits, "the Triton tile kernel runs")
+    interpret = interpreting()
     rows, vocab = logits.shape
     tiles = triton.cdiv(vocab, tile)
     tile_max = torch.empty((rows, tiles), dtype=torch.float32, device=logits.device)

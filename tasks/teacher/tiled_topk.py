@@ -58,14 +58,25 @@ def tiled_topk(logits: Tensor, k: int, tile: int = 128,
     tile_max, tile_sum = stats(logits, tile)  # (c, n) float32
     tiles = tile_max.shape[1]
     picked = torch.topk(tile_max, min(k, tiles), dim=1, sorted=False).indices  # (c, k')
-    columns = (picked[:, :, None] * tile + torch.arange(tile, device=logits.device)).flatten(1)  # (c, k' * tile)
-    outside = columns >= vocab  # the last tile's padding
-    candidates = logits.gather(1, columns.clamp_max(vocab - 1)).float().masked_fill_(outside, float("-inf"))
+    columns, candidates = tile_candidates(logits, picked, tile)  # (c, k' * tile)
     top_logits, positions = torch.topk(candidates, k, dim=1, sorted=True)  # (c, k)
     top_ids = columns.gather(1, positions)
 
     log_normaliser, log_rest = tiled_logsumexps(tile_max, tile_sum, picked, candidates, positions, top_logits[:, :1])
     return top_logits, top_ids, log_normaliser.float(), log_rest.float()
+
+
+def tile_columns(picked: Tensor, tile: int) -> Tensor:
+    """The ids (c, k * tile) of the picked tiles (c, k), tile by tile in their order (past the vocabulary in the
+    last tile's padding)."""
+    return (picked[:, :, None] * tile + torch.arange(tile, device=picked.device)).flatten(1)
+
+
+def tile_candidates(logits: Tensor, picked: Tensor, tile: int) -> tuple[Tensor, Tensor]:
+    """The picked tiles' ids and their logits as float32, -inf in the last tile's padding: (c, k * tile) each."""
+    columns = tile_columns(picked, tile)
+    vocab = logits.shape[1]
+    return columns, logits.gather(1, columns.clamp_max(vocab - 1)).float().masked_fill_(columns >= vocab, -torch.inf)
 
 
 def tiled_logsumexps(tile_max: Tensor, tile_sum: Tensor, picked: Tensor, candidates: Tensor, positions: Tensor,
