@@ -63,6 +63,7 @@ def quantise_in_place(model: Any) -> int:
                                          compress_statistics=False).to(device)
         if module.bias is not None:
             layer.bias = nn.Parameter(module.bias.data, requires_grad=False)
+        layer.train(module.training)  # bitsandbytes' CPU kernels differ by mode (avx512_bf16: a packed one in eval)
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attribute, layer)
         replaced += 1
