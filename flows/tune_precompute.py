@@ -1,8 +1,9 @@
 """Flow `tune-precompute`: `kdflow tune precompute` as a deployment on the `gpu` pool, so it runs on the GPU
 that will run the teacher pass. Each candidate is a task run that starts one tune worker process
-(`kdflow.tasks.teacher.tune_search`); the table becomes a Prefect artifact and the flow returns the summary. It never
-edits a config: copy the recommended `precompute.micro_batch` into the deployment's parameters (or run
-`kdflow tune precompute CONFIG.yaml --write` on that machine).
+(`kdflow.tasks.teacher.tune_search`); for a MoE teacher one more task run times its experts implementations at the
+recommended micro-batch. The table becomes a Prefect artifact and the flow returns the summary. It never edits a
+config: copy the recommended `precompute.micro_batch` (and `precompute.experts`) into the deployment's parameters
+(or run `kdflow tune precompute CONFIG.yaml --write` on that machine).
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def tune_candidate(config_path: str, micro_batch: int, batches: int, warmup: int
     return candidate.as_dict()
 
 
+@task(name="tune-experts", cache_policy=NONE, task_run_name="experts-at-{micro_batch}")
+def tune_experts(config_path: str, micro_batch: int, repeats: int, timeout_s: float) -> dict[str, Any]:
+    logger = get_run_logger()
+    outcome = tune_search.run_experts(config_path, micro_batch, repeats=repeats, timeout_s=timeout_s,
+                                      on_log=lambda line: logger.info("worker: %s", line))
+    logger.info("experts at micro-batch %d: %s %s", micro_batch, outcome["status"],
+                outcome["recommended_experts"] if outcome["status"] == "ok" else outcome["message"])
+    return outcome
+
+
 @flow(name="tune-precompute", log_prints=True)
 def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | None = None, headroom: float = 0.10,
                          batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
@@ -50,8 +61,14 @@ def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | 
             return tune_search.Candidate(row["micro_batch"], row["status"], row["exit_code"], row["message"], fields)
 
         candidates = tune_search.run_candidates(sizes, runner, keep_going=keep_going)
-    result = tune_search.summary(candidates, headroom)
-    _table_artifact(tune_search.table(candidates, headroom, markdown=True), result)
+        result = tune_search.summary(candidates, headroom)
+        chosen = result["recommended_micro_batch"]
+        if chosen is not None and tune_search.has_experts(teacher_pass_settings(config)):
+            result["experts"] = tune_experts(path, chosen, batches, timeout_s)
+    report = tune_search.table(candidates, headroom, markdown=True)
+    if "experts" in result:
+        report += "\n\n```" + tune_search.experts_report(result["experts"], config.precompute.experts) + "\n```"
+    _table_artifact(report, result)
     logger.info("recommended precompute.micro_batch: %s", result["recommended_micro_batch"])
     return result
 

@@ -233,6 +233,35 @@ def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendati
     assert "rows: no token shards yet: Python's documentation in rows of 32 tokens" in result.stdout
     assert "<- recommended" in result.stdout
     assert " on cpu (auto), seq_len 32," in result.stdout.splitlines()[0]  # the device `auto` resolved to
+    assert "experts" not in summary and "experts" not in result.stdout  # a dense teacher has none to time
+
+
+@pytest.mark.usefixtures("children")
+def test_a_moe_teachers_experts_are_timed_at_the_recommendation_and_the_fastest_correct_written(
+        tiny_moe_teacher_dir: Path, corpus_file: Path, tmp_path: Path) -> None:
+    from support.tiny import tiny_config
+
+    from kdflow.schemas.config_io import load_config
+    from kdflow.tasks.teacher.body_variants import EXPERTS, EXPERTS_TOLERANCE
+
+    path = tmp_path / "moe.yaml"
+    path.write_text("# my teacher\n" + dump_config(tiny_config(tmp_path / "run", tiny_moe_teacher_dir, corpus_file,
+                                                              teacher__dtype="float32")))
+    result = subprocess.run([sys.executable, "-m", "kdflow", "tune", "precompute", str(path), "--micro-batches", "2",
+                             "--batches", "1", "--write", "--json"], capture_output=True, text=True, timeout=600,
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])["experts"]
+    assert outcome["status"] == "ok" and outcome["micro_batch"] == 2
+    runs = {r["variant"]: r for r in outcome["experts"]}
+    assert sorted(runs) == sorted(EXPERTS) and runs["eager"]["max_rel_diff"] == 0.0
+    correct = [r for r in runs.values() if r.get("max_rel_diff", 1.0) <= EXPERTS_TOLERANCE]
+    chosen = outcome["recommended_experts"]
+    assert chosen == max(correct, key=lambda r: r["tokens_per_s"])["variant"]
+    config = load_config(path)
+    assert (config.precompute.micro_batch, config.precompute.experts) == (2, chosen)
+    assert path.read_text().startswith("# my teacher\n")
+    assert f"recommended: precompute.experts: {chosen} (the config has auto)" in result.stdout
 
 
 def test_the_flow_runs_candidates_as_task_runs(prefect_harness: Any, make_config: Callable[..., Any]) -> None:

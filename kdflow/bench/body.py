@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kdflow.tasks.teacher.body_variants import VARIANTS
+    from kdflow.tasks.teacher.body_variants import EXPERTS_TOLERANCE, VARIANTS
 
     parser = bench_parser("body", __doc__, device=None, repeats=3, seq_len=None,
                           helps={"device": "where it runs (default: the config's teacher.device)",
@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--write", action="store_true",
                         help="set precompute.experts in the config file to the fastest correct implementation")
-    parser.add_argument("--tolerance", type=float, default=0.02,
+    parser.add_argument("--tolerance", type=float, default=EXPERTS_TOLERANCE,
                         help="largest difference from eager's hidden states, relative to their largest, that --write "
-                             "counts as correct (default 0.02: bf16 rounding)")
+                             f"counts as correct (default {EXPERTS_TOLERANCE}: bf16 rounding)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend for `compiled` (aot_eager: capture the graph without codegen)")
     return parser

@@ -2,10 +2,12 @@
 
 Each candidate loads the configured teacher in a fresh process and times a few real micro-batches
 (`kdflow.tasks.teacher.tune_search`); the table shows tok/s, peak memory and headroom, and the recommendation is the
-fastest candidate that leaves `--headroom` of the memory free. `--write` puts it into CONFIG.yaml as
-`precompute.micro_batch`, editing that one value in place (comments and layout kept), so that the run
-uses it from its first shard to its last. The checks and the edit are `kdflow.tasks.teacher.tune_file`'s; this
-module parses the options and prints.
+fastest candidate that leaves `--headroom` of the memory free. For a MoE teacher, one more process then times its
+experts implementations at that micro-batch (`grouped_mm`, `batched_mm`, `eager`, `kdflow_fused` where Triton and
+CUDA are there) and recommends the fastest whose hidden states match eager's. `--write` puts both into CONFIG.yaml
+(`precompute.micro_batch`, `precompute.experts`), editing those values in place (comments and layout kept), so
+that the run uses them from its first shard to its last. The checks and the edit are
+`kdflow.tasks.teacher.tune_file`'s; this module parses the options and prints.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="a candidate's process is killed after this")
     parser.add_argument("--keep-going", action="store_true", help="try larger candidates after an out-of-memory too")
     parser.add_argument("--write", action="store_true",
-                        help="write the recommendation into CONFIG as precompute.micro_batch")
+                        help="write the recommendation into CONFIG as precompute.micro_batch (and precompute.experts)")
+    parser.add_argument("--skip-experts", action="store_true",
+                        help="do not time a MoE teacher's experts implementations")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line after the table")
     parser.add_argument("--verbose", action="store_true", help="show the candidates' own log lines (stderr)")
     parser.add_argument("--set", action="append", default=[], type=parse_override, metavar="KEY=VALUE",
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from kdflow.tasks.common.launch import config_file
     from kdflow.tasks.common.models import resolve_device
     from kdflow.tasks.teacher import tune_search
-    from kdflow.tasks.teacher.tune_file import check_tune_request, write_micro_batch
+    from kdflow.tasks.teacher.tune_file import check_tune_request, write_micro_batch, write_precompute_setting
 
     request = check_tune_request(args.config, dict(args.set),
                                  micro_batches=args.micro_batches, headroom=args.headroom, batches=args.batches,
@@ -80,8 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nrecommended: precompute.micro_batch: {chosen} ({result['recommended_tokens_per_s']:,.0f} tok/s, "
               f"{result['recommended_over_fastest']:.1%} of the fastest candidate)")
+        if request.experts and not args.skip_experts:
+            with config_file(config, "kdflow-tune-") as path:
+                result["experts"] = tune_search.run_experts(path, chosen, repeats=args.batches,
+                                                            timeout_s=args.timeout_s,
+                                                            on_log=_worker_log if args.verbose else _quiet)
+            print(tune_search.experts_report(result["experts"], config.precompute.experts))
         if args.write:
             write_micro_batch(Path(args.config), chosen)
+            experts = result.get("experts", {}).get("recommended_experts")
+            if experts is not None:
+                write_precompute_setting(Path(args.config), "experts", experts)
             print(f"written to {args.config}")
     if args.json:
         print(json.dumps({"tune": "precompute", **result}))

@@ -29,10 +29,13 @@ from kdflow.tasks.common.models import body_hidden_states, model_body
 from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, register_fused_experts
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
 
-__all__ = ["EXPERTS", "VARIANTS", "experts_in_use", "fastest_correct", "measure_body_variants", "use_experts"]
+__all__ = ["EXPERTS", "EXPERTS_TOLERANCE", "VARIANTS", "experts_in_use", "fastest_correct", "measure_body_variants",
+           "use_experts"]
 
 EXPERTS = ("grouped_mm", "batched_mm", "eager", FUSED_EXPERTS)
 VARIANTS = (*EXPERTS, "compiled")
+EXPERTS_TOLERANCE = 0.02  # the largest difference from eager's hidden states, relative to their largest, that counts
+#                          as correct: bf16 rounding through a teacher's layers
 
 
 def experts_in_use(model: nn.Module) -> str | None:

@@ -25,13 +25,14 @@ from kdflow.tasks.teacher import tune_search
 
 @dataclass
 class TuneRequest:
-    """What a tune of `path` will try: the config as loaded (overrides applied), the candidates, and where their
-    rows come from (the token shards, or Python's documentation)."""
+    """What a tune of `path` will try: the config as loaded (overrides applied), the candidates, where their
+    rows come from (the token shards, or Python's documentation), and whether the teacher has experts to time."""
 
     path: Path
     config: KDFlowConfig
     sizes: list[int]
     rows_from: str
+    experts: bool = False
 
 
 def check_tune_request(path: str | Path, overrides: dict[str, Any] | None = None, *, micro_batches: str | None = None,
@@ -51,7 +52,7 @@ def check_tune_request(path: str | Path, overrides: dict[str, Any] | None = None
     rows_from = tune_search.check_tune_inputs(run_root, settings, seq_len_given=_seq_len_given(path, overrides))
     if write:
         _check_writable(path, run_root, settings)
-    return TuneRequest(path, config, sizes, rows_from)
+    return TuneRequest(path, config, sizes, rows_from, tune_search.has_experts(settings))
 
 
 def _seq_len_given(path: Path, overrides: dict[str, Any]) -> bool:

@@ -5,7 +5,9 @@ Used by `kdflow tune precompute` and by the `tune-precompute` flow. Each candida
 so an out-of-memory or a driver error ends that candidate only and is reported by its exit code. After
 an out-of-memory the larger candidates are skipped (memory grows with the micro-batch) unless
 `keep_going`; other failures do not stop the search, and a user error (exit 2: the same for every
-candidate) ends it with that error. The checks that need no process run first (`check_tune_inputs`).
+candidate) ends it with that error. The checks that need no process run first (`check_tune_inputs`). For a MoE
+teacher one more worker then times its experts implementations at the recommended micro-batch (`run_experts`), so
+that `precompute.experts` can name the fastest one this machine ran correctly.
 """
 
 from __future__ import annotations
@@ -121,6 +123,37 @@ def committed_micro_batches(run_root: RunRoot, settings: TeacherPassSettings) ->
 def run_candidate(config_path: str, micro_batch: int, *, batches: int, warmup: int, timeout_s: float,
                   on_log: Callable[[str], None] = lambda line: None) -> Candidate:
     """One candidate in a fresh worker process, killed (with its process group) after `timeout_s`."""
+    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(batches),
+            "--warmup", str(warmup)]
+    status, exit_code, message, result = _in_worker(args, timeout_s, on_log)
+    return Candidate(micro_batch, status, exit_code, message, result or {})
+
+
+def has_experts(settings: TeacherPassSettings) -> bool:
+    """Whether the teacher is a MoE model (its experts implementations are then worth timing)."""
+    from kdflow.tasks.common.fused_experts import expert_count
+    from kdflow.tasks.teacher.loading import load_teacher_config
+
+    return expert_count(load_teacher_config(settings.teacher)) is not None
+
+
+def run_experts(config_path: str, micro_batch: int, *, repeats: int, timeout_s: float,
+                on_log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """A MoE teacher's experts implementations timed at `micro_batch` in a fresh worker process
+    (`tune_trial.measure_experts`) -> {"micro_batch", "status", "message", "experts": records,
+    "recommended_experts": the fastest correct one or None}. A failure is its status, never an exception: the
+    micro-batch's recommendation stands without it."""
+    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(repeats), "--experts"]
+    status, _, message, result = _in_worker(args, timeout_s, on_log)
+    result = result or {}
+    return {"micro_batch": micro_batch, "status": status, "message": message, "experts": result.get("experts", []),
+            "recommended_experts": result.get("recommended_experts")}
+
+
+def _in_worker(args: list[str], timeout_s: float,
+               on_log: Callable[[str], None]) -> tuple[str, int | None, str, dict[str, Any] | None]:
+    """The tune worker with `args`, killed (with its process group) after `timeout_s` -> (status ok | out of memory
+    | failed | timed out, exit code, message, its result line)."""
     timer: list[threading.Timer] = []
     timed_out = threading.Event()
 
@@ -133,8 +166,6 @@ def run_candidate(config_path: str, micro_batch: int, *, batches: int, warmup: i
         timer[0].daemon = True
         timer[0].start()
 
-    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(batches),
-            "--warmup", str(warmup)]
     try:
         outcome = run_child(TUNE_WORKER, args, on_started=started, on_log=lambda pid, line: on_log(line))
     finally:
@@ -142,11 +173,11 @@ def run_candidate(config_path: str, micro_batch: int, *, batches: int, warmup: i
             pending.cancel()
     message = (outcome.errors[-1].get("message", "") if outcome.errors else "")
     if timed_out.is_set():
-        return Candidate(micro_batch, "timed out", outcome.exit_code, f"killed after {timeout_s:g} s")
+        return "timed out", outcome.exit_code, f"killed after {timeout_s:g} s", None
     if outcome.exit_code == 0 and outcome.result is not None:
-        return Candidate(micro_batch, "ok", 0, "", outcome.result)
+        return "ok", 0, "", outcome.result
     status = "out of memory" if outcome.exit_code in OUT_OF_MEMORY_EXIT_CODES else "failed"
-    return Candidate(micro_batch, status, outcome.exit_code, message or describe_exit_code(outcome.exit_code))
+    return status, outcome.exit_code, message or describe_exit_code(outcome.exit_code), None
 
 
 Runner = Callable[[int], Candidate]
@@ -231,6 +262,25 @@ def table(candidates: list[Candidate], headroom: float, markdown: bool = False) 
         return ("  ".join(cells) + "  " + row[-1]).rstrip()
 
     return "\n".join(line(row) for row in [header, *rows])
+
+
+def experts_report(outcome: dict[str, Any], configured: str) -> str:
+    """`run_experts`' outcome as lines: each implementation's tokens/s and distance from eager, the recommendation."""
+    if outcome["status"] != "ok":
+        return f"\nexperts implementations not timed: {outcome['status']}: {outcome['message']}"
+    lines = [f"\nexperts implementations at micro-batch {outcome['micro_batch']} (the body: embeddings to the final "
+             "norm):"]
+    width = max(len(r["variant"]) for r in outcome["experts"])
+    for r in outcome["experts"]:
+        if "tokens_per_s" in r:
+            detail = f"{r['tokens_per_s']:>12,.0f} tok/s  {r['max_rel_diff']:.2e} from eager"
+        else:
+            detail = r.get("skipped") or r.get("error", "")
+        lines.append(f"  {r['variant'].ljust(width)}  {detail}")
+    chosen = outcome["recommended_experts"]
+    lines.append(f"recommended: precompute.experts: {chosen} (the config has {configured})" if chosen else
+                 "no experts implementation matched eager's hidden states: precompute.experts stays as it is")
+    return "\n".join(lines)
 
 
 def _num(value: float | None) -> str:

@@ -36,7 +36,8 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.common.models import resolve_device
 from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.teacher.body_variants import use_experts
+from kdflow.tasks.teacher.body_variants import (EXPERTS, EXPERTS_TOLERANCE, fastest_correct, measure_body_variants,
+                                                use_experts)
 from kdflow.tasks.teacher.host_writer import HostCopies
 from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher_config, output_rows,
                                           vocab_rows)
@@ -173,3 +174,22 @@ def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_ba
             "seconds": round(seconds, 3), "tokens": tokens, "batches": batches, "warmup": warmup,
             "load_seconds": round(load_seconds, 2), "device": str(device), "threads": torch.get_num_threads(),
             "rows_from": source, "chunk_tokens": chunk_tokens, "vocab": vocab, **memory_record(device)}
+
+
+def measure_experts(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, repeats: int = 2,
+                    tolerance: float = EXPERTS_TOLERANCE) -> dict[str, Any]:
+    """A MoE teacher's body under each experts implementation on `micro_batch` of the run's rows
+    (`measure_body_variants`) -> {"experts": one record per implementation, "recommended_experts": the fastest whose
+    hidden states are within `tolerance` of eager's, or None}. The teacher loads as the pass loads it."""
+    if micro_batch < 1 or repeats < 1:
+        raise ConfigError(f"micro_batch and repeats must be >= 1, got {micro_batch}, {repeats}")
+    teacher, seq_len = settings.teacher, settings.seq_len
+    device = resolve_device(teacher.device)
+    tokenizer = load_tokenizer(teacher, settings.tokenizer)
+    model = load_teacher(teacher, device=device)
+    ids, _ = token_rows(run_root, seq_len, tokenizer, micro_batch)
+    rows = torch.from_numpy(ids.astype(np.int64)).to(device)
+    with deterministic_algorithms():
+        records = list(measure_body_variants(model, rows, EXPERTS, repeats))
+    return {"micro_batch": micro_batch, "experts": records, "tolerance": tolerance,
+            "recommended_experts": fastest_correct(records, tolerance)}

@@ -1,5 +1,6 @@
 """One micro-batch candidate in its own process: `python -m kdflow.tasks.teacher.tune_worker --config RESOLVED.yaml
---micro-batch N [--batches 3] [--warmup 1]`.
+--micro-batch N [--batches 3] [--warmup 1]`; with `--experts`, a MoE teacher's experts implementations timed
+side by side at that micro-batch instead (`measure_experts`).
 
 `kdflow tune precompute` and the `tune-precompute` flow start one per candidate, so that an out-of-memory
 or a CUDA driver error ends that candidate only. It speaks the worker protocol (`kdflow.schemas.protocol`):
@@ -26,6 +27,8 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, required=True)
     parser.add_argument("--batches", type=int, default=3, help="timed micro-batches")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-batches first")
+    parser.add_argument("--experts", action="store_true",
+                        help="time the experts implementations at the micro-batch (--batches repeats each)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -37,14 +40,17 @@ def run(argv: list[str] | None = None) -> int:
 
         from kdflow.schemas.config_io import load_config
         from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
-        from kdflow.tasks.teacher.tune_trial import measure_candidate
+        from kdflow.tasks.teacher.tune_trial import measure_candidate, measure_experts
 
         transformers_logging.disable_progress_bar()
         config = load_config(args.config)
-        return measure_candidate(open_run_root(config), teacher_pass_settings(config), args.micro_batch, args.batches,
-                                 args.warmup) | {"pid": os.getpid()}
+        run_root, settings = open_run_root(config), teacher_pass_settings(config)
+        if args.experts:
+            return measure_experts(run_root, settings, args.micro_batch, args.batches) | {"pid": os.getpid()}
+        return measure_candidate(run_root, settings, args.micro_batch, args.batches, args.warmup) | {"pid": os.getpid()}
 
-    return run_worker(body, label=f"kdflow tune worker (micro-batch {args.micro_batch})")
+    what = "experts" if args.experts else "micro-batch"
+    return run_worker(body, label=f"kdflow tune worker ({what} {args.micro_batch})")
 
 
 if __name__ == "__main__":
