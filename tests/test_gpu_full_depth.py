@@ -82,5 +82,7 @@ def test_built_layer_by_layer_the_4bit_teacher_holds_what_the_whole_build_holds(
     with torch.inference_mode():
         assert torch.isfinite(model(input_ids=ids).logits).all()
     out = capped(QUICK_SHAPES, "cpu", 24.0, 16, [2, 4], 8, 64)
-    assert [c["micro_batch"] for c in out["candidates"]] == [4, 2] and out["fits_micro_batch"] == 4
+    assert [(c["experts"], c["micro_batch"], c["status"]) for c in out["candidates"]] == [
+        ("grouped_mm", 4, "ok"), ("grouped_mm", 2, "ok"), ("kdflow_fused", 4, "ok"), ("kdflow_fused", 2, "ok")]
+    assert out["fits_micro_batch"] == 4 and out["fits_by_experts"] == {"grouped_mm": 4, "kdflow_fused": 4}
     assert out["cap_gib"] is None and not out["llmjp_micro_batch_fits"]  # a CPU has no cap; 56 not tried

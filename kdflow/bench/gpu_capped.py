@@ -7,7 +7,10 @@ the meta device, then each part given device memory, random values (std 0.02, no
 layer, quantised at once as the loader quantises (gpu_full_depth.quantise_in_place: NF4 Linear4bit layers and
 the loader's `quantise_fused_experts`), so no more than one layer is ever in 16 bits. Each candidate micro-batch
 runs the pass's step (`TeacherTopkStep`) once to warm up and once timed; out of memory is its outcome, not an
-error. On a CPU (the rehearsal) there is no cap: the same code runs at the rehearsal's sizes.
+error. The candidates run under each experts implementation in `EXPERTS`: transformers' `grouped_mm` dequantises a
+layer's experts whole per forward (1.8 GiB at the reference shapes), `kdflow_fused` reads the NF4 values in its
+GEMM's loads, so it may fit a larger micro-batch (skipped, and recorded so, where Triton or CUDA is missing). On a
+CPU (the rehearsal) there is no cap: the same code runs at the rehearsal's sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from kdflow.bench.gpu_plan import CAP_GIB, GIB
 
 LLMJP_MICRO_BATCH, LLMJP_SEQ_LEN = 56, 512  # configs/llmjp.yaml and prefect.yaml as shipped
+EXPERTS = ("grouped_mm", "kdflow_fused")  # transformers' default; kdflow's, without the per-layer dequantisation
 
 
 def build_quantised(shapes: dict[str, int], device: str, seed: int = 0) -> Any:
@@ -61,11 +65,14 @@ def build_quantised(shapes: dict[str, int], device: str, seed: int = 0) -> Any:
 
 def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, micro_batches: list[int],
            top_k: int, chunk_tokens: int) -> dict[str, Any]:
-    """The step: the cap set (CUDA), the teacher built under it, each micro-batch tried largest first; the largest
-    that ran is `fits_micro_batch`. The cap is lifted afterwards, whatever happened."""
+    """The step: the cap set (CUDA), the teacher built under it, each micro-batch tried largest first under each
+    experts implementation; the largest that ran is `fits_micro_batch` (and per implementation,
+    `fits_by_experts`). The cap is lifted afterwards, whatever happened."""
     import torch
 
+    from kdflow.schemas.errors import ConfigError
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
+    from kdflow.tasks.teacher.body_variants import use_experts
     from kdflow.tasks.teacher.topk import TeacherTopkStep
 
     cuda = device.startswith("cuda")
@@ -85,8 +92,15 @@ def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, mi
         if cuda:
             out["peak_after_build_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         step = TeacherTopkStep(model, top_k, chunk_tokens)
-        for rows in sorted(micro_batches, reverse=True):
-            out["candidates"].append(_try(step, shapes["vocab_size"], rows, seq_len, device))
+        for experts in EXPERTS:
+            try:
+                use_experts(model, experts)
+            except ConfigError as error:
+                out["candidates"].append({"experts": experts, "status": "skipped", "error": str(error)[:200]})
+                continue
+            for rows in sorted(micro_batches, reverse=True):
+                out["candidates"].append({"experts": experts}
+                                         | _try(step, shapes["vocab_size"], rows, seq_len, device))
         del model, step
     finally:
         if cuda:
@@ -94,9 +108,15 @@ def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, mi
             torch.cuda.empty_cache()
     ran = [c["micro_batch"] for c in out["candidates"] if c["status"] == "ok"]
     out["fits_micro_batch"] = max(ran) if ran else None
+    out["fits_by_experts"] = {experts: max((c["micro_batch"] for c in out["candidates"]
+                                            if c["experts"] == experts and c["status"] == "ok"), default=None)
+                              for experts in EXPERTS}
     out["llmjp_micro_batch_fits"] = LLMJP_MICRO_BATCH in ran
     if out["experts_left_unquantised"]:
         raise RuntimeError(f"expert weights left unquantised: {out['experts_left_unquantised'][0]}")
+    broken = [c for c in out["candidates"] if c["status"] == "failed" and c["experts"] == EXPERTS[0]]
+    if broken:  # transformers' own path failing is a fault of the check, not an outcome
+        raise RuntimeError(f"micro-batch {broken[0]['micro_batch']} failed: {broken[0]['error']}")
     return out
 
 
@@ -121,6 +141,9 @@ def _try(step: Any, vocab: int, rows: int, seq_len: int, device: str) -> dict[st
     except torch.OutOfMemoryError as error:
         first = (str(error).strip().splitlines() or ["out of memory"])[0]
         return {"micro_batch": rows, "status": "out of memory", "error": first[:160]}
+    except Exception as error:  # noqa: BLE001 - e.g. a kernel that does not compile here: this candidate's outcome
+        first = (str(error).strip().splitlines() or [""])[0]
+        return {"micro_batch": rows, "status": "failed", "error": f"{type(error).__name__}: {first}"[:200]}
     record = {"micro_batch": rows, "status": "ok", "tokens_per_s": round(ids.numel() / seconds, 1)}
     if cuda:
         record["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)

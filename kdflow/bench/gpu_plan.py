@@ -46,7 +46,8 @@ FULL_DEPTH_TOKENS_PER_S = 24_000
 HEAD_S = 35  # `kdflow bench head`'s seven variants (top-K and sampled) at 16,384 tokens, the Triton compiles: a guess
 PROFILE_S = 15
 HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
-CAPPED_S = 45  # the 32-layer 4-bit teacher built layer by layer, five micro-batches tried twice each
+CAPPED_S = 65  # the 32-layer 4-bit teacher built layer by layer; five micro-batches tried twice each, under two
+#               experts implementations (the fused one compiled first)
 BODY_S = 60  # the L4 4-bit teacher loaded, four experts implementations timed, one inductor compile: a guess
 SETUP_S = 15  # a call's set-up from the carried wheels (13 s on 2026-12-04)
 CAP_GIB = 24.0  # the memory promise: a 24 GB GPU (gpu_capped.py)
