@@ -240,8 +240,9 @@ def check_disk(context: Preflight) -> None:
         parts["tokens"] = tokens * 4
     if tokens and "precompute" in stages:
         parts["top-K"] = int(tokens * estimated_bytes_per_position(config.precompute))
-    if "train" in stages:
-        parts["student"] = _student_bytes(context)
+    student = _student_bytes(context) if "train" in stages else None
+    if student:
+        parts["student"] = student
     needed, free = sum(parts.values()), free_bytes(context.run_root.root)
     if free is not None and needed > free:
         listed = ", ".join(f"{name} {size / 1e9:.2f}" for name, size in parts.items())
@@ -249,16 +250,35 @@ def check_disk(context: Preflight) -> None:
                      f"but only {free / 1e9:.2f} GB are free there")
 
 
-def _student_bytes(context: Preflight) -> int:
-    """fp32 weights + AdamW moments per checkpoint, keep_checkpoints + 1 of them at once, plus final/."""
+def _student_bytes(context: Preflight) -> int | None:
+    """fp32 weights + AdamW moments per checkpoint, keep_checkpoints + 1 of them at once, plus final/. The student's
+    size: the teacher's with the pruned blocks and widths (`student.prune`), the model it starts from
+    (`student.init_from`; None when neither's config is at hand), or `student.architecture`."""
     student = context.config.student
-    arch = student.architecture
-    vocab = (context.teacher_shape.vocab_size if context.tokenizer_from_teacher and "precompute" in context.stages
-             else None) or 50_000
-    head_dim = arch.hidden_size // arch.num_attention_heads
-    per_layer = (2 * arch.hidden_size * arch.hidden_size + 2 * arch.hidden_size * arch.num_key_value_heads * head_dim
-                 + 3 * arch.hidden_size * arch.intermediate_size)
-    params = arch.num_hidden_layers * per_layer + vocab * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    params = None
+    if student.prune is not None:
+        prune = student.prune
+        params = context.teacher_shape.parameters(prune.layers, prune.intermediate_size, prune.key_value_heads)
+    elif student.init_from is not None:
+        from kdflow.tasks.common.model_configs import model_folder_shape
+
+        try:
+            shape = model_folder_shape(student.init_from)
+        except ConfigError:
+            shape = None
+        params = shape.parameters() if shape is not None else None
+    if params is None and (student.prune is not None or student.init_from is not None):
+        return None
+    if params is None:
+        arch = student.architecture
+        vocab = (context.teacher_shape.vocab_size if context.tokenizer_from_teacher and "precompute" in context.stages
+                 else None) or 50_000
+        head_dim = arch.hidden_size // arch.num_attention_heads
+        per_layer = (2 * arch.hidden_size * arch.hidden_size
+                     + 2 * arch.hidden_size * arch.num_key_value_heads * head_dim
+                     + 3 * arch.hidden_size * arch.intermediate_size)
+        params = (arch.num_hidden_layers * per_layer
+                  + vocab * arch.hidden_size * (1 if arch.tie_word_embeddings else 2))
     return params * 4 * (3 * (student.keep_checkpoints + 1) + 1)
 
 

@@ -96,4 +96,9 @@ def gguf_summary(metadata: dict[str, Any]) -> dict[str, Any]:
             "feed_forward_length": metadata.get(f"{arch}.feed_forward_length"),
             "head_count": metadata.get(f"{arch}.attention.head_count"),
             "head_count_kv": metadata.get(f"{arch}.attention.head_count_kv"),
+            "embedding_length": metadata.get(f"{arch}.embedding_length"),
+            "key_length": metadata.get(f"{arch}.attention.key_length"),
+            "expert_count": metadata.get(f"{arch}.expert_count"),
+            "expert_feed_forward_length": metadata.get(f"{arch}.expert_feed_forward_length"),
+            "expert_shared_feed_forward_length": metadata.get(f"{arch}.expert_shared_feed_forward_length"),
             "tokens": tokens if isinstance(tokens, list) else None, "specials": specials}

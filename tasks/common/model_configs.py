@@ -36,6 +36,31 @@ class ModelShape:
     heads: int | None = None  # query heads
     key_value_heads: int | None = None  # what prune.key_value_heads keeps some of
     experts: bool = False  # a MoE: its experts' widths must stay a multiple of 8
+    hidden: int | None = None  # the residual stream's width
+    head_dim: int | None = None  # None: hidden // heads
+    expert_count: int | None = None  # routed experts per block (a MoE's)
+    shared_width: int | None = None  # a MoE block's shared expert's MLP channels (0 or None: none)
+    tied: bool | None = None  # the head shares the embedding's weights (None: unknown, counted as not)
+
+    def parameters(self, layers: int | None = None, mlp_width: int | None = None,
+                   key_value_heads: int | None = None) -> int | None:
+        """About how many parameters the model has, or a copy of it that keeps `layers` blocks, `mlp_width` MLP
+        channels (each expert's) and `key_value_heads` (with their query heads): attention, MLP or experts with
+        their router, norms, embedding and head. None when the config does not say enough."""
+        layers, width = layers or self.layers, mlp_width or self.mlp_width
+        kv_heads = key_value_heads or self.key_value_heads
+        if None in (self.vocab_size, self.hidden, layers, width, self.heads, kv_heads, self.key_value_heads):
+            return None
+        hidden, head_dim = self.hidden, self.head_dim or self.hidden // self.heads
+        heads = self.heads * kv_heads // self.key_value_heads  # query heads per key/value head kept
+        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        if self.experts and self.expert_count:
+            mlp = self.expert_count * (3 * hidden * width + hidden)
+            mlp += 3 * hidden * self.shared_width + hidden if self.shared_width else 0
+        else:
+            mlp = 3 * hidden * width
+        embeddings = self.vocab_size * hidden * (1 if self.tied else 2)
+        return layers * (attention + mlp + 2 * hidden) + embeddings + hidden
 
 
 def teacher_limits_problem(vocab: int | None, context: int | None, *, top_k: int, seq_len: int) -> str | None:
@@ -90,9 +115,13 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
     if local is not None and teacher.gguf_file:
         path = os.path.join(local, teacher.gguf_file)
         summary = _gguf(path, "teacher.gguf_file")
+        experts = (summary["expert_count"] or 0) > 1
         return ModelShape(summary["vocab_size"], summary["context_length"], path, summary["block_count"],
-                          summary["feed_forward_length"], summary["head_count"],
-                          summary["head_count_kv"] or summary["head_count"])
+                          (summary["expert_feed_forward_length"] if experts else None)
+                          or summary["feed_forward_length"], summary["head_count"],
+                          summary["head_count_kv"] or summary["head_count"], experts, summary["embedding_length"],
+                          summary["key_length"], summary["expert_count"] if experts else None,
+                          summary["expert_shared_feed_forward_length"])
     path = os.path.join(local, "config.json") if local is not None else _cached_hub_file(teacher.model, "config.json",
                                                                                         teacher.revision)
     if path is None or teacher.gguf_file:
@@ -101,13 +130,31 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
     if "model_type" not in config and local is not None:
         raise ConfigError(f"teacher.model {teacher.model!r}: its config.json names no model_type: "
                           "not a transformers model")
+    return config_shape(config, path)
+
+
+def config_shape(config: dict[str, Any], source: str) -> ModelShape:
+    """A transformers config.json's shape (a multimodal model's: its text model's)."""
     text = _text_config(config)
-    experts = max(_first(text, ("num_experts", "num_local_experts", "n_routed_experts")) or 0, 0) > 1
+    count = _first(text, ("num_experts", "num_local_experts", "n_routed_experts"))
+    experts = (count or 0) > 1
     width = _first(text, ("moe_intermediate_size",)) if experts else None
     heads = _first(text, _HEAD_KEYS)
-    return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), path, _first(text, _LAYER_KEYS),
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    return ModelShape(_first(text, _VOCAB_KEYS), _first(text, _CONTEXT_KEYS), source, _first(text, _LAYER_KEYS),
                       width or _first(text, _MLP_KEYS), heads, _first(text, ("num_key_value_heads",)) or heads,
-                      experts)
+                      experts, _first(text, ("hidden_size", "n_embd", "d_model")), _first(text, ("head_dim",)),
+                      count if experts else None, _first(text, ("shared_expert_intermediate_size",)),
+                      tied if isinstance(tied, bool) else None)
+
+
+def model_folder_shape(source: str) -> ModelShape | None:
+    """The shape of the model at `source` (a folder with config.json, or a hub id in the local cache), or None."""
+    path = resolve_model_files(source)
+    path = os.path.join(path, "config.json") if os.path.isdir(path) else _cached_hub_file(source, "config.json", None)
+    if path is None or not os.path.isfile(path):
+        return None
+    return config_shape(read_json(path, source), path)
 
 
 def tokenizer_vocab(source: str, gguf_file: str | None = None, revision: str | None = None) -> dict[str, int] | None:
