@@ -27,7 +27,7 @@ from kdflow.tasks.teacher.sampling import SamplingPlan, finish_targets, top_orde
 from kdflow.tasks.common.sampled import SampledTargets
 from kdflow.tasks.teacher.sampling_noise import (key_noise_, stream_words, token_keys32, token_keys32_of,
                                                  uniform_noise32_)
-from kdflow.tasks.teacher.tiled_topk import tile_candidates, tile_columns, tile_stats_torch, tiled_logsumexps
+from kdflow.tasks.teacher.tiled_topk import tile_candidates, tile_stats_torch, tiled_logsumexps
 
 __all__ = ["SampleKernels", "TORCH_KERNELS", "element_keys", "sample_tile_stats_torch", "tile_keys_torch",
            "tiled_sample"]
@@ -107,6 +107,6 @@ def tiled_sample(logits: Tensor, plan: SamplingPlan, streams: Tensor, tile: int 
     picked = _top_tiles(key_max, min(wanted, tiles))  # (c, L')
     keys = keys_of(logits, words, picked, plan.scheme, tile)  # (c, L' * tile) in id order
     key_top, positions = top_ordered(keys, wanted)  # (c, L)
-    key_ids = tile_columns(picked, tile).gather(1, positions)
+    key_ids = picked.gather(1, positions // tile) * tile + positions % tile  # the kept ids only
     key_logits = logits.gather(1, key_ids).float()
     return finish_targets(plan, (head_logits, head_ids), (key_top, key_ids, key_logits), lse, tail_lse)
