@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.teacher.fused_moe import BLOCK_M, block_schedule, fused_experts_forward
+from kdflow.tasks.teacher.fused_moe import LARGE, SMALL, block_schedule, fused_experts_forward, tiles_for
 
 pytestmark = pytest.mark.unit
 
@@ -58,9 +58,11 @@ def assert_as_close_as_eager(got: torch.Tensor, eager: torch.Tensor, reference: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 5, 3 * BLOCK_M + 3])  # one slot per chosen expert .. several blocks each
-def test_the_fused_forward_computes_the_eager_experts(dtype: torch.dtype, tokens: int) -> None:
+@pytest.mark.parametrize("tokens", [1, 5, 3 * SMALL.block_m + 3, 3 * LARGE.block_m + 5])  # one slot per chosen
+def test_the_fused_forward_computes_the_eager_experts(dtype: torch.dtype, tokens: int) -> None:  # .. many blocks
+    """Through the small tiling and, from an average of a large block per expert, the large one."""
     pytest.importorskip("triton")
+    assert tiles_for(2 * tokens, 6) == (LARGE if tokens > 3 * LARGE.block_m else SMALL)
     seed = random.randrange(1 << 30)
     module = experts_module(dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -98,7 +100,9 @@ def test_what_it_cannot_run_is_refused(tiny_moe_teacher_dir, monkeypatch: pytest
     assert records[1] == {"variant": "kdflow_fused", "tokens": 4, "skipped": "kdflow_fused runs on CUDA, not cpu"}
 
 
-def test_a_4bit_layers_experts_are_read_packed_and_never_dequantised_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tokens", [9, 3 * LARGE.block_m + 5])  # the small tiling, the large one
+def test_a_4bit_layers_experts_are_read_packed_and_never_dequantised_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                          tokens: int) -> None:
     """NF4 values read where each tile is loaded equal the layer's dequantised weights in eager's hands."""
     pytest.importorskip("triton")
     pytest.importorskip("bitsandbytes")
@@ -113,9 +117,9 @@ def test_a_4bit_layers_experts_are_read_packed_and_never_dequantised_whole(monke
     assert quantise_fused_experts(holder) == 2  # gate_up_proj and down_proj, as a 4-bit teacher loads them
     assert expert_weight(module, "gate_up_proj").nf4 and expert_weight(module, "down_proj").nf4
     gen = torch.Generator().manual_seed(seed + 1)
-    hidden = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
-    chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(9)])
-    weights = torch.softmax(torch.randn(9, 2, generator=gen), 1).to(torch.bfloat16)
+    hidden = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
+    chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, 2, generator=gen), 1).to(torch.bfloat16)
     with torch.no_grad():
         expected = module(hidden, chosen, weights)  # eager, on the dequantised layer
         exact = experts_module(torch.float32, seed)  # the same dequantised weights, computed in float32

@@ -10,8 +10,12 @@ tokens x k small integers):
 - `expert_down` multiplies that by W_down^T, scales each row by its routing weight and writes it to the slot's
   place in token order, so the unpermute is the sum of each token's k rows (float32, as transformers sums them).
 
-Blocks of `BLOCK_M` slots never straddle two experts (each expert's slots are padded up to a whole block by
-masking), so each block reads one expert's weights. A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
+Blocks of `block_m` slots never straddle two experts (each expert's slots are padded up to a whole block by
+masking), so each block reads one expert's weights. Two tilings (`Tiles`): `SMALL` where an expert has few slots
+(short rows, the tests), `LARGE` where the experts average 64 slots or more (a prefill: ~1,800 at the reference
+micro-batch), whose 64-row blocks let Hopper's warp-group MMA (wgmma) run and whose two stages keep a 4-bit
+teacher's kernels within an RTX 3090's shared memory (`kdflow bench kernels`: 72 KiB of its 99, 96 of an H100's
+227). A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
 are read as their packed NF4 values, dequantised where each tile is loaded: the other implementations dequantise a
 whole layer's experts first (1.8 GiB at the reference shapes, every layer, every forward). Tested through Triton's
 interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU times it (`kdflow bench body`).
@@ -28,10 +32,31 @@ from torch.nn.utils import parametrize
 from kdflow.tasks.common.fused_experts import Dequantised
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting
 
-__all__ = ["FUSED_EXPERTS", "block_schedule", "fused_experts_forward", "register_fused_experts"]
+__all__ = ["FUSED_EXPERTS", "LARGE", "SMALL", "Tiles", "block_schedule", "fused_experts_forward",
+           "register_fused_experts", "tiles_for"]
 
 FUSED_EXPERTS = "kdflow_fused"
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A tiling of both kernels: slots per block (rows), output columns and reduction step per program, and
+    Triton's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+SMALL = Tiles(16, 32, 32, num_warps=4, num_stages=3)
+LARGE = Tiles(64, 64, 64, num_warps=4, num_stages=2)
+
+
+def tiles_for(slots: int, experts: int) -> Tiles:
+    """`LARGE` when the (token, expert) slots average a large block per expert, else `SMALL` (less padding)."""
+    return LARGE if slots >= LARGE.block_m * experts else SMALL
 
 
 def block_schedule(expert_ids: Tensor, experts: int, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -109,7 +134,8 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     top_k = top_k_index.shape[1]
     gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
     experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, BLOCK_M)
+    tiles = tiles_for(top_k_index.numel(), experts)
+    slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, tiles.block_m)
     x = hidden_states.contiguous()
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.zeros((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
@@ -118,12 +144,12 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     schedule = torch.stack([block_expert, block_start, block_end], 1).contiguous()  # (B, 3)
     upcast = x.device.type != "cuda"  # the interpreter: its dot of 16-bit floats is wrong
     if blocks:
-        fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, BLOCK_N))](
-            x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, NF4=gate_up.nf4)
-        fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, BLOCK_N))](
-            h, *down.pointers, out, slots, weights, schedule, hidden, inter,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, NF4=down.nf4)
+        shape = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+                 "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "UPCAST": upcast}
+        fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, tiles.block_n))](
+            x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k, NF4=gate_up.nf4, **shape)
+        fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, tiles.block_n))](
+            h, *down.pointers, out, slots, weights, schedule, hidden, inter, NF4=down.nf4, **shape)
     return out.view(tokens, top_k, hidden).sum(1).to(hidden_states.dtype)
 
 
