@@ -27,6 +27,7 @@ def test_every_kernel_compiles_for_sm90_and_sm86_within_their_shared_memory() ->
     for arch in (90, 86):
         assert {line["kernel"] for line in compiled if line["arch"] == arch} == kernels
     assert all(line["fits_shared"] and line["cubin_bytes"] > 0 for line in compiled)
+    assert all(line["registers"] and not line["spill_stores"] for line in compiled)  # ptxas -v: nothing spilled
     cases = {line["case"] for line in compiled}
     assert {"tile_stats float32", "tile_stats bfloat16", "sampler gumbel bfloat16", "experts bfloat16 small",
             "experts bfloat16 large"} <= cases

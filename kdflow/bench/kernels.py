@@ -2,8 +2,8 @@
 here, without a GPU: sm_90 (H100, H200), sm_86 (RTX 3090, the 24 GB reference), sm_80 (A100), with the Triton
 installed here. One JSON line per (kernel, the dtypes it is launched with, GPU): the compile's seconds, the shared
 memory it asks for against that GPU's limit per block (a kernel over the limit compiles but cannot launch), its
-warps and stages, the tensor-core instructions in its PTX, its cubin's size; or the first line of the compiler's
-error, and the command exits 1.
+warps and stages, the tensor-core instructions in its PTX, its cubin's size, and its registers per thread and
+spilled bytes (`ptxas -v`); or the first line of the compiler's error, and the command exits 1.
 
 How: Triton compiles for any target it is given. A stand-in driver names the target (and a device per target, so
 each has its own cache), and each kernel's own launcher runs on small CPU tensors of the dtypes the pass uses, with
@@ -75,7 +75,38 @@ def records(archs: list[int]) -> Iterator[dict[str, Any]]:
                        "shared_limit": SHARED_LIMIT[arch], "fits_shared": shared <= SHARED_LIMIT[arch],
                        "num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages,
                        "tensor_cores": tensor_core_instructions(kernel.asm.get("ptx", "")),
-                       "cubin_bytes": len(kernel.asm.get("cubin", b""))}
+                       "cubin_bytes": len(kernel.asm.get("cubin", b"")), **ptxas_report(kernel.asm.get("ptx", ""))}
+
+
+def ptxas_report(ptx: str) -> dict[str, int | None]:
+    """Registers per thread and spilled bytes of a kernel, from `ptxas -v` on its PTX (the first of Triton's bundled
+    assemblers that takes the PTX's version; on PATH otherwise); None where none does."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tools = [os.path.join(bundled, name) for name in ("ptxas", "ptxas-blackwell")] + [shutil.which("ptxas") or ""]
+    target = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE)
+    found: dict[str, int | None] = {"registers": None, "spill_stores": None, "spill_loads": None}
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w", encoding="utf-8") as handle:
+            handle.write(ptx)
+        for tool in (tool for tool in tools if target and os.access(tool, os.X_OK)):
+            result = subprocess.run([tool, f"-arch={target[1]}", "-v", source, "-o", os.path.join(folder, "k.cubin")],
+                                    capture_output=True, text=True, timeout=300)
+            registers = re.search(r"Used (\d+) registers", result.stderr)
+            if result.returncode == 0 and registers:
+                spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+                found["registers"] = int(registers[1])
+                if spills:
+                    found["spill_stores"], found["spill_loads"] = int(spills[1]), int(spills[2])
+                break
+    return found
 
 
 def tensor_core_instructions(ptx: str) -> str | None:

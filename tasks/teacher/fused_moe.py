@@ -13,9 +13,9 @@ tokens x k small integers):
 Blocks of `block_m` slots never straddle two experts (each expert's slots are padded up to a whole block by
 masking), so each block reads one expert's weights. Two tilings (`Tiles`): `SMALL` where an expert has few slots
 (short rows, the tests), `LARGE` where the experts average 64 slots or more (a prefill: ~1,800 at the reference
-micro-batch), whose 64-row blocks let Hopper's warp-group MMA (wgmma) run and whose two stages keep a 4-bit
-teacher's kernels within an RTX 3090's shared memory (`kdflow bench kernels`: 72 KiB of its 99, 96 of an H100's
-227). A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
+micro-batch), whose 64-row blocks let Hopper's warp-group MMA (wgmma) run and whose K step of 32 keeps a 4-bit
+teacher's kernels within an RTX 3090's shared memory without spilling registers (`kdflow bench kernels`: 72 KiB
+of its 99; 84 of an H100's 227). A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
 are read as their packed NF4 values, dequantised where each tile is loaded: the other implementations dequantise a
 whole layer's experts first (1.8 GiB at the reference shapes, every layer, every forward). Tested through Triton's
 interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU times it (`kdflow bench body`).
@@ -51,7 +51,7 @@ class Tiles:
 
 
 SMALL = Tiles(16, 32, 32, num_warps=4, num_stages=3)
-LARGE = Tiles(64, 64, 64, num_warps=4, num_stages=2)
+LARGE = Tiles(64, 64, 32, num_warps=4, num_stages=3)
 
 
 def tiles_for(slots: int, experts: int) -> Tiles:
