@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [arch for arch in archs if arch not in SHARED_LIMIT]
     if unknown or not archs:
         raise SystemExit(f"kdflow bench kernels: --arch {args.arch!r}: known are {','.join(map(str, SHARED_LIMIT))}")
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit("kdflow bench kernels: needs Triton (pip install triton)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("kdflow bench kernels: unset TRITON_INTERPRET (its kernels are interpreted, not compiled)")
     failed = False
