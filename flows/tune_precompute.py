@@ -1,9 +1,10 @@
 """Flow `tune-precompute`: `kdflow tune precompute` as a deployment on the `gpu` pool, so it runs on the GPU
 that will run the teacher pass. Each candidate is a task run that starts one tune worker process
-(`kdflow.tasks.teacher.tune_search`); for a MoE teacher one more task run times its experts implementations at the
-recommended micro-batch. The table becomes a Prefect artifact and the flow returns the summary. It never edits a
-config: copy the recommended `precompute.micro_batch` (and `precompute.experts`) into the deployment's parameters
-(or run `kdflow tune precompute CONFIG.yaml --write` on that machine).
+(`kdflow.tasks.teacher.tune_search`); at the recommended micro-batch one more task run times both heads and, for a
+MoE teacher, another its experts implementations. The table becomes a Prefect artifact and the flow returns the
+summary. It never edits a config: copy the recommended `precompute.micro_batch`, `precompute.head` (and
+`precompute.experts`) into the deployment's parameters (or run `kdflow tune precompute CONFIG.yaml --write` on that
+machine).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ def tune_candidate(config_path: str, micro_batch: int, batches: int, warmup: int
     return candidate.as_dict()
 
 
-@task(name="tune-experts", cache_policy=NONE, task_run_name="experts-at-{micro_batch}")
-def tune_experts(config_path: str, micro_batch: int, repeats: int, timeout_s: float) -> dict[str, Any]:
+@task(name="tune-trial", cache_policy=NONE, task_run_name="{kind}-at-{micro_batch}")
+def tune_trial(kind: str, config_path: str, micro_batch: int, repeats: int, timeout_s: float) -> dict[str, Any]:
     logger = get_run_logger()
-    outcome = tune_search.run_experts(config_path, micro_batch, repeats=repeats, timeout_s=timeout_s,
-                                      on_log=lambda line: logger.info("worker: %s", line))
-    logger.info("experts at micro-batch %d: %s %s", micro_batch, outcome["status"],
-                outcome["recommended_experts"] if outcome["status"] == "ok" else outcome["message"])
+    outcome = tune_search.run_trial(kind, config_path, micro_batch, repeats=repeats, timeout_s=timeout_s,
+                                    on_log=lambda line: logger.info("worker: %s", line))
+    chosen = outcome["recommended_head" if kind == "heads" else "recommended_experts"]
+    logger.info("%s at micro-batch %d: %s %s", kind, micro_batch, outcome["status"],
+                chosen if outcome["status"] == "ok" else outcome["message"])
     return outcome
 
 
@@ -63,9 +65,13 @@ def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | 
         candidates = tune_search.run_candidates(sizes, runner, keep_going=keep_going)
         result = tune_search.summary(candidates, headroom)
         chosen = result["recommended_micro_batch"]
-        if chosen is not None and tune_search.has_experts(teacher_pass_settings(config)):
-            result["experts"] = tune_experts(path, chosen, batches, timeout_s)
+        if chosen is not None:
+            result["heads"] = tune_trial("heads", path, chosen, batches, timeout_s)
+            if tune_search.has_experts(teacher_pass_settings(config)):
+                result["experts"] = tune_trial("experts", path, chosen, batches, timeout_s)
     report = tune_search.table(candidates, headroom, markdown=True)
+    if "heads" in result:
+        report += "\n\n```" + tune_search.heads_report(result["heads"], config.precompute.head) + "\n```"
     if "experts" in result:
         report += "\n\n```" + tune_search.experts_report(result["experts"], config.precompute.experts) + "\n```"
     _table_artifact(report, result)

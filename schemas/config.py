@@ -151,10 +151,10 @@ class PrecomputeConfig(_Section):
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
     head: Literal["slab", "tiled"] = Field(
         default="slab", description="How the pass reads the logits: slab (the slab loop) or tiled (once, per tile of "
-                                    "ids; Triton kernels on CUDA); the same targets either way")
+                                    "ids; Triton kernels on CUDA); the same targets (`kdflow tune precompute`)")
     experts: Literal["auto", "grouped_mm", "batched_mm", "eager", "kdflow_fused"] = Field(
         default="auto", description="How a MoE teacher's experts run (transformers' experts_implementation, or "
-                                    "kdflow_fused: Triton, CUDA); auto: transformers' choice (`kdflow bench body`)")
+                                    "kdflow_fused: Triton, CUDA); auto: transformers'; `kdflow tune precompute`")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
     sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K alike)")
     logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How v1 stores keep the "

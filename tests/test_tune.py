@@ -194,6 +194,21 @@ def test_one_candidate_in_process_reads_the_runs_token_shards(make_config: Calla
     assert 0 < record["peak_rss_mib"] < record["total_mib"] and 0 < record["headroom"] < 1
 
 
+@pytest.mark.parametrize("targets", ["topk", "hybrid"])
+def test_both_heads_are_timed_and_the_tiled_one_checked_against_the_slab_loop(make_config: Callable[..., Any],
+                                                                              targets: str) -> None:
+    from kdflow.tasks.teacher.tune_heads import HEAD_TOLERANCE, measure_heads
+
+    config = prepare(make_config(dataset__max_documents=12, precompute__targets=targets,
+                                 precompute__sampling__head=4, precompute__sampling__samples=6))
+    outcome = measure_heads(open_run_root(config), teacher_pass_settings(config), micro_batch=3, batches=1)
+    slab, tiled = outcome["heads"]
+    assert (slab["head"], slab["runs"], tiled["head"], tiled["runs"]) == ("slab", "slab", "tiled", "tiled")
+    assert tiled["correct"] and tiled["max_logprob_diff"] <= HEAD_TOLERANCE and tiled["max_tail_diff"] <= HEAD_TOLERANCE
+    assert tiled["ids_agree"] > 0.99 and slab["tokens_per_s"] > 0 and tiled["tokens_per_s"] > 0
+    assert outcome["recommended_head"] == max(outcome["heads"], key=lambda r: r["tokens_per_s"])["head"]
+
+
 @pytest.mark.parametrize("targets", ["sampled", "hybrid"])
 def test_a_candidate_of_sampled_targets_times_the_sampler(make_config: Callable[..., Any], targets: str) -> None:
     """The pass of sampled or hybrid targets runs the sampler, not the top-K step (3x slower on this CPU than the
@@ -229,7 +244,15 @@ def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendati
     assert statuses == {1: ("failed", 71), 2: ("ok", 0), 4: ("out of memory", 75), 8: ("skipped", None)}
     pids = {c["micro_batch"]: c.get("pid") for c in summary["candidates"]}
     assert summary["recommended_micro_batch"] == 2 and pids[2] is not None
-    assert path.read_text(encoding="utf-8") == before.replace("micro_batch: 4   # tuned", "micro_batch: 2   # tuned")
+    heads = summary["heads"]  # both heads timed at the recommendation, the tiled one against the slab loop
+    assert heads["status"] == "ok" and heads["micro_batch"] == 2
+    assert [(r["head"], r["runs"]) for r in heads["heads"]] == [("slab", "slab"), ("tiled", "tiled")]
+    assert heads["heads"][1]["correct"] and heads["heads"][1]["max_logprob_diff"] <= 1e-3
+    chosen = heads["recommended_head"]
+    assert chosen == max(heads["heads"], key=lambda r: r["tokens_per_s"])["head"]
+    written = before.replace("micro_batch: 4   # tuned", "micro_batch: 2   # tuned")
+    assert path.read_text(encoding="utf-8") == written.replace("  head: slab\n", f"  head: {chosen}\n")
+    assert f"recommended: precompute.head: {chosen} (the config has slab)" in result.stdout
     assert "rows: no token shards yet: Python's documentation in rows of 32 tokens" in result.stdout
     assert "<- recommended" in result.stdout
     assert " on cpu (auto), seq_len 32," in result.stdout.splitlines()[0]  # the device `auto` resolved to
@@ -262,6 +285,7 @@ def test_a_moe_teachers_experts_are_timed_at_the_recommendation_and_the_fastest_
     assert (config.precompute.micro_batch, config.precompute.experts) == (2, chosen)
     assert path.read_text().startswith("# my teacher\n")
     assert f"recommended: precompute.experts: {chosen} (the config has auto)" in result.stdout
+    assert config.precompute.head == json.loads(result.stdout.strip().splitlines()[-1])["heads"]["recommended_head"]
 
 
 def test_the_flow_runs_candidates_as_task_runs(prefect_harness: Any, make_config: Callable[..., Any]) -> None:
@@ -270,3 +294,5 @@ def test_the_flow_runs_candidates_as_task_runs(prefect_harness: Any, make_config
     result = tune_precompute_flow(make_config().model_dump(mode="json"), micro_batches="2,3", batches=1)
     assert [c["status"] for c in result["candidates"]] == ["ok", "ok"]
     assert result["recommended_micro_batch"] in (2, 3) and result["recommended_over_fastest"] == 1.0
+    assert result["heads"]["status"] == "ok" and result["heads"]["recommended_head"] in ("slab", "tiled")
+    assert "experts" not in result  # a dense teacher

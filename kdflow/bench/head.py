@@ -65,6 +65,7 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
     from kdflow.tasks.common.float32_logits import Float32Logits
     from kdflow.tasks.teacher.tiled_topk import logit_blocks, tiled_head_topk
+    from kdflow.tasks.teacher.tune_heads import agreement, sampled_fields
     from kdflow.tasks.teacher.topk import chunked_topk
 
     device = torch.device(args.device)
@@ -97,9 +98,9 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
         def sampled(variant: str) -> Callable[[], Any]:
             if variant == "sampled-slab":
-                return lambda: _sampled_fields(chunked_sampled(hidden, head, plan, args.chunk_tokens, **where))
+                return lambda: sampled_fields(chunked_sampled(hidden, head, plan, args.chunk_tokens, **where))
             kernels = sample_kernels(variant.removeprefix("sampled-"))
-            return lambda: _sampled_fields(tiled_head_sample(hidden, weight, plan, args.chunk_tokens, tile=args.tile,
+            return lambda: sampled_fields(tiled_head_sample(hidden, weight, plan, args.chunk_tokens, tile=args.tile,
                                                              kernels=kernels, float32=float32, **where))
 
         runs: dict[str, Callable[[], Any]] = {
@@ -128,7 +129,7 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             if variant in ("slab", "sampled-slab"):
                 references[kind] = result
             elif kind in references and result is not None:
-                record |= _agreement(references[kind], result)
+                record |= agreement(references[kind], result)
             yield record
 
 
@@ -142,21 +143,3 @@ def _best_of(run: Callable[[], Any], repeats: int, device: torch.device) -> tupl
         synchronise(device)
         best = min(best, time.perf_counter() - start)
     return best, result
-
-
-def _sampled_fields(targets: Any) -> tuple:
-    """Hybrid targets as (ids, log-probs, tail) like the top-K variants': head and sample side by side."""
-    ids = torch.cat([targets.head_ids, targets.sample_ids], 1)
-    return ids, torch.cat([targets.head_logprobs, targets.sample_logprobs], 1), targets.tail_logprob
-
-
-def _agreement(reference: tuple, result: tuple) -> dict[str, float]:
-    """How far a variant's (ids, log-probs, tail) are from its slab loop's: values compared as sorted sets per row,
-    since ties may order ids differently."""
-    ref_ids, ref_lp, ref_tail = (tensor.cpu() for tensor in reference)
-    ids, lp, tail = (tensor.cpu() for tensor in result)
-    same = (ref_ids.sort(1).values == ids.sort(1).values).float().mean().item()
-    ref_lp, lp = ref_lp.sort(1).values, lp.sort(1).values
-    finite = torch.isfinite(ref_lp) & torch.isfinite(lp)
-    return {"max_logprob_diff": float((ref_lp - lp)[finite].abs().max()) if bool(finite.any()) else 0.0,
-            "max_tail_diff": float((ref_tail - tail).abs().max()), "ids_agree": round(same, 6)}

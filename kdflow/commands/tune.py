@@ -2,12 +2,13 @@
 
 Each candidate loads the configured teacher in a fresh process and times a few real micro-batches
 (`kdflow.tasks.teacher.tune_search`); the table shows tok/s, peak memory and headroom, and the recommendation is the
-fastest candidate that leaves `--headroom` of the memory free. For a MoE teacher, one more process then times its
-experts implementations at that micro-batch (`grouped_mm`, `batched_mm`, `eager`, `kdflow_fused` where Triton and
-CUDA are there) and recommends the fastest whose hidden states match eager's. `--write` puts both into CONFIG.yaml
-(`precompute.micro_batch`, `precompute.experts`), editing those values in place (comments and layout kept), so
-that the run uses them from its first shard to its last. The checks and the edit are
-`kdflow.tasks.teacher.tune_file`'s; this module parses the options and prints.
+fastest candidate that leaves `--headroom` of the memory free. At that micro-batch one more process then times
+both heads of the pass (`slab`, `tiled`: Triton kernels on CUDA) and recommends the faster whose targets match the
+slab loop's, and for a MoE teacher another its experts implementations (`grouped_mm`, `batched_mm`, `eager`,
+`kdflow_fused` where Triton and CUDA are there), recommending the fastest whose hidden states match eager's.
+`--write` puts them into CONFIG.yaml (`precompute.micro_batch`, `precompute.head`, `precompute.experts`), editing
+those values in place (comments and layout kept), so that the run uses them from its first shard to its last. The
+checks and the edit are `kdflow.tasks.teacher.tune_file`'s; this module parses the options and prints.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import sys
 from pathlib import Path
 
 from kdflow.schemas.config_io import parse_override
+
+
+# trial -> (the precompute setting it recommends, the field of its outcome that holds the recommendation)
+WRITES = {"heads": ("head", "recommended_head"), "experts": ("experts", "recommended_experts")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="a candidate's process is killed after this")
     parser.add_argument("--keep-going", action="store_true", help="try larger candidates after an out-of-memory too")
     parser.add_argument("--write", action="store_true",
-                        help="write the recommendation into CONFIG as precompute.micro_batch (and precompute.experts)")
+                        help="write the recommendations into CONFIG: precompute.micro_batch, precompute.head and "
+                             "(a MoE teacher) precompute.experts")
+    parser.add_argument("--skip-heads", action="store_true", help="do not time the two heads")
     parser.add_argument("--skip-experts", action="store_true",
                         help="do not time a MoE teacher's experts implementations")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line after the table")
@@ -84,17 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nrecommended: precompute.micro_batch: {chosen} ({result['recommended_tokens_per_s']:,.0f} tok/s, "
               f"{result['recommended_over_fastest']:.1%} of the fastest candidate)")
-        if request.experts and not args.skip_experts:
-            with config_file(config, "kdflow-tune-") as path:
-                result["experts"] = tune_search.run_experts(path, chosen, repeats=args.batches,
-                                                            timeout_s=args.timeout_s,
-                                                            on_log=_worker_log if args.verbose else _quiet)
-            print(tune_search.experts_report(result["experts"], config.precompute.experts))
+        trials = [(kind, describe) for kind, describe, wanted in (
+            ("heads", tune_search.heads_report, not args.skip_heads),
+            ("experts", tune_search.experts_report, request.experts and not args.skip_experts)) if wanted]
+        with config_file(config, "kdflow-tune-") as path:
+            for kind, describe in trials:
+                result[kind] = tune_search.run_trial(kind, path, chosen, repeats=args.batches,
+                                                     timeout_s=args.timeout_s,
+                                                     on_log=_worker_log if args.verbose else _quiet)
+                print(describe(result[kind], getattr(config.precompute, WRITES[kind][0])), flush=True)
         if args.write:
             write_micro_batch(Path(args.config), chosen)
-            experts = result.get("experts", {}).get("recommended_experts")
-            if experts is not None:
-                write_precompute_setting(Path(args.config), "experts", experts)
+            for kind, _ in trials:
+                key, field = WRITES[kind]
+                if result[kind].get(field) is not None:
+                    write_precompute_setting(Path(args.config), key, result[kind][field])
             print(f"written to {args.config}")
     if args.json:
         print(json.dumps({"tune": "precompute", **result}))

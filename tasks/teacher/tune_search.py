@@ -5,9 +5,10 @@ Used by `kdflow tune precompute` and by the `tune-precompute` flow. Each candida
 so an out-of-memory or a driver error ends that candidate only and is reported by its exit code. After
 an out-of-memory the larger candidates are skipped (memory grows with the micro-batch) unless
 `keep_going`; other failures do not stop the search, and a user error (exit 2: the same for every
-candidate) ends it with that error. The checks that need no process run first (`check_tune_inputs`). For a MoE
-teacher one more worker then times its experts implementations at the recommended micro-batch (`run_experts`), so
-that `precompute.experts` can name the fastest one this machine ran correctly.
+candidate) ends it with that error. The checks that need no process run first (`check_tune_inputs`). At the
+recommended micro-batch, one more worker then times both heads (`run_trial("heads")`) and, for a MoE teacher,
+another its experts implementations (`run_trial("experts")`), so that `precompute.head` and `precompute.experts`
+can name the fastest that this machine ran correctly.
 """
 
 from __future__ import annotations
@@ -137,17 +138,21 @@ def has_experts(settings: TeacherPassSettings) -> bool:
     return expert_count(load_teacher_config(settings.teacher)) is not None
 
 
-def run_experts(config_path: str, micro_batch: int, *, repeats: int, timeout_s: float,
-                on_log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """A MoE teacher's experts implementations timed at `micro_batch` in a fresh worker process
-    (`tune_trial.measure_experts`) -> {"micro_batch", "status", "message", "experts": records,
-    "recommended_experts": the fastest correct one or None}. A failure is its status, never an exception: the
-    micro-batch's recommendation stands without it."""
-    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(repeats), "--experts"]
+TRIALS = {"experts": ("experts", "recommended_experts"), "heads": ("heads", "recommended_head")}
+
+
+def run_trial(kind: str, config_path: str, micro_batch: int, *, repeats: int, timeout_s: float,
+              on_log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """One more trial at the recommended `micro_batch` in a fresh worker process: `experts` (a MoE teacher's
+    experts implementations, `tune_trial.measure_experts`) or `heads` (both heads, `tune_heads.measure_heads`) ->
+    {"micro_batch", "status", "message", its records, its recommendation or None}. A failure is its status, never
+    an exception: the micro-batch's recommendation stands without it."""
+    records, recommended = TRIALS[kind]
+    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(repeats), f"--{kind}"]
     status, _, message, result = _in_worker(args, timeout_s, on_log)
     result = result or {}
-    return {"micro_batch": micro_batch, "status": status, "message": message, "experts": result.get("experts", []),
-            "recommended_experts": result.get("recommended_experts")}
+    return {"micro_batch": micro_batch, "status": status, "message": message, records: result.get(records, []),
+            recommended: result.get(recommended)}
 
 
 def _in_worker(args: list[str], timeout_s: float,
@@ -265,21 +270,38 @@ def table(candidates: list[Candidate], headroom: float, markdown: bool = False) 
 
 
 def experts_report(outcome: dict[str, Any], configured: str) -> str:
-    """`run_experts`' outcome as lines: each implementation's tokens/s and distance from eager, the recommendation."""
+    """`run_trial("experts")`'s outcome as lines: each implementation's tokens/s and distance from eager, the
+    recommendation."""
+    rows = [(r["variant"], f"{r['tokens_per_s']:>12,.0f} tok/s  {r['max_rel_diff']:.2e} from eager"
+             if "tokens_per_s" in r else r.get("skipped") or r.get("error", "")) for r in outcome["experts"]]
+    return _trial_report(outcome, "experts implementations", "the body: embeddings to the final norm", rows,
+                         "precompute.experts", outcome["recommended_experts"], configured,
+                         "no experts implementation matched eager's hidden states")
+
+
+def heads_report(outcome: dict[str, Any], configured: str) -> str:
+    """`run_trial("heads")`'s outcome as lines: each head's tokens/s (the pass's step) and, for the tiled one, its
+    distance from the slab loop's targets; the recommendation."""
+    rows = []
+    for r in outcome["heads"]:
+        runs = f" (runs {r['runs']})" if r["runs"] != r["head"] else ""
+        detail = f"{r['tokens_per_s']:>12,.0f} tok/s{runs}"
+        if "max_logprob_diff" in r:
+            detail += f"  log-probs {r['max_logprob_diff']:.1e}, tail {r['max_tail_diff']:.1e} from slab"
+        rows.append((r["head"], detail))
+    return _trial_report(outcome, "heads", "the pass's step: body, head, host copy", rows, "precompute.head",
+                         outcome["recommended_head"], configured, "no head ran")
+
+
+def _trial_report(outcome: dict[str, Any], what: str, scope: str, rows: list[tuple[str, str]], key: str,
+                  chosen: str | None, configured: str, none: str) -> str:
     if outcome["status"] != "ok":
-        return f"\nexperts implementations not timed: {outcome['status']}: {outcome['message']}"
-    lines = [f"\nexperts implementations at micro-batch {outcome['micro_batch']} (the body: embeddings to the final "
-             "norm):"]
-    width = max(len(r["variant"]) for r in outcome["experts"])
-    for r in outcome["experts"]:
-        if "tokens_per_s" in r:
-            detail = f"{r['tokens_per_s']:>12,.0f} tok/s  {r['max_rel_diff']:.2e} from eager"
-        else:
-            detail = r.get("skipped") or r.get("error", "")
-        lines.append(f"  {r['variant'].ljust(width)}  {detail}")
-    chosen = outcome["recommended_experts"]
-    lines.append(f"recommended: precompute.experts: {chosen} (the config has {configured})" if chosen else
-                 "no experts implementation matched eager's hidden states: precompute.experts stays as it is")
+        return f"\n{what} not timed: {outcome['status']}: {outcome['message']}"
+    width = max((len(name) for name, _ in rows), default=0)
+    lines = [f"\n{what} at micro-batch {outcome['micro_batch']} ({scope}):"]
+    lines += [f"  {name.ljust(width)}  {detail}" for name, detail in rows]
+    lines.append(f"recommended: {key}: {chosen} (the config has {configured})" if chosen else
+                 f"{none}: {key} stays as it is")
     return "\n".join(lines)
 
 

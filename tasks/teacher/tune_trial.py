@@ -132,12 +132,20 @@ def pass_step(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int,
     return topk, step.chunk_tokens
 
 
-def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, batches: int,
-                      warmup: int = 1) -> dict[str, Any]:
-    """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record."""
-    if micro_batch < 1 or batches < 1 or warmup < 0:
-        raise ConfigError(f"micro_batch and batches must be >= 1 and warmup >= 0, got {micro_batch}, {batches}, "
-                          f"{warmup}")
+@dataclasses.dataclass
+class Trial:
+    """A teacher loaded as the pass loads it (4-bit, dtype, `precompute.experts`) and the rows a trial runs."""
+
+    model: torch.nn.Module
+    device: torch.device
+    ids: np.ndarray  # (rows, seq_len) token ids
+    rows_from: str
+    load_seconds: float
+
+
+def load_for_trial(run_root: RunRoot, settings: TeacherPassSettings, rows: int, experts: bool = True) -> Trial:
+    """The teacher on its device and `rows` rows of the run's tokens (the checks of the pass first); `experts`:
+    set `precompute.experts` (False: leave transformers' choice, for a trial that sets it itself)."""
     teacher, seq_len = settings.teacher, settings.seq_len
     device = resolve_device(teacher.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -146,15 +154,20 @@ def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_ba
     tokenizer = load_tokenizer(teacher, settings.tokenizer)
     started = time.perf_counter()
     model = load_teacher(teacher, device=device)
-    use_experts(model, settings.precompute.experts)
+    if experts:
+        use_experts(model, settings.precompute.experts)
     load_seconds = time.perf_counter() - started
     check_tokenizer_fits(tokenizer, model)
-    ids, source = token_rows(run_root, seq_len, tokenizer, (warmup + batches) * micro_batch)
+    ids, source = token_rows(run_root, seq_len, tokenizer, rows)
     if ids.min() < 0 or ids.max() >= vocab_rows(model):
         raise StoreError(f"{source} hold id {int(ids.max())}, outside the teacher's embedding of {vocab_rows(model)} "
                          "rows")
-    vocab = output_rows(model)
-    step, chunk_tokens = pass_step(settings, model, vocab, micro_batch, device)
+    return Trial(model, device, ids, source, load_seconds)
+
+
+def time_micro_batches(step: Callable[[torch.Tensor, int], tuple[Any, Callable[[], None]]], ids: np.ndarray,
+                       micro_batch: int, warmup: int, batches: int, device: torch.device, run_root: RunRoot) -> float:
+    """Seconds of `batches` micro-batches of `ids` through `step` (a `pass_step`), after `warmup` untimed ones."""
     timed_from = 0.0
     with deterministic_algorithms():
         for index in range(warmup + batches):
@@ -168,12 +181,29 @@ def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_ba
             if ready is not None:
                 ready.synchronize()
             release()
-    seconds = time.perf_counter() - timed_from
-    tokens = batches * micro_batch * seq_len
+    return time.perf_counter() - timed_from
+
+
+def check_counts(micro_batch: int, batches: int, warmup: int = 0) -> None:
+    """micro_batch and batches >= 1, warmup >= 0, or a ConfigError naming them."""
+    if micro_batch < 1 or batches < 1 or warmup < 0:
+        raise ConfigError(f"micro_batch and batches must be >= 1 and warmup >= 0, got {micro_batch}, {batches}, "
+                          f"{warmup}")
+
+
+def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, batches: int,
+                      warmup: int = 1) -> dict[str, Any]:
+    """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record."""
+    check_counts(micro_batch, batches, warmup)
+    trial = load_for_trial(run_root, settings, (warmup + batches) * micro_batch)
+    device, vocab = trial.device, output_rows(trial.model)
+    step, chunk_tokens = pass_step(settings, trial.model, vocab, micro_batch, device)
+    seconds = time_micro_batches(step, trial.ids, micro_batch, warmup, batches, device, run_root)
+    tokens = batches * micro_batch * settings.seq_len
     return {"micro_batch": micro_batch, "status": "ok", "tokens_per_s": round(tokens / seconds, 1),
             "seconds": round(seconds, 3), "tokens": tokens, "batches": batches, "warmup": warmup,
-            "load_seconds": round(load_seconds, 2), "device": str(device), "threads": torch.get_num_threads(),
-            "rows_from": source, "chunk_tokens": chunk_tokens, "vocab": vocab, **memory_record(device)}
+            "load_seconds": round(trial.load_seconds, 2), "device": str(device), "threads": torch.get_num_threads(),
+            "rows_from": trial.rows_from, "chunk_tokens": chunk_tokens, "vocab": vocab, **memory_record(device)}
 
 
 def measure_experts(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, repeats: int = 2,
@@ -181,15 +211,10 @@ def measure_experts(run_root: RunRoot, settings: TeacherPassSettings, micro_batc
     """A MoE teacher's body under each experts implementation on `micro_batch` of the run's rows
     (`measure_body_variants`) -> {"experts": one record per implementation, "recommended_experts": the fastest whose
     hidden states are within `tolerance` of eager's, or None}. The teacher loads as the pass loads it."""
-    if micro_batch < 1 or repeats < 1:
-        raise ConfigError(f"micro_batch and repeats must be >= 1, got {micro_batch}, {repeats}")
-    teacher, seq_len = settings.teacher, settings.seq_len
-    device = resolve_device(teacher.device)
-    tokenizer = load_tokenizer(teacher, settings.tokenizer)
-    model = load_teacher(teacher, device=device)
-    ids, _ = token_rows(run_root, seq_len, tokenizer, micro_batch)
-    rows = torch.from_numpy(ids.astype(np.int64)).to(device)
+    check_counts(micro_batch, repeats)
+    trial = load_for_trial(run_root, settings, micro_batch, experts=False)
+    rows = torch.from_numpy(trial.ids.astype(np.int64)).to(trial.device)
     with deterministic_algorithms():
-        records = list(measure_body_variants(model, rows, EXPERTS, repeats))
+        records = list(measure_body_variants(trial.model, rows, EXPERTS, repeats))
     return {"micro_batch": micro_batch, "experts": records, "tolerance": tolerance,
             "recommended_experts": fastest_correct(records, tolerance)}

@@ -1,6 +1,6 @@
 """One micro-batch candidate in its own process: `python -m kdflow.tasks.teacher.tune_worker --config RESOLVED.yaml
 --micro-batch N [--batches 3] [--warmup 1]`; with `--experts`, a MoE teacher's experts implementations timed
-side by side at that micro-batch instead (`measure_experts`).
+side by side at that micro-batch instead (`measure_experts`), with `--heads` both heads (`tune_heads`).
 
 `kdflow tune precompute` and the `tune-precompute` flow start one per candidate, so that an out-of-memory
 or a CUDA driver error ends that candidate only. It speaks the worker protocol (`kdflow.schemas.protocol`):
@@ -27,8 +27,10 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, required=True)
     parser.add_argument("--batches", type=int, default=3, help="timed micro-batches")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-batches first")
-    parser.add_argument("--experts", action="store_true",
-                        help="time the experts implementations at the micro-batch (--batches repeats each)")
+    trial = parser.add_mutually_exclusive_group()
+    trial.add_argument("--experts", action="store_true",
+                       help="time the experts implementations at the micro-batch (--batches repeats each)")
+    trial.add_argument("--heads", action="store_true", help="time both heads (precompute.head) at the micro-batch")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -40,6 +42,7 @@ def run(argv: list[str] | None = None) -> int:
 
         from kdflow.schemas.config_io import load_config
         from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+        from kdflow.tasks.teacher.tune_heads import measure_heads
         from kdflow.tasks.teacher.tune_trial import measure_candidate, measure_experts
 
         transformers_logging.disable_progress_bar()
@@ -47,9 +50,11 @@ def run(argv: list[str] | None = None) -> int:
         run_root, settings = open_run_root(config), teacher_pass_settings(config)
         if args.experts:
             return measure_experts(run_root, settings, args.micro_batch, args.batches) | {"pid": os.getpid()}
+        if args.heads:
+            return measure_heads(run_root, settings, args.micro_batch, args.batches, args.warmup) | {"pid": os.getpid()}
         return measure_candidate(run_root, settings, args.micro_batch, args.batches, args.warmup) | {"pid": os.getpid()}
 
-    what = "experts" if args.experts else "micro-batch"
+    what = "experts" if args.experts else "heads" if args.heads else "micro-batch"
     return run_worker(body, label=f"kdflow tune worker ({what} {args.micro_batch})")
 
 

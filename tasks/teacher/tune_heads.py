@@ -1,0 +1,100 @@
+"""Which head the teacher pass reads its logits with (`precompute.head`), measured on this machine: the tune
+worker's `--heads` body (`kdflow tune precompute`).
+
+Both heads on one loaded teacher and the same rows at one micro-batch: `slab` (the slab loop: the logits of a chunk
+of tokens, then torch's top-K or the sampler over every id) and `tiled` (one read of the logits for each tile's
+statistics, then only the candidate tiles; its Triton kernels on CUDA). Each is timed as the pass runs it (the
+step and its host copy, `tune_trial.pass_step`), and the tiled head's targets are compared with the slab loop's on
+the first micro-batch: log-probs as sorted values per position (ties may order ids differently) and the tail. The
+recommendation is the faster of the two among those within `HEAD_TOLERANCE` of the slab loop; where the tiled head
+cannot take this teacher (a final-logit transform, a vocabulary split in slabs, kdflow.1 sampling) it runs the slab
+loop, and the record says so (`runs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kdflow.schemas.stage_settings import TeacherPassSettings
+from kdflow.schemas.storage import RunRoot
+
+__all__ = ["HEADS", "HEAD_TOLERANCE", "agreement", "head_targets", "measure_heads", "sampled_fields"]
+
+HEADS = ("slab", "tiled")
+HEAD_TOLERANCE = 1e-3  # nats: the log-probs and tail of two heads reading the same logits (float32 sums' order)
+
+
+def sampled_fields(targets: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Sampled or hybrid targets as (ids, log-probs, tail) like the top-K's: head and samples side by side."""
+    ids = torch.cat([targets.head_ids, targets.sample_ids], -1)
+    return ids, torch.cat([targets.head_logprobs, targets.sample_logprobs], -1), targets.tail_logprob
+
+
+def agreement(reference: tuple[Tensor, ...], result: tuple[Tensor, ...]) -> dict[str, float]:
+    """How far (ids (N, K), log-probs (N, K), tail (N,)) are from the reference's: log-probs compared as sorted
+    values per row, since ties may order ids differently; the share of ids that agree, as sorted ids per row."""
+    ref_ids, ref_lp, ref_tail = (tensor.reshape(-1, *tensor.shape[-1:]).cpu() if tensor.dim() > 1
+                                 else tensor.cpu() for tensor in reference)
+    ids, lp, tail = (tensor.reshape(-1, *tensor.shape[-1:]).cpu() if tensor.dim() > 1 else tensor.cpu()
+                     for tensor in result)
+    same = (ref_ids.sort(-1).values == ids.sort(-1).values).float().mean().item()
+    ref_lp, lp = ref_lp.float().sort(-1).values, lp.float().sort(-1).values
+    finite = torch.isfinite(ref_lp) & torch.isfinite(lp)
+    return {"max_logprob_diff": float((ref_lp - lp)[finite].abs().max()) if bool(finite.any()) else 0.0,
+            "max_tail_diff": float((ref_tail.float() - tail.float()).abs().max()), "ids_agree": round(same, 6)}
+
+
+def head_targets(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int,
+                 input_ids: Tensor) -> tuple[str, tuple[Tensor, Tensor, Tensor]]:
+    """One micro-batch's targets under the settings' head -> (what ran: slab, tiled or tiled-triton, (ids,
+    log-probs, tail) with a position per row)."""
+    from kdflow.tasks.teacher.sampled_pass import sampled_step
+    from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+
+    pre = settings.precompute
+    with torch.inference_mode():
+        if pre.targets == "topk":
+            chunk = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
+            step = TeacherTopkStep(model, pre.top_k, chunk, head=pre.head)
+            ids, logprobs, tail = step(input_ids)
+            return step.head, (ids.flatten(0, 1), logprobs.flatten(0, 1), tail.flatten())
+        sampler = sampled_step(model, pre, vocab)
+        ids, logprobs, tail = sampled_fields(sampler(input_ids, shard=0, first_row=0))
+        return sampler.head, (ids.flatten(0, 1), logprobs.flatten(0, 1), tail.flatten())
+
+
+def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, batches: int,
+                  warmup: int = 1, tolerance: float = HEAD_TOLERANCE) -> dict[str, Any]:
+    """Both heads timed at `micro_batch` on the run's rows, the tiled one checked against the slab loop ->
+    {"micro_batch", "heads": one record per head, "tolerance", "recommended_head"}."""
+    from kdflow.tasks.teacher.loading import output_rows
+    from kdflow.tasks.teacher.tune_trial import check_counts, load_for_trial, pass_step, time_micro_batches
+
+    check_counts(micro_batch, batches, warmup)
+    trial = load_for_trial(run_root, settings, (warmup + batches) * micro_batch)
+    model, ids, device = trial.model, trial.ids, trial.device
+    vocab = output_rows(model)
+    first = torch.from_numpy(ids[:micro_batch].astype(np.int64)).to(device)
+    records, reference = [], None
+    for head in HEADS:
+        candidate = dataclasses.replace(settings, precompute=settings.precompute.model_copy(update={"head": head}))
+        ran, targets = head_targets(candidate, model, vocab, first)
+        step, _ = pass_step(candidate, model, vocab, micro_batch, device)
+        seconds = time_micro_batches(step, ids, micro_batch, warmup, batches, device, run_root)
+        record = {"head": head, "runs": ran, "tokens_per_s": round(batches * ids.shape[1] * micro_batch / seconds, 1)}
+        if reference is None:
+            reference = targets
+        else:
+            record |= agreement(reference, targets)
+            record["correct"] = max(record["max_logprob_diff"], record["max_tail_diff"]) <= tolerance
+        records.append(record)
+    # a head that fell back to the slab loop here (see the module's docstring) is not a choice
+    fitting = [r for r in records if r.get("correct", True) and (r["head"] == "slab" or r["runs"] != "slab")]
+    chosen = max(fitting, key=lambda r: r["tokens_per_s"])["head"]
+    return {"micro_batch": micro_batch, "targets": settings.precompute.targets, "heads": records,
+            "tolerance": tolerance, "recommended_head": chosen}
