@@ -52,7 +52,7 @@ def agreement(reference: tuple[Tensor, ...], result: tuple[Tensor, ...]) -> dict
 def head_targets(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int,
                  input_ids: Tensor) -> tuple[str, tuple[Tensor, Tensor, Tensor]]:
     """One micro-batch's targets under the settings' head -> (what ran: slab, tiled or tiled-triton, (ids,
-    log-probs, tail) with a position per row)."""
+    log-probs, tail) with a position per row, on the host)."""
     from kdflow.tasks.teacher.sampled_pass import sampled_step
     from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
 
@@ -62,10 +62,12 @@ def head_targets(settings: TeacherPassSettings, model: torch.nn.Module, vocab: i
             chunk = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
             step = TeacherTopkStep(model, pre.top_k, chunk, head=pre.head)
             ids, logprobs, tail = step(input_ids)
-            return step.head, (ids.flatten(0, 1), logprobs.flatten(0, 1), tail.flatten())
-        sampler = sampled_step(model, pre, vocab)
-        ids, logprobs, tail = sampled_fields(sampler(input_ids, shard=0, first_row=0))
-        return sampler.head, (ids.flatten(0, 1), logprobs.flatten(0, 1), tail.flatten())
+            ran = step.head
+        else:
+            sampler = sampled_step(model, pre, vocab)
+            ids, logprobs, tail = sampled_fields(sampler(input_ids, shard=0, first_row=0))
+            ran = sampler.head
+    return ran, (ids.flatten(0, 1).cpu(), logprobs.flatten(0, 1).cpu(), tail.flatten().cpu())
 
 
 def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, batches: int,
@@ -93,6 +95,7 @@ def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch:
             record |= agreement(reference, targets)
             record["correct"] = max(record["max_logprob_diff"], record["max_tail_diff"]) <= tolerance
         records.append(record)
+        del step  # its buffers go before the next head's are made: the micro-batch was tuned to the memory
     # a head that fell back to the slab loop here (see the module's docstring) is not a choice
     fitting = [r for r in records if r.get("correct", True) and (r["head"] == "slab" or r["runs"] != "slab")]
     chosen = max(fitting, key=lambda r: r["tokens_per_s"])["head"]
