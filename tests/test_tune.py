@@ -209,6 +209,43 @@ def test_both_heads_are_timed_and_the_tiled_one_checked_against_the_slab_loop(ma
     assert outcome["recommended_head"] == max(outcome["heads"], key=lambda r: r["tokens_per_s"])["head"]
 
 
+def test_the_head_chosen_is_the_fastest_that_matched_and_really_ran_tiled() -> None:
+    from kdflow.tasks.teacher.tune_heads import choose_head
+
+    slab = {"head": "slab", "runs": "slab", "tokens_per_s": 100.0}
+    assert choose_head([slab, {"head": "tiled", "runs": "tiled-triton", "tokens_per_s": 300.0, "correct": True}]) \
+        == "tiled"
+    assert choose_head([slab, {"head": "tiled", "runs": "tiled", "tokens_per_s": 300.0, "correct": False}]) == "slab"
+    assert choose_head([slab, {"head": "tiled", "runs": "slab", "tokens_per_s": 101.0, "correct": True}]) == "slab"
+    assert choose_head([slab, {"head": "tiled", "runs": "tiled", "tokens_per_s": 90.0, "correct": True}]) == "slab"
+
+
+def test_a_teacher_with_a_final_logit_transform_runs_the_slab_loop_under_either_head(tmp_path: Path) -> None:
+    """The tiled head needs the plain logits: a Gemma-2 teacher (its final soft-capping) runs the slab loop, and
+    the trial says so."""
+    import dataclasses
+
+    import torch
+    from support.tiny import tiny_config as run_config
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from kdflow.schemas.stage_settings import teacher_pass_settings as settings_of
+    from kdflow.tasks.teacher.tune_heads import head_targets
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, head_dim=16, final_logit_softcapping=1.5)).eval()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    base = settings_of(run_config(tmp_path / "run", tmp_path / "teacher", tmp_path / "corpus.jsonl"))
+    ran = {}
+    for head in ("slab", "tiled"):
+        settings = dataclasses.replace(base, precompute=base.precompute.model_copy(update={"head": head}))
+        ran[head], (top_ids, logprobs, tail) = head_targets(settings, model, 256, ids)
+        assert top_ids.shape == logprobs.shape == (16, base.precompute.top_k) and tail.shape == (16,)
+    assert ran == {"slab": "slab", "tiled": "slab"}
+
+
 @pytest.mark.parametrize("targets", ["sampled", "hybrid"])
 def test_a_candidate_of_sampled_targets_times_the_sampler(make_config: Callable[..., Any], targets: str) -> None:
     """The pass of sampled or hybrid targets runs the sampler, not the top-K step (3x slower on this CPU than the

@@ -23,7 +23,8 @@ from torch import Tensor
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 
-__all__ = ["HEADS", "HEAD_TOLERANCE", "agreement", "head_targets", "measure_heads", "sampled_fields"]
+__all__ = ["HEADS", "HEAD_TOLERANCE", "agreement", "choose_head", "head_targets", "measure_heads",
+           "sampled_fields"]
 
 HEADS = ("slab", "tiled")
 HEAD_TOLERANCE = 1e-3  # nats: the log-probs and tail of two heads reading the same logits (float32 sums' order)
@@ -96,8 +97,12 @@ def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch:
             record["correct"] = max(record["max_logprob_diff"], record["max_tail_diff"]) <= tolerance
         records.append(record)
         del step  # its buffers go before the next head's are made: the micro-batch was tuned to the memory
-    # a head that fell back to the slab loop here (see the module's docstring) is not a choice
-    fitting = [r for r in records if r.get("correct", True) and (r["head"] == "slab" or r["runs"] != "slab")]
-    chosen = max(fitting, key=lambda r: r["tokens_per_s"])["head"]
     return {"micro_batch": micro_batch, "targets": settings.precompute.targets, "heads": records,
-            "tolerance": tolerance, "recommended_head": chosen}
+            "tolerance": tolerance, "recommended_head": choose_head(records)}
+
+
+def choose_head(records: list[dict[str, Any]]) -> str:
+    """The fastest head whose targets matched the slab loop's; a head that fell back to the slab loop on this
+    teacher (`runs`: slab) is not a choice of its own."""
+    fitting = [r for r in records if r.get("correct", True) and (r["head"] == "slab" or r["runs"] != "slab")]
+    return max(fitting, key=lambda r: r["tokens_per_s"])["head"]
