@@ -37,7 +37,7 @@ def tune_trial(kind: str, config_path: str, micro_batch: int, repeats: int, time
     logger = get_run_logger()
     outcome = tune_search.run_trial(kind, config_path, micro_batch, repeats=repeats, timeout_s=timeout_s,
                                     on_log=lambda line: logger.info("worker: %s", line))
-    chosen = outcome["recommended_head" if kind == "heads" else "recommended_experts"]
+    chosen = outcome[tune_search.TRIALS[kind].recommended]
     logger.info("%s at micro-batch %d: %s %s", kind, micro_batch, outcome["status"],
                 chosen if outcome["status"] == "ok" else outcome["message"])
     return outcome

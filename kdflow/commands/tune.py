@@ -21,10 +21,6 @@ from pathlib import Path
 from kdflow.schemas.config_io import parse_override
 
 
-# trial -> (the precompute setting it recommends, the field of its outcome that holds the recommendation)
-WRITES = {"heads": ("head", "recommended_head"), "experts": ("experts", "recommended_experts")}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdflow tune precompute", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML config (see configs/)")
@@ -99,13 +95,14 @@ def main(argv: list[str] | None = None) -> int:
                 result[kind] = tune_search.run_trial(kind, path, chosen, repeats=args.batches,
                                                      timeout_s=args.timeout_s,
                                                      on_log=_worker_log if args.verbose else _quiet)
-                print(describe(result[kind], getattr(config.precompute, WRITES[kind][0])), flush=True)
+                print(describe(result[kind], getattr(config.precompute, tune_search.TRIALS[kind].setting)),
+                      flush=True)
         if args.write:
             write_micro_batch(Path(args.config), chosen)
             for kind, _ in trials:
-                key, field = WRITES[kind]
-                if result[kind].get(field) is not None:
-                    write_precompute_setting(Path(args.config), key, result[kind][field])
+                trial = tune_search.TRIALS[kind]
+                if result[kind].get(trial.recommended) is not None:
+                    write_precompute_setting(Path(args.config), trial.setting, result[kind][trial.recommended])
             print(f"written to {args.config}")
     if args.json:
         print(json.dumps({"tune": "precompute", **result}))

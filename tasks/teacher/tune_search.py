@@ -138,7 +138,18 @@ def has_experts(settings: TeacherPassSettings) -> bool:
     return expert_count(load_teacher_config(settings.teacher)) is not None
 
 
-TRIALS = {"experts": ("experts", "recommended_experts"), "heads": ("heads", "recommended_head")}
+@dataclass(frozen=True)
+class TrialKind:
+    """A trial after the search: the field of its outcome holding its records, the one holding its
+    recommendation, and the `precompute` setting that recommendation is for."""
+
+    records: str
+    recommended: str
+    setting: str
+
+
+TRIALS = {"heads": TrialKind("heads", "recommended_head", "head"),
+          "experts": TrialKind("experts", "recommended_experts", "experts")}
 
 
 def run_trial(kind: str, config_path: str, micro_batch: int, *, repeats: int, timeout_s: float,
@@ -147,12 +158,12 @@ def run_trial(kind: str, config_path: str, micro_batch: int, *, repeats: int, ti
     experts implementations, `tune_trial.measure_experts`) or `heads` (both heads, `tune_heads.measure_heads`) ->
     {"micro_batch", "status", "message", its records, its recommendation or None}. A failure is its status, never
     an exception: the micro-batch's recommendation stands without it."""
-    records, recommended = TRIALS[kind]
+    fields = TRIALS[kind]
     args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(repeats), f"--{kind}"]
     status, _, message, result = _in_worker(args, timeout_s, on_log)
     result = result or {}
-    return {"micro_batch": micro_batch, "status": status, "message": message, records: result.get(records, []),
-            recommended: result.get(recommended)}
+    return {"micro_batch": micro_batch, "status": status, "message": message,
+            fields.records: result.get(fields.records, []), fields.recommended: result.get(fields.recommended)}
 
 
 def _in_worker(args: list[str], timeout_s: float,
