@@ -254,32 +254,26 @@ def _student_bytes(context: Preflight) -> int | None:
     """fp32 weights + AdamW moments per checkpoint, keep_checkpoints + 1 of them at once, plus final/. The student's
     size: the teacher's with the pruned blocks and widths (`student.prune`), the model it starts from
     (`student.init_from`; None when neither's config is at hand), or `student.architecture`."""
+    from kdflow.tasks.common.model_configs import ModelShape, model_folder_shape
+
     student = context.config.student
-    params = None
     if student.prune is not None:
         prune = student.prune
         params = context.teacher_shape.parameters(prune.layers, prune.intermediate_size, prune.key_value_heads)
     elif student.init_from is not None:
-        from kdflow.tasks.common.model_configs import model_folder_shape
-
         try:
             shape = model_folder_shape(student.init_from)
         except ConfigError:
             shape = None
         params = shape.parameters() if shape is not None else None
-    if params is None and (student.prune is not None or student.init_from is not None):
-        return None
-    if params is None:
+    else:
         arch = student.architecture
         vocab = (context.teacher_shape.vocab_size if context.tokenizer_from_teacher and "precompute" in context.stages
                  else None) or 50_000
-        head_dim = arch.hidden_size // arch.num_attention_heads
-        per_layer = (2 * arch.hidden_size * arch.hidden_size
-                     + 2 * arch.hidden_size * arch.num_key_value_heads * head_dim
-                     + 3 * arch.hidden_size * arch.intermediate_size)
-        params = (arch.num_hidden_layers * per_layer
-                  + vocab * arch.hidden_size * (1 if arch.tie_word_embeddings else 2))
-    return params * 4 * (3 * (student.keep_checkpoints + 1) + 1)
+        params = ModelShape(vocab, None, "student.architecture", arch.num_hidden_layers, arch.intermediate_size,
+                            arch.num_attention_heads, arch.num_key_value_heads, hidden=arch.hidden_size,
+                            tied=arch.tie_word_embeddings).parameters()
+    return None if params is None else params * 4 * (3 * (student.keep_checkpoints + 1) + 1)
 
 
 def check_devices(context: Preflight) -> None:
