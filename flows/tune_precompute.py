@@ -71,9 +71,9 @@ def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | 
                 result["experts"] = tune_trial("experts", path, chosen, batches, timeout_s)
     report = tune_search.table(candidates, headroom, markdown=True)
     if "heads" in result:
-        report += "\n\n```" + tune_search.heads_report(result["heads"], config.precompute.head) + "\n```"
+        report += "\n\n```\n" + tune_search.heads_report(result["heads"], config.precompute.head) + "\n```"
     if "experts" in result:
-        report += "\n\n```" + tune_search.experts_report(result["experts"], config.precompute.experts) + "\n```"
+        report += "\n\n```\n" + tune_search.experts_report(result["experts"], config.precompute.experts) + "\n```"
     _table_artifact(report, result)
     logger.info("recommended precompute.micro_batch: %s", result["recommended_micro_batch"])
     return result

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             ("experts", tune_search.experts_report, request.experts and not args.skip_experts)) if wanted]
         with config_file(config, "kdflow-tune-") as path:
             for kind, describe in trials:
+                print(f"\ntiming the {kind} at micro-batch {chosen} (a fresh process: the teacher loads again)",
+                      flush=True)
                 result[kind] = tune_search.run_trial(kind, path, chosen, repeats=args.batches,
                                                      timeout_s=args.timeout_s,
                                                      on_log=_worker_log if args.verbose else _quiet)

@@ -307,9 +307,9 @@ def heads_report(outcome: dict[str, Any], configured: str) -> str:
 def _trial_report(outcome: dict[str, Any], what: str, scope: str, rows: list[tuple[str, str]], key: str,
                   chosen: str | None, configured: str, none: str) -> str:
     if outcome["status"] != "ok":
-        return f"\n{what} not timed: {outcome['status']}: {outcome['message']}"
+        return f"{what} not timed: {outcome['status']}: {outcome['message']}"
     width = max((len(name) for name, _ in rows), default=0)
-    lines = [f"\n{what} at micro-batch {outcome['micro_batch']} ({scope}):"]
+    lines = [f"{what} at micro-batch {outcome['micro_batch']} ({scope}):"]
     lines += [f"  {name.ljust(width)}  {detail}" for name, detail in rows]
     lines.append(f"recommended: {key}: {chosen} (the config has {configured})" if chosen else
                  f"{none}: {key} stays as it is")
