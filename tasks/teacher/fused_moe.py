@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from kdflow.tasks.common.fused_experts import Dequantised
-from kdflow.tasks.teacher.tile_stats_kernel import interpreting
+from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
 __all__ = ["FUSED_EXPERTS", "LARGE", "SMALL", "Tiles", "block_schedule", "fused_experts_forward",
            "register_fused_experts", "tiles_for"]
@@ -108,12 +108,6 @@ def expert_weight(module: nn.Module, name: str) -> ExpertWeight:
     return ExpertWeight(weight, weight, weight, weight.shape, False)
 
 
-def _check_device(tensor: Tensor) -> None:
-    if tensor.device.type != "cuda" and not interpreting():
-        raise ValueError(f"the fused experts run on CUDA tensors (or under TRITON_INTERPRET=1), not "
-                         f"{tensor.device.type}: set precompute.experts to grouped_mm or auto")
-
-
 def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                           top_k_weights: Tensor) -> Tensor:
     """An experts module's forward (transformers' experts interface): hidden (T, D), chosen experts (T, k) and
@@ -129,7 +123,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     activation = getattr(getattr(self, "config", None), "hidden_act", "silu")
     if activation != "silu":
         raise NotImplementedError(f"the fused experts fuse SiLU, not {activation}")
-    _check_device(hidden_states)
+    check_triton_device(hidden_states, "the fused experts run", ": set precompute.experts to grouped_mm or auto")
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[1]
     gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")

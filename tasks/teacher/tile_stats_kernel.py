@@ -25,10 +25,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_triton_device(tensor: Tensor, what: str) -> None:
-    """ValueError unless Triton can run a kernel on `tensor`: "{what} on CUDA tensors (or under ...), not cpu"."""
+def check_triton_device(tensor: Tensor, what: str, advice: str = "") -> None:
+    """ValueError unless Triton can run a kernel on `tensor`: "{what} on CUDA tensors (or under ...), not cpu",
+    then `advice` (": what to set instead") if given."""
     if tensor.device.type != "cuda" and not interpreting():
-        raise ValueError(f"{what} on CUDA tensors (or under TRITON_INTERPRET=1), not {tensor.device.type}")
+        raise ValueError(f"{what} on CUDA tensors (or under TRITON_INTERPRET=1), not {tensor.device.type}{advice}")
 
 
 def tile_stats_triton(logits: Tensor, tile: int, group: int = 16) -> tuple[Tensor, Tensor]:
