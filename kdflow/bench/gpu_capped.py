@@ -153,8 +153,8 @@ def _try(step: Any, vocab: int, rows: int, seq_len: int, device: str) -> dict[st
 def check_step(size: dict[str, Any], device: str) -> dict[str, Any]:
     """`capped_24gib` at the check's sizes: the llmjp config's micro-batch and halvings of it (full size)."""
     from kdflow.schemas.config import PrecomputeConfig
-    from kdflow.tasks.teacher.topk import choose_chunk_tokens
+    from kdflow.tasks.teacher.topk import topk_chunk_tokens
 
     settings, shapes = size["capped"], size["shapes"]
-    chunk = choose_chunk_tokens(shapes["vocab_size"], PrecomputeConfig().chunk_memory_mib << 20)
+    chunk = topk_chunk_tokens(PrecomputeConfig(), shapes["vocab_size"])
     return capped(shapes, device, CAP_GIB, settings["seq_len"], settings["micro_batches"], size["top_k"], chunk)

@@ -190,9 +190,9 @@ def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: i
 def check_step(size: dict[str, Any], device: str, tuned: int | None) -> dict[str, Any]:
     """`full_depth` at the check's sizes: the tuned micro-batch (else the size's), the pass's default chunk."""
     from kdflow.schemas.config import PrecomputeConfig
-    from kdflow.tasks.teacher.topk import choose_chunk_tokens
+    from kdflow.tasks.teacher.topk import topk_chunk_tokens
 
     settings, shapes = size["full_depth"], size["shapes"]
-    chunk = choose_chunk_tokens(shapes["vocab_size"], PrecomputeConfig().chunk_memory_mib << 20)
+    chunk = topk_chunk_tokens(PrecomputeConfig(), shapes["vocab_size"])
     return full_depth(shapes, device, tuned or settings["micro_batch"], size["seq_len"], size["top_k"], chunk,
                       settings["repeats"], settings["matmul_size"])

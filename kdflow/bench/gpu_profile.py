@@ -214,7 +214,7 @@ def profile_teacher(config_path: Any, micro_batch: int | None, model: Any = None
     from kdflow.schemas.config_io import load_config
     from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.teacher.loading import output_rows
-    from kdflow.tasks.teacher.topk import choose_chunk_tokens
+    from kdflow.tasks.teacher.topk import topk_chunk_tokens
 
     config = load_config(config_path)
     pre = config.precompute
@@ -223,7 +223,7 @@ def profile_teacher(config_path: Any, micro_batch: int | None, model: Any = None
     vocab, rows = output_rows(model), micro_batch or pre.micro_batch
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, config.seq_len), generator=generator).to(device)
-    chunk = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
+    chunk = topk_chunk_tokens(pre, vocab)
     result = profile_micro_batch(model, ids, pre.top_k, chunk, TopkCodec(config.seq_len, pre.top_k, vocab))
     result = {"layers": model.config.num_hidden_layers, "micro_batch": rows, "seq_len": config.seq_len,
               "four_bit": config.teacher.load_in_4bit, **result}

@@ -144,7 +144,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     from kdflow.tasks.teacher.loading import output_rows
     from kdflow.tasks.teacher.precompute import precompute_shards
     from kdflow.tasks.teacher.sampled_pass import sampled_step
-    from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+    from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
 
     pre = config.precompute
     device = next(model.parameters()).device
@@ -152,8 +152,7 @@ def step_functions(config: Any, model: Any, batches: list[tuple[Any, int]], scra
     inputs = [torch.from_numpy(ids).to(device) for ids, _ in batches]
     vocab = output_rows(model)
     if pre.targets == "topk":
-        topk_step = TeacherTopkStep(model, pre.top_k,
-                                    pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20))
+        topk_step = TeacherTopkStep(model, pre.top_k, topk_chunk_tokens(pre, vocab))
 
         def step(ids: Any, index: int) -> Any:
             return topk_step(ids)

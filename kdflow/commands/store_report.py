@@ -27,14 +27,14 @@ def _teacher_step(config: Any, device: str | None, cache: dict[str, Any]) -> Any
     """A TeacherTopkStep for the store's teacher, loaded once per distinct teacher section."""
     from kdflow.tasks.common.teacher_loading import load_teacher
     from kdflow.tasks.teacher.sampled_pass import sampled_step
-    from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+    from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
 
     targets = [config.precompute.targets, config.precompute.sampling.model_dump(mode="json")]
     key = json.dumps([config.teacher.model_dump(mode="json"), device, config.precompute.top_k, targets], sort_keys=True)
     if key not in cache:
         model = load_teacher(config.teacher, device=device)
         vocab = model.get_output_embeddings().out_features
-        chunk = config.precompute.chunk_tokens or choose_chunk_tokens(vocab, config.precompute.chunk_memory_mib << 20)
+        chunk = topk_chunk_tokens(config.precompute, vocab)
         cache[key] = TeacherTopkStep(model, config.precompute.top_k, chunk) if targets[0] == "topk" else sampled_step(
             model, config.precompute, vocab)  # hybrid / sampled: the store's own draw, re-run
     return cache[key]

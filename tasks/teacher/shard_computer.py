@@ -27,7 +27,7 @@ from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import output_rows, vocab_rows
 from kdflow.tasks.teacher.sampled_pass import SampledPass
 from kdflow.tasks.teacher.store_codec import store_codec
-from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
 
 
 class ShardComputer:
@@ -41,7 +41,7 @@ class ShardComputer:
         self.vocab_rows = vocab_rows(model)
         experts = use_experts(model, pre.experts)  # None: a dense teacher
         vocab = output_rows(model)
-        chunk_tokens = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
+        chunk_tokens = topk_chunk_tokens(pre, vocab)
         try:
             self.sampled = None if pre.targets == "topk" else SampledPass.create(  # replaces step, codec, host copies
                 settings, model, run_root, store, tokens_done, vocab, WRITE_QUEUE_DEPTH + 2)

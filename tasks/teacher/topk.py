@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from kdflow.schemas.config import PrecomputeConfig
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 from kdflow.tasks.teacher.tiled_topk import (float32_head, tile_stats_for, tiled_head_fits, tiled_head_topk,
@@ -50,6 +51,12 @@ def choose_chunk_tokens(
     rows = budget_bytes // bytes_per_row
     rows = (rows // multiple) * multiple
     return max(minimum, rows)
+
+
+def topk_chunk_tokens(precompute: PrecomputeConfig, vocab_size: int) -> int:
+    """Rows per chunk of the top-K pass: `precompute.chunk_tokens`, else as many as `precompute.chunk_memory_mib`
+    holds (`choose_chunk_tokens`; sampled targets: `sampled_pass.sampled_chunk_tokens`)."""
+    return precompute.chunk_tokens or choose_chunk_tokens(vocab_size, precompute.chunk_memory_mib << 20)
 
 
 class _RunningTopk:

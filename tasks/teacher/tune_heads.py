@@ -55,12 +55,12 @@ def head_targets(settings: TeacherPassSettings, model: torch.nn.Module, vocab: i
     """One micro-batch's targets under the settings' head -> (what ran: slab, tiled or tiled-triton, (ids,
     log-probs, tail) with a position per row, on the host)."""
     from kdflow.tasks.teacher.sampled_pass import sampled_step
-    from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+    from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
 
     pre = settings.precompute
     with torch.inference_mode():
         if pre.targets == "topk":
-            chunk = pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20)
+            chunk = topk_chunk_tokens(pre, vocab)
             step = TeacherTopkStep(model, pre.top_k, chunk, head=pre.head)
             ids, logprobs, tail = step(input_ids)
             ran = step.head

@@ -43,7 +43,7 @@ from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_
                                           vocab_rows)
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
 from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_codec, sampled_step
-from kdflow.tasks.teacher.topk import TeacherTopkStep, choose_chunk_tokens
+from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
 
 MIB = 1 << 20
 
@@ -120,8 +120,7 @@ def pass_step(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int,
             return ready, release
 
         return sample, sampled.chunk_tokens
-    step = TeacherTopkStep(model, pre.top_k, pre.chunk_tokens or choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20),
-                           head=pre.head)
+    step = TeacherTopkStep(model, pre.top_k, topk_chunk_tokens(pre, vocab), head=pre.head)
     storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
     host = HostCopies(device, (micro_batch, settings.seq_len, pre.top_k), storage, slots=2)
 
