@@ -4,18 +4,20 @@ machine's minutes, with no network and no Prefect, ending in one JSON summary (`
 Random Qwen3-MoE teachers with llm-jp-4-32b-a3b-base's per-layer shapes and 196,608-id vocabulary
 (kdflow/bench/gpu_plan.py says where the shapes come from) at two depths, in 4-bit (bitsandbytes, the fused experts
 too: kdflow.tasks.common.fused_experts) and bf16. Then, each step timed, its outcome recorded (ok, skipped with its
-reason, failed with its error) and the rest run on: each 4-bit teacher's weights as loaded (and the full depth's,
-extrapolated); token shards; `kdflow tune precompute`; one micro-batch of the pass profiled, its time by kernel
-family (gpu_profile.py); the full-depth teacher built in the device's memory and timed in bf16 and 4-bit, MFU
-against the measured matmul rate and the datasheet peak (gpu_full_depth.py); the pass in its worker; `kdflow bench
-teacher-pass` at the tuned micro-batch per depth and precision (ratios to the bare forward, MFU from active
-parameters) and the full-depth tok/s extrapolated from both depths (constrained: a pass's per-layer cost at least
-its forward's); sampled and hybrid targets; `kdflow bench precompute` (chunked vs dense top-K); `kdflow bench loss`
-under bf16 autocast (fused vs dense, checked against a float32 dense reference); `kdflow bench train-step` with a
-student of the teacher's vocabulary; the training stage; the logits' precision in bf16 against float32, and the
-float32 lm_head's cost (logits_precision_measure.py); a 2-process FSDP step when two GPUs are visible; last, the
-32-layer 4-bit teacher's pass under a 24 GiB cap (gpu_capped.py) and a checkpoint in the hub's per-expert layout
-loaded in 4-bit (gpu_hub_layout.py). A step that would not finish within `--budget-s` is skipped. The last stdout
+reason, failed with its error) and the rest run on. First what issue 44's steps need: each 4-bit teacher's weights
+as loaded (and the full depth's, extrapolated); token shards; `kdflow tune precompute`; the pass in its worker.
+Then issue 44's: one micro-batch of the pass profiled, its time by kernel family (gpu_profile.py); the full-depth
+teacher built in the device's memory and timed in bf16 (where it fits) and 4-bit, MFU against the measured matmul
+rate and the datasheet peak (gpu_full_depth.py); `kdflow bench head`; sampled and hybrid targets; the MoE body's
+variants (`kdflow bench body`); the 32-layer 4-bit teacher's pass under a 24 GiB cap (gpu_capped.py); a
+checkpoint in the hub's per-expert layout loaded in 4-bit (gpu_hub_layout.py). Last, what the H200 check of
+2026-12-04 measured, for a call's budget to skip first: `kdflow bench teacher-pass` at the tuned micro-batch per
+depth and precision (ratios to the bare forward, MFU from active parameters) and the full-depth tok/s extrapolated
+from both depths (constrained: a pass's per-layer cost at least its forward's); the logits' precision in bf16
+against float32, and the float32 lm_head's cost (logits_precision_measure.py); `kdflow bench loss` under bf16
+autocast (fused vs dense, checked against a float32 dense reference); `kdflow bench precompute` (chunked vs dense
+top-K); `kdflow bench train-step` with a student of the teacher's vocabulary; the training stage; a 2-process
+FSDP step when two GPUs are visible. A step that would not finish within `--budget-s` is skipped. The last stdout
 line is the summary (also `--out`); exit 0 when no step failed (skips included) and at least one step ran to the
 end: a check whose every step skipped measured nothing and exits 1.
 
@@ -226,9 +228,9 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
                for bits in ("4bit", "bf16") for depth in (low, high)}
     main_config = configs[(high, "4bit")]
     long_s = 0 if quick else 60  # what a teacher step needs at full size, at the least
-    steps.run("bench_loss", lambda: steps_.bench_loss(device, size), needs_s=long_s / 2)
-    steps.run("bench_precompute", lambda: steps_.bench_precompute(device, size), needs_s=long_s / 2)
-    steps.run("bench_head", lambda: steps_.bench_head(device, size), needs_s=long_s / 4)
+    # First what issue 44's steps need (the teachers, token shards, the tuned micro-batch, the top-K pass that the
+    # sampled targets are compared with), then issue 44's steps (gpu_plan.ISSUE_STEPS), then what was measured on
+    # 2026-12-04 (gpu_plan.remeasured): a call's budget skips those first, for a second call.
     steps.run("teacher", lambda: teachers.build_teachers(work, size, device))
     steps.run("teacher_weights_4bit", lambda: teachers.teacher_weights([configs[(d, "4bit")] for d in (low, high)],
                                                                        (low, high), size["shapes"]),
@@ -240,6 +242,14 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     steps.run("profile", lambda: gpu_profile.profile_teacher(main_config, tuned), needs=("teacher",),
               needs_s=long_s / 2)
     steps.run("full_depth", lambda: gpu_full_depth.check_step(size, device, tuned), needs_s=long_s)
+    steps.run("bench_head", lambda: steps_.bench_head(device, size), needs_s=long_s / 4)
+    for mode in ("sampled", "hybrid"):
+        steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),
+                  needs_s=long_s)
+    steps.run("body_variants", lambda: steps_.body_variants(main_config, tuned, quick), needs=("teacher",),
+              needs_s=long_s)
+    steps.run("capped_24gib", lambda: gpu_capped.check_step(size, device), needs_s=long_s)
+    steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s)
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
             steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")
@@ -256,18 +266,11 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     steps.run("logits_precision", lambda: logits_precision_measure.logits_precision(
         teachers.teacher_folder(work, low), device, size["precision_tokens"]),
               needs=("teacher",), needs_s=long_s / 2)
+    steps.run("bench_loss", lambda: steps_.bench_loss(device, size), needs_s=long_s / 2)
+    steps.run("bench_precompute", lambda: steps_.bench_precompute(device, size), needs_s=long_s / 2)
     steps.run("bench_train_step", lambda: steps_.bench_train_step(main_config, device, size, quick),
               needs=("precompute",), needs_s=long_s / 2)
     steps.run("train_bf16", lambda: steps_.train(main_config), needs=("precompute",), needs_s=long_s / 2)
-    for mode in ("sampled", "hybrid"):
-        steps.run(f"targets_{mode}", lambda mode=mode: steps_.targets(main_config, mode), needs=("tokens",),
-                  needs_s=long_s)
-    # Last, needed by no other step: the plan expects them skipped for time in the first call, for a second
-    # (`--only capped_24gib,hub_layout_load,body_variants`).
-    steps.run("capped_24gib", lambda: gpu_capped.check_step(size, device), needs_s=long_s)
-    steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s)
-    steps.run("body_variants", lambda: steps_.body_variants(main_config, tuned, quick), needs=("teacher",),
-              needs_s=long_s)
     gpus = torch_gpus()
     if args.fsdp == "on" or (args.fsdp == "auto" and gpus >= 2):
         steps.run("fsdp_2_process", lambda: steps_.fsdp(main_config), needs=("precompute",), needs_s=long_s / 2)

@@ -6,7 +6,12 @@ logits, and the pass's step (body + chunked log-sum-exp and top-K, `TeacherTopkS
 Up to now the full-depth rate was a line through 2 and 4 layers, which gave the pass a per-layer cost below its
 own forward's (impossible: the pass holds a forward). Here it is measured. MFU is given against both the bf16
 matmul rate measured in the same call (a large square GEMM, `matmul_tflops`) and the datasheet's dense bf16 peak
-(`DATASHEET_BF16_TFLOPS`), each named in the record.
+of the device it ran on (`DATASHEET_BF16_TFLOPS`), each named in the record.
+
+The step fits the device it finds. On an H200 (139 GiB) every mode runs in both precisions. On an H100 (78 GiB)
+the bf16 weights (60 GiB) fit, but the bare forward's whole bf16 logits beside them may not: a mode that runs out
+of memory is recorded so (`out_of_memory`) and the others go on. Where the bf16 weights themselves do not fit,
+bf16 is skipped and the 4-bit teacher is built layer by layer, as the capped step builds it.
 
 4-bit as the loader makes it (`load_teacher`: bitsandbytes NF4, no double quantisation, compute in the model's
 dtype): every nn.Linear but the lm_head becomes a `Linear4bit`, and the fused 3-D experts are quantised by
@@ -19,9 +24,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, GIB, model_parameters
+from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, GIB, model_parameters, teacher_bytes
 
-DATASHEET_BF16_TFLOPS = 989.0  # H200 SXM, dense bf16 tensor-core peak (NVIDIA's datasheet, without sparsity)
+# Dense bf16 tensor-core peaks (NVIDIA's datasheets, without sparsity; the RTX 3090's with float32 accumulation, as
+# torch's bf16 matmuls run), by a part of the name torch gives the device, the most specific first.
+DATASHEET_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("A100", 312.0),
+    ("RTX 3090", 71.0))
+
+
+def datasheet_peak(device_name: str) -> float | None:
+    """The datasheet's dense bf16 peak of the device torch names so, or None for a device not in the table."""
+    return next((tflops for part, tflops in DATASHEET_BF16_TFLOPS if part in device_name), None)
 
 
 def build_random(shapes: dict[str, int], layers: int, device: str, seed: int = 0) -> Any:
@@ -100,9 +114,11 @@ def _best_seconds(run: Callable[[], None], repeats: int, sync: Callable[[], None
     return best
 
 
-def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int, repeats: int) -> dict[str, float]:
+def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int,
+               repeats: int) -> tuple[dict[str, float], dict[str, str]]:
     """Tokens a second of the body, the bare forward (the model's own lm_head in its dtype, as `kdflow bench
-    teacher-pass` times it) and the pass's step on `input_ids` (best of `repeats`)."""
+    teacher-pass` times it) and the pass's step on `input_ids` (best of `repeats`); and, apart, each mode that ran
+    out of device memory (its outcome: on an H100 the bf16 teacher's whole logits do not fit beside its weights)."""
     import torch
 
     from kdflow.tasks.common.float32_logits import Float32Logits
@@ -110,7 +126,8 @@ def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int, repeat
     from kdflow.tasks.teacher.topk import TeacherTopkStep
 
     step = TeacherTopkStep(model, top_k, chunk_tokens)
-    sync = torch.cuda.synchronize if input_ids.device.type == "cuda" else (lambda: None)
+    cuda = input_ids.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     own_head = output_layer(model)
     bare_head = own_head.linear if isinstance(own_head, Float32Logits) else own_head
 
@@ -123,8 +140,18 @@ def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int, repeat
 
     modes: dict[str, Callable[[], Any]] = {"body": lambda: body_hidden_states(model, input_ids), "forward": forward,
                                            "topk": lambda: step(input_ids)}
+    rates: dict[str, float] = {}
+    out_of_memory: dict[str, str] = {}
     with torch.inference_mode():
-        return {mode: round(input_ids.numel() / _best_seconds(run, repeats, sync), 1) for mode, run in modes.items()}
+        for mode, run in modes.items():
+            try:
+                rates[mode] = round(input_ids.numel() / _best_seconds(run, repeats, sync), 1)
+            except torch.OutOfMemoryError as error:
+                out_of_memory[mode] = (str(error).strip().splitlines() or ["out of memory"])[0][:160]
+            finally:
+                if cuda:
+                    torch.cuda.empty_cache()
+    return rates, out_of_memory
 
 
 def mfu(shapes: dict[str, int], layers: int, rates: dict[str, float], tflops: float) -> dict[str, float]:
@@ -137,48 +164,80 @@ def mfu(shapes: dict[str, int], layers: int, rates: dict[str, float], tflops: fl
 
 
 def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: int, top_k: int, chunk_tokens: int,
-               repeats: int, matmul_size: int) -> dict[str, Any]:
-    """The step: the full-depth teacher built once in bf16, timed, quantised in place to 4-bit, timed again."""
+               repeats: int, matmul_size: int, free_bytes: int | None = None) -> dict[str, Any]:
+    """The step: the full-depth teacher built once in bf16, timed, quantised in place to 4-bit, timed again. Where
+    its bf16 weights would take more than 90% of the device's free memory (`free_bytes`, read off a CUDA device;
+    none on a CPU), or building them runs out of memory, bf16 is recorded as skipped and the 4-bit teacher is
+    built layer by layer (gpu_capped.build_quantised) and timed alone."""
     import torch
 
+    from kdflow.bench.gpu_capped import build_quantised
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import float32_lm_head
 
     layers = shapes["num_hidden_layers"]
     cuda = device.startswith("cuda")
     measured = matmul_tflops(device, matmul_size)
+    name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu"
+    datasheet = datasheet_peak(name) if cuda else None
     out: dict[str, Any] = {"layers": layers, "micro_batch": micro_batch, "seq_len": seq_len, "top_k": top_k,
-                           "what": "measured at full depth (random weights)",
+                           "what": "measured at full depth (random weights)", "device_name": name,
                            "roofline_tflops": {"measured_bf16_matmul": round(measured, 4),
-                                               "kinds_md_bf16_matmul": BF16_PEAK_TFLOPS,
-                                               "datasheet_dense_bf16": DATASHEET_BF16_TFLOPS}}
+                                               "kinds_md_h200_bf16_matmul": BF16_PEAK_TFLOPS,
+                                               "datasheet_dense_bf16": datasheet}}
+    if free_bytes is None and cuda:
+        torch.cuda.empty_cache()
+        free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
     started = time.perf_counter()
-    model = build_random(shapes, layers, device)
-    float32_lm_head(model)  # as the pass loads its teacher (`teacher.lm_head_float32`, the default)
+    model = None
+    bf16_bytes = teacher_bytes(shapes, layers, False)
+    if free_bytes is not None and bf16_bytes > 0.9 * free_bytes:
+        out["bf16"] = {"skipped": f"its weights ({bf16_bytes / GIB:.1f} GiB) > 90% of the device's free memory "
+                                  f"({free_bytes / GIB:.1f} GiB): 4-bit alone, built layer by layer"}
+    else:
+        try:
+            model = build_random(shapes, layers, device)
+            float32_lm_head(model)  # as the pass loads its teacher (`teacher.lm_head_float32`, the default)
+        except torch.OutOfMemoryError as error:
+            model = None
+            if cuda:
+                torch.cuda.empty_cache()
+            first = (str(error).strip().splitlines() or ["out of memory"])[0][:160]
+            out["bf16"] = {"skipped": f"out of memory building it ({first}): 4-bit alone, built layer by layer"}
+    if model is None:
+        model = build_quantised(shapes, device)
     out["build_s"] = round(time.perf_counter() - started, 2)
     ids = torch.randint(2, shapes["vocab_size"], (micro_batch, seq_len),
                         generator=torch.Generator().manual_seed(0)).to(device)
     for bits in ("bf16", "4bit"):
-        if bits == "4bit":
+        if bits in out:  # bf16 skipped
+            continue
+        if bits == "4bit" and "bf16" in out and "skipped" not in out["bf16"]:
             started = time.perf_counter()
             quantise_in_place(model)
             out["quantise_s"] = round(time.perf_counter() - started, 2)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        rates = time_modes(model, ids, top_k, chunk_tokens, repeats)
+        rates, out_of_memory = time_modes(model, ids, top_k, chunk_tokens, repeats)
         held = sum(weight_bytes(model).values())
         record: dict[str, Any] = {"tokens_per_s": rates, "weight_bytes": held, "weights_gib": round(held / GIB, 3),
-                                  "mfu_of_measured_matmul": mfu(shapes, layers, rates, measured),
-                                  "mfu_of_datasheet_peak": mfu(shapes, layers, rates, DATASHEET_BF16_TFLOPS),
-                                  "topk/forward": round(rates["topk"] / rates["forward"], 4)}
+                                  "mfu_of_measured_matmul": mfu(shapes, layers, rates, measured)}
+        if datasheet is not None:
+            record["mfu_of_datasheet_peak"] = mfu(shapes, layers, rates, datasheet)
+        if {"topk", "forward"} <= set(rates):
+            record["topk/forward"] = round(rates["topk"] / rates["forward"], 4)
+        if out_of_memory:
+            record["out_of_memory"] = out_of_memory
         if cuda:
             record["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         if bits == "4bit":
             record["experts_left_unquantised"] = experts_left_unquantised(model)
         out[bits] = record
-    out["4bit/bf16"] = {mode: round(out["4bit"]["tokens_per_s"][mode] / out["bf16"]["tokens_per_s"][mode], 4)
-                        for mode in out["bf16"]["tokens_per_s"]}
+    if "tokens_per_s" in out["bf16"]:
+        both = out["bf16"]["tokens_per_s"].keys() & out["4bit"]["tokens_per_s"].keys()
+        out["4bit/bf16"] = {mode: round(out["4bit"]["tokens_per_s"][mode] / out["bf16"]["tokens_per_s"][mode], 4)
+                            for mode in sorted(both)}
     del model
     if cuda:
         torch.cuda.empty_cache()
