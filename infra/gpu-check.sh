@@ -11,6 +11,7 @@
 #   infra/gpu-check.sh --device cpu             # the same at the rehearsal's sizes on a CPU
 #   infra/gpu-check.sh --plan                   # only the plan at full size (sizes, memory, what would skip)
 #   infra/gpu-check.sh --only teacher_pass_L4_4bit,logits_precision   # those steps and what they need
+#   infra/gpu-check.sh --again gpu-check-first.json   # what that summary shows failed or skipped for its budget
 #
 # Environment: KDFLOW_PYTHON (default python3), KDFLOW_GPU_CHECK_TIMEOUT_S (the whole check, set-up included;
 # default 540, under the 600 s one command may run there), KDFLOW_GPU_CHECK_OUT (the summary file, default

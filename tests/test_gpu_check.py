@@ -266,6 +266,32 @@ def test_a_check_stopped_at_its_limit_keeps_what_it_measured(children: Any, tmp_
 
 
 @pytest.mark.unit
+def test_again_takes_what_an_earlier_call_failed_or_skipped_for_its_budget(tmp_path: Path) -> None:
+    """`--again SUMMARY`: the steps the first call's summary shows failed (one still running when it was stopped
+    too) or skipped for its budget, with what they need; not set-up steps, planned skips or steps it ran."""
+    from kdflow.bench.gpu import _again, _only, _parser
+    from kdflow.bench.gpu_plan import sizes
+
+    args = _parser().parse_args(["--device", "cpu"])
+    summary = tmp_path / "gpu-check-first.json"
+    summary.write_text(json.dumps({"steps": {
+        "setup_wheels": {"status": "failed", "error": "x"}, "teacher": {"status": "ok"},
+        "full_depth": {"status": "failed", "error": "still running when the check was stopped"},
+        "check": {"status": "failed", "error": "kdflow bench gpu exited 124 (limit 540 s)"},
+        "body_variants": {"status": "skipped", "reason": "budget: 20 s left, needs ~60 s"},
+        "fsdp_2_process": {"status": "skipped", "reason": "1 GPU(s) visible"},
+        "bench_loss": {"status": "skipped", "reason": "not asked for (--only)"}}}))
+    names = _again(summary, tmp_path, args, sizes(True))
+    assert names == ["full_depth", "body_variants"]
+    assert _only(",".join(names), tmp_path, args, sizes(True)) == {"full_depth", "body_variants", "teacher"}
+    summary.write_text(json.dumps({"steps": {"teacher": {"status": "ok"}}}))
+    with pytest.raises(SystemExit, match="no step failed or was skipped for its budget"):
+        _again(summary, tmp_path, args, sizes(True))
+    with pytest.raises(SystemExit, match=r"--again .*missing.json: not a gpu-check summary"):
+        _again(tmp_path / "missing.json", tmp_path, args, sizes(True))
+
+
+@pytest.mark.unit
 def test_only_takes_the_named_steps_with_what_they_need(tmp_path: Path) -> None:
     """`--only` follows each named step's needs through (the extrapolation needs both passes, which need the
     token shards, which need the teacher); a name that is no step stops the check before it builds anything."""

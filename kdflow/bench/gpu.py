@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                         "a check stopped at its time limit still leaves what it measured (infra/gpu-check.sh)")
     parser.add_argument("--only", help="STEP[,STEP...]: run these steps and those they need, skip the rest "
                         "(a second run on the GPU machine for what the first did not measure)")
+    parser.add_argument("--again", metavar="SUMMARY", help="run the steps an earlier call's summary (its "
+                        "gpu-check.json) shows failed or skipped for its budget, and those they need (with --only: both)")
     parser.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
                         help="the 2-process FSDP step: auto runs it when two GPUs are visible")
     return parser
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         work = Path(args.work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kdflow-gpu-")))
         work.mkdir(parents=True, exist_ok=True)
-        only = _only(args.only, work, args, size) if args.only else None
+        asked = ",".join(filter(None, [args.only, *(_again(Path(args.again), work, args, size) if args.again else [])]))
+        only = _only(asked, work, args, size) if asked else None
         steps = Steps(args.budget_s, Path(args.progress_log) if args.progress_log else None, only)
         _run_steps(steps, work, args, size)
     results = {step["name"]: {k: v for k, v in step.items() if k != "name"} for step in setup} | steps.results
@@ -201,6 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     if not measured:
         print("kdflow bench gpu: no step measured anything (every one skipped)", file=sys.stderr, flush=True)
     return 0 if summary["ok"] else 1
+
+
+def _again(summary_path: Path, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> list[str]:
+    """The steps of this check that an earlier summary shows failed (a step still running when that call was
+    stopped at its limit included) or skipped for the budget; not a set-up step, not a planned skip."""
+    try:
+        earlier = json.loads(summary_path.read_text(encoding="utf-8"))["steps"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"kdflow bench gpu: --again {summary_path}: not a gpu-check summary ({error})") from None
+    dry = Steps(float("inf"), dry=True)
+    _run_steps(dry, work, args, size)
+    names = [name for name, step in earlier.items() if name in dry.results and (
+        step.get("status") == "failed" or str(step.get("reason", "")).startswith("budget:"))]
+    if not names:
+        raise SystemExit(f"kdflow bench gpu: --again {summary_path}: no step failed or was skipped for its budget")
+    return names
 
 
 def _only(asked_text: str, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> set[str]:
