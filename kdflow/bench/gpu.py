@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", help="STEP[,STEP...]: run these steps and those they need, skip the rest "
                         "(a second run on the GPU machine for what the first did not measure)")
     parser.add_argument("--again", metavar="SUMMARY", help="run the steps an earlier call's summary (its "
-                        "gpu-check.json) shows failed or skipped for its budget, and those they need (with --only: both)")
+                        "gpu-check.json) shows failed or skipped for its budget, and those they need "
+                        "(with --only: both)")
     parser.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
                         help="the 2-process FSDP step: auto runs it when two GPUs are visible")
     return parser
