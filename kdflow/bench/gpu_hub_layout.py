@@ -7,9 +7,10 @@ parameter as it is set (kdflow.tasks.common.fused_experts). The checks so far lo
 `save_pretrained` wrote, already fused: this writes the hub's layout, tensor by tensor and shard by shard (random
 values, or a model's own to compare with), and loads it in a child process, as the pass loads its teacher,
 recording the child's peak host RSS (`ru_maxrss`, the whole process's: a fresh process so nothing before counts),
-its peak device memory, the load's seconds and whether any expert weight was left in floating point.
+its peak device memory, the load's seconds and whether any expert weight was left in floating point. On CUDA the
+child loads under the 24 GiB cap (`torch.cuda.set_per_process_memory_fraction`), as a 24 GB card would hold it.
 
-`python -m kdflow.bench.gpu_hub_layout FOLDER DEVICE` is the child: it prints one JSON line.
+`python -m kdflow.bench.gpu_hub_layout FOLDER DEVICE [CAP_GIB]` is the child: it prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import GIB
+from kdflow.bench.gpu_plan import CAP_GIB, GIB
 
 SHARD_BYTES = 2 * GIB
 EXPERT_PARTS = ("gate_proj", "up_proj")  # the order in which transformers 5 concatenates them into gate_up_proj
@@ -96,11 +97,12 @@ holds the whole model. -> files, tensors, bytes."""
     return {"files": len(files), "tensors": len(weight_map), "bytes": total}
 
 
-def load_in_child(folder: Path, device: str, timeout_s: float = 600) -> dict[str, Any]:
+def load_in_child(folder: Path, device: str, cap_gib: float | None = None, timeout_s: float = 600) -> dict[str, Any]:
     """The child's record (see `main`); a child that fails raises with its last line of stderr."""
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "kdflow.bench.gpu_hub_layout", str(folder), device],
+    cap = [] if cap_gib is None else [str(cap_gib)]
+    done = subprocess.run([sys.executable, "-m", "kdflow.bench.gpu_hub_layout", str(folder), device, *cap],
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
@@ -123,7 +125,7 @@ def check_step(work: Path, size: dict[str, Any], device: str) -> dict[str, Any]:
     written = write_hub_layout(config, folder, device=device)
     written["write_s"] = round(time.perf_counter() - started, 2)
     try:
-        loaded = load_in_child(folder, device)
+        loaded = load_in_child(folder, device, CAP_GIB if device.startswith("cuda") else None)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if loaded["experts_left_unquantised"]:
@@ -132,7 +134,8 @@ def check_step(work: Path, size: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """FOLDER DEVICE: load FOLDER in 4-bit as the pass loads its teacher, one forward of 8 tokens; one JSON line."""
+    """FOLDER DEVICE [CAP_GIB]: load FOLDER in 4-bit as the pass loads its teacher (on CUDA under a cap of CAP_GIB
+    of device memory, when given), one forward of 8 tokens; one JSON line."""
     import resource
 
     import torch
@@ -141,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import load_teacher
 
-    folder, device = (argv if argv is not None else sys.argv[1:])[:2]
+    args = argv if argv is not None else sys.argv[1:]
+    folder, device = args[:2]
+    cap_gib = float(args[2]) if len(args) > 2 else None
     cuda = device.startswith("cuda")
+    if cuda and cap_gib is not None:
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), torch.device(device))
     started = time.perf_counter()
     model = load_teacher(TeacherConfig(model=folder, device=device, dtype="bfloat16", load_in_4bit=True))
     seconds = time.perf_counter() - started
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"load_s": round(seconds, 2), "peak_host_rss_gib": round(resource.getrusage(
         resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 3), "weights_gib": round(sum(weight_bytes(model).values()) / GIB,
                                                                                   3),
-              "experts_left_unquantised": experts_left_unquantised(model), "logits_finite": finite}
+              "experts_left_unquantised": experts_left_unquantised(model), "logits_finite": finite,
+              "cap_gib": cap_gib if cuda else None}
     if cuda:
         record["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
     print(json.dumps(record), flush=True)
