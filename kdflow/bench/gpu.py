@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--again", metavar="SUMMARY", help="run the steps an earlier call's summary (its "
                         "gpu-check.json) shows failed or skipped for its budget, and those they need "
                         "(with --only: both)")
+    parser.add_argument("--report", nargs="+", metavar="SUMMARY", help="write the results page of these calls' "
+                        "summaries (first call first) to --out or stdout, issue 44's targets judged, and build nothing")
     parser.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
                         help="the 2-process FSDP step: auto runs it when two GPUs are visible")
     return parser
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print(json.dumps(plan(args.quick, args.memory_gib, args.budget_s)), flush=True)
         return 0
+    if args.report:
+        return _report(args.report, args.out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     # is no pass, whatever the reasons; the set-up steps measure nothing either.
     measured = [name for name, result in steps.results.items() if result["status"] == "ok"]
     summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick, "ok": bool(measured) and not failed,
+               "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                "measured": len(measured), "failed": failed,
                "skipped": [name for name, result in results.items() if result["status"] == "skipped"],
                "seconds": round(time.perf_counter() - started, 1), "loadavg": [round(x, 2) for x in os.getloadavg()],
@@ -205,6 +210,21 @@ def main(argv: list[str] | None = None) -> int:
     if not measured:
         print("kdflow bench gpu: no step measured anything (every one skipped)", file=sys.stderr, flush=True)
     return 0 if summary["ok"] else 1
+
+
+def _report(paths: list[str], out: str | None) -> int:
+    """The results page (gpu_report.py) to `out` or stdout, then one JSON line: each target's verdict."""
+    from kdflow.bench.gpu_report import report, targets_of
+
+    page = report(paths)
+    if out:
+        Path(out).write_text(page, encoding="utf-8")
+    else:
+        print(page, flush=True)
+    verdicts = targets_of(paths)
+    print(json.dumps({"bench": "gpu_report", "summaries": paths, "page": out or "stdout", "targets": verdicts}),
+          flush=True)
+    return 0
 
 
 def _again(summary_path: Path, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> list[str]:
