@@ -6,7 +6,9 @@ fuses them into 3-D parameters as it loads (its conversion mapping), and kdflow'
 parameter as it is set (kdflow.tasks.common.fused_experts). The checks so far loaded checkpoints that
 `save_pretrained` wrote, already fused: this writes the hub's layout, tensor by tensor and shard by shard (random
 values, or a model's own to compare with), and loads it in a child process, as the pass loads its teacher,
-recording the child's peak host RSS (`ru_maxrss`, the whole process's: a fresh process so nothing before counts),
+recording the child's peak host RSS (`ru_maxrss`, the whole process's: a fresh process so nothing before counts;
+and, sampled during the load, its anonymous and file-backed parts: a memory-mapped checkpoint's pages count in the
+RSS but are the kernel's to drop),
 its peak device memory, the load's seconds and whether any expert weight was left in floating point. On CUDA the
 child loads under the 24 GiB cap (`torch.cuda.set_per_process_memory_fraction`), as a 24 GB card would hold it.
 
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from kdflow.bench.harness import HostMemoryPeaks
     from kdflow.schemas.config import TeacherConfig
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import load_teacher
@@ -152,14 +155,17 @@ def main(argv: list[str] | None = None) -> int:
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), torch.device(device))
     started = time.perf_counter()
-    model = load_teacher(TeacherConfig(model=folder, device=device, dtype="bfloat16", load_in_4bit=True))
+    with HostMemoryPeaks() as host:
+        model = load_teacher(TeacherConfig(model=folder, device=device, dtype="bfloat16", load_in_4bit=True))
     seconds = time.perf_counter() - started
     ids = torch.arange(2, 10, device=device).unsqueeze(0)
     with torch.inference_mode():
         finite = bool(torch.isfinite(model(input_ids=ids).logits).all())
     record = {"load_s": round(seconds, 2), "peak_host_rss_gib": round(resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 3), "weights_gib": round(sum(weight_bytes(model).values()) / GIB,
-                                                                                  3),
+        resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 3),
+              "peak_host_anonymous_gib": round(host.peaks["RssAnon"] / GIB, 3),
+              "peak_host_file_backed_gib": round(host.peaks["RssFile"] / GIB, 3),
+              "weights_gib": round(sum(weight_bytes(model).values()) / GIB, 3),
               "experts_left_unquantised": experts_left_unquantised(model), "logits_finite": finite,
               "cap_gib": cap_gib if cuda else None}
     if cuda:

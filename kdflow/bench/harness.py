@@ -223,6 +223,34 @@ def peak_rss_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+class HostMemoryPeaks:
+    """The peaks of this process's anonymous and file-backed resident memory (RssAnon, RssFile of
+    /proc/self/status), sampled every `every_s` by a thread while the block runs. VmHWM alone counts a memory-mapped
+    checkpoint's touched pages, which the kernel can drop; RssAnon is what the process itself holds."""
+
+    def __init__(self, every_s: float = 0.02) -> None:
+        import threading
+
+        self.every_s, self.peaks = every_s, {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            for field in self.peaks:
+                self.peaks[field] = max(self.peaks[field], proc_status_bytes(field))
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> HostMemoryPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class PeakMemory:
     """Peak memory growth over a baseline taken when it is made (after the inputs exist); device "cpu"/"cuda"."""
 
