@@ -275,18 +275,22 @@ def test_again_takes_what_an_earlier_call_failed_or_skipped_for_its_budget(tmp_p
     too) or skipped for its budget, with what they need; not set-up steps, planned skips or steps it ran."""
     from kdflow.bench.gpu import _again, _only, _parser
     from kdflow.bench.gpu_plan import sizes
+    from kdflow.bench.gpu_steps import tuned_micro_batch
 
     args = _parser().parse_args(["--device", "cpu"])
     summary = tmp_path / "gpu-check-first.json"
     summary.write_text(json.dumps({"steps": {
         "setup_wheels": {"status": "failed", "error": "x"}, "teacher": {"status": "ok"},
+        "tune_precompute": {"status": "ok", "recommended_micro_batch": 32, "seconds": 40.0},
         "full_depth": {"status": "failed", "error": "still running when the check was stopped"},
         "check": {"status": "failed", "error": "kdflow bench gpu exited 124 (limit 540 s)"},
         "body_variants": {"status": "skipped", "reason": "budget: 20 s left, needs ~60 s"},
         "fsdp_2_process": {"status": "skipped", "reason": "1 GPU(s) visible"},
         "bench_loss": {"status": "skipped", "reason": "not asked for (--only)"}}}))
+    assert tuned_micro_batch(tmp_path, {}) is None
     names = _again(summary, tmp_path, args, sizes(True))
     assert names == ["full_depth", "body_variants"]
+    assert tuned_micro_batch(tmp_path, {}) == 32  # the first call's, on a fresh machine too
     assert _only(",".join(names), tmp_path, args, sizes(True)) == {"full_depth", "body_variants", "teacher"}
     summary.write_text(json.dumps({"steps": {"teacher": {"status": "ok"}}}))
     with pytest.raises(SystemExit, match="no step failed or was skipped for its budget"):

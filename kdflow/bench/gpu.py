@@ -229,11 +229,17 @@ def _report(paths: list[str], out: str | None) -> int:
 
 def _again(summary_path: Path, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> list[str]:
     """The steps of this check that an earlier summary shows failed (a step still running when that call was
-    stopped at its limit included) or skipped for the budget; not a set-up step, not a planned skip."""
+    stopped at its limit included) or skipped for the budget; not a set-up step, not a planned skip. The
+    micro-batch that call tuned is kept in the work folder (where none is yet: a fresh machine), so the steps run
+    again pass at it, not at the config's."""
     try:
         earlier = json.loads(summary_path.read_text(encoding="utf-8"))["steps"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"kdflow bench gpu: --again {summary_path}: not a gpu-check summary ({error})") from None
+    tune = earlier.get("tune_precompute", {})
+    if tune.get("recommended_micro_batch") and not (work / steps_.TUNED).is_file():
+        (work / steps_.TUNED).write_text(json.dumps({k: v for k, v in tune.items() if k not in ("status", "seconds")}),
+                                         encoding="utf-8")
     dry = Steps(float("inf"), dry=True)
     _run_steps(dry, work, args, size)
     names = [name for name, step in earlier.items() if name in dry.results and (
