@@ -18,7 +18,7 @@ def test_quantised_in_place_holds_the_loaders_4bit_bytes_and_logits(tmp_path: Pa
     import torch
     from transformers import AutoTokenizer
 
-    from kdflow.bench.gpu_full_depth import build_random, quantise_in_place
+    from kdflow.bench.gpu_models import build_random, quantise_in_place
     from kdflow.bench.gpu_plan import QUICK_SHAPES
     from kdflow.schemas.config import TeacherConfig
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
@@ -86,7 +86,8 @@ def test_a_mode_that_runs_out_of_memory_is_its_outcome_and_the_others_run() -> N
     pass's step still timed, no ratio made of the missing rate."""
     import torch
 
-    from kdflow.bench.gpu_full_depth import build_random, time_modes
+    from kdflow.bench.gpu_full_depth import time_modes
+    from kdflow.bench.gpu_models import build_random
     from kdflow.bench.gpu_plan import QUICK_SHAPES
     from kdflow.tasks.common.teacher_loading import float32_lm_head
 
@@ -109,8 +110,8 @@ def test_built_layer_by_layer_the_4bit_teacher_holds_what_the_whole_build_holds(
     and quantised in place, nothing left on the meta device or in floating point, its rotary tables computed."""
     import torch
 
-    from kdflow.bench.gpu_capped import build_quantised, capped
-    from kdflow.bench.gpu_full_depth import build_random, quantise_in_place
+    from kdflow.bench.gpu_capped import capped
+    from kdflow.bench.gpu_models import build_quantised, build_random, quantise_in_place
     from kdflow.bench.gpu_plan import QUICK_SHAPES
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import float32_lm_head

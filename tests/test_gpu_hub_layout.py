@@ -16,7 +16,7 @@ pytest.importorskip("bitsandbytes")
 def test_the_hub_layout_loads_in_4bit_to_the_fused_checkpoints_teacher(tmp_path: Path) -> None:
     import torch
 
-    from kdflow.bench.gpu_full_depth import build_random
+    from kdflow.bench.gpu_models import build_random
     from kdflow.bench.gpu_hub_layout import write_hub_layout
     from kdflow.bench.gpu_plan import QUICK_SHAPES
     from kdflow.schemas.config import TeacherConfig

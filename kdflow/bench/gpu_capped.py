@@ -4,7 +4,7 @@ micro-batch and below it, to find the largest that fits.
 
 The teacher cannot be built in bf16 first under the cap (60 GiB), so it is built layer by layer: the model made on
 the meta device, then each part given device memory, random values (std 0.02, norms one) and, for a decoder
-layer, quantised at once as the loader quantises (gpu_full_depth.quantise_in_place: NF4 Linear4bit layers and
+layer, quantised at once as the loader quantises (gpu_models.quantise_in_place: NF4 Linear4bit layers and
 the loader's `quantise_fused_experts`), so no more than one layer is ever in 16 bits. Each candidate micro-batch
 runs the pass's step (`TeacherTopkStep`) once to warm up and once timed; out of memory is its outcome, not an
 error. The candidates run under each experts implementation in `EXPERTS`: transformers' `grouped_mm` dequantises a
@@ -24,45 +24,6 @@ LLMJP_MICRO_BATCH, LLMJP_SEQ_LEN = 56, 512  # configs/llmjp.yaml and prefect.yam
 EXPERTS = ("grouped_mm", "kdflow_fused")  # transformers' default; kdflow's, without the per-layer dequantisation
 
 
-def build_quantised(shapes: dict[str, int], device: str, seed: int = 0) -> Any:
-    """The random Qwen3-MoE of these shapes in 4-bit, never more than one decoder layer in 16 bits on `device`."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from kdflow.bench.gpu_full_depth import quantise_in_place
-    from kdflow.tasks.common.teacher_loading import float32_lm_head
-
-    config = Qwen3MoeConfig(**shapes, intermediate_size=4 * shapes["hidden_size"], tie_word_embeddings=False,
-                            eos_token_id=0, bos_token_id=0, pad_token_id=1)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def materialise(module: Any) -> None:
-        module.to_empty(device=device, recurse=True)
-        with torch.no_grad():
-            for name, param in module.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.normal_(0.0, 0.02, generator=generator)
-
-    layers = model.model.layers
-    for name, child in model.named_children():
-        if name != "model":
-            materialise(child)
-    for name, child in model.model.named_children():
-        if name != "layers":
-            materialise(child)
-    with torch.device(device):  # its tables are computed in its constructor, not drawn: made again there
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    for layer in layers:
-        materialise(layer)
-        quantise_in_place(model)  # the layers still on the meta device are left for their turn
-    float32_lm_head(model)
-    return model.eval().requires_grad_(False)
-
-
 def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, micro_batches: list[int],
            top_k: int, chunk_tokens: int) -> dict[str, Any]:
     """The step: the cap set (CUDA), the teacher built under it, each micro-batch tried largest first under each
@@ -70,6 +31,7 @@ def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, mi
     `fits_by_experts`). The cap is lifted afterwards, whatever happened."""
     import torch
 
+    from kdflow.bench.gpu_models import build_quantised
     from kdflow.schemas.errors import ConfigError
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.teacher.body_variants import use_experts

@@ -38,53 +38,6 @@ def datasheet_peak(device_name: str) -> float | None:
     return next((tflops for part, tflops in DATASHEET_BF16_TFLOPS if part in device_name), None)
 
 
-def build_random(shapes: dict[str, int], layers: int, device: str, seed: int = 0) -> Any:
-    """A Qwen3-MoE of these shapes and depth with random bf16 weights, made on `device` directly."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(**(shapes | {"num_hidden_layers": layers}), intermediate_size=4 * shapes["hidden_size"],
-                            tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=1)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    return model.eval().requires_grad_(False)
-
-
-def quantise_in_place(model: Any) -> int:
-    """The loader's 4-bit, applied to a model already in memory: each nn.Linear but the output layer replaced by a
-    bitsandbytes `Linear4bit` (NF4, no double quantisation, computing in bf16), then the fused experts quantised
-    by the loader's `quantise_fused_experts`. How many Linear layers it replaced."""
-    import bitsandbytes as bnb
-    import torch
-    from torch import nn
-
-    from kdflow.tasks.common.fused_experts import quantise_fused_experts
-
-    head = model.get_output_embeddings()
-    heads = (head, getattr(head, "linear", None))  # the pass's float32-logits wrapper holds the Linear
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if (not isinstance(module, nn.Linear) or module in heads or isinstance(module, bnb.nn.Linear4bit)
-                or module.weight.device.type == "meta"):  # a layer not yet given memory (gpu_capped.py)
-            continue
-        device = module.weight.device
-        layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                  compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=False,
-                                  device="meta")
-        layer.weight = bnb.nn.Params4bit(module.weight.data.to("cpu" if device.type == "cpu" else device),
-                                         requires_grad=False, quant_type="nf4",
-                                         compress_statistics=False).to(device)
-        if module.bias is not None:
-            layer.bias = nn.Parameter(module.bias.data, requires_grad=False)
-        layer.train(module.training)  # bitsandbytes' CPU kernels differ by mode (avx512_bf16: a packed one in eval)
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attribute, layer)
-        replaced += 1
-    quantise_fused_experts(model, quant_type="nf4", double_quant=False)
-    return replaced
-
-
 def matmul_tflops(device: str, size: int, repeats: int = 10) -> float:
     """The device's bf16 matmul rate: the best of `repeats` square GEMMs of `size`, in TFLOP/s."""
     import torch
@@ -168,10 +121,10 @@ def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: i
     """The step: the full-depth teacher built once in bf16, timed, quantised in place to 4-bit, timed again. Where
     its bf16 weights would take more than 90% of the device's free memory (`free_bytes`, read off a CUDA device;
     none on a CPU), or building them runs out of memory, bf16 is recorded as skipped and the 4-bit teacher is
-    built layer by layer (gpu_capped.build_quantised) and timed alone."""
+    built layer by layer (gpu_models.build_quantised) and timed alone."""
     import torch
 
-    from kdflow.bench.gpu_capped import build_quantised
+    from kdflow.bench.gpu_models import build_quantised, build_random, quantise_in_place
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import float32_lm_head
 
