@@ -7,10 +7,11 @@ the meta device, then each part given device memory, random values (std 0.02, no
 layer, quantised at once as the loader quantises (gpu_models.quantise_in_place: NF4 Linear4bit layers and
 the loader's `quantise_fused_experts`), so no more than one layer is ever in 16 bits. Each candidate micro-batch
 runs the pass's step (`TeacherTopkStep`) once to warm up and once timed; out of memory is its outcome, not an
-error. The candidates run under each experts implementation in `EXPERTS`: transformers' `grouped_mm` dequantises a
-layer's experts whole per forward (1.8 GiB at the reference shapes), `kdflow_fused` reads the NF4 values in its
-GEMM's loads, so it may fit a larger micro-batch (skipped, and recorded so, where Triton or CUDA is missing). On a
-CPU (the rehearsal) there is no cap: the same code runs at the rehearsal's sizes.
+error. The cap is a card's: 24 GiB less the CUDA context, which such a card holds too, outside the allocator. The
+candidates run under each experts implementation in `EXPERTS`: transformers' `grouped_mm` dequantises a layer's
+experts whole per forward (1.8 GiB at the reference shapes), `kdflow_fused` reads the NF4 values in its GEMM's
+loads, so it may fit a larger micro-batch (skipped, and recorded so, where Triton or CUDA is missing). On a CPU
+(the rehearsal) there is no cap: the same code runs at the rehearsal's sizes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,29 @@ from kdflow.bench.gpu_plan import CAP_GIB, GIB
 
 LLMJP_MICRO_BATCH, LLMJP_SEQ_LEN = 56, 512  # configs/llmjp.yaml and prefect.yaml as shipped
 EXPERTS = ("grouped_mm", "kdflow_fused")  # transformers' default; kdflow's, without the per-layer dequantisation
+
+
+def cap_device_memory(device: str, cap_gib: float) -> dict[str, Any]:
+    """Hold this process to what a card of `cap_gib` would leave it: the allocator capped at the card's memory less
+    the CUDA context this process already holds (which a card of that size holds too, outside the allocator), via
+    `torch.cuda.set_per_process_memory_fraction`. -> the cap's record (GiB). Lift it with `uncap_device_memory`."""
+    import torch
+
+    where = torch.device(device)
+    torch.cuda.init()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(where)
+    context = max(0, total - free - torch.cuda.memory_reserved(where))  # the context (and any other process)
+    allocator = max(0, int(cap_gib * GIB) - context)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator / total), where)
+    return {"cap_gib": cap_gib, "context_gib": round(context / GIB, 3), "allocator_cap_gib": round(allocator / GIB, 3)}
+
+
+def uncap_device_memory(device: str) -> None:
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+    torch.cuda.empty_cache()
 
 
 def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, micro_batches: list[int],
@@ -41,9 +65,7 @@ def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, mi
     out: dict[str, Any] = {"layers": shapes["num_hidden_layers"], "seq_len": seq_len, "top_k": top_k,
                            "cap_gib": cap_gib if cuda else None, "candidates": []}
     if cuda:
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+        out |= cap_device_memory(device, cap_gib)
         torch.cuda.reset_peak_memory_stats()
     try:
         started = time.perf_counter()
@@ -66,8 +88,7 @@ def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, mi
         del model, step
     finally:
         if cuda:
-            torch.cuda.set_per_process_memory_fraction(1.0)
-            torch.cuda.empty_cache()
+            uncap_device_memory(device)
     ran = [c["micro_batch"] for c in out["candidates"] if c["status"] == "ok"]
     out["fits_micro_batch"] = max(ran) if ran else None
     out["fits_by_experts"] = {experts: max((c["micro_batch"] for c in out["candidates"]

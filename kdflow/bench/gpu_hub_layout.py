@@ -151,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     folder, device = args[:2]
     cap_gib = float(args[2]) if len(args) > 2 else None
     cuda = device.startswith("cuda")
+    cap: dict[str, Any] = {"cap_gib": None}
     if cuda and cap_gib is not None:
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total), torch.device(device))
+        from kdflow.bench.gpu_capped import cap_device_memory
+
+        cap = cap_device_memory(device, cap_gib)
     started = time.perf_counter()
     with HostMemoryPeaks() as host:
         model = load_teacher(TeacherConfig(model=folder, device=device, dtype="bfloat16", load_in_4bit=True))
@@ -166,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
               "peak_host_anonymous_gib": round(host.peaks["RssAnon"] / GIB, 3),
               "peak_host_file_backed_gib": round(host.peaks["RssFile"] / GIB, 3),
               "weights_gib": round(sum(weight_bytes(model).values()) / GIB, 3),
-              "experts_left_unquantised": experts_left_unquantised(model), "logits_finite": finite,
-              "cap_gib": cap_gib if cuda else None}
+              "experts_left_unquantised": experts_left_unquantised(model), "logits_finite": finite} | cap
     if cuda:
         record["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
     print(json.dumps(record), flush=True)
