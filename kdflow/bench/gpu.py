@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                           helps={"device": "cpu: the rehearsal"})
     parser.add_argument("--quick", action="store_true", help="small sizes (the rehearsal's; default with --device cpu)")
     parser.add_argument("--plan", action="store_true", help="print the plan at these sizes and exit (builds nothing)")
-    parser.add_argument("--memory-gib", type=float, default=H200_MEMORY_GIB, help="--plan: the device's memory")
+    parser.add_argument("--memory-gib", type=float, default=H200_MEMORY_GIB,
+                        help="--plan: the device's memory (an H200: 139; an H100: 78)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip steps that would end after this (default: 480 on cuda, none on cpu)")
     parser.add_argument("--work-dir", help="keep the teachers, stores and configs here (default: a temporary "
