@@ -18,7 +18,8 @@ def test_quantised_in_place_holds_the_loaders_4bit_bytes_and_logits(tmp_path: Pa
     import torch
     from transformers import AutoTokenizer
 
-    from kdflow.bench.gpu_models import build_random, quantise_in_place
+    from kdflow.bench.gpu_models import build_random
+    from kdflow.tasks.common.random_teacher import quantise_in_place
     from kdflow.bench.gpu_plan import QUICK_SHAPES
     from kdflow.schemas.config import TeacherConfig
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
@@ -111,7 +112,8 @@ def test_built_layer_by_layer_the_4bit_teacher_holds_what_the_whole_build_holds(
     import torch
 
     from kdflow.bench.gpu_capped import capped
-    from kdflow.bench.gpu_models import build_quantised, build_random, quantise_in_place
+    from kdflow.bench.gpu_models import build_quantised, build_random
+    from kdflow.tasks.common.random_teacher import quantise_in_place
     from kdflow.bench.gpu_plan import QUICK_SHAPES
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import float32_lm_head

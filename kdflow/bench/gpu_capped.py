@@ -4,7 +4,7 @@ micro-batch and below it, to find the largest that fits.
 
 The teacher cannot be built in bf16 first under the cap (60 GiB), so it is built layer by layer: the model made on
 the meta device, then each part given device memory, random values (std 0.02, norms one) and, for a decoder
-layer, quantised at once as the loader quantises (gpu_models.quantise_in_place: NF4 Linear4bit layers and
+layer, quantised at once as the loader quantises (random_teacher.quantise_in_place: NF4 Linear4bit layers and
 the loader's `quantise_fused_experts`), so no more than one layer is ever in 16 bits. Each candidate micro-batch
 runs the pass's step (`TeacherTopkStep`) once to warm up and once timed; out of memory is its outcome, not an
 error. The cap is a card's: 24 GiB less the CUDA context, which such a card holds too, outside the allocator. The

@@ -124,7 +124,8 @@ def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: i
     built layer by layer (gpu_models.build_quantised) and timed alone."""
     import torch
 
-    from kdflow.bench.gpu_models import build_quantised, build_random, quantise_in_place
+    from kdflow.bench.gpu_models import build_quantised, build_random
+    from kdflow.tasks.common.random_teacher import quantise_in_place
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.common.teacher_loading import float32_lm_head
 
