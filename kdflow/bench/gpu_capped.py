@@ -25,29 +25,6 @@ LLMJP_MICRO_BATCH, LLMJP_SEQ_LEN = 56, 512  # configs/llmjp.yaml and prefect.yam
 EXPERTS = ("grouped_mm", "kdflow_fused")  # transformers' default; kdflow's, without the per-layer dequantisation
 
 
-def cap_device_memory(device: str, cap_gib: float) -> dict[str, Any]:
-    """Hold this process to what a card of `cap_gib` would leave it: the allocator capped at the card's memory less
-    the CUDA context this process already holds (which a card of that size holds too, outside the allocator), via
-    `torch.cuda.set_per_process_memory_fraction`. -> the cap's record (GiB). Lift it with `uncap_device_memory`."""
-    import torch
-
-    where = torch.device(device)
-    torch.cuda.init()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(where)
-    context = max(0, total - free - torch.cuda.memory_reserved(where))  # the context (and any other process)
-    allocator = max(0, int(cap_gib * GIB) - context)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator / total), where)
-    return {"cap_gib": cap_gib, "context_gib": round(context / GIB, 3), "allocator_cap_gib": round(allocator / GIB, 3)}
-
-
-def uncap_device_memory(device: str) -> None:
-    import torch
-
-    torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
-    torch.cuda.empty_cache()
-
-
 def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, micro_batches: list[int],
            top_k: int, chunk_tokens: int) -> dict[str, Any]:
     """The step: the cap set (CUDA), the teacher built under it, each micro-batch tried largest first under each
@@ -57,6 +34,7 @@ def capped(shapes: dict[str, int], device: str, cap_gib: float, seq_len: int, mi
 
     from kdflow.bench.gpu_models import build_quantised
     from kdflow.schemas.errors import ConfigError
+    from kdflow.tasks.common.device_memory import cap_device_memory, uncap_device_memory
     from kdflow.tasks.common.fused_experts import experts_left_unquantised, weight_bytes
     from kdflow.tasks.teacher.body_variants import use_experts
     from kdflow.tasks.teacher.topk import TeacherTopkStep

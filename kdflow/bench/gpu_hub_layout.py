@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.startswith("cuda")
     cap: dict[str, Any] = {"cap_gib": None}
     if cuda and cap_gib is not None:
-        from kdflow.bench.gpu_capped import cap_device_memory
+        from kdflow.tasks.common.device_memory import cap_device_memory
 
         cap = cap_device_memory(device, cap_gib)
     started = time.perf_counter()

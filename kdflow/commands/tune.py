@@ -9,6 +9,12 @@ slab loop's, and for a MoE teacher another its experts implementations (`grouped
 `--write` puts them into CONFIG.yaml (`precompute.micro_batch`, `precompute.head`, `precompute.experts`), editing
 those values in place (comments and layout kept), so that the run uses them from its first shard to its last. The
 checks and the edit are `kdflow.tasks.teacher.tune_file`'s; this module parses the options and prints.
+
+Before the weights are here, or for a card smaller than this one: `--random-weights` makes the teacher from its
+config alone (its folder needs config.json and the tokenizer, no weight files), and `--memory-gib 24` holds each
+candidate to what a 24 GiB card would leave it, so `kdflow tune precompute configs/llmjp.yaml --random-weights
+--memory-gib 24` on any large GPU says what a 24 GB card fits. A MoE's random router spreads tokens over the
+experts more evenly than a trained one: the memory is the shapes', the speed may differ somewhat.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-heads", action="store_true", help="do not time the two heads")
     parser.add_argument("--skip-experts", action="store_true",
                         help="do not time a MoE teacher's experts implementations")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="make the teacher from its config alone, with random weights (its folder needs no weight "
+                             "files): what fits and how fast depend on its shapes, not its values")
+    parser.add_argument("--memory-gib", type=float,
+                        help="tune for a card of this many GiB on a larger CUDA device (each candidate's process is "
+                             "held to what that card would leave it; headroom is judged against it)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line after the table")
     parser.add_argument("--verbose", action="store_true", help="show the candidates' own log lines (stderr)")
     parser.add_argument("--set", action="append", default=[], type=parse_override, metavar="KEY=VALUE",
@@ -55,15 +67,24 @@ def main(argv: list[str] | None = None) -> int:
 
     request = check_tune_request(args.config, dict(args.set),
                                  micro_batches=args.micro_batches, headroom=args.headroom, batches=args.batches,
-                                 warmup=args.warmup, timeout_s=args.timeout_s, write=args.write)
+                                 warmup=args.warmup, timeout_s=args.timeout_s, write=args.write,
+                                 random_weights=args.random_weights)
     config, sizes = request.config, request.sizes
+    worker_args: tuple[str, ...] = ("--random-weights",) if args.random_weights else ()
+    if args.memory_gib is not None:
+        from kdflow.tasks.common.device_memory import check_capped_device
+
+        check_capped_device(config.teacher.device, args.memory_gib)
+        worker_args += ("--memory-gib", f"{args.memory_gib:g}")
     device = resolve_device(config.teacher.device)
     on = f"{device} ({config.teacher.device})" if config.teacher.device == "auto" else str(device)
     pre = config.precompute
     head = f"head {pre.sampling.head}, " if pre.targets == "hybrid" else ""
     targets = (f"top_k {pre.top_k}" if pre.targets == "topk"
                else f"{pre.targets} targets ({head}{pre.sampling.samples} samples)")
-    print(f"kdflow tune precompute: {config.teacher.model} on {on}, seq_len {config.seq_len}, "
+    held = f" held to a {args.memory_gib:g} GiB card" if args.memory_gib is not None else ""
+    weights = " (random weights)" if args.random_weights else ""
+    print(f"kdflow tune precompute: {config.teacher.model}{weights} on {on}{held}, seq_len {config.seq_len}, "
           f"{targets}; candidates {','.join(map(str, sizes))}; rows: {request.rows_from}", flush=True)
 
     def report(candidate: tune_search.Candidate) -> None:
@@ -76,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     with config_file(config, "kdflow-tune-") as path:
         candidates = tune_search.tune(path, sizes, batches=args.batches, warmup=args.warmup,
                                       timeout_s=args.timeout_s, keep_going=args.keep_going, on_candidate=report,
-                                      on_log=_worker_log if args.verbose else _quiet)
+                                      on_log=_worker_log if args.verbose else _quiet, worker_args=worker_args)
     print()
     print(tune_search.table(candidates, args.headroom))
     result = tune_search.summary(candidates, args.headroom)
@@ -96,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 result[kind] = tune_search.run_trial(kind, path, chosen, repeats=args.batches,
                                                      timeout_s=args.timeout_s,
-                                                     on_log=_worker_log if args.verbose else _quiet)
+                                                     on_log=_worker_log if args.verbose else _quiet,
+                                                     worker_args=worker_args)
                 print(describe(result[kind], getattr(config.precompute, tune_search.TRIALS[kind].setting)),
                       flush=True)
         if args.write:

@@ -61,9 +61,10 @@ def resolve_model_files(model: str, gguf_file: str | None = None) -> str:
     return str(dist.locate_file(model_files[0]).parent)
 
 
-def check_teacher_files(teacher: TeacherConfig) -> str | None:
+def check_teacher_files(teacher: TeacherConfig, weights: bool = True) -> str | None:
     """The teacher's local folder (None for a hub id); one-line errors, naming the setting, when it is not a usable
-    model folder: no config.json, no weight file, no GGUF file of that name."""
+    model folder: no config.json, no weight file (unless `weights` is False: random weights, from the config
+    alone), no GGUF file of that name."""
     setting = f"teacher.model={teacher.model!r}"
     try:
         path = resolve_model_files(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
@@ -78,7 +79,7 @@ def check_teacher_files(teacher: TeacherConfig) -> str | None:
             raise ConfigError(f"teacher.gguf_file={teacher.gguf_file!r} not found in {path}")
     elif not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{setting} is not a model folder (no config.json)")
-    elif not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
+    elif weights and not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
         raise ConfigError(f"{setting} holds no model weights (no *.safetensors or *.bin file)")
     return path
 

@@ -19,11 +19,12 @@ from kdflow.tasks.common.model_files import check_teacher_files
 from kdflow.tasks.common.teacher_loading import source_kwargs
 
 
-def load_teacher_config(teacher: TeacherConfig) -> Any:
-    """The teacher's Hugging Face config, without its weights (for the checks that come first)."""
+def load_teacher_config(teacher: TeacherConfig, weights: bool = True) -> Any:
+    """The teacher's Hugging Face config, without its weights (for the checks that come first); `weights` False:
+    a local folder need hold no weight file (a teacher with random weights is made from the config alone)."""
     from transformers import AutoConfig
 
-    local = check_teacher_files(teacher)
+    local = check_teacher_files(teacher, weights)
     return AutoConfig.from_pretrained(local or teacher.model, **source_kwargs(teacher))
 
 

@@ -37,7 +37,7 @@ class TuneRequest:
 
 def check_tune_request(path: str | Path, overrides: dict[str, Any] | None = None, *, micro_batches: str | None = None,
                        headroom: float = 0.10, batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
-                       write: bool = False) -> TuneRequest:
+                       write: bool = False, random_weights: bool = False) -> TuneRequest:
     """Every check that needs no process: the settings, the config, the teacher, the token shards and, with
     `write`, that the file may be edited. -> the request; a ConfigError (or StoreError) names what is wrong."""
     if not 0.0 <= headroom < 1.0:
@@ -49,10 +49,11 @@ def check_tune_request(path: str | Path, overrides: dict[str, Any] | None = None
     sizes = (tune_search.parse_micro_batches(micro_batches) if micro_batches is not None
              else tune_search.default_micro_batches(config.precompute))
     run_root, settings = open_run_root(config), teacher_pass_settings(config)
-    rows_from = tune_search.check_tune_inputs(run_root, settings, seq_len_given=_seq_len_given(path, overrides))
+    rows_from = tune_search.check_tune_inputs(run_root, settings, seq_len_given=_seq_len_given(path, overrides),
+                                              weights=not random_weights)
     if write:
         _check_writable(path, run_root, settings)
-    return TuneRequest(path, config, sizes, rows_from, tune_search.has_experts(settings))
+    return TuneRequest(path, config, sizes, rows_from, tune_search.has_experts(settings, weights=not random_weights))
 
 
 def _seq_len_given(path: Path, overrides: dict[str, Any]) -> bool:

@@ -72,14 +72,14 @@ def head_targets(settings: TeacherPassSettings, model: torch.nn.Module, vocab: i
 
 
 def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, batches: int,
-                  warmup: int = 1, tolerance: float = HEAD_TOLERANCE) -> dict[str, Any]:
+                  warmup: int = 1, tolerance: float = HEAD_TOLERANCE, random_weights: bool = False) -> dict[str, Any]:
     """Both heads timed at `micro_batch` on the run's rows, the tiled one checked against the slab loop ->
     {"micro_batch", "heads": one record per head, "tolerance", "recommended_head"}."""
     from kdflow.tasks.teacher.loading import output_rows
     from kdflow.tasks.teacher.tune_trial import check_counts, load_for_trial, pass_step, time_micro_batches
 
     check_counts(micro_batch, batches, warmup)
-    trial = load_for_trial(run_root, settings, (warmup + batches) * micro_batch)
+    trial = load_for_trial(run_root, settings, (warmup + batches) * micro_batch, random_weights=random_weights)
     model, ids, device = trial.model, trial.ids, trial.device
     vocab = output_rows(model)
     first = torch.from_numpy(ids[:micro_batch].astype(np.int64)).to(device)

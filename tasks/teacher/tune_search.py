@@ -73,7 +73,8 @@ def default_micro_batches(precompute: PrecomputeConfig) -> list[int]:
     return sorted({max(1, current // 2), current, 2 * current, 4 * current})
 
 
-def check_tune_inputs(run_root: RunRoot, settings: TeacherPassSettings, *, seq_len_given: bool = True) -> str:
+def check_tune_inputs(run_root: RunRoot, settings: TeacherPassSettings, *, seq_len_given: bool = True,
+                      weights: bool = True) -> str:
     """What can be checked without a process: the teacher's config loads and admits top_k and seq_len; there are
     token shards of seq_len, or seq_len was given. -> where the candidates' rows will come from."""
     teacher, seq_len = settings.teacher, settings.seq_len
@@ -96,7 +97,7 @@ def check_tune_inputs(run_root: RunRoot, settings: TeacherPassSettings, *, seq_l
 
     check_hub_teacher(teacher)  # not cached and no hub: one line now, not after a minute of retries
     try:
-        teacher_config = load_teacher_config(teacher)
+        teacher_config = load_teacher_config(teacher, weights)
     except KDFlowError:
         raise
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... for a bad model
@@ -122,20 +123,21 @@ def committed_micro_batches(run_root: RunRoot, settings: TeacherPassSettings) ->
 
 
 def run_candidate(config_path: str, micro_batch: int, *, batches: int, warmup: int, timeout_s: float,
-                  on_log: Callable[[str], None] = lambda line: None) -> Candidate:
-    """One candidate in a fresh worker process, killed (with its process group) after `timeout_s`."""
+                  on_log: Callable[[str], None] = lambda line: None, worker_args: tuple[str, ...] = ()) -> Candidate:
+    """One candidate in a fresh worker process, killed (with its process group) after `timeout_s`; `worker_args`:
+    the worker's `--random-weights` and `--memory-gib N`."""
     args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(batches),
-            "--warmup", str(warmup)]
+            "--warmup", str(warmup), *worker_args]
     status, exit_code, message, result = _in_worker(args, timeout_s, on_log)
     return Candidate(micro_batch, status, exit_code, message, result or {})
 
 
-def has_experts(settings: TeacherPassSettings) -> bool:
+def has_experts(settings: TeacherPassSettings, weights: bool = True) -> bool:
     """Whether the teacher is a MoE model (its experts implementations are then worth timing)."""
     from kdflow.tasks.common.fused_experts import expert_count
     from kdflow.tasks.teacher.loading import load_teacher_config
 
-    return expert_count(load_teacher_config(settings.teacher)) is not None
+    return expert_count(load_teacher_config(settings.teacher, weights)) is not None
 
 
 @dataclass(frozen=True)
@@ -153,13 +155,14 @@ TRIALS = {"heads": TrialKind("heads", "recommended_head", "head"),
 
 
 def run_trial(kind: str, config_path: str, micro_batch: int, *, repeats: int, timeout_s: float,
-              on_log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+              on_log: Callable[[str], None] = lambda line: None, worker_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """One more trial at the recommended `micro_batch` in a fresh worker process: `experts` (a MoE teacher's
     experts implementations, `tune_trial.measure_experts`) or `heads` (both heads, `tune_heads.measure_heads`) ->
     {"micro_batch", "status", "message", its records, its recommendation or None}. A failure is its status, never
     an exception: the micro-batch's recommendation stands without it."""
     fields = TRIALS[kind]
-    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(repeats), f"--{kind}"]
+    args = ["--config", config_path, "--micro-batch", str(micro_batch), "--batches", str(repeats), f"--{kind}",
+            *worker_args]
     status, _, message, result = _in_worker(args, timeout_s, on_log)
     result = result or {}
     return {"micro_batch": micro_batch, "status": status, "message": message,
@@ -220,11 +223,13 @@ def run_candidates(sizes: list[int], runner: Runner, *, keep_going: bool = False
 
 def tune(config_path: str, sizes: list[int], *, batches: int = 3, warmup: int = 1, timeout_s: float = 1800.0,
          keep_going: bool = False, on_log: Callable[[str], None] = lambda line: None,
-         on_candidate: Callable[[Candidate], None] = lambda c: None) -> list[Candidate]:
+         on_candidate: Callable[[Candidate], None] = lambda c: None,
+         worker_args: tuple[str, ...] = ()) -> list[Candidate]:
     """Every candidate in its own worker process, on the resolved config at `config_path` (the caller writes it:
     `kdflow.tasks.common.launch.config_file`)."""
     def runner(size: int) -> Candidate:
-        return run_candidate(config_path, size, batches=batches, warmup=warmup, timeout_s=timeout_s, on_log=on_log)
+        return run_candidate(config_path, size, batches=batches, warmup=warmup, timeout_s=timeout_s, on_log=on_log,
+                             worker_args=worker_args)
 
     return run_candidates(sizes, runner, keep_going=keep_going, on_candidate=on_candidate)
 

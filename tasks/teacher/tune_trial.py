@@ -33,7 +33,8 @@ from kdflow.schemas.shards import read_token_shard
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
-from kdflow.tasks.common.models import resolve_device
+from kdflow.tasks.common.models import resolve_device, resolve_dtype
+from kdflow.tasks.common.random_teacher import build_random_teacher
 from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.body_variants import (EXPERTS, EXPERTS_TOLERANCE, fastest_correct, measure_body_variants,
@@ -142,17 +143,24 @@ class Trial:
     load_seconds: float
 
 
-def load_for_trial(run_root: RunRoot, settings: TeacherPassSettings, rows: int, experts: bool = True) -> Trial:
+def load_for_trial(run_root: RunRoot, settings: TeacherPassSettings, rows: int, experts: bool = True,
+                   random_weights: bool = False) -> Trial:
     """The teacher on its device and `rows` rows of the run's tokens (the checks of the pass first); `experts`:
-    set `precompute.experts` (False: leave transformers' choice, for a trial that sets it itself)."""
+    set `precompute.experts` (False: leave transformers' choice, for a trial that sets it itself);
+    `random_weights`: the teacher made from its config alone (kdflow.tasks.common.random_teacher)."""
     teacher, seq_len = settings.teacher, settings.seq_len
     device = resolve_device(teacher.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"teacher.device is {teacher.device} but this machine has no CUDA device")
-    check_teacher_limits(load_teacher_config(teacher), top_k=settings.precompute.top_k, seq_len=seq_len)
+    model_config = load_teacher_config(teacher, weights=not random_weights)
+    check_teacher_limits(model_config, top_k=settings.precompute.top_k, seq_len=seq_len)
     tokenizer = load_tokenizer(teacher, settings.tokenizer)
     started = time.perf_counter()
-    model = load_teacher(teacher, device=device)
+    if random_weights:
+        model = build_random_teacher(model_config, device, resolve_dtype(teacher, device),
+                                     four_bit=teacher.load_in_4bit, lm_head_float32=teacher.lm_head_float32)
+    else:
+        model = load_teacher(teacher, device=device)
     if experts:
         use_experts(model, settings.precompute.experts)
     load_seconds = time.perf_counter() - started
@@ -191,10 +199,10 @@ def check_counts(micro_batch: int, batches: int, warmup: int = 0) -> None:
 
 
 def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, batches: int,
-                      warmup: int = 1) -> dict[str, Any]:
+                      warmup: int = 1, random_weights: bool = False) -> dict[str, Any]:
     """Load the teacher and time `batches` micro-batches of `micro_batch` rows -> the candidate's record."""
     check_counts(micro_batch, batches, warmup)
-    trial = load_for_trial(run_root, settings, (warmup + batches) * micro_batch)
+    trial = load_for_trial(run_root, settings, (warmup + batches) * micro_batch, random_weights=random_weights)
     device, vocab = trial.device, output_rows(trial.model)
     step, chunk_tokens = pass_step(settings, trial.model, vocab, micro_batch, device)
     seconds = time_micro_batches(step, trial.ids, micro_batch, warmup, batches, device, run_root)
@@ -206,12 +214,12 @@ def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_ba
 
 
 def measure_experts(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, repeats: int = 2,
-                    tolerance: float = EXPERTS_TOLERANCE) -> dict[str, Any]:
+                    tolerance: float = EXPERTS_TOLERANCE, random_weights: bool = False) -> dict[str, Any]:
     """A MoE teacher's body under each experts implementation on `micro_batch` of the run's rows
     (`measure_body_variants`) -> {"experts": one record per implementation, "recommended_experts": the fastest whose
     hidden states are within `tolerance` of eager's, or None}. The teacher loads as the pass loads it."""
     check_counts(micro_batch, repeats)
-    trial = load_for_trial(run_root, settings, micro_batch, experts=False)
+    trial = load_for_trial(run_root, settings, micro_batch, experts=False, random_weights=random_weights)
     rows = torch.from_numpy(trial.ids.astype(np.int64)).to(trial.device)
     with deterministic_algorithms():
         records = list(measure_body_variants(trial.model, rows, EXPERTS, repeats))
