@@ -105,6 +105,9 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     capped = steps["capped_24gib"]  # no cap on a CPU; the layer-by-layer 4-bit build and the candidates ran
     assert capped["cap_gib"] is None and capped["experts_left_unquantised"] == [] and capped["fits_micro_batch"] == 4
     assert capped["fits_by_experts"] == {"grouped_mm": 4, "kdflow_fused": 4}  # the interpreter runs the fused one
+    tuned_capped = steps["tune_capped_24gib"]  # the tune command, random weights from the reference's config alone
+    assert [c["status"] for c in tuned_capped["candidates"]] == ["ok", "ok"] and tuned_capped["cap_gib"] is None
+    assert tuned_capped["recommended_micro_batch"] in (2, 4) and "--random-weights" in tuned_capped["command"]
     hub = steps["hub_layout_load"]  # the hub's per-expert layout, loaded in 4-bit in a child
     assert hub["experts_left_unquantised"] == [] and hub["peak_host_rss_gib"] > 0 and hub["written"]["files"] >= 1
     profile = steps["profile"]  # the table's shape on the GPU: every family, the 4-bit experts' dequantisation seen

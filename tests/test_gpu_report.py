@@ -47,7 +47,13 @@ def _summaries() -> list[dict[str, Any]]:
                                                         {"experts": "kdflow_fused", "micro_batch": 48, "status": "ok",
                                                          "tokens_per_s": 3000.0, "peak_gib": 23.1}],
                                          "fits_by_experts": {"grouped_mm": 32, "kdflow_fused": 48},
-                                         "llmjp_micro_batch_fits": False}}}
+                                         "llmjp_micro_batch_fits": False},
+                        "tune_capped_24gib": {"status": "ok", "layers": 32, "seq_len": 512, "cap_gib": 24.0,
+                                              "command": "kdflow tune precompute --random-weights --memory-gib 24",
+                                              "recommended_micro_batch": 56, "candidates": [
+                                                  {"micro_batch": 32, "status": "ok", "tokens_per_s": 2900.0,
+                                                   "headroom": 0.2}, {"micro_batch": 56, "status": "ok",
+                                                                      "tokens_per_s": 3100.0, "headroom": 0.05}]}}}
     return [first, second]
 
 
@@ -68,6 +74,8 @@ def test_two_calls_merge_and_each_target_is_judged_from_its_figures() -> None:
     assert verdicts["hybrid pass"][1] == "not met" and verdicts["hybrid pass"][0].startswith("0.750")
     capped = next(v for k, v in verdicts.items() if k.startswith("the llmjp"))
     assert capped == ("largest that ran, by experts implementation: grouped_mm 32, kdflow_fused 48", "not met")
+    tuned = next(v for k, v in verdicts.items() if k.startswith("`kdflow tune precompute` under 24 GiB"))
+    assert tuned == ("recommended 56 (32 ok, 56 ok)", "met")
 
 
 def test_a_target_whose_step_did_not_run_says_why_and_a_rehearsal_is_not_judged() -> None:
@@ -101,7 +109,7 @@ def test_the_page_and_its_verdict_line(tmp_path: Path, capsys: pytest.CaptureFix
     text = page.read_text()
     assert text.startswith("# GPU check: results on NVIDIA H200 (2026-12-06 10:00)")
     for heading in ("## Issue 44's targets", "## Full depth (32 layers", "## The head's variants",
-                    "## Under a 24.0 GiB cap", "## Every step"):
+                    "## Under a 24.0 GiB cap", "## `kdflow tune precompute --random-weights", "## Every step"):
         assert heading in text, heading
     assert "| bf16 | forward | out of memory: CUDA out of memory |" in text and "**not met**" in text
     assert "| body_variants | failed |" in text and "The MoE body" not in text  # a failed step has no section

@@ -297,6 +297,8 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
               needs_s=long_s)
     steps.run("capped_24gib", lambda: gpu_capped.check_step(size, device), needs_s=long_s)
     steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s)
+    steps.run("tune_capped_24gib", lambda: gpu_capped.tune_step(work, size, device, work / "tokenizer"),
+              needs=("teacher",), needs_s=long_s)
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
             steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")

@@ -16,7 +16,9 @@ loads, so it may fit a larger micro-batch (skipped, and recorded so, where Trito
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 from kdflow.bench.gpu_plan import CAP_GIB, GIB
@@ -119,3 +121,44 @@ def check_step(size: dict[str, Any], device: str) -> dict[str, Any]:
     settings, shapes = size["capped"], size["shapes"]
     chunk = topk_chunk_tokens(PrecomputeConfig(), shapes["vocab_size"])
     return capped(shapes, device, CAP_GIB, settings["seq_len"], settings["micro_batches"], size["top_k"], chunk)
+
+
+def tune_step(work: Path, size: dict[str, Any], device: str, tokenizer: Path) -> dict[str, Any]:
+    """`tune_capped_24gib`: `kdflow tune precompute --random-weights --memory-gib 24` as the command runs it (each
+    candidate a fresh process), on the 32-layer reference teacher made from its config.json alone (a folder holding
+    that and the check's tokenizer: 61 GiB of weights would not fit the machine's disk) in 4-bit, at the llmjp
+    config's seq_len, on rows of Python's documentation. On a CPU (the rehearsal) the same, uncapped, at the
+    rehearsal's sizes. -> the candidates and the recommendation."""
+    import yaml
+    from transformers import Qwen3MoeConfig
+
+    from kdflow.tasks.common.launch import config_file
+    from kdflow.tasks.teacher import tune_search
+    from kdflow.tasks.teacher.tune_file import check_tune_request
+
+    cuda = device.startswith("cuda")
+    shapes, seq_len = size["shapes"], size["capped"]["seq_len"]
+    folder = work / "reference-config"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in tokenizer.iterdir():
+        if name.is_file():
+            shutil.copy(name, folder / name.name)
+    Qwen3MoeConfig(**shapes, intermediate_size=4 * shapes["hidden_size"], max_position_embeddings=4096,
+                   tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=1).save_pretrained(folder)
+    sizes = size["capped"]["tune_candidates"]
+    path = work / "tune-capped.yaml"
+    path.write_text(yaml.safe_dump({
+        "run_root": str(work / "tune-capped-run"), "dataset": {"path": str(work / "docs.jsonl")}, "seq_len": seq_len,
+        "teacher": {"model": str(folder), "load_in_4bit": True, "device": device, "dtype": "bfloat16"},
+        "precompute": {"top_k": size["top_k"], "micro_batch": sizes[-1]}}), encoding="utf-8")
+    request = check_tune_request(path, micro_batches=",".join(map(str, sizes)), batches=2, random_weights=True)
+    worker_args = ("--random-weights",) + (("--memory-gib", f"{CAP_GIB:g}") if cuda else ())
+    with config_file(request.config, "kdflow-gpu-tune-capped-") as resolved:
+        candidates = tune_search.tune(resolved, request.sizes, batches=2, timeout_s=150, worker_args=worker_args)
+    result = tune_search.summary(candidates, 0.0)  # the cap is the card: whatever ran within it fits
+    return {"layers": shapes["num_hidden_layers"], "seq_len": seq_len, "cap_gib": CAP_GIB if cuda else None,
+            "command": f"kdflow tune precompute --micro-batches {','.join(map(str, sizes))} --batches 2 "
+                       f"{' '.join(worker_args)}",
+            "candidates": result["candidates"], "recommended_micro_batch": result["recommended_micro_batch"],
+            "llmjp_micro_batch_fits": any(c["micro_batch"] == LLMJP_MICRO_BATCH and c["status"] == "ok"
+                                          for c in result["candidates"])}

@@ -49,10 +49,13 @@ PROFILE_S = 15
 HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
 CAPPED_S = 65  # the 32-layer 4-bit teacher built layer by layer; five micro-batches tried twice each, under two
 #               experts implementations (the fused one compiled first)
+TUNE_CAPPED_S = 80  # `kdflow tune precompute --random-weights --memory-gib 24`: up to 3 processes, each making the
+#                    32-layer random 4-bit teacher (a guess)
 BODY_S = 60  # the L4 4-bit teacher loaded, four experts implementations timed, one inductor compile: a guess
 # Issue 44's steps, which the check runs right after what they need (the teacher, the token shards, the tuned
 # micro-batch), and the steps measured on 2026-12-04 that it runs last, for the budget to skip first.
-ISSUE_STEPS = ("profile", "full_depth", "bench_head", "body_variants", "capped_24gib", "hub_layout_load")
+ISSUE_STEPS = ("profile", "full_depth", "bench_head", "body_variants", "capped_24gib", "hub_layout_load",
+               "tune_capped_24gib")
 REMEASURED = ("logits_precision", "bench_loss", "bench_precompute", "bench_train_step", "train_bf16")
 SETUP_S = 15  # a call's set-up from the carried wheels (13 s on 2026-12-04)
 CAP_GIB = 24.0  # the memory promise: a 24 GB GPU (gpu_capped.py)
@@ -98,7 +101,7 @@ def sizes(quick: bool) -> dict[str, Any]:
                 "pass_bits": ("4bit",), "pass_repeats": 1, "precision_tokens": 64,
                 "student_steps": 3, "batch_size": 4, "train_seq_len": 32,
                 "full_depth": {"micro_batch": 2, "repeats": 1, "matmul_size": 256}, "hub_layout_layers": 2,
-                "capped": {"seq_len": 32, "micro_batches": [4, 2]}}
+                "capped": {"seq_len": 32, "micro_batches": [4, 2], "tune_candidates": [2, 4]}}
     # 128 sequences a shard: 4 micro-batches of 32, so that the pass's host side overlaps the device as it does
     # in a real run (1,024 a shard by default); one micro-batch a shard would time the shard's end serially.
     return {"shapes": REFERENCE_SHAPES, "depths": (2, 4), "seq_len": 1024, "documents": 3000, "per_shard": 128,
@@ -110,7 +113,8 @@ def sizes(quick: bool) -> dict[str, Any]:
             "pass_bits": ("4bit", "bf16"), "pass_repeats": 2, "precision_tokens": 8192,
             "student_steps": 6, "batch_size": 8, "train_seq_len": 1024,
             "full_depth": {"micro_batch": 32, "repeats": 2, "matmul_size": 8192}, "hub_layout_layers": 2,
-            "capped": {"seq_len": 512, "micro_batches": [56, 48, 32, 16, 8]}}
+            # the tune's candidates ascending (it stops at the first that runs out of memory), the llmjp one last
+            "capped": {"seq_len": 512, "micro_batches": [56, 48, 32, 16, 8], "tune_candidates": [32, 48, 56]}}
 
 
 def teacher_bytes(shapes: dict[str, int], layers: int, four_bit: bool, experts_4bit: bool = True,
@@ -218,6 +222,8 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
     capped = size["capped"]
     add("capped_24gib", int(CAP_GIB * GIB), layers=shapes["num_hidden_layers"], seq_len=capped["seq_len"],
         micro_batches=capped["micro_batches"], estimated_s=CAPPED_S)
+    add("tune_capped_24gib", int(CAP_GIB * GIB), layers=shapes["num_hidden_layers"], seq_len=capped["seq_len"],
+        micro_batches=capped["tune_candidates"], estimated_s=TUNE_CAPPED_S)
     # the head's variants: the weight and, the most of them, the sampled ones in torch over one block of 4,096 rows
     # (float32 logits, two 8-byte noise buffers, float32 keys and their temporaries: ~32 bytes a logit)
     add("bench_head", 2 * size["loss_vocab"] * size["loss_hidden"] + 32 * 4096 * size["loss_vocab"],

@@ -97,6 +97,14 @@ def targets(steps: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
     else:
         rows.append(("the llmjp config's micro-batch at 32 layers under 24 GiB", _why(capped or None),
                      "not measured"))
+    tuned = steps.get("tune_capped_24gib", {})
+    target = "`kdflow tune precompute` under 24 GiB recommends the llmjp config's micro-batch (32 layers, 4-bit)"
+    if tuned.get("status") == "ok":
+        ran = ", ".join(f"{c['micro_batch']} {c['status']}" for c in tuned["candidates"])
+        rows.append((target, f"recommended {tuned['recommended_micro_batch']} ({ran})",
+                     "met" if tuned["recommended_micro_batch"] == 56 else "not met"))
+    else:
+        rows.append((target, _why(tuned or None), "not measured"))
     return rows
 
 
@@ -181,6 +189,12 @@ def render(summaries: list[dict[str, Any]]) -> str:
         out += _table(("experts", "micro-batch", "outcome", "tok/s", "peak GiB"),
                       ((c["experts"], c.get("micro_batch", ""), c["status"], c.get("tokens_per_s", c.get("error", "")),
                         c.get("peak_gib", "")) for c in capped["candidates"]))
+    tuned = steps.get("tune_capped_24gib", {})
+    if tuned.get("status") == "ok":
+        out += ["", f"## `{tuned['command']}` ({tuned['layers']} layers, seq {tuned['seq_len']}, random weights)", ""]
+        out += _table(("micro-batch", "outcome", "tok/s", "headroom", "peak reserved MiB"),
+                      ((c["micro_batch"], c["status"], c.get("tokens_per_s") or c.get("message", ""),
+                        c.get("headroom", ""), c.get("peak_reserved_mib", "")) for c in tuned["candidates"]))
     hub = steps.get("hub_layout_load", {})
     if hub.get("status") == "ok":
         out += ["", "## The teacher from the hub's file layout", "",
