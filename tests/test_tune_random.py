@@ -104,3 +104,20 @@ def test_tune_with_random_weights_needs_no_weight_files(tiny_moe_teacher_dir: Pa
                             timeout=600, cwd=REPO)
     assert capped.returncode != 0 and "--memory-gib holds a CUDA device" in capped.stderr
     assert "micro-batch 2:" not in capped.stdout  # refused before any candidate
+
+
+def test_the_flow_takes_random_weights_and_refuses_a_cap_off_cuda(prefect_harness: object, tiny_teacher_dir: Path,
+                                                                  corpus_file: Path, tmp_path: Path) -> None:
+    """The deployment's parameters as the command's options: a dense teacher without weights tuned from its config
+    (candidates and heads), a cap on a CPU device refused in one line before any task run."""
+    from support.tiny import tiny_config
+
+    from kdflow.flows.tune_precompute import tune_precompute_flow
+    from kdflow.schemas.errors import ConfigError
+
+    folder = _config_only(tiny_teacher_dir, tmp_path / "config-only")
+    config = tiny_config(tmp_path / "run", folder, corpus_file).model_dump(mode="json")
+    result = tune_precompute_flow(config, micro_batches="2", batches=1, random_weights=True)
+    assert [c["status"] for c in result["candidates"]] == ["ok"] and result["heads"]["status"] == "ok"
+    with pytest.raises(ConfigError, match="^memory_gib holds a CUDA device"):
+        tune_precompute_flow(config, micro_batches="2", batches=1, random_weights=True, memory_gib=24)

@@ -16,16 +16,17 @@ GIB = 2**30
 MIB = 2**20
 
 
-def check_capped_device(setting: str, cap_gib: float) -> torch.device:
-    """The device `teacher.device` names, when a cap of `cap_gib` can hold it; a one-line ConfigError otherwise."""
+def check_capped_device(setting: str, cap_gib: float, what: str = "--memory-gib") -> torch.device:
+    """The device `teacher.device` names, when a cap of `cap_gib` can hold it; a one-line ConfigError naming the
+    option (`what`) otherwise."""
     from kdflow.schemas.errors import ConfigError
     from kdflow.tasks.common.models import resolve_device
 
     if not cap_gib > 0:
-        raise ConfigError(f"--memory-gib must be a positive number of GiB, got {cap_gib:g}")
+        raise ConfigError(f"{what} must be a positive number of GiB, got {cap_gib:g}")
     device = resolve_device(setting)
     if device.type != "cuda":
-        raise ConfigError(f"--memory-gib holds a CUDA device to a smaller card's memory; teacher.device={setting!r} "
+        raise ConfigError(f"{what} holds a CUDA device to a smaller card's memory; teacher.device={setting!r} "
                           f"runs on {device}")
     return device
 
