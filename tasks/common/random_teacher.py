@@ -95,9 +95,7 @@ def build_random_teacher(model_config: Any, device: torch.device | str, dtype: t
             quantise_in_place(model, dtype)
     _recompute_buffers(model, device)
     if getattr(text, "tie_word_embeddings", False):
-        model.tie_weights()
-    if four_bit:
-        quantise_fused_experts(model, quant_type="nf4", double_quant=False)
+        model.tie_weights()  # `to_empty` gave the head a tensor of its own
     model.eval().requires_grad_(False)
     if lm_head_float32:
         float32_lm_head(model)
