@@ -35,7 +35,7 @@ def test_plan_at_full_size_skips_only_the_dense_loss_at_32k(capsys: pytest.Captu
     assert time_s["issue_steps"] == issue and all(steps[name]["would"] == "run" for name in issue)
     assert time_s["total"] == time_s["last_check"] + sum(steps[name]["estimated_s"] for name in issue)
     assert time_s["first_call"] <= time_s["limit"] == 540 < time_s["total"]  # one call of at most 9 minutes
-    assert time_s["second_call_steps"][:2] == ["teacher_pass_L2_4bit", "teacher_pass_L4_4bit"]
+    assert time_s["second_call_steps"][:3] == ["teacher_weights_4bit", "teacher_pass_L2_4bit", "teacher_pass_L4_4bit"]
     assert time_s["second_call_steps"][-1] == "train_bf16" and not set(time_s["second_call_steps"]) & set(issue)
     assert 0 < time_s["second_call"] <= 240  # optional: 2026-12-04's figures again, where the lease allows
     assert steps["hub_layout_load"]["would"] == "run" and 5 < steps["hub_layout_load"]["checkpoint_gib"] < 6

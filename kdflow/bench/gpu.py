@@ -4,14 +4,15 @@ machine's minutes, with no network and no Prefect, ending in one JSON summary (`
 Random Qwen3-MoE teachers with llm-jp-4-32b-a3b-base's per-layer shapes and 196,608-id vocabulary
 (kdflow/bench/gpu_plan.py says where the shapes come from) at two depths, in 4-bit (bitsandbytes, the fused experts
 too: kdflow.tasks.common.fused_experts) and bf16. Then, each step timed, its outcome recorded (ok, skipped with its
-reason, failed with its error) and the rest run on. First what issue 44's steps need: each 4-bit teacher's weights
-as loaded (and the full depth's, extrapolated); token shards; `kdflow tune precompute`; the pass in its worker.
-Then issue 44's: one micro-batch of the pass profiled, its time by kernel family (gpu_profile.py); the full-depth
-teacher built in the device's memory and timed in bf16 (where it fits) and 4-bit, MFU against the measured matmul
-rate and the datasheet peak (gpu_full_depth.py); `kdflow bench head`; sampled and hybrid targets; the MoE body's
-variants (`kdflow bench body`); the 32-layer 4-bit teacher's pass under a 24 GiB cap (gpu_capped.py); a
-checkpoint in the hub's per-expert layout loaded in 4-bit (gpu_hub_layout.py). Last, what the H200 check of
-2026-12-04 measured, for a call's budget to skip first: `kdflow bench teacher-pass` at the tuned micro-batch per
+reason, failed with its error) and the rest run on. First what issue 44's steps need: token shards; `kdflow tune
+precompute`; the pass in its worker. Then issue 44's: one micro-batch of the pass profiled, its time by kernel
+family (gpu_profile.py); the full-depth teacher built in the device's memory and timed in bf16 (where it fits) and
+4-bit, MFU against the measured matmul rate and the datasheet peak (gpu_full_depth.py); `kdflow bench head`;
+sampled and hybrid targets; the MoE body's variants (`kdflow bench body`); the 32-layer 4-bit teacher's pass under
+a 24 GiB cap (gpu_capped.py); a checkpoint in the hub's per-expert layout loaded in 4-bit (gpu_hub_layout.py);
+`kdflow tune precompute` under that cap on the 32-layer teacher made from its config. Last, what the H200 check of
+2026-12-04 measured, for a call's budget to skip first: each 4-bit teacher's weights as loaded (and the full
+depth's, extrapolated); `kdflow bench teacher-pass` at the tuned micro-batch per
 depth and precision (ratios to the bare forward, MFU from active parameters) and the full-depth tok/s extrapolated
 from both depths (constrained: a pass's per-layer cost at least its forward's); the logits' precision in bf16
 against float32, and the float32 lm_head's cost (logits_precision_measure.py); `kdflow bench loss` under bf16
@@ -279,9 +280,6 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     # sampled targets are compared with), then issue 44's steps (gpu_plan.ISSUE_STEPS), then what was measured on
     # 2026-12-04 (gpu_plan.remeasured): a call's budget skips those first, for a second call.
     steps.run("teacher", lambda: teachers.build_teachers(work, size, device))
-    steps.run("teacher_weights_4bit", lambda: teachers.teacher_weights([configs[(d, "4bit")] for d in (low, high)],
-                                                                       (low, high), size["shapes"]),
-              needs=("teacher",), needs_s=long_s / 2)
     steps.run("tokens", lambda: steps_.tokens(main_config), needs=("teacher",))
     steps.run("tune_precompute", lambda: steps_.tune(main_config, size), needs=("tokens",), needs_s=2 * long_s)
     steps.run("precompute", lambda: steps_.precompute(main_config), needs=("tokens",), needs_s=long_s)
@@ -299,6 +297,9 @@ def _run_steps(steps: Steps, work: Path, args: argparse.Namespace, size: dict[st
     steps.run("hub_layout_load", lambda: gpu_hub_layout.check_step(work, size, device), needs_s=long_s)
     steps.run("tune_capped_24gib", lambda: gpu_capped.tune_step(work, size, device, work / "tokenizer"),
               needs=("teacher",), needs_s=long_s)
+    steps.run("teacher_weights_4bit", lambda: teachers.teacher_weights([configs[(d, "4bit")] for d in (low, high)],
+                                                                       (low, high), size["shapes"]),
+              needs=("teacher",), needs_s=long_s / 2)
     for (depth, bits), path in configs.items():
         if bits not in size["pass_bits"]:  # the rehearsal: one precision (the same code path as the other)
             steps.skip(f"teacher_pass_L{depth}_{bits}", "quick: 4bit only")

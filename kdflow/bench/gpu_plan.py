@@ -161,7 +161,7 @@ def dense_loss_bytes(tokens: int, vocab: int) -> int:
 def remeasured(depths: tuple[int, int] | list[int]) -> list[str]:
     """The steps measured on 2026-12-04, in the order the check runs them after issue 44's."""
     passes = [f"teacher_pass_L{depth}_{bits}" for bits in ("4bit", "bf16") for depth in depths]
-    return passes + ["extrapolated_4bit", "extrapolated_bf16", *REMEASURED]
+    return ["teacher_weights_4bit", *passes, "extrapolated_4bit", "extrapolated_bf16", *REMEASURED]
 
 
 def call_time(steps: dict[str, dict[str, Any]], depths: tuple[int, int] | list[int]) -> dict[str, Any]:
