@@ -46,8 +46,8 @@ def run(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as transformers_logging
 
         from kdflow.schemas.config_io import load_config
-        from kdflow.tasks.common.device_memory import cap_device_memory, capped_memory_record, check_capped_device
         from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+        from kdflow.tasks.common.device_memory import cap_device_memory, capped_memory_record, check_capped_device
         from kdflow.tasks.teacher.tune_heads import measure_heads
         from kdflow.tasks.teacher.tune_trial import measure_candidate, measure_experts
 
