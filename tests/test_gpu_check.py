@@ -139,9 +139,9 @@ def test_gpu_check_rehearsal_on_cpu_with_only_the_images_packages(children: Any,
     variants = {r.get("variant"): r for r in steps["bench_train_step"]["records"]}
     assert {"plain", "fused"} <= set(variants), variants
     assert variants["fused"]["float32_check"]["ok"]  # against the float32 step (no autocast on the CPU: equal)
-    from kdflow.bench.gpu_report import render
+    from kdflow.bench.gpu_report import merged, render
 
-    page = render([summary])  # the results page of a real summary: every section, no verdict at these sizes
+    page = render(merged([summary]))  # the results page of a real summary: every section, no verdict at these sizes
     assert "## Issue 44's targets" in page and "not judged (rehearsal sizes)" in page and "## Full depth" in page
     refused = set((tmp_path / "refused.log").read_text().split()) if (tmp_path / "refused.log").exists() else set()
     assert "prefect" not in refused and "datasets" not in refused

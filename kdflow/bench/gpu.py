@@ -216,14 +216,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(paths: list[str], out: str | None) -> int:
     """The results page (gpu_report.py) to `out` or stdout, then one JSON line: each target's verdict."""
-    from kdflow.bench.gpu_report import report, targets_of
+    from kdflow.bench.gpu_report import judged, merged, read_summaries, render
 
-    page = report(paths)
+    summary = merged(read_summaries(paths, "--report"))
+    page = render(summary)
     if out:
         Path(out).write_text(page, encoding="utf-8")
     else:
         print(page, flush=True)
-    verdicts = targets_of(paths)
+    verdicts = {target: verdict for target, _measured, verdict in judged(summary)}
     print(json.dumps({"bench": "gpu_report", "summaries": paths, "page": out or "stdout", "targets": verdicts}),
           flush=True)
     return 0
@@ -234,16 +235,14 @@ def _again(summary_path: Path, work: Path, args: argparse.Namespace, size: dict[
     stopped at its limit included) or skipped for the budget; not a set-up step, not a planned skip. The
     micro-batch that call tuned is kept in the work folder (where none is yet: a fresh machine), so the steps run
     again pass at it, not at the config's."""
-    try:
-        earlier = json.loads(summary_path.read_text(encoding="utf-8"))["steps"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"kdflow bench gpu: --again {summary_path}: not a gpu-check summary ({error})") from None
+    from kdflow.bench.gpu_report import read_summaries
+
+    earlier = read_summaries([str(summary_path)], "--again")[0]["steps"]
     tune = earlier.get("tune_precompute", {})
     if tune.get("recommended_micro_batch") and not (work / steps_.TUNED).is_file():
         (work / steps_.TUNED).write_text(json.dumps({k: v for k, v in tune.items() if k not in ("status", "seconds")}),
                                          encoding="utf-8")
-    dry = Steps(float("inf"), dry=True)
-    _run_steps(dry, work, args, size)
+    dry = _dry_run(work, args, size)
     names = [name for name, step in earlier.items() if name in dry.results and (
         step.get("status") == "failed" or str(step.get("reason", "")).startswith("budget:"))]
     if not names:
@@ -251,10 +250,16 @@ def _again(summary_path: Path, work: Path, args: argparse.Namespace, size: dict[
     return names
 
 
-def _only(asked_text: str, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> set[str]:
-    """The steps `--only` names and, followed through, those they need; a name that is no step is an error."""
+def _dry_run(work: Path, args: argparse.Namespace, size: dict[str, Any]) -> Steps:
+    """Every step of the check, run dry: their names in order and what each needs (nothing built)."""
     dry = Steps(float("inf"), dry=True)
     _run_steps(dry, work, args, size)
+    return dry
+
+
+def _only(asked_text: str, work: Path, args: argparse.Namespace, size: dict[str, Any]) -> set[str]:
+    """The steps `--only` names and, followed through, those they need; a name that is no step is an error."""
+    dry = _dry_run(work, args, size)
     asked = {name.strip() for name in asked_text.split(",") if name.strip()}
     unknown = sorted(asked - set(dry.results))
     if unknown:

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import CAP_GIB, GIB
+from kdflow.bench.gpu_plan import CAP_GIB, GIB, reference_config
+from kdflow.schemas.errors import first_line
 
 LLMJP_MICRO_BATCH, LLMJP_SEQ_LEN = 56, 512  # configs/llmjp.yaml and prefect.yaml as shipped
 EXPERTS = ("grouped_mm", "kdflow_fused")  # transformers' default; kdflow's, without the per-layer dequantisation
@@ -102,11 +103,9 @@ def _try(step: Any, vocab: int, rows: int, seq_len: int, device: str) -> dict[st
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - started
     except torch.OutOfMemoryError as error:
-        first = (str(error).strip().splitlines() or ["out of memory"])[0]
-        return {"micro_batch": rows, "status": "out of memory", "error": first[:160]}
+        return {"micro_batch": rows, "status": "out of memory", "error": first_line(error)[:160]}
     except Exception as error:  # noqa: BLE001 - e.g. a kernel that does not compile here: this candidate's outcome
-        first = (str(error).strip().splitlines() or [""])[0]
-        return {"micro_batch": rows, "status": "failed", "error": f"{type(error).__name__}: {first}"[:200]}
+        return {"micro_batch": rows, "status": "failed", "error": f"{type(error).__name__}: {first_line(error)}"[:200]}
     record = {"micro_batch": rows, "status": "ok", "tokens_per_s": round(ids.numel() / seconds, 1)}
     if cuda:
         record["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
@@ -130,7 +129,6 @@ def tune_step(work: Path, size: dict[str, Any], device: str, tokenizer: Path) ->
     config's seq_len, on rows of Python's documentation. On a CPU (the rehearsal) the same, uncapped, at the
     rehearsal's sizes. -> the candidates and the recommendation."""
     import yaml
-    from transformers import Qwen3MoeConfig
 
     from kdflow.tasks.common.launch import config_file
     from kdflow.tasks.teacher import tune_search
@@ -143,8 +141,7 @@ def tune_step(work: Path, size: dict[str, Any], device: str, tokenizer: Path) ->
     for name in tokenizer.iterdir():
         if name.is_file():
             shutil.copy(name, folder / name.name)
-    Qwen3MoeConfig(**shapes, intermediate_size=4 * shapes["hidden_size"], max_position_embeddings=4096,
-                   tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=1).save_pretrained(folder)
+    reference_config(shapes, max_position_embeddings=4096).save_pretrained(folder)
     sizes = size["capped"]["tune_candidates"]
     path = work / "tune-capped.yaml"
     path.write_text(yaml.safe_dump({

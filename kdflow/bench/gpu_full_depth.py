@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, GIB, model_parameters, teacher_bytes
+from kdflow.schemas.errors import first_line
 
 # Dense bf16 tensor-core peaks (NVIDIA's datasheets, without sparsity; the RTX 3090's with float32 accumulation, as
 # torch's bf16 matmuls run), by a part of the name torch gives the device, the most specific first.
@@ -100,7 +101,7 @@ def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int,
             try:
                 rates[mode] = round(input_ids.numel() / _best_seconds(run, repeats, sync), 1)
             except torch.OutOfMemoryError as error:
-                out_of_memory[mode] = (str(error).strip().splitlines() or ["out of memory"])[0][:160]
+                out_of_memory[mode] = first_line(error)[:160]
             finally:
                 if cuda:
                     torch.cuda.empty_cache()
@@ -156,17 +157,16 @@ def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: i
             model = None
             if cuda:
                 torch.cuda.empty_cache()
-            first = (str(error).strip().splitlines() or ["out of memory"])[0][:160]
-            out["bf16"] = {"skipped": f"out of memory building it ({first}): 4-bit alone, built layer by layer"}
+            out["bf16"] = {"skipped": f"out of memory building it ({first_line(error)[:160]}): 4-bit alone, built "
+                                      "layer by layer"}
     if model is None:
         model = build_quantised(shapes, device)
     out["build_s"] = round(time.perf_counter() - started, 2)
     ids = torch.randint(2, shapes["vocab_size"], (micro_batch, seq_len),
                         generator=torch.Generator().manual_seed(0)).to(device)
-    for bits in ("bf16", "4bit"):
-        if bits in out:  # bf16 skipped
-            continue
-        if bits == "4bit" and "bf16" in out and "skipped" not in out["bf16"]:
+    timed = ("4bit",) if "bf16" in out else ("bf16", "4bit")  # bf16 skipped: the model was built in 4-bit
+    for bits in timed:
+        if bits == "4bit" and "bf16" in timed:
             started = time.perf_counter()
             quantise_in_place(model)
             out["quantise_s"] = round(time.perf_counter() - started, 2)

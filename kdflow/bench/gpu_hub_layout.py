@@ -8,9 +8,9 @@ parameter as it is set (kdflow.tasks.common.fused_experts). The checks so far lo
 values, or a model's own to compare with), and loads it in a child process, as the pass loads its teacher,
 recording the child's peak host RSS (`ru_maxrss`, the whole process's: a fresh process so nothing before counts;
 and, sampled during the load, its anonymous and file-backed parts: a memory-mapped checkpoint's pages count in the
-RSS but are the kernel's to drop),
-its peak device memory, the load's seconds and whether any expert weight was left in floating point. On CUDA the
-child loads under the 24 GiB cap (`torch.cuda.set_per_process_memory_fraction`), as a 24 GB card would hold it.
+RSS but are the kernel's to drop), its peak device memory, the load's seconds and whether any expert weight was
+left in floating point. On CUDA the child loads under the 24 GiB cap (kdflow.tasks.common.device_memory), as a
+24 GB card would hold it.
 
 `python -m kdflow.bench.gpu_hub_layout FOLDER DEVICE [CAP_GIB]` is the child: it prints one JSON line.
 """

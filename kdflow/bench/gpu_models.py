@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kdflow.bench.gpu_plan import reference_config
 from kdflow.tasks.common.random_teacher import build_random_teacher
 
 
 def build_random(shapes: dict[str, int], layers: int, device: str, seed: int = 0) -> Any:
     """A Qwen3-MoE of these shapes and depth with random bf16 weights, made on `device` directly."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3MoeConfig(**(shapes | {"num_hidden_layers": layers}), intermediate_size=4 * shapes["hidden_size"],
-                            tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=1)
+    config = reference_config(shapes | {"num_hidden_layers": layers})
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -30,8 +30,6 @@ def build_quantised(shapes: dict[str, int], device: str, seed: int = 0) -> Any:
     in 16 bits on `device` (the tasks layer's `build_random_teacher`, as `kdflow tune precompute --random-weights`
     builds a teacher)."""
     import torch
-    from transformers import Qwen3MoeConfig
 
-    config = Qwen3MoeConfig(**shapes, intermediate_size=4 * shapes["hidden_size"], tie_word_embeddings=False,
-                            eos_token_id=0, bos_token_id=0, pad_token_id=1)
-    return build_random_teacher(config, device, torch.bfloat16, four_bit=True, lm_head_float32=True, seed=seed)
+    return build_random_teacher(reference_config(shapes), device, torch.bfloat16, four_bit=True, lm_head_float32=True,
+                                seed=seed)

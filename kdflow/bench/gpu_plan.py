@@ -62,6 +62,15 @@ CAP_GIB = 24.0  # the memory promise: a 24 GB GPU (gpu_capped.py)
 BF16_PEAK_TFLOPS = 790.0  # the H200's measured bf16 matmul rate on the lent machine (KINDS.md), the MFU roofline
 
 
+def reference_config(shapes: dict[str, int], **extra: Any) -> Any:
+    """The check's Qwen3-MoE config of `shapes`: an untied head, ids 0 and 1 as end/start and padding, and a dense
+    MLP width (4x hidden) that no layer uses; `extra` for the rest (the context length)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**shapes, intermediate_size=4 * shapes["hidden_size"], tie_word_embeddings=False,
+                          eos_token_id=0, bos_token_id=0, pad_token_id=1, **extra)
+
+
 def layer_parameters(shapes: dict[str, int]) -> dict[str, int]:
     """Parameters of one decoder layer: all of them and those one token uses (attention, router, 8 experts)."""
     hidden, head_dim = shapes["hidden_size"], shapes["head_dim"]

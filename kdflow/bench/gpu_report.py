@@ -126,9 +126,8 @@ def _table(header: tuple[str, ...], rows: Iterable[tuple[Any, ...]]) -> list[str
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
-def render(summaries: list[dict[str, Any]]) -> str:
-    """The results page, markdown."""
-    summary = merged(summaries)
+def render(summary: dict[str, Any]) -> str:
+    """The results page of a merged summary (`merged`), markdown."""
     steps, calls = summary["steps"], summary["calls"]
     environment = next((c["environment"] for c in calls if c.get("environment")), {}) or {}
     device = ", ".join(environment.get("gpus", [])) or "no GPU (a rehearsal)"
@@ -210,17 +209,8 @@ def render(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def report(paths: list[str]) -> str:
-    """The page from summary files; a file that is not a summary is one line naming it."""
-    return render(_read(paths))
-
-
-def targets_of(paths: list[str]) -> dict[str, str]:
-    """Each target's verdict, from the summary files."""
-    return {target: verdict for target, _measured, verdict in judged(merged(_read(paths)))}
-
-
-def _read(paths: list[str]) -> list[dict[str, Any]]:
+def read_summaries(paths: list[str], option: str) -> list[dict[str, Any]]:
+    """The summary files `option` (--report, --again) names; a file that is not a summary is one line naming it."""
     summaries = []
     for path in paths:
         try:
@@ -228,6 +218,6 @@ def _read(paths: list[str]) -> list[dict[str, Any]]:
             if not isinstance(summary.get("steps"), dict):
                 raise ValueError("no steps")
         except (OSError, ValueError, AttributeError) as error:
-            raise SystemExit(f"kdflow bench gpu --report {path}: not a gpu-check summary ({error})") from None
+            raise SystemExit(f"kdflow bench gpu {option} {path}: not a gpu-check summary ({error})") from None
         summaries.append(summary)
     return summaries

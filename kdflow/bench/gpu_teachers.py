@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import GIB, teacher_bytes
+from kdflow.bench.gpu_plan import GIB, reference_config, teacher_bytes
 
 BUILT = "teachers.json"  # in the work folder once every teacher is saved
 
@@ -22,7 +22,7 @@ def build_teachers(work: Path, size: dict[str, Any], device: str) -> dict[str, A
     vocabulary (a tiny BPE trained on Python's docs, its vocabulary padded with ids it never produces), so
     that the student's vocabulary is the teacher's."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     from kdflow.bench.tokenise import pydoc_paragraphs, train_tiny_tokenizer
 
@@ -38,9 +38,8 @@ def build_teachers(work: Path, size: dict[str, Any], device: str) -> dict[str, A
     (work / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     built = {}
     for depth in size["depths"]:
-        config = Qwen3MoeConfig(**(shapes | {"num_hidden_layers": depth}), intermediate_size=4 * shapes["hidden_size"],
-                                max_position_embeddings=max(4096, size["seq_len"]), tie_word_embeddings=False,
-                                eos_token_id=0, bos_token_id=0, pad_token_id=1)
+        config = reference_config(shapes | {"num_hidden_layers": depth},
+                                  max_position_embeddings=max(4096, size["seq_len"]))
         torch.manual_seed(depth)
         build_on = device if device == "cuda" else "cpu"  # random init of billions of weights: on the GPU there
         with torch.device(build_on):
