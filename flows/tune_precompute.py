@@ -59,12 +59,7 @@ def tune_precompute_flow(config: KDFlowConfig, micro_batches: list[int] | str | 
              else tune_search.default_micro_batches(config.precompute))
     weights = not random_weights
     rows_from = tune_search.check_tune_inputs(open_run_root(config), teacher_pass_settings(config), weights=weights)
-    worker_args: tuple[str, ...] = ("--random-weights",) if random_weights else ()
-    if memory_gib is not None:
-        from kdflow.tasks.common.device_memory import check_capped_device
-
-        check_capped_device(config.teacher.device, memory_gib, "memory_gib")
-        worker_args += ("--memory-gib", f"{memory_gib:g}")
+    worker_args = tune_search.worker_options(config.teacher.device, random_weights, memory_gib, "memory_gib")
     logger = get_run_logger()
     logger.info("candidates %s; rows: %s%s%s", ",".join(map(str, sizes)), rows_from,
                 "; random weights" if random_weights else "",

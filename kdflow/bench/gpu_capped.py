@@ -149,7 +149,7 @@ def tune_step(work: Path, size: dict[str, Any], device: str, tokenizer: Path) ->
         "teacher": {"model": str(folder), "load_in_4bit": True, "device": device, "dtype": "bfloat16"},
         "precompute": {"top_k": size["top_k"], "micro_batch": sizes[-1]}}), encoding="utf-8")
     request = check_tune_request(path, micro_batches=",".join(map(str, sizes)), batches=2, random_weights=True)
-    worker_args = ("--random-weights",) + (("--memory-gib", f"{CAP_GIB:g}") if cuda else ())
+    worker_args = tune_search.worker_options(device, True, CAP_GIB if cuda else None)
     with config_file(request.config, "kdflow-gpu-tune-capped-") as resolved:
         candidates = tune_search.tune(resolved, request.sizes, batches=2, timeout_s=150, worker_args=worker_args)
     result = tune_search.summary(candidates, 0.0)  # the cap is the card: whatever ran within it fits

@@ -70,12 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                  warmup=args.warmup, timeout_s=args.timeout_s, write=args.write,
                                  random_weights=args.random_weights)
     config, sizes = request.config, request.sizes
-    worker_args: tuple[str, ...] = ("--random-weights",) if args.random_weights else ()
-    if args.memory_gib is not None:
-        from kdflow.tasks.common.device_memory import check_capped_device
-
-        check_capped_device(config.teacher.device, args.memory_gib)
-        worker_args += ("--memory-gib", f"{args.memory_gib:g}")
+    worker_args = tune_search.worker_options(config.teacher.device, args.random_weights, args.memory_gib)
     device = resolve_device(config.teacher.device)
     on = f"{device} ({config.teacher.device})" if config.teacher.device == "auto" else str(device)
     pre = config.precompute

@@ -122,6 +122,19 @@ def committed_micro_batches(run_root: RunRoot, settings: TeacherPassSettings) ->
     return sizes
 
 
+def worker_options(device_setting: str, random_weights: bool, memory_gib: float | None,
+                   what: str = "--memory-gib") -> tuple[str, ...]:
+    """The tune worker's options for a teacher made from its config (`random_weights`) and a cap of `memory_gib`
+    (checked first: a CUDA device, a positive size; a one-line ConfigError naming `what` otherwise)."""
+    options: tuple[str, ...] = ("--random-weights",) if random_weights else ()
+    if memory_gib is None:
+        return options
+    from kdflow.tasks.common.device_memory import check_capped_device
+
+    check_capped_device(device_setting, memory_gib, what)
+    return (*options, "--memory-gib", f"{memory_gib:g}")
+
+
 def run_candidate(config_path: str, micro_batch: int, *, batches: int, warmup: int, timeout_s: float,
                   on_log: Callable[[str], None] = lambda line: None, worker_args: tuple[str, ...] = ()) -> Candidate:
     """One candidate in a fresh worker process, killed (with its process group) after `timeout_s`; `worker_args`:
