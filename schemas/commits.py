@@ -59,7 +59,8 @@ class TopkShardInfo(_Info):
     logprobs_dtype: str | None = None
     micro_batch: int | None = None
     chunk_tokens: int | None = None
-    head: str | None = None  # how the pass read the logits: "slab", "tiled" or "tiled-triton" (None: before the choice)
+    # how the pass read the logits: "slab", "tiled", "tiled-triton" or "tiled-gemm" (None: before the choice)
+    head: str | None = None
     experts: str | None = None  # how a MoE teacher's experts ran (precompute.experts); None: dense, or before it
     vocab_size: int | None = None  # the teacher's output rows: every top-K id is below it
     format: str | None = None  # "v2"; None: a v1 shard

@@ -149,9 +149,9 @@ class PrecomputeConfig(_Section):
     micro_batch: PositiveInt = Field(default=8, description="Sequences per teacher forward; fixed for the whole run")
     chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per logits chunk; empty: by budget")
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
-    head: Literal["slab", "tiled"] = Field(
-        default="slab", description="How the pass reads the logits: slab (the slab loop) or tiled (once, per tile of "
-                                    "ids; Triton kernels on CUDA); the same targets (`kdflow tune precompute`)")
+    head: Literal["slab", "tiled", "tiled-gemm"] = Field(
+        default="slab", description="How the pass reads the logits: slab loop, tiled (once per tile of ids) or "
+                                    "tiled-gemm (tile stats made by the lm_head GEMM); docs/benchmarks.md")
     experts: Literal["auto", "grouped_mm", "batched_mm", "eager", "kdflow_fused"] = Field(
         default="auto", description="How a MoE teacher's experts run (transformers' experts_implementation, or "
                                     "kdflow_fused: Triton, CUDA); auto: transformers'; `kdflow tune precompute`")

@@ -23,7 +23,7 @@ def test_every_kernel_compiles_for_sm90_and_sm86_within_their_shared_memory() ->
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     compiled = [line for line in lines if "kernel" in line]
     assert not [line for line in lines if "error" in line]
-    kernels = {"tile_stats", "sample_tile_stats", "tile_keys", "expert_gate_up", "expert_down"}
+    kernels = {"tile_stats", "sample_tile_stats", "tile_keys", "head_gemm_tile_stats", "expert_gate_up", "expert_down"}
     for arch in (90, 86):
         assert {line["kernel"] for line in compiled if line["arch"] == arch} == kernels
     assert all(line["fits_shared"] and line["cubin_bytes"] > 0 for line in compiled)
@@ -31,6 +31,8 @@ def test_every_kernel_compiles_for_sm90_and_sm86_within_their_shared_memory() ->
     cases = {line["case"] for line in compiled}
     assert {"tile_stats float32", "tile_stats bfloat16", "sampler gumbel bfloat16", "experts bfloat16 small",
             "experts bfloat16 large"} <= cases
+    gemm = [line for line in compiled if line["case"].startswith("head_gemm bfloat16")]  # a 16-bit head's GEMM:
+    assert gemm and all(line["tensor_cores"] == ("wgmma" if line["arch"] == 90 else "mma") for line in gemm)  # MMA
     experts = [line for line in compiled if line["kernel"].startswith("expert_")]
     assert all(line["tensor_cores"] in ("mma", "wgmma") for line in experts)  # the GEMMs are on tensor cores
     large = [line for line in experts if line["case"].endswith(" large")]

@@ -202,11 +202,12 @@ def test_both_heads_are_timed_and_the_tiled_one_checked_against_the_slab_loop(ma
     config = prepare(make_config(dataset__max_documents=12, precompute__targets=targets,
                                  precompute__sampling__head=4, precompute__sampling__samples=6))
     outcome = measure_heads(open_run_root(config), teacher_pass_settings(config), micro_batch=3, batches=1)
-    slab, tiled = outcome["heads"]
+    slab, tiled, gemm = outcome["heads"]
     assert (slab["head"], slab["runs"], tiled["head"], tiled["runs"]) == ("slab", "slab", "tiled", "tiled")
+    assert gemm["head"] == "tiled-gemm" and "skipped" in gemm  # a CUDA kernel: on a CPU it would time tiled again
     assert tiled["correct"] and tiled["max_logprob_diff"] <= HEAD_TOLERANCE and tiled["max_tail_diff"] <= HEAD_TOLERANCE
     assert tiled["ids_agree"] > 0.99 and slab["tokens_per_s"] > 0 and tiled["tokens_per_s"] > 0
-    assert outcome["recommended_head"] == max(outcome["heads"], key=lambda r: r["tokens_per_s"])["head"]
+    assert outcome["recommended_head"] == max([slab, tiled], key=lambda r: r["tokens_per_s"])["head"]
 
 
 def test_the_head_chosen_is_the_fastest_that_matched_and_really_ran_tiled() -> None:
@@ -218,6 +219,10 @@ def test_the_head_chosen_is_the_fastest_that_matched_and_really_ran_tiled() -> N
     assert choose_head([slab, {"head": "tiled", "runs": "tiled", "tokens_per_s": 300.0, "correct": False}]) == "slab"
     assert choose_head([slab, {"head": "tiled", "runs": "slab", "tokens_per_s": 101.0, "correct": True}]) == "slab"
     assert choose_head([slab, {"head": "tiled", "runs": "tiled", "tokens_per_s": 90.0, "correct": True}]) == "slab"
+    gemm = {"head": "tiled-gemm", "runs": "tiled-gemm", "tokens_per_s": 400.0, "correct": True}
+    assert choose_head([slab, gemm]) == "tiled-gemm"
+    assert choose_head([slab, gemm | {"runs": "tiled"}]) == "slab"  # the GEMM's fallback is the tiled head's
+    assert choose_head([slab, {"head": "tiled-gemm", "runs": "tiled", "skipped": "runs as tiled here"}]) == "slab"
 
 
 def test_a_teacher_with_a_final_logit_transform_runs_the_slab_loop_under_either_head(tmp_path: Path) -> None:
@@ -283,10 +288,11 @@ def test_tune_runs_each_candidate_in_its_own_process_and_writes_the_recommendati
     assert summary["recommended_micro_batch"] == 2 and pids[2] is not None
     heads = summary["heads"]  # both heads timed at the recommendation, the tiled one against the slab loop
     assert heads["status"] == "ok" and heads["micro_batch"] == 2
-    assert [(r["head"], r["runs"]) for r in heads["heads"]] == [("slab", "slab"), ("tiled", "tiled")]
+    assert [(r["head"], r["runs"]) for r in heads["heads"]] == [("slab", "slab"), ("tiled", "tiled"),
+                                                               ("tiled-gemm", "tiled")]  # not timed on a CPU
     assert heads["heads"][1]["correct"] and heads["heads"][1]["max_logprob_diff"] <= 1e-3
     chosen = heads["recommended_head"]
-    assert chosen == max(heads["heads"], key=lambda r: r["tokens_per_s"])["head"]
+    assert chosen == max(heads["heads"][:2], key=lambda r: r["tokens_per_s"])["head"]
     written = before.replace("micro_batch: 4   # tuned", "micro_batch: 2   # tuned")
     assert path.read_text(encoding="utf-8") == written.replace("  head: slab\n", f"  head: {chosen}\n")
     assert f"recommended: precompute.head: {chosen} (the config has slab)" in result.stdout

@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     # A check in which every step skipped (no time left, --only of nothing measurable) measured nothing: that
     # is no pass, whatever the reasons; the set-up steps measure nothing either.
     measured = [name for name, result in steps.results.items() if result["status"] == "ok"]
-    summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick, "ok": bool(measured) and not failed,
+    # A step that measured variants and found some wrong (`incorrect`: bench_head's) keeps the others' figures.
+    incorrect = {name: result["incorrect"] for name, result in results.items() if result.get("incorrect")}
+    summary = {"bench": "gpu_check", "device": args.device, "quick": args.quick,
+               "ok": bool(measured) and not failed and not incorrect, "incorrect": incorrect,
                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                "measured": len(measured), "failed": failed,
                "skipped": [name for name, result in results.items() if result["status"] == "skipped"],

@@ -161,17 +161,19 @@ def bench_precompute(device: str, size: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
-    """`kdflow bench head`: the head's variants (matmul, slab loop, tiled in torch, tiled with the Triton kernel;
-    the same for hybrid targets) at the reference head's shapes, each checked against its slab loop's values."""
+    """`kdflow bench head`: the head's variants (matmul, slab loop, tiled in torch, tiled with the Triton kernel,
+    tiled with the statistics from the Triton GEMM; the first three for hybrid targets) at the reference head's
+    shapes, each checked against its slab loop's values: one that differs is marked `"correct": false` and named in
+    `incorrect` (the check is then not ok), and the others' figures are kept."""
     from kdflow.bench import head
 
     args = options(head.build_parser(), device=device, vocab=[size["loss_vocab"]], hidden=[size["loss_hidden"]],
                    tokens=size["head_tokens"], chunk_tokens=4096, repeats=size["pass_repeats"])
     result = bench("head", head.records(args))
-    off = [r for r in result["records"] if r.get("ids_agree", 1.0) < 0.999 or r.get("max_logprob_diff", 0.0) > 1e-3]
-    if off:
-        raise RuntimeError(f"kdflow bench head: {off[0]['variant']} differs from the slab loop: {off[0]}")
-    return result
+    for record in result["records"]:
+        if "ids_agree" in record:
+            record["correct"] = record["ids_agree"] >= 0.999 and record.get("max_logprob_diff", 0.0) <= 1e-3
+    return result | {"incorrect": [r["variant"] for r in result["records"] if r.get("correct") is False]}
 
 
 def body_variants(config_path: Path, micro_batch: int | None, quick: bool) -> dict[str, Any]:

@@ -3,7 +3,9 @@ token, each way the pass can take it, against the bare lm_head matmul of the sam
 
 Variants: `matmul` (the matmul alone, into the logits buffer: the floor), `slab` (today's slab loop,
 kdflow.tasks.teacher.topk.chunked_topk), `tiled` (the tiled top-K, kdflow.tasks.teacher.tiled_topk, with its tile
-statistics in torch) and `tiled-triton` (the same with the Triton tile kernel; CUDA only, skipped elsewhere); then
+statistics in torch), `tiled-triton` (the same with the Triton tile kernel; CUDA only, skipped elsewhere) and
+`tiled-gemm` (the statistics made by a Triton lm_head GEMM as it writes the logits, kdflow.tasks.teacher.head_gemm;
+CUDA only); then
 the same three for hybrid targets (`--sampling H,S`, an exact top-H and S sampled tokens): `sampled-slab` (the slab
 loop's sampler, kdflow.tasks.teacher.sampling), `sampled-tiled` and `sampled-tiled-triton` (the tiled sampler,
 kdflow.tasks.teacher.sampled_tiles, in torch and with its Triton kernels). One JSON line per (shape, variant):
@@ -25,8 +27,9 @@ import torch
 from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, note, synchronise
 
-VARIANTS = ("matmul", "slab", "tiled", "tiled-triton", "sampled-slab", "sampled-tiled", "sampled-tiled-triton")
-TRITON_VARIANTS = ("tiled-triton", "sampled-tiled-triton")
+VARIANTS = ("matmul", "slab", "tiled", "tiled-triton", "tiled-gemm", "sampled-slab", "sampled-tiled",
+            "sampled-tiled-triton")
+TRITON_VARIANTS = ("tiled-triton", "tiled-gemm", "sampled-tiled-triton")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from kdflow.tasks.teacher.sampled_step import sample_kernels, tiled_head_sample
     from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
-    from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
+    from kdflow.tasks.teacher.tile_stats_kernel import triton_available
     from kdflow.tasks.common.float32_logits import Float32Logits
-    from kdflow.tasks.teacher.tiled_topk import logit_blocks, tiled_head_topk
+    from kdflow.tasks.teacher.tiled_topk import TILED_VARIANTS, logit_blocks, tiled_head_topk
     from kdflow.tasks.teacher.tune_heads import agreement, sampled_fields
     from kdflow.tasks.teacher.topk import chunked_topk
 
@@ -106,11 +109,10 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         runs: dict[str, Callable[[], Any]] = {
             "matmul": matmul,
             "slab": lambda: chunked_topk(hidden, head, args.top_k, args.chunk_tokens, return_tail=True),
-            "tiled": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile,
-                                             float32=float32),
-            "tiled-triton": lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile,
-                                                    stats=tile_stats_triton, float32=float32),
-        } | {variant: sampled(variant) for variant in VARIANTS if variant.startswith("sampled-")}
+        } | {variant: lambda variant=variant: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens,
+                                                              tile=args.tile, float32=float32, variant=variant)
+             for variant in TILED_VARIANTS} | {variant: sampled(variant) for variant in VARIANTS
+                                               if variant.startswith("sampled-")}
         references, floor = {}, None
         for variant in [name for name in VARIANTS if name in args.variants]:
             record = {"bench": "head", "variant": variant, **shape}

@@ -190,7 +190,25 @@ def cases() -> Iterator[tuple[str, Callable[[], Any]]]:
             yield (f"sampler {scheme} {label}",
                    lambda logits=logits, scheme=scheme: (sample_tile_stats_triton(logits, words, scheme, tile),
                                                          tile_keys_triton(logits, words, picked, scheme, tile)))
+    yield from _head_gemm_cases()
     yield from _expert_cases()
+
+
+def _head_gemm_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
+    """The tiled-gemm head's GEMM for a 16-bit head with float32 logits (the pass's default) or its own, and for a
+    float32 head; a hidden size of 64 is whole K steps of every tiling, as the reference's 2,560 is."""
+    import torch
+
+    from kdflow.tasks.teacher.head_gemm import head_gemm_stats
+
+    rows, vocab, width = 4, 1000, 64
+    for weights, logits in ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                            (torch.float32, torch.float32)):
+        label = f"{str(weights).removeprefix('torch.')} -> {str(logits).removeprefix('torch.')}"
+        yield (f"head_gemm {label}",
+               lambda weights=weights, logits=logits: head_gemm_stats(
+                   torch.zeros((rows, width), dtype=weights), torch.zeros((vocab, width), dtype=weights),
+                   torch.empty((rows, vocab), dtype=logits)))
 
 
 def _expert_cases() -> Iterator[tuple[str, Callable[[], Any]]]:

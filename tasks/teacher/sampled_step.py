@@ -20,10 +20,11 @@ __all__ = ["TeacherSampledStep", "sample_kernels", "sampled_head", "tiled_head_s
 
 
 def sampled_head(model: nn.Module, plan: SamplingPlan, head: str, vocab_chunk: int | None = None) -> str:
-    """What reads this teacher's logits for `precompute.head` (slab or tiled): "slab", or "tiled" / "tiled-triton"
-    where the tiled sampler fits (a plain lm_head, the whole vocabulary, no final-logit transform, kdflow.2)."""
+    """What reads this teacher's logits for `precompute.head`: "slab", or "tiled" / "tiled-triton" where the tiled
+    sampler fits (a plain lm_head, the whole vocabulary, no final-logit transform, kdflow.2). The sampler has no
+    GEMM form: `tiled-gemm` samples as `tiled` does."""
     fits = tiled_head_fits(output_layer(model), final_logit_transform(model.config), vocab_chunk)
-    tiled = head == "tiled" and plan.hash_version == "kdflow.2" and fits
+    tiled = head in ("tiled", "tiled-gemm") and plan.hash_version == "kdflow.2" and fits
     return tiled_variant(next(model.parameters()).device) if tiled else "slab"
 
 

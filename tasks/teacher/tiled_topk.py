@@ -30,6 +30,7 @@ from kdflow.tasks.common.models import LogitTransform
 from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
 
 TileStats = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+TILED_VARIANTS = ("tiled", "tiled-triton", "tiled-gemm")  # what a tiled head runs: `tiled_variant`
 
 
 def tile_stats_torch(logits: Tensor, tile: int) -> tuple[Tensor, Tensor]:
@@ -50,12 +51,14 @@ def tiled_topk(logits: Tensor, k: int, tile: int = 128,
                stats: TileStats = tile_stats_torch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """logits (c, V), any float dtype -> (top logits (c, k) float32 by descending value, their ids (c, k) int64,
     log-sum-exp (c,), log-sum-exp outside the top k (c,), -inf where the top k is the whole row)."""
-    rows, vocab = logits.shape
-    if not 1 <= k <= vocab:
-        raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
-    if tile < 1:
-        raise ValueError(f"tile must be >= 1, got {tile}")
-    tile_max, tile_sum = stats(logits, tile)  # (c, n) float32
+    _check_topk(logits.shape[1], k, tile)
+    return topk_of_tiles(logits, k, tile, *stats(logits, tile))
+
+
+def topk_of_tiles(logits: Tensor, k: int, tile: int, tile_max: Tensor,
+                  tile_sum: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`tiled_topk` of logits (c, V) whose tile statistics (c, n) float32 are given (the GEMM made them)."""
+    _check_topk(logits.shape[1], k, tile)
     tiles = tile_max.shape[1]
     picked = torch.topk(tile_max, min(k, tiles), dim=1, sorted=False).indices  # (c, k')
     columns, candidates = tile_candidates(logits, picked, tile)  # (c, k' * tile)
@@ -64,6 +67,13 @@ def tiled_topk(logits: Tensor, k: int, tile: int = 128,
 
     log_normaliser, log_rest = tiled_logsumexps(tile_max, tile_sum, picked, candidates, positions, top_logits[:, :1])
     return top_logits, top_ids, log_normaliser.float(), log_rest.float()
+
+
+def _check_topk(vocab: int, k: int, tile: int) -> None:
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be between 1 and the vocabulary size {vocab}, got {k}")
+    if tile < 1:
+        raise ValueError(f"tile must be >= 1, got {tile}")
 
 
 def tile_columns(picked: Tensor, tile: int) -> Tensor:
@@ -103,6 +113,17 @@ def logit_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int,
     own logits), or with `float32` (`teacher.lm_head_float32`: a `Float32Logits` head) float32 logits, never
     rounded to 16 bits (on CUDA the 16-bit matmul with float32 output). Each block's logits are overwritten by the
     next."""
+    for start, stop, logits in logit_buffers(hidden, weight, chunk_tokens, float32):
+        if float32:
+            logits = float32_logits(hidden[start:stop].to(weight.dtype), weight, out=logits)
+        else:
+            torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
+        yield start, stop, logits
+
+
+def logit_buffers(hidden: Tensor, weight: Tensor, chunk_tokens: int,
+                  float32: bool = False) -> Iterator[tuple[int, int, Tensor]]:
+    """`logit_blocks`' blocks and their (stop - start, V) views of its one buffer, not yet written."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden (N, H) and weight (V, H) do not match: {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}")
@@ -111,26 +132,40 @@ def logit_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int,
     buffer = torch.empty(rows * vocab, dtype=torch.float32 if float32 else weight.dtype, device=hidden.device)
     for start in range(0, tokens, rows):
         stop = min(start + rows, tokens)
-        logits = buffer[: (stop - start) * vocab].view(stop - start, vocab)
-        if float32:
-            logits = float32_logits(hidden[start:stop].to(weight.dtype), weight, out=logits)
-        else:
-            torch.mm(hidden[start:stop].to(weight.dtype), weight.t(), out=logits)
-        yield start, stop, logits
+        yield start, stop, buffer[: (stop - start) * vocab].view(stop - start, vocab)
+
+
+def tiled_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int, *, tile: int = 128, float32: bool = False,
+                 variant: str = "tiled") -> Iterator[tuple[int, int, Tensor, Tensor, Tensor]]:
+    """(start, stop, logits, tile max, tile sum) for each block of `logit_blocks`, as `variant` makes them: `tiled`
+    (torch's sums after the matmul), `tiled-triton` (the Triton tile kernel after it) or `tiled-gemm` (one Triton
+    GEMM writes the logits and their statistics, `kdflow.tasks.teacher.head_gemm`)."""
+    if variant not in TILED_VARIANTS:
+        raise ValueError(f"unknown tiled head variant {variant!r}: one of {', '.join(TILED_VARIANTS)}")
+    if variant == "tiled-gemm":
+        from kdflow.tasks.teacher.head_gemm import head_gemm_stats
+
+        for start, stop, logits in logit_buffers(hidden, weight, chunk_tokens, float32):
+            yield start, stop, logits, *head_gemm_stats(hidden[start:stop].to(weight.dtype), weight, logits, tile)
+        return
+    stats = tile_stats_triton if variant == "tiled-triton" else tile_stats_torch
+    for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens, float32):
+        yield start, stop, logits, *stats(logits, tile)
 
 
 def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,
-                    stats: TileStats = tile_stats_torch, float32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    float32: bool = False, variant: str = "tiled") -> tuple[Tensor, Tensor, Tensor]:
     """`chunked_topk(..., return_tail=True)`'s contract for a plain lm_head weight (V, H) and no final-logit
-    transform: hidden (N, H) -> ids (N, K) int32, log-probs (N, K) float32, tail (N,) float32: `tiled_topk` over
-    each block of `logit_blocks`."""
+    transform: hidden (N, H) -> ids (N, K) int32, log-probs (N, K) float32, tail (N,) float32: the top-K of the
+    tiles of each block of `tiled_blocks`."""
     tokens = hidden.shape[0]
     ids = torch.empty((tokens, k), dtype=torch.int32, device=hidden.device)
     logprobs = torch.empty((tokens, k), dtype=torch.float32, device=hidden.device)
     tail = torch.empty((tokens,), dtype=torch.float32, device=hidden.device)
     with torch.inference_mode():
-        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens, float32):
-            top, top_ids, log_normaliser, log_rest = tiled_topk(logits, k, tile, stats)
+        for start, stop, logits, tile_max, tile_sum in tiled_blocks(hidden, weight, chunk_tokens, tile=tile,
+                                                                    float32=float32, variant=variant):
+            top, top_ids, log_normaliser, log_rest = topk_of_tiles(logits, k, tile, tile_max, tile_sum)
             torch.sub(top, log_normaliser[:, None], out=logprobs[start:stop])
             torch.sub(log_rest, log_normaliser, out=tail[start:stop])
             ids[start:stop].copy_(top_ids)
@@ -151,10 +186,10 @@ def float32_head(lm_head: nn.Module) -> bool:
     return isinstance(lm_head, Float32Logits)
 
 
-def tiled_variant(device: torch.device) -> str:
-    """What a tiled head runs on `device`: the Triton tile kernel on CUDA when Triton is installed, else torch."""
-    return "tiled-triton" if device.type == "cuda" and triton_available() else "tiled"
-
-
-def tile_stats_for(variant: str) -> TileStats:
-    return tile_stats_triton if variant == "tiled-triton" else tile_stats_torch
+def tiled_variant(device: torch.device, head: str = "tiled") -> str:
+    """What a tiled head (`precompute.head`: tiled or tiled-gemm) runs on `device`. On CUDA with Triton installed:
+    `tiled-gemm` (the GEMM writing the tile statistics) for tiled-gemm, `tiled-triton` (the tile kernel after the
+    matmul) for tiled; elsewhere `tiled` (torch's sums after the matmul) for both."""
+    if device.type != "cuda" or not triton_available():
+        return "tiled"
+    return "tiled-gemm" if head == "tiled-gemm" else "tiled-triton"

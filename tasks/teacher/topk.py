@@ -18,8 +18,7 @@ from torch import Tensor, nn
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
-from kdflow.tasks.teacher.tiled_topk import (float32_head, tile_stats_for, tiled_head_fits, tiled_head_topk,
-                                             tiled_variant)
+from kdflow.tasks.teacher.tiled_topk import float32_head, tiled_head_fits, tiled_head_topk, tiled_variant
 
 # Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
 # compute-dtype logits (bf16 is half a row) and the scratch of topk.
@@ -164,9 +163,11 @@ class TeacherTopkStep:
         self.chunk_tokens = chunk_tokens
         self.vocab_chunk = vocab_chunk
         self.workspace: dict[str, Tensor] = {}  # the chunk's logits buffers, reused by every micro-batch
-        # "tiled" needs a plain weight, one vocabulary slab and no final-logit transform; else the slab loop runs.
-        self.tiled = head == "tiled" and tiled_head_fits(self.lm_head, self.logit_transform, vocab_chunk)
-        self.head = "slab" if not self.tiled else tiled_variant(next(model.parameters()).device)
+        # "tiled" and "tiled-gemm" need a plain weight, one vocabulary slab and no final-logit transform; else the
+        # slab loop runs. self.head: what runs (slab, tiled, tiled-triton or tiled-gemm; `tiled_variant`).
+        self.tiled = head in ("tiled", "tiled-gemm") and tiled_head_fits(self.lm_head, self.logit_transform,
+                                                                         vocab_chunk)
+        self.head = "slab" if not self.tiled else tiled_variant(next(model.parameters()).device, head)
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32,
@@ -175,7 +176,7 @@ class TeacherTopkStep:
         hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
         if self.tiled:
             topk_ids, topk_logprobs, tail_logprob = tiled_head_topk(
-                hidden.flatten(0, 1), self.lm_head.weight, self.k, self.chunk_tokens, stats=tile_stats_for(self.head),
+                hidden.flatten(0, 1), self.lm_head.weight, self.k, self.chunk_tokens, variant=self.head,
                 float32=float32_head(self.lm_head))
             return (topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k),
                     tail_logprob.view(batch, seq_len))

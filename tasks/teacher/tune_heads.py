@@ -1,14 +1,15 @@
 """Which head the teacher pass reads its logits with (`precompute.head`), measured on this machine: the tune
 worker's `--heads` body (`kdflow tune precompute`).
 
-Both heads on one loaded teacher and the same rows at one micro-batch: `slab` (the slab loop: the logits of a chunk
-of tokens, then torch's top-K or the sampler over every id) and `tiled` (one read of the logits for each tile's
-statistics, then only the candidate tiles; its Triton kernels on CUDA). Each is timed as the pass runs it (the
-step and its host copy, `tune_trial.pass_step`), and the tiled head's targets are compared with the slab loop's on
-the first micro-batch: log-probs as sorted values per position (ties may order ids differently) and the tail. The
-recommendation is the faster of the two among those within `HEAD_TOLERANCE` of the slab loop; where the tiled head
-cannot take this teacher (a final-logit transform, a vocabulary split in slabs, kdflow.1 sampling) it runs the slab
-loop, and the record says so (`runs`).
+The heads on one loaded teacher and the same rows at one micro-batch: `slab` (the slab loop: the logits of a chunk
+of tokens, then torch's top-K or the sampler over every id), `tiled` (one read of the logits for each tile's
+statistics, then only the candidate tiles; its Triton kernels on CUDA) and `tiled-gemm` (the tiles' statistics
+made by the lm_head GEMM as it writes the logits: a Triton kernel, so timed only where it runs as itself, on CUDA
+for top-K targets). Each is timed as the pass runs it (the step and its host copy, `tune_trial.pass_step`), and the
+tiled heads' targets are compared with the slab loop's on the first micro-batch: log-probs as sorted values per
+position (ties may order ids differently) and the tail. The recommendation is the fastest among those within
+`HEAD_TOLERANCE` of the slab loop; where a tiled head cannot take this teacher (a final-logit transform, a
+vocabulary split in slabs, kdflow.1 sampling) it runs the slab loop, and the record says so (`runs`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kdflow.schemas.storage import RunRoot
 __all__ = ["HEADS", "HEAD_TOLERANCE", "agreement", "choose_head", "head_targets", "measure_heads",
            "sampled_fields"]
 
-HEADS = ("slab", "tiled")
+HEADS = ("slab", "tiled", "tiled-gemm")
 HEAD_TOLERANCE = 1e-3  # nats: the log-probs and tail of two heads reading the same logits (float32 sums' order)
 
 
@@ -52,7 +53,7 @@ def agreement(reference: tuple[Tensor, ...], result: tuple[Tensor, ...]) -> dict
 
 def head_targets(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int,
                  input_ids: Tensor) -> tuple[str, tuple[Tensor, Tensor, Tensor]]:
-    """One micro-batch's targets under the settings' head -> (what ran: slab, tiled or tiled-triton, (ids,
+    """One micro-batch's targets under the settings' head -> (what ran: slab, tiled, tiled-triton or tiled-gemm, (ids,
     log-probs, tail) with a position per row, on the host)."""
     from kdflow.tasks.teacher.sampled_pass import sampled_step
     from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
@@ -87,6 +88,10 @@ def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch:
     for head in HEADS:
         candidate = dataclasses.replace(settings, precompute=settings.precompute.model_copy(update={"head": head}))
         ran, targets = head_targets(candidate, model, vocab, first)
+        if head == "tiled-gemm" and ran != head:  # the GEMM's fallback is the tiled head, timed already
+            records.append({"head": head, "runs": ran, "skipped": f"runs as {ran} here: the GEMM is a Triton kernel "
+                                                                  "for top-K targets on CUDA"})
+            continue
         step, _ = pass_step(candidate, model, vocab, micro_batch, device)
         seconds = time_micro_batches(step, ids, micro_batch, warmup, batches, device, run_root)
         record = {"head": head, "runs": ran, "tokens_per_s": round(batches * ids.shape[1] * micro_batch / seconds, 1)}
@@ -102,7 +107,7 @@ def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch:
 
 
 def choose_head(records: list[dict[str, Any]]) -> str:
-    """The fastest head whose targets matched the slab loop's; a head that fell back to the slab loop on this
-    teacher (`runs`: slab) is not a choice of its own."""
-    fitting = [r for r in records if r.get("correct", True) and (r["head"] == "slab" or r["runs"] != "slab")]
+    """The fastest head whose targets matched the slab loop's; a head that fell back to another on this teacher
+    (`runs`: slab for a tiled head, tiled for tiled-gemm) is not a choice of its own."""
+    fitting = [r for r in records if "tokens_per_s" in r and r.get("correct", True) and r["runs"].startswith(r["head"])]
     return max(fitting, key=lambda r: r["tokens_per_s"])["head"]

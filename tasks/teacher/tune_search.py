@@ -309,10 +309,13 @@ def experts_report(outcome: dict[str, Any], configured: str) -> str:
 
 
 def heads_report(outcome: dict[str, Any], configured: str) -> str:
-    """`run_trial("heads")`'s outcome as lines: each head's tokens/s (the pass's step) and, for the tiled one, its
-    distance from the slab loop's targets; the recommendation."""
+    """`run_trial("heads")`'s outcome as lines: each head's tokens/s (the pass's step) and, for the tiled ones, their
+    distance from the slab loop's targets (or why one was not timed); the recommendation."""
     rows = []
     for r in outcome["heads"]:
+        if "tokens_per_s" not in r:
+            rows.append((r["head"], r.get("skipped", "")))
+            continue
         runs = f" (runs {r['runs']})" if r["runs"] != r["head"] else ""
         detail = f"{r['tokens_per_s']:>12,.0f} tok/s{runs}"
         if "max_logprob_diff" in r:

@@ -1,0 +1,94 @@
+"""The lm_head matmul with the tile statistics in its epilogue: `precompute.head: tiled-gemm` (issue 44, item 5).
+
+The tiled head (`kdflow.tasks.teacher.tiled_topk`) has the matmul write a block's logits, then reads all of them once
+more for each tile's max and sum of exp(logit - max) (`tile_stats`). Here one Triton GEMM does both: each of its
+output tiles (rows x `tile` ids, accumulated in float32) is written in the logits' dtype and reduced to those two
+numbers per row while it is still in registers. The logits are then read back only in the K candidate tiles a row
+picks (1/12 of the row at the reference's K = 128, tile 128, 196,608 ids). At those shapes that saves one read of
+the block's logits, 0.79 MB a token in float32 (~0.16 us at an H200's 4.8 TB/s), against whatever the Triton GEMM
+loses to cuBLAS's: which is faster is measured (`kdflow bench head`, `kdflow tune precompute`), not assumed.
+
+The statistics are those of the values as written (after rounding to bf16 logits, if that is the logits' dtype), so
+that the tiles picked by their maxima hold the largest logits the candidates are read from. The suite runs the
+kernel through Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the torch matmul and
+`tile_stats_torch`; `kdflow bench kernels` compiles it for sm_90, sm_86 and sm_80; a GPU times it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
+
+__all__ = ["GemmTiles", "gemm_tiles", "head_gemm_stats"]
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Rows per program, the reduction step, Triton's warps and pipeline stages (the ids per program are the
+    head's tile)."""
+
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_tiles(arch: int | None, dtype: torch.dtype) -> GemmTiles:
+    """The tiling for a compute capability (90: Hopper; 80-89: Ampere, Ada, the 24 GB reference card; None: Triton's
+    interpreter, small blocks) and the weight's dtype. 16-bit weights on Hopper take a K step of 64 (warp-group MMA);
+    elsewhere 32, so that three stages fit an RTX 3090's 99 KiB of shared memory; float32 weights take two stages."""
+    if arch is None:
+        return GemmTiles(16, 32, num_warps=4, num_stages=1)
+    wide = dtype.itemsize == 4
+    if arch >= 90 and not wide:
+        return GemmTiles(128, 64, num_warps=8, num_stages=3)
+    return GemmTiles(128, 32, num_warps=8, num_stages=2 if wide else 3)
+
+
+def head_gemm_stats(hidden: Tensor, weight: Tensor, out: Tensor, tile: int = 128) -> tuple[Tensor, Tensor]:
+    """hidden (c, H) and weight (V, H) of one dtype -> `out` (c, V) = hidden @ weight^T in out's dtype (float32, or
+    the weight's), and per tile of `tile` ids (c, n) float32: the max and the sum of exp(logit - max) of the logits
+    as written (`tile_stats_torch`'s contract; the last tile's padding counts as -inf)."""
+    import triton
+
+    from kdflow.tasks.teacher import head_gemm_jit
+
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden (c, H) and weight (V, H) do not match: {tuple(hidden.shape)}, {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must have one dtype, got {hidden.dtype} and {weight.dtype}")
+    rows, width = hidden.shape
+    vocab = weight.shape[0]
+    if out.shape != (rows, vocab) or out.dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"out must be ({rows}, {vocab}) of float32 or {weight.dtype}, got {tuple(out.shape)} "
+                         f"{out.dtype}")
+    if hidden.stride(1) != 1 or weight.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("hidden, weight and out must have contiguous rows")
+    check_triton_device(hidden, "the tiled-gemm head runs", ": set precompute.head to tiled or slab")
+    interpreted = hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    tiles = gemm_tiles(None if interpreted else _target_arch(), weight.dtype)
+    count = triton.cdiv(vocab, tile)
+    tile_max = torch.empty((rows, count), dtype=torch.float32, device=hidden.device)
+    tile_sum = torch.empty((rows, count), dtype=torch.float32, device=hidden.device)
+    if rows:
+        grid = (triton.cdiv(rows, tiles.block_m), count)
+        head_gemm_jit.head_gemm_tile_stats[grid](
+            hidden, weight, out, tile_max, tile_sum, rows, vocab, width, count,
+            hidden.stride(0), weight.stride(0), out.stride(0), BLOCK_M=tiles.block_m, TILE=tile,
+            BLOCK_K=tiles.block_k, EVEN_K=width % tiles.block_k == 0, UPCAST=hidden.device.type != "cuda",
+            IEEE=weight.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return tile_max, tile_sum
+
+
+def _target_arch() -> int:
+    """The compute capability Triton compiles for (the GPU in use; `kdflow bench kernels`' stand-in target)."""
+    from triton.runtime import driver
+
+    return int(driver.active.get_current_target().arch)

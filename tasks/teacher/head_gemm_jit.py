@@ -1,0 +1,56 @@
+"""The jitted Triton kernel of the `tiled-gemm` head; its wrapper and contract: `head_gemm`. Imported only when the
+kernel is first used (it imports Triton).
+
+One program computes one (BLOCK_M rows, TILE ids) block of logits = hidden @ weight^T, accumulated in float32 over
+the hidden size, writes it in the logits' dtype and, from the values as written, the tile's max and sum of
+exp(logit - max) for each of its rows: the tile statistics `tiled_topk` would otherwise read the logits again for.
+The grid's first axis runs over row blocks, so the programs that run together share one tile of the weight (read
+from memory once) while the chunk's hidden states stay in L2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def head_gemm_tile_stats(h_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, rows, vocab, width, tiles,
+                         h_stride, w_stride, out_stride,
+                         BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    row_block = tl.program_id(0)
+    tile = tl.program_id(1)
+    offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) rows of hidden and logits
+    offs_n = tile * TILE + tl.arange(0, TILE)  # (TILE,) vocabulary ids
+    offs_k = tl.arange(0, BLOCK_K)
+    live_m = offs_m < rows
+    live_n = offs_n < vocab
+    h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * h_stride  # (BM, 1)
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * w_stride  # (1, TILE): the weight read as (BK, TILE)
+    acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            a = tl.load(h_rows + ks[None, :], mask=live_m[:, None], other=0.0)  # (BM, BK)
+            b = tl.load(w_rows + ks[:, None], mask=live_n[None, :], other=0.0)  # (BK, TILE)
+        else:
+            a = tl.load(h_rows + ks[None, :], mask=live_m[:, None] & (ks[None, :] < width), other=0.0)
+            b = tl.load(w_rows + ks[:, None], mask=live_n[None, :] & (ks[:, None] < width), other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies 16-bit floats wrongly: it is given float32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:  # float32 weights: full float32 products, not TF32's
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    written = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * out_stride + offs_n[None, :], written,
+             mask=live_m[:, None] & live_n[None, :])
+    values = tl.where(live_n[None, :], written.to(tl.float32), float("-inf"))  # the statistics of what was written
+    top = tl.max(values, axis=1)  # (BM,)
+    shift = tl.where(top == float("-inf"), 0.0, top)  # a tile of -inf only sums to 0, not NaN
+    total = tl.sum(tl.exp(values - shift[:, None]), axis=1)
+    stats = offs_m.to(tl.int64) * tiles + tile
+    tl.store(max_ptr + stats, top, mask=live_m)
+    tl.store(sum_ptr + stats, total, mask=live_m)
