@@ -1,6 +1,7 @@
 """The tiled-gemm head (kdflow.tasks.teacher.head_gemm): its Triton GEMM run through Triton's interpreter (the suite
-sets TRITON_INTERPRET=1, CPU tensors) against a float64 matmul and the torch tile statistics of what it wrote, and
-the head's targets against the tiled head's and the slab loop's, on fresh random inputs each run."""
+sets TRITON_INTERPRET=1, CPU tensors) against a float64 matmul and the tile statistics (and the sampler's keys) of
+what it wrote, and the head's targets against the tiled head's and the slab loop's, on fresh random inputs each
+run."""
 
 from __future__ import annotations
 
@@ -68,15 +69,42 @@ def test_the_tiled_gemm_head_gives_the_tiled_heads_and_the_slab_loops_targets(dt
         torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-5)
 
 
-def test_the_pass_step_reads_a_teachers_head_through_the_gemm(tiny_teacher_dir) -> None:
-    """A whole teacher's step with `precompute.head: tiled-gemm`: on a CPU it runs as tiled (the GEMM is a CUDA
-    kernel), and made to run the GEMM (through the interpreter) it gives the same targets."""
+@pytest.mark.parametrize("scheme", ["priority", "gumbel"])
+@pytest.mark.parametrize("weights, logits", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_for_sampled_targets_the_gemm_also_writes_each_tiles_max_key(scheme: str, weights: torch.dtype,
+                                                                     logits: torch.dtype) -> None:
+    from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
+    from kdflow.tasks.teacher.sample_tile_kernel import sample_tile_stats_triton
+    from kdflow.tasks.teacher.sampled_tiles import sample_tile_stats_torch
+    from kdflow.tasks.teacher.sampling_noise import position_streams, stream_words
+
+    generator = fresh()
+    rows, vocab = 19, int(torch.randint(300, 700, (1,), generator=generator))
+    hidden = torch.randn(rows, 32, generator=generator).to(weights)
+    weight = torch.randn(vocab, 32, generator=generator).to(weights)
+    words = stream_words(position_streams(int(torch.randint(0, 99, (1,), generator=generator)), 3,
+                                          torch.arange(rows) // 5, torch.arange(rows) % 5))
+    out = torch.empty((rows, vocab), dtype=logits)
+    got = head_gemm_sample_stats(hidden, weight, out, words, scheme, tile=64)
+    kernel = sample_tile_stats_triton(out, words, scheme, 64)  # the sampler's own kernel on what the GEMM wrote
+    assert torch.equal(got[0], kernel[0]) and torch.equal(got[2], kernel[2])  # one arithmetic: the same bits
+    torch.testing.assert_close(got[1], kernel[1], rtol=1e-5, atol=0)
+    want = sample_tile_stats_torch(out, words, scheme, 64)
+    torch.testing.assert_close(got[2], want[2], rtol=2e-6, atol=2e-6)  # and torch's form of the keys
+
+
+def test_the_pass_steps_read_a_teachers_head_through_the_gemm(tiny_teacher_dir) -> None:
+    """A whole teacher's steps with `precompute.head: tiled-gemm`: on a CPU they run as tiled (the GEMM is a CUDA
+    kernel), and made to run the GEMM (through the interpreter) they give the same targets. Fixed inputs: the
+    GEMM's sums run in another order than torch's matmul, which may swap two sampled keys that close."""
     from kdflow.schemas.config import TeacherConfig
     from kdflow.tasks.common.teacher_loading import load_teacher
+    from kdflow.tasks.teacher.sampled_step import TeacherSampledStep
+    from kdflow.tasks.teacher.sampling import SamplingPlan
     from kdflow.tasks.teacher.topk import TeacherTopkStep
 
     model = load_teacher(TeacherConfig(model=str(tiny_teacher_dir), device="cpu", dtype="bfloat16"))
-    ids = torch.randint(0, 384, (2, 16), generator=fresh())
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(3))
     step = TeacherTopkStep(model, 16, 8, head="tiled-gemm")
     assert step.head == "tiled"
     want = step(ids)
@@ -85,10 +113,17 @@ def test_the_pass_step_reads_a_teachers_head_through_the_gemm(tiny_teacher_dir) 
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-5)
+    sampler = TeacherSampledStep(model, SamplingPlan(head=4, samples=6), 8, head="tiled-gemm")
+    assert sampler.head == "tiled"
+    expected = sampler(ids, shard=1, first_row=0)
+    sampler.head = "tiled-gemm"
+    drawn = sampler(ids, shard=1, first_row=0)
+    assert torch.equal(drawn.head_ids, expected.head_ids) and torch.equal(drawn.sample_ids, expected.sample_ids)
+    torch.testing.assert_close(drawn.sample_logprobs, expected.sample_logprobs, rtol=0, atol=1e-5)
 
 
 def test_bad_input_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdflow.tasks.teacher.head_gemm import head_gemm_stats
+    from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats, head_gemm_stats
     from kdflow.tasks.teacher.tiled_topk import tiled_blocks
 
     hidden, weight, out = torch.zeros(4, 32), torch.zeros(100, 32), torch.zeros(4, 100)
@@ -100,6 +135,8 @@ def test_bad_input_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
         head_gemm_stats(hidden, weight, torch.zeros(4, 99))
     with pytest.raises(ValueError, match="unknown tiled head variant 'gemm'"):
         next(tiled_blocks(hidden, weight, 4, variant="gemm"))
+    with pytest.raises(ValueError, match=r"words must have one entry per row \(4\)"):
+        head_gemm_sample_stats(hidden, weight, out, torch.zeros(3, dtype=torch.int32), "gumbel")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="the tiled-gemm head runs on CUDA tensors .*: set precompute.head to tiled"):
         head_gemm_stats(hidden, weight, out)

@@ -31,8 +31,9 @@ def test_every_kernel_compiles_for_sm90_and_sm86_within_their_shared_memory() ->
     cases = {line["case"] for line in compiled}
     assert {"tile_stats float32", "tile_stats bfloat16", "sampler gumbel bfloat16", "experts bfloat16 small",
             "experts bfloat16 large"} <= cases
-    gemm = [line for line in compiled if line["case"].startswith("head_gemm bfloat16")]  # a 16-bit head's GEMM:
-    assert gemm and all(line["tensor_cores"] == ("wgmma" if line["arch"] == 90 else "mma") for line in gemm)  # MMA
+    assert {"head_gemm bfloat16 -> float32", "head_gemm sampler gumbel bfloat16 -> float32"} <= cases
+    gemm = [line for line in compiled if line["case"].startswith("head_gemm") and "bfloat16 ->" in line["case"]]
+    assert gemm and all(line["tensor_cores"] == ("wgmma" if line["arch"] == 90 else "mma") for line in gemm)
     experts = [line for line in compiled if line["kernel"].startswith("expert_")]
     assert all(line["tensor_cores"] in ("mma", "wgmma") for line in experts)  # the GEMMs are on tensor cores
     large = [line for line in experts if line["case"].endswith(" large")]

@@ -3,15 +3,14 @@ token, each way the pass can take it, against the bare lm_head matmul of the sam
 
 Variants: `matmul` (the matmul alone, into the logits buffer: the floor), `slab` (today's slab loop,
 kdflow.tasks.teacher.topk.chunked_topk), `tiled` (the tiled top-K, kdflow.tasks.teacher.tiled_topk, with its tile
-statistics in torch), `tiled-triton` (the same with the Triton tile kernel; CUDA only, skipped elsewhere) and
-`tiled-gemm` (the statistics made by a Triton lm_head GEMM as it writes the logits, kdflow.tasks.teacher.head_gemm;
-CUDA only); then
-the same three for hybrid targets (`--sampling H,S`, an exact top-H and S sampled tokens): `sampled-slab` (the slab
-loop's sampler, kdflow.tasks.teacher.sampling), `sampled-tiled` and `sampled-tiled-triton` (the tiled sampler,
-kdflow.tasks.teacher.sampled_tiles, in torch and with its Triton kernels). One JSON line per (shape, variant):
-microseconds per token (the best of `--repeats` after a warm-up), the ratio to the matmul, and the largest
-difference of its log-probs from its slab loop's with the share of ids it agrees on. Random hidden states and
-weights: the speed does not depend on what the numbers mean.
+statistics in torch), `tiled-triton` (the same with the Triton tile kernel) and `tiled-gemm` (the statistics made
+by a Triton lm_head GEMM as it writes the logits, kdflow.tasks.teacher.head_gemm); then the same for hybrid targets
+(`--sampling H,S`, an exact top-H and S sampled tokens): `sampled-slab` (the slab loop's sampler,
+kdflow.tasks.teacher.sampling), `sampled-tiled`, `sampled-tiled-triton` and `sampled-tiled-gemm` (the tiled
+sampler, kdflow.tasks.teacher.sampled_tiles). The Triton variants are timed on CUDA only, skipped elsewhere.
+One JSON line per (shape, variant): microseconds per token (the best of `--repeats` after a warm-up), the ratio to
+the matmul, and the largest difference of its log-probs from its slab loop's with the share of ids it agrees on.
+Random hidden states and weights: the speed does not depend on what the numbers mean.
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, note, synchronise
 
 VARIANTS = ("matmul", "slab", "tiled", "tiled-triton", "tiled-gemm", "sampled-slab", "sampled-tiled",
-            "sampled-tiled-triton")
-TRITON_VARIANTS = ("tiled-triton", "tiled-gemm", "sampled-tiled-triton")
+            "sampled-tiled-triton", "sampled-tiled-gemm")
+TRITON_VARIANTS = ("tiled-triton", "tiled-gemm", "sampled-tiled-triton", "sampled-tiled-gemm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    from kdflow.tasks.teacher.sampled_step import sample_kernels, tiled_head_sample
+    from kdflow.tasks.teacher.sampled_step import tiled_head_sample
     from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
     from kdflow.tasks.teacher.tile_stats_kernel import triton_available
     from kdflow.tasks.common.float32_logits import Float32Logits
@@ -102,9 +101,9 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         def sampled(variant: str) -> Callable[[], Any]:
             if variant == "sampled-slab":
                 return lambda: sampled_fields(chunked_sampled(hidden, head, plan, args.chunk_tokens, **where))
-            kernels = sample_kernels(variant.removeprefix("sampled-"))
             return lambda: sampled_fields(tiled_head_sample(hidden, weight, plan, args.chunk_tokens, tile=args.tile,
-                                                             kernels=kernels, float32=float32, **where))
+                                                             variant=variant.removeprefix("sampled-"),
+                                                             float32=float32, **where))
 
         runs: dict[str, Callable[[], Any]] = {
             "matmul": matmul,

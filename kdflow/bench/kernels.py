@@ -196,10 +196,11 @@ def cases() -> Iterator[tuple[str, Callable[[], Any]]]:
 
 def _head_gemm_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
     """The tiled-gemm head's GEMM for a 16-bit head with float32 logits (the pass's default) or its own, and for a
-    float32 head; a hidden size of 64 is whole K steps of every tiling, as the reference's 2,560 is."""
+    float32 head; with the sampler's keys for the default; a hidden size of 64 is whole K steps of every tiling, as
+    the reference's 2,560 is."""
     import torch
 
-    from kdflow.tasks.teacher.head_gemm import head_gemm_stats
+    from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats, head_gemm_stats
 
     rows, vocab, width = 4, 1000, 64
     for weights, logits in ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -209,6 +210,10 @@ def _head_gemm_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
                lambda weights=weights, logits=logits: head_gemm_stats(
                    torch.zeros((rows, width), dtype=weights), torch.zeros((vocab, width), dtype=weights),
                    torch.empty((rows, vocab), dtype=logits)))
+    yield ("head_gemm sampler gumbel bfloat16 -> float32",
+           lambda: head_gemm_sample_stats(torch.zeros((rows, width), dtype=torch.bfloat16),
+                                          torch.zeros((vocab, width), dtype=torch.bfloat16),
+                                          torch.empty((rows, vocab)), torch.zeros(rows, dtype=torch.int32), "gumbel"))
 
 
 def _expert_cases() -> Iterator[tuple[str, Callable[[], Any]]]:

@@ -8,6 +8,10 @@ picks (1/12 of the row at the reference's K = 128, tile 128, 196,608 ids). At th
 the block's logits, 0.79 MB a token in float32 (~0.16 us at an H200's 4.8 TB/s), against whatever the Triton GEMM
 loses to cuBLAS's: which is faster is measured (`kdflow bench head`, `kdflow tune precompute`), not assumed.
 
+For sampled and hybrid targets the same GEMM also writes each tile's max key (logit + kdflow.2 noise, by the
+tiled sampler's own arithmetic, `head_gemm_sample_stats`): the three numbers `kdflow.tasks.teacher.sampled_tiles`
+reads the logits for.
+
 The statistics are those of the values as written (after rounding to bf16 logits, if that is the logits' dtype), so
 that the tiles picked by their maxima hold the largest logits the candidates are read from. The suite runs the
 kernel through Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the torch matmul and
@@ -24,7 +28,7 @@ from torch import Tensor
 
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
-__all__ = ["GemmTiles", "gemm_tiles", "head_gemm_stats"]
+__all__ = ["GemmTiles", "gemm_tiles", "head_gemm_sample_stats", "head_gemm_stats"]
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,26 @@ def head_gemm_stats(hidden: Tensor, weight: Tensor, out: Tensor, tile: int = 128
     """hidden (c, H) and weight (V, H) of one dtype -> `out` (c, V) = hidden @ weight^T in out's dtype (float32, or
     the weight's), and per tile of `tile` ids (c, n) float32: the max and the sum of exp(logit - max) of the logits
     as written (`tile_stats_torch`'s contract; the last tile's padding counts as -inf)."""
+    tile_max, tile_sum, _ = _launch(hidden, weight, out, tile, None, "priority")
+    return tile_max, tile_sum
+
+
+def head_gemm_sample_stats(hidden: Tensor, weight: Tensor, out: Tensor, words: Tensor, scheme: str,
+                           tile: int = 128) -> tuple[Tensor, Tensor, Tensor]:
+    """`head_gemm_stats` and, third, each tile's max key under the rows' kdflow.2 stream words (c,) and `scheme`:
+    `sample_tile_stats_torch`'s contract for the logits as written."""
+    if words.shape != (hidden.shape[0],):
+        raise ValueError(f"words must have one entry per row ({hidden.shape[0]}), got {tuple(words.shape)}")
+    tile_max, tile_sum, key_max = _launch(hidden, weight, out, tile, words, scheme)
+    return tile_max, tile_sum, key_max
+
+
+def _launch(hidden: Tensor, weight: Tensor, out: Tensor, tile: int, words: Tensor | None,
+            scheme: str) -> tuple[Tensor, Tensor, Tensor]:
     import triton
 
     from kdflow.tasks.teacher import head_gemm_jit
+    from kdflow.tasks.teacher.sample_tile_kernel import SCHEME_CODES
 
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
@@ -75,16 +96,18 @@ def head_gemm_stats(hidden: Tensor, weight: Tensor, out: Tensor, tile: int = 128
     interpreted = hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     tiles = gemm_tiles(None if interpreted else _target_arch(), weight.dtype)
     count = triton.cdiv(vocab, tile)
-    tile_max = torch.empty((rows, count), dtype=torch.float32, device=hidden.device)
-    tile_sum = torch.empty((rows, count), dtype=torch.float32, device=hidden.device)
+    sample = words is not None
+    stats = [torch.empty((rows, count), dtype=torch.float32, device=hidden.device) for _ in range(3 if sample else 2)]
     if rows:
         grid = (triton.cdiv(rows, tiles.block_m), count)
         head_gemm_jit.head_gemm_tile_stats[grid](
-            hidden, weight, out, tile_max, tile_sum, rows, vocab, width, count,
+            hidden, weight, out, stats[0], stats[1], words.contiguous() if sample else stats[0],
+            stats[2] if sample else stats[0], rows, vocab, width, count,
             hidden.stride(0), weight.stride(0), out.stride(0), BLOCK_M=tiles.block_m, TILE=tile,
             BLOCK_K=tiles.block_k, EVEN_K=width % tiles.block_k == 0, UPCAST=hidden.device.type != "cuda",
-            IEEE=weight.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return tile_max, tile_sum
+            IEEE=weight.dtype == torch.float32, SAMPLE=sample, SCHEME=SCHEME_CODES[scheme],
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return stats[0], stats[1], stats[2] if sample else stats[0]
 
 
 def _target_arch() -> int:

@@ -3,7 +3,9 @@ kernel is first used (it imports Triton).
 
 One program computes one (BLOCK_M rows, TILE ids) block of logits = hidden @ weight^T, accumulated in float32 over
 the hidden size, writes it in the logits' dtype and, from the values as written, the tile's max and sum of
-exp(logit - max) for each of its rows: the tile statistics `tiled_topk` would otherwise read the logits again for.
+exp(logit - max) for each of its rows: the tile statistics `tiled_topk` would otherwise read the logits again for;
+with SAMPLE also the tile's max key for the tiled sampler (`sample_tile_jit.keys_of`, the same arithmetic as the
+sampler's own kernels, so that the keys it recomputes for the picked tiles agree bit for bit).
 The grid's first axis runs over row blocks, so the programs that run together share one tile of the weight (read
 from memory once) while the chunk's hidden states stay in L2.
 """
@@ -13,12 +15,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdflow.tasks.teacher.sample_tile_jit import keys_of
+
 
 @triton.jit
-def head_gemm_tile_stats(h_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, rows, vocab, width, tiles,
+def head_gemm_tile_stats(h_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, words_ptr, key_ptr, rows, vocab, width, tiles,
                          h_stride, w_stride, out_stride,
                          BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr, SAMPLE: tl.constexpr, SCHEME: tl.constexpr):
     row_block = tl.program_id(0)
     tile = tl.program_id(1)
     offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) rows of hidden and logits
@@ -54,3 +58,7 @@ def head_gemm_tile_stats(h_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, rows, vocab, w
     stats = offs_m.to(tl.int64) * tiles + tile
     tl.store(max_ptr + stats, top, mask=live_m)
     tl.store(sum_ptr + stats, total, mask=live_m)
+    if SAMPLE:  # the tiled sampler's third number: the tile's max key (logit + the row's kdflow.2 noise)
+        word = tl.load(words_ptr + offs_m, mask=live_m, other=0).to(tl.uint32, bitcast=True)  # (BM,)
+        keys = tl.where(live_n[None, :], keys_of(values, word[:, None], offs_n[None, :], SCHEME), float("-inf"))
+        tl.store(key_ptr + stats, tl.max(keys, axis=1), mask=live_m)

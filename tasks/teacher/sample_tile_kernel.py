@@ -17,7 +17,7 @@ from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
 __all__ = ["TRITON_KERNELS", "sample_tile_stats_triton", "tile_keys_triton"]
 
-_SCHEME_CODES = {"priority": 0, "gumbel": 1}
+SCHEME_CODES = {"priority": 0, "gumbel": 1}  # the kernels' SCHEME: kdflow.2 noise's schemes
 
 
 def _check(logits: Tensor, tile: int, group: int) -> None:
@@ -40,7 +40,7 @@ def sample_tile_stats_triton(logits: Tensor, words: Tensor, scheme: str, tile: i
     out = [torch.empty((rows, tiles), dtype=torch.float32, device=logits.device) for _ in range(3)]
     grid = (rows, triton.cdiv(tiles, group))
     kernels["stats"][grid](logits, words.contiguous(), *out, vocab, tiles, logits.stride(0),
-                           SCHEME=_SCHEME_CODES[scheme], TILE=tile, GROUP=group)
+                           SCHEME=SCHEME_CODES[scheme], TILE=tile, GROUP=group)
     return out[0], out[1], out[2]
 
 
@@ -54,7 +54,7 @@ def tile_keys_triton(logits: Tensor, words: Tensor, picked: Tensor, scheme: str,
     keys = torch.empty((rows, count * tile), dtype=torch.float32, device=logits.device)
     picked = picked.to(torch.int32).contiguous()
     kernels["keys"][(rows, count)](logits, words.contiguous(), picked, keys, vocab, count, logits.stride(0),
-                                   SCHEME=_SCHEME_CODES[scheme], TILE=tile)
+                                   SCHEME=SCHEME_CODES[scheme], TILE=tile)
     return keys
 
 

@@ -37,10 +37,10 @@ _HOST_DTYPES = {"head_ids": torch.int32, "head_logprobs": torch.float32, "tail_l
 def sampled_chunk_tokens(pre: PrecomputeConfig, vocab: int, head: str = "slab") -> int:
     """Rows per chunk: precompute.chunk_tokens, else ~3x fewer than the top-K pass takes in the same budget
     (the sampler in torch holds ~24 bytes per logit, the top-K pass ~8), or as many as the top-K pass where the
-    Triton kernels read the logits (`head` tiled-triton: nothing but the logits per row)."""
+    Triton kernels read the logits (`head` tiled-triton or tiled-gemm: nothing but the logits per row)."""
     if pre.chunk_tokens:
         return pre.chunk_tokens
-    per_logit = {} if head == "tiled-triton" else {"logits_dtype_bytes": SAMPLER_BYTES_PER_LOGIT}
+    per_logit = {} if head in ("tiled-triton", "tiled-gemm") else {"logits_dtype_bytes": SAMPLER_BYTES_PER_LOGIT}
     return choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20, **per_logit)
 
 
@@ -80,7 +80,7 @@ class SampledPass:
         self.codec, self.micro_batch, self.chunk_tokens = codec, settings.precompute.micro_batch, chunk_tokens
         self.step = TeacherSampledStep(model, SamplingPlan.from_config(settings.precompute), chunk_tokens,
                                        head=settings.precompute.head)
-        self.head = self.step.head  # slab, tiled or tiled-triton: each shard's commit record says which ran
+        self.head = self.step.head  # slab, tiled, tiled-triton or tiled-gemm: each shard's commit records which ran
         self.device = next(model.parameters()).device
         self.free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
         shapes = {"head_ids": (codec.head,), "head_logprobs": (codec.head,), "tail_logprob": (),

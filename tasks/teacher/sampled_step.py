@@ -1,6 +1,7 @@
 """One micro-batch of sampled targets through the teacher: its body, then its head by the slab loop's sampler
 (`kdflow.tasks.teacher.sampling`) or, with `precompute.head: tiled`, the tiled sampler
-(`kdflow.tasks.teacher.sampled_tiles`; its Triton kernels on CUDA), which needs a plain lm_head weight, the whole
+(`kdflow.tasks.teacher.sampled_tiles`; its Triton kernels on CUDA; with `tiled-gemm` its tile statistics made by
+the lm_head GEMM, `kdflow.tasks.teacher.head_gemm`), which needs a plain lm_head weight, the whole
 vocabulary at once, no final-logit transform and kdflow.2 noise. Both draw the same targets from the same logits.
 """
 
@@ -13,24 +14,26 @@ from kdflow.tasks.common.models import body_hidden_states, final_logit_transform
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
 from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
-from kdflow.tasks.teacher.sampling_noise import position_streams
-from kdflow.tasks.teacher.tiled_topk import float32_head, logit_blocks, tiled_head_fits, tiled_variant
+from kdflow.tasks.teacher.sampling_noise import position_streams, stream_words
+from kdflow.tasks.teacher.tiled_topk import (TILED_VARIANTS, float32_head, logit_blocks, logit_buffers,
+                                             tiled_head_fits, tiled_variant)
 
 __all__ = ["TeacherSampledStep", "sample_kernels", "sampled_head", "tiled_head_sample"]
 
 
 def sampled_head(model: nn.Module, plan: SamplingPlan, head: str, vocab_chunk: int | None = None) -> str:
-    """What reads this teacher's logits for `precompute.head`: "slab", or "tiled" / "tiled-triton" where the tiled
-    sampler fits (a plain lm_head, the whole vocabulary, no final-logit transform, kdflow.2). The sampler has no
-    GEMM form: `tiled-gemm` samples as `tiled` does."""
+    """What reads this teacher's logits for `precompute.head`: "slab", or what a tiled head runs
+    (`tiled_topk.tiled_variant`: tiled, tiled-triton, tiled-gemm) where the tiled sampler fits (a plain lm_head, the
+    whole vocabulary, no final-logit transform, kdflow.2)."""
     fits = tiled_head_fits(output_layer(model), final_logit_transform(model.config), vocab_chunk)
     tiled = head in ("tiled", "tiled-gemm") and plan.hash_version == "kdflow.2" and fits
-    return tiled_variant(next(model.parameters()).device) if tiled else "slab"
+    return tiled_variant(next(model.parameters()).device, head) if tiled else "slab"
 
 
 def sample_kernels(variant: str) -> SampleKernels:
-    """The tiled sampler's kernels for a head variant: Triton's for "tiled-triton", torch's otherwise."""
-    if variant == "tiled-triton":
+    """The tiled sampler's kernels for a head variant: Triton's for "tiled-triton" and "tiled-gemm" (whose GEMM
+    makes the statistics; the picked tiles' keys are still the kernel's), torch's otherwise."""
+    if variant in ("tiled-triton", "tiled-gemm"):
         from kdflow.tasks.teacher.sample_tile_kernel import TRITON_KERNELS
 
         return TRITON_KERNELS
@@ -38,22 +41,32 @@ def sample_kernels(variant: str) -> SampleKernels:
 
 
 def tiled_head_sample(hidden: Tensor, weight: Tensor, plan: SamplingPlan, chunk_tokens: int, *, shard: int,
-                      rows: Tensor, positions: Tensor, tile: int = 128, kernels: SampleKernels = TORCH_KERNELS,
+                      rows: Tensor, positions: Tensor, tile: int = 128, variant: str = "tiled",
                       float32: bool = False) -> SampledTargets:
     """`chunked_sampled`'s contract for a plain lm_head weight (V, H), no final-logit transform and kdflow.2 noise:
-    `tiled_sample` over each block of `tiled_topk.logit_blocks`."""
-    parts = []
+    `tiled_sample` over each block of `tiled_topk.logit_blocks` (`variant` tiled or tiled-triton), or of the
+    logits and tile statistics the Triton GEMM writes (tiled-gemm)."""
+    if variant not in TILED_VARIANTS:
+        raise ValueError(f"unknown tiled head variant {variant!r}: one of {', '.join(TILED_VARIANTS)}")
+    kernels, parts = sample_kernels(variant), []
+    if variant == "tiled-gemm":
+        from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
     with torch.inference_mode():
-        for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens, float32):
+        blocks = logit_buffers if variant == "tiled-gemm" else logit_blocks
+        for start, stop, logits in blocks(hidden, weight, chunk_tokens, float32):
             streams = position_streams(plan.seed, shard, rows[start:stop], positions[start:stop])
-            parts.append(tiled_sample(logits, plan, streams, tile, kernels))
+            stats = None
+            if variant == "tiled-gemm":
+                stats = head_gemm_sample_stats(hidden[start:stop].to(weight.dtype), weight, logits,
+                                               stream_words(streams), plan.scheme, tile)
+            parts.append(tiled_sample(logits, plan, streams, tile, kernels, stats))
     return cat_targets(parts)
 
 
 class TeacherSampledStep:
     """One micro-batch through the teacher: body hidden states, then chunked sampled targets with the model's
-    own final-logit transform. Results stay on the model's device. `head`: "slab" or "tiled" (taken where it
-    fits, see the module's docstring; `self.head` says which runs: slab, tiled or tiled-triton)."""
+    own final-logit transform. Results stay on the model's device. `head`: "slab", "tiled" or "tiled-gemm" (taken
+    where it fits, see the module's docstring; `self.head` says which runs: slab, tiled, tiled-triton or tiled-gemm)."""
 
     def __init__(self, model: nn.Module, plan: SamplingPlan, chunk_tokens: int, *,
                  vocab_chunk: int | None = None, head: str = "slab") -> None:
@@ -77,7 +90,7 @@ class TeacherSampledStep:
         positions = torch.arange(seq_len, device=device).repeat(batch)  # (B * T,)
         if self.head != "slab":
             flat = tiled_head_sample(hidden.flatten(0, 1), self.lm_head.weight, self.plan, self.chunk_tokens,
-                                     shard=shard, rows=rows, positions=positions, kernels=sample_kernels(self.head),
+                                     shard=shard, rows=rows, positions=positions, variant=self.head,
                                      float32=float32_head(self.lm_head))
         else:
             flat = chunked_sampled(hidden.flatten(0, 1), self.lm_head, self.plan, self.chunk_tokens, shard=shard,

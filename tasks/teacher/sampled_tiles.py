@@ -72,16 +72,18 @@ def _top_tiles(tile_values: Tensor, k: int) -> Tensor:
 
 @torch.inference_mode()
 def tiled_sample(logits: Tensor, plan: SamplingPlan, streams: Tensor, tile: int = 128,
-                 kernels: SampleKernels = TORCH_KERNELS) -> SampledTargets:
+                 kernels: SampleKernels = TORCH_KERNELS,
+                 stats: tuple[Tensor, Tensor, Tensor] | None = None) -> SampledTargets:
     """The sampled targets of logits (c, V) (any float dtype) whose positions have the 64-bit streams (c,), as
-    `sample_slabs` draws them with the kdflow.2 noise."""
+    `sample_slabs` draws them with the kdflow.2 noise. `stats`: the tiles' (max, sum, max key) where the GEMM that
+    wrote the logits made them (`head_gemm_sample_stats`), else the first of `kernels` reads them."""
     if plan.hash_version != "kdflow.2":
         raise ValueError(f"the tiled sampler draws kdflow.2 noise, not {plan.hash_version} (the slab loop does)")
     rows, vocab = logits.shape
     plan.check(vocab)
-    stats, keys_of = kernels
+    tile_stats, keys_of = kernels
     words = stream_words(streams)
-    tile_max, tile_sum, key_max = stats(logits, words, plan.scheme, tile)  # (c, n) each
+    tile_max, tile_sum, key_max = stats or tile_stats(logits, words, plan.scheme, tile)  # (c, n) each
     tiles = tile_max.shape[1]
     problem = "teacher logits have NaN or +inf entries, or a row without a finite logit"
     if not bool(torch.isfinite(tile_max.amax(1)).all()) or bool(torch.isnan(tile_max).any()):
