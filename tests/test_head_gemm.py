@@ -22,10 +22,11 @@ def fresh() -> torch.Generator:
 
 @pytest.mark.parametrize("weights, logits", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                              (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("width", [64, 40])  # whole K steps; a last step cut short (masked)
+@pytest.mark.parametrize("width, tiling", [(64, None), (40, None), (64, "16x128x32:1:4")])
 def test_the_gemm_writes_the_logits_and_the_statistics_of_what_it_wrote(weights: torch.dtype, logits: torch.dtype,
-                                                                       width: int) -> None:
-    from kdflow.tasks.teacher.head_gemm import head_gemm_stats
+                                                                       width: int, tiling: str | None) -> None:
+    """A last K step cut short (masked); two head tiles in one program's block of ids."""
+    from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_stats
 
     generator = fresh()
     rows = int(torch.randint(1, 40, (1,), generator=generator))
@@ -33,7 +34,7 @@ def test_the_gemm_writes_the_logits_and_the_statistics_of_what_it_wrote(weights:
     hidden = torch.randn(rows, width, generator=generator).to(weights)
     weight = (torch.randn(vocab, width, generator=generator) / width**0.5).to(weights)
     out = torch.full((rows, vocab), float("nan"), dtype=logits)
-    tile_max, tile_sum = head_gemm_stats(hidden, weight, out, tile=64)
+    tile_max, tile_sum = head_gemm_stats(hidden, weight, out, tile=64, tiling=tiling and GemmTiles.parse(tiling))
     exact = hidden.double() @ weight.double().t()
     if logits == torch.float32:
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
@@ -73,7 +74,7 @@ def test_the_tiled_gemm_head_gives_the_tiled_heads_and_the_slab_loops_targets(dt
 @pytest.mark.parametrize("weights, logits", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 def test_for_sampled_targets_the_gemm_also_writes_each_tiles_max_key(scheme: str, weights: torch.dtype,
                                                                      logits: torch.dtype) -> None:
-    from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
+    from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_sample_stats
     from kdflow.tasks.teacher.sample_tile_kernel import sample_tile_stats_triton
     from kdflow.tasks.teacher.sampled_tiles import sample_tile_stats_torch
     from kdflow.tasks.teacher.sampling_noise import position_streams, stream_words
@@ -85,7 +86,8 @@ def test_for_sampled_targets_the_gemm_also_writes_each_tiles_max_key(scheme: str
     words = stream_words(position_streams(int(torch.randint(0, 99, (1,), generator=generator)), 3,
                                           torch.arange(rows) // 5, torch.arange(rows) % 5))
     out = torch.empty((rows, vocab), dtype=logits)
-    got = head_gemm_sample_stats(hidden, weight, out, words, scheme, tile=64)
+    got = head_gemm_sample_stats(hidden, weight, out, words, scheme, tile=64,
+                                 tiling=GemmTiles.parse("16x128x32:1:4"))  # two head tiles a program
     kernel = sample_tile_stats_triton(out, words, scheme, 64)  # the sampler's own kernel on what the GEMM wrote
     assert torch.equal(got[0], kernel[0]) and torch.equal(got[2], kernel[2])  # one arithmetic: the same bits
     torch.testing.assert_close(got[1], kernel[1], rtol=1e-5, atol=0)
@@ -123,7 +125,7 @@ def test_the_pass_steps_read_a_teachers_head_through_the_gemm(tiny_teacher_dir) 
 
 
 def test_bad_input_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats, head_gemm_stats
+    from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_sample_stats, head_gemm_stats
     from kdflow.tasks.teacher.tiled_topk import tiled_blocks
 
     hidden, weight, out = torch.zeros(4, 32), torch.zeros(100, 32), torch.zeros(4, 100)
@@ -135,6 +137,12 @@ def test_bad_input_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
         head_gemm_stats(hidden, weight, torch.zeros(4, 99))
     with pytest.raises(ValueError, match="unknown tiled head variant 'gemm'"):
         next(tiled_blocks(hidden, weight, 4, variant="gemm"))
+    with pytest.raises(ValueError, match=r"GEMM tiles '128x128': write BMxBNxBK:STAGES:WARPS"):
+        GemmTiles.parse("128x128")
+    with pytest.raises(ValueError, match="powers of two"):
+        GemmTiles.parse("128x96x64:3:8")
+    with pytest.raises(ValueError, match="64 ids a program is not a whole number of tiles of 128"):
+        head_gemm_stats(hidden, weight, out, tiling=GemmTiles.parse("16x64x32:1:4"))
     with pytest.raises(ValueError, match=r"words must have one entry per row \(4\)"):
         head_gemm_sample_stats(hidden, weight, out, torch.zeros(3, dtype=torch.int32), "gumbel")
     monkeypatch.delenv("TRITON_INTERPRET")

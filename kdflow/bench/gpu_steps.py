@@ -160,20 +160,27 @@ def bench_precompute(device: str, size: dict[str, Any]) -> dict[str, Any]:
     return bench("precompute", precompute.records(args))
 
 
+# The tiled-gemm head's GEMM (top-K) tried in more tilings than the device's default, on Hopper (`kdflow bench
+# kernels`: each compiles for sm_90 on warp-group MMA within its shared memory, without spills).
+HEAD_GEMM_TILINGS = ("128x256x64:3:8", "64x128x64:4:4", "128x128x64:4:8")
+
+
 def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
     """`kdflow bench head`: the head's variants (matmul, slab loop, tiled in torch, tiled with the Triton kernel,
-    tiled with the statistics from the Triton GEMM; the first three for hybrid targets) at the reference head's
-    shapes, each checked against its slab loop's values: one that differs is marked `"correct": false` and named in
-    `incorrect` (the check is then not ok), and the others' figures are kept."""
+    tiled with the statistics from the Triton GEMM, also in `HEAD_GEMM_TILINGS`; the same for hybrid targets) at
+    the reference head's shapes, each checked against its slab loop's values: one that differs is marked
+    `"correct": false` and named in `incorrect` (the check is then not ok), and the others' figures kept."""
     from kdflow.bench import head
 
     args = options(head.build_parser(), device=device, vocab=[size["loss_vocab"]], hidden=[size["loss_hidden"]],
-                   tokens=size["head_tokens"], chunk_tokens=4096, repeats=size["pass_repeats"])
+                   tokens=size["head_tokens"], chunk_tokens=4096, repeats=size["pass_repeats"],
+                   gemm_tiles=head.gemm_tiles_list(",".join(HEAD_GEMM_TILINGS)))
     result = bench("head", head.records(args))
     for record in result["records"]:
         if "ids_agree" in record:
             record["correct"] = record["ids_agree"] >= 0.999 and record.get("max_logprob_diff", 0.0) <= 1e-3
-    return result | {"incorrect": [r["variant"] for r in result["records"] if r.get("correct") is False]}
+    wrong = [r for r in result["records"] if r.get("correct") is False]
+    return result | {"incorrect": [" ".join(filter(None, (r["variant"], r.get("gemm_tiles")))) for r in wrong]}
 
 
 def body_variants(config_path: Path, micro_batch: int | None, quick: bool) -> dict[str, Any]:

@@ -58,15 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="H,S of the sampled variants' hybrid targets (precompute.sampling's defaults)")
     parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
                         help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--gemm-tiles", type=gemm_tiles_list, default=[],
+                        help="more tilings of the tiled-gemm variant's GEMM to time beside the device's (top-K; the "
+                             "sampler's runs the device's), a comma list of BMxBNxBK:STAGES:WARPS (128x256x64:3:8)")
     return parser
 
 
+def gemm_tiles_list(text: str) -> list[Any]:
+    from kdflow.tasks.teacher.head_gemm import GemmTiles
+
+    try:
+        return [GemmTiles.parse(part) for part in text.split(",") if part]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    from kdflow.tasks.teacher.head_gemm import device_tiles
     from kdflow.tasks.teacher.sampled_step import tiled_head_sample
     from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
-    from kdflow.tasks.teacher.tile_stats_kernel import triton_available
+    from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
     from kdflow.tasks.common.float32_logits import Float32Logits
-    from kdflow.tasks.teacher.tiled_topk import TILED_VARIANTS, logit_blocks, tiled_head_topk
+    from kdflow.tasks.teacher.tiled_topk import logit_blocks, tiled_head_topk
     from kdflow.tasks.teacher.tune_heads import agreement, sampled_fields
     from kdflow.tasks.teacher.topk import chunked_topk
 
@@ -98,40 +111,47 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         where = {"shard": 0, "rows": torch.arange(args.tokens, device=device) // 512,
                  "positions": torch.arange(args.tokens, device=device) % 512}
 
-        def sampled(variant: str) -> Callable[[], Any]:
+        def run_of(variant: str, tiling: Any) -> Callable[[], Any]:
+            """The variant's call; `tiling`: the GEMM's tiles for the tiled-gemm ones."""
+            if variant == "matmul":
+                return matmul
+            if variant == "slab":
+                return lambda: chunked_topk(hidden, head, args.top_k, args.chunk_tokens, return_tail=True)
             if variant == "sampled-slab":
                 return lambda: sampled_fields(chunked_sampled(hidden, head, plan, args.chunk_tokens, **where))
-            return lambda: sampled_fields(tiled_head_sample(hidden, weight, plan, args.chunk_tokens, tile=args.tile,
-                                                             variant=variant.removeprefix("sampled-"),
-                                                             float32=float32, **where))
+            if variant.startswith("sampled-"):
+                return lambda: sampled_fields(tiled_head_sample(
+                    hidden, weight, plan, args.chunk_tokens, tile=args.tile, variant=variant.removeprefix("sampled-"),
+                    float32=float32, gemm_tiling=tiling, **where))
+            return lambda: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens, tile=args.tile,
+                                           float32=float32, variant=variant, gemm_tiling=tiling)
 
-        runs: dict[str, Callable[[], Any]] = {
-            "matmul": matmul,
-            "slab": lambda: chunked_topk(hidden, head, args.top_k, args.chunk_tokens, return_tail=True),
-        } | {variant: lambda variant=variant: tiled_head_topk(hidden, weight, args.top_k, args.chunk_tokens,
-                                                              tile=args.tile, float32=float32, variant=variant)
-             for variant in TILED_VARIANTS} | {variant: sampled(variant) for variant in VARIANTS
-                                               if variant.startswith("sampled-")}
         references, floor = {}, None
         for variant in [name for name in VARIANTS if name in args.variants]:
             record = {"bench": "head", "variant": variant, **shape}
             if variant.startswith("sampled-"):
                 record["sampling"] = {"head": plan.head, "samples": plan.samples, "hash_version": plan.hash_version}
-            if variant in TRITON_VARIANTS and (device.type != "cuda" or not triton_available()):
+            if variant in TRITON_VARIANTS and not (triton_available() and (device.type == "cuda" or interpreting())):
                 yield record | {"skipped": "the Triton kernel is timed on CUDA with Triton installed"}
-                continue
-            seconds, result = _best_of(runs[variant], args.repeats, device)
-            record["us_per_token"] = round(seconds / args.tokens * 1e6, 4)
-            if variant == "matmul":
-                floor = seconds
-            elif floor is not None:
-                record["over_matmul"] = round(seconds / floor, 3)
-            kind = "sampled" if variant.startswith("sampled-") else "topk"
-            if variant in ("slab", "sampled-slab"):
-                references[kind] = result
-            elif kind in references and result is not None:
-                record |= agreement(references[kind], result)
-            yield record
+                continue  # (under TRITON_INTERPRET=1 it runs on the CPU, for its values: the suite's check)
+            tilings: list[Any] = [None]
+            if variant.endswith("tiled-gemm"):  # the device's tiling, then (top-K) each one asked for
+                extra = args.gemm_tiles if variant == "tiled-gemm" else []
+                tilings = [device_tiles(device, dtype, args.tile), *extra]
+            for tiling in tilings:
+                timed = record | ({"gemm_tiles": str(tiling)} if tiling else {})
+                seconds, result = _best_of(run_of(variant, tiling), args.repeats, device)
+                timed["us_per_token"] = round(seconds / args.tokens * 1e6, 4)
+                if variant == "matmul":
+                    floor = seconds
+                elif floor is not None:
+                    timed["over_matmul"] = round(seconds / floor, 3)
+                kind = "sampled" if variant.startswith("sampled-") else "topk"
+                if variant in ("slab", "sampled-slab"):
+                    references[kind] = result
+                elif kind in references and result is not None:
+                    timed |= agreement(references[kind], result)
+                yield timed
 
 
 def _best_of(run: Callable[[], Any], repeats: int, device: torch.device) -> tuple[float, Any]:

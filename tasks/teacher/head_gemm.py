@@ -28,52 +28,80 @@ from torch import Tensor
 
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
-__all__ = ["GemmTiles", "gemm_tiles", "head_gemm_sample_stats", "head_gemm_stats"]
+__all__ = ["GemmTiles", "device_tiles", "gemm_tiles", "head_gemm_sample_stats", "head_gemm_stats"]
 
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """Rows per program, the reduction step, Triton's warps and pipeline stages (the ids per program are the
-    head's tile)."""
+    """Rows and ids per program (the ids a whole number of the head's tiles), the reduction step, Triton's pipeline
+    stages and warps. Written `BMxBNxBK:STAGES:WARPS` (`parse`, `str`)."""
 
     block_m: int
+    block_n: int
     block_k: int
-    num_warps: int
     num_stages: int
+    num_warps: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}:{self.num_stages}:{self.num_warps}"
+
+    @classmethod
+    def parse(cls, text: str) -> GemmTiles:
+        """"128x256x64:3:8" -> GemmTiles(128, 256, 64, 3, 8); ValueError naming the form otherwise."""
+        try:
+            shape, stages, warps = text.split(":")
+            block_m, block_n, block_k = (int(part) for part in shape.split("x"))
+            tiles = cls(block_m, block_n, block_k, int(stages), int(warps))
+        except ValueError:
+            raise ValueError(f"GEMM tiles {text!r}: write BMxBNxBK:STAGES:WARPS, such as 128x128x64:3:8") from None
+        if any(n < 1 or n & (n - 1) for n in (block_m, block_n, block_k, tiles.num_warps)) or tiles.num_stages < 1:
+            raise ValueError(f"GEMM tiles {text!r}: block sizes and warps must be powers of two, stages >= 1")
+        return tiles
 
 
-def gemm_tiles(arch: int | None, dtype: torch.dtype) -> GemmTiles:
+def gemm_tiles(arch: int | None, dtype: torch.dtype, tile: int = 128) -> GemmTiles:
     """The tiling for a compute capability (90: Hopper; 80-89: Ampere, Ada, the 24 GB reference card; None: Triton's
-    interpreter, small blocks) and the weight's dtype. 16-bit weights on Hopper take a K step of 64 (warp-group MMA);
-    elsewhere 32, so that three stages fit an RTX 3090's 99 KiB of shared memory; float32 weights take two stages."""
+    interpreter, small blocks), the weight's dtype and the head's tile: 128 ids a program (or one tile, if wider).
+    16-bit weights on Hopper take a K step of 64 (warp-group MMA); elsewhere 32, so that three stages fit an RTX
+    3090's 99 KiB of shared memory; float32 weights take two stages. Which tiling is fastest is the GPU's to say
+    (`kdflow bench head --gemm-tiles`)."""
+    block_n = max(128, tile)
     if arch is None:
-        return GemmTiles(16, 32, num_warps=4, num_stages=1)
+        return GemmTiles(16, block_n, 32, num_stages=1, num_warps=4)
     wide = dtype.itemsize == 4
     if arch >= 90 and not wide:
-        return GemmTiles(128, 64, num_warps=8, num_stages=3)
-    return GemmTiles(128, 32, num_warps=8, num_stages=2 if wide else 3)
+        return GemmTiles(128, block_n, 64, num_stages=3, num_warps=8)
+    return GemmTiles(128, block_n, 32, num_stages=2 if wide else 3, num_warps=8)
 
 
-def head_gemm_stats(hidden: Tensor, weight: Tensor, out: Tensor, tile: int = 128) -> tuple[Tensor, Tensor]:
+def device_tiles(device: torch.device, dtype: torch.dtype, tile: int = 128) -> GemmTiles:
+    """`gemm_tiles` for the GPU in use, or the interpreter's where Triton interprets (CPU tensors)."""
+    interpreted = device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return gemm_tiles(None if interpreted else _target_arch(), dtype, tile)
+
+
+def head_gemm_stats(hidden: Tensor, weight: Tensor, out: Tensor, tile: int = 128,
+                    tiling: GemmTiles | None = None) -> tuple[Tensor, Tensor]:
     """hidden (c, H) and weight (V, H) of one dtype -> `out` (c, V) = hidden @ weight^T in out's dtype (float32, or
     the weight's), and per tile of `tile` ids (c, n) float32: the max and the sum of exp(logit - max) of the logits
-    as written (`tile_stats_torch`'s contract; the last tile's padding counts as -inf)."""
-    tile_max, tile_sum, _ = _launch(hidden, weight, out, tile, None, "priority")
+    as written (`tile_stats_torch`'s contract; the last tile's padding counts as -inf). `tiling`: the GEMM's tiling
+    (default: `gemm_tiles` for the device)."""
+    tile_max, tile_sum, _ = _launch(hidden, weight, out, tile, None, "priority", tiling)
     return tile_max, tile_sum
 
 
 def head_gemm_sample_stats(hidden: Tensor, weight: Tensor, out: Tensor, words: Tensor, scheme: str,
-                           tile: int = 128) -> tuple[Tensor, Tensor, Tensor]:
+                           tile: int = 128, tiling: GemmTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`head_gemm_stats` and, third, each tile's max key under the rows' kdflow.2 stream words (c,) and `scheme`:
     `sample_tile_stats_torch`'s contract for the logits as written."""
     if words.shape != (hidden.shape[0],):
         raise ValueError(f"words must have one entry per row ({hidden.shape[0]}), got {tuple(words.shape)}")
-    tile_max, tile_sum, key_max = _launch(hidden, weight, out, tile, words, scheme)
+    tile_max, tile_sum, key_max = _launch(hidden, weight, out, tile, words, scheme, tiling)
     return tile_max, tile_sum, key_max
 
 
-def _launch(hidden: Tensor, weight: Tensor, out: Tensor, tile: int, words: Tensor | None,
-            scheme: str) -> tuple[Tensor, Tensor, Tensor]:
+def _launch(hidden: Tensor, weight: Tensor, out: Tensor, tile: int, words: Tensor | None, scheme: str,
+            tiling: GemmTiles | None) -> tuple[Tensor, Tensor, Tensor]:
     import triton
 
     from kdflow.tasks.teacher import head_gemm_jit
@@ -93,20 +121,22 @@ def _launch(hidden: Tensor, weight: Tensor, out: Tensor, tile: int, words: Tenso
     if hidden.stride(1) != 1 or weight.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("hidden, weight and out must have contiguous rows")
     check_triton_device(hidden, "the tiled-gemm head runs", ": set precompute.head to tiled or slab")
-    interpreted = hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    tiles = gemm_tiles(None if interpreted else _target_arch(), weight.dtype)
+    tiling = tiling or device_tiles(hidden.device, weight.dtype, tile)
+    if tiling.block_n % tile:
+        raise ValueError(f"GEMM tiles {tiling}: {tiling.block_n} ids a program is not a whole number of tiles of "
+                         f"{tile}")
     count = triton.cdiv(vocab, tile)
     sample = words is not None
     stats = [torch.empty((rows, count), dtype=torch.float32, device=hidden.device) for _ in range(3 if sample else 2)]
     if rows:
-        grid = (triton.cdiv(rows, tiles.block_m), count)
+        grid = (triton.cdiv(rows, tiling.block_m), triton.cdiv(vocab, tiling.block_n))
         head_gemm_jit.head_gemm_tile_stats[grid](
             hidden, weight, out, stats[0], stats[1], words.contiguous() if sample else stats[0],
             stats[2] if sample else stats[0], rows, vocab, width, count,
-            hidden.stride(0), weight.stride(0), out.stride(0), BLOCK_M=tiles.block_m, TILE=tile,
-            BLOCK_K=tiles.block_k, EVEN_K=width % tiles.block_k == 0, UPCAST=hidden.device.type != "cuda",
+            hidden.stride(0), weight.stride(0), out.stride(0), BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n,
+            TILE=tile, BLOCK_K=tiling.block_k, EVEN_K=width % tiling.block_k == 0, UPCAST=hidden.device.type != "cuda",
             IEEE=weight.dtype == torch.float32, SAMPLE=sample, SCHEME=SCHEME_CODES[scheme],
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return stats[0], stats[1], stats[2] if sample else stats[0]
 
 

@@ -21,23 +21,24 @@ from kdflow.tasks.teacher.sample_tile_jit import keys_of
 @triton.jit
 def head_gemm_tile_stats(h_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, words_ptr, key_ptr, rows, vocab, width, tiles,
                          h_stride, w_stride, out_stride,
-                         BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr, SAMPLE: tl.constexpr, SCHEME: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SAMPLE: tl.constexpr,
+                         SCHEME: tl.constexpr):
+    SUB: tl.constexpr = BLOCK_N // TILE  # the head's tiles in one output block
     row_block = tl.program_id(0)
-    tile = tl.program_id(1)
     offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) rows of hidden and logits
-    offs_n = tile * TILE + tl.arange(0, TILE)  # (TILE,) vocabulary ids
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) vocabulary ids
     offs_k = tl.arange(0, BLOCK_K)
     live_m = offs_m < rows
     live_n = offs_n < vocab
     h_rows = h_ptr + offs_m.to(tl.int64)[:, None] * h_stride  # (BM, 1)
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * w_stride  # (1, TILE): the weight read as (BK, TILE)
-    acc = tl.zeros((BLOCK_M, TILE), dtype=tl.float32)
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * w_stride  # (1, BN): the weight read as (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
             a = tl.load(h_rows + ks[None, :], mask=live_m[:, None], other=0.0)  # (BM, BK)
-            b = tl.load(w_rows + ks[:, None], mask=live_n[None, :], other=0.0)  # (BK, TILE)
+            b = tl.load(w_rows + ks[:, None], mask=live_n[None, :], other=0.0)  # (BK, BN)
         else:
             a = tl.load(h_rows + ks[None, :], mask=live_m[:, None] & (ks[None, :] < width), other=0.0)
             b = tl.load(w_rows + ks[:, None], mask=live_n[None, :] & (ks[:, None] < width), other=0.0)
@@ -52,13 +53,18 @@ def head_gemm_tile_stats(h_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, words_ptr, key
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * out_stride + offs_n[None, :], written,
              mask=live_m[:, None] & live_n[None, :])
     values = tl.where(live_n[None, :], written.to(tl.float32), float("-inf"))  # the statistics of what was written
-    top = tl.max(values, axis=1)  # (BM,)
+    values = tl.reshape(values, (BLOCK_M, SUB, TILE))  # each head tile of the block apart
+    top = tl.max(values, axis=2)  # (BM, SUB)
     shift = tl.where(top == float("-inf"), 0.0, top)  # a tile of -inf only sums to 0, not NaN
-    total = tl.sum(tl.exp(values - shift[:, None]), axis=1)
-    stats = offs_m.to(tl.int64) * tiles + tile
-    tl.store(max_ptr + stats, top, mask=live_m)
-    tl.store(sum_ptr + stats, total, mask=live_m)
+    total = tl.sum(tl.exp(values - shift[:, :, None]), axis=2)
+    tile_ids = tl.program_id(1) * SUB + tl.arange(0, SUB)  # (SUB,)
+    stats = offs_m.to(tl.int64)[:, None] * tiles + tile_ids[None, :]  # (BM, SUB)
+    keep = live_m[:, None] & (tile_ids[None, :] < tiles)
+    tl.store(max_ptr + stats, top, mask=keep)
+    tl.store(sum_ptr + stats, total, mask=keep)
     if SAMPLE:  # the tiled sampler's third number: the tile's max key (logit + the row's kdflow.2 noise)
         word = tl.load(words_ptr + offs_m, mask=live_m, other=0).to(tl.uint32, bitcast=True)  # (BM,)
-        keys = tl.where(live_n[None, :], keys_of(values, word[:, None], offs_n[None, :], SCHEME), float("-inf"))
-        tl.store(key_ptr + stats, tl.max(keys, axis=1), mask=live_m)
+        columns = tl.reshape(offs_n, (SUB, TILE))
+        keys = tl.where(columns[None, :, :] < vocab, keys_of(values, word[:, None, None], columns[None, :, :], SCHEME),
+                        float("-inf"))
+        tl.store(key_ptr + stats, tl.max(keys, axis=2), mask=keep)

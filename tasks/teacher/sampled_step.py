@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
+from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_sample_stats
 from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
 from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
 from kdflow.tasks.teacher.sampling_noise import position_streams, stream_words
@@ -42,15 +43,14 @@ def sample_kernels(variant: str) -> SampleKernels:
 
 def tiled_head_sample(hidden: Tensor, weight: Tensor, plan: SamplingPlan, chunk_tokens: int, *, shard: int,
                       rows: Tensor, positions: Tensor, tile: int = 128, variant: str = "tiled",
-                      float32: bool = False) -> SampledTargets:
+                      float32: bool = False, gemm_tiling: GemmTiles | None = None) -> SampledTargets:
     """`chunked_sampled`'s contract for a plain lm_head weight (V, H), no final-logit transform and kdflow.2 noise:
     `tiled_sample` over each block of `tiled_topk.logit_blocks` (`variant` tiled or tiled-triton), or of the
-    logits and tile statistics the Triton GEMM writes (tiled-gemm)."""
+    logits and tile statistics the Triton GEMM writes (tiled-gemm; `gemm_tiling`: its `GemmTiles`, default the
+    device's)."""
     if variant not in TILED_VARIANTS:
         raise ValueError(f"unknown tiled head variant {variant!r}: one of {', '.join(TILED_VARIANTS)}")
     kernels, parts = sample_kernels(variant), []
-    if variant == "tiled-gemm":
-        from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
     with torch.inference_mode():
         blocks = logit_buffers if variant == "tiled-gemm" else logit_blocks
         for start, stop, logits in blocks(hidden, weight, chunk_tokens, float32):
@@ -58,7 +58,7 @@ def tiled_head_sample(hidden: Tensor, weight: Tensor, plan: SamplingPlan, chunk_
             stats = None
             if variant == "tiled-gemm":
                 stats = head_gemm_sample_stats(hidden[start:stop].to(weight.dtype), weight, logits,
-                                               stream_words(streams), plan.scheme, tile)
+                                               stream_words(streams), plan.scheme, tile, gemm_tiling)
             parts.append(tiled_sample(logits, plan, streams, tile, kernels, stats))
     return cat_targets(parts)
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from kdflow.tasks.common.float32_logits import Float32Logits, float32_logits
 from kdflow.tasks.common.models import LogitTransform
+from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_stats
 from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
 
 TileStats = Callable[[Tensor, int], tuple[Tensor, Tensor]]
@@ -136,17 +137,18 @@ def logit_buffers(hidden: Tensor, weight: Tensor, chunk_tokens: int,
 
 
 def tiled_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int, *, tile: int = 128, float32: bool = False,
-                 variant: str = "tiled") -> Iterator[tuple[int, int, Tensor, Tensor, Tensor]]:
+                 variant: str = "tiled",
+                 gemm_tiling: GemmTiles | None = None) -> Iterator[tuple[int, int, Tensor, Tensor, Tensor]]:
     """(start, stop, logits, tile max, tile sum) for each block of `logit_blocks`, as `variant` makes them: `tiled`
     (torch's sums after the matmul), `tiled-triton` (the Triton tile kernel after it) or `tiled-gemm` (one Triton
-    GEMM writes the logits and their statistics, `kdflow.tasks.teacher.head_gemm`)."""
+    GEMM writes the logits and their statistics, `kdflow.tasks.teacher.head_gemm`; `gemm_tiling`: its
+    `GemmTiles`, default the device's)."""
     if variant not in TILED_VARIANTS:
         raise ValueError(f"unknown tiled head variant {variant!r}: one of {', '.join(TILED_VARIANTS)}")
     if variant == "tiled-gemm":
-        from kdflow.tasks.teacher.head_gemm import head_gemm_stats
-
         for start, stop, logits in logit_buffers(hidden, weight, chunk_tokens, float32):
-            yield start, stop, logits, *head_gemm_stats(hidden[start:stop].to(weight.dtype), weight, logits, tile)
+            yield start, stop, logits, *head_gemm_stats(hidden[start:stop].to(weight.dtype), weight, logits, tile,
+                                                        gemm_tiling)
         return
     stats = tile_stats_triton if variant == "tiled-triton" else tile_stats_torch
     for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens, float32):
@@ -154,7 +156,8 @@ def tiled_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int, *, tile: int
 
 
 def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,
-                    float32: bool = False, variant: str = "tiled") -> tuple[Tensor, Tensor, Tensor]:
+                    float32: bool = False, variant: str = "tiled",
+                    gemm_tiling: GemmTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`chunked_topk(..., return_tail=True)`'s contract for a plain lm_head weight (V, H) and no final-logit
     transform: hidden (N, H) -> ids (N, K) int32, log-probs (N, K) float32, tail (N,) float32: the top-K of the
     tiles of each block of `tiled_blocks`."""
@@ -164,7 +167,8 @@ def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *
     tail = torch.empty((tokens,), dtype=torch.float32, device=hidden.device)
     with torch.inference_mode():
         for start, stop, logits, tile_max, tile_sum in tiled_blocks(hidden, weight, chunk_tokens, tile=tile,
-                                                                    float32=float32, variant=variant):
+                                                                    float32=float32, variant=variant,
+                                                                    gemm_tiling=gemm_tiling):
             top, top_ids, log_normaliser, log_rest = topk_of_tiles(logits, k, tile, tile_max, tile_sum)
             torch.sub(top, log_normaliser[:, None], out=logprobs[start:stop])
             torch.sub(log_rest, log_normaliser, out=tail[start:stop])
