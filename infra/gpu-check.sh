@@ -102,6 +102,8 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # first on sys.path, and the tree's kdflow/ (whose subpackages live in schemas/, tasks/, flows/ and are mapped
 # only by an install) shadows the installed one. Children inherit it. Python 3.11 and newer.
 export PYTHONSAFEPATH=1
+# The check times compiled Triton kernels: an interpreter left switched on (TRITON_INTERPRET=1) would time numpy.
+unset TRITON_INTERPRET
 # kdflow itself, from this tree (its dependencies are the image's and the wheels: --no-deps).
 step setup_kdflow "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
     --no-cache-dir --target "$SITE" . || true

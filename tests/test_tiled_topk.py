@@ -44,9 +44,10 @@ def test_tiled_topk_equals_every_id_at_once(vocab: int, k: int, tile: int) -> No
         assert torch.isneginf(rest).all()
 
 
-def test_a_peaked_rows_tail_keeps_its_relative_precision() -> None:
+@pytest.mark.parametrize("vocab", [3000, 3072])  # a last tile cut short; whole tiles (copied a tile at a time)
+def test_a_peaked_rows_tail_keeps_its_relative_precision(vocab: int) -> None:
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    logits = logits_of(4, 3000, generator, peak=40.0)  # tail mass ~1e-13 of the row's
+    logits = logits_of(4, vocab, generator, peak=40.0)  # tail mass ~1e-13 of the row's
     _, _, lse, rest = tiled_topk(logits, 16, 64)
     _, _, want_lse, want_rest = dense(logits, 16)
     tail, want_tail = (rest.double() - lse.double()), want_rest - want_lse
@@ -54,9 +55,10 @@ def test_a_peaked_rows_tail_keeps_its_relative_precision() -> None:
     torch.testing.assert_close(tail, want_tail, rtol=0, atol=1e-4)  # log of ~1e-13, not log(1 - ~1) = -inf
 
 
-def test_bf16_logits_and_minus_infinity_entries() -> None:
+@pytest.mark.parametrize("vocab", [700, 704])
+def test_bf16_logits_and_minus_infinity_entries(vocab: int) -> None:
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    logits = logits_of(5, 700, generator)
+    logits = logits_of(5, vocab, generator)
     logits[:, 300:] = float("-inf")  # a masked part of the vocabulary: whole tiles of -inf
     low = logits.bfloat16()
     top, ids, lse, rest = tiled_topk(low, 32, 64)
@@ -64,6 +66,15 @@ def test_bf16_logits_and_minus_infinity_entries() -> None:
     torch.testing.assert_close(top.double(), want_top, rtol=0, atol=0)
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-6)
     torch.testing.assert_close(rest.double(), want_rest, rtol=0, atol=2e-6)
+
+
+def test_a_block_that_is_a_view_of_wider_rows_reads_the_same() -> None:
+    """Logits whose rows are not contiguous (a column slice) take the indexed gather: the same results."""
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    wide = logits_of(6, 640, generator)
+    view, copy = wide[:, :512], wide[:, :512].contiguous()
+    for got, want in zip(tiled_topk(view, 20, 64), tiled_topk(copy, 20, 64), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_bad_k_and_tile_are_refused() -> None:

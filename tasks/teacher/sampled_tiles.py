@@ -27,7 +27,8 @@ from kdflow.tasks.teacher.sampling import SamplingPlan, finish_targets, top_orde
 from kdflow.tasks.common.sampled import SampledTargets
 from kdflow.tasks.teacher.sampling_noise import (key_noise_, stream_words, token_keys32, token_keys32_of,
                                                  uniform_noise32_)
-from kdflow.tasks.teacher.tiled_topk import tile_candidates, tile_stats_torch, tiled_logsumexps
+from kdflow.tasks.teacher.tiled_topk import (picked_ids, tile_candidates, tile_stats_torch, tile_values,
+                                             tiled_logsumexps)
 
 __all__ = ["SampleKernels", "TORCH_KERNELS", "element_keys", "sample_tile_stats_torch", "tile_keys_torch",
            "tiled_sample"]
@@ -92,9 +93,9 @@ def tiled_sample(logits: Tensor, plan: SamplingPlan, streams: Tensor, tile: int 
     head = plan.head
     if head:
         picked = _top_tiles(tile_max, min(head, tiles))  # (c, h')
-        columns, candidates = tile_candidates(logits, picked, tile)
+        candidates = tile_values(logits, picked, tile)
         head_logits, positions = top_ordered(candidates, head)  # (c, H)
-        head_ids = columns.gather(1, positions)
+        head_ids = picked_ids(picked, positions, tile)
         lse, tail_lse = tiled_logsumexps(tile_max, tile_sum, picked, candidates, positions, head_logits[:, :1])
     else:
         head_logits = logits.new_empty((rows, 0), dtype=torch.float32)

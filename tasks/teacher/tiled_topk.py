@@ -62,9 +62,9 @@ def topk_of_tiles(logits: Tensor, k: int, tile: int, tile_max: Tensor,
     _check_topk(logits.shape[1], k, tile)
     tiles = tile_max.shape[1]
     picked = torch.topk(tile_max, min(k, tiles), dim=1, sorted=False).indices  # (c, k')
-    columns, candidates = tile_candidates(logits, picked, tile)  # (c, k' * tile)
+    candidates = tile_values(logits, picked, tile)  # (c, k' * tile)
     top_logits, positions = torch.topk(candidates, k, dim=1, sorted=True)  # (c, k)
-    top_ids = columns.gather(1, positions)
+    top_ids = picked_ids(picked, positions, tile)
 
     log_normaliser, log_rest = tiled_logsumexps(tile_max, tile_sum, picked, candidates, positions, top_logits[:, :1])
     return top_logits, top_ids, log_normaliser.float(), log_rest.float()
@@ -90,19 +90,38 @@ def tile_candidates(logits: Tensor, picked: Tensor, tile: int) -> tuple[Tensor, 
     return columns, logits.gather(1, columns.clamp_max(vocab - 1)).float().masked_fill_(columns >= vocab, -torch.inf)
 
 
+def tile_values(logits: Tensor, picked: Tensor, tile: int) -> Tensor:
+    """`tile_candidates`' logits alone. Where the vocabulary is whole tiles (the reference's 196,608 ids are 1,536
+    tiles of 128) and the block is contiguous, the logits are read as rows of one tile each and the picked rows
+    copied whole (`index_select`): no (c, k * tile) int64 index is written and read back, which at K = 128 was
+    128 KiB a row three times over, more memory traffic than the candidates' own 64 KiB."""
+    rows, vocab = logits.shape
+    if vocab % tile or not logits.is_contiguous():
+        return tile_candidates(logits, picked, tile)[1]
+    tiles = vocab // tile
+    first = torch.arange(0, rows * tiles, tiles, device=picked.device)[:, None]  # each row's first tile
+    return logits.view(rows * tiles, tile).index_select(0, (picked + first).flatten()).view(rows, -1).float()
+
+
+def picked_ids(picked: Tensor, positions: Tensor, tile: int) -> Tensor:
+    """The ids (c, m) int64 at `positions` (c, m) among the picked tiles' (c, k) candidates, tile by tile."""
+    return picked.gather(1, positions // tile) * tile + positions % tile
+
+
 def tiled_logsumexps(tile_max: Tensor, tile_sum: Tensor, picked: Tensor, candidates: Tensor, positions: Tensor,
                      row_max: Tensor) -> tuple[Tensor, Tensor]:
     """(log-sum-exp, log-sum-exp outside the kept ids) (c,) float64 of rows read as tiles: the tiles' stats (c, n),
     the picked tiles (c, k') whose ids are the candidates' columns, the candidates' logits (c, k' * tile), the kept
     ones' positions among them (c, k) and the row max (c, 1)."""
-    # Sums relative to the row max, in float64: many partial sums of very different sizes meet here.
-    row_max = row_max.double()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    # Sums relative to the row max: the tiles' (few, of very different sizes) in float64; the candidates' exps in
+    # float32 as the slab loop takes them (each to float32 rounding), their sums combined in float64.
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).float()  # (c, 1)
+    row_max = shift.double()
     scaled = tile_sum.double() * (tile_max.double() - row_max).exp()  # (c, n) each tile's sum, one scale
     unpicked = scaled.scatter(1, picked, 0.0).sum(1)  # tiles holding no candidate
-    exp_candidates = (candidates.double() - row_max).exp()
-    kept = exp_candidates.gather(1, positions).sum(1)
-    rest = unpicked + exp_candidates.scatter_(1, positions, 0.0).sum(1)
+    exp_candidates = (candidates - shift).exp_()  # (c, k' * tile) float32
+    kept = exp_candidates.gather(1, positions).sum(1).double()
+    rest = unpicked + exp_candidates.scatter_(1, positions, 0.0).sum(1).double()
     row_max = row_max[:, 0]
     return row_max + (kept + rest).log(), row_max + rest.log()
 
