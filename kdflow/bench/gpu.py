@@ -48,6 +48,7 @@ from kdflow.bench import gpu_steps as steps_
 from kdflow.bench import gpu_teachers as teachers
 from kdflow.bench.args import bench_parser
 from kdflow.bench.gpu_plan import H200_MEMORY_GIB, plan, sizes
+from kdflow.tasks.common.units import MIB
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,7 +164,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         info |= {"cuda": torch.version.cuda,
                  "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                 "gpu_memory_mib": [round(torch.cuda.get_device_properties(i).total_memory / 2**20)
+                 "gpu_memory_mib": [round(torch.cuda.get_device_properties(i).total_memory / MIB)
                                     for i in range(torch.cuda.device_count())]}
     return info
 

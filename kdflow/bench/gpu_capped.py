@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import CAP_GIB, GIB, reference_config
+from kdflow.bench.gpu_plan import CAP_GIB, reference_config
 from kdflow.schemas.errors import first_line
+from kdflow.tasks.common.units import GIB
 
 LLMJP_MICRO_BATCH, LLMJP_SEQ_LEN = 56, 512  # configs/llmjp.yaml and prefect.yaml as shipped
 EXPERTS = ("grouped_mm", "kdflow_fused")  # transformers' default; kdflow's, without the per-layer dequantisation

@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, GIB, model_parameters, teacher_bytes
+from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, model_parameters, teacher_bytes
 from kdflow.schemas.errors import first_line
+from kdflow.tasks.common.units import GIB
 
 # Dense bf16 tensor-core peaks (NVIDIA's datasheets, without sparsity; the RTX 3090's with float32 accumulation, as
 # torch's bf16 matmuls run), by a part of the name torch gives the device, the most specific first.

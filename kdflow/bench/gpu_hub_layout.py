@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import CAP_GIB, GIB
+from kdflow.bench.gpu_plan import CAP_GIB
+from kdflow.tasks.common.units import GIB
 
 SHARD_BYTES = 2 * GIB
 EXPERT_PARTS = ("gate_proj", "up_proj")  # the order in which transformers 5 concatenates them into gate_up_proj

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-GIB = 2**30
+from kdflow.tasks.common.units import GIB
+
 REFERENCE_VOCAB = 196_608
 REFERENCE_SHAPES: dict[str, int] = {
     "hidden_size": 2560, "num_attention_heads": 40, "num_key_value_heads": 4, "head_dim": 128,

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kdflow.tasks.common.units import GIB
+
 # Issue 44's targets on an H200 (the issue's wording; judged wherever the check ran, the device named).
 FULL_DEPTH_TOK_S, FULL_DEPTH_TOWARD = 46_000, 60_000
 HEAD_US_PER_TOKEN = 1.8
@@ -204,7 +206,7 @@ def render(summary: dict[str, Any]) -> str:
     hub = steps.get("hub_layout_load", {})
     if hub.get("status") == "ok":
         out += ["", "## The teacher from the hub's file layout", "",
-                f"{hub['layers']} layers at full width, {hub['written']['bytes'] / 2**30:.2f} GiB in "
+                f"{hub['layers']} layers at full width, {hub['written']['bytes'] / GIB:.2f} GiB in "
                 f"{hub['written']['files']} shards: loaded in 4-bit in {hub['load_s']} s, peak host RSS "
                 f"{hub['peak_host_rss_gib']} GiB, peak device {hub.get('peak_device_gib', '-')} GiB under a cap of "
                 f"{hub.get('cap_gib')} GiB, experts left in floating point: "

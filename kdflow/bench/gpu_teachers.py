@@ -8,7 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.gpu_plan import GIB, reference_config, teacher_bytes
+from kdflow.bench.gpu_plan import reference_config, teacher_bytes
+from kdflow.tasks.common.units import GIB
 
 BUILT = "teachers.json"  # in the work folder once every teacher is saved
 

@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kdflow.schemas.storage import RunRoot
 
-GIB = 2**30
-
 
 # --- JSON lines -----------------------------------------------------------------------------------------------
 

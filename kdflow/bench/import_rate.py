@@ -22,6 +22,7 @@ from typing import Any
 
 from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, note, peak_rss_mib, run_fresh
+from kdflow.tasks.common.units import MIB
 
 LAYOUT = "kdflow"
 LENGTHS = (96, 200, 333, 512, 1000)  # row lengths of the source: not multiples of seq_len, some longer than it
@@ -126,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / "run", ignore_errors=True)
             result = run_fresh("kdflow.bench.import_rate", ["--child", str(work / "config.yaml"), str(source)])
             record = {"bench": "import", "positions": made["positions"], "source_rows": made["rows"],
-                      "source_mb": round(made["bytes"] / 2**20, 1),
+                      "source_mb": round(made["bytes"] / MIB, 1),
                       "loadavg": [round(x, 2) for x in os.getloadavg()]}
             if not result.ok:
                 emit(record | result.failure())
                 continue
             seconds = result.record["seconds"]
             emit(record | {"seconds": round(seconds, 3), "positions_per_s": round(made["positions"] / seconds),
-                           "mb_per_s": round(made["bytes"] / 2**20 / seconds, 2),
+                           "mb_per_s": round(made["bytes"] / MIB / seconds, 2),
                            "peak_rss_mib": result.record["peak_rss_mib"],
                            "packed_rows": result.record["packed_rows"], "shards": result.record["shards"]})
             source.unlink()

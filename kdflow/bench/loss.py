@@ -23,8 +23,8 @@ from pathlib import Path
 
 from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import emit, peak_bytes, reset_peak, run_fresh, synchronise
+from kdflow.tasks.common.units import GIB
 
-GIB = 2**30
 # Dense peak over its (N, V) float32 logits, measured on CPU with this script (logits, log-softmax,
 # the scattered copy for the tail, and their gradients): used to skip runs that would not fit.
 DENSE_PEAK_PER_LOGITS = 5.5

@@ -26,13 +26,13 @@ from torch import Tensor
 
 from kdflow.bench.args import bench_parser
 from kdflow.bench.harness import PeakMemory, emit, run_fresh
+from kdflow.tasks.common.units import GIB
 from kdflow.tasks.teacher.topk import choose_chunk_tokens, chunked_topk
 
 MEASURED = (
     "top-K step only (lm_head matmul + full-vocabulary log-sum-exp + top-K); both modes get the same random "
     "lm_head weight and hidden states; the model body is not run"
 )
-GIB = 1 << 30
 MODULE = "kdflow.bench.precompute"  # the child of each CPU measurement (--worker-mode ...)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -11,8 +11,7 @@ import time
 from typing import Any
 
 from kdflow.bench.harness import peak_bytes, reset_peak, synchronise
-
-GIB = 2**30
+from kdflow.tasks.common.units import GIB
 
 
 def with_overrides(config: Any, overrides: dict[str, Any]) -> Any:

@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-GIB = 2**30
-MIB = 2**20
+from kdflow.tasks.common.units import GIB, MIB
 
 
 def check_capped_device(setting: str, cap_gib: float, what: str = "--memory-gib") -> torch.device:

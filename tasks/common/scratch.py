@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kdflow.schemas.owners import is_stale, owner_tag
+from kdflow.tasks.common.units import MIB
 
 if TYPE_CHECKING:
     from kdflow.schemas.storage import RunRoot
@@ -96,6 +97,6 @@ def downloaded_model(url: str, subfolder: str) -> Iterator[str]:
     with local_copy(store, folder) as local:
         names = os.listdir(local)
         size = sum(os.path.getsize(os.path.join(local, name)) for name in names)
-        print(f"kdflow: copied {store.display(folder)} ({len(names)} files, {size / 2**20:,.1f} MiB) to {local} for "
+        print(f"kdflow: copied {store.display(folder)} ({len(names)} files, {size / MIB:,.1f} MiB) to {local} for "
               "this session", file=sys.stderr, flush=True)
         yield local

@@ -37,6 +37,7 @@ from kdflow.tasks.common.models import resolve_device, teacher_fingerprint, teac
 from kdflow.tasks.common.progress import Progress
 from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.common.units import MIB
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher_config
 from kdflow.tasks.teacher.sampling import check_sampling_fits
@@ -297,4 +298,4 @@ def complete_if_done(run_root: RunRoot, store: str, tag: str, tokens_done: Stage
 def _peak_device_memory_mib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return round(torch.cuda.max_memory_allocated(device) / MIB, 1)

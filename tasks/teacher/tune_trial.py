@@ -37,6 +37,7 @@ from kdflow.tasks.common.models import resolve_device, resolve_dtype
 from kdflow.tasks.common.random_teacher import build_random_teacher
 from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.common.units import MIB
 from kdflow.tasks.teacher.body_variants import (EXPERTS, EXPERTS_TOLERANCE, fastest_correct, measure_body_variants,
                                                 use_experts)
 from kdflow.tasks.teacher.host_writer import HostCopies
@@ -45,8 +46,6 @@ from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
 from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_codec, sampled_step
 from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
-
-MIB = 1 << 20
 
 
 def committed_token_shards(run_root: RunRoot) -> list[str]:
