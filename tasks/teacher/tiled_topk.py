@@ -4,7 +4,8 @@ At the reference teacher's 196,608 ids the head cost 4.3x its own matmul: after 
 several more passes over the (rows, vocab) logits (upcast, `torch.topk` over every id, exp, gather, scatter,
 sum). Here the logits are read once, tile by tile, for two numbers per tile of `tile` ids: its max and the sum of
 exp(logit - max) (`tile_stats`; a Triton kernel on CUDA, kdflow.tasks.teacher.tile_stats_kernel, the same sums in
-torch elsewhere). Everything after that touches only small arrays and K tiles:
+torch elsewhere; or, `tiled-gemm`, made by the lm_head GEMM as it writes the logits, kdflow.tasks.teacher.head_gemm,
+so that they are not read again). Everything after that touches only small arrays and K tiles:
 
 - the K largest logits of a row lie in the K tiles with the largest maxima (each of those tiles holds one logit
   at least as large as the K-th largest tile max, so no logit below that can be among the top K), so `torch.topk`
