@@ -58,11 +58,8 @@ def test_the_wheel_list_is_exact_and_disjoint_from_the_image() -> None:
 
 
 def _guarded_env(refused: Path) -> dict[str, str]:
-    """The suite's environment less TRITON_INTERPRET (a GPU check compiles its kernels, and on a CPU skips them:
-    interpreted, `bench head` would run them for their values, minutes at the check's sizes), with the guard."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return env | {"PYTHONPATH": os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])),
-                  "KDFLOW_IMPORT_ALLOWED": ALLOWED, "KDFLOW_IMPORT_REFUSED_LOG": str(refused)}
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(GUARD), os.environ.get("PYTHONPATH")])),
+                         "KDFLOW_IMPORT_ALLOWED": ALLOWED, "KDFLOW_IMPORT_REFUSED_LOG": str(refused)}
 
 
 def test_the_import_guard_refuses_prefect(children: Any, tmp_path: Path) -> None:

@@ -127,20 +127,20 @@ def test_the_tiled_head_keeps_the_slab_loops_contract(dtype: torch.dtype) -> Non
         assert torch.equal(ids, want_ids)
 
 
-@pytest.mark.parametrize("interpret", ["0", "1"])
-def test_the_head_benchmark_measures_each_variant_and_agrees_with_the_slab_loop(monkeypatch: pytest.MonkeyPatch,
-                                                                               interpret: str) -> None:
-    """On a CPU the Triton variants are skipped, unless Triton interprets them (their values, not their speed)."""
+@pytest.mark.parametrize("interpret", [False, True])
+def test_the_head_benchmark_measures_each_variant_and_agrees_with_the_slab_loop(interpret: bool) -> None:
+    """On a CPU the Triton variants are skipped, unless asked to run through Triton's interpreter (the suite sets
+    TRITON_INTERPRET=1): their values, not their speed."""
     from kdflow.bench.head import TRITON_VARIANTS, build_parser, records
 
-    monkeypatch.setenv("TRITON_INTERPRET", interpret)
     args = build_parser().parse_args(["--vocab", "300", "--hidden", "16", "--tokens", "40", "--chunk-tokens", "16",
-                                      "--top-k", "8", "--tile", "32", "--repeats", "1", "--gemm-tiles", "16x64x16:1:4"])
+                                      "--top-k", "8", "--tile", "32", "--repeats", "1", "--gemm-tiles", "16x64x16:1:4",
+                                      *(["--interpret"] if interpret else [])])
     lines = [record for record in records(args) if "variant" in record]
     found = {record["variant"]: record for record in lines}
     assert set(found) == {"matmul", "slab", "tiled", "tiled-triton", "tiled-gemm", "sampled-slab", "sampled-tiled",
                           "sampled-tiled-triton", "sampled-tiled-gemm"}
-    interpreted = interpret == "1" and triton_available()
+    interpreted = interpret and triton_available()
     assert all(("skipped" in found[name]) != interpreted for name in TRITON_VARIANTS)
     compared = ["tiled", "sampled-tiled"] + (list(TRITON_VARIANTS) if interpreted else [])
     for record in lines:  # each against its own slab loop

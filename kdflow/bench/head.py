@@ -7,7 +7,8 @@ statistics in torch), `tiled-triton` (the same with the Triton tile kernel) and 
 by a Triton lm_head GEMM as it writes the logits, kdflow.tasks.teacher.head_gemm); then the same for hybrid targets
 (`--sampling H,S`, an exact top-H and S sampled tokens): `sampled-slab` (the slab loop's sampler,
 kdflow.tasks.teacher.sampling), `sampled-tiled`, `sampled-tiled-triton` and `sampled-tiled-gemm` (the tiled
-sampler, kdflow.tasks.teacher.sampled_tiles). The Triton variants are timed on CUDA only, skipped elsewhere.
+sampler, kdflow.tasks.teacher.sampled_tiles). The Triton variants are timed on CUDA only, skipped elsewhere
+(`--interpret`: run through Triton's interpreter on a CPU, for their values).
 One JSON line per (shape, variant): microseconds per token (the best of `--repeats` after a warm-up), the ratio to
 the matmul, and the largest difference of its log-probs from its slab loop's with the share of ids it agrees on.
 Random hidden states and weights: the speed does not depend on what the numbers mean.
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="H,S of the sampled variants' hybrid targets (precompute.sampling's defaults)")
     parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
                         help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--interpret", action="store_true",
+                        help="on a CPU under TRITON_INTERPRET=1, run the Triton variants through Triton's interpreter "
+                             "(their values against the slab loop's; slow, and their times mean nothing)")
     parser.add_argument("--gemm-tiles", type=gemm_tiles_list, default=[],
                         help="more tilings of the tiled-gemm variant's GEMM to time beside the device's (top-K; the "
                              "sampler's runs the device's), a comma list of BMxBNxBK:STAGES:WARPS (128x256x64:3:8)")
@@ -131,9 +135,10 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             record = {"bench": "head", "variant": variant, **shape}
             if variant.startswith("sampled-"):
                 record["sampling"] = {"head": plan.head, "samples": plan.samples, "hash_version": plan.hash_version}
-            if variant in TRITON_VARIANTS and not (triton_available() and (device.type == "cuda" or interpreting())):
+            interpreted = args.interpret and interpreting() and device.type == "cpu"  # values, not speed
+            if variant in TRITON_VARIANTS and not (triton_available() and (device.type == "cuda" or interpreted)):
                 yield record | {"skipped": "the Triton kernel is timed on CUDA with Triton installed"}
-                continue  # (under TRITON_INTERPRET=1 it runs on the CPU, for its values: the suite's check)
+                continue
             tilings: list[Any] = [None]
             if variant.endswith("tiled-gemm"):  # the device's tiling, then (top-K) each one asked for
                 extra = args.gemm_tiles if variant == "tiled-gemm" else []
