@@ -3,13 +3,19 @@ place holds what the loader would have loaded from the same weights, and the ste
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kdflow.bench.gpu_full_depth import KDFLOW_PASS_MODES
+
 pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.unit
+# The modes timed here: kdflow's variants of the pass too where Triton interprets them (the suite sets
+# TRITON_INTERPRET=1), as a GPU runs them compiled.
+MODES = {"body", "forward", "topk"} | (set(KDFLOW_PASS_MODES) if importlib.util.find_spec("triton") else set())
 
 
 def test_quantised_in_place_holds_the_loaders_4bit_bytes_and_logits(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
@@ -53,11 +59,11 @@ def test_the_step_times_both_precisions_and_names_both_rooflines() -> None:
     assert out["roofline_tflops"]["measured_bf16_matmul"] > 0
     for bits in ("bf16", "4bit"):
         rates = out[bits]["tokens_per_s"]
-        assert set(rates) == {"body", "forward", "topk"} and all(rate > 0 for rate in rates.values())
+        assert set(rates) == MODES and all(rate > 0 for rate in rates.values())
         assert set(out[bits]["mfu_of_measured_matmul"]) == set(rates) and "out_of_memory" not in out[bits]
         assert out[bits]["topk/forward"] > 0 and "mfu_of_datasheet_peak" not in out[bits]
     assert out["4bit"]["experts_left_unquantised"] == [] and out["4bit"]["weight_bytes"] < out["bf16"]["weight_bytes"]
-    assert set(out["4bit/bf16"]) == {"body", "forward", "topk"}
+    assert set(out["4bit/bf16"]) == MODES
 
 
 def test_the_datasheet_peak_is_the_devices_own() -> None:
@@ -77,7 +83,7 @@ def test_where_bf16_does_not_fit_the_4bit_teacher_is_built_layer_by_layer_and_ti
 
     out = full_depth(QUICK_SHAPES, "cpu", 2, 16, 8, 64, 1, 128, free_bytes=2**20)
     assert "90% of the device's free memory" in out["bf16"]["skipped"] and set(out["bf16"]) == {"skipped"}
-    assert set(out["4bit"]["tokens_per_s"]) == {"body", "forward", "topk"} and "4bit/bf16" not in out
+    assert set(out["4bit"]["tokens_per_s"]) == MODES and "4bit/bf16" not in out
     assert out["4bit"]["experts_left_unquantised"] == [] and "quantise_s" not in out
 
 
@@ -100,9 +106,41 @@ def test_a_mode_that_runs_out_of_memory_is_its_outcome_and_the_others_run() -> N
 
     model.get_output_embeddings().linear.register_forward_pre_hook(no_memory)
     ids = torch.randint(2, QUICK_SHAPES["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
-    rates, out_of_memory = time_modes(model, ids, 8, 64, 1)
-    assert set(rates) == {"body", "topk"} and all(rate > 0 for rate in rates.values())
-    assert out_of_memory == {"forward": "CUDA out of memory. Tried to allocate 12.00 GiB"}
+    rates, out_of_memory, failed = time_modes(model, ids, 8, 64, 1)
+    assert set(rates) - set(KDFLOW_PASS_MODES) == {"body", "topk"} and all(rate > 0 for rate in rates.values())
+    assert out_of_memory == {"forward": "CUDA out of memory. Tried to allocate 12.00 GiB"} and failed == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_pass_is_also_timed_as_kdflow_runs_it_and_the_experts_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiled heads with the fused experts (on a CPU through Triton's interpreter, as the suite runs it), each
+    mode's experts implementation set for its timing and the model's own put back; a variant that fails is
+    recorded as failed, and the others are timed."""
+    import torch
+
+    from kdflow.bench.gpu_full_depth import time_modes
+    from kdflow.bench.gpu_models import build_random
+    from kdflow.bench.gpu_plan import QUICK_SHAPES
+    from kdflow.tasks.teacher import body_variants
+    from kdflow.tasks.teacher.body_variants import experts_in_use, use_experts
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = build_random(QUICK_SHAPES, 1, "cpu")
+    before = experts_in_use(model)
+    ids = torch.randint(2, QUICK_SHAPES["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    rates, out_of_memory, failed = time_modes(model, ids, 8, 64, 1)
+    assert set(rates) == {"body", "forward", "topk", *KDFLOW_PASS_MODES} and not out_of_memory and not failed
+    assert experts_in_use(model) == before != "kdflow_fused"
+
+    def broken(model: Any, choice: str) -> Any:  # the fused experts cannot run: the other modes still can
+        if choice == "kdflow_fused":
+            raise RuntimeError("the kernel did not compile")
+        return use_experts(model, choice)
+
+    monkeypatch.setattr(body_variants, "use_experts", broken)
+    rates, _, failed = time_modes(model, ids, 8, 64, 1)
+    assert set(failed) == set(KDFLOW_PASS_MODES) and "the kernel did not compile" in failed["topk_tiled_fused"]
+    assert {"body", "forward", "topk"} <= set(rates) and experts_in_use(model) == before
 
 
 def test_built_layer_by_layer_the_4bit_teacher_holds_what_the_whole_build_holds() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, model_parameters, teacher_bytes
@@ -69,15 +70,24 @@ def _best_seconds(run: Callable[[], None], repeats: int, sync: Callable[[], None
     return best
 
 
+# The pass's step as kdflow can run it beside its defaults (the slab head, transformers' experts: `topk`), on CUDA
+# with Triton: (precompute.head, precompute.experts). The issue's full-depth target is judged on the fastest.
+KDFLOW_PASS_MODES = {"topk_tiled_fused": ("tiled", "kdflow_fused"), "topk_gemm_fused": ("tiled-gemm", "kdflow_fused")}
+
+
 def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int,
-               repeats: int) -> tuple[dict[str, float], dict[str, str]]:
+               repeats: int) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
     """Tokens a second of the body, the bare forward (the model's own lm_head in its dtype, as `kdflow bench
-    teacher-pass` times it) and the pass's step on `input_ids` (best of `repeats`); and, apart, each mode that ran
-    out of device memory (its outcome: on an H100 the bf16 teacher's whole logits do not fit beside its weights)."""
+    teacher-pass` times it) and the pass's step on `input_ids` (best of `repeats`): as configured by default
+    (`topk`) and, on CUDA with Triton, in `KDFLOW_PASS_MODES`; and, apart, each mode that ran out of device memory
+    (its outcome: on an H100 the bf16 teacher's whole logits do not fit beside its weights), and each of
+    `KDFLOW_PASS_MODES` that failed otherwise (its error; the default modes' errors are the step's)."""
     import torch
 
     from kdflow.tasks.common.float32_logits import Float32Logits
     from kdflow.tasks.common.models import body_hidden_states, output_layer
+    from kdflow.tasks.teacher.body_variants import experts_in_use, use_experts
+    from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
     from kdflow.tasks.teacher.topk import TeacherTopkStep
 
     step = TeacherTopkStep(model, top_k, chunk_tokens)
@@ -93,20 +103,34 @@ def time_modes(model: Any, input_ids: Any, top_k: int, chunk_tokens: int,
         finally:
             model.set_output_embeddings(own_head)
 
-    modes: dict[str, Callable[[], Any]] = {"body": lambda: body_hidden_states(model, input_ids), "forward": forward,
-                                           "topk": lambda: step(input_ids)}
+    modes: dict[str, tuple[Callable[[], Any], str | None]] = {
+        "body": (lambda: body_hidden_states(model, input_ids), None), "forward": (forward, None),
+        "topk": (lambda: step(input_ids), None)}
+    if triton_available() and (cuda or interpreting()):  # interpreted: the suite's check of the switching
+        modes |= {mode: (partial(TeacherTopkStep(model, top_k, chunk_tokens, head=head), input_ids), experts)
+                  for mode, (head, experts) in KDFLOW_PASS_MODES.items()}
     rates: dict[str, float] = {}
     out_of_memory: dict[str, str] = {}
+    failed: dict[str, str] = {}
     with torch.inference_mode():
-        for mode, run in modes.items():
+        for mode, (run, experts) in modes.items():
+            before = experts_in_use(model)
             try:
+                if experts:
+                    use_experts(model, experts)
                 rates[mode] = round(input_ids.numel() / _best_seconds(run, repeats, sync), 1)
             except torch.OutOfMemoryError as error:
                 out_of_memory[mode] = first_line(error)[:160]
+            except Exception as error:  # noqa: BLE001 - a variant that fails is its outcome; the defaults' stand
+                if mode not in KDFLOW_PASS_MODES:
+                    raise
+                failed[mode] = f"{type(error).__name__}: {first_line(error)[:160]}"
             finally:
+                if experts and before:
+                    use_experts(model, before)
                 if cuda:
                     torch.cuda.empty_cache()
-    return rates, out_of_memory
+    return rates, out_of_memory, failed
 
 
 def mfu(shapes: dict[str, int], layers: int, rates: dict[str, float], tflops: float) -> dict[str, float]:
@@ -174,7 +198,7 @@ def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: i
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        rates, out_of_memory = time_modes(model, ids, top_k, chunk_tokens, repeats)
+        rates, out_of_memory, failed = time_modes(model, ids, top_k, chunk_tokens, repeats)
         held = sum(weight_bytes(model).values())
         record: dict[str, Any] = {"tokens_per_s": rates, "weight_bytes": held, "weights_gib": round(held / GIB, 3),
                                   "mfu_of_measured_matmul": mfu(shapes, layers, rates, measured)}
@@ -184,6 +208,8 @@ def full_depth(shapes: dict[str, int], device: str, micro_batch: int, seq_len: i
             record["topk/forward"] = round(rates["topk"] / rates["forward"], 4)
         if out_of_memory:
             record["out_of_memory"] = out_of_memory
+        if failed:
+            record["failed"] = failed
         if cuda:
             record["peak_device_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         if bits == "4bit":

@@ -37,7 +37,7 @@ H200_MEMORY_GIB = 139.0
 H100_MEMORY_GIB = 78.0  # the other kind the device tool lends (and the one a plain first call gets)
 # Time, from the H200 check of 2026-12-04 (docs/results/gpu-check-h200-2026-12-04.md): the whole call then (set-up
 # included), the limit of one call (infra/gpu-check.sh), and what the steps added since are expected to take: the
-# full-depth step builds (random init on the device) and quantises ~32B parameters, then times 3 modes in 2
+# full-depth step builds (random init on the device) and quantises ~32B parameters, then times 5 modes in 2
 # precisions at the extrapolated full-depth rate (~24,300 tok/s constrained); the profile loads the L4 teacher;
 # the hub-layout load writes and loads a 2-layer checkpoint at full width; the capped run builds the 4-bit teacher
 # layer by layer and tries five micro-batches. Together they outgrow one call: `call_time` says by how much.
@@ -45,6 +45,7 @@ LAST_CHECK_S = 406
 CALL_LIMIT_S = 540
 FULL_DEPTH_FIXED_S = 35
 FULL_DEPTH_TOKENS_PER_S = 24_000
+FULL_DEPTH_MODES = 5  # timed in each precision: body, forward, the pass's step, and its two kdflow variants
 HEAD_S = 47  # `kdflow bench head`'s nine variants, tiled-gemm's in four tilings, at 16,384 tokens, compiles: a guess
 PROFILE_S = 15
 HUB_LAYOUT_S = 40  # ~5.8 GB written (drawn on the GPU) and loaded into 4-bit in a child, at 2 layers
@@ -222,7 +223,8 @@ def plan(quick: bool, memory_gib: float = H200_MEMORY_GIB, budget_s: float = 480
         bf16_estimated_gib=round(peaks["bf16"] / GIB, 2), bf16=bf16,
         weights_4bit_experts_16bit_gib=round(
             teacher_bytes(shapes, shapes["num_hidden_layers"], True, experts_4bit=False) / GIB, 2),
-        estimated_s=round(FULL_DEPTH_FIXED_S + 2 * 3 * (1 + depth["repeats"]) * full_tokens / FULL_DEPTH_TOKENS_PER_S))
+        estimated_s=round(FULL_DEPTH_FIXED_S + 2 * FULL_DEPTH_MODES * (1 + depth["repeats"]) * full_tokens
+                          / FULL_DEPTH_TOKENS_PER_S))
     largest = teacher_bytes(shapes, size["depths"][1], True)
     add("profile", largest + pass_activation_bytes(shapes, largest_mb, size["seq_len"]), layers=size["depths"][1],
         micro_batch_max=largest_mb, estimated_s=PROFILE_S)
