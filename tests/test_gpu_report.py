@@ -37,7 +37,7 @@ def _summaries() -> list[dict[str, Any]]:
     environment = {"torch": "2.11.0+cu130", "gpus": ["NVIDIA H200"], "gpu_memory_mib": [143156]}
     first = {"ok": False, "quick": False, "seconds": 533.0, "loadavg": [1.0, 1.0, 1.0], "date_utc": "2026-12-06 10:00",
              "environment": environment, "steps": {
-                 "precompute": {"status": "ok", "tokens_per_s": 80_000.0},
+                 "precompute": {"status": "ok", "tokens_per_s": 80_000.0, "head": "tiled"},
                  "targets_sampled": {"status": "ok", "tokens_per_s": 70_000.0, "head": "tiled"},
                  "targets_hybrid": {"status": "ok", "tokens_per_s": 60_000.0, "head": "tiled"},
                  "full_depth": _full_depth(50_000.0, 51_000.0),
@@ -77,6 +77,7 @@ def test_two_calls_merge_and_each_target_is_judged_from_its_figures() -> None:
     assert verdicts["head"][1] == "met" and "1.60 us/token (tiled-triton" in verdicts["head"][0]  # not the sampler's,
     # nor a variant whose targets differ from the slab loop's
     assert verdicts["sampled pass"][1] == "met" and verdicts["sampled pass"][0].startswith("0.875")
+    assert "heads tiled and tiled" in verdicts["sampled pass"][0]  # the samplers weighed, not two heads
     assert verdicts["hybrid pass"][1] == "not met" and verdicts["hybrid pass"][0].startswith("0.750")
     capped = next(v for k, v in verdicts.items() if k.startswith("the llmjp"))
     assert capped == ("largest that ran, by experts implementation: grouped_mm 32, kdflow_fused 48", "not met")

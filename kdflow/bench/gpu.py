@@ -143,7 +143,10 @@ def check_config(work: Path, device: str, size: dict[str, Any], depth: int, four
         "seq_len": size["seq_len"],
         "teacher": {"model": str(teachers.teacher_folder(work, depth)), "load_in_4bit": four_bit, "device": device,
                     "dtype": "bfloat16"},
-        "precompute": {"top_k": size["top_k"], "micro_batch": 4, "sequences_per_shard": size["per_shard"]},
+        # The tiled head for the top-K pass as for the sampled and hybrid ones (`targets`): their ratio then
+        # weighs the samplers, not two ways of reading the logits.
+        "precompute": {"top_k": size["top_k"], "micro_batch": 4, "sequences_per_shard": size["per_shard"],
+                       "head": "tiled"},
         "student": {"name": "gpu-check", "steps": size["student_steps"], "batch_size": size["batch_size"],
                     "warmup_steps": 1, "eval_shards": 1, "eval_sequences": 8, "save_every": size["student_steps"],
                     "device": device, "autocast_bf16": True,

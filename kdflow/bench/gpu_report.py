@@ -89,7 +89,8 @@ def targets(steps: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
         rate = step.get("tokens_per_s") if step and step.get("status") == "ok" else None
         ratio = rate / topk if rate and topk else None
         rows.append((f"{mode} pass >= {SAMPLED_OVER_TOPK}x the top-K pass",
-                     f"{ratio:.3f} ({rate:,.0f} against {topk:,.0f} tok/s, head {step.get('head')})" if ratio
+                     f"{ratio:.3f} ({rate:,.0f} against {topk:,.0f} tok/s; heads {step.get('head')} and "
+                     f"{precompute.get('head', 'slab')})" if ratio
                      and step else _why(step if rate is None else steps.get("precompute")),
                      _verdict(ratio, SAMPLED_OVER_TOPK)))
     capped = steps.get("capped_24gib", {})

@@ -87,7 +87,10 @@ def tuned_micro_batch(work: Path, results: dict[str, dict[str, Any]]) -> int | N
 
 
 def precompute(config_path: Path) -> dict[str, Any]:
-    """The teacher pass in its worker process, as the precompute flow starts it (the tuned micro-batch if written)."""
+    """The teacher pass in its worker process, as the precompute flow starts it (the tuned micro-batch if written);
+    the record names the config's `precompute.head`."""
+    import yaml
+
     from kdflow.tasks.common.launch import run_child
     from kdflow.tasks.teacher.precompute_worker import MODULE
 
@@ -96,7 +99,8 @@ def precompute(config_path: Path) -> dict[str, Any]:
         message = outcome.errors[-1]["message"] if outcome.errors else ""
         raise RuntimeError(f"the teacher worker exited {outcome.exit_code}: {message}")
     keys = ("tag", "written", "tokens", "tokens_per_s", "peak_device_memory_mib", "device", "writer", "phases_s")
-    return {key: outcome.result.get(key) for key in keys}
+    head = (yaml.safe_load(config_path.read_text(encoding="utf-8")).get("precompute") or {}).get("head", "slab")
+    return {key: outcome.result.get(key) for key in keys} | {"head": head}
 
 
 def targets(config_path: Path, mode: str) -> dict[str, Any]:
