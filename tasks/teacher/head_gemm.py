@@ -1,12 +1,13 @@
 """The lm_head matmul with the tile statistics in its epilogue: `precompute.head: tiled-gemm` (issue 44, item 5).
 
-The tiled head (`kdflow.tasks.teacher.tiled_topk`) has the matmul write a block's logits, then reads all of them once
-more for each tile's max and sum of exp(logit - max) (`tile_stats`). Here one Triton GEMM does both: each of its
-output blocks (rows x one or more tiles of `tile` ids, accumulated in float32) is written in the logits' dtype and
-reduced to those two numbers per row and tile while it is still in registers. The logits are then read back only in the K candidate tiles a row
-picks (1/12 of the row at the reference's K = 128, tile 128, 196,608 ids). At those shapes that saves one read of
-the block's logits, 0.79 MB a token in float32 (~0.16 us at an H200's 4.8 TB/s), against whatever the Triton GEMM
-loses to cuBLAS's: which is faster is measured (`kdflow bench head`, `kdflow tune precompute`), not assumed.
+The tiled head (`kdflow.tasks.teacher.tiled_topk`) has the matmul write a block's logits, then reads all of them
+once more for each tile's max and sum of exp(logit - max) (`tile_stats`). Here one Triton GEMM does both: each of
+its output blocks (rows x one or more tiles of `tile` ids, accumulated in float32) is written in the logits' dtype
+and reduced to those two numbers per row and tile while it is still in registers. The logits are then read back only
+in the K candidate tiles a row picks (1/12 of the row at the reference's K = 128, tile 128, 196,608 ids). At those
+shapes that saves one read of the block's logits, 0.79 MB a token in float32 (~0.16 us at an H200's 4.8 TB/s),
+against whatever the Triton GEMM loses to cuBLAS's: which is faster is measured (`kdflow bench head`, `kdflow tune
+precompute`), not assumed.
 
 For sampled and hybrid targets the same GEMM also writes each tile's max key (logit + kdflow.2 noise, by the
 tiled sampler's own arithmetic, `head_gemm_sample_stats`): the three numbers `kdflow.tasks.teacher.sampled_tiles`

@@ -4,8 +4,8 @@ worker's `--heads` body (`kdflow tune precompute`).
 The heads on one loaded teacher and the same rows at one micro-batch: `slab` (the slab loop: the logits of a chunk
 of tokens, then torch's top-K or the sampler over every id), `tiled` (one read of the logits for each tile's
 statistics, then only the candidate tiles; its Triton kernels on CUDA) and `tiled-gemm` (the tiles' statistics
-made by the lm_head GEMM as it writes the logits: a Triton kernel, so timed only where it runs as itself, on CUDA
-for top-K targets). Each is timed as the pass runs it (the step and its host copy, `tune_trial.pass_step`), and the
+made by the lm_head GEMM as it writes the logits: a Triton kernel, so timed only where it runs as itself, on
+CUDA). Each is timed as the pass runs it (the step and its host copy, `tune_trial.pass_step`), and the
 tiled heads' targets are compared with the slab loop's on the first micro-batch: log-probs as sorted values per
 position (ties may order ids differently) and the tail. The recommendation is the fastest among those within
 `HEAD_TOLERANCE` of the slab loop; where a tiled head cannot take this teacher (a final-logit transform, a
@@ -90,7 +90,7 @@ def measure_heads(run_root: RunRoot, settings: TeacherPassSettings, micro_batch:
         ran, targets = head_targets(candidate, model, vocab, first)
         if head == "tiled-gemm" and ran != head:  # the GEMM's fallback is the tiled head, timed already
             records.append({"head": head, "runs": ran, "skipped": f"runs as {ran} here: the GEMM is a Triton kernel "
-                                                                  "for top-K targets on CUDA"})
+                                                                  "on CUDA"})
             continue
         step, _ = pass_step(candidate, model, vocab, micro_batch, device)
         seconds = time_micro_batches(step, ids, micro_batch, warmup, batches, device, run_root)
