@@ -78,7 +78,7 @@ def targets(steps: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
     if correct:
         best = min(correct, key=lambda r: r["us_per_token"])
         rows.append((f"head <= {HEAD_US_PER_TOKEN} us/token at {best['vocab']:,} ids",
-                     f"{best['us_per_token']:.2f} us/token ({_variant(best)}; {best.get('over_matmul', '?')}x its "
+                     f"{best['us_per_token']:.2f} us/token ({variant_label(best)}; {best.get('over_matmul', '?')}x its "
                      f"matmul)", _verdict(best["us_per_token"], HEAD_US_PER_TOKEN, at_least=False)))
     else:
         rows.append((f"head <= {HEAD_US_PER_TOKEN} us/token", _why(steps.get("bench_head")), "not measured"))
@@ -126,8 +126,8 @@ def fastest_pass(rates: dict[str, float]) -> str:
     return max((mode for mode in rates if mode.startswith("topk")), key=rates.__getitem__, default="topk")
 
 
-def _variant(record: dict[str, Any]) -> str:
-    """A head variant's name, with its GEMM's tiling where it has one."""
+def variant_label(record: dict[str, Any]) -> str:
+    """A `kdflow bench head` record's variant, with its GEMM's tiling where it has one ("tiled-gemm 128x256x64:3:8")."""
     return f"{record['variant']} {record['gemm_tiles']}" if record.get("gemm_tiles") else record["variant"]
 
 
@@ -196,7 +196,7 @@ def render(summary: dict[str, Any]) -> str:
     if head:
         out += ["", "## The head's variants", ""]
         out += _table(("variant", "us/token", "over matmul", "max log-prob diff"),
-                      ((_variant(r), r.get("us_per_token", r.get("skipped", "")), r.get("over_matmul", ""),
+                      ((variant_label(r), r.get("us_per_token", r.get("skipped", "")), r.get("over_matmul", ""),
                         f"{r.get('max_logprob_diff', '')}{' (differs from slab)' if r.get('correct') is False else ''}")
                        for r in head))
     capped = steps.get("capped_24gib", {})

@@ -18,6 +18,7 @@ from typing import Any
 
 from kdflow.bench.args import options
 from kdflow.bench.gpu_plan import BF16_PEAK_TFLOPS, model_parameters
+from kdflow.bench.gpu_report import variant_label
 
 HEADROOM = 0.10  # of the device's memory, left free by the recommended micro-batch (tune's default)
 
@@ -184,7 +185,7 @@ def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
         if "ids_agree" in record:
             record["correct"] = record["ids_agree"] >= 0.999 and record.get("max_logprob_diff", 0.0) <= 1e-3
     wrong = [r for r in result["records"] if r.get("correct") is False]
-    return result | {"incorrect": [" ".join(filter(None, (r["variant"], r.get("gemm_tiles")))) for r in wrong]}
+    return result | {"incorrect": [variant_label(r) for r in wrong]}
 
 
 def body_variants(config_path: Path, micro_batch: int | None, quick: bool) -> dict[str, Any]:

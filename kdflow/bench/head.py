@@ -131,11 +131,11 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                                            float32=float32, variant=variant, gemm_tiling=tiling)
 
         references, floor = {}, None
+        interpreted = args.interpret and interpreting() and device.type == "cpu"  # values, not speed
         for variant in [name for name in VARIANTS if name in args.variants]:
             record = {"bench": "head", "variant": variant, **shape}
             if variant.startswith("sampled-"):
                 record["sampling"] = {"head": plan.head, "samples": plan.samples, "hash_version": plan.hash_version}
-            interpreted = args.interpret and interpreting() and device.type == "cpu"  # values, not speed
             if variant in TRITON_VARIANTS and not (triton_available() and (device.type == "cuda" or interpreted)):
                 yield record | {"skipped": "the Triton kernel is timed on CUDA with Triton installed"}
                 continue

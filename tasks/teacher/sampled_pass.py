@@ -27,6 +27,7 @@ from kdflow.tasks.common.sampled import SampledTargets
 from kdflow.tasks.teacher.sampled_step import TeacherSampledStep, sampled_head
 from kdflow.tasks.teacher.sampling import SAMPLER_BYTES_PER_LOGIT, SamplingPlan
 from kdflow.tasks.teacher.store_codec import renumbering_table
+from kdflow.tasks.teacher.tiled_topk import TRITON_TILED
 from kdflow.tasks.teacher.topk import choose_chunk_tokens
 
 __all__ = ["SampledPass", "sampled_chunk_tokens", "sampled_codec", "sampled_step"]
@@ -40,7 +41,7 @@ def sampled_chunk_tokens(pre: PrecomputeConfig, vocab: int, head: str = "slab") 
     Triton kernels read the logits (`head` tiled-triton or tiled-gemm: nothing but the logits per row)."""
     if pre.chunk_tokens:
         return pre.chunk_tokens
-    per_logit = {} if head in ("tiled-triton", "tiled-gemm") else {"logits_dtype_bytes": SAMPLER_BYTES_PER_LOGIT}
+    per_logit = {} if head in TRITON_TILED else {"logits_dtype_bytes": SAMPLER_BYTES_PER_LOGIT}
     return choose_chunk_tokens(vocab, pre.chunk_memory_mib << 20, **per_logit)
 
 

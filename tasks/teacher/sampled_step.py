@@ -16,8 +16,8 @@ from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_sample_stats
 from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
 from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
 from kdflow.tasks.teacher.sampling_noise import position_streams, stream_words
-from kdflow.tasks.teacher.tiled_topk import (TILED_VARIANTS, float32_head, logit_blocks, logit_buffers,
-                                             tiled_head_fits, tiled_variant)
+from kdflow.tasks.teacher.tiled_topk import (TILED_HEADS, TRITON_TILED, check_tiled_variant, float32_head,
+                                             logit_blocks, logit_buffers, tiled_head_fits, tiled_variant)
 
 __all__ = ["TeacherSampledStep", "sample_kernels", "sampled_head", "tiled_head_sample"]
 
@@ -27,14 +27,14 @@ def sampled_head(model: nn.Module, plan: SamplingPlan, head: str, vocab_chunk: i
     (`tiled_topk.tiled_variant`: tiled, tiled-triton, tiled-gemm) where the tiled sampler fits (a plain lm_head, the
     whole vocabulary, no final-logit transform, kdflow.2)."""
     fits = tiled_head_fits(output_layer(model), final_logit_transform(model.config), vocab_chunk)
-    tiled = head in ("tiled", "tiled-gemm") and plan.hash_version == "kdflow.2" and fits
+    tiled = head in TILED_HEADS and plan.hash_version == "kdflow.2" and fits
     return tiled_variant(next(model.parameters()).device, head) if tiled else "slab"
 
 
 def sample_kernels(variant: str) -> SampleKernels:
     """The tiled sampler's kernels for a head variant: Triton's for "tiled-triton" and "tiled-gemm" (whose GEMM
     makes the statistics; the picked tiles' keys are still the kernel's), torch's otherwise."""
-    if variant in ("tiled-triton", "tiled-gemm"):
+    if variant in TRITON_TILED:
         from kdflow.tasks.teacher.sample_tile_kernel import TRITON_KERNELS
 
         return TRITON_KERNELS
@@ -48,8 +48,7 @@ def tiled_head_sample(hidden: Tensor, weight: Tensor, plan: SamplingPlan, chunk_
     `tiled_sample` over each block of `tiled_topk.logit_blocks` (`variant` tiled or tiled-triton), or of the
     logits and tile statistics the Triton GEMM writes (tiled-gemm; `gemm_tiling`: its `GemmTiles`, default the
     device's)."""
-    if variant not in TILED_VARIANTS:
-        raise ValueError(f"unknown tiled head variant {variant!r}: one of {', '.join(TILED_VARIANTS)}")
+    check_tiled_variant(variant)
     kernels, parts = sample_kernels(variant), []
     with torch.inference_mode():
         blocks = logit_buffers if variant == "tiled-gemm" else logit_blocks

@@ -32,7 +32,9 @@ from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_stats
 from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
 
 TileStats = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+TILED_HEADS = ("tiled", "tiled-gemm")  # the `precompute.head` values that read the logits per tile
 TILED_VARIANTS = ("tiled", "tiled-triton", "tiled-gemm")  # what a tiled head runs: `tiled_variant`
+TRITON_TILED = ("tiled-triton", "tiled-gemm")  # of those, the ones whose Triton kernels read the logits
 
 
 def tile_stats_torch(logits: Tensor, tile: int) -> tuple[Tensor, Tensor]:
@@ -163,8 +165,7 @@ def tiled_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int, *, tile: int
     (torch's sums after the matmul), `tiled-triton` (the Triton tile kernel after it) or `tiled-gemm` (one Triton
     GEMM writes the logits and their statistics, `kdflow.tasks.teacher.head_gemm`; `gemm_tiling`: its
     `GemmTiles`, default the device's)."""
-    if variant not in TILED_VARIANTS:
-        raise ValueError(f"unknown tiled head variant {variant!r}: one of {', '.join(TILED_VARIANTS)}")
+    check_tiled_variant(variant)
     if variant == "tiled-gemm":
         for start, stop, logits in logit_buffers(hidden, weight, chunk_tokens, float32):
             yield start, stop, logits, *head_gemm_stats(hidden[start:stop].to(weight.dtype), weight, logits, tile,
@@ -173,6 +174,12 @@ def tiled_blocks(hidden: Tensor, weight: Tensor, chunk_tokens: int, *, tile: int
     stats = tile_stats_triton if variant == "tiled-triton" else tile_stats_torch
     for start, stop, logits in logit_blocks(hidden, weight, chunk_tokens, float32):
         yield start, stop, logits, *stats(logits, tile)
+
+
+def check_tiled_variant(variant: str) -> None:
+    """ValueError naming `variant` unless it is one of `TILED_VARIANTS`."""
+    if variant not in TILED_VARIANTS:
+        raise ValueError(f"unknown tiled head variant {variant!r}: one of {', '.join(TILED_VARIANTS)}")
 
 
 def tiled_head_topk(hidden: Tensor, weight: Tensor, k: int, chunk_tokens: int, *, tile: int = 128,

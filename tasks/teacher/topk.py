@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
-from kdflow.tasks.teacher.tiled_topk import float32_head, tiled_head_fits, tiled_head_topk, tiled_variant
+from kdflow.tasks.teacher.tiled_topk import (TILED_HEADS, float32_head, tiled_head_fits, tiled_head_topk,
+                                             tiled_variant)
 
 # Memory per chunk row, counted in logits rows: the float32 logits themselves plus as much again for the
 # compute-dtype logits (bf16 is half a row) and the scratch of topk.
@@ -165,8 +166,7 @@ class TeacherTopkStep:
         self.workspace: dict[str, Tensor] = {}  # the chunk's logits buffers, reused by every micro-batch
         # "tiled" and "tiled-gemm" need a plain weight, one vocabulary slab and no final-logit transform; else the
         # slab loop runs. self.head: what runs (slab, tiled, tiled-triton or tiled-gemm; `tiled_variant`).
-        self.tiled = head in ("tiled", "tiled-gemm") and tiled_head_fits(self.lm_head, self.logit_transform,
-                                                                         vocab_chunk)
+        self.tiled = head in TILED_HEADS and tiled_head_fits(self.lm_head, self.logit_transform, vocab_chunk)
         self.head = "slab" if not self.tiled else tiled_variant(next(model.parameters()).device, head)
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
