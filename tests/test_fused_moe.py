@@ -124,18 +124,22 @@ def test_what_it_cannot_run_is_refused(tiny_moe_teacher_dir, monkeypatch: pytest
     assert records[1] == {"variant": "kdflow_fused", "tokens": 4, "skipped": "kdflow_fused runs on CUDA, not cpu"}
 
 
+@pytest.mark.parametrize("inter", [48, 64])  # down_proj's rows: 48 weights read one by one, 64 by byte and block
 @pytest.mark.parametrize("tokens", [9, 3 * LARGE.block_m + 5])  # the small tiling, the large one
 def test_a_4bit_layers_experts_are_read_packed_and_never_dequantised_whole(monkeypatch: pytest.MonkeyPatch,
-                                                                          tokens: int) -> None:
+                                                                          tokens: int, inter: int) -> None:
     """NF4 values read where each tile is loaded are bitsandbytes' own dequantisation of them: the output is the
-    float32 computation on those weights up to the kernels' two roundings; no layer is dequantised whole."""
+    float32 computation on those weights up to the kernels' two roundings; no layer is dequantised whole. Rows of
+    whole 64-weight scale blocks (gate_up_proj's 64 here) are read a byte pair and one scale at a time, others
+    (48) weight by weight."""
     pytest.importorskip("triton")
     pytest.importorskip("bitsandbytes")
     from kdflow.tasks.common.fused_experts import Dequantised, quantise_fused_experts
-    from kdflow.tasks.teacher.fused_moe import expert_weight
+    from kdflow.tasks.teacher.fused_moe import expert_weight, scale_aligned
 
     seed = random.randrange(1 << 30)
-    module = experts_module(torch.bfloat16, seed)
+    module = experts_module(torch.bfloat16, seed, inter=inter)
+    assert scale_aligned(64, LARGE.block_k) and scale_aligned(64, SMALL.block_k) and not scale_aligned(48, 32)
     holder = torch.nn.Module()
     holder.config = type("Config", (), {"num_experts": 6})()
     holder.experts = module
@@ -146,7 +150,7 @@ def test_a_4bit_layers_experts_are_read_packed_and_never_dequantised_whole(monke
     chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, 2, generator=gen), 1).to(torch.bfloat16)
     with torch.no_grad():
-        exact = experts_module(torch.float32, seed)  # the NF4 values as the kernels read them, in float32
+        exact = experts_module(torch.float32, seed, inter=inter)  # the NF4 values as the kernels read them, in float32
         for name in ("gate_up_proj", "down_proj"):
             getattr(exact, name).copy_(nf4_values(module, name))
         calls = []

@@ -29,11 +29,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from kdflow.tasks.common.fused_experts import Dequantised
+from kdflow.tasks.common.fused_experts import BLOCK as NF4_BLOCK, Dequantised
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
 __all__ = ["FUSED_EXPERTS", "LARGE", "SMALL", "Tiles", "block_schedule", "fused_experts_forward",
-           "register_fused_experts", "tiles_for"]
+           "register_fused_experts", "scale_aligned", "tiles_for"]
 
 FUSED_EXPERTS = "kdflow_fused"
 
@@ -57,6 +57,13 @@ LARGE = Tiles(64, 64, 32, num_warps=4, num_stages=3)
 def tiles_for(slots: int, experts: int) -> Tiles:
     """`LARGE` when the (token, expert) slots average a large block per expert, else `SMALL` (less padding)."""
     return LARGE if slots >= LARGE.block_m * experts else SMALL
+
+
+def scale_aligned(row: int, block_k: int) -> bool:
+    """Whether a K step of `block_k` weights of rows `row` long always lies within one of NF4's 64-weight scale
+    blocks (each row then reads its packed bytes once and one scale a step; the reference's rows, 2,560 and 960
+    weights, are whole blocks)."""
+    return row % NF4_BLOCK == 0 and NF4_BLOCK % block_k == 0
 
 
 def block_schedule(expert_ids: Tensor, experts: int, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -100,7 +107,7 @@ def expert_weight(module: nn.Module, name: str) -> ExpertWeight:
         parametrization = module.parametrizations[name]
         state = getattr(parametrization[0], "quant_state", None)
         if (isinstance(parametrization[0], Dequantised) and state is not None and state.quant_type == "nf4"
-                and state.blocksize == 64 and not getattr(state, "nested", False)):
+                and state.blocksize == NF4_BLOCK and not getattr(state, "nested", False)):
             packed = parametrization.original.reshape(-1)
             return ExpertWeight(packed, state.code.float().contiguous(), state.absmax.float().contiguous(),
                                 parametrization[0].shape, True)
@@ -141,9 +148,11 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
         shape = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
                  "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "UPCAST": upcast}
         fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, tiles.block_n))](
-            x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k, NF4=gate_up.nf4, **shape)
+            x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k, NF4=gate_up.nf4,
+            ALIGNED=scale_aligned(hidden, tiles.block_k), **shape)
         fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, tiles.block_n))](
-            h, *down.pointers, out, slots, weights, schedule, hidden, inter, NF4=down.nf4, **shape)
+            h, *down.pointers, out, slots, weights, schedule, hidden, inter, NF4=down.nf4,
+            ALIGNED=scale_aligned(inter, tiles.block_k), **shape)
     return out.view(tokens, top_k, hidden).sum(1).to(hidden_states.dtype)
 
 
