@@ -42,6 +42,34 @@ def test_every_variant_computes_eagers_hidden_states(tiny_moe_teacher_dir: Path,
     assert experts_in_use(model) == before  # restored
 
 
+def test_the_fused_experts_are_timed_in_each_tiling_given_and_written_only_in_the_devices(
+        tiny_moe_teacher_dir: Path) -> None:
+    """`moe_tilings`: kdflow_fused once more in each (through the interpreter here), each record naming its tiling;
+    the pass runs the device's, so only that record can make it the fastest correct implementation."""
+    pytest.importorskip("triton")
+    from kdflow.bench.gpu_report import variant_label
+    from kdflow.tasks.teacher.body_variants import fastest_correct
+    from kdflow.tasks.teacher.fused_moe import HOPPER, SMALL
+    from kdflow.tasks.teacher.gemm_tiles import GemmTiles
+
+    model = moe(tiny_moe_teacher_dir)
+    ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    tilings = [GemmTiles.parse("32x64x16:2:4"), HOPPER]
+    records = list(measure_body_variants(model, ids, ("eager", "kdflow_fused"), repeats=1, moe_tilings=tilings))
+    fused = [r for r in records if r["variant"] == "kdflow_fused"]
+    assert [(r["moe_tiles"], r["moe_tiles_default"]) for r in fused] == [
+        (str(SMALL), True), ("32x64x16:2:4", False), (str(HOPPER), False)]  # 24 tokens: few slots an expert
+    assert all(r["max_rel_diff"] <= 1e-5 for r in fused), fused  # float32
+    assert [variant_label(r) for r in fused] == ["kdflow_fused", "kdflow_fused 32x64x16:2:4",
+                                                 f"kdflow_fused {HOPPER}"]
+    runs = [{"variant": "grouped_mm", "tokens_per_s": 20.0, "max_rel_diff": 1e-3},
+            {"variant": "kdflow_fused", "tokens_per_s": 15.0, "max_rel_diff": 1e-3, "moe_tiles_default": True},
+            {"variant": "kdflow_fused", "tokens_per_s": 50.0, "max_rel_diff": 1e-3, "moe_tiles_default": False}]
+    assert fastest_correct(runs, 0.02) == "grouped_mm"
+    runs[1]["tokens_per_s"] = 25.0
+    assert fastest_correct(runs, 0.02) == "kdflow_fused"
+
+
 def test_the_setting_on_a_dense_teacher_means_nothing_and_a_bad_one_is_one_line(tiny_teacher_dir: Path,
                                                                                   tiny_moe_teacher_dir: Path) -> None:
     dense = load_teacher(TeacherConfig(model=str(tiny_teacher_dir), device="cpu", dtype="float32"))

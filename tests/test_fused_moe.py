@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from kdflow.schemas.errors import ConfigError
-from kdflow.tasks.teacher.fused_moe import LARGE, SMALL, block_schedule, fused_experts_forward, tiles_for
+from kdflow.tasks.teacher import fused_moe
+from kdflow.tasks.teacher.fused_moe import (HOPPER, LARGE, SMALL, block_schedule, fused_experts_forward, moe_tiling,
+                                            tiles_for)
+from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 
 pytestmark = pytest.mark.unit
 
@@ -122,6 +125,46 @@ def test_what_it_cannot_run_is_refused(tiny_moe_teacher_dir, monkeypatch: pytest
         use_experts(model, "kdflow_fused")
     records = list(measure_body_variants(model, torch.zeros(1, 4, dtype=torch.long), ("eager", "kdflow_fused")))
     assert records[1] == {"variant": "kdflow_fused", "tokens": 4, "skipped": "kdflow_fused runs on CUDA, not cpu"}
+
+
+def test_the_tiling_follows_the_slots_an_expert_and_the_gpu() -> None:
+    """Hopper takes 128-row blocks from 128 slots an expert on average; every GPU 64-row blocks from 64; below,
+    the small tiling; the interpreter never Hopper's (it is given one explicitly below)."""
+    experts = 128
+    for arch, expected in ((90, [SMALL, LARGE, HOPPER]), (86, [SMALL, LARGE, LARGE]), (None, [SMALL, LARGE, LARGE])):
+        assert [tiles_for(slots * experts, experts, arch) for slots in (63, 64, 1_800)] == expected
+    assert tiles_for(127 * experts, experts, 90) == LARGE
+
+
+@pytest.mark.parametrize("tiling", [str(HOPPER), "128x128x64:3:8", "32x64x16:2:4"])
+@pytest.mark.parametrize("four_bit", [False, True])
+def test_any_tiling_computes_the_same_experts(tiling: str, four_bit: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiling given by `moe_tiling` (how a benchmark times others than the device's) gives the default's output up
+    to float32 summation order, 4-bit rows (64 and 48 weights: both ways of reading them) included."""
+    pytest.importorskip("triton")
+    if four_bit:
+        pytest.importorskip("bitsandbytes")
+    from kdflow.tasks.common.fused_experts import quantise_fused_experts
+
+    seed = random.randrange(1 << 30)
+    module = experts_module(torch.bfloat16, seed)
+    if four_bit:
+        holder = torch.nn.Module()
+        holder.config = type("Config", (), {"num_experts": 6})()
+        holder.experts = module
+        quantise_fused_experts(holder)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = 2 * HOPPER.block_m + 7
+    hidden = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
+    chosen = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, 2, generator=gen), 1).to(torch.bfloat16)
+    with torch.no_grad():
+        default = fused_experts_forward(module, hidden, chosen, weights).float()
+        monkeypatch.setattr(fused_moe, "default_tiles", lambda *_: pytest.fail("the tiling given was not used"))
+        with moe_tiling(GemmTiles.parse(tiling)):
+            got = fused_experts_forward(module, hidden, chosen, weights).float()
+    # bf16 outputs (and intermediates) whose float32 sums differ in order: a rounding step of 2^-8 may differ
+    assert float((got - default).abs().max()) <= 2**-7 * float(default.abs().max()), (seed, tiling)
 
 
 @pytest.mark.parametrize("inter", [48, 64])  # down_proj's rows: 48 weights read one by one, 64 by byte and block

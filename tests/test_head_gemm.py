@@ -26,7 +26,8 @@ def fresh() -> torch.Generator:
 def test_the_gemm_writes_the_logits_and_the_statistics_of_what_it_wrote(weights: torch.dtype, logits: torch.dtype,
                                                                        width: int, tiling: str | None) -> None:
     """A last K step cut short (masked); two head tiles in one program's block of ids."""
-    from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_stats
+    from kdflow.tasks.teacher.gemm_tiles import GemmTiles
+    from kdflow.tasks.teacher.head_gemm import head_gemm_stats
 
     generator = fresh()
     rows = int(torch.randint(1, 40, (1,), generator=generator))
@@ -74,7 +75,8 @@ def test_the_tiled_gemm_head_gives_the_tiled_heads_and_the_slab_loops_targets(dt
 @pytest.mark.parametrize("weights, logits", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 def test_for_sampled_targets_the_gemm_also_writes_each_tiles_max_key(scheme: str, weights: torch.dtype,
                                                                      logits: torch.dtype) -> None:
-    from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_sample_stats
+    from kdflow.tasks.teacher.gemm_tiles import GemmTiles
+    from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
     from kdflow.tasks.teacher.sample_tile_kernel import sample_tile_stats_triton
     from kdflow.tasks.teacher.sampled_tiles import sample_tile_stats_torch
     from kdflow.tasks.teacher.sampling_noise import position_streams, stream_words
@@ -125,7 +127,8 @@ def test_the_pass_steps_read_a_teachers_head_through_the_gemm(tiny_teacher_dir) 
 
 
 def test_bad_input_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_sample_stats, head_gemm_stats
+    from kdflow.tasks.teacher.gemm_tiles import GemmTiles
+    from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats, head_gemm_stats
     from kdflow.tasks.teacher.tiled_topk import tiled_blocks
 
     hidden, weight, out = torch.zeros(4, 32), torch.zeros(100, 32), torch.zeros(4, 100)

@@ -38,6 +38,8 @@ def test_every_kernel_compiles_for_sm90_and_sm86_within_their_shared_memory() ->
     assert all(line["tensor_cores"] in ("mma", "wgmma") for line in experts)  # the GEMMs are on tensor cores
     large = [line for line in experts if line["case"].endswith(" large")]
     assert large and all(line["tensor_cores"] == ("wgmma" if line["arch"] == 90 else "mma") for line in large)
+    hopper = [line for line in experts if line["case"].endswith(" hopper")]  # sm_90's prefill tiling: there only
+    assert hopper and {(line["arch"], line["tensor_cores"]) for line in hopper} == {(90, "wgmma")}
 
 
 def test_a_target_it_does_not_know_is_one_line() -> None:

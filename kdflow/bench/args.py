@@ -61,3 +61,13 @@ def options(parser: argparse.ArgumentParser, **values: Any) -> argparse.Namespac
     for key, value in values.items():
         setattr(args, key, value)
     return args
+
+
+def tilings_option(text: str) -> list[Any]:
+    """An option's comma list of Triton GEMM tilings, BMxBNxBK:STAGES:WARPS (kdflow.tasks.teacher.gemm_tiles)."""
+    from kdflow.tasks.teacher.gemm_tiles import parse_tilings
+
+    try:
+        return parse_tilings(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

@@ -1,10 +1,11 @@
 """`kdflow bench body`: a MoE teacher's body (the pass's forward without its head) under each way its experts can
 run, side by side at one micro-batch: transformers' `grouped_mm`, `batched_mm` and `eager`, kdflow's
-`kdflow_fused` (two Triton kernels, CUDA only: skipped elsewhere) and `compiled` (the body under torch.compile at
-the fixed shape; CUDA graphs on CUDA). One JSON line per variant: tokens/s (the best
-of `--repeats` after a warm-up; the warm-up's own seconds apart, for `compiled` its compile), how far its hidden
-states are from eager's, or the one-line error that stopped it. The teacher is the config's, loaded as the pass
-loads it (4-bit experts included); the ids are random, since the speed does not depend on what they mean.
+`kdflow_fused` (two Triton kernels, CUDA only: skipped elsewhere; `--moe-tiles` times it in more tilings than the
+device's) and `compiled` (the body under torch.compile at the fixed shape; CUDA graphs on CUDA). One JSON line per
+variant: tokens/s (the best of `--repeats` after a warm-up; the warm-up's own seconds apart, for `compiled` its
+compile), how far its hidden states are from eager's, or the one-line error that stopped it. The teacher is the
+config's, loaded as the pass loads it (4-bit experts included); the ids are random, since the speed does not
+depend on what they mean.
 `precompute.experts` then picks one for the pass (kdflow.tasks.teacher.body_variants); `--write` sets it in the
 config file to the fastest implementation whose hidden states are within `--tolerance` of eager's (the compiled
 body is reported, not written: the pass runs the model uncompiled).
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kdflow.bench.args import bench_parser
+from kdflow.bench.args import bench_parser, tilings_option
 from kdflow.bench.harness import emit, note
 
 
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=float, default=EXPERTS_TOLERANCE,
                         help="largest difference from eager's hidden states, relative to their largest, that --write "
                              f"counts as correct (default {EXPERTS_TOLERANCE}: bf16 rounding)")
+    parser.add_argument("--moe-tiles", type=tilings_option, default=[],
+                        help="more tilings of kdflow_fused's kernels to time beside the device's, a comma list of "
+                             "BMxBNxBK:STAGES:WARPS (128x128x64:3:8); --write takes the device's")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend for `compiled` (aot_eager: capture the graph without codegen)")
     return parser
@@ -78,5 +82,6 @@ def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     shape = {"bench": "body", "layers": model.config.num_hidden_layers, "micro_batch": rows, "seq_len": seq_len,
              "four_bit": config.teacher.load_in_4bit, "device": str(device)}
     note(shape | {"note": "shape"})
-    for record in measure_body_variants(model, ids.to(device), args.variants, args.repeats, args.compile_backend):
+    for record in measure_body_variants(model, ids.to(device), args.variants, args.repeats, args.compile_backend,
+                                        args.moe_tiles):
         yield shape | record

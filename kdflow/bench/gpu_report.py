@@ -127,8 +127,13 @@ def fastest_pass(rates: dict[str, float]) -> str:
 
 
 def variant_label(record: dict[str, Any]) -> str:
-    """A `kdflow bench head` record's variant, with its GEMM's tiling where it has one ("tiled-gemm 128x256x64:3:8")."""
-    return f"{record['variant']} {record['gemm_tiles']}" if record.get("gemm_tiles") else record["variant"]
+    """A `kdflow bench head` or `body` record's variant, with the tiling it was given where it was given one
+    ("tiled-gemm 128x256x64:3:8", "kdflow_fused 64x64x32:3:4"; the device's own tiling goes unnamed)."""
+    if record.get("gemm_tiles"):
+        return f"{record['variant']} {record['gemm_tiles']}"
+    if record.get("moe_tiles_default") is False:
+        return f"{record['variant']} {record['moe_tiles']}"
+    return record["variant"]
 
 
 def _head_records(steps: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,8 +194,8 @@ def render(summary: dict[str, Any]) -> str:
     if body.get("status") == "ok":
         out += ["", "## The MoE body's experts implementations", ""]
         out += _table(("variant", "tok/s", "over grouped_mm", "max rel diff from eager"),
-                      ((r["variant"], f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else r.get("skipped")
-                        or r.get("error"), body.get("over_grouped_mm", {}).get(r["variant"], ""),
+                      ((variant_label(r), f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else r.get("skipped")
+                        or r.get("error"), body.get("over_grouped_mm", {}).get(variant_label(r), ""),
                         r.get("max_rel_diff", "")) for r in body["records"]))
     head = _head_records(steps)
     if head:

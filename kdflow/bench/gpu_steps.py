@@ -176,10 +176,11 @@ def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
     the reference head's shapes, each checked against its slab loop's values: one that differs is marked
     `"correct": false` and named in `incorrect` (the check is then not ok), and the others' figures kept."""
     from kdflow.bench import head
+    from kdflow.tasks.teacher.gemm_tiles import parse_tilings
 
     args = options(head.build_parser(), device=device, vocab=[size["loss_vocab"]], hidden=[size["loss_hidden"]],
                    tokens=size["head_tokens"], chunk_tokens=4096, repeats=size["pass_repeats"],
-                   gemm_tiles=head.gemm_tiles_list(",".join(HEAD_GEMM_TILINGS)))
+                   gemm_tiles=parse_tilings(",".join(HEAD_GEMM_TILINGS)))
     result = bench("head", head.records(args))
     for record in result["records"]:
         if "ids_agree" in record:
@@ -188,16 +189,23 @@ def bench_head(device: str, size: dict[str, Any]) -> dict[str, Any]:
     return result | {"incorrect": [variant_label(r) for r in wrong]}
 
 
+# The fused experts' kernels timed in more tilings than the device's (fused_moe.HOPPER on sm_90): the tiling every
+# GPU had before (LARGE), a larger and a deeper one (`kdflow bench kernels`-style compiles for sm_90: none spills).
+MOE_TILINGS = ("64x64x32:3:4", "128x128x64:3:8", "64x64x64:4:4")
+
+
 def body_variants(config_path: Path, micro_batch: int | None, quick: bool) -> dict[str, Any]:
     """`kdflow bench body` on the check's 4-bit teacher at the tuned micro-batch: each experts implementation and
-    the compiled body, against eager. A variant that cannot run is recorded with its error; the step fails only
-    when none ran."""
+    the compiled body, against eager, and the fused experts in `MOE_TILINGS` too. A variant that cannot run is
+    recorded with its error; the step fails only when none ran."""
     from kdflow.bench import body
+    from kdflow.tasks.teacher.gemm_tiles import parse_tilings
 
     args = options(body.build_parser(), config=str(config_path), micro_batch=micro_batch or None,
-                   repeats=1 if quick else 3, compile_backend="aot_eager" if quick else "inductor")
+                   repeats=1 if quick else 3, compile_backend="aot_eager" if quick else "inductor",
+                   moe_tiles=parse_tilings(",".join(MOE_TILINGS)))
     records = [_echo(record) for record in body.records(args)]
-    ran = {r["variant"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+    ran = {variant_label(r): r["tokens_per_s"] for r in records if "tokens_per_s" in r}
     if not ran:
         raise RuntimeError(f"kdflow bench body: no variant ran: {records[0] if records else 'no records'}")
     fastest = max(ran, key=ran.__getitem__)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kdflow.bench.args import bench_parser
+from kdflow.bench.args import bench_parser, tilings_option
 from kdflow.bench.harness import emit, note, synchronise
 
 VARIANTS = ("matmul", "slab", "tiled", "tiled-triton", "tiled-gemm", "sampled-slab", "sampled-tiled",
@@ -62,19 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--interpret", action="store_true",
                         help="on a CPU under TRITON_INTERPRET=1, run the Triton variants through Triton's interpreter "
                              "(their values against the slab loop's; slow, and their times mean nothing)")
-    parser.add_argument("--gemm-tiles", type=gemm_tiles_list, default=[],
+    parser.add_argument("--gemm-tiles", type=tilings_option, default=[],
                         help="more tilings of the tiled-gemm variant's GEMM to time beside the device's (top-K; the "
                              "sampler's runs the device's), a comma list of BMxBNxBK:STAGES:WARPS (128x256x64:3:8)")
     return parser
-
-
-def gemm_tiles_list(text: str) -> list[Any]:
-    from kdflow.tasks.teacher.head_gemm import GemmTiles
-
-    try:
-        return [GemmTiles.parse(part) for part in text.split(",") if part]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def records(args: argparse.Namespace) -> Iterator[dict[str, Any]]:

@@ -62,7 +62,7 @@ def records(archs: list[int]) -> Iterator[dict[str, Any]]:
 
     note({"bench": "kernels", "triton": triton.__version__, "archs": archs})
     for arch in archs:
-        for case, launch in cases():
+        for case, launch in cases(arch):
             with compile_only(arch) as compiled:
                 try:
                     launch()
@@ -172,8 +172,8 @@ def compile_only(arch: int) -> Iterator[list[tuple[str, Any, float]]]:
         driver._active = active  # noqa: SLF001
 
 
-def cases() -> Iterator[tuple[str, Callable[[], Any]]]:
-    """(what is compiled, a call of its launcher) for each kernel and dtype the pass launches it with."""
+def cases(arch: int) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """(what is compiled, a call of its launcher) for each kernel and dtype the pass launches it with on `arch`."""
     import torch
 
     from kdflow.tasks.teacher.sample_tile_kernel import sample_tile_stats_triton, tile_keys_triton
@@ -191,7 +191,7 @@ def cases() -> Iterator[tuple[str, Callable[[], Any]]]:
                    lambda logits=logits, scheme=scheme: (sample_tile_stats_triton(logits, words, scheme, tile),
                                                          tile_keys_triton(logits, words, picked, scheme, tile)))
     yield from _head_gemm_cases()
-    yield from _expert_cases()
+    yield from _expert_cases(arch)
 
 
 def _head_gemm_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
@@ -216,20 +216,26 @@ def _head_gemm_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
                                           torch.empty((rows, vocab)), torch.zeros(rows, dtype=torch.int32), "gumbel"))
 
 
-def _expert_cases() -> Iterator[tuple[str, Callable[[], Any]]]:
+def _expert_cases(arch: int) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """The fused experts in each tiling `arch` runs them with (few slots an expert, then a prefill's)."""
     import importlib.util
 
     import torch
 
-    from kdflow.tasks.teacher.fused_moe import LARGE, tiles_for
+    from kdflow.tasks.teacher.fused_moe import HOPPER, LARGE, SMALL, tiles_for
 
     four_bit = [False, True] if importlib.util.find_spec("bitsandbytes") is not None else [False]
-    for tokens in (8, 2 * LARGE.block_m):  # 2 slots a token over 4 experts: the small tiling, the large one
-        tiles = "large" if tiles_for(2 * tokens, 4) == LARGE else "small"
+    names = {SMALL: "small", LARGE: "large", HOPPER: "hopper"}
+    seen = set()
+    for tokens in (8, 2 * LARGE.block_m, 2 * HOPPER.block_m):  # 2 slots a token over 4 experts
+        tiles = tiles_for(2 * tokens, 4, arch)
+        if tiles in seen:
+            continue
+        seen.add(tiles)
         for dtype, nf4 in [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)]:
             if nf4 in four_bit:
                 label = ("nf4 " if nf4 else "") + str(dtype).removeprefix("torch.")
-                yield (f"experts {label} {tiles}",
+                yield (f"experts {label} {names[tiles]}",
                        lambda dtype=dtype, nf4=nf4, tokens=tokens: _run_experts(dtype, nf4, tokens))
 
 

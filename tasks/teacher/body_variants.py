@@ -17,7 +17,7 @@ the GPU check's `body_variants` step print its records.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.fused_experts import expert_count
 from kdflow.tasks.common.models import body_hidden_states, model_body
-from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, register_fused_experts
+from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, default_tiles, moe_tiling, register_fused_experts
+from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
 
 __all__ = ["EXPERTS", "EXPERTS_TOLERANCE", "VARIANTS", "experts_in_use", "fastest_correct", "measure_body_variants",
@@ -102,10 +103,12 @@ def _runner(model: nn.Module, variant: str, compile_backend: str) -> Callable[[T
 
 
 def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[str, ...] = VARIANTS,
-                          repeats: int = 3, compile_backend: str = "inductor") -> Iterator[dict[str, Any]]:
+                          repeats: int = 3, compile_backend: str = "inductor",
+                          moe_tilings: Sequence[GemmTiles] = ()) -> Iterator[dict[str, Any]]:
     """One record per variant: tokens/s of the body (the best of `repeats` after a warm-up, the compile's own
     seconds apart), the largest difference of its hidden states from eager's (absolute and relative to eager's
-    largest), or the one-line error that stopped it. The model's own implementation is restored after."""
+    largest), or the one-line error that stopped it; `kdflow_fused` once more in each of `moe_tilings` (its
+    record's `moe_tiles`; the device's own is `default_tiles`). The model's own implementation is restored after."""
     if expert_count(model.config) is None:
         raise ValueError("the body's variants are a MoE teacher's: this teacher has no experts")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -117,24 +120,21 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
         with torch.inference_mode():
             reference = _runner(model, "eager", compile_backend)(input_ids).float()
             scale = float(reference.abs().max()) or 1.0
-            for variant in variants:
+            runs = [(variant, None) for variant in variants]
+            runs += [(FUSED_EXPERTS, tiles) for tiles in moe_tilings if FUSED_EXPERTS in variants]
+            for variant, tiles in runs:
                 record: dict[str, Any] = {"variant": variant, "tokens": tokens}
                 if variant == FUSED_EXPERTS and _fused_problem(device):
                     yield record | {"skipped": f"{FUSED_EXPERTS} {_fused_problem(device)}"}
                     continue
+                if variant == FUSED_EXPERTS:
+                    record |= _tiling_record(model, tokens, tiles)
                 try:
-                    run = _runner(model, variant, compile_backend)
-                    started = time.perf_counter()
-                    out = run(input_ids)  # warm-up: for `compiled`, the compile itself
-                    _synchronise(device)
-                    record["first_call_s"] = round(time.perf_counter() - started, 3)
-                    best = float("inf")
-                    for _ in range(max(1, repeats)):
-                        started = time.perf_counter()
-                        out = run(input_ids)
-                        _synchronise(device)
-                        best = min(best, time.perf_counter() - started)
+                    with moe_tiling(tiles):
+                        out, record["first_call_s"], best = _timed(_runner(model, variant, compile_backend),
+                                                                   input_ids, repeats)
                 except Exception as error:  # noqa: BLE001 - a variant that cannot run is a result, not a crash
+                    record.pop("first_call_s", None)
                     text = str(error).strip().splitlines()
                     yield record | {"error": f"{type(error).__name__}: {text[0] if text else ''}"[:300]}
                     continue
@@ -146,9 +146,43 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
             use_experts(model, before)
 
 
+def _timed(run: Callable[[Tensor], Tensor], input_ids: Tensor, repeats: int) -> tuple[Tensor, float, float]:
+    """-> (the output, the warm-up's seconds: for `compiled`, the compile itself, the best of `repeats` seconds)."""
+    device = input_ids.device
+    started = time.perf_counter()
+    out = run(input_ids)
+    _synchronise(device)
+    first = round(time.perf_counter() - started, 3)
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        started = time.perf_counter()
+        out = run(input_ids)
+        _synchronise(device)
+        best = min(best, time.perf_counter() - started)
+    return out, first, best
+
+
+def _tiling_record(model: nn.Module, tokens: int, tiles: GemmTiles | None) -> dict[str, Any]:
+    """The fused experts' tiling for a record: the one given, or the device's default at these slots."""
+    if tiles is not None:
+        return {"moe_tiles": str(tiles), "moe_tiles_default": False}
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    chosen = getattr(config, "num_experts_per_tok", None)
+    if chosen is None:
+        return {"moe_tiles_default": True}
+    slots = tokens * int(chosen)
+    return {"moe_tiles": str(default_tiles(slots, expert_count(model.config) or 1, next(model.parameters()).device)),
+            "moe_tiles_default": True}
+
+
+def _other_tiling(record: dict[str, Any]) -> bool:
+    return record.get("moe_tiles_default") is False
+
+
 def fastest_correct(records: list[dict[str, Any]], tolerance: float) -> str | None:
     """The experts implementation (not `compiled`: the pass runs the model uncompiled) with the most tokens/s among
-    those whose hidden states are within `tolerance` of eager's (relative to their largest); None when none is."""
+    those whose hidden states are within `tolerance` of eager's (relative to their largest), as the pass runs them
+    (a record of another tiling than the device's is not); None when none is."""
     correct = [r for r in records if r.get("variant") in EXPERTS and "tokens_per_s" in r
-               and r["max_rel_diff"] <= tolerance]
+               and r["max_rel_diff"] <= tolerance and not _other_tiling(r)]
     return max(correct, key=lambda r: r["tokens_per_s"])["variant"] if correct else None

@@ -11,11 +11,14 @@ tokens x k small integers):
   place in token order, so the unpermute is the sum of each token's k rows (float32, as transformers sums them).
 
 Blocks of `block_m` slots never straddle two experts (each expert's slots are padded up to a whole block by
-masking), so each block reads one expert's weights. Two tilings (`Tiles`): `SMALL` where an expert has few slots
-(short rows, the tests), `LARGE` where the experts average 64 slots or more (a prefill: ~1,800 at the reference
-micro-batch), whose 64-row blocks let Hopper's warp-group MMA (wgmma) run and whose K step of 32 keeps a 4-bit
-teacher's kernels within an RTX 3090's shared memory without spilling registers (`kdflow bench kernels`: 72 KiB
-of its 99; 84 of an H100's 227). A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
+masking), so each block reads one expert's weights. The tiling (`tiles_for`) follows the slots an expert and the
+GPU: `SMALL` where an expert has few slots (short rows, the tests); for a prefill (~1,800 slots an expert at the
+reference micro-batch) `LARGE`, 64-row blocks whose K step of 32 keeps a 4-bit teacher's kernels within an RTX
+3090's shared memory without spilling registers, or on Hopper `HOPPER`, 128-row blocks and a K step of 64 for its
+warp-group MMA (wgmma), each weight tile dequantised once for twice the rows (`kdflow bench kernels`: 86 KiB of an
+H100's 227, 127 registers, no spills). Which tiling is fastest is the GPU's to say: `kdflow bench body
+--moe-tiles` times others (`moe_tiling`), and the GPU check times `LARGE` and two more on Hopper beside it.
+A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
 are read as their packed NF4 values, dequantised where each tile is loaded: the other implementations dequantise a
 whole layer's experts first (1.8 GiB at the reference shapes, every layer, every forward). Tested through Triton's
 interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU times it (`kdflow bench body`).
@@ -23,6 +26,9 @@ interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -30,33 +36,43 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from kdflow.tasks.common.fused_experts import BLOCK as NF4_BLOCK, Dequantised
+from kdflow.tasks.teacher.gemm_tiles import GemmTiles, interpreted, target_arch
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
-__all__ = ["FUSED_EXPERTS", "LARGE", "SMALL", "Tiles", "block_schedule", "fused_experts_forward",
-           "register_fused_experts", "scale_aligned", "tiles_for"]
+__all__ = ["FUSED_EXPERTS", "HOPPER", "LARGE", "SMALL", "block_schedule", "default_tiles", "fused_experts_forward",
+           "moe_tiling", "register_fused_experts", "scale_aligned", "tiles_for"]
 
 FUSED_EXPERTS = "kdflow_fused"
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """A tiling of both kernels: slots per block (rows), output columns and reduction step per program, and
-    Triton's warps and pipeline stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+SMALL = GemmTiles(16, 32, 32, num_stages=3, num_warps=4)  # few slots an expert: short rows, the tests
+LARGE = GemmTiles(64, 64, 32, num_stages=3, num_warps=4)  # a prefill elsewhere: fits an RTX 3090's shared memory
+HOPPER = GemmTiles(128, 64, 64, num_stages=3, num_warps=8)  # a prefill on sm_90: 128-row blocks, wgmma's K step
+_TILING: ContextVar[GemmTiles | None] = ContextVar("kdflow_fused_experts_tiling", default=None)
 
 
-SMALL = Tiles(16, 32, 32, num_warps=4, num_stages=3)
-LARGE = Tiles(64, 64, 32, num_warps=4, num_stages=3)
+def tiles_for(slots: int, experts: int, arch: int | None = None) -> GemmTiles:
+    """The kernels' tiling for `slots` (token, expert) slots over `experts` experts on compute capability `arch`
+    (None: Triton's interpreter): the largest whose blocks the slots fill on average (Hopper's, then `LARGE`), else
+    `SMALL` (less padding)."""
+    ladder = (HOPPER, LARGE) if arch is not None and arch >= 90 else (LARGE,)
+    return next((tiles for tiles in ladder if slots >= tiles.block_m * experts), SMALL)
 
 
-def tiles_for(slots: int, experts: int) -> Tiles:
-    """`LARGE` when the (token, expert) slots average a large block per expert, else `SMALL` (less padding)."""
-    return LARGE if slots >= LARGE.block_m * experts else SMALL
+def default_tiles(slots: int, experts: int, device: torch.device) -> GemmTiles:
+    """`tiles_for` the GPU in use (or the interpreter)."""
+    return tiles_for(slots, experts, None if interpreted(device) else target_arch())
+
+
+@contextmanager
+def moe_tiling(tiles: GemmTiles | None) -> Iterator[None]:
+    """Within: the fused experts run with `tiles` (None: `default_tiles`), how `kdflow bench body --moe-tiles`
+    times other tilings than the device's."""
+    token = _TILING.set(tiles)
+    try:
+        yield
+    finally:
+        _TILING.reset(token)
 
 
 def scale_aligned(row: int, block_k: int) -> bool:
@@ -135,7 +151,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     top_k = top_k_index.shape[1]
     gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
     experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    tiles = tiles_for(top_k_index.numel(), experts)
+    tiles = _TILING.get() or default_tiles(top_k_index.numel(), experts, hidden_states.device)
     slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, tiles.block_m)
     x = hidden_states.contiguous()
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)

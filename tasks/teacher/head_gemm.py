@@ -21,43 +21,13 @@ kernel through Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against th
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from kdflow.tasks.teacher.gemm_tiles import GemmTiles, interpreted, target_arch
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
-__all__ = ["GemmTiles", "device_tiles", "gemm_tiles", "head_gemm_sample_stats", "head_gemm_stats"]
-
-
-@dataclass(frozen=True)
-class GemmTiles:
-    """Rows and ids per program (the ids a whole number of the head's tiles), the reduction step, Triton's pipeline
-    stages and warps. Written `BMxBNxBK:STAGES:WARPS` (`parse`, `str`)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_stages: int
-    num_warps: int
-
-    def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}:{self.num_stages}:{self.num_warps}"
-
-    @classmethod
-    def parse(cls, text: str) -> GemmTiles:
-        """"128x256x64:3:8" -> GemmTiles(128, 256, 64, 3, 8); ValueError naming the form otherwise."""
-        try:
-            shape, stages, warps = text.split(":")
-            block_m, block_n, block_k = (int(part) for part in shape.split("x"))
-            tiles = cls(block_m, block_n, block_k, int(stages), int(warps))
-        except ValueError:
-            raise ValueError(f"GEMM tiles {text!r}: write BMxBNxBK:STAGES:WARPS, such as 128x128x64:3:8") from None
-        if any(n < 1 or n & (n - 1) for n in (block_m, block_n, block_k, tiles.num_warps)) or tiles.num_stages < 1:
-            raise ValueError(f"GEMM tiles {text!r}: block sizes and warps must be powers of two, stages >= 1")
-        return tiles
+__all__ = ["device_tiles", "gemm_tiles", "head_gemm_sample_stats", "head_gemm_stats"]
 
 
 def gemm_tiles(arch: int | None, dtype: torch.dtype, tile: int = 128) -> GemmTiles:
@@ -77,8 +47,7 @@ def gemm_tiles(arch: int | None, dtype: torch.dtype, tile: int = 128) -> GemmTil
 
 def device_tiles(device: torch.device, dtype: torch.dtype, tile: int = 128) -> GemmTiles:
     """`gemm_tiles` for the GPU in use, or the interpreter's where Triton interprets (CPU tensors)."""
-    interpreted = device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return gemm_tiles(None if interpreted else _target_arch(), dtype, tile)
+    return gemm_tiles(None if interpreted(device) else target_arch(), dtype, tile)
 
 
 def head_gemm_stats(hidden: Tensor, weight: Tensor, out: Tensor, tile: int = 128,
@@ -139,10 +108,3 @@ def _launch(hidden: Tensor, weight: Tensor, out: Tensor, tile: int, words: Tenso
             IEEE=weight.dtype == torch.float32, SAMPLE=sample, SCHEME=SCHEME_CODES[scheme],
             num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return stats[0], stats[1], stats[2] if sample else stats[0]
-
-
-def _target_arch() -> int:
-    """The compute capability Triton compiles for (the GPU in use; `kdflow bench kernels`' stand-in target)."""
-    from triton.runtime import driver
-
-    return int(driver.active.get_current_target().arch)

@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
-from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_sample_stats
+from kdflow.tasks.teacher.gemm_tiles import GemmTiles
+from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
 from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
 from kdflow.tasks.teacher.sampling import SamplingPlan, chunked_sampled
 from kdflow.tasks.teacher.sampling_noise import position_streams, stream_words

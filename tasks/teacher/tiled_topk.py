@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from kdflow.tasks.common.float32_logits import Float32Logits, float32_logits
 from kdflow.tasks.common.models import LogitTransform
-from kdflow.tasks.teacher.head_gemm import GemmTiles, head_gemm_stats
+from kdflow.tasks.teacher.gemm_tiles import GemmTiles
+from kdflow.tasks.teacher.head_gemm import head_gemm_stats
 from kdflow.tasks.teacher.tile_stats_kernel import tile_stats_triton, triton_available
 
 TileStats = Callable[[Tensor, int], tuple[Tensor, Tensor]]
