@@ -8,7 +8,9 @@ tokens x k small integers):
 - `expert_gate_up` reads each slot's token straight from the hidden states (no permuted copy) and writes
   silu(x W_gate^T) * (x W_up^T) with the activation and the product fused after its two GEMMs;
 - `expert_down` multiplies that by W_down^T, scales each row by its routing weight and writes it to the slot's
-  place in token order, so the unpermute is the sum of each token's k rows (float32, as transformers sums them).
+  place in token order, so the unpermute is the sum of each token's k rows. As in transformers' own experts, the
+  rows are in the layer's dtype and their sum accumulates in float32 (torch's sum of bf16): at the reference
+  micro-batch (28,672 tokens x 8 slots x 2,560) float32 rows would be a 2.3 GB transient a layer, bf16 1.2 GB.
 
 Blocks of `block_m` slots never straddle two experts (each expert's slots are padded up to a whole block by
 masking), so each block reads one expert's weights. The tiling (`tiles_for`) follows the slots an expert and the
@@ -155,7 +157,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, tiles.block_m)
     x = hidden_states.contiguous()
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    out = torch.zeros((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
+    out = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # every (slot, column) written
     weights = top_k_weights.reshape(-1).contiguous()
     blocks = block_expert.numel()
     schedule = torch.stack([block_expert, block_start, block_end], 1).contiguous()  # (B, 3)
@@ -169,7 +171,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
         fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, tiles.block_n))](
             h, *down.pointers, out, slots, weights, schedule, hidden, inter, NF4=down.nf4,
             ALIGNED=scale_aligned(inter, tiles.block_k), **shape)
-    return out.view(tokens, top_k, hidden).sum(1).to(hidden_states.dtype)
+    return out.view(tokens, top_k, hidden).sum(1)  # (T, D), accumulated in float32
 
 
 def register_fused_experts() -> bool:

@@ -4,12 +4,13 @@ kernel is first used (it imports Triton).
 Both kernels take one block of `BLOCK_M` sorted (token, expert) slots of one expert and one tile of output columns:
 `expert_gate_up` computes silu(x W_gate^T) * (x W_up^T) for the block's tokens, gathered by index from the hidden
 states (no permuted copy); `expert_down` multiplies that by W_down^T, scales each row by its routing weight and
-writes it to the slot's place in token order (the caller sums a token's k rows). With `NF4` the weights are a
-4-bit teacher's packed values (two a byte, the high nibble first, as bitsandbytes packs them), read as
-code[nibble] * absmax[index // 64] where the tile is loaded: no layer is ever dequantised whole. Where a row is
-whole 64-weight scale blocks (the reference's are), a tile's bytes are read once, as (rows, K step / 2), each split
-into its two nibbles, with one scale a row: compiled for sm_90, the 4-bit gate/up kernel's instructions went from
-1,937 to 1,072 and its shared memory from 86 to 35 KiB (the byte and scale gathers of each weight no longer staged).
+writes it in the layer's dtype to the slot's place in token order (the caller sums a token's k rows). With `NF4`
+the weights are a 4-bit teacher's packed values (two a byte, the high nibble first, as bitsandbytes packs them),
+read as code[nibble] * absmax[index // 64] where the tile is loaded: no layer is ever dequantised whole. Where a
+row is whole 64-weight scale blocks (the reference's are), a tile's bytes are read once, as (rows, K step / 2),
+each split into its two nibbles, with one scale a row: compiled for sm_90, the 4-bit gate/up kernel's instructions
+went from 1,937 to 1,072 and its shared memory from 86 to 35 KiB (the byte and scale gathers of each weight no
+longer staged).
 """
 
 from __future__ import annotations
@@ -105,5 +106,5 @@ def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_
             h = h.to(tl.float32)
         acc += tl.dot(h, tl.trans(w))
     scale = tl.load(weights_ptr + slots, mask=live, other=0.0).to(tl.float32)  # (BM,) routing weights
-    tl.store(out_ptr + slots[:, None] * hidden + cols[None, :], acc * scale[:, None],
+    tl.store(out_ptr + slots[:, None] * hidden + cols[None, :], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
              mask=live[:, None] & (cols[None, :] < hidden))
