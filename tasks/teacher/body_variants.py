@@ -43,8 +43,13 @@ def experts_in_use(model: nn.Module) -> str | None:
     """The experts implementation the model runs (None: not a MoE model)."""
     if expert_count(model.config) is None:
         return None
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     return getattr(config, "_experts_implementation", None) or getattr(model.config, "_experts_implementation", None)
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def use_experts(model: nn.Module, choice: str) -> str | None:
@@ -134,7 +139,6 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
                         out, record["first_call_s"], best = _timed(_runner(model, variant, compile_backend),
                                                                    input_ids, repeats)
                 except Exception as error:  # noqa: BLE001 - a variant that cannot run is a result, not a crash
-                    record.pop("first_call_s", None)
                     text = str(error).strip().splitlines()
                     yield record | {"error": f"{type(error).__name__}: {text[0] if text else ''}"[:300]}
                     continue
@@ -166,8 +170,7 @@ def _tiling_record(model: nn.Module, tokens: int, tiles: GemmTiles | None) -> di
     """The fused experts' tiling for a record: the one given, or the device's default at these slots."""
     if tiles is not None:
         return {"moe_tiles": str(tiles), "moe_tiles_default": False}
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    chosen = getattr(config, "num_experts_per_tok", None)
+    chosen = getattr(_text_config(model), "num_experts_per_tok", None)
     if chosen is None:
         return {"moe_tiles_default": True}
     slots = tokens * int(chosen)
