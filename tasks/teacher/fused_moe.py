@@ -17,7 +17,7 @@ masking), so each block reads one expert's weights. The tiling (`tiles_for`) fol
 GPU: `SMALL` where an expert has few slots (short rows, the tests); for a prefill (~1,800 slots an expert at the
 reference micro-batch) `LARGE`, 64-row blocks whose K step of 32 keeps a 4-bit teacher's kernels within an RTX
 3090's shared memory without spilling registers, or on Hopper `HOPPER`, 128-row blocks and a K step of 64 for its
-warp-group MMA (wgmma), each weight tile dequantised once for twice the rows (`kdflow bench kernels`: 86 KiB of an
+warp-group MMA (wgmma), each weight tile dequantised once for twice the rows (`kdflow bench kernels`: 85 KiB of an
 H100's 227, 127 registers, no spills). Which tiling is fastest is the GPU's to say: `kdflow bench body
 --moe-tiles` times others (`moe_tiling`), and the GPU check times `LARGE` and two more on Hopper beside it.
 A 4-bit teacher's experts (`kdflow.tasks.common.fused_experts`)
