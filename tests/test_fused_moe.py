@@ -11,8 +11,8 @@ import torch
 
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.teacher import fused_moe
-from kdflow.tasks.teacher.fused_moe import (HOPPER, LARGE, SMALL, block_schedule, fused_experts_forward, moe_tiling,
-                                            tiles_for)
+from kdflow.tasks.teacher.fused_moe import (FLOAT32, HOPPER, LARGE, SMALL, block_schedule, fused_experts_forward,
+                                            moe_tiling, tiles_for)
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 
 pytestmark = pytest.mark.unit
@@ -95,7 +95,8 @@ def assert_within_rounding(got: torch.Tensor, exact: torch.nn.Module, hidden: to
 def test_the_fused_forward_computes_the_eager_experts(dtype: torch.dtype, tokens: int) -> None:  # .. many blocks
     """Through the small tiling and, from an average of a large block per expert, the large one."""
     pytest.importorskip("triton")
-    assert tiles_for(2 * tokens, 6) == (LARGE if tokens > 3 * LARGE.block_m else SMALL)
+    prefill = FLOAT32 if dtype == torch.float32 else LARGE
+    assert tiles_for(2 * tokens, 6, None, dtype == torch.float32) == (prefill if tokens > 3 * LARGE.block_m else SMALL)
     seed = random.randrange(1 << 30)
     module = experts_module(dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -134,11 +135,13 @@ def test_what_it_cannot_run_is_refused(tiny_moe_teacher_dir, monkeypatch: pytest
 
 def test_the_tiling_follows_the_slots_an_expert_and_the_gpu() -> None:
     """Hopper takes 128-row blocks from 128 slots an expert on average; every GPU 64-row blocks from 64; below,
-    the small tiling; the interpreter never Hopper's (it is given one explicitly below)."""
+    the small tiling; the interpreter never Hopper's (it is given one explicitly below); float32 layers (full
+    float32 products, no tensor cores) their own, 8 warps."""
     experts = 128
     for arch, expected in ((90, [SMALL, LARGE, HOPPER]), (86, [SMALL, LARGE, LARGE]), (None, [SMALL, LARGE, LARGE])):
         assert [tiles_for(slots * experts, experts, arch) for slots in (63, 64, 1_800)] == expected
     assert tiles_for(127 * experts, experts, 90) == LARGE
+    assert [tiles_for(slots * experts, experts, 90, float32=True) for slots in (63, 1_800)] == [SMALL, FLOAT32]
 
 
 @pytest.mark.parametrize("tiling", [str(HOPPER), "128x128x64:3:8", "32x64x16:2:4"])

@@ -34,8 +34,10 @@ def test_every_kernel_compiles_for_sm90_and_sm86_within_their_shared_memory() ->
     assert {"head_gemm bfloat16 -> float32", "head_gemm sampler gumbel bfloat16 -> float32"} <= cases
     gemm = [line for line in compiled if line["case"].startswith("head_gemm") and "bfloat16 ->" in line["case"]]
     assert gemm and all(line["tensor_cores"] == ("wgmma" if line["arch"] == 90 else "mma") for line in gemm)
-    experts = [line for line in compiled if line["kernel"].startswith("expert_")]
-    assert all(line["tensor_cores"] in ("mma", "wgmma") for line in experts)  # the GEMMs are on tensor cores
+    experts = [line for line in compiled if line["kernel"].startswith("expert_") and "float32" not in line["case"]]
+    assert all(line["tensor_cores"] in ("mma", "wgmma") for line in experts)  # 16-bit GEMMs are on tensor cores
+    ieee = [line for line in compiled if line["case"].startswith("experts float32")]  # float32: full products
+    assert ieee and all(line["tensor_cores"] is None for line in ieee)
     large = [line for line in experts if line["case"].endswith(" large")]
     assert large and all(line["tensor_cores"] == ("wgmma" if line["arch"] == 90 else "mma") for line in large)
     hopper = [line for line in experts if line["case"].endswith(" hopper")]  # sm_90's prefill tiling: there only

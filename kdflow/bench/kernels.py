@@ -222,18 +222,19 @@ def _expert_cases(arch: int) -> Iterator[tuple[str, Callable[[], Any]]]:
 
     import torch
 
-    from kdflow.tasks.teacher.fused_moe import HOPPER, LARGE, SMALL, tiles_for
+    from kdflow.tasks.teacher.fused_moe import FLOAT32, HOPPER, LARGE, SMALL, tiles_for
 
     four_bit = [False, True] if importlib.util.find_spec("bitsandbytes") is not None else [False]
-    names = {SMALL: "small", LARGE: "large", HOPPER: "hopper"}
-    seen = set()
-    for tokens in (8, 2 * LARGE.block_m, 2 * HOPPER.block_m):  # 2 slots a token over 4 experts
-        tiles = tiles_for(2 * tokens, 4, arch)
-        if tiles in seen:
+    names = {SMALL: "small", LARGE: "large", HOPPER: "hopper", FLOAT32: "large"}
+    for dtype, nf4 in [(torch.bfloat16, False), (torch.float16, False), (torch.float32, False),
+                       (torch.bfloat16, True)]:
+        if nf4 not in four_bit:
             continue
-        seen.add(tiles)
-        for dtype, nf4 in [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)]:
-            if nf4 in four_bit:
+        seen = set()
+        for tokens in (8, 2 * LARGE.block_m, 2 * HOPPER.block_m):  # 2 slots a token over 4 experts
+            tiles = tiles_for(2 * tokens, 4, arch, dtype == torch.float32)
+            if tiles not in seen:
+                seen.add(tiles)
                 label = ("nf4 " if nf4 else "") + str(dtype).removeprefix("torch.")
                 yield (f"experts {label} {names[tiles]}",
                        lambda dtype=dtype, nf4=nf4, tokens=tokens: _run_experts(dtype, nf4, tokens))

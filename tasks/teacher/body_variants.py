@@ -174,7 +174,9 @@ def _tiling_record(model: nn.Module, tokens: int, tiles: GemmTiles | None) -> di
     if chosen is None:
         return {"moe_tiles_default": True}
     slots = tokens * int(chosen)
-    return {"moe_tiles": str(default_tiles(slots, expert_count(model.config) or 1, next(model.parameters()).device)),
+    first = next(model.parameters())
+    dtype = getattr(model, "dtype", first.dtype)  # the layers' compute dtype (a 4-bit weight's storage is bytes)
+    return {"moe_tiles": str(default_tiles(slots, expert_count(model.config) or 1, first.device, dtype)),
             "moe_tiles_default": True}
 
 

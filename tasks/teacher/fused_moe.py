@@ -41,8 +41,8 @@ from kdflow.tasks.common.fused_experts import BLOCK as NF4_BLOCK, Dequantised
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles, interpreted, target_arch
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
-__all__ = ["FUSED_EXPERTS", "HOPPER", "LARGE", "SMALL", "block_schedule", "default_tiles", "fused_experts_forward",
-           "moe_tiling", "register_fused_experts", "scale_aligned", "tiles_for"]
+__all__ = ["FLOAT32", "FUSED_EXPERTS", "HOPPER", "LARGE", "SMALL", "block_schedule", "default_tiles",
+           "fused_experts_forward", "moe_tiling", "register_fused_experts", "scale_aligned", "tiles_for"]
 
 FUSED_EXPERTS = "kdflow_fused"
 
@@ -50,20 +50,25 @@ FUSED_EXPERTS = "kdflow_fused"
 SMALL = GemmTiles(16, 32, 32, num_stages=3, num_warps=4)  # few slots an expert: short rows, the tests
 LARGE = GemmTiles(64, 64, 32, num_stages=3, num_warps=4)  # a prefill elsewhere: fits an RTX 3090's shared memory
 HOPPER = GemmTiles(128, 64, 64, num_stages=3, num_warps=8)  # a prefill on sm_90: 128-row blocks, wgmma's K step
+# A float32 layer's prefill (full float32 products, no tensor cores): with 4 warps it spilled on sm_90 (Triton 3.6).
+FLOAT32 = GemmTiles(64, 64, 32, num_stages=3, num_warps=8)
 _TILING: ContextVar[GemmTiles | None] = ContextVar("kdflow_fused_experts_tiling", default=None)
 
 
-def tiles_for(slots: int, experts: int, arch: int | None = None) -> GemmTiles:
+def tiles_for(slots: int, experts: int, arch: int | None = None, float32: bool = False) -> GemmTiles:
     """The kernels' tiling for `slots` (token, expert) slots over `experts` experts on compute capability `arch`
-    (None: Triton's interpreter): the largest whose blocks the slots fill on average (Hopper's, then `LARGE`), else
-    `SMALL` (less padding)."""
-    ladder = (HOPPER, LARGE) if arch is not None and arch >= 90 else (LARGE,)
+    (None: Triton's interpreter) for 16-bit or 4-bit layers (`float32`: float32 ones): the largest whose blocks the
+    slots fill on average (Hopper's, then `LARGE`; `FLOAT32`), else `SMALL` (less padding)."""
+    if float32:
+        ladder: tuple[GemmTiles, ...] = (FLOAT32,)
+    else:
+        ladder = (HOPPER, LARGE) if arch is not None and arch >= 90 else (LARGE,)
     return next((tiles for tiles in ladder if slots >= tiles.block_m * experts), SMALL)
 
 
-def default_tiles(slots: int, experts: int, device: torch.device) -> GemmTiles:
-    """`tiles_for` the GPU in use (or the interpreter)."""
-    return tiles_for(slots, experts, None if interpreted(device) else target_arch())
+def default_tiles(slots: int, experts: int, device: torch.device, dtype: torch.dtype) -> GemmTiles:
+    """`tiles_for` the GPU in use (or the interpreter) and the layer's dtype."""
+    return tiles_for(slots, experts, None if interpreted(device) else target_arch(), dtype == torch.float32)
 
 
 @contextmanager
@@ -153,7 +158,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     top_k = top_k_index.shape[1]
     gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
     experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    tiles = _TILING.get() or default_tiles(top_k_index.numel(), experts, hidden_states.device)
+    tiles = _TILING.get() or default_tiles(top_k_index.numel(), experts, hidden_states.device, hidden_states.dtype)
     slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, tiles.block_m)
     x = hidden_states.contiguous()
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
@@ -164,7 +169,8 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     upcast = x.device.type != "cuda"  # the interpreter: its dot of 16-bit floats is wrong
     if blocks:
         shape = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-                 "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "UPCAST": upcast}
+                 "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "UPCAST": upcast,
+                 "IEEE": x.dtype == torch.float32}
         fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, tiles.block_n))](
             x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k, NF4=gate_up.nf4,
             ALIGNED=scale_aligned(hidden, tiles.block_k), **shape)

@@ -52,6 +52,14 @@ def load_weight(w_ptr, code_ptr, absmax_ptr, starts, k0, k_len, live, dtype: tl.
 
 
 @triton.jit
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b; IEEE (float32 weights): full float32 products, not TF32's (Triton's default on a GPU)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def block_rows(schedule_ptr, BLOCK_M: tl.constexpr):
     """This program's block, from its (expert, first slot, end of the expert's slots) row of the schedule: its
     expert (int64), its sorted slots (BM,) and which of them are live."""
@@ -63,7 +71,7 @@ def block_rows(schedule_ptr, BLOCK_M: tl.constexpr):
 @triton.jit
 def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, schedule_ptr, hidden, inter, top_k,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                   NF4: tl.constexpr, ALIGNED: tl.constexpr):
+                   NF4: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr):
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) intermediate channels
     expert, rows, live = block_rows(schedule_ptr, BLOCK_M)  # (BM,) sorted slots
     tokens = (tl.load(slots_ptr + rows, mask=live, other=0) // top_k).to(tl.int64)
@@ -80,8 +88,8 @@ def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, schedul
                            x_ptr.dtype.element_ty, NF4, UPCAST, ALIGNED, BLOCK_K)  # (BN, BK)
         if UPCAST:  # Triton's interpreter multiplies 16-bit floats wrongly: it is given float32
             x = x.to(tl.float32)
-        gate += tl.dot(x, tl.trans(w_gate))
-        up += tl.dot(x, tl.trans(w_up))
+        gate = dot(x, tl.trans(w_gate), gate, IEEE)
+        up = dot(x, tl.trans(w_up), up, IEEE)
     out = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up, in float32
     tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], out.to(h_ptr.dtype.element_ty),
              mask=live[:, None] & (cols[None, :] < inter))
@@ -90,7 +98,7 @@ def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, schedul
 @triton.jit
 def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_ptr, schedule_ptr, hidden, inter,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                NF4: tl.constexpr, ALIGNED: tl.constexpr):
+                NF4: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr):
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) hidden channels
     expert, rows, live = block_rows(schedule_ptr, BLOCK_M)
     slots = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)  # the (token, k) each row answers
@@ -104,7 +112,7 @@ def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_
                         UPCAST, ALIGNED, BLOCK_K)  # (BN, BK)
         if UPCAST:
             h = h.to(tl.float32)
-        acc += tl.dot(h, tl.trans(w))
+        acc = dot(h, tl.trans(w), acc, IEEE)
     scale = tl.load(weights_ptr + slots, mask=live, other=0.0).to(tl.float32)  # (BM,) routing weights
     tl.store(out_ptr + slots[:, None] * hidden + cols[None, :], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
              mask=live[:, None] & (cols[None, :] < hidden))
