@@ -62,6 +62,7 @@ class TopkShardInfo(_Info):
     # how the pass read the logits: "slab", "tiled", "tiled-triton" or "tiled-gemm" (None: before the choice)
     head: str | None = None
     experts: str | None = None  # how a MoE teacher's experts ran (precompute.experts); None: dense, or before it
+    compiled_body: bool | None = None  # the body under torch.compile (precompute.compile_body)? None: before it
     vocab_size: int | None = None  # the teacher's output rows: every top-K id is below it
     format: str | None = None  # "v2"; None: a v1 shard
     codec: dict[str, Any] | None = None  # v2: the codec's settings (as in the shard's schema metadata)

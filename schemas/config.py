@@ -155,6 +155,8 @@ class PrecomputeConfig(_Section):
     experts: Literal["auto", "grouped_mm", "batched_mm", "eager", "kdflow_fused"] = Field(
         default="auto", description="How a MoE teacher's experts run (transformers' experts_implementation, or "
                                     "kdflow_fused: Triton, CUDA); auto: transformers'; `kdflow tune precompute`")
+    compile_body: bool = Field(default=False, description="torch.compile the teacher's body at the pass's fixed "
+                               "micro-batch shape (CUDA graphs on CUDA); `kdflow bench body` times it (`compiled`)")
     # Token shards and top-K shards are aligned 1:1, so this also sizes the token shards written by `tokenise`.
     sequences_per_shard: PositiveInt = Field(default=1024, description="Sequences per shard (token and top-K alike)")
     logprobs_dtype: Literal["float16", "float32"] = Field(default="float16", description="How v1 stores keep the "
@@ -168,14 +170,12 @@ class PrecomputeConfig(_Section):
                                                                  "further one")
     shards_per_flow_run: PositiveInt | None = Field(
         default=None, description="Fan out ranges of this many shards as runs of the fan-out deployment; empty: one "
-                                  "process"
-    )
+                                  "process")
     fanout_deployment: str = Field(default="precompute-shards/gpu", description="FLOW/DEPLOYMENT that computes one "
                                                                                 "shard range")
     lease_ttl_s: float = Field(
         default=900.0, gt=0, description="A shard's claim expires this long after its owner last renewed it (the "
-                                         "owner died)"
-    )
+                                         "owner died)")
 
 
 class StudentArchitecture(_Section):

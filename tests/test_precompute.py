@@ -118,6 +118,17 @@ def test_the_tiled_head_writes_the_same_store_and_each_shard_says_so(make_config
     assert records and {record.extra.head for record in records.values()} == {"tiled"}
 
 
+def test_the_compiled_body_writes_the_same_store_and_each_shard_says_so(make_config) -> None:
+    """precompute.compile_body: the body under torch.compile (inductor; on CUDA with CUDA graphs) at the pass's one
+    padded micro-batch shape (3 rows over 8-row shards: the padded last micro-batch compiles nothing new)."""
+    config = prepare(make_config(precompute__compile_body=True, precompute__micro_batch=3, dataset__max_documents=16))
+    summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
+    assert_matches_dense(config, summary["tag"], load_teacher(config.teacher))
+    run_root = RunRoot(config.run_root)
+    records = list_commits(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"])
+    assert records and {record.extra.compiled_body for record in records.values()} == {True}
+
+
 def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config, caplog) -> None:
     config = prepare(make_config(dataset__max_documents=24))
     with caplog.at_level("INFO", logger="kdflow.precompute"):

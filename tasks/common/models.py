@@ -11,10 +11,12 @@ top-K and the student's fused loss apply themselves.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +178,26 @@ def body_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tens
     outputs = model_body(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = getattr(outputs, "last_hidden_state", None)
     return hidden if hidden is not None else outputs[0]
+
+
+def body_runner(model: nn.Module, compiled: bool = False, backend: str = "inductor") -> Callable[..., Tensor]:
+    """`body_hidden_states` of `model` as a function (input_ids, attention_mask=None) -> (B, T, H); `compiled`: the
+    body under torch.compile at its callers' one shape (`dynamic=False`: the pass pads every micro-batch to it), on
+    CUDA with CUDA graphs under inductor (`mode="reduce-overhead"`: the graph's output buffer is reused by the next
+    call, so what it returns is a copy). `precompute.compile_body`; `kdflow bench body`'s `compiled`."""
+    if not compiled:
+        return functools.partial(body_hidden_states, model)
+    graphs = next(model.parameters()).device.type == "cuda" and backend == "inductor"
+    body = torch.compile(model_body(model), dynamic=False, backend=backend, mode="reduce-overhead" if graphs else None)
+
+    @torch.inference_mode()
+    def run(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = getattr(outputs, "last_hidden_state", None)
+        hidden = hidden if hidden is not None else outputs[0]
+        return hidden.clone() if graphs else hidden
+
+    return run
 
 
 @dataclass(frozen=True)

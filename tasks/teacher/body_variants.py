@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.fused_experts import expert_count
-from kdflow.tasks.common.models import body_hidden_states, model_body
+from kdflow.tasks.common.models import body_runner
 from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, default_tiles, moe_tiling, register_fused_experts
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
@@ -93,18 +93,9 @@ def _runner(model: nn.Module, variant: str, compile_backend: str) -> Callable[[T
     """A function input_ids -> the body's hidden states under `variant` (the experts set as it needs)."""
     if variant in EXPERTS:
         use_experts(model, variant)
-        return lambda ids: body_hidden_states(model, ids)
+        return body_runner(model)
     use_experts(model, "grouped_mm")  # transformers' default, where torch has grouped matmuls
-    device = next(model.parameters()).device
-    mode = "reduce-overhead" if device.type == "cuda" and compile_backend == "inductor" else None
-    body = torch.compile(model_body(model), dynamic=False, backend=compile_backend, mode=mode)
-
-    def run(ids: Tensor) -> Tensor:
-        outputs = body(input_ids=ids, use_cache=False)
-        hidden = getattr(outputs, "last_hidden_state", None)
-        return (hidden if hidden is not None else outputs[0]).clone()  # CUDA graphs reuse their output buffers
-
-    return run
+    return body_runner(model, compiled=True, backend=compile_backend)
 
 
 def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[str, ...] = VARIANTS,

@@ -80,7 +80,7 @@ class SampledPass:
                  slots: int) -> None:
         self.codec, self.micro_batch, self.chunk_tokens = codec, settings.precompute.micro_batch, chunk_tokens
         self.step = TeacherSampledStep(model, SamplingPlan.from_config(settings.precompute), chunk_tokens,
-                                       head=settings.precompute.head)
+                                       head=settings.precompute.head, compile_body=settings.precompute.compile_body)
         self.head = self.step.head  # slab, tiled, tiled-triton or tiled-gemm: each shard's commit records which ran
         self.device = next(model.parameters()).device
         self.free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()

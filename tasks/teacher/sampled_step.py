@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kdflow.tasks.common.models import body_hidden_states, final_logit_transform, output_layer
+from kdflow.tasks.common.models import body_runner, final_logit_transform, output_layer
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
@@ -69,10 +69,11 @@ class TeacherSampledStep:
     where it fits, see the module's docstring; `self.head` says which runs: slab, tiled, tiled-triton or tiled-gemm)."""
 
     def __init__(self, model: nn.Module, plan: SamplingPlan, chunk_tokens: int, *,
-                 vocab_chunk: int | None = None, head: str = "slab") -> None:
+                 vocab_chunk: int | None = None, head: str = "slab", compile_body: bool = False) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model, self.plan, self.chunk_tokens, self.vocab_chunk = model, plan, chunk_tokens, vocab_chunk
+        self.body = body_runner(model, compile_body)  # precompute.compile_body: torch.compile at the fixed shape
         self.lm_head = output_layer(model)
         self.logit_transform = final_logit_transform(model.config)
         vocab_size = getattr(self.lm_head, "out_features", None)
@@ -84,7 +85,7 @@ class TeacherSampledStep:
                  attention_mask: Tensor | None = None) -> SampledTargets:
         """input_ids (B, T), rows first_row.. of shard `shard` -> SampledTargets with (B, T, ...) fields."""
         batch, seq_len = input_ids.shape
-        hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, D)
+        hidden = self.body(input_ids, attention_mask)  # (B, T, D)
         device = hidden.device
         rows = (torch.arange(batch, device=device) + first_row).repeat_interleave(seq_len)  # (B * T,)
         positions = torch.arange(seq_len, device=device).repeat(batch)  # (B * T,)

@@ -45,8 +45,8 @@ class ShardComputer:
         try:
             self.sampled = None if pre.targets == "topk" else SampledPass.create(  # replaces step, codec, host copies
                 settings, model, run_root, store, tokens_done, vocab, WRITE_QUEUE_DEPTH + 2)
-            self.step = (TeacherTopkStep(model, pre.top_k, chunk_tokens, head=pre.head) if self.sampled is None
-                         else self.sampled)
+            self.step = (TeacherTopkStep(model, pre.top_k, chunk_tokens, head=pre.head, compile_body=pre.compile_body)
+                         if self.sampled is None else self.sampled)
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.
@@ -54,7 +54,8 @@ class ShardComputer:
         self.codec = store_codec(settings, run_root, store, tokens_done, vocab) if self.sampled is None else None
         coded = self.sampled.codec if self.sampled is not None else self.codec
         self.info = info.model_copy(update={"chunk_tokens": self.step.chunk_tokens, "vocab_size": vocab,
-                                            "head": self.step.head, "experts": experts} | (
+                                            "head": self.step.head, "experts": experts,
+                                            "compiled_body": pre.compile_body} | (
             {} if coded is None else {"format": "v2", "codec": coded.settings()}))
         # v2 codes float32 log-probs (its own float16 option rounds them itself); v1 stores logprobs_dtype.
         storage = torch.float16 if self.codec is None and pre.logprobs_dtype == "float16" else torch.float32

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from kdflow.schemas.config import PrecomputeConfig
-from kdflow.tasks.common.models import LogitTransform, body_hidden_states, final_logit_transform, output_layer
+from kdflow.tasks.common.models import LogitTransform, body_runner, final_logit_transform, output_layer
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 from kdflow.tasks.teacher.tiled_topk import (TILED_HEADS, float32_head, tiled_head_fits, tiled_head_topk,
                                              tiled_variant)
@@ -151,10 +151,11 @@ class TeacherTopkStep:
     final-logit transform. Results stay on the model's device; the caller copies them to the host once."""
 
     def __init__(self, model: nn.Module, k: int, chunk_tokens: int, *, vocab_chunk: int | None = None,
-                 head: str = "slab") -> None:
+                 head: str = "slab", compile_body: bool = False) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model = model
+        self.body = body_runner(model, compile_body)  # precompute.compile_body: torch.compile at the fixed shape
         self.lm_head = output_layer(model)
         self.logit_transform = final_logit_transform(model.config)
         vocab_size = getattr(self.lm_head, "out_features", None)
@@ -173,7 +174,7 @@ class TeacherTopkStep:
         """input_ids (B, T) -> topk_ids (B, T, K) int32, topk_logprobs (B, T, K) float32,
         tail_logprob (B, T) float32."""
         batch, seq_len = input_ids.shape
-        hidden = body_hidden_states(self.model, input_ids, attention_mask)  # (B, T, H)
+        hidden = self.body(input_ids, attention_mask)  # (B, T, H)
         if self.tiled:
             topk_ids, topk_logprobs, tail_logprob = tiled_head_topk(
                 hidden.flatten(0, 1), self.lm_head.weight, self.k, self.chunk_tokens, variant=self.head,
