@@ -124,3 +124,21 @@ def test_the_page_and_its_verdict_line(tmp_path: Path, capsys: pytest.CaptureFix
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(SystemExit, match=r"--report .*bad.json: not a gpu-check summary"):
         main(["--report", str(tmp_path / "bad.json")])
+
+
+def test_the_body_table_names_each_tiling_the_fused_experts_ran_in() -> None:
+    """`body_variants`' records of the fused experts in other tilings than the device's are rows of their own,
+    named by tiling, each with its ratio to grouped_mm; the device's own is plain `kdflow_fused`."""
+    from kdflow.bench.gpu_report import merged, render
+
+    records = [{"variant": "grouped_mm", "tokens_per_s": 100.0, "max_rel_diff": 0.0},
+               {"variant": "kdflow_fused", "tokens_per_s": 150.0, "max_rel_diff": 0.004,
+                "moe_tiles": "128x64x64:3:8", "moe_tiles_default": True},
+               {"variant": "kdflow_fused", "tokens_per_s": 120.0, "max_rel_diff": 0.004,
+                "moe_tiles": "64x64x32:3:4", "moe_tiles_default": False}]
+    summary = _summaries()[0]
+    summary["steps"]["body_variants"] = {"status": "ok", "records": records, "fastest": "kdflow_fused",
+                                         "over_grouped_mm": {"grouped_mm": 1.0, "kdflow_fused": 1.5,
+                                                             "kdflow_fused 64x64x32:3:4": 1.2}}
+    text = render(merged([summary]))
+    assert "| kdflow_fused | 150 | 1.5 | 0.004 |" in text and "| kdflow_fused 64x64x32:3:4 | 120 | 1.2 | 0.004 |" in text
