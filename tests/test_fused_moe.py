@@ -50,6 +50,16 @@ def experts_module(dtype: torch.dtype, seed: int, hidden: int = 64, inter: int =
     return module.to(dtype)
 
 
+def quantised(module: torch.nn.Module) -> int:
+    """The experts module's weights quantised to NF4 in place, as a 4-bit teacher loads them: how many were."""
+    from kdflow.tasks.common.fused_experts import quantise_fused_experts
+
+    holder = torch.nn.Module()
+    holder.config = type("Config", (), {"num_experts": module.gate_up_proj.shape[0]})()
+    holder.experts = module
+    return quantise_fused_experts(holder)
+
+
 def nf4_values(module: torch.nn.Module, name: str) -> torch.Tensor:
     """A 4-bit experts weight dequantised by bitsandbytes in float32 (code[nibble] * absmax), as the kernels read it
     under the interpreter (on a GPU they round it to the layer's dtype, as the other implementations do)."""
@@ -152,15 +162,10 @@ def test_any_tiling_computes_the_same_experts(tiling: str, four_bit: bool, monke
     pytest.importorskip("triton")
     if four_bit:
         pytest.importorskip("bitsandbytes")
-    from kdflow.tasks.common.fused_experts import quantise_fused_experts
-
     seed = random.randrange(1 << 30)
     module = experts_module(torch.bfloat16, seed)
     if four_bit:
-        holder = torch.nn.Module()
-        holder.config = type("Config", (), {"num_experts": 6})()
-        holder.experts = module
-        quantise_fused_experts(holder)
+        assert quantised(module) == 2
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = 2 * HOPPER.block_m + 7
     hidden = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
@@ -180,21 +185,18 @@ def test_any_tiling_computes_the_same_experts(tiling: str, four_bit: bool, monke
 def test_a_4bit_layers_experts_are_read_packed_and_never_dequantised_whole(monkeypatch: pytest.MonkeyPatch,
                                                                           tokens: int, inter: int) -> None:
     """NF4 values read where each tile is loaded are bitsandbytes' own dequantisation of them: the output is the
-    float32 computation on those weights up to the kernels' two roundings; no layer is dequantised whole. Rows of
+    float32 computation on those weights up to the kernels' roundings; no layer is dequantised whole. Rows of
     whole 64-weight scale blocks (gate_up_proj's 64 here) are read a byte pair and one scale at a time, others
     (48) weight by weight."""
     pytest.importorskip("triton")
     pytest.importorskip("bitsandbytes")
-    from kdflow.tasks.common.fused_experts import Dequantised, quantise_fused_experts
+    from kdflow.tasks.common.fused_experts import Dequantised
     from kdflow.tasks.teacher.fused_moe import expert_weight, scale_aligned
 
     seed = random.randrange(1 << 30)
     module = experts_module(torch.bfloat16, seed, inter=inter)
     assert scale_aligned(64, LARGE.block_k) and scale_aligned(64, SMALL.block_k) and not scale_aligned(48, 32)
-    holder = torch.nn.Module()
-    holder.config = type("Config", (), {"num_experts": 6})()
-    holder.experts = module
-    assert quantise_fused_experts(holder) == 2  # gate_up_proj and down_proj, as a 4-bit teacher loads them
+    assert quantised(module) == 2  # gate_up_proj and down_proj, as a 4-bit teacher loads them
     assert expert_weight(module, "gate_up_proj").nf4 and expert_weight(module, "down_proj").nf4
     gen = torch.Generator().manual_seed(seed + 1)
     hidden = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
