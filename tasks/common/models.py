@@ -175,27 +175,40 @@ def layers_prefix(model: nn.Module) -> str:
 @torch.inference_mode()
 def body_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """input_ids (B, T) -> final hidden states (B, T, H) from the model body, never the logits."""
-    outputs = model_body(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return _last_hidden(model_body(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False))
+
+
+def _last_hidden(outputs: Any) -> Tensor:
+    """The final hidden states of a body's outputs (a ModelOutput, or a tuple whose first item they are)."""
     hidden = getattr(outputs, "last_hidden_state", None)
     return hidden if hidden is not None else outputs[0]
 
 
 def body_runner(model: nn.Module, compiled: bool = False, backend: str = "inductor") -> Callable[..., Tensor]:
     """`body_hidden_states` of `model` as a function (input_ids, attention_mask=None) -> (B, T, H); `compiled`: the
-    body under torch.compile at its callers' one shape (`dynamic=False`: the pass pads every micro-batch to it), on
-    CUDA with CUDA graphs under inductor (`mode="reduce-overhead"`: the graph's output buffer is reused by the next
-    call, so what it returns is a copy). `precompute.compile_body`; `kdflow bench body`'s `compiled`."""
+    body under torch.compile at one shape (`dynamic=False`), the first call's: a later call with fewer rows is
+    padded to it (rows of id 0, their outputs dropped; the pass pads its micro-batches already, the store report's
+    re-run does not), so nothing compiles twice. On CUDA with CUDA graphs under inductor (`mode="reduce-overhead"`:
+    the graph's output buffer is reused by the next call, so what it returns is a copy). `precompute.compile_body`;
+    `kdflow bench body`'s `compiled`."""
     if not compiled:
         return functools.partial(body_hidden_states, model)
     graphs = next(model.parameters()).device.type == "cuda" and backend == "inductor"
     body = torch.compile(model_body(model), dynamic=False, backend=backend, mode="reduce-overhead" if graphs else None)
+    compiled_rows: list[int] = []  # the first call's rows
 
-    @torch.inference_mode()
     def run(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = getattr(outputs, "last_hidden_state", None)
-        hidden = hidden if hidden is not None else outputs[0]
-        return hidden.clone() if graphs else hidden
+        rows = input_ids.shape[0]
+        compiled_rows[:] = compiled_rows or [rows]
+        pad = compiled_rows[0] - rows
+        with torch.inference_mode():  # inputs made here, so that every call's have the same dispatch keys (a tensor
+            # made outside inference mode and one made inside it differ, and the graph's guards would recompile)
+            input_ids = torch.cat([input_ids, input_ids.new_zeros((max(pad, 0), *input_ids.shape[1:]))])
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask,
+                                            attention_mask.new_ones((max(pad, 0), *attention_mask.shape[1:]))])
+            hidden = _last_hidden(body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False))[:rows]
+            return hidden.clone() if graphs else hidden
 
     return run
 

@@ -198,8 +198,9 @@ def precompute_shards(
             logger.info("precompute: %.1f s computing %d shards; the background writer encoded and wrote for %.1f s of "
                         "it, and the pass waited %.1f s for it", compute_seconds, written, writer["busy_s"],
                         writer["waited_for_s"])
-        if written and pre.report_rows:  # the store report's KL, while the teacher is loaded
-            fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, pre.report_rows, pre.micro_batch)
+        if written and pre.report_rows:  # the store report's KL, while the teacher is loaded, run as the shards were
+            with deterministic_algorithms():  # (a compiled body's guards include this state: no second compile)
+                fidelity = pass_fidelity(computer.step, run_root, tag, plan.todo, pre.report_rows, pre.micro_batch)
     complete_if_done(run_root, store, tag, plan.tokens_done)
     in_store = list_commits(run_root, store, "topk", tag)
     committed = [in_store[i] for i in plan.wanted if i in in_store]
