@@ -12,7 +12,8 @@ import torch
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.teacher_loading import load_teacher
-from kdflow.tasks.teacher.body_variants import EXPERTS, experts_in_use, measure_body_variants, use_experts
+from kdflow.tasks.teacher.body_variants import (EXPERTS, VARIANTS, experts_in_use, measure_body_variants,
+                                                pass_settings, use_experts)
 
 pytestmark = pytest.mark.unit
 
@@ -29,15 +30,15 @@ def test_every_variant_computes_eagers_hidden_states(tiny_moe_teacher_dir: Path,
     model = moe(tiny_moe_teacher_dir, four_bit)
     before = experts_in_use(model)
     ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    variants = (*EXPERTS, "compiled") if not four_bit else EXPERTS  # compiled: once, at full precision (slow)
+    variants = VARIANTS if not four_bit else EXPERTS  # compiled: once, at full precision (slow)
     found = {r["variant"]: r for r in measure_body_variants(model, ids, variants, repeats=1,
                                                               compile_backend="aot_eager")}
-    assert set(found) == set(variants) and not [r for r in found.values() if "error" in r], found
+    assert set(found) == set(variants) and not [r for r in found.values() if "error" in r], [r.get("error") for r in found.values()]
     tolerance = 1e-5 if not four_bit else 2e-2  # float32; bf16 sums in another order
     for name, record in found.items():
         assert record["tokens"] == 24 and record["tokens_per_s"] > 0
         assert record["max_rel_diff"] <= tolerance, record
-        assert record["experts"] == (name if name in EXPERTS else "grouped_mm")
+        assert record["experts"] == pass_settings(name)["experts"]
     assert found["eager"]["max_abs_diff"] == 0.0
     assert experts_in_use(model) == before  # restored
 
@@ -136,6 +137,7 @@ def test_write_sets_the_fastest_correct_implementation_in_the_config(tiny_moe_te
     from kdflow.bench.body import main
     from kdflow.schemas.config_io import dump_config, load_config
     from kdflow.tasks.teacher.body_variants import fastest_correct
+    from kdflow.tasks.teacher.tune_file import write_precompute_settings
 
     runs = [{"variant": "eager", "tokens_per_s": 10.0, "max_rel_diff": 0.0},
             {"variant": "batched_mm", "tokens_per_s": 30.0, "max_rel_diff": 0.5},  # fast and wrong
@@ -143,10 +145,21 @@ def test_write_sets_the_fastest_correct_implementation_in_the_config(tiny_moe_te
             {"variant": "compiled", "tokens_per_s": 40.0, "max_rel_diff": 0.0},  # not something the pass runs
             {"variant": "kdflow_fused", "skipped": "runs on CUDA, not cpu"}]
     assert fastest_correct(runs, 0.02) == "grouped_mm" and fastest_correct(runs[1:2], 0.02) is None
+    assert fastest_correct(runs, 0.02, compiled=True) == "compiled"  # where the pass can compile it as timed
+    assert pass_settings("compiled") == {"experts": "grouped_mm", "compile_body": True}
+    assert pass_settings("compiled_fused") == {"experts": "kdflow_fused", "compile_body": True}
+    assert pass_settings("eager") == {"experts": "eager", "compile_body": False}
     path = tmp_path / "moe.yaml"
     path.write_text("# my teacher\n" + dump_config(tiny_config(tmp_path / "run", tiny_moe_teacher_dir, corpus_file,
                                                               teacher__dtype="float32")))
     assert main(["--config", str(path), "--micro-batch", "2", "--seq-len", "8", "--repeats", "1", "--device", "cpu",
                  "--variants", "eager,batched_mm", "--write"]) == 0
     assert load_config(path).precompute.experts in ("eager", "batched_mm")
+    assert load_config(path).precompute.compile_body is False
     assert path.read_text().startswith("# my teacher\n")
+    with pytest.raises(SystemExit, match="no variant ran within 0.02 of eager: nothing written"):
+        main(["--config", str(path), "--micro-batch", "2", "--seq-len", "8", "--repeats", "1", "--device", "cpu",
+              "--variants", "compiled", "--compile-backend", "aot_eager", "--write"])  # not as the pass compiles
+    write_precompute_settings(path, pass_settings("compiled"))  # what --write does when `compiled` is the fastest
+    written = load_config(path).precompute
+    assert (written.experts, written.compile_body) == ("grouped_mm", True)

@@ -12,7 +12,7 @@ import torch
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.teacher import fused_moe
 from kdflow.tasks.teacher.fused_moe import (FLOAT32, HOPPER, LARGE, SMALL, block_schedule, fused_experts_forward,
-                                            moe_tiling, tiles_for)
+                                            moe_tiling, schedule_blocks, tiles_for)
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 
 pytestmark = pytest.mark.unit
@@ -25,14 +25,33 @@ def test_the_schedule_sorts_slots_by_expert_in_blocks_that_never_straddle_two() 
     chosen = torch.randint(0, experts - 1, (23, 3), generator=gen)  # the last expert gets no slot
     slots, block_expert, block_start, block_end = block_schedule(chosen, experts, block)
     flat = chosen.reshape(-1)
+    assert block_expert.numel() == schedule_blocks(flat.numel(), experts, block) == 69 // 4 + 7  # whatever the routing
     assert sorted(slots.tolist()) == list(range(flat.numel())), seed  # every slot once
     assert flat[slots.long()].tolist() == sorted(flat.tolist()), seed  # in expert order
-    covered = []
+    covered, busy = [], []
     for expert, start, end in zip(block_expert.tolist(), block_start.tolist(), block_end.tolist(), strict=True):
         rows = range(start, min(start + block, end))
         assert all(int(flat[int(slots[r])]) == expert for r in rows), seed
         covered.extend(rows)
-    assert covered == list(range(flat.numel())) and (experts - 1) not in block_expert.tolist(), seed
+        busy.append(bool(rows))
+    assert covered == list(range(flat.numel())), seed
+    assert busy == sorted(busy, reverse=True), seed  # the idle programs last, each an empty block
+    assert (experts - 1) not in block_expert[torch.tensor(busy)].tolist(), seed
+
+
+def test_the_schedule_reads_nothing_back_so_a_compiled_graph_takes_it_whole() -> None:
+    """No size depends on the routing (no host sync a layer): the schedule computes on fake tensors, shapes alone,
+    to the programs `schedule_blocks` gives, as CUDA graphs and torch.compile need; compiled, it equals eager."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seed = random.randrange(1 << 30)
+    chosen = torch.randint(0, 5, (19, 2), generator=torch.Generator().manual_seed(seed))
+    with FakeTensorMode() as mode:
+        shapes = [tuple(out.shape) for out in block_schedule(mode.from_tensor(chosen), 6, 4)]
+    assert shapes == [(38,)] + [(schedule_blocks(38, 6, 4),)] * 3
+    compiled = torch.compile(block_schedule, fullgraph=True, dynamic=False, backend="eager")
+    for got, expected in zip(compiled(chosen, 6, 4), block_schedule(chosen, 6, 4), strict=True):
+        assert torch.equal(got, expected), seed
 
 
 def experts_module(dtype: torch.dtype, seed: int, hidden: int = 64, inter: int = 48, experts: int = 6):

@@ -1,14 +1,15 @@
 """`kdflow bench body`: a MoE teacher's body (the pass's forward without its head) under each way its experts can
 run, side by side at one micro-batch: transformers' `grouped_mm`, `batched_mm` and `eager`, kdflow's
 `kdflow_fused` (two Triton kernels, CUDA only: skipped elsewhere; `--moe-tiles` times it in more tilings than the
-device's) and `compiled` (the body under torch.compile at the fixed shape; CUDA graphs on CUDA). One JSON line per
-variant: tokens/s (the best of `--repeats` after a warm-up; the warm-up's own seconds apart, for `compiled` its
-compile), how far its hidden states are from eager's, or the one-line error that stopped it. The teacher is the
+device's), and the body under torch.compile at the fixed shape (CUDA graphs on CUDA) with either experts:
+`compiled` (`grouped_mm`) and `compiled_fused` (`kdflow_fused`). One JSON line per variant: tokens/s (the best of
+`--repeats` after a warm-up; the warm-up's own seconds apart, for a compiled body its compile), how far its hidden
+states are from eager's, or the one-line error that stopped it. The teacher is the
 config's, loaded as the pass loads it (4-bit experts included); the ids are random, since the speed does not
 depend on what they mean.
-`precompute.experts` then picks one for the pass (kdflow.tasks.teacher.body_variants); `--write` sets it in the
-config file to the fastest implementation whose hidden states are within `--tolerance` of eager's (the compiled
-body is reported, not written: the pass runs the model uncompiled).
+`precompute.experts` and `precompute.compile_body` then pick one for the pass (kdflow.tasks.teacher.body_variants);
+`--write` sets both in the config file to the fastest variant whose hidden states are within `--tolerance` of
+eager's (a compiled body only where it was compiled as the pass compiles it, by inductor).
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ def main(argv: list[str] | None = None) -> int:
         emit(record)
         found.append(record)
     if args.write:
-        from kdflow.tasks.teacher.body_variants import fastest_correct
-        from kdflow.tasks.teacher.tune_file import write_precompute_setting
+        from kdflow.tasks.teacher.body_variants import fastest_correct, pass_settings
+        from kdflow.tasks.teacher.tune_file import write_precompute_settings
 
-        chosen = fastest_correct(found, args.tolerance)
+        chosen = fastest_correct(found, args.tolerance, compiled=args.compile_backend == "inductor")
         if chosen is None:
-            raise SystemExit(f"kdflow bench body: no experts implementation ran within {args.tolerance} of eager: "
-                             "nothing written")
-        write_precompute_setting(Path(args.config), "experts", chosen)
-        note({"bench": "body", "wrote": {"precompute.experts": chosen}, "config": args.config})
+            raise SystemExit(f"kdflow bench body: no variant ran within {args.tolerance} of eager: nothing written")
+        settings = pass_settings(chosen)
+        write_precompute_settings(Path(args.config), settings)
+        note({"bench": "body", "wrote": {f"precompute.{key}": value for key, value in settings.items()},
+              "config": args.config})
     return 0
 
 
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", type=lambda text: tuple(text.split(",")), default=VARIANTS,
                         help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--write", action="store_true",
-                        help="set precompute.experts in the config file to the fastest correct implementation")
+                        help="set precompute.experts and precompute.compile_body in the config file to the fastest "
+                             "correct variant")
     parser.add_argument("--tolerance", type=float, default=EXPERTS_TOLERANCE,
                         help="largest difference from eager's hidden states, relative to their largest, that --write "
                              f"counts as correct (default {EXPERTS_TOLERANCE}: bf16 rounding)")
@@ -60,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more tilings of kdflow_fused's kernels to time beside the device's, a comma list of "
                              "BMxBNxBK:STAGES:WARPS (128x128x64:3:8); --write takes the device's")
     parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile's backend for `compiled` (aot_eager: capture the graph without codegen)")
+                        help="torch.compile's backend for the compiled bodies (aot_eager: capture the graph without "
+                             "codegen; --write then takes only the uncompiled ones)")
     return parser
 
 

@@ -196,7 +196,8 @@ MOE_TILINGS = ("64x64x32:3:4", "128x128x64:3:8", "64x64x64:4:4")
 
 def body_variants(config_path: Path, micro_batch: int | None, quick: bool) -> dict[str, Any]:
     """`kdflow bench body` on the check's 4-bit teacher at the tuned micro-batch: each experts implementation and
-    the compiled body, against eager, and the fused experts in `MOE_TILINGS` too. A variant that cannot run is
+    the compiled body (with grouped_mm and with the fused experts), against eager, and the fused experts in
+    `MOE_TILINGS` too. A variant that cannot run is
     recorded with its error; the step fails only when none ran."""
     from kdflow.bench import body
     from kdflow.tasks.teacher.gemm_tiles import parse_tilings

@@ -4,13 +4,14 @@ transformers 5 runs a MoE block's experts by one of several implementations (`ex
 `grouped_mm` (the tokens sorted by expert, one grouped GEMM per projection; its default where torch has grouped
 matmuls), `batched_mm` (each token's chosen experts' weights gathered and multiplied as a batch) and `eager` (a
 loop over the experts); kdflow adds `kdflow_fused` (two Triton kernels with the activation fused, `fused_moe`;
-CUDA). `precompute.experts` picks one for the pass (`auto`: transformers' choice); each shard's
-commit record says which ran. A 4-bit teacher's experts run the same way on the layer's dequantised weights
+CUDA). `precompute.experts` picks one for the pass (`auto`: transformers' choice) and `precompute.compile_body`
+whether the body runs under torch.compile; each shard's commit record says which ran. A 4-bit teacher's experts run the same way on the layer's dequantised weights
 (`kdflow.tasks.common.fused_experts`).
 
 `measure_body_variants` times the body (embeddings to the final norm: the pass's forward without its head) under
-each implementation and `compiled` (the body under torch.compile at the micro-batch's fixed shape; on CUDA with
-CUDA graphs, `mode="reduce-overhead"`), each against `eager`'s hidden states. Pure torch; `kdflow bench body` and
+each implementation and compiled (`compiled` with `grouped_mm` experts, `compiled_fused` with `kdflow_fused`: the
+body under torch.compile at the micro-batch's fixed shape, as `compile_body` runs it; on CUDA with CUDA graphs,
+`mode="reduce-overhead"`), each against `eager`'s hidden states. Pure torch; `kdflow bench body` and
 the GPU check's `body_variants` step print its records.
 """
 
@@ -30,11 +31,12 @@ from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, default_tiles, moe_til
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
 
-__all__ = ["EXPERTS", "EXPERTS_TOLERANCE", "VARIANTS", "experts_in_use", "fastest_correct", "measure_body_variants",
-           "use_experts"]
+__all__ = ["COMPILED", "EXPERTS", "EXPERTS_TOLERANCE", "VARIANTS", "experts_in_use", "fastest_correct",
+           "measure_body_variants", "pass_settings", "use_experts"]
 
 EXPERTS = ("grouped_mm", "batched_mm", "eager", FUSED_EXPERTS)
-VARIANTS = (*EXPERTS, "compiled")
+COMPILED = {"compiled": "grouped_mm", "compiled_fused": FUSED_EXPERTS}  # the compiled body, with these experts
+VARIANTS = (*EXPERTS, *COMPILED)
 EXPERTS_TOLERANCE = 0.02  # the largest difference from eager's hidden states, relative to their largest, that counts
 #                          as correct: bf16 rounding through a teacher's layers
 
@@ -89,13 +91,16 @@ def _synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def pass_settings(variant: str) -> dict[str, Any]:
+    """The pass's settings that run `variant`: {"experts": ..., "compile_body": ...} (`precompute.*`)."""
+    return {"experts": COMPILED.get(variant, variant), "compile_body": variant in COMPILED}
+
+
 def _runner(model: nn.Module, variant: str, compile_backend: str) -> Callable[[Tensor], Tensor]:
     """A function input_ids -> the body's hidden states under `variant` (the experts set as it needs)."""
-    if variant in EXPERTS:
-        use_experts(model, variant)
-        return body_runner(model)
-    use_experts(model, "grouped_mm")  # transformers' default, where torch has grouped matmuls
-    return body_runner(model, compiled=True, backend=compile_backend)
+    settings = pass_settings(variant)
+    use_experts(model, settings["experts"])
+    return body_runner(model, compiled=settings["compile_body"], backend=compile_backend)
 
 
 def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[str, ...] = VARIANTS,
@@ -104,7 +109,8 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
     """One record per variant: tokens/s of the body (the best of `repeats` after a warm-up, the compile's own
     seconds apart), the largest difference of its hidden states from eager's (absolute and relative to eager's
     largest), or the one-line error that stopped it; `kdflow_fused` once more in each of `moe_tilings` (its
-    record's `moe_tiles`; the device's own is `default_tiles`). The model's own implementation is restored after."""
+    record's `moe_tiles`; the device's own is `default_tiles`; a compiled body's fused experts take the device's).
+    The model's own implementation is restored after."""
     if expert_count(model.config) is None:
         raise ValueError("the body's variants are a MoE teacher's: this teacher has no experts")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -120,10 +126,11 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
             runs += [(FUSED_EXPERTS, tiles) for tiles in moe_tilings if FUSED_EXPERTS in variants]
             for variant, tiles in runs:
                 record: dict[str, Any] = {"variant": variant, "tokens": tokens}
-                if variant == FUSED_EXPERTS and _fused_problem(device):
+                fused = pass_settings(variant)["experts"] == FUSED_EXPERTS
+                if fused and _fused_problem(device):
                     yield record | {"skipped": f"{FUSED_EXPERTS} {_fused_problem(device)}"}
                     continue
-                if variant == FUSED_EXPERTS:
+                if fused:
                     record |= _tiling_record(model, tokens, tiles)
                 try:
                     with moe_tiling(tiles):
@@ -175,10 +182,12 @@ def _other_tiling(record: dict[str, Any]) -> bool:
     return record.get("moe_tiles_default") is False
 
 
-def fastest_correct(records: list[dict[str, Any]], tolerance: float) -> str | None:
-    """The experts implementation (not `compiled`: the pass runs the model uncompiled) with the most tokens/s among
-    those whose hidden states are within `tolerance` of eager's (relative to their largest), as the pass runs them
-    (a record of another tiling than the device's is not); None when none is."""
-    correct = [r for r in records if r.get("variant") in EXPERTS and "tokens_per_s" in r
+def fastest_correct(records: list[dict[str, Any]], tolerance: float, compiled: bool = False) -> str | None:
+    """The variant with the most tokens/s among those whose hidden states are within `tolerance` of eager's
+    (relative to their largest), as the pass runs them (a record of another tiling than the device's is not): an
+    experts implementation, or with `compiled` also a compiled body (`pass_settings` gives what to set); None when
+    none is."""
+    among = VARIANTS if compiled else EXPERTS
+    correct = [r for r in records if r.get("variant") in among and "tokens_per_s" in r
                and r["max_rel_diff"] <= tolerance and not _other_tiling(r)]
     return max(correct, key=lambda r: r["tokens_per_s"])["variant"] if correct else None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,8 @@ from kdflow.tasks.teacher.gemm_tiles import GemmTiles, interpreted, target_arch
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
 __all__ = ["FLOAT32", "FUSED_EXPERTS", "HOPPER", "LARGE", "SMALL", "block_schedule", "default_tiles",
-           "fused_experts_forward", "moe_tiling", "register_fused_experts", "scale_aligned", "tiles_for"]
+           "fused_experts_forward", "moe_tiling", "register_fused_experts", "scale_aligned", "schedule_blocks",
+           "tiles_for"]
 
 FUSED_EXPERTS = "kdflow_fused"
 
@@ -52,7 +52,7 @@ LARGE = GemmTiles(64, 64, 32, num_stages=3, num_warps=4)  # a prefill elsewhere:
 HOPPER = GemmTiles(128, 64, 64, num_stages=3, num_warps=8)  # a prefill on sm_90: 128-row blocks, wgmma's K step
 # A float32 layer's prefill (full float32 products, no tensor cores): with 4 warps it spilled on sm_90 (Triton 3.6).
 FLOAT32 = GemmTiles(64, 64, 32, num_stages=3, num_warps=8)
-_TILING: ContextVar[GemmTiles | None] = ContextVar("kdflow_fused_experts_tiling", default=None)
+_TILING: list[GemmTiles | None] = [None]  # moe_tiling's (a list, not a ContextVar: torch.compile reads it)
 
 
 def tiles_for(slots: int, experts: int, arch: int | None = None, float32: bool = False) -> GemmTiles:
@@ -75,11 +75,11 @@ def default_tiles(slots: int, experts: int, device: torch.device, dtype: torch.d
 def moe_tiling(tiles: GemmTiles | None) -> Iterator[None]:
     """Within: the fused experts run with `tiles` (None: `default_tiles`), how `kdflow bench body --moe-tiles`
     times other tilings than the device's."""
-    token = _TILING.set(tiles)
+    before, _TILING[0] = _TILING[0], tiles
     try:
         yield
     finally:
-        _TILING.reset(token)
+        _TILING[0] = before
 
 
 def scale_aligned(row: int, block_k: int) -> bool:
@@ -89,21 +89,35 @@ def scale_aligned(row: int, block_k: int) -> bool:
     return row % NF4_BLOCK == 0 and NF4_BLOCK % block_k == 0
 
 
+def schedule_blocks(slots: int, experts: int, block: int) -> int:
+    """The kernels' programs along the slots: enough for any routing of `slots` slots over `experts` experts in
+    blocks of `block` (an expert's slots fill whole blocks but its last one), fixed by the shapes alone."""
+    return slots // block + min(experts, slots)
+
+
 def block_schedule(expert_ids: Tensor, experts: int, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The (token, expert) slots (S,) sorted by expert -> (slot order (S,) int32: the flat (token * k + j) index
-    of each sorted slot; per block of `block` sorted slots (B,) int32: its expert, first slot, end of its expert's
-    slots). An expert's last block is partly masked; an expert without slots has no block."""
-    expert_sorted, order = torch.sort(expert_ids.reshape(-1), stable=True)
-    counts = torch.bincount(expert_sorted, minlength=experts)[:experts]  # (E,)
-    ends = torch.cumsum(counts, 0)
-    starts = ends - counts
-    blocks = (counts + block - 1) // block  # (E,)
-    block_expert = torch.repeat_interleave(torch.arange(experts, device=counts.device), blocks)  # (B,)
-    first_block = torch.cumsum(blocks, 0) - blocks
-    within = torch.arange(block_expert.numel(), device=counts.device) - first_block[block_expert]
-    block_start = starts[block_expert] + within * block
-    return (order.to(torch.int32), block_expert.to(torch.int32), block_start.to(torch.int32),
-            ends[block_expert].to(torch.int32))
+    of each sorted slot; per program (`schedule_blocks` of them) int32: its block's expert, first slot and the end
+    of its expert's slots). The blocks come in expert order; an expert's last block is partly masked, an expert
+    without slots has none, and the programs after the last block are idle (first slot = end = S: no live row).
+
+    Computed on the device without reading anything back (no bincount or repeat_interleave, whose sizes depend on
+    the routing): no host sync a layer, and the kernels' grid is the same every call, so that CUDA graphs and
+    torch.compile (`precompute.compile_body`) take the fused experts whole."""
+    flat = expert_ids.reshape(-1)
+    expert_sorted, order = torch.sort(flat, stable=True)
+    edges = torch.searchsorted(expert_sorted, torch.arange(experts + 1, device=flat.device, dtype=flat.dtype))
+    starts, ends = edges[:-1], edges[1:]  # (E,) each expert's sorted slots
+    blocks = (ends - starts + block - 1) // block  # (E,)
+    blocks_end = torch.cumsum(blocks, 0)  # (E,) the first block after each expert's
+    program = torch.arange(schedule_blocks(flat.numel(), experts, block), device=flat.device)
+    expert = torch.searchsorted(blocks_end, program, right=True)  # (G,) = E for an idle program
+    live = expert < experts
+    expert = expert.clamp(max=experts - 1)
+    first = starts[expert] + (program - (blocks_end[expert] - blocks[expert])) * block
+    end = torch.where(live, ends[expert], flat.numel())
+    return (order.to(torch.int32), expert.to(torch.int32), torch.where(live, first, end).to(torch.int32),
+            end.to(torch.int32))
 
 
 @dataclass(frozen=True)
@@ -143,10 +157,6 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     """An experts module's forward (transformers' experts interface): hidden (T, D), chosen experts (T, k) and
     their routing weights (T, k) -> (T, D), for experts stored as gate_up_proj (E, 2I, D) and down_proj (E, D, I)
     with a SiLU gate and no bias."""
-    import triton
-
-    from kdflow.tasks.teacher import fused_moe_jit
-
     if (getattr(self, "has_bias", False) or getattr(self, "is_transposed", False)
             or not getattr(self, "is_concatenated", True) or not getattr(self, "has_gate", True)):
         raise NotImplementedError("the fused experts take concatenated gate/up weights (E, 2I, D) without bias")
@@ -158,26 +168,41 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     top_k = top_k_index.shape[1]
     gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
     experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    tiles = _TILING.get() or default_tiles(top_k_index.numel(), experts, hidden_states.device, hidden_states.dtype)
+    tiles = _TILING[0] or default_tiles(top_k_index.numel(), experts, hidden_states.device, hidden_states.dtype)
     slots, block_expert, block_start, block_end = block_schedule(top_k_index, experts, tiles.block_m)
     x = hidden_states.contiguous()
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # every (slot, column) written
-    weights = top_k_weights.reshape(-1).contiguous()
-    blocks = block_expert.numel()
-    schedule = torch.stack([block_expert, block_start, block_end], 1).contiguous()  # (B, 3)
-    upcast = x.device.type != "cuda"  # the interpreter: its dot of 16-bit floats is wrong
-    if blocks:
-        shape = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-                 "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "UPCAST": upcast,
-                 "IEEE": x.dtype == torch.float32}
-        fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, tiles.block_n))](
-            x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k, NF4=gate_up.nf4,
-            ALIGNED=scale_aligned(hidden, tiles.block_k), **shape)
-        fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, tiles.block_n))](
-            h, *down.pointers, out, slots, weights, schedule, hidden, inter, NF4=down.nf4,
-            ALIGNED=scale_aligned(inter, tiles.block_k), **shape)
+    schedule = torch.stack([block_expert, block_start, block_end], 1).contiguous()  # (programs, 3)
+    launch = _launch if x.device.type == "cuda" else _launch_interpreted
+    launch(x, gate_up, down, h, out, slots, top_k_weights.reshape(-1).contiguous(), schedule, tiles, top_k)
     return out.view(tokens, top_k, hidden).sum(1)  # (T, D), accumulated in float32
+
+
+def _launch(x: Tensor, gate_up: ExpertWeight, down: ExpertWeight, h: Tensor, out: Tensor, slots: Tensor,
+            weights: Tensor, schedule: Tensor, tiles: GemmTiles, top_k: int) -> None:
+    """The two kernels over the schedule's programs (a number fixed by the shapes: `schedule_blocks`)."""
+    import triton
+
+    from kdflow.tasks.teacher import fused_moe_jit
+
+    blocks, hidden, inter = schedule.shape[0], x.shape[1], h.shape[1]
+    if not blocks:
+        return
+    shape = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
+             "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "IEEE": x.dtype == torch.float32,
+             "UPCAST": x.device.type != "cuda"}  # the interpreter: its dot of 16-bit floats is wrong
+    fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, tiles.block_n))](
+        x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k, NF4=gate_up.nf4,
+        ALIGNED=scale_aligned(hidden, tiles.block_k), **shape)
+    fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, tiles.block_n))](
+        h, *down.pointers, out, slots, weights, schedule, hidden, inter, NF4=down.nf4,
+        ALIGNED=scale_aligned(inter, tiles.block_k), **shape)
+
+
+# Under Triton's interpreter (CPU tensors) the kernels are Python that torch.compile cannot trace: a compiled body
+# runs them outside its graph there. On CUDA torch.compile takes them into the graph as Triton kernels.
+_launch_interpreted = torch.compiler.disable(_launch)
 
 
 def register_fused_experts() -> bool:

@@ -62,10 +62,12 @@ def dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def block_rows(schedule_ptr, BLOCK_M: tl.constexpr):
     """This program's block, from its (expert, first slot, end of the expert's slots) row of the schedule: its
-    expert (int64), its sorted slots (BM,) and which of them are live."""
+    expert (int64), its sorted slots (BM,), which of them are live, and whether it is idle (none is)."""
     entry = schedule_ptr + 3 * tl.program_id(0)
-    rows = tl.load(entry + 1) + tl.arange(0, BLOCK_M)
-    return tl.load(entry).to(tl.int64), rows, rows < tl.load(entry + 2)
+    first = tl.load(entry + 1)
+    end = tl.load(entry + 2)
+    rows = first + tl.arange(0, BLOCK_M)
+    return tl.load(entry).to(tl.int64), rows, rows < end, first >= end
 
 
 @triton.jit
@@ -73,7 +75,9 @@ def expert_gate_up(x_ptr, w_ptr, code_ptr, absmax_ptr, h_ptr, slots_ptr, schedul
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                    NF4: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr):
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) intermediate channels
-    expert, rows, live = block_rows(schedule_ptr, BLOCK_M)  # (BM,) sorted slots
+    expert, rows, live, idle = block_rows(schedule_ptr, BLOCK_M)  # (BM,) sorted slots
+    if idle:  # a program past the routing's last block (the grid is fixed by the shapes)
+        return
     tokens = (tl.load(slots_ptr + rows, mask=live, other=0) // top_k).to(tl.int64)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -100,7 +104,9 @@ def expert_down(h_ptr, w_ptr, code_ptr, absmax_ptr, out_ptr, slots_ptr, weights_
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                 NF4: tl.constexpr, ALIGNED: tl.constexpr, IEEE: tl.constexpr):
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) hidden channels
-    expert, rows, live = block_rows(schedule_ptr, BLOCK_M)
+    expert, rows, live, idle = block_rows(schedule_ptr, BLOCK_M)
+    if idle:
+        return
     slots = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)  # the (token, k) each row answers
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rows_w = expert * hidden * inter + cols.to(tl.int64) * inter  # (BN,) each row's first weight

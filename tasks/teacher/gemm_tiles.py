@@ -51,6 +51,7 @@ def interpreted(device: torch.device) -> bool:
     return device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@torch.compiler.assume_constant_result  # torch.compile (a compiled body's fused experts) takes it as read, once
 def target_arch() -> int:
     """The compute capability Triton compiles for (the GPU in use; `kdflow bench kernels`' stand-in target)."""
     from triton.runtime import driver

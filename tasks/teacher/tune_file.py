@@ -113,19 +113,27 @@ def write_micro_batch(path: Path, micro_batch: int) -> None:
 
 
 def write_precompute_setting(path: Path, key: str, value: Any) -> None:
-    """precompute.KEY = value in the YAML file, in place; refused (nothing written) when the edit would change
-    anything else, e.g. a flow-style `precompute: {...}`."""
+    """precompute.KEY = value in the YAML file, in place (`write_precompute_settings`)."""
+    write_precompute_settings(path, {key: value})
+
+
+def write_precompute_settings(path: Path, values: dict[str, Any]) -> None:
+    """precompute.KEY = value for each of `values` in the YAML file, in place and at once; refused (nothing
+    written) when the edit would change anything else, e.g. a flow-style `precompute: {...}`."""
     text = path.read_text(encoding="utf-8")
     before = yaml.safe_load(text) or {}
-    edited = set_nested_value(text, "precompute", key, value)
+    edited = text
+    for key, value in values.items():
+        edited = set_nested_value(edited, "precompute", key, value)
     expected = dict(before)
-    expected["precompute"] = {**(before.get("precompute") or {}), key: value}
+    expected["precompute"] = {**(before.get("precompute") or {}), **values}
     try:
         after = yaml.safe_load(edited)
     except yaml.YAMLError:
         after = None
     if after != expected:
-        raise ConfigError(f"--write: cannot edit {path} in place; set precompute.{key}: {value} there by hand")
+        wanted = ", ".join(f"precompute.{key}: {value}" for key, value in values.items())
+        raise ConfigError(f"--write: cannot edit {path} in place; set {wanted} there by hand")
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     temporary.write_text(edited, encoding="utf-8")
     os.chmod(temporary, path.stat().st_mode & 0o7777)
