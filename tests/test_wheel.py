@@ -27,9 +27,22 @@ from kdflow.commands import demo
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory, children: None) -> Path:
+    """The wheel, built once per pytest run: under xdist this module's tests run on two workers (the demo's on the
+    Prefect server's), and the second takes the first's wheel rather than building its own (~25 s)."""
+    from filelock import FileLock
+
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per pytest run, shared by its workers
+    if run_id is None:
+        return _build_wheel(tmp_path_factory.mktemp("wheel"))
+    folder = tmp_path_factory.getbasetemp().parent / f"wheel-{run_id}"  # the workers' common temporary folder
+    folder.mkdir(exist_ok=True)
+    with FileLock(folder / ".lock"):
+        return next(folder.glob("kdflow-*.whl"), None) or _build_wheel(folder)
+
+
+def _build_wheel(folder: Path) -> Path:
     # Built from a copy without build/: setuptools never removes a file it copied there earlier, so a module
     # since moved would still be in a wheel built from the checkout itself.
-    folder = tmp_path_factory.mktemp("wheel")
     source = folder / "source"
     shutil.copytree(REPO, source,
                     ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__"))
