@@ -128,6 +128,7 @@ def test_the_compiled_body_writes_the_same_store_and_each_shard_says_so(make_con
     run_root = RunRoot(config.run_root)
     records = list_commits(run_root, stage_dir(run_root, "topk", summary["tag"]), "topk", summary["tag"])
     assert records and {record.extra.compiled_body for record in records.values()} == {True}
+    assert summary["computed_with"] == {"head": "slab", "experts": None, "compiled_body": True}  # dense: no experts
 
 
 def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config, caplog) -> None:
@@ -141,6 +142,7 @@ def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_co
     before = store_files(config, first["tag"])
     again = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert (again["written"], again["skipped"]) == (0, first["shards"]) and again["writer"] is None
+    assert again["computed_with"] == first["computed_with"] == {"head": "slab", "experts": None, "compiled_body": False}
     assert store_files(config, first["tag"]) == before  # not even _complete.json or config.yaml rewritten
 
     run_root = RunRoot(config.run_root)

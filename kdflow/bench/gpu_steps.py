@@ -89,9 +89,7 @@ def tuned_micro_batch(work: Path, results: dict[str, dict[str, Any]]) -> int | N
 
 def precompute(config_path: Path) -> dict[str, Any]:
     """The teacher pass in its worker process, as the precompute flow starts it (the tuned micro-batch if written);
-    the record names the config's `precompute.head`."""
-    import yaml
-
+    the record names the head, experts and compiled body that ran, as the shards' commit records say."""
     from kdflow.tasks.common.launch import run_child
     from kdflow.tasks.teacher.precompute_worker import MODULE
 
@@ -100,8 +98,7 @@ def precompute(config_path: Path) -> dict[str, Any]:
         message = outcome.errors[-1]["message"] if outcome.errors else ""
         raise RuntimeError(f"the teacher worker exited {outcome.exit_code}: {message}")
     keys = ("tag", "written", "tokens", "tokens_per_s", "peak_device_memory_mib", "device", "writer", "phases_s")
-    head = (yaml.safe_load(config_path.read_text(encoding="utf-8")).get("precompute") or {}).get("head", "slab")
-    return {key: outcome.result.get(key) for key in keys} | {"head": head}
+    return {key: outcome.result.get(key) for key in keys} | (outcome.result.get("computed_with") or {})
 
 
 def targets(config_path: Path, mode: str) -> dict[str, Any]:
@@ -118,8 +115,7 @@ def targets(config_path: Path, mode: str) -> dict[str, Any]:
     shutil.copytree(source, root, ignore=lambda folder, names: [TOPK_DIR] if Path(folder) == source else [])
     data["run_root"] = str(root)
     data["precompute"] |= {"targets": mode, "head": "tiled", "store": {"format": "v2"}}
-    return precompute(write_yaml(config_path.with_name(f"check-{mode}.yaml"), data)) | {"targets": mode,
-                                                                                        "head": "tiled"}
+    return precompute(write_yaml(config_path.with_name(f"check-{mode}.yaml"), data)) | {"targets": mode}
 
 
 def bench(what: str, records: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -220,7 +220,17 @@ def precompute_shards(
         # the background writer's seconds encoding and writing, and the pass's seconds blocked on it (None: no work)
         "writer": writer,
         "phases_s": phases,  # plan, setup, shards, finish (the report's re-run included): seconds of each
+        "computed_with": _computed_with(committed),
     }
+
+
+def _computed_with(committed: list[CommitRecord]) -> dict[str, Any] | None:
+    """How the newest of the shards was computed, as its commit record says (the head that ran, the experts, the
+    compiled body); None when none is committed."""
+    if not committed:
+        return None
+    info = max(committed, key=lambda record: record.created_at).extra
+    return {key: getattr(info, key, None) for key in ("head", "experts", "compiled_body")}
 
 
 def _valid_token_record(run_root: RunRoot, store: str, shard_id: int,
