@@ -140,6 +140,22 @@ def test_the_experts_are_quantised_as_they_load_one_at_a_time(tiny_moe_teacher_d
     assert max(in_float) == 1 and core_model_loading.set_param_for_module is counting  # the hook is gone again
 
 
+def test_the_loaded_experts_are_never_dequantised_to_be_initialised(tiny_moe_teacher_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a load transformers initialises what the checkpoint did not hold. Read through the parametrization an
+    expert weight would be dequantised whole for that (the reference's 1.9 GB a layer; 5 s a layer on this CPU)
+    and random values drawn into the copy: the experts are marked loaded once both their weights are quantised."""
+    from kdflow.tasks.common.fused_experts import Dequantised
+
+    calls: list[int] = []
+    original = Dequantised.forward
+    monkeypatch.setattr(Dequantised, "forward", lambda self, packed: calls.append(1) or original(self, packed))
+    model = _teacher(tiny_moe_teacher_dir, True)
+    assert calls == [] and all(module._is_hf_initialized for _, module in _experts(model))
+    model(input_ids=torch.arange(2, 6).unsqueeze(0))
+    assert len(calls) == 2 * model.config.num_hidden_layers  # the forward dequantises each weight once
+
+
 def test_expert_count_reads_the_configs_of_moe_families() -> None:
     from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 

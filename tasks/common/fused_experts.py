@@ -102,6 +102,11 @@ def _quantise(module: nn.Module, name: str, quant_type: str, double_quant: bool)
     packed._is_hf_initialized = True  # loaded, not to be initialised by transformers after the load
     setattr(module, name, packed)  # the 16-bit weight is freed here
     parametrize.register_parametrization(module, name, Dequantised(state, shape), unsafe=True)
+    if all(getattr(param, "_is_hf_initialized", False) for param in module.parameters()):
+        # Every weight loaded (a packed one's `original` among them): transformers then skips the module when it
+        # initialises what the checkpoint lacked, where it would read each weight through the parametrization
+        # (the layer dequantised whole) and draw random values into that copy.
+        module._is_hf_initialized = True
     if not getattr(module, "_kdflow_cache_hooks", False):
         module.register_forward_pre_hook(_open_cache)
         module.register_forward_hook(_close_cache, always_call=True)
