@@ -122,6 +122,7 @@ def test_the_compiled_body_writes_the_same_store_and_each_shard_says_so(make_con
     """precompute.compile_body: the body under torch.compile (inductor; on CUDA with CUDA graphs) at the pass's one
     padded micro-batch shape (3 rows over 8-row shards: the padded last micro-batch compiles nothing new)."""
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # a second shape would raise
+    torch._dynamo.reset()  # what other tests in this process compiled (the same transformers code) is not this pass's
     config = prepare(make_config(precompute__compile_body=True, precompute__micro_batch=3, dataset__max_documents=16))
     summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert_matches_dense(config, summary["tag"], load_teacher(config.teacher))

@@ -5,8 +5,8 @@ transformers 5 runs a MoE block's experts by one of several implementations (`ex
 matmuls), `batched_mm` (each token's chosen experts' weights gathered and multiplied as a batch) and `eager` (a
 loop over the experts); kdflow adds `kdflow_fused` (two Triton kernels with the activation fused, `fused_moe`;
 CUDA). `precompute.experts` picks one for the pass (`auto`: transformers' choice) and `precompute.compile_body`
-whether the body runs under torch.compile; each shard's commit record says which ran. A 4-bit teacher's experts run the same way on the layer's dequantised weights
-(`kdflow.tasks.common.fused_experts`).
+whether the body runs under torch.compile; each shard's commit record says which ran. A 4-bit teacher's experts
+run the same way on the layer's dequantised weights (`kdflow.tasks.common.fused_experts`).
 
 `measure_body_variants` times the body (embeddings to the final norm: the pass's forward without its head) under
 each implementation and compiled (`compiled` with `grouped_mm` experts, `compiled_fused` with `kdflow_fused`: the
@@ -35,7 +35,7 @@ __all__ = ["COMPILED", "EXPERTS", "EXPERTS_TOLERANCE", "VARIANTS", "experts_in_u
            "measure_body_variants", "pass_settings", "use_experts"]
 
 EXPERTS = ("grouped_mm", "batched_mm", "eager", FUSED_EXPERTS)
-COMPILED = {"compiled": "grouped_mm", "compiled_fused": FUSED_EXPERTS}  # the compiled body, with these experts
+COMPILED = {"compiled": "grouped_mm", "compiled_fused": FUSED_EXPERTS}  # the compiled body with these experts
 VARIANTS = (*EXPERTS, *COMPILED)
 EXPERTS_TOLERANCE = 0.02  # the largest difference from eager's hidden states, relative to their largest, that counts
 #                          as correct: bf16 rounding through a teacher's layers
