@@ -132,6 +132,19 @@ def test_the_compiled_body_writes_the_same_store_and_each_shard_says_so(make_con
     assert summary["computed_with"] == {"head": "slab", "experts": None, "compiled_body": True}  # dense: no experts
 
 
+def test_the_tune_builds_the_top_k_step_the_pass_runs(make_config) -> None:
+    """One home for the top-K step (topk.topk_step), the pass's and `kdflow tune precompute`'s: the config's head and
+    chunk size, and its body compiled where precompute.compile_body says (the tune timed it uncompiled before)."""
+    from kdflow.tasks.teacher.loading import output_rows
+    from kdflow.tasks.teacher.topk import topk_step
+
+    for compiled in (False, True):
+        config = make_config(precompute__compile_body=compiled, precompute__head="tiled")
+        model = load_teacher(config.teacher)
+        step = topk_step(model, config.precompute, output_rows(model))
+        assert (step.compiled_body, step.head, step.k) == (compiled, "tiled", config.precompute.top_k)
+
+
 def test_rerun_does_no_work_and_a_lost_commit_recomputes_that_shard_only(make_config, caplog) -> None:
     config = prepare(make_config(dataset__max_documents=24))
     with caplog.at_level("INFO", logger="kdflow.precompute"):

@@ -27,7 +27,7 @@ from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import output_rows, vocab_rows
 from kdflow.tasks.teacher.sampled_pass import SampledPass
 from kdflow.tasks.teacher.store_codec import store_codec
-from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
+from kdflow.tasks.teacher.topk import topk_step
 
 
 class ShardComputer:
@@ -41,12 +41,10 @@ class ShardComputer:
         self.vocab_rows = vocab_rows(model)
         experts = use_experts(model, pre.experts)  # None: a dense teacher
         vocab = output_rows(model)
-        chunk_tokens = topk_chunk_tokens(pre, vocab)
         try:
             self.sampled = None if pre.targets == "topk" else SampledPass.create(  # replaces step, codec, host copies
                 settings, model, run_root, store, tokens_done, vocab, WRITE_QUEUE_DEPTH + 2)
-            self.step = (TeacherTopkStep(model, pre.top_k, chunk_tokens, head=pre.head, compile_body=pre.compile_body)
-                         if self.sampled is None else self.sampled)
+            self.step = topk_step(model, pre, vocab) if self.sampled is None else self.sampled
         except NotImplementedError as error:
             raise ConfigError(f"teacher not supported: {error}") from None
         # vocab_size: the teacher's output rows; `kdflow validate` bounds top-K ids by it.

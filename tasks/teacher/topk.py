@@ -156,6 +156,7 @@ class TeacherTopkStep:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model = model
         self.body = body_runner(model, compile_body)  # precompute.compile_body: torch.compile at the fixed shape
+        self.compiled_body = compile_body
         self.lm_head = output_layer(model)
         self.logit_transform = final_logit_transform(model.config)
         vocab_size = getattr(self.lm_head, "out_features", None)
@@ -193,3 +194,10 @@ class TeacherTopkStep:
         )  # (B * T, K), (B * T,)
         return (topk_ids.view(batch, seq_len, self.k), topk_logprobs.view(batch, seq_len, self.k),
                 tail_logprob.view(batch, seq_len))
+
+
+def topk_step(model: nn.Module, pre: PrecomputeConfig, vocab: int) -> TeacherTopkStep:
+    """The top-K step of this config as the pass runs it (its head, its body compiled or not): the pass's and
+    `kdflow tune precompute`'s, so that the tune times what the pass will run."""
+    return TeacherTopkStep(model, pre.top_k, topk_chunk_tokens(pre, vocab), head=pre.head,
+                           compile_body=pre.compile_body)

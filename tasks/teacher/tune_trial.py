@@ -2,8 +2,9 @@
 
 The teacher loads exactly as the pass loads it (`load_teacher`: whole-model placement, 4-bit, dtype), and
 each micro-batch does what the pass does per micro-batch: the ids to the device, the body and the chunked
-top-K (`TeacherTopkStep`, with the pass's chunk size) and the one host copy (`HostCopies`), or for sampled and
-hybrid targets the chunked sampler and the copy of its fields (`SampledPass`). The rows are the
+top-K (`topk_step`: the pass's chunk size and head, the body compiled where `precompute.compile_body` says) and
+the one host copy (`HostCopies`), or for sampled and hybrid targets the chunked sampler and the copy of its fields
+(`SampledPass`). The rows are the
 run's own token shards, or, before any exist, Python's documentation tokenised with the run's tokenizer
 and packed to `seq_len`. After `warmup` untimed micro-batches, `batches` timed ones give tokens per second;
 the peak memory covers all of them. One process per candidate (`kdflow.tasks.teacher.tune_worker`): an
@@ -45,7 +46,7 @@ from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_
                                           vocab_rows)
 from kdflow.tasks.teacher.precompute import deterministic_algorithms
 from kdflow.tasks.teacher.sampled_pass import SampledPass, sampled_codec, sampled_step
-from kdflow.tasks.teacher.topk import TeacherTopkStep, topk_chunk_tokens
+from kdflow.tasks.teacher.topk import topk_step
 
 
 def committed_token_shards(run_root: RunRoot) -> list[str]:
@@ -120,7 +121,7 @@ def pass_step(settings: TeacherPassSettings, model: torch.nn.Module, vocab: int,
             return ready, release
 
         return sample, sampled.chunk_tokens
-    step = TeacherTopkStep(model, pre.top_k, topk_chunk_tokens(pre, vocab), head=pre.head)
+    step = topk_step(model, pre, vocab)  # as the pass runs it: its head, its body compiled or not
     storage = torch.float16 if pre.logprobs_dtype == "float16" else torch.float32
     host = HostCopies(device, (micro_batch, settings.seq_len, pre.top_k), storage, slots=2)
 
