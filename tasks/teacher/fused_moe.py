@@ -192,10 +192,11 @@ def _launch(x: Tensor, gate_up: ExpertWeight, down: ExpertWeight, h: Tensor, out
     shape = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
              "num_warps": tiles.num_warps, "num_stages": tiles.num_stages, "IEEE": x.dtype == torch.float32,
              "UPCAST": x.device.type != "cuda"}  # the interpreter: its dot of 16-bit floats is wrong
-    fused_moe_jit.expert_gate_up[(blocks, triton.cdiv(inter, tiles.block_n))](
+    # one program a (block, column tile), a block's tiles consecutive (fused_moe_jit.block_tile: its rows read once)
+    fused_moe_jit.expert_gate_up[(blocks * triton.cdiv(inter, tiles.block_n),)](
         x, *gate_up.pointers, h, slots, schedule, hidden, inter, top_k, NF4=gate_up.nf4,
         ALIGNED=scale_aligned(hidden, tiles.block_k), **shape)
-    fused_moe_jit.expert_down[(blocks, triton.cdiv(hidden, tiles.block_n))](
+    fused_moe_jit.expert_down[(blocks * triton.cdiv(hidden, tiles.block_n),)](
         h, *down.pointers, out, slots, weights, schedule, hidden, inter, NF4=down.nf4,
         ALIGNED=scale_aligned(inter, tiles.block_k), **shape)
 
