@@ -178,6 +178,11 @@ def body_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tens
     return _last_hidden(model_body(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False))
 
 
+def text_config(config: Any) -> Any:
+    """A model config's text part (a multimodal model's text model config), or the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _last_hidden(outputs: Any) -> Tensor:
     """The final hidden states of a body's outputs (a ModelOutput, or a tuple whose first item they are)."""
     hidden = getattr(outputs, "last_hidden_state", None)
@@ -261,19 +266,19 @@ def final_logit_transform(config: object) -> LogitTransform:
 
     Raises NotImplementedError naming the field when the model alters its logits in a way not covered.
     """
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model_type = getattr(text_config, "model_type", "")
+    text = text_config(config)
+    model_type = getattr(text, "model_type", "")
     scale = 1.0
     if model_type in _LOGIT_MULTIPLIER_FIELDS:
-        scale = float(getattr(text_config, _LOGIT_MULTIPLIER_FIELDS[model_type]) or 1.0)
+        scale = float(getattr(text, _LOGIT_MULTIPLIER_FIELDS[model_type]) or 1.0)
     elif model_type in _LOGIT_DIVISOR_FIELDS:
-        scale = 1.0 / float(getattr(text_config, _LOGIT_DIVISOR_FIELDS[model_type]) or 1.0)
+        scale = 1.0 / float(getattr(text, _LOGIT_DIVISOR_FIELDS[model_type]) or 1.0)
     else:
         for field in _UNSUPPORTED_LOGIT_FIELDS:
-            value = getattr(text_config, field, None)
-            if _changes_logits(field, value, text_config):
+            value = getattr(text, field, None)
+            if _changes_logits(field, value, text):
                 raise NotImplementedError(
                     f"model type {model_type!r} sets config.{field}={value!r}, a final-logit change not supported"
                 )
-    softcap = getattr(text_config, "final_logit_softcapping", None)
+    softcap = getattr(text, "final_logit_softcapping", None)
     return LogitTransform(scale=scale, softcap=float(softcap) if softcap is not None else None)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kdflow.tasks.common.fused_experts import quantise_fused_experts
+from kdflow.tasks.common.models import text_config
 
 
 def quantise_in_place(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> int:
@@ -63,7 +64,7 @@ def build_random_teacher(model_config: Any, device: torch.device | str, dtype: t
     device = torch.device(device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     std = float(getattr(text, "initializer_range", None) or 0.02)
     generator = torch.Generator(device=device).manual_seed(seed)
 

@@ -22,6 +22,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from kdflow.schemas.errors import first_line
 from kdflow.schemas.layout import FINAL_DIR
+from kdflow.tasks.common.models import text_config
 from kdflow.tasks.student.conversation import has_template, running_text, template_ids, text_ids
 from kdflow.tasks.student.model import StudentError, load_causal_lm
 
@@ -70,8 +71,7 @@ def load_student(path: str, device: str = "auto") -> LoadedStudent:
 def max_positions(student: LoadedStudent) -> int | None:
     """The positions the student was made for (`max_position_embeddings`; a kdflow student: its seq_len)."""
     config = getattr(student.model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    positions = getattr(text_config, "max_position_embeddings", None)
+    positions = getattr(text_config(config), "max_position_embeddings", None)
     return int(positions) if positions else None
 
 

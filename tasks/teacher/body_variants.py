@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.fused_experts import expert_count
-from kdflow.tasks.common.models import body_runner
+from kdflow.tasks.common.models import body_runner, text_config
 from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, default_tiles, moe_tiling, register_fused_experts
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
@@ -45,13 +45,8 @@ def experts_in_use(model: nn.Module) -> str | None:
     """The experts implementation the model runs (None: not a MoE model)."""
     if expert_count(model.config) is None:
         return None
-    config = _text_config(model)
+    config = text_config(model.config)
     return getattr(config, "_experts_implementation", None) or getattr(model.config, "_experts_implementation", None)
-
-
-def _text_config(model: nn.Module) -> Any:
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def use_experts(model: nn.Module, choice: str) -> str | None:
@@ -168,7 +163,7 @@ def _tiling_record(model: nn.Module, tokens: int, tiles: GemmTiles | None) -> di
     """The fused experts' tiling for a record: the one given, or the device's default at these slots."""
     if tiles is not None:
         return {"moe_tiles": str(tiles), "moe_tiles_default": False}
-    chosen = getattr(_text_config(model), "num_experts_per_tok", None)
+    chosen = getattr(text_config(model.config), "num_experts_per_tok", None)
     if chosen is None:
         return {"moe_tiles_default": True}
     slots = tokens * int(chosen)

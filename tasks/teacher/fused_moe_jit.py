@@ -25,6 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdflow.tasks.teacher.gemm_jit import dot
+
 
 @triton.jit
 def load_weight(w_ptr, code_ptr, absmax_ptr, starts, k0, k_len, live, dtype: tl.constexpr, NF4: tl.constexpr,
@@ -56,14 +58,6 @@ def load_weight(w_ptr, code_ptr, absmax_ptr, starts, k0, k_len, live, dtype: tl.
     if UPCAST:  # the interpreter rounds float32 to 16 bits otherwise than the GPU, and multiplies 16-bit floats
         return value.to(tl.float32)  # wrongly: kept in float32 there
     return value.to(dtype)
-
-
-@triton.jit
-def dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a @ b; IEEE (float32 weights): full float32 products, not TF32's (Triton's default on a GPU)."""
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -5,10 +5,11 @@ tilings than a kernel's default (`kdflow bench head --gemm-tiles`, `kdflow bench
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from kdflow.tasks.teacher.tile_stats_kernel import interpreting
 
 __all__ = ["GemmTiles", "interpreted", "parse_tilings", "target_arch"]
 
@@ -48,7 +49,7 @@ def parse_tilings(text: str) -> list[GemmTiles]:
 
 def interpreted(device: torch.device) -> bool:
     """Whether Triton runs the kernels through its interpreter here (CPU tensors under TRITON_INTERPRET=1)."""
-    return device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return device.type != "cuda" and interpreting()
 
 
 @torch.compiler.assume_constant_result  # torch.compile (a compiled body's fused experts) takes it as read, once

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdflow.tasks.teacher.gemm_jit import dot
 from kdflow.tasks.teacher.sample_tile_jit import keys_of
 
 
@@ -45,10 +46,7 @@ def head_gemm_tile_stats(h_ptr, w_ptr, out_ptr, max_ptr, sum_ptr, words_ptr, key
         if UPCAST:  # Triton's interpreter multiplies 16-bit floats wrongly: it is given float32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if IEEE:  # float32 weights: full float32 products, not TF32's
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = dot(a, b, acc, IEEE)  # IEEE, float32 weights: full float32 products, not TF32's
     written = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * out_stride + offs_n[None, :], written,
              mask=live_m[:, None] & live_n[None, :])

@@ -16,6 +16,7 @@ from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.model_configs import teacher_limits_problem
 from kdflow.tasks.common.model_files import check_teacher_files
+from kdflow.tasks.common.models import text_config
 from kdflow.tasks.common.teacher_loading import source_kwargs
 
 
@@ -30,10 +31,9 @@ def load_teacher_config(teacher: TeacherConfig, weights: bool = True) -> Any:
 
 def check_teacher_limits(model_config: Any, *, top_k: int, seq_len: int) -> None:
     """top_k within the vocabulary, seq_len within the context the teacher was trained for."""
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    problem = teacher_limits_problem(getattr(text_config, "vocab_size", None),
-                                     getattr(text_config, "max_position_embeddings", None), top_k=top_k,
-                                     seq_len=seq_len)
+    text = text_config(model_config)
+    problem = teacher_limits_problem(getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None),
+                                     top_k=top_k, seq_len=seq_len)
     if problem is not None:
         raise ConfigError(problem)
 

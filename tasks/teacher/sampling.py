@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.sampled_settings import HASH_VERSION, HASH_VERSIONS, SCHEMES
-from kdflow.tasks.common.models import LogitTransform
+from kdflow.tasks.common.models import LogitTransform, text_config
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.sampling_noise import (key_noise_, position_streams, stream_words, token_keys, token_keys32,
                                                  uniform_noise32_, uniform_noise_)
@@ -90,8 +90,7 @@ class SamplingPlan:
 def check_sampling_fits(precompute: PrecomputeConfig, teacher: object) -> None:
     """Pre-flight (before weights load): sampled/hybrid targets fit the teacher's vocabulary (`teacher`: its
     vocabulary size, or its model config)."""
-    if hasattr(teacher, "get_text_config"):
-        teacher = teacher.get_text_config()
+    teacher = text_config(teacher)
     vocab_size = teacher if isinstance(teacher, int) else getattr(teacher, "vocab_size", None)
     if precompute.targets == "topk" or vocab_size is None:
         return
