@@ -43,6 +43,20 @@ def test_every_variant_computes_eagers_hidden_states(tiny_moe_teacher_dir: Path,
     assert experts_in_use(model) == before  # restored
 
 
+def test_a_compiled_pass_is_tuned_on_its_compiled_bodies(tiny_moe_teacher_dir: Path) -> None:
+    """`kdflow tune precompute`'s experts trial (`measure_pass_experts`): with `compile_body` the implementations
+    are timed inside the compiled body, as the pass runs them, and the recommendation is the winner's experts."""
+    from kdflow.tasks.teacher.body_variants import COMPILED, EXPERTS_TOLERANCE, fastest_correct, measure_pass_experts
+
+    model = moe(tiny_moe_teacher_dir)
+    ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(2))
+    for compile_body, timed in ((True, tuple(COMPILED)), (False, EXPERTS)):
+        records, chosen = measure_pass_experts(model, ids, compile_body, repeats=1, compile_backend="aot_eager")
+        assert tuple(r["variant"] for r in records) == timed and not [r for r in records if "error" in r], records
+        best = fastest_correct(records, EXPERTS_TOLERANCE, compiled=compile_body)
+        assert chosen == pass_settings(best)["experts"] and chosen in EXPERTS
+
+
 def test_the_fused_experts_are_timed_in_each_tiling_given_and_written_only_in_the_devices(
         tiny_moe_teacher_dir: Path) -> None:
     """`moe_tilings`: kdflow_fused once more in each (through the interpreter here), each record naming its tiling;

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -41,11 +42,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory, children: None) -> Path:
 
 
 def _build_wheel(folder: Path) -> Path:
-    # Built from a copy without build/: setuptools never removes a file it copied there earlier, so a module
-    # since moved would still be in a wheel built from the checkout itself.
+    # Built from a copy of what the build reads (pyproject.toml, README.md, the package folders it maps), not from
+    # the checkout: setuptools never removes a file it copied to build/ earlier, so a module since moved would still
+    # be in a wheel built there, and a checkout also holds what it ignores (.venv, runs, the GPU mirror: GBs).
     source = folder / "source"
-    shutil.copytree(REPO, source,
-                    ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__"))
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for folder_name in set(package_dirs.values()):
+        shutil.copytree(REPO / folder_name, source / folder_name, ignore=shutil.ignore_patterns("__pycache__"))
     built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
                  "--wheel-dir", str(folder), str(source)], what="pip wheel", timeout=300)
     assert built.returncode == 0, built.stderr

@@ -5,7 +5,8 @@ Each candidate loads the configured teacher in a fresh process and times a few r
 fastest candidate that leaves `--headroom` of the memory free. At that micro-batch one more process then times
 both heads of the pass (`slab`, `tiled`: Triton kernels on CUDA) and recommends the faster whose targets match the
 slab loop's, and for a MoE teacher another its experts implementations (`grouped_mm`, `batched_mm`, `eager`,
-`kdflow_fused` where Triton and CUDA are there), recommending the fastest whose hidden states match eager's.
+`kdflow_fused` where Triton and CUDA are there; inside the compiled body where `precompute.compile_body` is on),
+recommending the fastest whose hidden states match eager's.
 `--write` puts them into CONFIG.yaml (`precompute.micro_batch`, `precompute.head`, `precompute.experts`), editing
 those values in place (comments and layout kept), so that the run uses them from its first shard to its last. The
 checks and the edit are `kdflow.tasks.teacher.tune_file`'s; this module parses the options and prints.

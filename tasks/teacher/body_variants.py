@@ -32,7 +32,7 @@ from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
 
 __all__ = ["COMPILED", "EXPERTS", "EXPERTS_TOLERANCE", "VARIANTS", "experts_in_use", "fastest_correct",
-           "measure_body_variants", "pass_settings", "use_experts"]
+           "measure_body_variants", "measure_pass_experts", "pass_settings", "use_experts"]
 
 EXPERTS = ("grouped_mm", "batched_mm", "eager", FUSED_EXPERTS)
 COMPILED = {"compiled": "grouped_mm", "compiled_fused": FUSED_EXPERTS}  # the compiled body with these experts
@@ -186,3 +186,16 @@ def fastest_correct(records: list[dict[str, Any]], tolerance: float, compiled: b
     correct = [r for r in records if r.get("variant") in among and "tokens_per_s" in r
                and r["max_rel_diff"] <= tolerance and not _other_tiling(r)]
     return max(correct, key=lambda r: r["tokens_per_s"])["variant"] if correct else None
+
+
+def measure_pass_experts(model: nn.Module, input_ids: Tensor, compile_body: bool, repeats: int = 2,
+                         tolerance: float = EXPERTS_TOLERANCE,
+                         compile_backend: str = "inductor") -> tuple[list[dict[str, Any]], str | None]:
+    """The experts implementations as a pass with this `compile_body` would run them: each one eager, or, for a
+    compiled pass, the compiled body with each (`compiled`, `compiled_fused`: an implementation fastest eager may
+    not be fastest compiled) -> (the records, the fastest correct one's `precompute.experts`, or None)."""
+    variants = tuple(COMPILED) if compile_body else EXPERTS
+    records = list(measure_body_variants(model, input_ids, variants, repeats, compile_backend))
+    best = fastest_correct(records, tolerance, compiled=compile_body)
+    return records, pass_settings(best)["experts"] if best else None
+

@@ -303,7 +303,9 @@ def experts_report(outcome: dict[str, Any], configured: str) -> str:
     recommendation."""
     rows = [(r["variant"], f"{r['tokens_per_s']:>12,.0f} tok/s  {r['max_rel_diff']:.2e} from eager"
              if "tokens_per_s" in r else r.get("skipped") or r.get("error", "")) for r in outcome["experts"]]
-    return _trial_report(outcome, "experts implementations", "the body: embeddings to the final norm", rows,
+    scope = "the body: embeddings to the final norm" + (", compiled as the pass compiles it (precompute.compile_body)"
+                                                         if outcome.get("compiled_body") else "")
+    return _trial_report(outcome, "experts implementations", scope, rows,
                          "precompute.experts", outcome["recommended_experts"], configured,
                          "no experts implementation matched eager's hidden states")
 

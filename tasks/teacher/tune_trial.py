@@ -39,8 +39,7 @@ from kdflow.tasks.common.random_teacher import build_random_teacher
 from kdflow.tasks.common.teacher_loading import load_teacher
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.common.units import MIB
-from kdflow.tasks.teacher.body_variants import (EXPERTS, EXPERTS_TOLERANCE, fastest_correct, measure_body_variants,
-                                                use_experts)
+from kdflow.tasks.teacher.body_variants import EXPERTS_TOLERANCE, measure_pass_experts, use_experts
 from kdflow.tasks.teacher.host_writer import HostCopies
 from kdflow.tasks.teacher.loading import (check_teacher_limits, check_tokenizer_fits, load_teacher_config, output_rows,
                                           vocab_rows)
@@ -215,13 +214,15 @@ def measure_candidate(run_root: RunRoot, settings: TeacherPassSettings, micro_ba
 
 def measure_experts(run_root: RunRoot, settings: TeacherPassSettings, micro_batch: int, repeats: int = 2,
                     tolerance: float = EXPERTS_TOLERANCE, random_weights: bool = False) -> dict[str, Any]:
-    """A MoE teacher's body under each experts implementation on `micro_batch` of the run's rows
-    (`measure_body_variants`) -> {"experts": one record per implementation, "recommended_experts": the fastest whose
-    hidden states are within `tolerance` of eager's, or None}. The teacher loads as the pass loads it."""
+    """A MoE teacher's body under each experts implementation on `micro_batch` of the run's rows, as the pass runs
+    it: compiled where `precompute.compile_body` says (`measure_pass_experts`) -> {"experts": one record per
+    implementation, "recommended_experts": the fastest whose hidden states are within `tolerance` of eager's, or
+    None}. The teacher loads as the pass loads it."""
     check_counts(micro_batch, repeats)
     trial = load_for_trial(run_root, settings, micro_batch, experts=False, random_weights=random_weights)
     rows = torch.from_numpy(trial.ids.astype(np.int64)).to(trial.device)
+    compiled = settings.precompute.compile_body
     with deterministic_algorithms():
-        records = list(measure_body_variants(trial.model, rows, EXPERTS, repeats))
-    return {"micro_batch": micro_batch, "experts": records, "tolerance": tolerance,
-            "recommended_experts": fastest_correct(records, tolerance)}
+        records, recommended = measure_pass_experts(trial.model, rows, compiled, repeats, tolerance)
+    return {"micro_batch": micro_batch, "experts": records, "tolerance": tolerance, "compiled_body": compiled,
+            "recommended_experts": recommended}
