@@ -25,7 +25,8 @@ from kdflow.schemas.commits import (check_commit, list_commits, manifest_frame, 
                                     validate_manifest)
 from kdflow.schemas.config import KDFlowConfig, PrecomputeConfig, TeacherConfig
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.protocol import LEASE_OWNER_ENV, describe_exit_code, format_shard_ids, is_retryable, parse_shard_ids
+from kdflow.schemas.protocol import (EXIT_CUDA_OOM, LEASE_OWNER_ENV, describe_exit_code, format_shard_ids, is_retryable,
+                                     parse_shard_ids)
 from kdflow.schemas.stage_settings import TeacherPassSettings, open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import TopkStoreInfo, alignment_problem, find_topk_stores, read_store_info
@@ -40,11 +41,26 @@ def _retry_if_retryable(task: Any, task_run: Any, state: Any) -> bool:
     return isinstance(error, WorkerFailed) and is_retryable(error.exit_code)
 
 
+# A task run's micro-batch after a CUDA out-of-memory: its next attempt, a fresh process (a CUDA context is never
+# resized), runs half as many rows. Task run id -> that micro-batch; the same id across a task run's retries.
+_AFTER_OUT_OF_MEMORY: dict[str, int] = {}
+
+
 @task(name="teacher-worker", cache_policy=NONE, retry_condition_fn=_retry_if_retryable)
 def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None) -> dict[str, Any]:
-    """One attempt: the teacher in a fresh process over `shard_ids` (default all); -> the worker's summary."""
+    """One attempt: the teacher in a fresh process over `shard_ids` (default all); -> the worker's summary. After a
+    CUDA out-of-memory, the next attempt runs half the micro-batch; each shard's commit record names the one it
+    ran at (the rows are computed alike; a GPU's kernels may round differently at another batch size)."""
     logger = get_run_logger()
-    attempt = current_task_run.run_count
+    attempt, run_id = current_task_run.run_count, str(current_task_run.id)
+    configured = config.precompute.micro_batch
+    micro_batch = _AFTER_OUT_OF_MEMORY.get(run_id, configured)
+    if micro_batch != configured:
+        logger.warning("attempt %d: micro-batch %d, after running out of the GPU's memory (precompute.micro_batch "
+                       "is %d; `kdflow tune precompute` measures the fastest that fits)", attempt, micro_batch,
+                       configured)
+        config = config.model_copy(update={"precompute": config.precompute.model_copy(
+            update={"micro_batch": micro_batch})})
     artifact = TeacherProgress(open_run_root(config), teacher_pass_settings(config), shard_ids)
     with config_file(config, "kdflow-worker") as config_path:
         args = ["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
@@ -59,8 +75,13 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
         logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, outcome.pid, code,
                      describe_exit_code(code),
                      ", retryable in a new process" if is_retryable(code) else ", not retryable")
+        if code == EXIT_CUDA_OOM and micro_batch > 1:
+            _AFTER_OUT_OF_MEMORY[run_id] = micro_batch // 2
+            logger.warning("attempt %d: out of memory at micro-batch %d; a retry runs %d", attempt, micro_batch,
+                           micro_batch // 2)
         raise failure
-    return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid}
+    _AFTER_OUT_OF_MEMORY.pop(run_id, None)
+    return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid, "micro_batch": micro_batch}
 
 
 def _worker_with_retries(pre: PrecomputeConfig) -> Any:
@@ -172,7 +193,7 @@ def _store_report_artifact(run_root: RunRoot, tag: str, fidelity: dict[str, Any]
 def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     return verified | {"written": worker.get("written"), "attempt": worker.get("attempt"),
-                       "worker_pid": worker.get("worker_pid"),
+                       "worker_pid": worker.get("worker_pid"), "micro_batch": worker.get("micro_batch"),
                        "seconds": round(seconds, 3),
                        "tokens_per_s": worker.get("tokens_per_s", round(verified["tokens"] / max(seconds, 1e-9), 1))}
 

@@ -146,7 +146,7 @@ class PrecomputeConfig(_Section):
                                     "sampled: only sampled tokens (precompute.sampling)")
     sampling: SamplingConfig = Field(default=SamplingConfig(), description="Sampled targets: head, samples, scheme...")
     top_k: PositiveInt = Field(default=128, description="Teacher log-probabilities kept per position (K)")
-    micro_batch: PositiveInt = Field(default=8, description="Sequences per teacher forward; fixed for the whole run")
+    micro_batch: PositiveInt = Field(default=8, description="Sequences per forward (out of memory: retried at half)")
     chunk_tokens: PositiveInt | None = Field(default=None, description="Positions per logits chunk; empty: by budget")
     chunk_memory_mib: PositiveInt = Field(default=1024, description="Memory budget for one chunk of logits (MiB)")
     head: Literal["slab", "tiled", "tiled-gemm"] = Field(

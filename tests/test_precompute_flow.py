@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from support.runs import prepare
 
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.protocol import EXIT_USER_ERROR
+from kdflow.schemas.shards import read_topk_shard
 from kdflow.schemas.storage import RunRoot
 
 
@@ -36,6 +38,31 @@ def test_a_cuda_driver_error_is_retried_in_a_new_process(prefect_harness, make_c
     assert retried["written"] == retried["shards"] - 1  # it resumed after shard 0, committed by the first process
     assert retried["tag"] == uninterrupted["tag"] and retried["tokens"] == uninterrupted["tokens"]
     assert shard_hashes(faulty, retried["tag"]) == shard_hashes(clean, uninterrupted["tag"])  # byte-identical output
+
+def test_out_of_memory_is_retried_at_half_the_micro_batch(prefect_harness, make_config, tmp_path, monkeypatch) -> None:
+    """A CUDA out-of-memory (exit 75) is retried in a fresh process at half the micro-batch, as often as it recurs;
+    the shards hold the same rows whatever the micro-batch, and each commit record says which ran."""
+    from kdflow.flows.precompute import precompute_flow
+
+    overrides = {"dataset__max_documents": 12, "precompute__max_attempts": 3, "precompute__retry_delay_s": 0,
+                 "precompute__micro_batch": 4}
+    clean = prepare(make_config(run_root=str(tmp_path / "clean"), **overrides))
+    faulty = prepare(make_config(run_root=str(tmp_path / "faulty"), **overrides))
+    uninterrupted = precompute_flow(clean)
+    assert uninterrupted["micro_batch"] == 4 and uninterrupted["shards"] >= 2
+
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@shard=1,micro_batch_size=4;cuda_oom@micro_batch_size=2")
+    retried = precompute_flow(faulty)
+    assert (retried["attempt"], retried["micro_batch"]) == (3, 1)  # 4 ran out of memory, then 2
+    run_root = RunRoot(faulty.run_root)
+    records = list_commits(run_root, stage_dir(run_root, "topk", retried["tag"]), "topk", retried["tag"])
+    assert {i: r.extra.micro_batch for i, r in records.items()} == {i: 4 if i == 0 else 1 for i in records}
+    clean_root = RunRoot(clean.run_root)  # the same values; a shard file holds a record batch per micro-batch
+    for record in records.values():
+        name = f"{stage_dir(run_root, 'topk', retried['tag'])}/{record.data_file}"
+        for got, want in zip(read_topk_shard(run_root, name), read_topk_shard(clean_root, name.replace(
+                faulty.run_root, clean.run_root))):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_a_user_error_fails_at_once_with_the_workers_message(prefect_harness, make_config) -> None:

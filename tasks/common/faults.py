@@ -16,7 +16,7 @@ Kinds:
 - `pause`: stop where it fires (sleep) until killed from outside: how tests kill a whole run at a chosen
   moment, without a race against it (`at=` names the site; the marker below says it has arrived).
 Keys: `shard` (shard or part id), `micro_batch` (index within a top-K shard), `step` (optimiser step),
-`micro_batch_size` (the rows of a micro-batch; only `kdflow tune precompute`'s candidates report it),
+`micro_batch_size` (the rows of a micro-batch: the teacher pass's and `kdflow tune precompute`'s candidates'),
 `stage` (materialise, tokenise, precompute, train, import) and `at`, the site: `micro_batch` (teacher, after
 the forward), `write` (teacher, writing a micro-batch), `commit` (materialise and tokenise: the data file is
 written, its commit record not yet; import: a staged shard written, its progress record not yet), `step`
@@ -24,7 +24,7 @@ written, its commit record not yet; import: a staged shard written, its progress
 into place), `final` (the final model likewise). `at`
 defaults to `micro_batch` for cuda_error and kill and to `write` for enospc. A key left out matches any
 value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1 and
-`cuda_oom@micro_batch_size=28` in the tuning candidate of 28 rows.
+`cuda_oom@micro_batch_size=28` in the pass, or the tuning candidate, at 28 rows.
 
 Each fault fires once per run root: before firing it writes the marker `RUN_ROOT/_faults/NAME.fired`
 (JSON: pid, host, where), and a marker that exists switches the fault off, so the retry in a new process

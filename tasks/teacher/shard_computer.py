@@ -113,7 +113,8 @@ class ShardComputer:
         outputs = self.step(input_ids) if self.sampled is None else ()  # (B, T, K), (B, T, K), (B, T) on the device
         if faults.active_faults():
             background.drain(flush=True)  # a `kill` fault must find the earlier micro-batches in the file
-            faults.maybe_fire("micro_batch", self.run_root, stage="precompute", shard=shard_id, micro_batch=micro_batch)
+            faults.maybe_fire("micro_batch", self.run_root, stage="precompute", shard=shard_id, micro_batch=micro_batch,
+                              micro_batch_size=len(padded))
         *host, ready, release = (self.host.copy(*(t[:rows] for t in outputs)) if self.sampled is None
                                  # sampled: seeded by row
                                  else self.sampled(input_ids, rows, shard=shard_id,
