@@ -62,20 +62,29 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
         config = config.model_copy(update={"precompute": config.precompute.model_copy(
             update={"micro_batch": micro_batch})})
     artifact = TeacherProgress(open_run_root(config), teacher_pass_settings(config), shard_ids)
+    began: list[bool] = []  # a progress update without a phase: the teacher loaded, its micro-batches begun
+
+    def on_progress(update: dict[str, Any]) -> None:
+        began.append(not update.get("phase"))
+        artifact.update(update)
+
     with config_file(config, "kdflow-worker") as config_path:
         args = ["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
         outcome = run_child(
             WORKER_MODULE, args, env={LEASE_OWNER_ENV: f"task-run-{current_task_run.id}"},
             on_started=lambda pid: logger.info("attempt %d: teacher worker pid %d on shards %s", attempt, pid,
                                                format_shard_ids(shard_ids) if shard_ids else "all"),
-            on_progress=artifact.update, on_log=lambda pid, line: logger.info("worker %d: %s", pid, line))
+            on_progress=on_progress, on_log=lambda pid, line: logger.info("worker %d: %s", pid, line))
     failure = outcome_error(outcome, worker="teacher worker")
     if failure is not None:
         code = failure.exit_code
         logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, outcome.pid, code,
                      describe_exit_code(code),
                      ", retryable in a new process" if is_retryable(code) else ", not retryable")
-        if code == EXIT_CUDA_OOM and micro_batch > 1:
+        if code == EXIT_CUDA_OOM and not any(began):
+            logger.warning("attempt %d: out of memory before the first micro-batch, loading the teacher: a smaller "
+                           "micro-batch would not help (what else holds the GPU? a smaller or 4-bit teacher?)", attempt)
+        elif code == EXIT_CUDA_OOM and micro_batch > 1:
             _AFTER_OUT_OF_MEMORY[run_id] = micro_batch // 2
             logger.warning("attempt %d: out of memory at micro-batch %d; a retry runs %d", attempt, micro_batch,
                            micro_batch // 2)

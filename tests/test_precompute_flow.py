@@ -44,16 +44,18 @@ def test_out_of_memory_is_retried_at_half_the_micro_batch(prefect_harness, make_
     the shards hold the same rows whatever the micro-batch, and each commit record says which ran."""
     from kdflow.flows.precompute import precompute_flow
 
-    overrides = {"dataset__max_documents": 12, "precompute__max_attempts": 3, "precompute__retry_delay_s": 0,
+    overrides = {"dataset__max_documents": 12, "precompute__max_attempts": 4, "precompute__retry_delay_s": 0,
                  "precompute__micro_batch": 4}
     clean = prepare(make_config(run_root=str(tmp_path / "clean"), **overrides))
     faulty = prepare(make_config(run_root=str(tmp_path / "faulty"), **overrides))
     uninterrupted = precompute_flow(clean)
     assert uninterrupted["micro_batch"] == 4 and uninterrupted["shards"] >= 2
 
-    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@shard=1,micro_batch_size=4;cuda_oom@micro_batch_size=2")
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@at=load;cuda_oom@shard=1,micro_batch_size=4;"
+                                       "cuda_oom@micro_batch_size=2")
     retried = precompute_flow(faulty)
-    assert (retried["attempt"], retried["micro_batch"]) == (3, 1)  # 4 ran out of memory, then 2
+    # loading the teacher ran out of memory (no micro-batch had run: the same again), then 4 did, then 2
+    assert (retried["attempt"], retried["micro_batch"]) == (4, 1)
     run_root = RunRoot(faulty.run_root)
     records = list_commits(run_root, stage_dir(run_root, "topk", retried["tag"]), "topk", retried["tag"])
     assert {i: r.extra.micro_batch for i, r in records.items()} == {i: 4 if i == 0 else 1 for i in records}

@@ -17,12 +17,12 @@ Kinds:
   moment, without a race against it (`at=` names the site; the marker below says it has arrived).
 Keys: `shard` (shard or part id), `micro_batch` (index within a top-K shard), `step` (optimiser step),
 `micro_batch_size` (the rows of a micro-batch: the teacher pass's and `kdflow tune precompute`'s candidates'),
-`stage` (materialise, tokenise, precompute, train, import) and `at`, the site: `micro_batch` (teacher, after
-the forward), `write` (teacher, writing a micro-batch), `commit` (materialise and tokenise: the data file is
-written, its commit record not yet; import: a staged shard written, its progress record not yet), `step`
-(train: after the step, before its checkpoint), `save` (train: the checkpoint folder filled, not yet renamed
-into place), `final` (the final model likewise). `at`
-defaults to `micro_batch` for cuda_error and kill and to `write` for enospc. A key left out matches any
+`stage` (materialise, tokenise, precompute, train, import) and `at`, the site: `load` (the teacher pass, its
+weights just loaded), `micro_batch` (teacher, after the forward), `write` (teacher, writing a micro-batch), `commit`
+(materialise and tokenise: the data file is written, its commit record not yet; import: a staged shard written,
+its progress record not yet), `step` (train: after the step, before its checkpoint), `save` (train: the checkpoint
+folder filled, not yet renamed into place), `final` (the final model likewise). `at` defaults to `micro_batch` for
+cuda_error, cuda_oom and kill and to `write` for enospc. A key left out matches any
 value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1 and
 `cuda_oom@micro_batch_size=28` in the pass, or the tuning candidate, at 28 rows.
 
@@ -53,7 +53,7 @@ _KINDS = {"cuda_error": "micro_batch", "cuda_oom": "micro_batch", "kill": "micro
           "pause": None}
 _INT_KEYS = ("shard", "micro_batch", "micro_batch_size", "step")
 _WORD_KEYS = {"stage": ("materialise", "tokenise", "precompute", "train", "import"),
-              "at": ("micro_batch", "write", "commit", "step", "save", "final")}
+              "at": ("load", "micro_batch", "write", "commit", "step", "save", "final")}
 PAUSE_LIMIT_S = 600.0  # a paused process nobody kills ends itself (SIGKILL) after this long
 
 

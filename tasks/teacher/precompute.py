@@ -32,6 +32,7 @@ from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import (TopkStoreInfo, find_topk_stores, format_mismatch, read_store_info,
                                       store_format, teacher_section, write_store_info)
 from kdflow.schemas.token_store import open_token_store
+from kdflow.tasks.common import faults
 from kdflow.tasks.common.model_configs import tokenizer_mismatch
 from kdflow.tasks.common.models import resolve_device, teacher_fingerprint, teacher_identity
 from kdflow.tasks.common.progress import Progress
@@ -174,6 +175,7 @@ def precompute_shards(
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, token_checks) for i in plan.todo}
         run_root.ensure_writable()
         model = model if model is not None else load_teacher(settings.teacher, device=target)
+        faults.maybe_fire("load", run_root, stage="precompute")
         check_tokenizer_fits(plan.tokenizer, model)
         info = TopkShardInfo(teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
                              top_k=pre.top_k, seq_len=settings.seq_len, logprobs_dtype=pre.logprobs_dtype,
