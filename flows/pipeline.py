@@ -27,7 +27,11 @@ def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
         holds = f"{count_of(result['shards'], 'token shard')}, {count_of(result['tokens'], 'token')}"
         return holds, f"{result['shards_written']}"
     if stage == "precompute":
-        return f"{count_of(result['shards'], 'top-K shard')} in {result['store']}", f"{result.get('written') or 0}"
+        written, ran, configured = result.get("written") or 0, result.get("micro_batch"), result.get(
+            "micro_batch_configured")
+        if ran != configured:  # halved after running out of the GPU's memory
+            written = f"{written} at micro-batch {ran} (the config's {configured} ran out of memory)"
+        return f"{count_of(result['shards'], 'top-K shard')} in {result['store']}", f"{written}"
     loss = result.get("final_loss")  # None when no step ran now (a rerun of a finished student)
     return (f"student {result['student']}: step {result['start_step']} -> {result['steps']}"
             + (f", final loss {loss:.4f}" if loss is not None else ""),

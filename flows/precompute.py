@@ -90,7 +90,8 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
                            micro_batch // 2)
         raise failure
     _AFTER_OUT_OF_MEMORY.pop(run_id, None)
-    return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid, "micro_batch": micro_batch}
+    return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid, "micro_batch": micro_batch,
+                             "micro_batch_configured": configured}
 
 
 def _worker_with_retries(pre: PrecomputeConfig) -> Any:
@@ -203,6 +204,7 @@ def _summary(verified: dict[str, Any], worker: dict[str, Any], started: float) -
     seconds = time.perf_counter() - started
     return verified | {"written": worker.get("written"), "attempt": worker.get("attempt"),
                        "worker_pid": worker.get("worker_pid"), "micro_batch": worker.get("micro_batch"),
+                       "micro_batch_configured": worker.get("micro_batch_configured"),
                        "seconds": round(seconds, 3),
                        "tokens_per_s": worker.get("tokens_per_s", round(verified["tokens"] / max(seconds, 1e-9), 1))}
 

@@ -55,7 +55,11 @@ def test_out_of_memory_is_retried_at_half_the_micro_batch(prefect_harness, make_
                                        "cuda_oom@micro_batch_size=2")
     retried = precompute_flow(faulty)
     # loading the teacher ran out of memory (no micro-batch had run: the same again), then 4 did, then 2
-    assert (retried["attempt"], retried["micro_batch"]) == (4, 1)
+    assert (retried["attempt"], retried["micro_batch"], retried["micro_batch_configured"]) == (4, 1, 4)
+    from kdflow.flows.pipeline import stage_summary
+
+    assert stage_summary("precompute", retried)[1] == f"{retried['written']} at micro-batch 1 (the config's 4 ran " \
+                                                      "out of memory)"
     run_root = RunRoot(faulty.run_root)
     records = list_commits(run_root, stage_dir(run_root, "topk", retried["tag"]), "topk", retried["tag"])
     assert {i: r.extra.micro_batch for i, r in records.items()} == {i: 4 if i == 0 else 1 for i in records}
