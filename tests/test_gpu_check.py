@@ -168,8 +168,10 @@ def test_gpu_check_script_installs_kdflow_from_the_tree_without_an_index(childre
     tree's kdflow/ in the working directory (`setup_import` fails then: the GPU machine has no editable install
     to map kdflow.schemas, as this one does)."""
     (tmp_path / "no-wheels").mkdir()
-    env = os.environ | {"KDFLOW_PYTHON": sys.executable, "WHEEL_DIR": str(tmp_path / "no-wheels"),
-                        "KDFLOW_GPU_SITE": str(tmp_path / "site"), "PIP_NO_INDEX": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env |= {"KDFLOW_PYTHON": sys.executable, "WHEEL_DIR": str(tmp_path / "no-wheels"),
+            "KDFLOW_GPU_SITE": str(tmp_path / "site"), "PIP_NO_INDEX": "1",
+            "KDFLOW_GPU_CHECK_OUT": str(tmp_path / "gpu-check.json")}  # not the checkout's: the script replaces it
     done = children.run(["bash", str(ROOT / "infra" / "gpu-check.sh"), "--plan"], what="infra/gpu-check.sh --plan",
                         timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
