@@ -30,7 +30,7 @@ def test_every_variant_computes_eagers_hidden_states(tiny_moe_teacher_dir: Path,
     model = moe(tiny_moe_teacher_dir, four_bit)
     before = experts_in_use(model)
     ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    variants = VARIANTS if not four_bit else EXPERTS  # compiled: once, at full precision (slow)
+    variants = VARIANTS if not four_bit else (*EXPERTS, "compiled")  # compiled_fused: at full precision (slow)
     found = {r["variant"]: r for r in measure_body_variants(model, ids, variants, repeats=1,
                                                               compile_backend="aot_eager")}
     assert set(found) == set(variants) and not [r for r in found.values() if "error" in r], found
@@ -41,6 +41,28 @@ def test_every_variant_computes_eagers_hidden_states(tiny_moe_teacher_dir: Path,
         assert record["experts"] == pass_settings(name)["experts"]
     assert found["eager"]["max_abs_diff"] == 0.0
     assert experts_in_use(model) == before  # restored
+    assert found["compiled"]["graph_breaks"] == 0, found["compiled"]  # one graph (4-bit: the cache hooks trace)
+
+
+def test_a_compiled_body_that_breaks_into_graphs_says_so(tiny_teacher_dir: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """`models.body_runner`'s first call records what torch.compile made of the body and logs a graph break: the
+    body then runs as several graphs, slower, and CUDA graphs cover only their parts."""
+    from kdflow.tasks.common.models import body_runner
+
+    model = load_teacher(TeacherConfig(model=str(tiny_teacher_dir), device="cpu", dtype="float32"))
+    ids = torch.randint(2, 300, (2, 8), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()  # a compile another test made of the same code would be reused, its breaks uncounted
+    whole = body_runner(model, compiled=True, backend="aot_eager")
+    whole(ids)
+    assert whole.compile_stats["graph_breaks"] == 0 and whole.compile_stats["graphs"] >= 1
+    model.model.layers[0].register_forward_hook(lambda *args: torch._dynamo.graph_break())
+    torch._dynamo.reset()
+    broken = body_runner(model, compiled=True, backend="aot_eager")
+    with caplog.at_level("WARNING", logger="kdflow"):
+        broken(ids)
+    assert broken.compile_stats["graph_breaks"] >= 1 and broken.compile_stats["graphs"] >= 2
+    assert "the compiled body broke into" in caplog.text
 
 
 def test_a_compiled_pass_is_tuned_on_its_compiled_bodies(tiny_moe_teacher_dir: Path) -> None:

@@ -193,10 +193,10 @@ def render(summary: dict[str, Any]) -> str:
     body = steps.get("body_variants", {})
     if body.get("status") == "ok":
         out += ["", "## The MoE body's experts implementations", ""]
-        out += _table(("variant", "tok/s", "over grouped_mm", "max rel diff from eager"),
+        out += _table(("variant", "tok/s", "over grouped_mm", "max rel diff from eager", "graphs (compiled)"),
                       ((variant_label(r), f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else r.get("skipped")
                         or r.get("error"), body.get("over_grouped_mm", {}).get(variant_label(r), ""),
-                        r.get("max_rel_diff", "")) for r in body["records"]))
+                        r.get("max_rel_diff", ""), _graphs(r)) for r in body["records"]))
     head = _head_records(steps)
     if head:
         out += ["", "## The head's variants", ""]
@@ -244,3 +244,11 @@ def read_summaries(paths: list[str], option: str) -> list[dict[str, Any]]:
             raise SystemExit(f"kdflow bench gpu {option} {path}: not a gpu-check summary ({error})") from None
         summaries.append(summary)
     return summaries
+
+
+def _graphs(record: dict[str, Any]) -> str:
+    """A compiled body's graphs, and its first graph break's reason where it broke (empty for the others)."""
+    if "graphs" not in record:
+        return ""
+    broke = f", {record['graph_breaks']} breaks: {record.get('graph_break', '')}" if record.get("graph_breaks") else ""
+    return f"{record['graphs']}{broke}"

@@ -84,8 +84,11 @@ def _open_cache(module: nn.Module, inputs: Any) -> None:
 
 
 def _close_cache(module: nn.Module, inputs: Any, output: Any) -> None:
-    cache = module.__dict__.pop("_kdflow_dequantised", None)
+    # getattr and an assignment, not `__dict__.pop`: torch 2.11's dynamo cannot trace the pop, which broke a compiled
+    # 4-bit body's graph at every MoE layer (`precompute.compile_body`)
+    cache = getattr(module, "_kdflow_dequantised", None)
     if cache is not None:
+        module._kdflow_dequantised = None
         cache.__exit__(None, None, None)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -203,6 +204,14 @@ def body_runner(model: nn.Module, compiled: bool = False, backend: str = "induct
     compiled_rows: list[int] = []  # the first call's rows
 
     def run(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        if not compiled_rows:  # the call that compiles
+            before = _dynamo_counts()
+            hidden = compiled_call(input_ids, attention_mask)
+            run.compile_stats = _compile_stats(before, _dynamo_counts())  # type: ignore[attr-defined]
+            return hidden
+        return compiled_call(input_ids, attention_mask)
+
+    def compiled_call(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         rows = input_ids.shape[0]
         compiled_rows[:] = compiled_rows or [rows]
         pad = compiled_rows[0] - rows
@@ -215,7 +224,29 @@ def body_runner(model: nn.Module, compiled: bool = False, backend: str = "induct
             hidden = _last_hidden(body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False))[:rows]
             return hidden.clone() if graphs else hidden
 
+    run.compile_stats = {}  # type: ignore[attr-defined]  # after the first call: graphs and graph breaks
     return run
+
+
+def _dynamo_counts() -> tuple[int, dict[str, int]]:
+    """torch.compile's running totals: graphs compiled, graph breaks by reason."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+def _compile_stats(before: tuple[int, dict[str, int]], after: tuple[int, dict[str, int]]) -> dict[str, Any]:
+    """What one compile made: {"graphs", "graph_breaks", "graph_break": the first new reason}; a break is logged,
+    since the body then runs as several graphs (slower, and CUDA graphs hold only their parts)."""
+    breaks = {reason: count - before[1].get(reason, 0) for reason, count in after[1].items()
+              if count > before[1].get(reason, 0)}
+    stats: dict[str, Any] = {"graphs": after[0] - before[0], "graph_breaks": sum(breaks.values())}
+    if breaks:
+        stats["graph_break"] = next(iter(breaks)).strip().splitlines()[0][:200]
+        logging.getLogger("kdflow").warning("the compiled body broke into %d graphs (%d graph breaks; %s): slower "
+                                            "than one graph", stats["graphs"], stats["graph_breaks"],
+                                            stats["graph_break"])
+    return stats
 
 
 @dataclass(frozen=True)

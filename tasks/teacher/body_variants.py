@@ -129,8 +129,9 @@ def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[s
                     record |= _tiling_record(model, tokens, tiles)
                 try:
                     with moe_tiling(tiles):
-                        out, record["first_call_s"], best = _timed(_runner(model, variant, compile_backend),
-                                                                   input_ids, repeats)
+                        runner = _runner(model, variant, compile_backend)
+                        out, record["first_call_s"], best = _timed(runner, input_ids, repeats)
+                        record |= getattr(runner, "compile_stats", {})  # a compiled body: its graphs and breaks
                 except Exception as error:  # noqa: BLE001 - a variant that cannot run is a result, not a crash
                     text = str(error).strip().splitlines()
                     yield record | {"error": f"{type(error).__name__}: {text[0] if text else ''}"[:300]}
