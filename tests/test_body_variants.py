@@ -26,6 +26,8 @@ def moe(folder: Path, four_bit: bool = False) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("four_bit", [False, True])
+# transformers' experts code calls an lru_cache-wrapped version check, which dynamo traces through (and says so)
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a .functools.lru_cache.-wrapped:UserWarning")
 def test_every_variant_computes_eagers_hidden_states(tiny_moe_teacher_dir: Path, four_bit: bool) -> None:
     model = moe(tiny_moe_teacher_dir, four_bit)
     before = experts_in_use(model)
