@@ -62,10 +62,10 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
         config = config.model_copy(update={"precompute": config.precompute.model_copy(
             update={"micro_batch": micro_batch})})
     artifact = TeacherProgress(open_run_root(config), teacher_pass_settings(config), shard_ids)
-    began: list[bool] = []  # a progress update without a phase: the teacher loaded, its micro-batches begun
+    began = [False]  # a progress update without a phase came: the teacher loaded, its micro-batches begun
 
     def on_progress(update: dict[str, Any]) -> None:
-        began.append(not update.get("phase"))
+        began[0] = began[0] or not update.get("phase")
         artifact.update(update)
 
     with config_file(config, "kdflow-worker") as config_path:
@@ -81,7 +81,7 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
         logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, outcome.pid, code,
                      describe_exit_code(code),
                      ", retryable in a new process" if is_retryable(code) else ", not retryable")
-        if code == EXIT_CUDA_OOM and not any(began):
+        if code == EXIT_CUDA_OOM and not began[0]:
             logger.warning("attempt %d: out of memory before the first micro-batch, loading the teacher: a smaller "
                            "micro-batch would not help (what else holds the GPU? a smaller or 4-bit teacher?)", attempt)
         elif code == EXIT_CUDA_OOM and micro_batch > 1:

@@ -204,15 +204,8 @@ def body_runner(model: nn.Module, compiled: bool = False, backend: str = "induct
     compiled_rows: list[int] = []  # the first call's rows
 
     def run(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        if not compiled_rows:  # the call that compiles
-            before = _dynamo_counts()
-            hidden = compiled_call(input_ids, attention_mask)
-            run.compile_stats = _compile_stats(before, _dynamo_counts())  # type: ignore[attr-defined]
-            return hidden
-        return compiled_call(input_ids, attention_mask)
-
-    def compiled_call(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         rows = input_ids.shape[0]
+        before = None if compiled_rows else _dynamo_counts()  # the first call compiles
         compiled_rows[:] = compiled_rows or [rows]
         pad = compiled_rows[0] - rows
         with torch.inference_mode():  # inputs made here, so that every call's have the same dispatch keys (a tensor
@@ -222,7 +215,10 @@ def body_runner(model: nn.Module, compiled: bool = False, backend: str = "induct
                 attention_mask = torch.cat([attention_mask,
                                             attention_mask.new_ones((max(pad, 0), *attention_mask.shape[1:]))])
             hidden = _last_hidden(body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False))[:rows]
-            return hidden.clone() if graphs else hidden
+            hidden = hidden.clone() if graphs else hidden
+        if before is not None:
+            run.compile_stats = _compile_stats(before, _dynamo_counts())  # type: ignore[attr-defined]
+        return hidden
 
     run.compile_stats = {}  # type: ignore[attr-defined]  # after the first call: graphs and graph breaks
     return run

@@ -199,4 +199,3 @@ def measure_pass_experts(model: nn.Module, input_ids: Tensor, compile_body: bool
     records = list(measure_body_variants(model, input_ids, variants, repeats, compile_backend))
     best = fastest_correct(records, tolerance, compiled=compile_body)
     return records, pass_settings(best)["experts"] if best else None
-
