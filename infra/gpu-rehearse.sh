@@ -8,6 +8,8 @@
 #
 #   infra/gpu-rehearse.sh              # the check at the rehearsal's sizes; its summary in gpu-check.json
 #   infra/gpu-rehearse.sh --plan       # only the plan at full size
+#   infra/gpu-rehearse.sh --tests      # the suite's tests of what runs on the GPU (Triton kernels through Triton
+#                                      # 3.6's interpreter, the experts, the compiled body) under the image's versions
 #
 # Environment: KDFLOW_PYTHON312 (a Python 3.12 to build from; default: python3.12 on PATH, else pyenv's),
 # KDFLOW_GPU_MIRROR (the environment's folder, default .gpu-mirror, ignored by git; kept between runs).
@@ -47,6 +49,26 @@ PY
     touch "$MIRROR/.complete"
 fi
 [[ -n "$(ls .whl/*.whl 2>/dev/null)" ]] || bash infra/gpu-wheels.sh
+if [[ " $* " == *" --tests "* ]]; then
+    # kdflow and the wheels into their own folder, as gpu-check.sh installs them; beside them pytest and a numpy that
+    # Triton 3.6's interpreter runs on (it converts 1-element arrays to Python ints, which numpy 2.5 refuses; the GPU
+    # compiles the kernels and never interprets them), in a folder of their own: the image has neither pytest's
+    # version nor that numpy. Tests that need Prefect (not on the image) are not among these.
+    site="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-mirror-site}"
+    tools="$MIRROR/test-tools"
+    rm -rf "$site"
+    "$MIRROR/bin/python" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
+    "$MIRROR/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-build-isolation --target "$site" .
+    if [[ ! -f "$tools/.complete" ]]; then
+        rm -rf "$tools"
+        "$MIRROR/bin/python" -m pip install -q --target "$tools" "pytest>=8,<9.2" "numpy<2.4"
+        touch "$tools/.complete"
+    fi
+    PYTHONPATH="$tools:$site" exec "$MIRROR/bin/python" -P -m pytest -o addopts="" -p no:cacheprovider -q \
+        -W ignore::pytest.PytestUnknownMarkWarning tests/test_fused_moe.py tests/test_tiled_topk.py \
+        tests/test_head_gemm.py tests/test_sampled_tiles.py tests/test_sampling.py tests/test_fused_experts.py \
+        tests/test_body_variants.py
+fi
 sizes=(--device cpu)  # the rehearsal's sizes on this CPU; the plan is at full size, for the GPU
 [[ " $* " == *" --plan "* ]] && sizes=()
 KDFLOW_PYTHON="$MIRROR/bin/python" KDFLOW_GPU_SITE="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-mirror-site}" \
