@@ -53,7 +53,7 @@ if [[ " $* " == *" --tests "* ]]; then
     # kdflow and the wheels into their own folder, as gpu-check.sh installs them; beside them pytest and a numpy that
     # Triton 3.6's interpreter runs on (it converts 1-element arrays to Python ints, which numpy 2.5 refuses; the GPU
     # compiles the kernels and never interprets them), in a folder of their own: the image has neither pytest's
-    # version nor that numpy. Tests that need Prefect (not on the image) are not among these.
+    # version nor that numpy. The unit tier only: the others start flows, and Prefect is not on the image.
     site="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-mirror-site}"
     tools="$MIRROR/test-tools"
     rm -rf "$site"
@@ -64,10 +64,12 @@ if [[ " $* " == *" --tests "* ]]; then
         "$MIRROR/bin/python" -m pip install -q --target "$tools" "pytest>=8,<9.2" "numpy<2.4"
         touch "$tools/.complete"
     fi
-    PYTHONPATH="$tools:$site" exec "$MIRROR/bin/python" -P -m pytest -o addopts="" -p no:cacheprovider -q \
+    PYTHONPATH="$tools:$site" exec "$MIRROR/bin/python" -P -m pytest -o addopts="" -p no:cacheprovider -q -m unit \
         -W ignore::pytest.PytestUnknownMarkWarning tests/test_fused_moe.py tests/test_tiled_topk.py \
         tests/test_head_gemm.py tests/test_sampled_tiles.py tests/test_sampling.py tests/test_fused_experts.py \
-        tests/test_body_variants.py
+        tests/test_body_variants.py tests/test_topk.py tests/test_expert_check.py tests/test_teacher_benches.py \
+        tests/test_gpu_full_depth.py tests/test_gpu_hub_layout.py tests/test_gpu_profile.py tests/test_gpu_plan.py \
+        tests/test_gpu_report.py
 fi
 sizes=(--device cpu)  # the rehearsal's sizes on this CPU; the plan is at full size, for the GPU
 [[ " $* " == *" --plan "* ]] && sizes=()
