@@ -49,12 +49,12 @@ PY
     touch "$MIRROR/.complete"
 fi
 [[ -n "$(ls .whl/*.whl 2>/dev/null)" ]] || bash infra/gpu-wheels.sh
+site="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-mirror-site}"  # where kdflow and the wheels are installed, as there
 if [[ " $* " == *" --tests "* ]]; then
     # kdflow and the wheels into their own folder, as gpu-check.sh installs them; beside them pytest and a numpy that
     # Triton 3.6's interpreter runs on (it converts 1-element arrays to Python ints, which numpy 2.5 refuses; the GPU
     # compiles the kernels and never interprets them), in a folder of their own: the image has neither pytest's
     # version nor that numpy. The unit tier only: the others start flows, and Prefect is not on the image.
-    site="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-mirror-site}"
     tools="$MIRROR/test-tools"
     rm -rf "$site"
     "$MIRROR/bin/python" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
@@ -73,5 +73,5 @@ if [[ " $* " == *" --tests "* ]]; then
 fi
 sizes=(--device cpu)  # the rehearsal's sizes on this CPU; the plan is at full size, for the GPU
 [[ " $* " == *" --plan "* ]] && sizes=()
-KDFLOW_PYTHON="$MIRROR/bin/python" KDFLOW_GPU_SITE="${KDFLOW_GPU_SITE:-/tmp/kdflow-gpu-mirror-site}" \
+KDFLOW_PYTHON="$MIRROR/bin/python" KDFLOW_GPU_SITE="$site" \
     exec bash infra/gpu-check.sh "${sizes[@]}" "$@"
