@@ -11,6 +11,7 @@ nodes: the same flow runs on every node, each with its `student.distributed.node
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from typing import Any
 
@@ -162,7 +163,9 @@ def run_torchrun(config: KDFlowConfig, on_event: Any = lambda event: None) -> di
     with config_file(config, "kdflow-train") as config_path:
         logger.info("node %d of %d: %s", distributed.node_rank, distributed.nnodes,
                     shlex.join(torchrun_command(distributed, config_path)))
-        outcome = run_child(TRAIN_WORKER_MODULE, [EXEC_TORCHRUN, *torchrun_arguments(distributed, config_path)],
+        log_dir = os.path.join(os.path.dirname(config_path), "torchrun")  # removed with the config's folder
+        arguments = torchrun_arguments(distributed, config_path, log_dir=log_dir)
+        outcome = run_child(TRAIN_WORKER_MODULE, [EXEC_TORCHRUN, *arguments],
                             on_progress=on_event, on_log=lambda pid, line: logger.info("torchrun: %s", line))
     failure = outcome_error(outcome, worker="torchrun", needs_result=False)
     if failure is not None:

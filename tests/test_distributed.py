@@ -232,7 +232,7 @@ def _pids_running(marker: str) -> list[int]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
 @pytest.mark.usefixtures("children")
-def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fresh_run) -> None:
+def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fresh_run, tmp_path: Path) -> None:
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.distributed import torchrun_arguments
     from kdflow.tasks.student.train import train
@@ -241,7 +241,7 @@ def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fres
     config = fresh_run(student__name="killed", student__steps=10_000, student__save_every=1)
     config_path = write_config(config)
     command = [sys.executable, "-m", "kdflow.tasks.student.train_worker", EXEC_TORCHRUN,
-               *torchrun_arguments(config.student.distributed, config_path)]
+               *torchrun_arguments(config.student.distributed, config_path, log_dir=str(tmp_path / "torchrun"))]
     launcher = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         # Every step saves and only the newest 2 checkpoints are kept, so any one of them lives for about a step:
@@ -271,8 +271,13 @@ def test_killing_the_launch_group_takes_every_rank_down_and_the_run_resumes(fres
     assert resumed["start_step"] >= 2 and resumed["steps"] == resumed["start_step"] + 1
 
 
-def test_flow_launches_torchrun_and_reports(fresh_run, one_rank, prefect_harness) -> None:
+def test_flow_launches_torchrun_and_reports(fresh_run, one_rank, prefect_harness, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from kdflow.flows.train import train_student_flow
+
+    children_tmp = tmp_path / "children-tmp"  # the children's temp folder: torchrun leaves nothing in it
+    children_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(children_tmp))
 
     with pytest.raises(KDFlowError) as caught:  # every rank fails on the config: the rank's own one-line message
         train_student_flow(fresh_run(student__name="bad", student__eval_shards=99).model_dump(mode="json"))
@@ -291,6 +296,7 @@ def test_flow_launches_torchrun_and_reports(fresh_run, one_rank, prefect_harness
     progress, curve = Artifact.get("train-flow-progress"), Artifact.get("train-flow")
     assert progress.data == 100.0 and progress.updated > progress.created
     assert "](data:image/png;base64," in curve.data and student_path(config, "training_curve.png").exists()
+    assert not list(children_tmp.glob("torchelastic_*"))  # its per-rank folders went with the config's
 
 
 def test_launch_command_backend_and_sharding_choices() -> None:

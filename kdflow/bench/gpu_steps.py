@@ -327,7 +327,8 @@ def fsdp(config_path: Path) -> dict[str, Any]:
                         "distributed": {"nproc_per_node": 2, "sharding": "fsdp", "rdzv_endpoint": f"127.0.0.1:{port}"}}
     config = load_config(write_yaml(config_path.with_name("fsdp.yaml"), data))
     with config_file(config, "kdflow-gpu-fsdp-") as path:
-        outcome = run_child(MODULE, [EXEC_TORCHRUN, *torchrun_arguments(config.student.distributed, path)],
+        arguments = torchrun_arguments(config.student.distributed, path, log_dir=str(Path(path).with_name("torchrun")))
+        outcome = run_child(MODULE, [EXEC_TORCHRUN, *arguments],
                             on_log=lambda pid, line: print(line, file=sys.stderr))
     if outcome.exit_code != 0 or outcome.result is None:
         message = outcome.errors[0].get("message") if outcome.errors else ""
