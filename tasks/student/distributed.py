@@ -258,7 +258,8 @@ def torchrun_arguments(distributed: DistributedConfig, config_path: str, *worker
     """torchrun's arguments for this node: the rendezvous from the config, then every rank runs
     `python -m kdflow.tasks.student.train_worker --config FILE`. `log_dir`: where torchrun keeps its per-rank
     folders (without it, torchrun makes a `torchelastic_*` folder in the system's temp folder and leaves it)."""
-    return [*(["--log-dir", log_dir] if log_dir else []), "--nproc_per_node", str(distributed.nproc_per_node), "--nnodes", str(distributed.nnodes),
+    return [*(["--log-dir", log_dir] if log_dir else []),
+            "--nproc_per_node", str(distributed.nproc_per_node), "--nnodes", str(distributed.nnodes),
             "--node_rank", str(distributed.node_rank), "--rdzv_backend", "c10d",
             "--rdzv_endpoint", distributed.rdzv_endpoint, "--rdzv_id", distributed.rdzv_id,
             "-m", TRAIN_WORKER_MODULE, "--config", config_path, *worker_args]
