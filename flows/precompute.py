@@ -42,7 +42,8 @@ def _retry_if_retryable(task: Any, task_run: Any, state: Any) -> bool:
 
 
 # A task run's micro-batch after a CUDA out-of-memory: its next attempt, a fresh process (a CUDA context is never
-# resized), runs half as many rows. Task run id -> that micro-batch; the same id across a task run's retries.
+# resized), runs half as many rows. Task run id -> that micro-batch; the same id across a task run's retries. (A
+# later run of the store starts where the shards' commit records say it stepped down: kdflow.tasks.teacher.micro_batch)
 _AFTER_OUT_OF_MEMORY: dict[str, int] = {}
 
 
@@ -54,22 +55,21 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
     logger = get_run_logger()
     attempt, run_id = current_task_run.run_count, str(current_task_run.id)
     configured = config.precompute.micro_batch
-    micro_batch = _AFTER_OUT_OF_MEMORY.get(run_id, configured)
-    if micro_batch != configured:
+    given = _AFTER_OUT_OF_MEMORY.get(run_id)
+    if given is not None:
         logger.warning("attempt %d: micro-batch %d, after running out of the GPU's memory (precompute.micro_batch "
-                       "is %d; `kdflow tune precompute` measures the fastest that fits)", attempt, micro_batch,
-                       configured)
-        config = config.model_copy(update={"precompute": config.precompute.model_copy(
-            update={"micro_batch": micro_batch})})
+                       "is %d; `kdflow tune precompute` measures the fastest that fits)", attempt, given, configured)
     artifact = TeacherProgress(open_run_root(config), teacher_pass_settings(config), shard_ids)
-    began = [False]  # a progress update without a phase came: the teacher loaded, its micro-batches begun
+    ran: dict[str, Any] = {"micro_batch": given or configured, "began": False}  # the worker says; began: loaded
 
     def on_progress(update: dict[str, Any]) -> None:
-        began[0] = began[0] or not update.get("phase")
+        ran["micro_batch"] = update.get("micro_batch", ran["micro_batch"])
+        ran["began"] = ran["began"] or not update.get("phase")
         artifact.update(update)
 
     with config_file(config, "kdflow-worker") as config_path:
-        args = ["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
+        args = (["--config", config_path] + (["--shards", format_shard_ids(shard_ids)] if shard_ids else [])
+                + (["--micro-batch", str(given)] if given is not None else []))
         outcome = run_child(
             WORKER_MODULE, args, env={LEASE_OWNER_ENV: f"task-run-{current_task_run.id}"},
             on_started=lambda pid: logger.info("attempt %d: teacher worker pid %d on shards %s", attempt, pid,
@@ -81,7 +81,8 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
         logger.error("attempt %d: worker %d ended with exit code %d (%s)%s", attempt, outcome.pid, code,
                      describe_exit_code(code),
                      ", retryable in a new process" if is_retryable(code) else ", not retryable")
-        if code == EXIT_CUDA_OOM and not began[0]:
+        micro_batch = ran["micro_batch"]
+        if code == EXIT_CUDA_OOM and not ran["began"]:
             logger.warning("attempt %d: out of memory before the first micro-batch, loading the teacher: a smaller "
                            "micro-batch would not help (what else holds the GPU? a smaller or 4-bit teacher?)", attempt)
         elif code == EXIT_CUDA_OOM and micro_batch > 1:
@@ -90,8 +91,8 @@ def run_teacher_worker(config: KDFlowConfig, shard_ids: list[int] | None = None)
                            micro_batch // 2)
         raise failure
     _AFTER_OUT_OF_MEMORY.pop(run_id, None)
-    return outcome.result | {"attempt": attempt, "worker_pid": outcome.pid, "micro_batch": micro_batch,
-                             "micro_batch_configured": configured}
+    return {"micro_batch": ran["micro_batch"], "micro_batch_configured": configured} | outcome.result | {
+        "attempt": attempt, "worker_pid": outcome.pid}
 
 
 def _worker_with_retries(pre: PrecomputeConfig) -> Any:

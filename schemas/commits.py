@@ -57,7 +57,9 @@ class TopkShardInfo(_Info):
     top_k: int | None = None
     seq_len: int | None = None
     logprobs_dtype: str | None = None
-    micro_batch: int | None = None
+    micro_batch: int | None = None  # the one the shard ran at
+    micro_batch_configured: int | None = None  # precompute.micro_batch: more than micro_batch after an out-of-memory
+    device: str | None = None  # what decides the micro-batch that fits: "NVIDIA H200, 139.8 GiB", "cpu"
     chunk_tokens: int | None = None
     # how the pass read the logits: "slab", "tiled", "tiled-triton" or "tiled-gemm" (None: before the choice)
     head: str | None = None

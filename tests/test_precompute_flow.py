@@ -39,30 +39,34 @@ def test_a_cuda_driver_error_is_retried_in_a_new_process(prefect_harness, make_c
     assert retried["tag"] == uninterrupted["tag"] and retried["tokens"] == uninterrupted["tokens"]
     assert shard_hashes(faulty, retried["tag"]) == shard_hashes(clean, uninterrupted["tag"])  # byte-identical output
 
-def test_out_of_memory_is_retried_at_half_the_micro_batch(prefect_harness, make_config, tmp_path, monkeypatch) -> None:
+def test_out_of_memory_is_retried_at_half_the_micro_batch_and_a_rerun_starts_there(prefect_harness, make_config,
+                                                                                  tmp_path, monkeypatch) -> None:
     """A CUDA out-of-memory (exit 75) is retried in a fresh process at half the micro-batch, as often as it recurs;
-    the shards hold the same rows whatever the micro-batch, and each commit record says which ran."""
-    from kdflow.flows.precompute import precompute_flow
+    the shards hold the same rows whatever the micro-batch, and each commit record says which ran. A rerun of the
+    store (after a GPU reset) starts at the micro-batch that fitted, and halves that if it runs out again."""
+    from kdflow.flows.pipeline import stage_summary
+    from kdflow.flows.precompute import precompute_flow, precompute_shards_flow
 
     overrides = {"dataset__max_documents": 12, "precompute__max_attempts": 4, "precompute__retry_delay_s": 0,
-                 "precompute__micro_batch": 4}
+                 "precompute__micro_batch": 8}
     clean = prepare(make_config(run_root=str(tmp_path / "clean"), **overrides))
     faulty = prepare(make_config(run_root=str(tmp_path / "faulty"), **overrides))
     uninterrupted = precompute_flow(clean)
-    assert uninterrupted["micro_batch"] == 4 and uninterrupted["shards"] >= 2
+    assert uninterrupted["micro_batch"] == 8 and uninterrupted["shards"] >= 3
 
-    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@at=load;cuda_oom@shard=1,micro_batch_size=4;"
-                                       "cuda_oom@micro_batch_size=2")
-    retried = precompute_flow(faulty)
-    # loading the teacher ran out of memory (no micro-batch had run: the same again), then 4 did, then 2
-    assert (retried["attempt"], retried["micro_batch"], retried["micro_batch_configured"]) == (4, 1, 4)
-    from kdflow.flows.pipeline import stage_summary
-
-    assert stage_summary("precompute", retried)[1] == f"{retried['written']} at micro-batch 1 (the config's 4 ran " \
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@at=load;cuda_oom@shard=1,micro_batch_size=8")
+    first = precompute_shards_flow(faulty, "0,1")
+    # loading the teacher ran out of memory (no micro-batch had run: the same again), then 8 did on shard 1
+    assert (first["attempt"], first["micro_batch"], first["micro_batch_configured"]) == (3, 4, 8)
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@micro_batch_size=4,stage=precompute")
+    retried = precompute_flow(faulty)  # began at 4, as shard 1 had run; 4 ran out of memory too
+    assert (retried["attempt"], retried["micro_batch"], retried["micro_batch_configured"]) == (2, 2, 8)
+    assert stage_summary("precompute", retried)[1] == f"{retried['written']} at micro-batch 2 (the config's 8 ran " \
                                                       "out of memory)"
     run_root = RunRoot(faulty.run_root)
     records = list_commits(run_root, stage_dir(run_root, "topk", retried["tag"]), "topk", retried["tag"])
-    assert {i: r.extra.micro_batch for i, r in records.items()} == {i: 4 if i == 0 else 1 for i in records}
+    assert {i: r.extra.micro_batch for i, r in records.items()} == {i: {0: 8, 1: 4}.get(i, 2) for i in records}
+    assert {(r.extra.micro_batch_configured, r.extra.device) for r in records.values()} == {(8, "cpu")}
     clean_root = RunRoot(clean.run_root)  # the same values; a shard file holds a record batch per micro-batch
     for record in records.values():
         name = f"{stage_dir(run_root, 'topk', retried['tag'])}/{record.data_file}"

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.common.units import MIB
 from kdflow.tasks.teacher.leases import ShardLeases
 from kdflow.tasks.teacher.loading import check_teacher_limits, check_tokenizer_fits, load_teacher_config
+from kdflow.tasks.teacher.micro_batch import device_label, start_micro_batch
 from kdflow.tasks.teacher.sampling import check_sampling_fits
 from kdflow.tasks.teacher.shard_computer import ShardComputer
 from kdflow.tasks.teacher.store_quality import pass_fidelity
@@ -96,6 +97,7 @@ class PassPlan:
     tag: str
     store: str
     todo: list[int]
+    committed: dict[int, CommitRecord]  # the store's commit records when the plan was made
 
 
 def plan_pass(run_root: RunRoot, settings: TeacherPassSettings, shard_ids: list[int] | None,
@@ -123,7 +125,8 @@ def plan_pass(run_root: RunRoot, settings: TeacherPassSettings, shard_ids: list[
     if existing is None and pre.targets != "topk":
         _say_other_draws(run_root, settings, tag)
     todo = [i for i in wanted if i not in committed]
-    return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo)
+    return PassPlan(run_root, device, tokenizer, tokens_store, tokens_done, wanted, teacher_fp, tag, store, todo,
+                    committed)
 
 
 def _say_other_draws(run_root: RunRoot, settings: TeacherPassSettings, tag: str) -> None:
@@ -148,11 +151,14 @@ def precompute_shards(
     device: torch.device | str | None = None,
     model: torch.nn.Module | None = None,
     wait_for_others: bool = True,
+    micro_batch: int | None = None,
 ) -> dict[str, Any]:
     """Compute and commit the top-K shards of `shard_ids` (default: all) that are not committed yet.
 
     `model`: an already loaded teacher (else loaded here, only if there is work). With `wait_for_others`,
-    shards leased by another live process are waited for (taken over if their lease expires).
+    shards leased by another live process are waited for (taken over if their lease expires). `micro_batch`:
+    run at this instead of `precompute.micro_batch` (the flow's, after an out-of-memory); without it, at what the
+    store's shards on this kind of device stepped down to, if they did (`kdflow.tasks.teacher.micro_batch`).
     """
     started = time.perf_counter()
     pre = settings.precompute
@@ -162,15 +168,25 @@ def precompute_shards(
     store, tag = plan.store, plan.tag
     marks = {"plan": time.perf_counter()}  # where a call's seconds go: plan, setup (loading included), shards, finish
     written, tokens_written, compute_seconds, leased_elsewhere, fidelity, writer = 0, 0, 0.0, [], None, None
+    configured = pre.micro_batch
     if not plan.todo:
         logger.info("precompute: %d/%d shards already committed in %s, nothing to do", len(plan.wanted),
                     len(plan.wanted), run_root.display(store))
     else:
+        device_name = device_label(target)
+        micro_batch, learned = start_micro_batch(plan.committed.values(), device_name, configured, micro_batch)
+        if learned is not None:
+            logger.warning("precompute: micro-batch %d, as shard %d of this store ran on this device (%s) after %d "
+                           "ran out of its memory (set precompute.micro_batch to start at another)", micro_batch,
+                           learned.shard_id, device_name, configured)
+        settings = replace(settings, precompute=pre.model_copy(update={"micro_batch": micro_batch}))
+        pre = settings.precompute
         logger.info("precompute: loading the teacher for %d shards (%d of %d already committed)", len(plan.todo),
                     len(plan.wanted) - len(plan.todo), len(plan.wanted))
         if on_progress is not None:  # seen before the weights load, which takes minutes for a large teacher
             on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0, "tokens": 0,
-                         "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo)})
+                         "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo),
+                         "micro_batch": pre.micro_batch})
         token_checks = check_commits(run_root, plan.tokens_store, "tokens", plan.tokens_done.fingerprint)
         token_records = {i: _valid_token_record(run_root, plan.tokens_store, i, token_checks) for i in plan.todo}
         run_root.ensure_writable()
@@ -179,7 +195,8 @@ def precompute_shards(
         check_tokenizer_fits(plan.tokenizer, model)
         info = TopkShardInfo(teacher_fingerprint=plan.teacher_fp, tokens_fingerprint=plan.tokens_done.fingerprint,
                              top_k=pre.top_k, seq_len=settings.seq_len, logprobs_dtype=pre.logprobs_dtype,
-                             micro_batch=pre.micro_batch)
+                             micro_batch=pre.micro_batch, micro_batch_configured=configured,
+                             device=device_name)
         computer = ShardComputer(settings, model, run_root, store, tag, info, plan.tokens_done)
         remove_stale_temp_files(run_root, store)  # what killed writers left (live writers' files are kept)
         _write_store_files(settings, plan, computer.codec if computer.sampled is None else computer.sampled.codec)
@@ -217,6 +234,7 @@ def precompute_shards(
         "tokens_per_s": round(tokens_written / max(compute_seconds, 1e-9), 1),
         "peak_device_memory_mib": _peak_device_memory_mib(target),
         "teacher_fingerprint": plan.teacher_fp, "device": str(target),
+        "micro_batch": pre.micro_batch, "micro_batch_configured": configured,  # unequal: after an out-of-memory
         "complete": read_complete(run_root, store) is not None,
         "fidelity": fidelity,
         # the background writer's seconds encoding and writing, and the pass's seconds blocked on it (None: no work)

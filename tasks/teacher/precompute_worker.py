@@ -26,6 +26,8 @@ def run(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the resolved config (YAML)")
     parser.add_argument("--shards", default=None, help="shard ids: 0,3,5 or 3-9 (default: all)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="run at this many sequences a forward (the flow's, after an out-of-memory)")
     args = parser.parse_args(argv)
     configure_logging(logging.INFO)
     # cuBLAS needs this before its first call to be deterministic.
@@ -48,8 +50,11 @@ def run(argv: list[str] | None = None) -> int:
             shard_ids = parse_shard_ids(args.shards)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if args.micro_batch is not None and args.micro_batch < 1:
+            raise ConfigError(f"--micro-batch {args.micro_batch}: a micro-batch holds at least 1 sequence")
         summary = precompute_shards(open_run_root(config), teacher_pass_settings(config), shard_ids,
-                                    on_progress=lambda update: emit(PROGRESS_PREFIX, update))
+                                    on_progress=lambda update: emit(PROGRESS_PREFIX, update),
+                                    micro_batch=args.micro_batch)
         return summary | {"pid": os.getpid()}
 
     return run_worker(body, label="kdflow worker", writes_under=lambda: run_root[0] if run_root else None)
