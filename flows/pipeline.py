@@ -32,10 +32,11 @@ def stage_summary(stage: str, result: dict[str, Any]) -> tuple[str, str]:
         if ran != configured:  # halved after running out of the GPU's memory
             written = f"{written} at micro-batch {ran} (the config's {configured} ran out of memory)"
         return f"{count_of(result['shards'], 'top-K shard')} in {result['store']}", f"{written}"
-    loss = result.get("final_loss")  # None when no step ran now (a rerun of a finished student)
+    loss, parts = result.get("final_loss"), result.get("micro_batch_parts") or 1  # loss None: no step ran now
     return (f"student {result['student']}: step {result['start_step']} -> {result['steps']}"
             + (f", final loss {loss:.4f}" if loss is not None else ""),
-            count_of(result["steps"] - result["start_step"], "step"))
+            count_of(result["steps"] - result["start_step"], "step")
+            + (f" (micro-batches in {parts} pieces: out of memory)" if parts > 1 else ""))
 
 
 def _stage_line(stage: str, result: dict[str, Any]) -> str:

@@ -264,3 +264,5 @@ def test_the_pipeline_line_of_a_finished_student_names_no_loss() -> None:
     assert stage_summary("train", ran) == ("student s: step 3 -> 8, final loss 0.0000", "5 steps")
     again = {"student": "s", "start_step": 8, "steps": 8, "final_loss": None}  # a rerun: nothing trained now
     assert stage_summary("train", again) == ("student s: step 8 -> 8", "0 steps")  # it said "final loss 0"
+    split = ran | {"micro_batch_parts": 2}  # the GPU ran out of memory at whole micro-batches
+    assert stage_summary("train", split)[1] == "5 steps (micro-batches in 2 pieces: out of memory)"

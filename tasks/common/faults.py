@@ -15,16 +15,17 @@ Kinds:
 - `cuda_oom`: raise a RuntimeError with a real-looking "CUDA out of memory" message after the forward.
 - `pause`: stop where it fires (sleep) until killed from outside: how tests kill a whole run at a chosen
   moment, without a race against it (`at=` names the site; the marker below says it has arrived).
-Keys: `shard` (shard or part id), `micro_batch` (index within a top-K shard), `step` (optimiser step),
-`micro_batch_size` (the rows of a micro-batch: the teacher pass's and `kdflow tune precompute`'s candidates'),
-`stage` (materialise, tokenise, precompute, train, import) and `at`, the site: `load` (the teacher pass, its
-weights just loaded), `micro_batch` (teacher, after the forward), `write` (teacher, writing a micro-batch), `commit`
-(materialise and tokenise: the data file is written, its commit record not yet; import: a staged shard written,
-its progress record not yet), `step` (train: after the step, before its checkpoint), `save` (train: the checkpoint
-folder filled, not yet renamed into place), `final` (the final model likewise). `at` defaults to `micro_batch` for
-cuda_error, cuda_oom and kill and to `write` for enospc. A key left out matches any
-value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1 and
-`cuda_oom@micro_batch_size=28` in the pass, or the tuning candidate, at 28 rows.
+Keys: `shard` (shard or part id), `micro_batch` (index within a top-K shard; train: of the step's micro-batch
+pieces), `step` (optimiser step), `micro_batch_size` (the rows of a micro-batch: the teacher pass's, `kdflow tune
+precompute`'s candidates', a training step's pieces'), `stage` (materialise, tokenise, precompute, train, import)
+and `at`, the site: `load` (the teacher pass, its weights just loaded), `micro_batch` (teacher, after the forward;
+train, after a piece's forward), `write` (teacher, writing a micro-batch), `commit` (materialise and tokenise: the
+data file is written, its commit record not yet; import: a staged shard written, its progress record not yet),
+`step` (train: after the step, before its checkpoint), `save` (train: the checkpoint folder filled, not yet renamed
+into place), `final` (the final model likewise). `at` defaults to `micro_batch` for cuda_error, cuda_oom and kill
+and to `write` for enospc. A key left out matches any value, so `cuda_error@shard=1` fires at the first micro-batch
+of shard 1 and `cuda_oom@micro_batch_size=28` in the pass, the tuning candidate or training, at 28 rows (add
+`stage=` to choose).
 
 Each fault fires once per run root: before firing it writes the marker `RUN_ROOT/_faults/NAME.fired`
 (JSON: pid, host, where), and a marker that exists switches the fault off, so the retry in a new process

@@ -84,6 +84,10 @@ class DistillBatch:
     def to(self, device: torch.device | str) -> DistillBatch:
         return self._map(lambda t: t.to(device, non_blocking=True))
 
+    def rows(self, start: int, stop: int) -> DistillBatch:
+        """The batch of rows start..stop-1 (views: pinned memory stays pinned)."""
+        return self._map(lambda t: t[start:stop])
+
     def pinned(self) -> DistillBatch:
         """The same tensors in page-locked host memory, so that `to(cuda)` copies without blocking."""
         return self._map(lambda t: t.pin_memory())

@@ -144,20 +144,34 @@ def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
     return targeted, rows * (seq_len - 1)
 
 
+def split_batch(batch: DistillBatch, parts: int) -> list[DistillBatch]:
+    """`batch`'s rows in `parts` consecutive pieces, as even as can be (never an empty one)."""
+    rows = batch.input_ids.shape[0]
+    if parts == 1:
+        return [batch]
+    bounds = [rows * k // parts for k in range(parts + 1)]
+    return [batch.rows(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
 def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: DistillData, position: int,
                    student: StudentConfig, rank: int, world_size: int, device: torch.device,
                    autocast: contextlib.AbstractContextManager,
-                   batches: list[DistillBatch] | None = None) -> dict[str, float]:
+                   batches: list[DistillBatch] | None = None, *, parts: int = 1,
+                   before_backward: Callable[[int, int], None] = lambda index, rows: None) -> dict[str, float]:
     """This rank's share of one optimiser step through `module` (a DistillLoss, wrapped or not); `batches`:
-    its micro-batches if already read (by the prefetcher). -> global loss, kd, ce (sums of normalised parts),
-    grad norm."""
+    its micro-batches if already read (by the prefetcher); `parts`: each computed in that many pieces (the same
+    step: every loss is divided by the step's global counts, so the gradients sum alike; less memory).
+    `before_backward(index, rows)`: called after each piece's forward. -> global loss, kd, ce (sums of normalised
+    parts), grad norm."""
     if batches is None:
         batches = data.step_batches(position, student.batch_size, student.grad_accum, rank, world_size)
     global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
     sums = [0.0, 0.0, 0.0]
-    for i, batch in enumerate(batches):
-        with gradient_sync(module, enabled=i == len(batches) - 1):
+    pieces = [piece for batch in batches for piece in split_batch(batch, parts)]
+    for i, batch in enumerate(pieces):
+        with gradient_sync(module, enabled=i == len(pieces) - 1):
             loss, kd_part, ce_part, _ = distill_loss(module, batch.to(device), student.kd, global_counts, autocast)
+            before_backward(i, batch.input_ids.shape[0])
             # Data-parallel wrappers average gradients over ranks; the global-count loss wants their sum.
             (loss * world_size).backward()
         for j, value in enumerate((loss.detach(), kd_part, ce_part)):

@@ -16,6 +16,7 @@ and only rank 0 writes files. The pieces of a step and of an evaluation are in k
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -26,10 +27,12 @@ import torch
 from kdflow.schemas.config_io import write_resolved_config
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
+from kdflow.schemas.protocol import EXIT_CUDA_OOM
 from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common import faults
+from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
                                              load_training_state, prune_checkpoints, save_checkpoint, save_final)
@@ -114,6 +117,7 @@ class StudentRun:
             position, student.batch_size, student.grad_accum, rank, world_size, pin=self.device.type == "cuda"),
             student.prefetch_steps)  # the next steps' batches, read while this one computes
         self._gathered: tuple[int, dict[str, torch.Tensor] | None] = (-1, None)
+        self.parts = 1  # pieces each micro-batch is computed in: more after the GPU ran out of memory
         # The held-out kl_full: the teacher loaded at the first evaluation, on every rank or none; never on a store
         # imported from a teacher the config does not say is teacher.model (it would be a KL to another model).
         wanted = full_kl_wanted(student.eval_full_kl, settings.teacher)
@@ -135,8 +139,16 @@ class StudentRun:
         upcoming = [self.state.position + k * student.batch_size for k in range(1, student.prefetch_steps + 1)
                     if self.state.step + k < student.steps]
         batches, data_wait = self.loader.get(self.state.position, upcoming)
-        result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, student, self.rank,
-                                self.world_size, self.device, self.autocast, batches=batches)
+        while True:
+            try:
+                result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, student,
+                                        self.rank, self.world_size, self.device, self.autocast, batches=batches,
+                                        parts=self.parts, before_backward=self._before_backward)
+                break
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not self._can_split(error):
+                    raise
+            self._split_further()  # here, past the except block: the error's frames (and their tensors) are gone
         self.scheduler.step()
         seconds = time.perf_counter() - started
         state = self.state
@@ -148,6 +160,34 @@ class StudentRun:
                   "data_wait_s": round(data_wait, 6), "data_wait_fraction": round(data_wait / max(seconds, 1e-9), 6)}
         self.metrics.append(record)
         return record
+
+    def _before_backward(self, index: int, rows: int) -> None:
+        faults.maybe_fire("micro_batch", self.run_root, stage="train", step=self.state.step + 1, micro_batch=index,
+                          micro_batch_size=rows)
+
+    def _can_split(self, error: RuntimeError) -> bool:
+        """Whether the step can go again in smaller pieces: the GPU ran out of memory, in one process (ranks would
+        wait in each other's collectives), and a piece still holds more than one row."""
+        rows = self.student.batch_size // (self.world_size * self.student.grad_accum)
+        return self.world_size == 1 and exit_code_for(error) == EXIT_CUDA_OOM and self.parts < rows
+
+    def _split_further(self) -> None:
+        """The step again, each micro-batch in twice as many pieces: the same step (every piece's loss is divided
+        by the step's global counts), less memory. The run keeps them; a new run starts from the config."""
+        self.optimizer.zero_grad(set_to_none=True)  # the pieces that ran before the error left gradients
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        student = self.student
+        rows = student.batch_size // (self.world_size * student.grad_accum)
+        ran, self.parts = -(-rows // self.parts), min(self.parts * 2, rows)
+        piece = -(-rows // self.parts)
+        fits = next(g for g in range(student.grad_accum, student.batch_size + 1)  # a grad_accum the config allows
+                    if student.batch_size % (self.world_size * g) == 0
+                    and student.batch_size // (self.world_size * g) <= piece)
+        logger.warning("training step %d: out of the GPU's memory at %d rows a micro-batch; the run goes on with "
+                       "each micro-batch in %d pieces of at most %d rows (the same steps; student.grad_accum: %d "
+                       "starts a run there)", self.state.step + 1, ran, self.parts, piece, fits)
 
     def evaluate(self) -> None:
         if self.full_kl and self.heldout_teacher is None:
@@ -245,6 +285,7 @@ class StudentRun:
             "seconds": self.state.elapsed_s,
             "topk_store": display(self.data.stores.topk_store),
             "train_rows": self.data.train_rows,
+            "micro_batch_parts": self.parts,  # more than 1: the GPU ran out of memory at whole micro-batches
         }
 
 

@@ -1,13 +1,14 @@
-"""The micro-batch a teacher pass starts at: a store's shards that stepped down after an out-of-memory make a later
-pass on the same kind of device start there; another device, or another configured micro-batch, starts from the
-config (the flow's halving itself: tests/test_precompute_flow.py)."""
+"""Running out of the GPU's memory. The teacher pass: a store's shards that stepped down after an out-of-memory make
+a later pass on the same kind of device start there; another device, or another configured micro-batch, starts from
+the config (the flow's halving itself: tests/test_precompute_flow.py). Training: a step goes again in smaller pieces."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
-from support.runs import prepare
+import torch
+from support.runs import final_weights, prepare, read_lines, student_path
 
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
@@ -17,8 +18,6 @@ from kdflow.tasks.teacher.precompute import precompute_shards
 
 
 def test_a_later_pass_starts_where_an_out_of_memory_stepped_down_on_this_device(make_config, caplog) -> None:
-    import torch
-
     config = prepare(make_config(dataset__max_documents=24, precompute__micro_batch=4))
     first = precompute_shards(open_run_root(config), teacher_pass_settings(config), [0], micro_batch=2)
     assert (first["micro_batch"], first["micro_batch_configured"]) == (2, 4)  # the flow's retry after 4 ran out
@@ -57,3 +56,38 @@ def test_the_worker_refuses_a_micro_batch_below_one(make_config, tmp_path, given
     path.write_text(dump_config(make_config()), encoding="utf-8")
     assert run(["--config", str(path), "--micro-batch", given]) == EXIT_USER_ERROR
     assert f"--micro-batch {given}: a micro-batch holds at least 1 sequence" in capsys.readouterr().out
+
+
+def test_out_of_memory_in_a_step_computes_its_micro_batches_in_pieces_and_trains_alike(fresh_run, monkeypatch,
+                                                                                      caplog) -> None:
+    """A CUDA out-of-memory in a step of a one-process run: the step again with each micro-batch in twice as many
+    pieces, as often as it recurs, to a row a piece; the same steps as an uninterrupted run. At a row a piece
+    the error stands."""
+    from kdflow.schemas.stage_settings import training_settings
+    from kdflow.tasks.student.train import train
+
+    common = {"student__steps": 3, "student__lr": 1e-3, "student__batch_size": 8, "student__grad_accum": 2}
+    whole = fresh_run(student__name="whole", **common)
+    assert train(open_run_root(whole), training_settings(whole))["micro_batch_parts"] == 1
+    pieces = fresh_run(student__name="pieces", **common)
+    # step 2's second micro-batch of 4 rows runs out, then its last piece of 2: earlier pieces' gradients were in
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@stage=train,step=2,micro_batch=1,micro_batch_size=4;"
+                                       "cuda_oom@stage=train,step=2,micro_batch=3,micro_batch_size=2")
+    with caplog.at_level(logging.WARNING, "kdflow.train"):
+        summary = train(open_run_root(pieces), training_settings(pieces))
+    assert summary["micro_batch_parts"] == 4 and summary["steps"] == 3
+    assert "training step 2: out of the GPU's memory at 4 rows a micro-batch; the run goes on with each " \
+           "micro-batch in 2 pieces of at most 2 rows (the same steps; student.grad_accum: 4 starts a run there)" \
+        in caplog.text
+    assert "in 4 pieces of at most 1 rows (the same steps; student.grad_accum: 8" in caplog.text
+    for key in ("loss", "kd", "ce", "grad_norm"):
+        expected = [r[key] for r in read_lines(student_path(whole, "metrics.jsonl"))]
+        assert [r[key] for r in read_lines(student_path(pieces, "metrics.jsonl"))] == pytest.approx(expected, rel=1e-5)
+    reference = final_weights(whole)
+    for name, tensor in final_weights(pieces).items():
+        torch.testing.assert_close(tensor, reference[name], atol=1e-6, rtol=0)
+
+    single = fresh_run(student__name="single", **common | {"student__grad_accum": 8})
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@stage=train,micro_batch_size=1,step=1")
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):  # a row a piece already: nothing smaller
+        train(open_run_root(single), training_settings(single))
