@@ -83,6 +83,9 @@ def test_out_of_memory_in_a_step_computes_its_micro_batches_in_pieces_and_trains
     for key in ("loss", "kd", "ce", "grad_norm"):
         expected = [r[key] for r in read_lines(student_path(whole, "metrics.jsonl"))]
         assert [r[key] for r in read_lines(student_path(pieces, "metrics.jsonl"))] == pytest.approx(expected, rel=1e-5)
+    evals = [r["kl"] for r in read_lines(student_path(whole, "eval.jsonl"))]  # the last one in pieces of a row
+    assert len(evals) >= 2 and [r["kl"] for r in read_lines(student_path(pieces, "eval.jsonl"))] == pytest.approx(
+        evals, rel=1e-5)
     reference = final_weights(whole)
     for name, tensor in final_weights(pieces).items():
         torch.testing.assert_close(tensor, reference[name], atol=1e-6, rtol=0)

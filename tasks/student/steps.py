@@ -192,18 +192,19 @@ def _chunked_argmax(hidden: torch.Tensor, head: nn.Module, chunk: int) -> torch.
 @torch.no_grad()
 def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, device: torch.device, *, rank: int = 0,
              world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None,
-             teacher: HeldoutTeacher | None = None) -> dict[str, float] | None:
+             teacher: HeldoutTeacher | None = None, parts: int = 1) -> dict[str, float] | None:
     """Held-out evaluation through `module` (a DistillLoss, wrapped or not), means per position: `kl_stored`, the KL
     to the stored targets at T = 1 (top-K stores: the K+1-bucket KL to the stored, quantised top-K, which can only
     understate the true KL; `kl` is its old name, kept for readers of older logs), `kl_full` with a `teacher`
     (every rank passes one or none): the KL to the teacher's full distribution, perplexity, top-1 agreement.
-    A masked store's positions without a teacher target count in none of them but `kl_full` (over every position)."""
+    A masked store's positions without a teacher target count in none of them but `kl_full` (over every position).
+    `parts`: batches of 1/parts of a training micro-batch's rows (after a step ran out of memory)."""
     if not data.eval_rows:
         return None
     autocast = autocast if autocast is not None else contextlib.nullcontext()
     seq_len = data.stores.seq_len
     total_rows = len(data.eval_rows)
-    micro = max(1, student.batch_size // (world_size * student.grad_accum))
+    micro = -(-max(1, student.batch_size // (world_size * student.grad_accum)) // parts)
     mine = data.eval_batches(micro, rank, world_size)
     # Every rank runs the same number of forwards (FSDP gathers weights in each): rank 0 holds the most rows;
     # a rank out of rows runs a spare batch whose results it drops.

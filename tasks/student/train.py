@@ -193,7 +193,7 @@ class StudentRun:
         if self.full_kl and self.heldout_teacher is None:
             self.heldout_teacher = HeldoutTeacher.load(self.settings.teacher, self.device)
         result = evaluate(self.module, self.data, self.student, self.device, rank=self.rank, world_size=self.world_size,
-                          autocast=self.autocast, teacher=self.heldout_teacher)
+                          autocast=self.autocast, teacher=self.heldout_teacher, parts=self.parts)
         if result is not None:
             self.evals.append({"step": self.state.step} | result)
 
