@@ -11,15 +11,16 @@ from collections.abc import Iterator
 
 import yaml
 
-from kdflow.schemas.commits import StageComplete, list_commits, read_complete
+from kdflow.schemas.commits import CommitRecord, StageComplete, list_commits, read_complete
 from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, SOURCES_FILE, STUDENTS_DIR,
                                    TOKENS_DIR, TOPK_DIR, checkpoint_name, is_store_name)
 from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 from kdflow.schemas.store_info import tokens_made_from, topk_tags
+from kdflow.tasks.teacher.micro_batch import stepped_down_lines
 
 
 def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None,
-                token_store: StageComplete | None = None) -> tuple[str, int | None]:
+                token_store: StageComplete | None = None) -> tuple[str, int | None, dict[int, CommitRecord]]:
     done = read_complete(run_root, store)
     fingerprint = done.fingerprint if done else None
     records = list_commits(run_root, store, stage, fingerprint)
@@ -36,26 +37,27 @@ def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected:
     counted = f"{tokens:>14,} tokens" if tokens or stage != "corpus" or not rows else f"{'tokens not counted':>21}"
     line = (f"{label:<22} {len(records):>6}/{expected if expected is not None else '?':<6} shards  {rows:>10,} rows  "
             f"{counted}  {state:<16}  fingerprint {','.join(fingerprints)}")
-    return line, done.shards if done else None
+    return line, done.shards if done else None, records
 
 
 def status_lines(run_root: RunRoot) -> Iterator[str]:
     """The status of an existing run root, line by line (each as soon as its store is read)."""
     yield f"run root: {run_root.display(run_root.root)}"
-    line, _ = _store_line(run_root, "corpus", run_root.path(CORPUS_DIR), "corpus", None)
+    line, _, _ = _store_line(run_root, "corpus", run_root.path(CORPUS_DIR), "corpus", None)
     yield line
     sources = _sources_line(run_root)
     if sources:
         yield sources
-    line, token_shards = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
+    line, token_shards, _ = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
     yield line
     token_store = read_complete(run_root, run_root.path(TOKENS_DIR))
     stale = 0
     for tag in topk_tags(run_root):
-        line, _ = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards,
-                              token_store)
+        line, _, records = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards,
+                                       token_store)
         stale += "stale (" in line
         yield line
+        yield from (f"  {note}" for note in stepped_down_lines(records.values()))  # after an out-of-memory
     if stale:
         it = "it" if stale == 1 else "them"
         yield (f"  stale: computed from token shards since replaced by tokenise; training skips {it} (delete to free "

@@ -35,6 +35,12 @@ def test_a_later_pass_starts_where_an_out_of_memory_stepped_down_on_this_device(
     facts = {i: (r.extra.micro_batch, r.extra.micro_batch_configured, r.extra.device) for i, r in records.items()}
     assert facts == {0: (2, 4, "cpu"), 1: (2, 4, "cpu"), 2: (3, 3, "cpu")}
     assert device_label(torch.device("cpu")) == "cpu"
+    from kdflow.tasks.run_status import status_lines  # what `kdflow status` says under the store's line
+
+    lines = list(status_lines(run_root))
+    store_line = next(i for i, line in enumerate(lines) if line.startswith(f"topk/{first['tag']}"))
+    assert lines[store_line + 1] == "  micro-batch 2 on cpu: the config's 4 ran out of memory there; later runs " \
+                                    "there start at 2"
 
     # What fits on one GPU says nothing about another; the newest step-down on this one is where to start.
     gpu = "NVIDIA GeForce RTX 3090, 23.6 GiB"

@@ -10,10 +10,12 @@ starts at the size that fitted instead of running out of memory again after load
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import torch
+from typing import TYPE_CHECKING
 
 from kdflow.schemas.commits import CommitRecord
+
+if TYPE_CHECKING:  # torch only where a device is named: `kdflow status` reads the records without it
+    import torch
 
 
 def device_label(device: torch.device) -> str:
@@ -21,6 +23,8 @@ def device_label(device: torch.device) -> str:
     else the device's type ("cpu")."""
     if device.type != "cuda":
         return device.type
+    import torch
+
     properties = torch.cuda.get_device_properties(device)
     return f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB"
 
@@ -43,3 +47,18 @@ def start_micro_batch(records: Iterable[CommitRecord], device: str, configured: 
         return given, None
     record = stepped_down(records, device, configured)
     return (record.extra.micro_batch, record) if record is not None else (configured, None)
+
+
+def stepped_down_lines(records: Iterable[CommitRecord]) -> list[str]:
+    """For `kdflow status`: per device whose shards ran at less than the config said, where a later run starts."""
+    records = list(records)
+    found = {(r.extra.device, r.extra.micro_batch_configured) for r in records
+             if getattr(r.extra, "device", None) and (getattr(r.extra, "micro_batch_configured", None) or 0)
+             > (getattr(r.extra, "micro_batch", None) or 0) > 0}
+    lines = []
+    for device, configured in sorted(found):
+        record = stepped_down(records, device, configured)
+        if record is not None:
+            lines.append(f"micro-batch {record.extra.micro_batch} on {device}: the config's {configured} ran out of "
+                         f"memory there; later runs there start at {record.extra.micro_batch}")
+    return lines
