@@ -5,6 +5,7 @@ the config (the flow's halving itself: tests/test_precompute_flow.py). Training:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -100,3 +101,21 @@ def test_out_of_memory_in_a_step_computes_its_micro_batches_in_pieces_and_trains
     monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@stage=train,micro_batch_size=1,step=1")
     with pytest.raises(RuntimeError, match="CUDA out of memory"):  # a row a piece already: nothing smaller
         train(open_run_root(single), training_settings(single))
+
+
+def test_out_of_memory_in_the_optimisers_update_ends_the_run(fresh_run, monkeypatch) -> None:
+    """An update that ran out of memory may be half applied and cannot be taken back: no step goes again then."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    calls = []
+
+    def update(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", update)
+    config = fresh_run(student__name="update", student__steps=2, student__batch_size=8)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        train(open_run_root(config), training_settings(config))
+    assert len(calls) == 1  # the step was not computed again in pieces and updated twice

@@ -17,6 +17,8 @@ from kdflow.schemas.config import KDConfig, StudentConfig
 from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.fingerprints import student_resume_fields
+from kdflow.schemas.protocol import EXIT_CUDA_OOM
+from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.models import model_body, output_layer
 from kdflow.tasks.student.chunked_loss import IGNORE_INDEX
 from kdflow.tasks.student.data import DistillBatch, DistillData, DistillStores
@@ -144,6 +146,12 @@ def _counts(batches: list[DistillBatch]) -> tuple[int, int]:
     return targeted, rows * (seq_len - 1)
 
 
+class StepOutOfMemory(RuntimeError):
+    """The GPU ran out of memory in a step's forwards or backwards, before the optimiser touched anything, so the
+    step can go again (in smaller pieces); its message is the CUDA error's. One in the optimiser's update is not
+    this: a half-applied update cannot be taken back."""
+
+
 def split_batch(batch: DistillBatch, parts: int) -> list[DistillBatch]:
     """`batch`'s rows in `parts` consecutive pieces, as even as can be (never an empty one)."""
     rows = batch.input_ids.shape[0]
@@ -168,14 +176,20 @@ def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: Di
     global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
     sums = [0.0, 0.0, 0.0]
     pieces = [piece for batch in batches for piece in split_batch(batch, parts)]
-    for i, batch in enumerate(pieces):
-        with gradient_sync(module, enabled=i == len(pieces) - 1):
-            loss, kd_part, ce_part, _ = distill_loss(module, batch.to(device), student.kd, global_counts, autocast)
-            before_backward(i, batch.input_ids.shape[0])
-            # Data-parallel wrappers average gradients over ranks; the global-count loss wants their sum.
-            (loss * world_size).backward()
-        for j, value in enumerate((loss.detach(), kd_part, ce_part)):
-            sums[j] += float(value)
+    try:
+        for i, batch in enumerate(pieces):
+            with gradient_sync(module, enabled=i == len(pieces) - 1):
+                loss, kd_part, ce_part, _ = distill_loss(module, batch.to(device), student.kd, global_counts,
+                                                         autocast)
+                before_backward(i, batch.input_ids.shape[0])
+                # Data-parallel wrappers average gradients over ranks; the global-count loss wants their sum.
+                (loss * world_size).backward()
+            for j, value in enumerate((loss.detach(), kd_part, ce_part)):
+                sums[j] += float(value)
+    except RuntimeError as error:
+        if exit_code_for(error) == EXIT_CUDA_OOM:
+            raise StepOutOfMemory(str(error)) from None  # one line; the step's frames go once this is handled
+        raise
     grad_norm = clip_grad_norm(list(module.parameters()), student.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -27,12 +27,10 @@ import torch
 from kdflow.schemas.config_io import write_resolved_config
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import EVAL_FILE, FINAL_DIR, METRICS_FILE, STUDENTS_DIR
-from kdflow.schemas.protocol import EXIT_CUDA_OOM
 from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common import faults
-from kdflow.tasks.common.failures import exit_code_for
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
                                              load_training_state, prune_checkpoints, save_checkpoint, save_final)
@@ -48,8 +46,8 @@ from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
 from kdflow.tasks.student.prune import pruned_student, width_summary
-from kdflow.tasks.student.steps import (DistillLoss, autocast_for, build_optimizer, check_layout, evaluate,
-                                        optimiser_step, training_fingerprint)
+from kdflow.tasks.student.steps import (DistillLoss, StepOutOfMemory, autocast_for, build_optimizer, check_layout,
+                                        evaluate, optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
 
 logger = logging.getLogger("kdflow.train")
@@ -145,8 +143,8 @@ class StudentRun:
                                         self.rank, self.world_size, self.device, self.autocast, batches=batches,
                                         parts=self.parts, before_backward=self._before_backward)
                 break
-            except RuntimeError as error:  # torch.OutOfMemoryError is one
-                if not self._can_split(error):
+            except StepOutOfMemory:
+                if not self._can_split():
                     raise
             self._split_further()  # here, past the except block: the error's frames (and their tensors) are gone
         self.scheduler.step()
@@ -165,11 +163,12 @@ class StudentRun:
         faults.maybe_fire("micro_batch", self.run_root, stage="train", step=self.state.step + 1, micro_batch=index,
                           micro_batch_size=rows)
 
-    def _can_split(self, error: RuntimeError) -> bool:
-        """Whether the step can go again in smaller pieces: the GPU ran out of memory, in one process (ranks would
-        wait in each other's collectives), and a piece still holds more than one row."""
+    def _can_split(self) -> bool:
+        """After the step's forwards or backwards ran out of the GPU's memory: whether the step can go again in
+        smaller pieces, in one process (ranks would wait in each other's collectives), a piece still holding more
+        than one row."""
         rows = self.student.batch_size // (self.world_size * self.student.grad_accum)
-        return self.world_size == 1 and exit_code_for(error) == EXIT_CUDA_OOM and self.parts < rows
+        return self.world_size == 1 and self.parts < rows
 
     def _split_further(self) -> None:
         """The step again, each micro-batch in twice as many pieces: the same step (every piece's loss is divided
