@@ -97,6 +97,17 @@ def test_out_of_memory_in_a_step_computes_its_micro_batches_in_pieces_and_trains
     for name, tensor in final_weights(pieces).items():
         torch.testing.assert_close(tensor, reference[name], atol=1e-6, rtol=0)
 
+    # The evaluation before the first step runs out of memory: it goes again in pieces, and so do the steps.
+    monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@at=eval,stage=train,step=0,micro_batch_size=4")
+    evaluated = fresh_run(student__name="evaluated", **common)
+    with caplog.at_level(logging.WARNING, "kdflow.train"):
+        assert train(open_run_root(evaluated), training_settings(evaluated))["micro_batch_parts"] == 2
+    assert "the evaluation at step 0: out of the GPU's memory at 4 rows a micro-batch; the run goes on with each " \
+           "micro-batch in 2 pieces" in caplog.text
+    assert [r["kl"] for r in read_lines(student_path(evaluated, "eval.jsonl"))] == pytest.approx(evals, rel=1e-5)
+    assert [r["loss"] for r in read_lines(student_path(evaluated, "metrics.jsonl"))] == pytest.approx(
+        [r["loss"] for r in read_lines(student_path(whole, "metrics.jsonl"))], rel=1e-5)
+
     single = fresh_run(student__name="single", **common | {"student__grad_accum": 8})
     monkeypatch.setenv("KDFLOW_FAULT", "cuda_oom@stage=train,micro_batch_size=1,step=1")
     with pytest.raises(RuntimeError, match="CUDA out of memory"):  # a row a piece already: nothing smaller

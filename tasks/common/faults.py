@@ -22,10 +22,10 @@ and `at`, the site: `load` (the teacher pass, its weights just loaded), `micro_b
 train, after a piece's forward), `write` (teacher, writing a micro-batch), `commit` (materialise and tokenise: the
 data file is written, its commit record not yet; import: a staged shard written, its progress record not yet),
 `step` (train: after the step, before its checkpoint), `save` (train: the checkpoint folder filled, not yet renamed
-into place), `final` (the final model likewise). `at` defaults to `micro_batch` for cuda_error, cuda_oom and kill
-and to `write` for enospc. A key left out matches any value, so `cuda_error@shard=1` fires at the first micro-batch
-of shard 1 and `cuda_oom@micro_batch_size=28` in the pass, the tuning candidate or training, at 28 rows (add
-`stage=` to choose).
+into place), `final` (the final model likewise), `eval` (train: after an evaluation batch's forward). `at`
+defaults to `micro_batch` for cuda_error, cuda_oom and kill and to `write` for enospc. A key left out matches any
+value, so `cuda_error@shard=1` fires at the first micro-batch of shard 1 and `cuda_oom@micro_batch_size=28` in the
+pass, the tuning candidate or training, at 28 rows (add `stage=` to choose).
 
 Each fault fires once per run root: before firing it writes the marker `RUN_ROOT/_faults/NAME.fired`
 (JSON: pid, host, where), and a marker that exists switches the fault off, so the retry in a new process
@@ -54,7 +54,7 @@ _KINDS = {"cuda_error": "micro_batch", "cuda_oom": "micro_batch", "kill": "micro
           "pause": None}
 _INT_KEYS = ("shard", "micro_batch", "micro_batch_size", "step")
 _WORD_KEYS = {"stage": ("materialise", "tokenise", "precompute", "train", "import"),
-              "at": ("load", "micro_batch", "write", "commit", "step", "save", "final")}
+              "at": ("load", "micro_batch", "write", "commit", "step", "save", "final", "eval")}
 PAUSE_LIMIT_S = 600.0  # a paused process nobody kills ends itself (SIGKILL) after this long
 
 

@@ -206,13 +206,16 @@ def _chunked_argmax(hidden: torch.Tensor, head: nn.Module, chunk: int) -> torch.
 @torch.no_grad()
 def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, device: torch.device, *, rank: int = 0,
              world_size: int = 1, autocast: contextlib.AbstractContextManager | None = None,
-             teacher: HeldoutTeacher | None = None, parts: int = 1) -> dict[str, float] | None:
+             teacher: HeldoutTeacher | None = None, parts: int = 1,
+             after_batch: Callable[[int, int], None] = lambda index, rows: None) -> dict[str, float] | None:
     """Held-out evaluation through `module` (a DistillLoss, wrapped or not), means per position: `kl_stored`, the KL
     to the stored targets at T = 1 (top-K stores: the K+1-bucket KL to the stored, quantised top-K, which can only
     understate the true KL; `kl` is its old name, kept for readers of older logs), `kl_full` with a `teacher`
     (every rank passes one or none): the KL to the teacher's full distribution, perplexity, top-1 agreement.
     A masked store's positions without a teacher target count in none of them but `kl_full` (over every position).
-    `parts`: batches of 1/parts of a training micro-batch's rows (after a step ran out of memory)."""
+    `parts`: batches of 1/parts of a training micro-batch's rows (after a step ran out of memory);
+    `after_batch(index, rows)`: called after each batch's forward. Out of the GPU's memory: StepOutOfMemory (an
+    evaluation changes nothing, so it can go again)."""
     if not data.eval_rows:
         return None
     autocast = autocast if autocast is not None else contextlib.nullcontext()
@@ -225,6 +228,29 @@ def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, devic
     rounds = math.ceil(math.ceil(total_rows / world_size) / micro)
     was_training = module.training
     module.eval()
+    try:
+        sums = _evaluation_sums(module, data, student, device, mine, rounds, autocast, teacher, after_batch)
+    except RuntimeError as error:
+        if exit_code_for(error) == EXIT_CUDA_OOM:
+            raise StepOutOfMemory(str(error)) from None
+        raise
+    finally:
+        module.train(was_training)
+    if teacher is not None:
+        teacher.release_body()  # every row of this rank is held now: the body is not needed again
+    kl, ce, matches, kl_full, n_kd, n_ce = all_reduce_sum(sums, device)
+    kl, ce = kl / max(n_kd, 1.0), ce / max(n_ce, 1.0)
+    top1 = matches / max(n_kd, 1.0) if data.stores.targets != "sampled" else None  # sampled targets: no argmax
+    full = {"kl_full": kl_full / (total_rows * seq_len)} if teacher is not None else {}
+    return {"kl": kl, "kl_stored": kl, **full, "ce": ce, "perplexity": math.exp(min(ce, 700.0)),
+            "top1_agreement": top1, "sequences": total_rows}
+
+
+def _evaluation_sums(module: nn.Module, data: DistillData, student: StudentConfig, device: torch.device,
+                     mine: list[list[tuple[Any, int]]], rounds: int, autocast: contextlib.AbstractContextManager,
+                     teacher: HeldoutTeacher | None, after_batch: Callable[[int, int], None]) -> list[float]:
+    """This rank's sums over its evaluation batches: kd, ce, top-1 matches, full KL, targeted positions, targeted
+    positions with a label."""
     # Sums (global counts of 1: the parts come back as sums), divided by the counted positions at the end: a
     # masked store's positions without a target count for nothing, so the counts are known only once read.
     sums = [0.0] * 6  # kd, ce, top-1 matches, full KL, targeted positions, targeted positions with a label
@@ -243,6 +269,7 @@ def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, devic
         _, kd_part, ce_part, (predicted, kl_full) = distill_loss(
             module, batch, student.kd, (1.0, 1.0), autocast, kd_weight=1.0, temperature=1.0,
             probe=probe, only_targeted=True)  # predicted (n*T,)
+        after_batch(i, batch.input_ids.shape[0])
         if spare:
             continue
         targeted = torch.ones_like(batch.input_ids, dtype=torch.bool) if batch.target is None else batch.target
@@ -251,15 +278,7 @@ def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, devic
             matches = ((predicted == batch.topk_ids[..., 0].flatten().long()) & targeted.flatten()).sum()
         parts = (kd_part, ce_part, matches, kl_full, targeted.sum(), targeted[:, :-1].sum())
         sums = [total + float(part) for total, part in zip(sums, parts, strict=True)]
-    if teacher is not None:
-        teacher.release_body()  # every row of this rank is held now: the body is not needed again
-    module.train(was_training)
-    kl, ce, matches, kl_full, n_kd, n_ce = all_reduce_sum(sums, device)
-    kl, ce = kl / max(n_kd, 1.0), ce / max(n_ce, 1.0)
-    top1 = matches / max(n_kd, 1.0) if data.stores.targets != "sampled" else None  # sampled targets: no argmax
-    full = {"kl_full": kl_full / (total_rows * seq_len)} if teacher is not None else {}
-    return {"kl": kl, "kl_stored": kl, **full, "ce": ce, "perplexity": math.exp(min(ce, 700.0)),
-            "top1_agreement": top1, "sequences": total_rows}
+    return sums
 
 
 def check_layout(student: StudentConfig, world_size: int) -> None:

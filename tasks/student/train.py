@@ -146,7 +146,8 @@ class StudentRun:
             except StepOutOfMemory:
                 if not self._can_split():
                     raise
-            self._split_further()  # here, past the except block: the error's frames (and their tensors) are gone
+            self._split_further(f"training step {self.state.step + 1}")  # past the except block: the error's
+            # frames (and the tensors they held) are gone
         self.scheduler.step()
         seconds = time.perf_counter() - started
         state = self.state
@@ -163,16 +164,21 @@ class StudentRun:
         faults.maybe_fire("micro_batch", self.run_root, stage="train", step=self.state.step + 1, micro_batch=index,
                           micro_batch_size=rows)
 
+    def _after_eval_batch(self, index: int, rows: int) -> None:
+        faults.maybe_fire("eval", self.run_root, stage="train", step=self.state.step, micro_batch=index,
+                          micro_batch_size=rows)
+
     def _can_split(self) -> bool:
-        """After the step's forwards or backwards ran out of the GPU's memory: whether the step can go again in
-        smaller pieces, in one process (ranks would wait in each other's collectives), a piece still holding more
-        than one row."""
+        """After a step's forwards or backwards (or an evaluation) ran out of the GPU's memory: whether it can go
+        again in smaller pieces, in one process (ranks would wait in each other's collectives), a piece still
+        holding more than one row."""
         rows = self.student.batch_size // (self.world_size * self.student.grad_accum)
         return self.world_size == 1 and self.parts < rows
 
-    def _split_further(self) -> None:
-        """The step again, each micro-batch in twice as many pieces: the same step (every piece's loss is divided
-        by the step's global counts), less memory. The run keeps them; a new run starts from the config."""
+    def _split_further(self, what: str) -> None:
+        """The step (or evaluation) again, each micro-batch in twice as many pieces: the same step (every piece's
+        loss is divided by the step's global counts), less memory. The run keeps them; a new run starts from the
+        config."""
         self.optimizer.zero_grad(set_to_none=True)  # the pieces that ran before the error left gradients
         gc.collect()
         if self.device.type == "cuda":
@@ -184,15 +190,23 @@ class StudentRun:
         fits = next(g for g in range(student.grad_accum, student.batch_size + 1)  # a grad_accum the config allows
                     if student.batch_size % (self.world_size * g) == 0
                     and student.batch_size // (self.world_size * g) <= piece)
-        logger.warning("training step %d: out of the GPU's memory at %d rows a micro-batch; the run goes on with "
-                       "each micro-batch in %d pieces of at most %d rows (the same steps; student.grad_accum: %d "
-                       "starts a run there)", self.state.step + 1, ran, self.parts, piece, fits)
+        logger.warning("%s: out of the GPU's memory at %d rows a micro-batch; the run goes on with each micro-batch "
+                       "in %d pieces of at most %d rows (the same steps; student.grad_accum: %d starts a run there)",
+                       what, ran, self.parts, piece, fits)
 
     def evaluate(self) -> None:
         if self.full_kl and self.heldout_teacher is None:
             self.heldout_teacher = HeldoutTeacher.load(self.settings.teacher, self.device)
-        result = evaluate(self.module, self.data, self.student, self.device, rank=self.rank, world_size=self.world_size,
-                          autocast=self.autocast, teacher=self.heldout_teacher, parts=self.parts)
+        while True:
+            try:
+                result = evaluate(self.module, self.data, self.student, self.device, rank=self.rank,
+                                  world_size=self.world_size, autocast=self.autocast, teacher=self.heldout_teacher,
+                                  parts=self.parts, after_batch=self._after_eval_batch)
+                break
+            except StepOutOfMemory:
+                if not self._can_split():
+                    raise
+            self._split_further(f"the evaluation at step {self.state.step}")
         if result is not None:
             self.evals.append({"step": self.state.step} | result)
 
