@@ -42,6 +42,7 @@ def test_a_later_pass_starts_where_an_out_of_memory_stepped_down_on_this_device(
     store_line = next(i for i, line in enumerate(lines) if line.startswith(f"topk/{first['tag']}"))
     assert lines[store_line + 1] == "  micro-batch 2 on cpu: the config's 4 ran out of memory there; later runs " \
                                     "there start at 2"
+    assert sum(line.startswith("  micro-batch") for line in lines) == 1  # shard 2's config of 3 ran at 3
 
     # What fits on one GPU says nothing about another; the newest step-down on this one is where to start.
     gpu = "NVIDIA GeForce RTX 3090, 23.6 GiB"

@@ -52,11 +52,9 @@ def start_micro_batch(records: Iterable[CommitRecord], device: str, configured: 
 def stepped_down_lines(records: Iterable[CommitRecord]) -> list[str]:
     """For `kdflow status`: per device whose shards ran at less than the config said, where a later run starts."""
     records = list(records)
-    found = {(r.extra.device, r.extra.micro_batch_configured) for r in records
-             if getattr(r.extra, "device", None) and (getattr(r.extra, "micro_batch_configured", None) or 0)
-             > (getattr(r.extra, "micro_batch", None) or 0) > 0}
+    kinds = {(getattr(r.extra, "device", None), getattr(r.extra, "micro_batch_configured", None)) for r in records}
     lines = []
-    for device, configured in sorted(found):
+    for device, configured in sorted(kind for kind in kinds if None not in kind):
         record = stepped_down(records, device, configured)
         if record is not None:
             lines.append(f"micro-batch {record.extra.micro_batch} on {device}: the config's {configured} ran out of "
