@@ -104,7 +104,9 @@ def torchrun(config: KDFlowConfig, *worker_args: str) -> dict[str, Any]:
     from kdflow.schemas.protocol import RESULT_PREFIX
     from kdflow.tasks.student.distributed import torchrun_command
 
-    command = torchrun_command(config.student.distributed, write_config(config), *worker_args)
+    config_path = write_config(config)  # torchrun's per-rank folders beside it, not in the system's temp folder
+    command = torchrun_command(config.student.distributed, config_path, *worker_args,
+                               log_dir=str(Path(config_path).with_name("torchrun")))
     done = run(command, what="the 2-rank torchrun", timeout=TORCHRUN_TIMEOUT_S)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

@@ -265,9 +265,11 @@ def torchrun_arguments(distributed: DistributedConfig, config_path: str, *worker
             "-m", TRAIN_WORKER_MODULE, "--config", config_path, *worker_args]
 
 
-def torchrun_command(distributed: DistributedConfig, config_path: str, *worker_args: str) -> list[str]:
+def torchrun_command(distributed: DistributedConfig, config_path: str, *worker_args: str,
+                     log_dir: str | None = None) -> list[str]:
     """The command a user types on each node (`python -m torch.distributed.run` is `torchrun`)."""
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_arguments(distributed, config_path, *worker_args)]
+    return [sys.executable, "-m", "torch.distributed.run",
+            *torchrun_arguments(distributed, config_path, *worker_args, log_dir=log_dir)]
 
 
 def world_size_of(distributed: DistributedConfig) -> int:
