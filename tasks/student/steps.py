@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -152,6 +152,17 @@ class StepOutOfMemory(RuntimeError):
     this: a half-applied update cannot be taken back."""
 
 
+@contextlib.contextmanager
+def out_of_memory_as_step_error() -> Iterator[None]:
+    """Within: a CUDA out-of-memory comes out as StepOutOfMemory (one line, the CUDA error's message)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if exit_code_for(error) == EXIT_CUDA_OOM:
+            raise StepOutOfMemory(str(error)) from None  # the step's frames go once this is handled
+        raise
+
+
 def split_batch(batch: DistillBatch, parts: int) -> list[DistillBatch]:
     """`batch`'s rows in `parts` consecutive pieces, as even as can be (never an empty one)."""
     rows = batch.input_ids.shape[0]
@@ -176,7 +187,7 @@ def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: Di
     global_counts = tuple(all_reduce_sum([float(c) for c in _counts(batches)], device))
     sums = [0.0, 0.0, 0.0]
     pieces = [piece for batch in batches for piece in split_batch(batch, parts)]
-    try:
+    with out_of_memory_as_step_error():
         for i, batch in enumerate(pieces):
             with gradient_sync(module, enabled=i == len(pieces) - 1):
                 loss, kd_part, ce_part, _ = distill_loss(module, batch.to(device), student.kd, global_counts,
@@ -186,10 +197,6 @@ def optimiser_step(module: nn.Module, optimizer: torch.optim.Optimizer, data: Di
                 (loss * world_size).backward()
             for j, value in enumerate((loss.detach(), kd_part, ce_part)):
                 sums[j] += float(value)
-    except RuntimeError as error:
-        if exit_code_for(error) == EXIT_CUDA_OOM:
-            raise StepOutOfMemory(str(error)) from None  # one line; the step's frames go once this is handled
-        raise
     grad_norm = clip_grad_norm(list(module.parameters()), student.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -229,11 +236,8 @@ def evaluate(module: nn.Module, data: DistillData, student: StudentConfig, devic
     was_training = module.training
     module.eval()
     try:
-        sums = _evaluation_sums(module, data, student, device, mine, rounds, autocast, teacher, after_batch)
-    except RuntimeError as error:
-        if exit_code_for(error) == EXIT_CUDA_OOM:
-            raise StepOutOfMemory(str(error)) from None
-        raise
+        with out_of_memory_as_step_error():
+            sums = _evaluation_sums(module, data, student, device, mine, rounds, autocast, teacher, after_batch)
     finally:
         module.train(was_training)
     if teacher is not None:

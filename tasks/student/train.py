@@ -137,17 +137,9 @@ class StudentRun:
         upcoming = [self.state.position + k * student.batch_size for k in range(1, student.prefetch_steps + 1)
                     if self.state.step + k < student.steps]
         batches, data_wait = self.loader.get(self.state.position, upcoming)
-        while True:
-            try:
-                result = optimiser_step(self.module, self.optimizer, self.data, self.state.position, student,
-                                        self.rank, self.world_size, self.device, self.autocast, batches=batches,
-                                        parts=self.parts, before_backward=self._before_backward)
-                break
-            except StepOutOfMemory:
-                if not self._can_split():
-                    raise
-            self._split_further(f"training step {self.state.step + 1}")  # past the except block: the error's
-            # frames (and the tensors they held) are gone
+        result = self._in_pieces(f"training step {self.state.step + 1}", lambda: optimiser_step(
+            self.module, self.optimizer, self.data, self.state.position, student, self.rank, self.world_size,
+            self.device, self.autocast, batches=batches, parts=self.parts, before_backward=self._before_backward))
         self.scheduler.step()
         seconds = time.perf_counter() - started
         state = self.state
@@ -168,17 +160,22 @@ class StudentRun:
         faults.maybe_fire("eval", self.run_root, stage="train", step=self.state.step, micro_batch=index,
                           micro_batch_size=rows)
 
-    def _can_split(self) -> bool:
-        """After a step's forwards or backwards (or an evaluation) ran out of the GPU's memory: whether it can go
-        again in smaller pieces, in one process (ranks would wait in each other's collectives), a piece still
-        holding more than one row."""
-        rows = self.student.batch_size // (self.world_size * self.student.grad_accum)
-        return self.world_size == 1 and self.parts < rows
+    def _in_pieces(self, what: str, run: Callable[[], Any]) -> Any:
+        """`run()` (a step or an evaluation, reading `self.parts`); when its forwards or backwards run out of the
+        GPU's memory, again with each micro-batch in twice as many pieces, as long as that can be: in one process
+        (ranks would wait in each other's collectives), a piece still holding more than one row."""
+        while True:
+            try:
+                return run()
+            except StepOutOfMemory:
+                rows = self.student.batch_size // (self.world_size * self.student.grad_accum)
+                if self.world_size > 1 or self.parts >= rows:
+                    raise
+            self._split_further(what)  # past the except block: the error's frames (and their tensors) are gone
 
     def _split_further(self, what: str) -> None:
-        """The step (or evaluation) again, each micro-batch in twice as many pieces: the same step (every piece's
-        loss is divided by the step's global counts), less memory. The run keeps them; a new run starts from the
-        config."""
+        """Each micro-batch in twice as many pieces from now on: the same step (every piece's loss is divided by
+        the step's global counts), less memory. The run keeps them; a new run starts from the config."""
         self.optimizer.zero_grad(set_to_none=True)  # the pieces that ran before the error left gradients
         gc.collect()
         if self.device.type == "cuda":
@@ -197,16 +194,9 @@ class StudentRun:
     def evaluate(self) -> None:
         if self.full_kl and self.heldout_teacher is None:
             self.heldout_teacher = HeldoutTeacher.load(self.settings.teacher, self.device)
-        while True:
-            try:
-                result = evaluate(self.module, self.data, self.student, self.device, rank=self.rank,
-                                  world_size=self.world_size, autocast=self.autocast, teacher=self.heldout_teacher,
-                                  parts=self.parts, after_batch=self._after_eval_batch)
-                break
-            except StepOutOfMemory:
-                if not self._can_split():
-                    raise
-            self._split_further(f"the evaluation at step {self.state.step}")
+        result = self._in_pieces(f"the evaluation at step {self.state.step}", lambda: evaluate(
+            self.module, self.data, self.student, self.device, rank=self.rank, world_size=self.world_size,
+            autocast=self.autocast, teacher=self.heldout_teacher, parts=self.parts, after_batch=self._after_eval_batch))
         if result is not None:
             self.evals.append({"step": self.state.step} | result)
 
