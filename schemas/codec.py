@@ -16,7 +16,8 @@ sorted by descending decoded log-prob (ties in renumbered-id order), then paddin
 
 Per position, encode
 1. adaptive K (`keep_mass=s`): keeps the fewest leading entries whose mass reaches s x the top-K mass; the
-   tail becomes log(exp(tail) + mass of the dropped entries), summed in float64, so it stays exact;
+   tail becomes log(exp(tail) + mass of the dropped entries), summed in float64, so it stays exact; `s = 1`
+   keeps every entry but padding (id -1, log-prob -inf at the end: an imported position with fewer than K);
 2. renumbers ids (`Renumbering`, e.g. by frequency: rank 0 = most frequent) and sorts the kept entries by
    rank; gap_j = rank_j - rank_(j-1) - 1 >= 0 (rank_(-1) = -1), so ids are distinct by construction;
 3. codes each value in that rank order: "sqrt" -> level q = round(L sqrt(p)) in [0, L], decoded as
@@ -107,9 +108,9 @@ class TopkCodec(CodecIdentity):
             raise ValueError(f"renumbering covers {len(self.renumbering.id_of_rank)} ids, not {self.vocab_size}")
         if self.normalisation not in NORMALISATIONS:
             raise ValueError(f"normalisation must be one of {list(NORMALISATIONS)}, got {self.normalisation!r}")
-        if self.normalisation == "top_k" and self.keep_mass is not None:
+        if self.normalisation == "top_k" and self.keep_mass not in (None, 1.0):
             raise ValueError("keep_mass (adaptive K) folds dropped mass into the tail, which a top_k store does not "
-                             "know: use keep_mass null")
+                             "know: use keep_mass null (or 1: every entry kept)")
 
     @property
     def v3(self) -> bool:

@@ -120,8 +120,11 @@ def check_inputs(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: n
         if target.shape != shape[:2]:
             raise ValueError(f"want target {shape[:2]}, got {target.shape}")
         ids, logprobs, tail = ids[target], logprobs[target], tail[target]
-    if ids.size and (ids.min() < 0 or ids.max() >= codec.vocab_size):
-        raise ValueError(f"token ids must be in [0, {codec.vocab_size}), got [{ids.min()}, {ids.max()}]")
+    padding = (ids < 0) & (logprobs == -np.inf) if codec.keep_mass is not None else False  # never kept: not stored
+    if ids.size and (ids.max() >= codec.vocab_size or (ids[~padding] < 0).any()):
+        raise ValueError(f"token ids must be in [0, {codec.vocab_size}), got [{ids.min()}, {ids.max()}]"
+                         + ("" if codec.keep_mass is not None else "; a position with fewer than top_k entries (id -1, "
+                            "log-prob -inf after them) needs adaptive K (keep_mass)"))
     if np.isnan(logprobs).any() or (logprobs > LOGPROB_SLACK).any():
         raise ValueError("topk_logprobs must be log-probabilities: <= 0 and not NaN")
     if codec.normalisation == "full" and (np.isnan(tail).any() or (tail > LOGPROB_SLACK).any()):
@@ -132,7 +135,11 @@ def check_inputs(codec: RowCodec, ids: np.ndarray, logprobs: np.ndarray, tail: n
 
 def _adaptive(logprobs: np.ndarray, tail: np.ndarray, keep_mass: float) -> tuple[np.ndarray, np.ndarray]:
     """-> kept (T,): fewest leading entries whose mass reaches keep_mass x the top-K mass, >= 1;
-    tail (T,) float64: log(exp(tail) + mass of the dropped entries), summed in float64."""
+    tail (T,) float64: log(exp(tail) + mass of the dropped entries), summed in float64. keep_mass 1 keeps every
+    entry but padding (log-prob -inf at the end: a source that held fewer than K), whatever its mass: nothing is
+    dropped then, not even entries too small to change a float64 sum."""
+    if keep_mass >= 1.0:
+        return np.maximum(np.count_nonzero(logprobs > -np.inf, axis=-1), 1), tail
     cumulative = np.cumsum(np.exp(logprobs).astype(np.float64), axis=-1)  # (T, K); exp in float32 is fast
     total = cumulative[:, -1]
     kept = np.minimum(1 + np.count_nonzero(cumulative < keep_mass * total[:, None], axis=-1), logprobs.shape[-1])

@@ -257,3 +257,44 @@ def test_rows_of_varying_length_are_imported_as_their_concatenation_cut_every_se
     flat_ids = [p for row in table.column("topk_ids").to_pylist() for p in row]
     np.testing.assert_array_equal(tokens, np.asarray(flat_tokens[:rows * 32]).reshape(rows, 32))
     np.testing.assert_array_equal(ids, np.asarray(flat_ids[:rows * 32]).reshape(rows, 32, 8))
+
+
+@pytest.mark.parametrize("values", ["float32", "sqrt"])
+def test_positions_holding_fewer_than_top_k_entries_are_stored_with_their_own_count(make_config, tmp_path: Path,
+                                                                                    values: str) -> None:
+    """A capture padded at the end of some positions (id -1, log-prob -inf: its source returned fewer than K) goes
+    into a v2 store whose config asks for all K: each position keeps its own count, nothing else changes."""
+    from kdflow.schemas.shards import TopkShard
+
+    table = _table(40, 20, seed=3)  # 25 packed rows of 32, k = 8
+    ids = np.asarray(table.column("topk_ids").to_pylist())  # (40, 20, 8)
+    logprobs = np.asarray(table.column("topk_logprobs").to_pylist())
+    short = np.random.default_rng(7).integers(1, 9, ids.shape[:2])  # entries per position, 8 = all of them
+    ids[np.arange(8) >= short[..., None]], logprobs[np.arange(8) >= short[..., None]] = -1, -np.inf
+    source = tmp_path / "short.parquet"
+    pq.write_table(table.set_column(1, "topk_ids", pa.array(ids.tolist())).set_column(
+        2, "topk_logprobs", pa.array(logprobs.tolist())), source)
+    config = make_config(precompute__store__values=values).model_copy(update={"run_root": str(tmp_path / "run")})
+    summary = _import(config, source)
+    assert summary["complete"] and summary["written"] == 4
+    root = RunRoot(config.run_root)
+    shards = [TopkShard(root, str(p)) for p in sorted((tmp_path / "run" / "topk" / summary["tag"]).glob(
+        "shard-*.arrow"))]
+    decoded = [shard.read() for shard in shards]
+    assert all(shard.codec.keep_mass == 1.0 for shard in shards)  # the count of each position is stored
+    kept = np.concatenate([shard.kept for shard in decoded]).ravel()
+    np.testing.assert_array_equal(kept, short.ravel())
+    got_ids = np.concatenate([shard.ids for shard in decoded]).reshape(-1, 8)
+    got_logprobs = np.concatenate([shard.logprobs for shard in decoded]).reshape(-1, 8)
+    assert ((got_ids == -1) == (np.arange(8) >= short.reshape(-1, 1))).all()
+    assert np.isneginf(got_logprobs[got_ids < 0]).all()
+    order = np.argsort(-logprobs.reshape(-1, 8), axis=1, kind="stable")  # decoded: by descending value, as stored
+    want_ids = np.take_along_axis(ids.reshape(-1, 8), order, 1)
+    if values == "float32":
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_array_equal(got_logprobs, logprobs.reshape(-1, 8).astype(np.float32))
+    else:  # quantised: the same sets of ids, values within the codec's step
+        assert [set(row) for row in got_ids] == [set(row) for row in want_ids]
+    tail = np.concatenate([shard.tail for shard in decoded]).ravel()
+    want_tail = np.log1p(-np.exp(logprobs.reshape(-1, 8)).sum(1))
+    np.testing.assert_allclose(tail, want_tail, atol=2e-3, rtol=2e-3)  # float16 storage

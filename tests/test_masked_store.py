@@ -73,6 +73,23 @@ def test_top_k_normalisation_stores_no_tail_and_decodes_it_as_nan() -> None:
         encode(TopkCodec(7, 4, 90), ids, logprobs, np.zeros((3, 7)), np.zeros((3, 7), bool))
 
 
+@pytest.mark.parametrize("normalisation", ["full", "top_k"])
+def test_keep_mass_1_keeps_every_entry_but_the_padding_of_a_position_that_held_fewer(normalisation: str) -> None:
+    ids, logprobs, tail = teacher_rows(3, 7, 5, 90, seed=2)
+    kept = np.random.default_rng(3).integers(1, 6, (3, 7))
+    pad = np.arange(5) >= kept[..., None]
+    logprobs[..., 1:] = -800.0 - np.arange(4)  # no float64 mass: kept all the same
+    ids, logprobs = np.where(pad, -1, ids), np.where(pad, -np.inf, logprobs).astype(np.float32)
+    codec = TopkCodec(7, 5, 90, values="float32", keep_mass=1.0, normalisation=normalisation)
+    decoded = decode(encode(codec, ids, logprobs, None if normalisation == "top_k" else tail))
+    assert np.array_equal(decoded.kept, kept) and np.array_equal(decoded.ids, ids)
+    assert np.array_equal(decoded.logprobs, logprobs)
+    if normalisation == "full":  # nothing was dropped, so nothing joined the tail
+        assert np.array_equal(decoded.tail, tail.astype(np.float16).astype(np.float32))
+    with pytest.raises(ValueError, match="fewer than top_k entries"):  # without per-position counts: refused
+        encode(TopkCodec(7, 5, 90, values="float32"), ids, logprobs, tail)
+
+
 def test_unmasked_full_settings_are_exactly_v2_and_v3_names_what_it_holds() -> None:
     assert TopkCodec(16, 8, 1000).settings() == {
         "codec": CODEC_NAME, "seq_len": 16, "top_k": 8, "vocab_size": 1000, "values": "sqrt", "levels": 400,

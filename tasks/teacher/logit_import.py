@@ -83,7 +83,7 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     store = stage_dir(run_root, "topk", tag)
     remove_stale_temp_files(run_root, store)
     # the store format's new keywords only where this source needs them (a masked or top_k store)
-    extra = {**({"masked": True} if checked.masked else {}),
+    extra = {**({"masked": True} if checked.masked else {}), **({"short": True} if checked.short else {}),
              **({"normalisation": checked.normalisation} if checked.normalisation != FULL else {})}
     codec = store_codec(settings, run_root, store, tokens_done, vocab_size, **extra)
     imported = {"source": source, "layout": layout.name, "teacher": teacher_name, "rows": checked.rows,

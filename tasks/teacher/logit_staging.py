@@ -35,7 +35,7 @@ from kdflow.tasks.teacher.distillkit import distillkit_rows
 from kdflow.tasks.teacher.distillkit_settings import settings_for_source
 from kdflow.tasks.teacher.source_rows import FULL, SourceRows
 
-STAGING_VERSION = 1  # of the staged files' layout: part of KEY, so an older kdflow's staging is never reused
+STAGING_VERSION = 2  # of the staged files' layout: part of KEY, so an older kdflow's staging is never reused
 CHECKED_FILE = "_checked.json"  # written once every row passed: the totals the stores are written from
 
 
@@ -59,6 +59,7 @@ class StagedShard:
     masked: bool  # some position has no teacher target
     normalisation: str
     has_tail: bool
+    short: bool  # some position with a target holds fewer than top_k entries (id -1, log-prob -inf after them)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class Checked:
     @property
     def has_tail(self) -> bool:
         return self.shards[0].has_tail
+
+    @property
+    def short(self) -> bool:
+        return any(shard.short for shard in self.shards)
 
 
 RowReader = Callable[[pa.RecordBatch, int, int, int], SourceRows]  # (batch, first_row, top_k, vocab_size)
@@ -142,7 +147,7 @@ def _stage(run_root: RunRoot, staging: str, shard_id: int, packed: PackedRows, p
     faults.maybe_fire("commit", run_root, stage="import", shard=shard_id)
     row, offset = packer.position()
     shard = StagedShard(shard_id, packed.rows, row, offset, arrays_digest(packed), bool(not packed.target.all()),
-                        normalisation, packed.tail is not None)
+                        normalisation, packed.tail is not None, bool((packed.ids[packed.target] < 0).any()))
     run_root.write_bytes_atomic(f"{staging}/{_name(shard_id, '.json')}", json.dumps(asdict(shard)).encode())
     return shard
 

@@ -50,17 +50,22 @@ def renumbering_table(run_root: RunRoot, store: str, tokens_done: StageComplete,
 
 
 def store_codec(settings: TeacherPassSettings, run_root: RunRoot, store: str, tokens_done: StageComplete,
-                vocab_size: int, masked: bool = False, normalisation: str = "full") -> TopkCodec | None:
+                vocab_size: int, masked: bool = False, normalisation: str = "full", short: bool = False
+                ) -> TopkCodec | None:
     """The v2 codec for this config's store and teacher vocabulary; None when the config asks for v1. `masked`
     (a per-position target mask) and `normalisation` ("top_k": log-probs renormalised over the K, no tail) are
-    properties of an imported source: they make the v3 codec, which v1 stores cannot hold."""
+    properties of an imported source: they make the v3 codec, which v1 stores cannot hold. `short`: some
+    position of an imported source holds fewer than K entries, so the store keeps each position's count (adaptive
+    K at keep_mass 1, which keeps every entry) unless the config asks for adaptive K already."""
     stored = settings.precompute.store
+    if short and stored.format == "v2" and stored.keep_mass is None:
+        stored = stored.model_copy(update={"keep_mass": 1.0})
     if stored.format == "v1":
         if masked or normalisation != "full":
             what = "a target mask" if masked else "log-probs renormalised over the top-K (no tail)"
             raise ConfigError(f"the source holds {what}, which a v1 store cannot: set precompute.store.format: v2")
         return None
-    if normalisation != "full" and stored.keep_mass is not None:
+    if normalisation != "full" and stored.keep_mass not in (None, 1.0):
         raise ConfigError("the source's log-probs are renormalised over the top-K, so adaptive K has no tail to fold "
                           "dropped mass into: set precompute.store.keep_mass: null")
     table = renumbering_table(run_root, store, tokens_done, vocab_size) if stored.renumbering == "unigram" else None
