@@ -6,8 +6,9 @@ With this record, the next run names the change instead (`kdflow.tasks.corpus.da
 recorded by size, modification time and sha256; a file on an object store by size and the version its store
 reports (ETag, else modification time). A hub dataset has no record (`dataset.revision` pins one).
 
-The record is written only while the store has no part of its fingerprint; stores made before it existed have
-none, and are not checked.
+The record is written only while the store has no part of its fingerprint, and binds from the first part on (a run
+that failed before any part leaves one that the next run replaces); stores made before it existed have none, and
+are not checked.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kdflow.schemas.commits import list_commits
 from kdflow.schemas.layout import SOURCES_FILE
 from kdflow.schemas.storage import RunRoot
 
@@ -45,9 +47,11 @@ def write_dataset_record(run_root: RunRoot, store: str, sources: DatasetRecord) 
     run_root.write_bytes_atomic(f"{store}/{SOURCES_FILE}", json.dumps(sources.model_dump(), indent=1).encode())
 
 
-def read_dataset_record(run_root: RunRoot, store: str, fingerprint: str) -> DatasetRecord | None:
-    """The store's record for `fingerprint`; None when there is none (a hub dataset, a store made before the
-    record existed, or one of another fingerprint) or it cannot be read."""
+def read_dataset_record(run_root: RunRoot, store: str, fingerprint: str | None = None) -> DatasetRecord | None:
+    """The store's record for `fingerprint` (None: whichever it names), once it binds: a part of that fingerprint
+    was committed from the files it saw. None when there is none (a hub dataset, a store made before the record
+    existed, or one of another fingerprint), it cannot be read, or no part was made yet (a first run that failed
+    on a bad line left it: the fixed file is read afresh)."""
     path = f"{store}/{SOURCES_FILE}"
     if not run_root.exists(path):
         return None
@@ -55,4 +59,6 @@ def read_dataset_record(run_root: RunRoot, store: str, fingerprint: str) -> Data
         sources = DatasetRecord.model_validate_json(run_root.read_bytes(path))
     except (ValidationError, ValueError):
         return None
-    return sources if sources.fingerprint == fingerprint else None
+    if fingerprint is not None and sources.fingerprint != fingerprint:
+        return None
+    return sources if 0 in list_commits(run_root, store, "corpus", sources.fingerprint) else None

@@ -69,15 +69,12 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
 def _sources_line(run_root: RunRoot) -> str | None:
     """The dataset's files against what materialise read (`corpus/_sources.json`), from the record alone: a file
     since edited or removed is named, as the next run would name it; None where there is no record."""
-    from pydantic import ValidationError
-
-    from kdflow.schemas.dataset_record import DatasetRecord
+    from kdflow.schemas.dataset_record import read_dataset_record
     from kdflow.tasks.corpus.dataset_changes import SHOWN, recorded_changes
 
-    path = f"{run_root.path(CORPUS_DIR)}/{SOURCES_FILE}"
     try:
-        recorded = DatasetRecord.model_validate_json(run_root.read_bytes(path)) if run_root.exists(path) else None
-    except (ValidationError, ValueError, OSError):
+        recorded = read_dataset_record(run_root, run_root.path(CORPUS_DIR))
+    except OSError:
         return None
     if recorded is None:
         return None

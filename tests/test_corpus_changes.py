@@ -16,7 +16,7 @@ from kdflow.schemas.dataset_record import DatasetRecord
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
-from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.materialise import DataError, materialise
 from kdflow.tasks.preflight import run_preflight
 
 
@@ -117,3 +117,19 @@ def test_a_saved_dataset_is_recorded_file_by_file(make_config: Callable[..., Any
     for name in os.listdir(tmp_path / "tmp"):
         os.replace(tmp_path / "tmp" / name, folder / name)
     assert "data-00000-of-00001.arrow: " in _refused(config)
+
+
+def test_a_first_run_that_failed_before_any_part_reads_the_fixed_file(
+        make_config: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "docs.jsonl"
+    source.write_text('{"text": "a good line"}\n{"text": "broken\n{"text": "another good line"}\n')
+    config = make_config(dataset__path=str(source))
+    with pytest.raises(DataError, match="line 2 is not valid JSON"):
+        materialise(open_run_root(config), materialise_settings(config))
+    assert (Path(config.run_root) / CORPUS_DIR / SOURCES_FILE).exists()  # taken before reading, no part made
+    write_jsonl(source, DOCS)  # the user fixes the file: nothing was made from the old bytes, nothing to refuse
+    assert run_preflight(config, "materialise") == []
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)
+    assert _status_line(config, capsys).endswith(" 1 file as materialise read them")
+    write_jsonl(source, DOCS[:3])  # from the first part on, the record binds
+    assert "docs.jsonl: " in _refused(config)
