@@ -264,6 +264,16 @@ def committed_prefix(records: dict[int, CommitRecord]) -> int:
     return count
 
 
+def remove_shards_from(run_root: RunRoot, store: str, stage: Stage, first: int) -> None:
+    """Remove shards `first`, `first + 1`, ... of any fingerprint (record, then data file): what a store of more
+    shards (another seq_len or shard size) left beyond the end of one rewritten over it."""
+    names = run_root.list_sizes(store)
+    for shard_id in sorted({i for name in names if (i := commit_shard_id(name)) is not None and i >= first} | {
+            i for i in range(first, first + len(names)) if data_file_name(stage, i) in names}):
+        run_root.remove(f"{store}/{commit_file_name(stage, shard_id)}")
+        run_root.remove(f"{store}/{data_file_name(stage, shard_id)}")
+
+
 def write_complete(run_root: RunRoot, store: str, complete: StageComplete) -> None:
     run_root.write_bytes_atomic(f"{store}/{COMPLETE_FILE}", complete.model_dump_json(indent=1).encode())
 

@@ -124,9 +124,11 @@ def held_out_problem(eval_shards: int, shards: int, sequences: int) -> str | Non
     refuses such a store; a pipeline says so right after tokenise, before the teacher pass."""
     if not sequences:
         return ("the token store holds no sequence: the corpus gave fewer tokens than one sequence of seq_len (the "
-                "remainder after the last whole sequence is left out); add documents or lower seq_len")
+                "remainder after the last whole sequence is left out); lower seq_len, or add documents and run in a "
+                "new run_root (this one's stores were made from the corpus as it is)")
     if eval_shards < shards:
         return None
+    shard_s, sequence_s = "" if shards == 1 else "s", "" if sequences == 1 else "s"
     return (f"student.eval_shards={eval_shards} leaves no training shard: the token store has {shards} "
-            f"shard{'' if shards == 1 else 's'} ({sequences:,} sequences); lower student.eval_shards (0: no held-out "
+            f"shard{shard_s} ({sequences:,} sequence{sequence_s}); lower student.eval_shards (0: no held-out "
             "evaluation) or precompute.sequences_per_shard (more, smaller shards; tokenise again)")

@@ -220,3 +220,32 @@ def test_truncation_set_on_the_rust_tokenizer_does_not_cut_documents(make_config
     assert tokenizer.backend_tokenizer.truncation is not None  # the caller's tokenizer is left as it was
     expected, _ = reference_rows(tokenizer, sample_documents(60), SEQ_LEN)
     np.testing.assert_array_equal(all_rows(config), expected)
+
+
+def test_a_store_rewritten_with_fewer_shards_leaves_none_of_the_old_ones(
+        tokenised: Callable[..., tuple[Any, Any, Any]], make_config: Callable[..., Any]) -> None:
+    """Smaller parts and shards first, then larger ones over them: the parts and shards beyond the new stores' end
+    go (validate passes the finished run), and a rerun of the first settings rebuilds them byte for byte."""
+    from kdflow.commands.validate import validate_run_root
+
+    small, tokenizer, first = tokenised(dataset__documents_per_part=2, precompute__sequences_per_shard=2)
+    run_root, store = token_store(small)
+    corpus = run_root.path(CORPUS_DIR)
+    small_parts = sorted(n for n in run_root.listdir(corpus) if n.endswith(".parquet"))
+    hashes = shard_hashes(small)
+    large = make_config(dataset__documents_per_part=5, precompute__sequences_per_shard=4)
+    materialise(open_run_root(large), materialise_settings(large))
+    again = tokenise(open_run_root(large), tokenise_settings(large), tokenizer)
+    assert first.shards > again.shards > 0
+    assert sorted(n for n in run_root.listdir(store) if n.endswith(".arrow")) == [
+        data_file_name("tokens", i) for i in range(again.shards)]
+    assert sorted(n for n in run_root.listdir(store) if n.endswith(".commit.json")) == [
+        commit_file_name("tokens", i) for i in range(again.shards)]
+    parts = read_complete(run_root, corpus).shards
+    assert len(small_parts) > parts and sorted(n for n in run_root.listdir(corpus) if n.endswith(".parquet")) == [
+        data_file_name("corpus", i) for i in range(parts)]
+    assert validate_run_root(large.run_root) == 0
+
+    materialise(open_run_root(small), materialise_settings(small))
+    assert tokenise(open_run_root(small), tokenise_settings(small), tokenizer).shards == first.shards
+    assert shard_hashes(small) == hashes and validate_run_root(small.run_root) == 0

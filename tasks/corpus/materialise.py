@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdflow.schemas.commits import (CommitRecord, CorpusCompleteInfo, CorpusPartInfo, StageComplete, commit_or_remove,
-                                    committed_prefix, list_commits, read_complete, stage_dir, write_complete)
+                                    committed_prefix, list_commits, read_complete, remove_shards_from, stage_dir,
+                                    write_complete)
 from kdflow.schemas.config import DatasetConfig
 from kdflow.schemas.dataset_record import read_dataset_record, write_dataset_record
 from kdflow.schemas.errors import ConfigError, KDFlowError
@@ -245,6 +246,7 @@ def materialise(
     elif not prefix and (sources := snapshot(dataset, fingerprint)) is not None:
         write_dataset_record(run_root, store, sources)
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
+        remove_shards_from(run_root, store, "corpus", prefix)  # as a finished run of an older kdflow left them
         return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], 0, fingerprint)
 
     source_index = committed[prefix - 1].extra.source_end if prefix else 0
@@ -328,6 +330,7 @@ def materialise(
     if not totals["documents"]:
         raise DataError(f"{_describe(dataset, _local_files(dataset))} holds no documents: "
                         f"{count_of(totals['skipped'], 'record')}, all with an empty {dataset.text_field!r}")
+    remove_shards_from(run_root, store, "corpus", prefix)  # an earlier store's parts beyond this one's end
     write_complete(run_root, store, StageComplete(
         stage="corpus", shards=prefix, rows=totals["documents"], tokens=totals["tokens"], fingerprint=fingerprint,
         extra=CorpusCompleteInfo(skipped_empty=totals["skipped"], source_exhausted=exhausted),

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteInfo, TokenShardInfo, commit_or_remove,
-                                    committed_prefix, list_commits, read_complete, stage_dir, write_complete)
+                                    committed_prefix, list_commits, read_complete, remove_shards_from, stage_dir,
+                                    write_complete)
 from kdflow.schemas.disk_space import DiskFull
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint, tokens_fingerprint_of
@@ -256,6 +257,7 @@ def tokenise(
         prefix = committed_prefix(committed)
         sequences = sum(committed[i].rows for i in range(prefix))
         if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
+            remove_shards_from(run_root, store, "tokens", prefix)  # as a finished run of an older kdflow left them
             return TokeniseSummary(prefix, sequences, sequences * seq_len, done.extra.dropped_tokens or 0, 0,
                                    fingerprint, tok_fp)
 
@@ -295,6 +297,7 @@ def tokenise(
         if packer.rows_ready():
             write_shard(packer.rows_ready())
         dropped = int(packer.buffer.size)
+        remove_shards_from(run_root, store, "tokens", prefix)  # an earlier store's shards beyond this one's end
         write_complete(run_root, store, StageComplete(
             stage="tokens", shards=prefix, rows=sequences, tokens=sequences * seq_len, fingerprint=fingerprint,
             extra=TokensCompleteInfo(dropped_tokens=dropped, seq_len=seq_len, tokenizer_fingerprint=tok_fp,
