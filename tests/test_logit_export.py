@@ -302,3 +302,26 @@ def test_the_export_record_names_the_teacher_without_its_local_path(fresh_run, t
     summary = export_store(str(original.run_root), str(tmp_path / "out"), DENSE_TAG, "kdflow")
     assert summary["teacher"] == {"model": Path(original.teacher.model).name}
     assert str(tmp_path) not in (tmp_path / "out" / "kdflow_export.json").read_text()
+
+
+def test_an_export_goes_into_an_empty_folder_or_over_its_own_earlier_one(fresh_run, tmp_path: Path) -> None:
+    from kdflow.schemas.errors import ConfigError
+
+    original = fresh_run(student__topk_tag=DENSE_TAG, **V1)
+    out = tmp_path / "out"
+    first = export_store(str(original.run_root), str(out), DENSE_TAG, "kdflow")
+    (out / "data" / first["files"][0].split("/")[-1]).unlink()  # as a killed export left it
+    from kdflow.tasks.teacher.logit_reader import source_files
+
+    with pytest.raises(ConfigError, match=f"holds {len(first['files']) - 1} of the {len(first['files'])} files named "
+                                          "train-NNNNN-of-"):  # not imported as the part it holds
+        source_files(str(out / "data"))
+    assert export_store(str(original.run_root), str(out), DENSE_TAG, "kdflow")["files"] == first["files"]
+    assert len(source_files(str(out / "data")).files) == len(first["files"])
+    with pytest.raises(ConfigError, match="holds an export of store .* in layout kdflow, which is not this export's"):
+        export_store(str(original.run_root), str(out), DENSE_TAG, "axolotl")  # other rows under the same names
+    (out / "data" / "train-00000-of-00099.parquet").write_bytes(b"")  # another store's shard
+    with pytest.raises(ConfigError, match=r"holds data/train-00000-of-00099.parquet, which is not this export's"):
+        export_store(str(original.run_root), str(out), DENSE_TAG, "kdflow")
+    assert sorted(p.name for p in (out / "data").iterdir()) == sorted(
+        [f.split("/")[-1] for f in first["files"]] + ["train-00000-of-00099.parquet"])  # nothing written

@@ -207,6 +207,8 @@ def test_a_top_k_store_trains_with_the_renormalised_loss_and_warns_once(
     run_root, store = store_of(config, summary["tag"])
     rewrite_masked(run_root, store, summary["tag"], normalisation="top_k")
     info = read_store_info(run_root, store)
+    write_store_info(run_root, store, info.model_copy(update={"imported": {"tail": "computed"}}))  # as an import
+    info = read_store_info(run_root, store)
     assert info.normalisation == "top_k" and format_mismatch(info, config.precompute, "s") is None
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     with caplog.at_level("WARNING", logger="kdflow.train"):
@@ -214,6 +216,7 @@ def test_a_top_k_store_trains_with_the_renormalised_loss_and_warns_once(
         open_distill_data(open_run_root(config), training_settings(config), tokenizer)
     warned = [r for r in caplog.records if "renormalised over K: training with the renormalised-K loss" in r.message]
     assert len(warned) == 1 and data.stores.normalisation == "top_k"
+    assert not [r for r in caplog.records if "tail is 1 - sum(p)" in r.message]  # it stores no tail at all
     batch = data.train_batch(np.array([1, 2]))
     assert torch.isnan(batch.tail_logprob).all()  # unknown, never a zero tail
     mass = batch.topk_logprobs.double().exp().sum(-1)

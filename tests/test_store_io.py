@@ -236,10 +236,11 @@ def test_the_commands_export_and_import(fresh_run, tmp_path: Path) -> None:
                  "--teacher", "t")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kdflow: error: row 1 field target_logprobs: log-probs not sorted by descending value at position 6"]
-    done = kdflow("import", str(out / "data"), "--config", str(config), "--layout", "axolotl", "--teacher", "t")
+    done = kdflow("import", str(out / "data"), "--config", str(config), "--layout", "axolotl", "--teacher", "t",
+                  "--set", "student.log_every=1")
     assert done.returncode == 0, done.stderr
     tag = json.loads(done.stdout.splitlines()[0])["tag"]
-    assert f"student.topk_tag={tag}" in done.stdout
+    assert f"--stages train --set student.log_every=1 --set student.topk_tag={tag}`" in done.stdout  # its --set too
     assert (tmp_path / "imported" / "topk" / tag / "_complete.json").exists()
 
 

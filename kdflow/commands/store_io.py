@@ -62,8 +62,9 @@ def import_main(argv: list[str] | None = None) -> int:
     summary = import_store(open_run_root(config), teacher_pass_settings(config), args.source, layout, args.teacher,
                            distillkit_settings=args.distillkit_settings)
     print(json.dumps(summary))
-    print(f"imported as top-K store {summary['tag']}: train on it with "
-          f"`kdflow run {shlex.quote(args.config)} --stages train --set student.topk_tag={summary['tag']}`")
+    same = "".join(f" --set {shlex.quote(f'{key}={value}')}" for key, value in args.set or [])  # this import's
+    print(f"imported as top-K store {summary['tag']}: train on it with `kdflow run {shlex.quote(args.config)} "
+          f"--stages train{same} --set student.topk_tag={summary['tag']}`")
     return 0
 
 

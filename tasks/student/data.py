@@ -152,7 +152,7 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
     mismatch = format_mismatch(info, settings.precompute, run_root.display(topk_store)) if info is not None else None
     if mismatch is not None:  # student.topk_tag named a store of other format settings
         raise StoreError(mismatch)
-    if info is not None and info.tail_computed and topk_store not in _TAIL_WARNED:
+    if info is not None and info.tail_computed and info.normalisation != "top_k" and topk_store not in _TAIL_WARNED:
         _TAIL_WARNED.add(topk_store)
         logger.warning("top-K store %s was imported without tail mass: its tail is 1 - sum(p) of the kept ids, "
                        "so the loss's tail bucket is only as exact as the source's log-probs",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
 from kdflow.tasks.common.model_files import shown_name
 from kdflow.tasks.teacher.distillkit import distillkit_table
-from kdflow.tasks.teacher.distillkit_settings import (lossless_settings, read_distillkit_settings,
+from kdflow.tasks.teacher.distillkit_settings import (SETTINGS_FILE, lossless_settings, read_distillkit_settings,
                                                       write_distillkit_settings)
 
 EXPORT_INFO = "kdflow_export.json"
@@ -187,6 +188,7 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLa
                               "lossless settings need; give --distillkit-settings FILE")
         packed = (read_distillkit_settings(distillkit_settings) if distillkit_settings
                   else lossless_settings(vocab, first.read([0]).ids.shape[-1]))
+    _check_out_dir(out_dir, tag, layout.name, done.shards)
     os.makedirs(os.path.join(out_dir, "data"), exist_ok=True)
     files = []
     for shard_id, record, token in pairs:
@@ -214,3 +216,23 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLa
     with open(os.path.join(out_dir, EXPORT_INFO), "w") as handle:
         json.dump(summary, handle, indent=1)
     return summary
+
+
+def _check_out_dir(out_dir: str, tag: str, layout: str, shards: int) -> None:
+    """An export goes into an empty folder, or over an earlier (or killed) export of the same store and layout:
+    never beside other files, which a reader of the folder would take for rows of this store."""
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    own = re.compile(rf"^(train-\d{{5}}-of-{shards:05d}\.parquet|\.train-\d{{5}}-of-{shards:05d}\.parquet\.tmp-\d+)$")
+    data = os.path.join(out_dir, "data")
+    strays = sorted(set(os.listdir(out_dir)) - {"data", EXPORT_INFO, SETTINGS_FILE})
+    strays += [] if not os.path.isdir(data) else [f"data/{n}" for n in sorted(os.listdir(data)) if not own.match(n)]
+    earlier = os.path.join(out_dir, EXPORT_INFO)
+    if not strays and os.path.exists(earlier):
+        with open(earlier) as handle:
+            record = json.load(handle)
+        if (record.get("tag"), record.get("layout")) != (tag, layout):
+            strays = [f"an export of store {record.get('tag')} in layout {record.get('layout')}"]
+    if strays:
+        raise ConfigError(f"export folder {out_dir} holds {strays[0]}" + (f" and {len(strays) - 1} more" if len(
+            strays) > 1 else "") + ", which is not this export's: export into an empty or new folder")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from kdflow.tasks.common.saved_datasets import is_saved_dataset
 BATCH_ROWS = 256  # at most this many rows per batch handed on ...
 BATCH_BYTES = 64 << 20  # ... and about this many bytes of Arrow data (long rows of a large K: fewer rows)
 JSON_BLOCK_BYTES = 32 << 20  # bytes of JSON lines parsed at a time: must hold the longest line (row)
+_NUMBERED = re.compile(r"^(.+)-\d{5}-of-(\d{5})\.(?:parquet|jsonl|json)$")
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,26 @@ def source_files(path: str) -> SourceFiles:
              if os.path.isdir(path) else [path])
     parquet = tuple(f for f in files if f.endswith(".parquet"))
     jsonl = tuple(f for f in files if f.endswith((".jsonl", ".json")))
+    _check_numbered(path, parquet or jsonl)
     if parquet:
         return SourceFiles(path, "parquet", parquet)
     if jsonl:
         return SourceFiles(path, "jsonl", jsonl)
     raise ConfigError(f"import source {path!r} is no dataset folder, Parquet or JSON lines file")
+
+
+def _check_numbered(path: str, files: tuple[str, ...]) -> None:
+    """Files named as the hub and `kdflow store export` number them (`train-00003-of-00104.parquet`) must all be
+    there: a copy or an export that did not finish is refused, not imported as the part it holds."""
+    groups: dict[tuple[str, str, int], int] = {}
+    for name in files:
+        if match := _NUMBERED.match(os.path.basename(name)):
+            key = (os.path.dirname(name), match.group(1), int(match.group(2)))
+            groups[key] = groups.get(key, 0) + 1
+    for (folder, prefix, total), count in sorted(groups.items()):
+        if count != total:
+            raise ConfigError(f"import source {path!r} holds {count} of the {total} files named "
+                              f"{prefix}-NNNNN-of-{total:05d} in {folder}: a copy or export that did not finish")
 
 
 def source_fingerprint(source: SourceFiles) -> str:
