@@ -113,6 +113,18 @@ def check_sources(context: Preflight) -> None:
     check_unchanged(recorded, context.config.dataset, run_root.display(store))
 
 
+def check_imported(context: Preflight) -> None:
+    """A run root whose token store `kdflow store import` wrote takes no corpus: said before materialise runs."""
+    from kdflow.tasks.corpus.tokenise import imported_tokens_problem
+
+    try:
+        problem = imported_tokens_problem(context.run_root)
+    except Exception:  # noqa: BLE001 - a run root not reachable yet: tokenise checks again
+        return
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def check_resume(context: Preflight) -> None:
     """A student with a complete checkpoint resumes only with the settings its fingerprint holds: a change to
     one of them (the student's resume settings, the dataset, `seq_len`, the shard size; the top-K store's

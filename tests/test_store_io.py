@@ -67,6 +67,7 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
     summary = import_store(open_run_root(imported_cfg), teacher_pass_settings(imported_cfg), str(out / "data"),
                            "kdflow", "sharp-tiny")
     assert summary["complete"] and summary["tail"] == "source" and summary["written"] == summary["shards"]
+    _imported_tokens_take_no_corpus(imported_cfg)
     imported_cfg = _at(tmp_path / "imported", fresh_run, student__topk_tag=summary["tag"], **V1)
     train(open_run_root(original), training_settings(original))
     train(open_run_root(imported_cfg), training_settings(imported_cfg))
@@ -81,6 +82,22 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
                           student__save_every=3)
     train(open_run_root(coded_cfg), training_settings(coded_cfg))
     assert _losses(coded_cfg) == pytest.approx(_losses(original), rel=1e-2)
+
+
+def _imported_tokens_take_no_corpus(config) -> None:
+    """tokens/ of an import is not the config's corpus tokenised: tokenise (which would skip it as done, its
+    fingerprint being the config's) and pre-flight for materialise refuse it, before anything is written."""
+    from kdflow.schemas.errors import ConfigError
+    from kdflow.schemas.stage_settings import open_run_root, tokenise_settings
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.corpus.tokenise import tokenise
+    from kdflow.tasks.preflight import run_preflight
+
+    with pytest.raises(StoreError, match=r"holds the rows imported from .* \(kdflow store import\), not this config's"):
+        tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
+    with pytest.raises(ConfigError, match="materialise and tokenise the corpus in another run_root"):
+        run_preflight(config, "materialise,tokenise,precompute")
+    assert not (Path(config.run_root) / "corpus").exists()
 
 
 def test_a_store_exported_as_distillkit_imports_back_to_the_same_targets(fresh_run, tmp_path: Path) -> None:

@@ -220,6 +220,18 @@ class Packer:
         return out, (doc_index, full - remaining)
 
 
+def imported_tokens_problem(run_root: RunRoot) -> str | None:
+    """Why this run root's token store cannot take a tokenised corpus: it holds the rows `kdflow store import`
+    wrote from a capture (tokenise would otherwise skip it as done, and the teacher pass run over those rows)."""
+    store = stage_dir(run_root, "tokens")
+    done = read_complete(run_root, store)
+    source = getattr(done.extra, "imported_from", None) if done is not None else None
+    if not source:
+        return None
+    return (f"token store {run_root.display(store)} holds the rows imported from {source} (kdflow store import), not "
+            "this config's corpus: materialise and tokenise the corpus in another run_root")
+
+
 def tokenise(
     run_root: RunRoot,
     settings: TokeniseSettings,
@@ -228,6 +240,8 @@ def tokenise(
 ) -> TokeniseSummary:
     """Pack the corpus store's documents into token shards of `seq_len` ids, `sequences_per_shard` rows each."""
     started = time.perf_counter()
+    if (problem := imported_tokens_problem(run_root)) is not None:
+        raise StoreError(problem)
     corpus_store, store = stage_dir(run_root, "corpus"), stage_dir(run_root, "tokens")
     corpus_done = read_complete(run_root, corpus_store)
     corpus_fp = settings.corpus_fingerprint
