@@ -22,7 +22,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     # The config and every check of it before Prefect is imported (a second or two): bad input fails at once.
     config = load_config(args.config, dict(args.set or []))
-    stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+    stages = [s.strip() for s in args.stages.split(",")] if args.stages is not None else None  # "": refused
     _warn(run_preflight(config, stages))
     if stages:
         check_stage_inputs(config, stages)

@@ -86,6 +86,8 @@ def config_named(given: str) -> KDFlowConfig | None:
 def run_root_of(given: str) -> str:
     """A run root as given on a command line, or the one the config file `given` names."""
     config = config_named(given)
+    if config is None and "://" not in given and Path(given).is_file():  # a data file, a typo'd config name
+        raise ConfigError(f"{given} is a file, neither a run root (a folder or URL) nor a config (.yaml)")
     return config.run_root if config is not None else given
 
 

@@ -77,6 +77,8 @@ def chosen_stages(stages: list[str] | str | None) -> frozenset[str]:
     """`--stages` (a list or 'a,b') -> the stages; an unknown name is an error naming it."""
     names = [s.strip() for s in stages.split(",")] if isinstance(stages, str) else list(stages or STAGES)
     unknown = [s for s in names if s not in STAGES]
+    if "" in unknown:  # `--stages ""`, or a stray comma: never the whole pipeline by accident
+        raise ConfigError(f"--stages: an empty stage name in {','.join(names)!r}; stages are {', '.join(STAGES)}")
     if unknown:
         raise ConfigError(f"--stages: unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
     return frozenset(names)

@@ -262,3 +262,19 @@ def test_a_cuda_device_where_there_is_none_is_refused_for_the_stage_that_uses_it
     with pytest.raises(ConfigError) as caught:  # where torch is loaded, the same reason as pre-flight's
         rank_device("cuda", 0, 1)
     assert str(caught.value) == f"student.device='cuda', but {why}: set it to auto (a GPU when there is one) or cpu"
+
+
+def test_a_command_s_run_root_is_a_folder_a_url_or_a_config_never_a_data_file(tmp_path: Path) -> None:
+    from kdflow.schemas.config_io import run_root_of
+    from kdflow.schemas.errors import ConfigError
+
+    data = tmp_path / "docs.jsonl.gz"
+    data.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"docs.jsonl.gz is a file, neither a run root \(a folder or URL\) nor a "):
+        run_root_of(str(data))
+    assert run_root_of(str(tmp_path / "runs" / "new")) == str(tmp_path / "runs" / "new")  # not made yet: as given
+    assert run_root_of("s3://bucket/kd") == "s3://bucket/kd"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"run_root": str(tmp_path / "r"), "dataset": {"path": "x.jsonl"},
+                                      "teacher": {"model": "t"}}))
+    assert run_root_of(str(config)) == str(tmp_path / "r")

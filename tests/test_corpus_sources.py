@@ -173,6 +173,23 @@ def test_a_folder_is_read_by_type_then_name_as_before_with_compressed_files_afte
     assert builder == "json"
     assert [str(Path(f).relative_to(tmp_path)) for f in files] == [
         "b.jsonl", "c.jsonl", "sub/a.jsonl", "a.json", "d.jsonl.gz"]
+    # a glob without an extension is the files it matches, never taken for a hub id
+    assert file_builder(DatasetConfig(path=str(tmp_path / "[bc].*"))) == ("json", [str(tmp_path / "b.jsonl"),
+                                                                               str(tmp_path / "c.jsonl")])
+    for pattern, problem in (("*", "cannot tell the format of '{}/notes.md', which '{}/*' matches"),
+                             ("nothing*", "no file matches '{}/nothing*'"), ("sub/", None)):
+        if problem is None:
+            assert file_builder(DatasetConfig(path=f"{tmp_path}/{pattern}"))[1] == [str(tmp_path / "sub" / "a.jsonl")]
+            continue
+        with pytest.raises(ConfigError) as caught:
+            file_builder(DatasetConfig(path=f"{tmp_path}/{pattern}"))
+        assert str(caught.value).startswith(f"dataset.path: {problem.format(tmp_path, tmp_path)}")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.md").write_text("# no corpus here")
+    with pytest.raises(ConfigError, match=r"dataset.path: '.*/notes' holds no file kdflow reads \(.jsonl, "):
+        file_builder(DatasetConfig(path=str(tmp_path / "notes")))
+    with pytest.raises(ConfigError, match=r"dataset.path: no file matches '.*/gone/'"):
+        file_builder(DatasetConfig(path=f"{tmp_path}/gone/"))
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -110,6 +110,15 @@ def test_checks_apply_to_the_stages_being_run(make_config, tmp_path, other_token
     assert run_preflight(make_config(precompute__top_k=60000), ["materialise"]) == []
     with pytest.raises(ConfigError, match="--stages: unknown stage 'trian'"):
         run_preflight(make_config(), ["trian"])
+    from kdflow.cli import main
+    from support.faults import write_config
+
+    config_file = write_config(make_config(), tmp_path / "config.yaml")
+    for empty in ("", "materialise,"):  # never the whole pipeline, training included, by accident
+        with pytest.raises(ConfigError, match=f"--stages: an empty stage name in {empty!r}"):
+            run_preflight(make_config(), empty)
+        assert main(["run", str(config_file), "--stages", empty]) == 2
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     assert {c.name for c in CHECKS} >= {"run_root", "dataset", "teacher", "tokenizer", "distributed", "student", "disk"}
 
 

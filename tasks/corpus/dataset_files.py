@@ -101,6 +101,11 @@ def _check_compression(name: str) -> None:
         raise ConfigError(f"dataset file {name} is {module}-compressed: install it (pip install {module})")
 
 
+def _local_looking(name: str) -> bool:
+    """A path no hub id looks like: a glob pattern, or one that starts at a folder or ends in one."""
+    return any(c in name for c in "*?[") or name.startswith(("/", "./", "../")) or name.endswith(os.sep)
+
+
 PACKAGED = ("json", "parquet", "text", "csv")  # `path` names a builder: `data_files` are the files themselves
 SAVED = "saved"  # file_builder's name for a `save_to_disk` folder (read with `datasets.load_from_disk`)
 
@@ -133,7 +138,18 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
         if builder is None and not is_local_dir:
             if dataset.data_files is not None or ("://" not in name and os.path.isfile(name)):
                 raise ConfigError(f"{key}: cannot tell the format of {name!r} (use {FORMATS})")
-            return None  # a hub dataset id
+            if "://" in name or not _local_looking(name):
+                return None  # a hub dataset id
+            matches = sorted(f for f in glob.glob(name, recursive=True) if os.path.isfile(f))  # `docs/*`, `./docs/`
+            if not matches:
+                raise ConfigError(f"{key}: no file matches {name!r}{from_cwd(name)}")
+            unknown = next((f for f in matches if format_of(f) is None), None)
+            if unknown is not None:
+                raise ConfigError(f"{key}: cannot tell the format of {unknown!r}, which {name!r} matches (use "
+                                  f"{FORMATS})")
+            builders.update(format_of(f) for f in matches)
+            expanded.extend(matches)
+            continue
         if is_local_dir:  # by type, then by name: plain files in the order they were always read, compressed after
             for suffix in [*FILE_BUILDERS, *(ext + c for ext in FILE_BUILDERS for c in COMPRESSIONS)]:
                 found = [f for f in sorted(glob.glob(os.path.join(name, f"**/*{suffix}"), recursive=True))
@@ -152,6 +168,8 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
         expanded.extend(matches)
     for name in expanded:
         _check_compression(name)
+    if not builders:
+        raise ConfigError(f"{key}: {dataset.path!r} holds no file kdflow reads ({FORMATS})")
     if len(builders) != 1:
-        raise ConfigError(f"{key}: files must share one format, found {sorted(builders) or 'none'}")
+        raise ConfigError(f"{key}: files must share one format, found {sorted(builders)}")
     return builders.pop(), expanded
