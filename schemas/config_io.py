@@ -37,9 +37,11 @@ def _config_key(loc: tuple[int | str, ...]) -> str:
     return ".".join(parts)
 
 
-def _format_validation_error(error: ValidationError, source: str) -> str:
+def _format_validation_error(error: ValidationError, source: str, overrides: dict[str, Any] | None = None) -> str:
     first = error.errors()[0]
     where = _config_key(first["loc"]) or "<root>"
+    if where in (overrides or {}):  # the value came from the command line, not from the file
+        source = f"--set {where}={overrides[where]}"
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown config key '{where}'"
     if first["type"] == "missing" and first["loc"] and isinstance(first["loc"][-1], int):  # a tuple's item
@@ -51,13 +53,16 @@ def _format_validation_error(error: ValidationError, source: str) -> str:
     return f"{source}: invalid value for '{where}': {message}"
 
 
-def config_from_dict(data: dict[str, Any], source: str = "config") -> KDFlowConfig:
+def config_from_dict(data: dict[str, Any], source: str = "config", overrides: dict[str, Any] | None = None
+                     ) -> KDFlowConfig:
+    """The config; a problem is one line naming `source`, or the `--set` override (dotted key -> value) it came
+    from."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     try:
         return KDFlowConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(_format_validation_error(error, source)) from None
+        raise ConfigError(_format_validation_error(error, source, overrides)) from None
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> KDFlowConfig:
@@ -73,7 +78,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> KD
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     for dotted, value in (overrides or {}).items():
         set_dotted(data, dotted, value)
-    return config_from_dict(data, source=str(path))
+    return config_from_dict(data, source=str(path), overrides=overrides)
 
 
 def config_named(given: str) -> KDFlowConfig | None:

@@ -159,6 +159,9 @@ def test_overrides_with_dotted_keys(tmp_path: Path) -> None:
         load_config(path, {"student.stesp": 1})
     with pytest.raises(ConfigError, match="'seq_len' is not a section"):
         load_config(path, {"seq_len.x": 1})
+    with pytest.raises(ConfigError) as caught:  # the value came from the command line: named there, with the value
+        load_config(path, {"student.steps": "abc"})
+    assert str(caught.value).startswith("--set student.steps=abc: invalid value for 'student.steps': ")
     resolved = tmp_path / "resolved.yaml"  # as a run writes it: `prune: null`
     resolved.write_text(dump_config(config), encoding="utf-8")
     assert "prune: null" in resolved.read_text()

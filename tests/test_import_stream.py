@@ -298,3 +298,13 @@ def test_positions_holding_fewer_than_top_k_entries_are_stored_with_their_own_co
     tail = np.concatenate([shard.tail for shard in decoded]).ravel()
     want_tail = np.log1p(-np.exp(logprobs.reshape(-1, 8)).sum(1))
     np.testing.assert_allclose(tail, want_tail, atol=2e-3, rtol=2e-3)  # float16 storage
+
+
+def test_a_run_root_of_another_config_is_refused_before_the_source_is_read(make_config, tmp_path: Path) -> None:
+    source = tmp_path / "src.parquet"
+    pq.write_table(_table(40, 20), source)
+    _import(_config(make_config, tmp_path / "run"), source)
+    other = _config(make_config, tmp_path / "run", precompute__sequences_per_shard=4)
+    with pytest.raises(StoreError, match="was made for another config .*; import into a new run root"):
+        _import(other, source)
+    assert not any((tmp_path / "run" / "_imports").glob("*/*"))  # nothing staged: the source was not read

@@ -214,3 +214,16 @@ def test_object_store_reads_lift_datasets_offline_flag_for_object_stores_only() 
                   ["local/only.jsonl"]):
         with object_store_reads(files):
             assert datasets.config.HF_HUB_OFFLINE == before, files
+
+
+def test_a_run_root_given_for_a_model_names_its_trained_students(tmp_path: Path) -> None:
+    from kdflow.tasks.common.model_files import model_folder_problem
+
+    for name in ("tiny", "wide"):
+        (tmp_path / "students" / name / "final").mkdir(parents=True)
+        (tmp_path / "students" / name / "final" / "config.json").write_text("{}")
+    (tmp_path / "students" / "unfinished").mkdir()
+    assert model_folder_problem(str(tmp_path)) == (
+        f"no config.json in it: a run root, whose trained students are {tmp_path}/students/tiny/final, "
+        f"{tmp_path}/students/wide/final")
+    assert model_folder_problem(str(tmp_path / "students")) == "no config.json in it"

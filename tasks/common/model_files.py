@@ -89,7 +89,11 @@ def model_folder_problem(folder: str) -> str | None:
     if not os.path.isdir(folder):
         return "no such folder"
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        return "no config.json in it"
+        students = os.path.join(folder, "students")  # a run root: its students' final folders are the models
+        finals = sorted(os.path.join(students, n, "final") for n in (os.listdir(students) if os.path.isdir(
+            students) else []) if os.path.isfile(os.path.join(students, n, "final", "config.json")))
+        return "no config.json in it" + (f": a run root, whose trained student{'s are' if len(finals) > 1 else ' is'} "
+                                         f"{', '.join(finals)}" if finals else "")
     if not any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
         return "no model weights in it (model.safetensors or pytorch_model.bin)"
     return None

@@ -69,14 +69,15 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     packing = Packing(seq_len, top_k, vocab_size, pre.sequences_per_shard)
     run_root.ensure_writable()
     read_rows, decoder = row_reader(layout, files, distillkit_settings)  # settings problems: before anything
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    tokens_fp = settings.tokens_fingerprint(tok_fp)
+    _check_token_store(run_root, tokens_fp)  # before a pass over the source, which may be large
     staging = staging_dir(run_root, files, layout, packing, decoder)
     checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
 
     if checked.masked and pre.store.format == "v1":  # v1 shards have no place for the mask: never drop it silently
         raise ConfigError(f"import source {source!r} has positions without a teacher target, which only the v2 store "
                           "format records; set precompute.store.format: v2")
-    tok_fp = tokenizer_fingerprint(tokenizer)
-    tokens_fp = settings.tokens_fingerprint(tok_fp)
     teacher_fp = section_hash("imported-teacher", teacher_name, checked.digest)
     tag = settings.topk_fingerprint(teacher_fp, tokens_fp)
     tokens_done = _write_tokens(run_root, settings, staging, checked, tokens_fp, tok_fp, vocab_size, source)
@@ -140,16 +141,23 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
             "staged_reused": checked.reused, "masked": checked.masked, "normalisation": checked.normalisation}
 
 
+def _check_token_store(run_root: RunRoot, tokens_fp: str) -> StageComplete | None:
+    """The run root's complete token store, refused when another config made it; None when there is none."""
+    store = stage_dir(run_root, "tokens")
+    done = read_complete(run_root, store)
+    if done is not None and done.fingerprint != tokens_fp:
+        raise StoreError(f"token store {run_root.display(store)} was made for another config (fingerprint "
+                         f"{done.fingerprint}); import into a new run root")
+    return done
+
+
 def _write_tokens(run_root: RunRoot, settings: TeacherPassSettings, staging: str, checked: Checked, tokens_fp: str,
                   tok_fp: str, vocab_size: int, source: str) -> StageComplete:
     """tokens/: the packed rows' token ids, shard by shard (token shard i pairs with top-K shard i); committed
     shards are kept if they hold the same ids."""
     store = stage_dir(run_root, "tokens")
     shown, seq_len = run_root.display(store), settings.seq_len
-    done = read_complete(run_root, store)
-    if done is not None and done.fingerprint != tokens_fp:
-        raise StoreError(f"token store {shown} was made for another config (fingerprint {done.fingerprint}); "
-                         "import into a new run root")
+    done = _check_token_store(run_root, tokens_fp)
     remove_stale_temp_files(run_root, store)
     checks = check_commits(run_root, store, "tokens", tokens_fp)
     for staged in checked.shards:
