@@ -40,9 +40,9 @@ def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any
     result = asdict(summary) | {"seconds": progress.elapsed}
     if summary.parts and not summary.parts_written:
         get_run_logger().info("materialise: %d/%d parts already committed, nothing to do", summary.parts, summary.parts)
-    get_run_logger().info("materialise: %s, %s (%s written now; %s skipped) in %.1f s",
-                          count_of(summary.parts, "part"), count_of(summary.documents, "document"),
-                          count_of(summary.parts_written, "part"), count_of(summary.skipped_empty, "empty document"),
+    get_run_logger().info("materialise: %s, %s (%s written now; %s without text (empty, or no text field) skipped) "
+                          "in %.1f s", count_of(summary.parts, "part"), count_of(summary.documents, "document"),
+                          count_of(summary.parts_written, "part"), count_of(summary.skipped_empty, "record"),
                           progress.elapsed)
     return result
 

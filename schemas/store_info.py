@@ -41,6 +41,11 @@ class TopkStoreInfo(BaseModel):
         return self.store if self.store is not None else {"format": "v1", "logprobs_dtype": self.logprobs_dtype}
 
     @property
+    def filled_by(self) -> str:
+        """What writes this store's missing shards: the teacher pass, or for an imported one the import again."""
+        return "kdflow store import" if (self.model_extra or {}).get("imported") else "precompute"
+
+    @property
     def tail_computed(self) -> bool:
         """An imported store whose source had no tail mass: the tail stored is log(1 - sum p) of the kept ids,
         which counts the teacher's rounding as mass outside them (`kdflow store import`)."""

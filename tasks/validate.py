@@ -72,6 +72,14 @@ def _read_done(run_root: RunRoot, report: StoreReport) -> StageComplete | None:
         return None
 
 
+def _filled_by(run_root: RunRoot, report: StoreReport, done: StageComplete | None) -> str:
+    """What writes this store's missing shards: its stage, or `kdflow store import` for what an import wrote."""
+    if report.stage == "tokens" and done is not None and getattr(done.extra, "imported_from", None):
+        return "kdflow store import"
+    info = read_store_info(run_root, report.store) if report.stage == "topk" else None
+    return info.filled_by if info is not None else STAGE_COMMAND[report.stage]
+
+
 def _check_records(run_root: RunRoot, report: StoreReport, done: StageComplete | None, fingerprint: str | None) -> None:
     """Every commit record through `check_commit` (size, fingerprint, names), then the expected count."""
     for shard_id, (record, reason) in check_commits(run_root, report.store, report.stage, fingerprint).items():
@@ -85,15 +93,15 @@ def _check_records(run_root: RunRoot, report: StoreReport, done: StageComplete |
         for shard_id in range(done.shards):
             if shard_id not in present:
                 report.problems.append((f"{report.label} shard {shard_id}: no commit record (the next run of "
-                                        f"{STAGE_COMMAND[report.stage]} recomputes it)", None))
+                                        f"{_filled_by(run_root, report, done)} recomputes it)", None))
         for shard_id in sorted(set(report.records) - set(range(done.shards))):
             report.shard_problem(shard_id, f"beyond the {done.shards} shards of the finished store")
     else:
         top = max(report.records, default=-1)
         gaps = [i for i in range(top + 1) if i not in report.records and i not in report.broken]
         missing = f"; shard(s) {format_shard_ids(gaps)} have no commit record" if gaps else ""
-        report.notes.append(f"not complete (no _complete.json){missing}: the next run of {STAGE_COMMAND[report.stage]} "
-                            "computes what is missing")
+        report.notes.append(f"not complete (no _complete.json){missing}: the next run of "
+                            f"{_filled_by(run_root, report, done)} computes what is missing")
 
 
 def _check_manifest(run_root: RunRoot, report: StoreReport, fingerprint: str | None, seq_len: int | None) -> None:

@@ -308,3 +308,27 @@ def test_a_run_root_of_another_config_is_refused_before_the_source_is_read(make_
     with pytest.raises(StoreError, match="was made for another config .*; import into a new run root"):
         _import(other, source)
     assert not any((tmp_path / "run" / "_imports").glob("*/*"))  # nothing staged: the source was not read
+
+
+def test_a_finished_import_is_not_read_again_unless_its_files_or_the_store_settings_change(
+        make_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kdflow.tasks.teacher.logit_import as logit_import
+
+    source = tmp_path / "src.parquet"
+    pq.write_table(_table(40, 20), source)
+    config = _config(make_config, tmp_path / "run")
+    first = _import(config, source)
+    staged = logit_import.stage_source
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("the source was read again")
+
+    monkeypatch.setattr(logit_import, "stage_source", not_again)
+    again = _import(config, source)
+    assert again == first | {"written": 0, "skipped": first["shards"], "staged_reused": 0}
+    monkeypatch.setattr(logit_import, "stage_source", staged)
+    v2 = make_config(precompute__logprobs_dtype="float32").model_copy(update={"run_root": str(tmp_path / "run")})
+    other_format = _import(v2, source)
+    assert other_format["tag"] != first["tag"] and other_format["written"] == first["shards"]  # read, as v2
+    os.utime(source, ns=(1, 1))  # the file changed (or seems to): read and checked again, the same store
+    assert _import(config, source)["tag"] == first["tag"]

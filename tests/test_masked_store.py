@@ -241,3 +241,25 @@ def test_untargeted_ce_weight_joins_the_resume_fingerprint_only_when_set(make_co
     assert default["kd"] == {"kd_weight": 1.0, "temperature": 1.0}  # as before the key existed
     assert student_resume_fields(make_config(student__kd__untargeted_ce_weight=0.5).student)["kd"] == {
         "kd_weight": 1.0, "temperature": 1.0, "untargeted_ce_weight": 0.5}
+
+
+@pytest.mark.parametrize("normalisation", ["full", "top_k"])
+def test_the_store_report_counts_positions_with_a_target_and_shows_no_tail_it_does_not_know(
+        make_config: Callable[..., Any], normalisation: str) -> None:
+    from kdflow.tasks.teacher.store_quality import report_markdown, store_summary
+
+    config, summary = precomputed_run(make_config, precompute__store__values="float32")
+    run_root, store = store_of(config, summary["tag"])
+    before = store_summary(run_root, summary["tag"], rows=10_000)
+    rewrite_masked(run_root, store, summary["tag"], normalisation=normalisation)
+    after = store_summary(run_root, summary["tag"], rows=10_000)  # every row
+    untargeted = after["positions_without_target"]
+    assert untargeted > 0 and after["sampled_positions"] + untargeted == before["sampled_positions"]
+    assert sum(after["kept_histogram"].values()) == after["sampled_positions"]
+    if normalisation == "full":  # the positions with a target, as they were
+        assert after["tail_mass_histogram"]["0"] == before["tail_mass_histogram"]["0"]  # no target is no zero tail
+        assert after["invalid_tails"] == 0
+        assert sum(after["tail_mass_histogram"].values()) == after["sampled_positions"]
+    else:
+        assert after["mean_tail_mass"] is None and after["tail_mass_histogram"] is None and after["invalid_tails"] == 0
+        assert "unknown: log-probs renormalised over the K" in report_markdown(after)

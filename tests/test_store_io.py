@@ -162,7 +162,8 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
     assert again["tag"] == summary["tag"] and again["rows"] == len(rows)
 
 
-def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -> None:
+def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     _, out = _exported(fresh_run, tmp_path)
     config = _at(tmp_path / "imported", fresh_run, **V1)
     first = import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), "kdflow",
@@ -174,12 +175,18 @@ def test_a_partial_import_resumes_to_the_same_bytes(fresh_run, tmp_path: Path) -
     (store / "shard-00005.arrow").unlink()
     (store / "_complete.json").unlink()
     (root / "tokens" / "shard-00006.commit.json").unlink()
+    from kdflow.commands.validate import validate_run_root
+    from kdflow.tasks.teacher.logit_export import export_store
+
+    with pytest.raises(StoreError, match="is not complete; finish kdflow store import first"):  # not precompute
+        export_store(str(root), str(tmp_path / "again"), first["tag"])
+    validate_run_root(str(root))
+    said = capsys.readouterr().out
+    assert "the next run of kdflow store import" in said and "precompute" not in said, said
     again = import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), "kdflow",
                          "sharp-tiny")
     assert again["tag"] == first["tag"] and again["written"] == 2 and again["complete"]
     assert {p: p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))} == files
-    from kdflow.commands.validate import validate_run_root
-
     assert validate_run_root(str(root)) == 0  # validated like a computed store: hashes, alignment, contents
     from kdflow.commands.store_report import store_report
 

@@ -161,7 +161,8 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLa
         raise ConfigError(f"top-K store {tag} holds {info.targets} targets; export writes top-K stores only")
     done = read_complete(run_root, store)
     if done is None:
-        raise StoreError(f"top-K store {run_root.display(store)} is not complete; finish precompute first")
+        raise StoreError(f"top-K store {run_root.display(store)} is not complete; finish "
+                         f"{info.filled_by if info is not None else 'precompute'} first")
     tokens_done = read_complete(run_root, tokens_store)
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_done.fingerprint if tokens_done else None)
     records = list_commits(run_root, store, "topk", done.fingerprint)

@@ -33,7 +33,7 @@ from kdflow.schemas.shards import (read_token_shard, token_batch, token_shard_wr
                                    topk_v2_shard_writer)
 from kdflow.schemas.stage_settings import TeacherPassSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
-from kdflow.schemas.store_info import TopkStoreInfo, store_format, write_store_info
+from kdflow.schemas.store_info import TopkStoreInfo, read_store_info, store_format, topk_tags, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.logit_reader import source_files
 from kdflow.tasks.teacher.logit_staging import (Checked, Packing, read_staged, row_reader, stage_source,
@@ -73,6 +73,9 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     tokens_fp = settings.tokens_fingerprint(tok_fp)
     _check_token_store(run_root, tokens_fp)  # before a pass over the source, which may be large
     staging = staging_dir(run_root, files, layout, packing, decoder)
+    key = staging.rsplit("/", 1)[-1]  # the source files as they are, the layout and the packing
+    if (finished := _finished_import(run_root, settings, key, teacher_name, tokens_fp)) is not None:
+        return finished  # this source imported already, as this config stores it: nothing is read again
     checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
 
     if checked.masked and pre.store.format == "v1":  # v1 shards have no place for the mask: never drop it silently
@@ -87,7 +90,7 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     extra = {**({"masked": True} if checked.masked else {}), **({"short": True} if checked.short else {}),
              **({"normalisation": checked.normalisation} if checked.normalisation != FULL else {})}
     codec = store_codec(settings, run_root, store, tokens_done, vocab_size, **extra)
-    imported = {"source": source, "layout": layout.name, "teacher": teacher_name, "rows": checked.rows,
+    imported = {"source": source, "key": key, "layout": layout.name, "teacher": teacher_name, "rows": checked.rows,
                 "positions": checked.positions, "packed_rows": checked.packed_rows,
                 "dropped_positions": checked.dropped_positions, "normalisation": checked.normalisation,
                 "tail": TAIL_SOURCE if checked.has_tail else TAIL_COMPUTED}
@@ -139,6 +142,33 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
             "tail": imported["tail"], "complete": complete, "positions": checked.positions,
             "packed_rows": checked.packed_rows, "dropped_positions": checked.dropped_positions,
             "staged_reused": checked.reused, "masked": checked.masked, "normalisation": checked.normalisation}
+
+
+def _finished_import(run_root: RunRoot, settings: TeacherPassSettings, key: str, teacher_name: str,
+                     tokens_fp: str) -> dict[str, Any] | None:
+    """The summary of a complete store that an earlier import of the same source files (names, sizes, times),
+    layout and packing wrote under this teacher name and this config's store settings; None when there is none."""
+    tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
+    if tokens_done is None or tokens_done.fingerprint != tokens_fp:
+        return None
+    for tag in topk_tags(run_root) if run_root.exists(run_root.path("topk")) else []:
+        store = stage_dir(run_root, "topk", tag)
+        info = read_store_info(run_root, store)
+        imported = (info.model_extra or {}).get("imported") if info is not None else None
+        if not isinstance(imported, dict) or imported.get("key") != key or imported.get("teacher") != teacher_name:
+            continue
+        done = read_complete(run_root, store)
+        if done is None or tag != settings.topk_fingerprint(info.teacher_fingerprint, tokens_fp):
+            continue  # unfinished, or another store format of the same source
+        logger.info("import: %s was imported already as top-K store %s (%d shards): nothing to do",
+                    imported.get("source"), tag, done.shards)
+        return {"tag": tag, "store": run_root.display(store), "rows": imported.get("rows"), "shards": done.shards,
+                "written": 0, "skipped": done.shards, "teacher_fingerprint": info.teacher_fingerprint,
+                "tail": imported.get("tail"), "complete": True, "positions": imported.get("positions"),
+                "packed_rows": imported.get("packed_rows"), "dropped_positions": imported.get("dropped_positions"),
+                "staged_reused": 0, "masked": bool((info.codec or {}).get("masked")),
+                "normalisation": imported.get("normalisation")}
+    return None
 
 
 def _check_token_store(run_root: RunRoot, tokens_fp: str) -> StageComplete | None:

@@ -90,18 +90,22 @@ def store_summary(run_root: RunRoot, tag: str, rows: int = 256) -> dict[str, Any
         if shard_id not in shards:
             shards[shard_id] = TopkShard(run_root, f"{store}/{records[shard_id].data_file}")
         decoded.append(shards[shard_id].read([row]))
-    tails = np.concatenate([d.tail for d in decoded])  # (n, T)
-    kept = np.concatenate([d.kept for d in decoded])
+    # positions with a teacher target only (a masked store's others hold none), as (m,)
+    target = np.concatenate([d.target if d.target is not None else np.ones(d.kept.shape, bool) for d in decoded])
+    tails = np.concatenate([d.tail for d in decoded])[target]
+    kept = np.concatenate([d.kept for d in decoded])[target]
     first = next(iter(shards.values()))
     top_k = first.top_k
+    known = getattr(first.codec, "normalisation", "full") == "full"  # renormalised over K: no tail to show
     summary |= {
         "v1_bytes_per_position": 8 * top_k if first.format == 1 and first.logprobs.dtype == np.float32 else 6 * top_k,
         "schema_bytes_per_shard": len(first.table.schema.serialize()),
         "sampled_rows": len(picks), "sampled_positions": int(tails.size),
-        "mean_tail_mass": float(np.exp(tails.astype(np.float64)).mean()),
-        "tail_mass_histogram": tail_histogram(tails),
-        "invalid_tails": int((np.isnan(tails) | (tails > 0)).sum()),
-        "mean_kept": float(kept.mean()), "kept_histogram": kept_histogram(kept, top_k),
+        "positions_without_target": int((~target).sum()),
+        "mean_tail_mass": float(np.exp(tails.astype(np.float64)).mean()) if known and tails.size else None,
+        "tail_mass_histogram": tail_histogram(tails) if known else None,
+        "invalid_tails": int((np.isnan(tails) | (tails > 0)).sum()) if known else 0,
+        "mean_kept": float(kept.mean()) if kept.size else 0.0, "kept_histogram": kept_histogram(kept, top_k),
     }
     if first.format == 1:  # v1 derives its tail as 1 - sum: count where that came out <= 0 (clamped)
         summary["v1_tails_clamped_to_zero"] = int(np.isneginf(tails).sum())
@@ -166,13 +170,18 @@ def report_markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| KL to the teacher | {summary['kl_note']} |")
     if "mean_tail_mass" in summary:
         sample = f"{summary['sampled_positions']:,} positions of {summary['sampled_rows']:,} rows sampled"
+        sample += (f" ({summary['positions_without_target']:,} without a teacher target left out)"
+                   if summary.get("positions_without_target") else "")
+        histogram = summary["tail_mass_histogram"]
         lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) "
-                  f"over {sample} |", f"| mean ids kept | {summary['mean_kept']:.1f} over the same |", "",
-                  f"histograms over the {sample}:", "",
-                  "tail mass | " + " | ".join(summary["tail_mass_histogram"]),
-                  "|".join(["---"] * (len(summary["tail_mass_histogram"]) + 1)),
-                  "positions | " + " | ".join(str(v) for v in summary["tail_mass_histogram"].values()), "",
-                  "ids kept | " + " | ".join(summary["kept_histogram"]),
+                  f"over {sample} |" if histogram is not None else
+                  "| mean tail mass | unknown: log-probs renormalised over the K, no tail stored |",
+                  f"| mean ids kept | {summary['mean_kept']:.1f} over {sample} |", "",
+                  f"histograms over the {sample}:", ""]
+        if histogram is not None:
+            lines += ["tail mass | " + " | ".join(histogram), "|".join(["---"] * (len(histogram) + 1)),
+                      "positions | " + " | ".join(str(v) for v in histogram.values()), ""]
+        lines += ["ids kept | " + " | ".join(summary["kept_histogram"]),
                   "|".join(["---"] * (len(summary["kept_histogram"]) + 1)),
                   "positions | " + " | ".join(str(v) for v in summary["kept_histogram"].values())]
     return "\n".join(lines) + "\n"
