@@ -52,7 +52,7 @@ def test_unknown_config_key_is_one_line_without_traceback(tmp_path: Path) -> Non
     config.write_text(valid, encoding="utf-8")
     result = kdflow("run", str(config), "--set", "seq_len=0")
     assert result.returncode != 0 and result.stderr.strip().splitlines() == [
-        f"kdflow: error: {config}: invalid value for 'seq_len': Input should be greater than 0"]
+        "kdflow: error: --set seq_len=0: invalid value for 'seq_len': Input should be greater than 0"]
 
 
 @pytest.mark.usefixtures("children")
