@@ -196,10 +196,11 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
         get_run_logger().info("train-student %s: %d/%d steps already done, nothing to do", config.student.name,
                               summary["steps"], config.student.steps)
     before, after = summary["eval_before"] or {}, summary["eval_after"] or {}
-    get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, held-out KL to stored targets %s -> %s, "
-                          "full KL %s -> %s, model in %s", config.student.name, summary["start_step"],
-                          summary["steps"], _figure(summary["final_loss"]), _figure(before.get("kl")),
-                          _figure(after.get("kl")), _figure(before.get("kl_full")), _figure(after.get("kl_full")),
+    held_out = (f"held-out KL to stored targets {_figure(before.get('kl'))} -> {_figure(after.get('kl'))}, full KL "
+                f"{_figure(before.get('kl_full'))} -> {_figure(after.get('kl_full'))}" if before or after
+                else "no held-out evaluation" + (" (student.eval_shards: 0)" if not config.student.eval_shards else ""))
+    get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, %s, model in %s", config.student.name,
+                          summary["start_step"], summary["steps"], _figure(summary["final_loss"]), held_out,
                           summary["final_dir"])
     return summary
 

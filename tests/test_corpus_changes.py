@@ -124,7 +124,7 @@ def test_a_first_run_that_failed_before_any_part_reads_the_fixed_file(
     source = tmp_path / "docs.jsonl"
     source.write_text('{"text": "a good line"}\n{"text": "broken\n{"text": "another good line"}\n')
     config = make_config(dataset__path=str(source))
-    with pytest.raises(DataError, match="line 2 is not valid JSON"):
+    with pytest.raises(DataError, match=r"line 2 is not valid JSON \(Unterminated string starting at: column 10\)"):
         materialise(open_run_root(config), materialise_settings(config))
     assert (Path(config.run_root) / CORPUS_DIR / SOURCES_FILE).exists()  # taken before reading, no part made
     write_jsonl(source, DOCS)  # the user fixes the file: nothing was made from the old bytes, nothing to refuse

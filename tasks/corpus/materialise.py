@@ -120,8 +120,8 @@ def _first_malformed_json(files: list[str]) -> str | None:
             try:
                 json.loads(line)
             except ValueError as error:
-                return (f"{name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)}, "
-                        f"column {getattr(error, 'colno', '?')})")
+                return (f"{name}: line {line_no} is not valid JSON ({getattr(error, 'msg', error)}: "
+                        f"column {getattr(error, 'colno', '?')})")  # as json says it: "Expecting ...: column 5"
     return None
 
 

@@ -181,8 +181,8 @@ def precompute_shards(
                            learned.shard_id, device_name, configured)
         settings = replace(settings, precompute=pre.model_copy(update={"micro_batch": micro_batch}))
         pre = settings.precompute
-        logger.info("precompute: loading the teacher for %d shards (%d of %d already committed)", len(plan.todo),
-                    len(plan.wanted) - len(plan.todo), len(plan.wanted))
+        logger.info("precompute: loading the teacher for %d shard%s (%d of %d already committed)", len(plan.todo),
+                    "" if len(plan.todo) == 1 else "s", len(plan.wanted) - len(plan.todo), len(plan.wanted))
         if on_progress is not None:  # seen before the weights load, which takes minutes for a large teacher
             on_progress({"stage": "precompute", "phase": "loading the teacher", "tag": tag, "done": 0, "tokens": 0,
                          "total": len(plan.todo), "skipped": len(plan.wanted) - len(plan.todo),
