@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -27,7 +28,9 @@ from kdflow.tasks.common.saved_datasets import is_saved_dataset
 BATCH_ROWS = 256  # at most this many rows per batch handed on ...
 BATCH_BYTES = 64 << 20  # ... and about this many bytes of Arrow data (long rows of a large K: fewer rows)
 JSON_BLOCK_BYTES = 32 << 20  # bytes of JSON lines parsed at a time: must hold the longest line (row)
-_NUMBERED = re.compile(r"^(.+)-\d{5}-of-(\d{5})\.(?:parquet|jsonl|json)$")
+# `train-00003-of-00104.parquet`, as the hub (with or without a hash after it) and `kdflow store export` name files
+_NUMBERED = re.compile(r"^(.+?)-\d{5}-of-(\d{5})(?:-[0-9a-f]+)?\.(?:parquet|jsonl|json)$")
+logger = logging.getLogger("kdflow.import")
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,10 @@ def _saved_dataset_files(path: str) -> SourceFiles:
             splits = json.load(handle).get("splits") or []
         if not splits:
             raise StoreError(f"import source {path!r}: its dataset_dict.json names no split")
-        folder = os.path.join(path, "train" if "train" in splits else splits[0])
+        split = "train" if "train" in splits else splits[0]
+        if len(splits) > 1:
+            logger.info("import: %s holds the splits %s: reading %s", path, ", ".join(splits), split)
+        folder = os.path.join(path, split)
     with open(os.path.join(folder, "state.json"), encoding="utf-8") as handle:
         state = json.load(handle)
     if state.get("_indices_data_files"):
@@ -73,9 +79,9 @@ def source_files(path: str) -> SourceFiles:
     jsonl = tuple(f for f in files if f.endswith((".jsonl", ".json")))
     _check_numbered(path, parquet or jsonl)
     if parquet:
-        return SourceFiles(path, "parquet", parquet)
+        return SourceFiles(path, "parquet", _one_split(path, parquet))
     if jsonl:
-        return SourceFiles(path, "jsonl", jsonl)
+        return SourceFiles(path, "jsonl", _one_split(path, jsonl))
     raise ConfigError(f"import source {path!r} is no dataset folder, Parquet or JSON lines file")
 
 
@@ -91,6 +97,19 @@ def _check_numbered(path: str, files: tuple[str, ...]) -> None:
         if count != total:
             raise ConfigError(f"import source {path!r} holds {count} of the {total} files named "
                               f"{prefix}-NNNNN-of-{total:05d} in {folder}: a copy or export that did not finish")
+
+
+def _one_split(path: str, files: tuple[str, ...]) -> tuple[str, ...]:
+    """A folder of numbered files of several splits (`train-*`, `test-*`, as the hub lays them out) is read as its
+    `train` split, as a DatasetDict folder is, and says so; without a train split it is refused."""
+    splits = {match.group(1) for name in files if (match := _NUMBERED.match(os.path.basename(name)))}
+    if len(splits) < 2:
+        return files
+    if "train" not in splits:
+        raise ConfigError(f"import source {path!r} holds the splits {', '.join(sorted(splits))} and no train: "
+                          "import one split's files (a file or a folder of its own)")
+    logger.info("import: %s holds the splits %s: reading train", path, ", ".join(sorted(splits)))
+    return tuple(name for name in files if (m := _NUMBERED.match(os.path.basename(name))) and m.group(1) == "train")
 
 
 def source_fingerprint(source: SourceFiles) -> str:
