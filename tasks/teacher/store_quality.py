@@ -176,7 +176,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
         lines += [f"| mean tail mass | {summary['mean_tail_mass']:.4f} (invalid tails: {summary['invalid_tails']}) "
                   f"over {sample} |" if histogram is not None else
                   "| mean tail mass | unknown: log-probs renormalised over the K, no tail stored |",
-                  f"| mean ids kept | {summary['mean_kept']:.1f} over {sample} |", "",
+                  f"| mean ids kept | {summary['mean_kept']:.1f} over "
+                  f"{'the same' if histogram is not None else sample} |", "",
                   f"histograms over the {sample}:", ""]
         if histogram is not None:
             lines += ["tail mass | " + " | ".join(histogram), "|".join(["---"] * (len(histogram) + 1)),
