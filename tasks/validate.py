@@ -90,10 +90,11 @@ def _check_records(run_root: RunRoot, report: StoreReport, done: StageComplete |
     if done is not None:
         report.expected = done.shards
         present = set(report.records) | set(report.broken)
-        for shard_id in range(done.shards):
-            if shard_id not in present:
-                report.problems.append((f"{report.label} shard {shard_id}: no commit record (the next run of "
-                                        f"{_filled_by(run_root, report, done)} recomputes it)", None))
+        absent = [shard_id for shard_id in range(done.shards) if shard_id not in present]
+        filled_by = _filled_by(run_root, report, done) if absent else ""  # one read of _store.json, not one a shard
+        for shard_id in absent:
+            report.problems.append((f"{report.label} shard {shard_id}: no commit record (the next run of "
+                                    f"{filled_by} recomputes it)", None))
         for shard_id in sorted(set(report.records) - set(range(done.shards))):
             report.shard_problem(shard_id, f"beyond the {done.shards} shards of the finished store")
     else:

@@ -27,7 +27,7 @@ from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
-from kdflow.schemas.layout import CONFIG_FILE, data_file_name
+from kdflow.schemas.layout import CONFIG_FILE, TOPK_DIR, data_file_name
 from kdflow.schemas.logit_layouts import LogitLayout, resolve_layout
 from kdflow.schemas.shards import (read_token_shard, token_batch, token_shard_writer, topk_batch, topk_shard_writer,
                                    topk_v2_shard_writer)
@@ -151,7 +151,7 @@ def _finished_import(run_root: RunRoot, settings: TeacherPassSettings, key: str,
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     if tokens_done is None or tokens_done.fingerprint != tokens_fp:
         return None
-    for tag in topk_tags(run_root) if run_root.exists(run_root.path("topk")) else []:
+    for tag in topk_tags(run_root) if run_root.exists(run_root.path(TOPK_DIR)) else []:
         store = stage_dir(run_root, "topk", tag)
         info = read_store_info(run_root, store)
         imported = (info.model_extra or {}).get("imported") if info is not None else None
