@@ -42,9 +42,10 @@ E2E_FIXTURES = {"prefect_harness", "prefect_api_url", "infra_env", "prefect_stac
 PROCESS_FIXTURES = {"children", "moto", "s3_endpoint"}
 # Programs a library may start on its own inside a unit test: ctypes.util.find_library runs ldconfig or gcc,
 # torch.compile runs the C++ compiler, openssl and Python probes of what it compiled; platform.architecture() (called
-# by the croniter that Prefect's server vendors, on import) runs file.
+# by the croniter that Prefect's server vendors, on import) runs file; matplotlib (the training curve) runs fc-list
+# to build its font cache, once a machine: on a fresh machine the first unit test that draws a curve met it.
 LIBRARY_HELPERS = {"ldconfig", "gcc", "cc", "g++", "c++", "clang", "clang++", "ld", "objdump", "uname", "openssl",
-                   "file"}
+                   "file", "fc-list"}
 LIBRARY_MODULES = ("torchinductor", "torch/_inductor/", "torch._inductor.")
 
 

@@ -117,3 +117,16 @@ def test_json_field_on_files_that_are_not_one_json_object_is_refused(make_config
     array.write_text(json.dumps([{"text": "a"}]))
     with pytest.raises(ConfigError, match=r"holds a JSON list, not an object with the records under a key$"):
         probe_dataset(make_config(dataset__path=str(array), dataset__json_field="data").dataset)
+
+
+@pytest.mark.parametrize(("kind", "holds"), [("jsonl", "int"), ("parquet", "int64"), ("saved", "int64")])
+def test_a_text_field_that_holds_numbers_is_refused_before_the_run(make_config: Callable[..., Any], tmp_path: Path,
+                                                                    kind: str, holds: str) -> None:
+    """The first record's value, or the column's declared type where the file has a schema (Parquet, a saved
+    dataset): an int column used to pass the pre-flight look and fail in materialise."""
+    path = _write(tmp_path / "src", kind)
+    with pytest.raises(ConfigError) as caught:
+        probe_dataset(make_config(dataset__path=path, dataset__text_field="id").dataset)
+    assert str(caught.value) == (f"dataset.text_field='id' holds {holds} in {path}, not text: name a text field "
+                                 "(its fields: id, meta.body, meta.source.site)")
+    assert probe_dataset(make_config(dataset__path=path, dataset__text_field="meta.source.site").dataset) is None

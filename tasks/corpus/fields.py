@@ -1,8 +1,9 @@
 """`dataset.text_field` in a record: a field's name, or a dotted path into nested records (`meta.body` in
 `{"meta": {"body": "..."}}`, a JSON object or a Parquet struct). A field whose own name holds the dots wins.
 
-A record's *shape* is what the checks can see before reading it in full: a mapping from field names to None (a
-value) or to the shape of a nested record (a JSON object, a Parquet struct, a `datasets` feature dictionary).
+A record's *shape* is what the checks can see before reading it in full: a mapping from field names to a value
+(a first record's own value, or the column's declared type where a schema gives one: a pyarrow type, a `datasets`
+feature) or to the shape of a nested record (a JSON object, a Parquet struct, a `datasets` feature dictionary).
 """
 
 from __future__ import annotations
@@ -55,9 +56,25 @@ def arrow_shape(schema: Any) -> dict[str, Any]:
     """A pyarrow schema (or struct type) as a shape: struct fields nested."""
     import pyarrow as pa
 
-    return {f.name: arrow_shape(f.type) if pa.types.is_struct(f.type) else None for f in schema}
+    return {f.name: arrow_shape(f.type) if pa.types.is_struct(f.type) else f.type for f in schema}
 
 
 def features_shape(features: Mapping[str, Any]) -> dict[str, Any]:
     """A `datasets.Features` (a dict of features; a nested dict is a struct) as a shape."""
-    return {name: features_shape(value) if isinstance(value, Mapping) else None for name, value in features.items()}
+    return {name: features_shape(value) if isinstance(value, Mapping) else value for name, value in features.items()}
+
+
+def not_text(value: Any) -> str | None:
+    """What a shape's leaf holds where that is not text (None for text, a null, or a column of text): the value's
+    type (`int`), or the column's declared type (`int64`, `list<item: string>`, `List`)."""
+    import pyarrow as pa
+
+    if value is None or isinstance(value, str):
+        return None
+    if isinstance(value, pa.DataType):
+        text = (pa.types.is_string(value) or pa.types.is_large_string(value) or pa.types.is_null(value)
+                or getattr(pa.types, "is_string_view", lambda _: False)(value))
+        return None if text else str(value)
+    if type(value).__name__ == "Value" and type(value).__module__.startswith("datasets"):
+        return None if value.dtype in ("string", "large_string", "string_view", "null") else value.dtype
+    return type(value).__name__  # a value's own type (int, list), or another feature's (List, ClassLabel)

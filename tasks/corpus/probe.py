@@ -17,7 +17,7 @@ from kdflow.schemas.errors import ConfigError, first_line
 from kdflow.tasks.common.model_files import from_cwd
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.corpus.dataset_files import DELIMITERS, SAVED, csv_header, file_builder, open_file, uncompressed
-from kdflow.tasks.corpus.fields import arrow_shape, features_shape, field_names, field_value, has_field
+from kdflow.tasks.corpus.fields import arrow_shape, features_shape, field_names, field_value, has_field, not_text
 
 HUB_PROBE_TIMEOUT_S = 30.0
 WHOLE_JSON_PROBE_BYTES = 64 << 20  # a local JSON file laid out over many lines is read whole up to this size
@@ -118,6 +118,10 @@ def _check_fields(shape: dict[str, Any], dataset: DatasetConfig, name: str) -> N
         inside = ", ".join(f"{dataset.text_field}.{n}" for n in field_names(nested))
         raise ConfigError(f"dataset.text_field={dataset.text_field!r} is a nested record in {name}, not text "
                           f"(its fields: {inside or 'none'})")
+    kind = not_text(nested)
+    if kind is not None:
+        raise ConfigError(f"dataset.text_field={dataset.text_field!r} holds {kind} in {name}, not text: name a "
+                          f"text field (its fields: {', '.join(field_names(shape))})")
 
 
 def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: bool = False) -> None:
