@@ -113,7 +113,7 @@ def test_invalid_utf8_names_file_and_line(make_config: Callable[..., Any], tmp_p
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_malformed_json_line_names_its_file_and_line(make_config: Callable[..., Any], tmp_path: Path,
-                                                      streaming: bool) -> None:
+                                                      streaming: bool, capfd: pytest.CaptureFixture[str]) -> None:
     lines = [json.dumps({"text": f"document {i}"}) for i in range(40)]
     lines[29] = '{"text": "no closing quote}'
     path = tmp_path / "docs.jsonl"
@@ -123,6 +123,7 @@ def test_a_malformed_json_line_names_its_file_and_line(make_config: Callable[...
         materialise(open_run_root(config), materialise_settings(config))
     assert str(caught.value).startswith(f"dataset file {path}: line 30 is not valid JSON (")
     assert "\n" not in str(caught.value)
+    assert "Failed to load JSON" not in capfd.readouterr().err  # datasets' own line ("Invalid encoding") is not shown
     run_root = RunRoot(config.run_root)
     assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None
 
