@@ -19,7 +19,7 @@ import pytest
 from support.runs import DENSE_TAG, read_lines, student_path
 
 from kdflow.schemas.commits import stage_dir
-from kdflow.schemas.errors import StoreError
+from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import read_store_info
@@ -87,7 +87,6 @@ def test_export_import_train_gives_the_original_losses(fresh_run, tmp_path: Path
 def _imported_tokens_take_no_corpus(config) -> None:
     """tokens/ of an import is not the config's corpus tokenised: tokenise (which would skip it as done, its
     fingerprint being the config's) and pre-flight for materialise refuse it, before anything is written."""
-    from kdflow.schemas.errors import ConfigError
     from kdflow.schemas.stage_settings import open_run_root, tokenise_settings
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.corpus.tokenise import tokenise
@@ -111,6 +110,14 @@ def test_a_store_exported_as_distillkit_imports_back_to_the_same_targets(fresh_r
     assert {"input_ids", "compressed_logprobs", "bytepacked_indices"} <= set(
         pq.read_table(sorted((out / "data").glob("*.parquet"))[0]).column_names)
     config = _at(tmp_path / "imported", fresh_run, **V1)
+    settings_file = str(out / "compression_config.yaml")
+    with pytest.raises(ConfigError, match=r"^--distillkit-settings applies to DistillKit's packed captures \(--layout "
+                                          r"distillkit\), not layout kdflow: remove it$"):  # it was silently ignored
+        import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), "kdflow", "sharp-tiny",
+                     distillkit_settings=settings_file)
+    with pytest.raises(ConfigError, match=r"not kdflow: remove it$"):
+        export_store(str(original.run_root), str(tmp_path / "other"), DENSE_TAG, "kdflow",
+                     distillkit_settings=settings_file)
     summary = import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), "distillkit",
                            "sharp-tiny")
     assert summary["complete"] and summary["tail"] == "computed"

@@ -86,7 +86,7 @@ def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int
 def main(argv: list[str] | None = None) -> int:
     from kdflow.tasks.teacher.store_quality import report_markdown
 
-    parser = argparse.ArgumentParser(prog="kdflow store report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kdflow store report", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("run_root", help="the run root, or the config file that names it")
     parser.add_argument("--tag", help="one store (default: every store under topk/)")
     parser.add_argument("--rows", type=int, default=256, help="rows sampled for the histograms (default 256)")

@@ -153,6 +153,9 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLa
     a built-in's name); -> a summary. DistillKit's packed layout is written with the compressor settings of the file
     `distillkit_settings` (default: lossless, kdflow.tasks.teacher.distillkit_settings), saved beside the data."""
     layout = logit_layout(layout) if isinstance(layout, str) else layout
+    if distillkit_settings and layout.kind != "distillkit":
+        raise ConfigError(f"--distillkit-settings applies to DistillKit's packed layout (--layout distillkit), not "
+                          f"{layout.name}: remove it")
     run_root = RunRoot(url)
     tag = _pick_tag(run_root, tag)
     store, tokens_store = stage_dir(run_root, "topk", tag), stage_dir(run_root, "tokens")

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from kdflow.schemas.config_hash import section_hash
-from kdflow.schemas.errors import StoreError
+from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import IMPORTS_DIR
 from kdflow.schemas.logit_layouts import LogitLayout
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
@@ -102,6 +102,9 @@ def row_reader(layout: LogitLayout, source: SourceFiles, distillkit_settings: st
     """How a batch of the source becomes SourceRows, and what besides the layout decides it (for KEY): the layout's
     own mapping, or for DistillKit's packed captures their decoder with the capture's compressor settings (the file
     the user gave, else the one the capture ships)."""
+    if layout.kind != "distillkit" and distillkit_settings:
+        raise ConfigError(f"--distillkit-settings applies to DistillKit's packed captures (--layout distillkit), not "
+                          f"layout {layout.name}: remove it")
     if layout.kind != "distillkit":
         return (lambda batch, first_row, top_k, vocab: source_rows(batch, layout, first_row, top_k, vocab)), ""
     settings = settings_for_source(source.path, distillkit_settings)
