@@ -233,8 +233,10 @@ def test_kill_9_mid_import_resumes_to_the_uninterrupted_bytes(make_config, tmp_p
 
 
 def test_a_source_without_a_column_of_its_layout_says_which(make_config, tmp_path: Path) -> None:
-    source = _write_parts(tmp_path / "src", _table(6, 20).drop_columns(["topk_logprobs"]), [])
-    with pytest.raises(StoreError, match="has no column 'topk_logprobs' of layout kdflow"):
+    table = _table(6, 20).drop_columns(["topk_logprobs"]).append_column("top_logprobs", pa.array([[0.0]] * 6))
+    source = _write_parts(tmp_path / "src", table, [])
+    with pytest.raises(StoreError, match=r"has no column 'topk_logprobs' of layout kdflow \(columns: input_ids, "
+                                         r"topk_ids, top_logprobs\)$"):  # the source's columns, not just those read
         _import(_config(make_config, tmp_path / "run"), source)
     assert not (tmp_path / "run" / "tokens").exists()
 

@@ -8,6 +8,7 @@ log-probs), vectorised over the batch's positions (reading in source_columns, va
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,11 +31,15 @@ def _missing(table: pa.Table | pa.RecordBatch, layout: LogitLayout) -> str | Non
     return next((name for name in wanted if name not in table.schema.names), None)
 
 
-def check_columns(table: pa.Table | pa.RecordBatch, layout: LogitLayout, path: str) -> None:
+def check_columns(table: pa.Table | pa.RecordBatch, layout: LogitLayout, path: str,
+                  all_columns: Callable[[], list[str]] | None = None) -> None:
+    """`table`: the columns read; `all_columns`: the source's own, for the message (a read takes the layout's
+    columns only)."""
     missing = _missing(table, layout)
     if missing is not None:
+        columns = all_columns() if all_columns is not None else table.schema.names
         raise StoreError(f"import source {path!r} has no column {missing!r} of layout {layout.name} "
-                         f"(columns: {', '.join(table.schema.names)})")
+                         f"(columns: {', '.join(columns)})")
 
 
 def _targets(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row: int, row_lengths: np.ndarray,

@@ -144,6 +144,21 @@ def _file_batches(kind: str, name: str, columns: list[str] | None, json_block_by
                 yield batch if columns is None else batch.select([c for c in columns if c in batch.schema.names])
 
 
+def source_columns(source: SourceFiles, json_block_bytes: int = JSON_BLOCK_BYTES) -> list[str]:
+    """The columns of the source's first file, all of them (what a message about a missing one lists)."""
+    name = source.files[0]
+    if source.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(name).names
+    if source.kind == "jsonl":
+        import pyarrow.json as pj
+
+        return pj.open_json(name, read_options=pj.ReadOptions(block_size=json_block_bytes)).schema.names
+    with pa.OSFile(name, "rb") as handle:
+        return pa.ipc.open_stream(handle).schema.names
+
+
 def iter_source(source: SourceFiles, columns: list[str] | None = None, start_row: int = 0,
                 batch_rows: int = BATCH_ROWS, json_block_bytes: int = JSON_BLOCK_BYTES
                 ) -> Iterator[tuple[int, pa.RecordBatch]]:
