@@ -61,14 +61,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from kdflow.commands.status import print_status
     from kdflow.schemas.config_io import run_root_of
 
-    return print_status(run_root_of(args.run_root))
+    return print_status(run_root_of(args.run_root), args.run_root)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from kdflow.commands.validate import validate_run_root
     from kdflow.schemas.config_io import run_root_of
 
-    return validate_run_root(run_root_of(args.run_root), fix=args.fix)
+    return validate_run_root(run_root_of(args.run_root), fix=args.fix, given=args.run_root)
 
 
 def _cmd_store(args: argparse.Namespace) -> int:

@@ -96,6 +96,16 @@ def run_root_of(given: str) -> str:
     return config.run_root if config is not None else given
 
 
+def relative_run_root_hint(url: str, given: str) -> str:
+    """Where a run root named by a config file (`given`) and missing is relative: that it was looked for from the
+    working directory, and the folder above the config that holds it, if one does (else "")."""
+    if given == url or "://" in url or Path(url).is_absolute():
+        return ""
+    hint = f"; a relative run_root is read from the working directory ({Path.cwd()})"
+    found = next((base for base in Path(given).resolve().parents if (base / url).is_dir()), None)
+    return hint + (f": run from {found}, which holds {found / url}" if found is not None else "")
+
+
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = data

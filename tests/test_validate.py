@@ -296,3 +296,29 @@ def test_unparseable_files_are_findings_not_crashes(tokenised_run: tuple[Any, An
     assert code == 1
     assert "corpus: corpus/_complete.json: unreadable" in out.replace(run_root.root + "/", "")
     assert f"topk/{TAG} shard 1: " in out and "unreadable Arrow shard" in out
+
+
+def test_a_relative_run_root_missing_from_here_says_where_it_was_looked_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kdflow status/validate CONFIG` from another folder: the config's relative run_root is read from the working
+    directory, as documented; the message says so, and names the folder above the config that holds it."""
+    from kdflow.cli import main
+
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    config = project / "configs" / "run.yaml"
+    example = (Path(__file__).parents[1] / "configs" / "example.yaml").read_text()
+    config.write_text(example.replace("run_root: runs/example", "run_root: runs/mine"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["status", str(config)]) == 1
+    assert capsys.readouterr().out.strip() == ("run root runs/mine does not exist (nothing run yet); a relative "
+                                               f"run_root is read from the working directory ({elsewhere})")
+    (project / "runs" / "mine").mkdir(parents=True)
+    assert main(["validate", str(config)]) == 1
+    assert capsys.readouterr().out.strip() == (f"run root runs/mine does not exist; a relative run_root is read from "
+                                               f"the working directory ({elsewhere}): run from {project}, which holds "
+                                               f"{project / 'runs' / 'mine'}")
+    assert main(["status", "runs/mine"]) == 1  # a run root given as such: no hint
+    assert capsys.readouterr().out.strip() == "run root runs/mine does not exist (nothing run yet)"

@@ -5,15 +5,16 @@ The lines are `kdflow.tasks.run_status`'s; this prints them, or says that the ru
 
 from __future__ import annotations
 
+from kdflow.schemas.config_io import relative_run_root_hint
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.run_status import status_lines
 
 
-def print_status(url: str) -> int:
-    """Print the run root's status; -> exit code (1: no run root there)."""
+def print_status(url: str, given: str | None = None) -> int:
+    """Print the run root's status; -> exit code (1: no run root there). `given`: the config file naming it."""
     run_root = RunRoot(url)
     if not run_root.exists(run_root.root):
-        print(f"run root {url} does not exist (nothing run yet)")
+        print(f"run root {url} does not exist (nothing run yet){relative_run_root_hint(url, given or url)}")
         return 1
     for line in status_lines(run_root):
         print(line)

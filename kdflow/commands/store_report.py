@@ -16,7 +16,7 @@ import yaml
 
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config_io import config_from_dict
-from kdflow.schemas.config_io import run_root_of
+from kdflow.schemas.config_io import relative_run_root_hint, run_root_of
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import CONFIG_FILE
 from kdflow.schemas.storage import RunRoot
@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="device of the teacher (default: the store config's)")
     parser.add_argument("--json", action="store_true", help="one JSON object per store instead of Markdown")
     args = parser.parse_args(argv)
-    args.run_root = run_root_of(args.run_root)
+    given, args.run_root = args.run_root, run_root_of(args.run_root)
     run_root = RunRoot(args.run_root)
     if not run_root.exists(run_root.root):  # as kdflow status and validate say it
-        print(f"run root {args.run_root} does not exist")
+        print(f"run root {args.run_root} does not exist{relative_run_root_hint(args.run_root, given)}")
         return 1
     summaries = store_report(args.run_root, args.tag, args.rows, args.kl_rows, args.device)
     if not summaries:

@@ -9,6 +9,7 @@ Output: one line per store, one line per problem; exit code 0 when nothing is wr
 
 from __future__ import annotations
 
+from kdflow.schemas.config_io import relative_run_root_hint
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.validate import StoreReport, remove_broken, remove_complete, store_reports
@@ -43,11 +44,12 @@ def _print_report(report: StoreReport, run_root: RunRoot, fix: bool) -> int:
     return removed
 
 
-def validate_run_root(url: str, fix: bool = False) -> int:
-    """Check every store under the run root; print one line per store and per problem. -> exit code (0: all good)."""
+def validate_run_root(url: str, fix: bool = False, given: str | None = None) -> int:
+    """Check every store under the run root; print one line per store and per problem. -> exit code (0: all good).
+    `given`: the config file naming the run root."""
     run_root = RunRoot(url)
     if not run_root.exists(run_root.root):
-        print(f"run root {url} does not exist")
+        print(f"run root {url} does not exist{relative_run_root_hint(url, given or url)}")
         return 1
     print(f"validating {run_root.display(run_root.root)}")
     reports: list[StoreReport] = []
