@@ -20,3 +20,8 @@ class FingerprintMismatch(StoreError):
 def first_line(error: BaseException) -> str:
     """The first line of an error's message, or its type's name when it has none."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def first_paragraph(doc: str | None) -> str:
+    """A module docstring's first paragraph on one line: a command's --help description."""
+    return " ".join((doc or "").split("\n\n")[0].split())

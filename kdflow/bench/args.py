@@ -12,6 +12,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from kdflow.schemas.errors import first_paragraph
+
 NOT_TAKEN: Any = object()  # a shared option this bench does not take (None is a default: "from the config")
 
 HELP = {
@@ -32,7 +34,7 @@ def bench_parser(name: str, doc: str | None, *, device: Any = NOT_TAKEN, devices
     """`kdflow bench NAME`'s parser (its description: the first line of `doc`, the bench module's docstring) with
     the shared options this bench takes, at its defaults. `run_root=True`: runs/bench-NAME. `devices`: the
     choices of --device (default: any name torch takes). `helps`: option -> this bench's own help text."""
-    parser = argparse.ArgumentParser(prog=f"kdflow bench {name}", description=(doc or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"kdflow bench {name}", description=first_paragraph(doc))
     helps = HELP | (helps or {})
 
     def shared(option: str, default: Any, kind: type, **more: Any) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kdflow.bench.harness import emit, note
+from kdflow.schemas.errors import first_paragraph
 
 # Shared memory a block may use (the opt-in maximum), bytes, by compute capability.
 SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
@@ -32,7 +33,7 @@ GPUS = {80: "A100", 86: "RTX 3090", 89: "L4/RTX 4090", 90: "H100/H200"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kdflow bench kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kdflow bench kernels", description=first_paragraph(__doc__))
     parser.add_argument("--arch", default="90,86,80",
                         help=f"compute capabilities, a comma list of {','.join(map(str, SHARED_LIMIT))} "
                              "(default 90,86,80)")

@@ -17,7 +17,7 @@ import yaml
 from kdflow.schemas.commits import list_commits, stage_dir
 from kdflow.schemas.config_io import config_from_dict
 from kdflow.schemas.config_io import relative_run_root_hint, run_root_of
-from kdflow.schemas.errors import StoreError
+from kdflow.schemas.errors import StoreError, first_paragraph
 from kdflow.schemas.layout import CONFIG_FILE
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
@@ -86,7 +86,7 @@ def store_report(url: str, tag: str | None = None, rows: int = 256, kl_rows: int
 def main(argv: list[str] | None = None) -> int:
     from kdflow.tasks.teacher.store_quality import report_markdown
 
-    parser = argparse.ArgumentParser(prog="kdflow store report", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(prog="kdflow store report", description=first_paragraph(__doc__))
     parser.add_argument("run_root", help="the run root, or the config file that names it")
     parser.add_argument("--tag", help="one store (default: every store under topk/)")
     parser.add_argument("--rows", type=int, default=256, help="rows sampled for the histograms (default 256)")

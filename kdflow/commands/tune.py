@@ -26,10 +26,11 @@ import sys
 from pathlib import Path
 
 from kdflow.schemas.config_io import parse_override
+from kdflow.schemas.errors import first_paragraph
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdflow tune precompute", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kdflow tune precompute", description=first_paragraph(__doc__))
     parser.add_argument("config", help="YAML config (see configs/)")
     parser.add_argument("--micro-batches", help="comma list of candidates (default: half, 1x, 2x and 4x the config's)")
     parser.add_argument("--headroom", type=float, default=0.10,

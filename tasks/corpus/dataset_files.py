@@ -11,7 +11,10 @@ from __future__ import annotations
 import csv
 import glob
 import importlib.util
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kdflow.schemas.config import DatasetConfig
@@ -173,3 +176,21 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
     if len(builders) != 1:
         raise ConfigError(f"{key}: files must share one format, found {sorted(builders)}")
     return builders.pop(), expanded
+
+
+# datasets' file builders log a file they cannot parse at ERROR before raising, in their own words (a JSON line cut
+# short reads as "Invalid encoding in string"); materialise names the file, line and problem itself.
+_BUILDER_LOGGERS = tuple(f"datasets.packaged_modules.{name}.{name}" for name in ("json", "csv", "parquet"))
+
+
+@contextmanager
+def builders_quiet() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _BUILDER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -8,9 +8,7 @@ resumes after the last committed part, also in the middle of a stream.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +27,8 @@ from kdflow.tasks.common.hub_access import object_store_reads
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
 from kdflow.tasks.corpus.dataset_changes import check_unchanged, snapshot, with_current_times
-from kdflow.tasks.corpus.dataset_files import (DELIMITERS, SAVED, csv_header, first_malformed_row, format_of,
-                                              open_file, pandas_column_names, uncompressed)
+from kdflow.tasks.corpus.dataset_files import (DELIMITERS, SAVED, builders_quiet, csv_header, first_malformed_row,
+                                              format_of, open_file, pandas_column_names, uncompressed)
 from kdflow.tasks.corpus.dataset_files import file_builder as _file_builder
 from kdflow.tasks.corpus.fields import field_names, field_value
 
@@ -169,27 +167,9 @@ def _local_files(dataset: DatasetConfig) -> list[str]:
     return [f for f in files[1] if "://" not in f] if files is not None else []
 
 
-# datasets' file builders log a file they cannot parse at ERROR before raising, in their own words (a JSON line cut
-# short reads as "Invalid encoding in string"); iter_records names the file, line and problem itself.
-_BUILDER_LOGGERS = tuple(f"datasets.packaged_modules.{name}.{name}" for name in ("json", "csv", "parquet"))
-
-
-@contextmanager
-def _builders_quiet() -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in _BUILDER_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def iter_records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]]:
     """(source index, text) from record `start` on, in source order; errors name the problem in one line."""
-    with _builders_quiet():
+    with builders_quiet():
         yield from _records(dataset, start)
 
 
