@@ -136,6 +136,27 @@ def test_a_store_exported_as_distillkit_imports_back_to_the_same_targets(fresh_r
                                    atol=1e-4)
 
 
+def test_a_layout_declared_in_yaml_exports_and_imports_back(fresh_run, tmp_path: Path) -> None:
+    """Export takes the YAML layouts import takes (it took built-ins only): a trainer's own column names out, and
+    the same file reads them back to the same targets."""
+    layout = tmp_path / "mine.yaml"
+    layout.write_text("tokens: tokens\nids: top_ids\nvalues: top_logprobs\ntail: rest\n")
+    original, out = _exported(fresh_run, tmp_path, str(layout))
+    table = pq.read_table(sorted((out / "data").glob("*.parquet"))[0])
+    assert table.column_names == ["tokens", "top_ids", "top_logprobs", "rest"]
+    assert json.loads((out / "kdflow_export.json").read_text())["layout"] == "mine"
+    config = _at(tmp_path / "imported", fresh_run, **V1)
+    summary = import_store(open_run_root(config), teacher_pass_settings(config), str(out / "data"), str(layout),
+                           "sharp-tiny")
+    assert summary["complete"] and summary["tail"] == "source"
+    before, after = (RunRoot(c.run_root) for c in (original, config))
+    for shard in ("shard-00000.arrow", "shard-00001.arrow"):
+        assert (after.read_bytes(f"{stage_dir(after, 'topk', summary['tag'])}/{shard}")
+                == before.read_bytes(f"{stage_dir(before, 'topk', DENSE_TAG)}/{shard}"))
+    with pytest.raises(ConfigError, match=r"^unknown logit layout 'axolotol'; known: "):  # one line, not usage
+        export_store(str(original.run_root), str(tmp_path / "typo"), DENSE_TAG, "axolotol")
+
+
 def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_run, tmp_path: Path,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     from kdflow.schemas.stage_settings import open_run_root, training_settings

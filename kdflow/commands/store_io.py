@@ -77,7 +77,8 @@ def export_main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_root", help="the run root, or the config file that names it")
     parser.add_argument("out_dir")
     parser.add_argument("--tag", help="the store (default: the run root's only one)")
-    parser.add_argument("--layout", default="kdflow", choices=sorted(LAYOUTS), help="column layout (default kdflow)")
+    parser.add_argument("--layout", default="kdflow", help=f"a built-in layout ({', '.join(sorted(LAYOUTS))}; "
+                        "default kdflow) or a YAML file declaring one, as import reads them")
     parser.add_argument("--distillkit-settings", metavar="FILE", help="--layout distillkit: the compressor settings "
                         "to write with (default: lossless, every value an exact float32)")
     args = parser.parse_args(argv)

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from kdflow.schemas.commits import list_commits, read_complete, stage_dir
 from kdflow.schemas.errors import ConfigError, StoreError
-from kdflow.schemas.logit_layouts import LogitLayout, logit_layout
+from kdflow.schemas.logit_layouts import LogitLayout, resolve_layout
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
@@ -152,7 +152,7 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLa
     """Write store `tag` of run root `url` (default: its only store) to `out_dir` in `layout` (a declared layout or
     a built-in's name); -> a summary. DistillKit's packed layout is written with the compressor settings of the file
     `distillkit_settings` (default: lossless, kdflow.tasks.teacher.distillkit_settings), saved beside the data."""
-    layout = logit_layout(layout) if isinstance(layout, str) else layout
+    layout = resolve_layout(layout)  # a built-in's name, a YAML file's path, or declared
     if distillkit_settings and layout.kind != "distillkit":
         raise ConfigError(f"--distillkit-settings applies to DistillKit's packed layout (--layout distillkit), not "
                           f"{layout.name}: remove it")
