@@ -130,3 +130,15 @@ def test_a_text_field_that_holds_numbers_is_refused_before_the_run(make_config: 
     assert str(caught.value) == (f"dataset.text_field='id' holds {holds} in {path}, not text: name a text field "
                                  "(its fields: id, meta.body, meta.source.site)")
     assert probe_dataset(make_config(dataset__path=path, dataset__text_field="meta.source.site").dataset) is None
+
+
+def test_a_categorical_parquet_text_column_is_text(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    """A dictionary-encoded string column (pandas' category, written to Parquet) is read as text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "categorical.parquet"
+    pq.write_table(pa.table({"text": pa.array(DOCS).dictionary_encode()}), path)
+    config = make_config(dataset__path=str(path), dataset__documents_per_part=4)
+    assert probe_dataset(config.dataset) is None
+    assert materialise(open_run_root(config), materialise_settings(config)).documents == len(DOCS)

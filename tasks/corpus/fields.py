@@ -71,6 +71,8 @@ def not_text(value: Any) -> str | None:
 
     if value is None or isinstance(value, str):
         return None
+    if isinstance(value, pa.DataType) and pa.types.is_dictionary(value):  # a categorical column: its values'
+        return None if not_text(value.value_type) is None else str(value)
     if isinstance(value, pa.DataType):
         text = (pa.types.is_string(value) or pa.types.is_large_string(value) or pa.types.is_null(value)
                 or getattr(pa.types, "is_string_view", lambda _: False)(value))
