@@ -37,6 +37,26 @@ def test_the_pruned_config_follows_per_layer_lists() -> None:
     assert config.num_hidden_layers == 5  # the teacher's own config is untouched
 
 
+def test_a_student_pruned_from_a_quantised_teacher_saves_and_loads_as_plain_weights(tmp_path) -> None:
+    """A teacher loaded from a GGUF file (or in 4-bit) carries transformers' quantization_config: carried into the
+    student, every load of its folder came back "quantized with gguf" and could not be saved again (resume, init_from
+    failed at their first checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = tiny("llama")
+    teacher.config.quantization_config = {"quant_method": "gguf", "gguf_file": "teacher.gguf", "dequantize": False}
+    teacher.config.kdflow_source = {"package": "a-teacher==1.0"}
+    teacher.config._name_or_path = "/models/teacher"
+    student = prune_teacher(teacher, (0, 2))
+    saved = student.config.to_dict()
+    assert "quantization_config" not in saved and "kdflow_source" not in saved and not student.config.name_or_path
+    assert "quantization_config" in teacher.config.to_dict()  # the teacher's own config is untouched
+    student.save_pretrained(tmp_path / "first")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "first")
+    assert not getattr(loaded, "is_quantized", False) and getattr(loaded, "hf_quantizer", None) is None
+    loaded.save_pretrained(tmp_path / "again")  # raised "The model is quantized with gguf and is not serializable"
+
+
 @pytest.mark.parametrize("importance", ["cosine", "skip_loss"])
 def test_importance_finds_the_block_that_does_nothing(importance: str) -> None:
     teacher = tiny("llama")

@@ -87,9 +87,20 @@ def choose_blocks(scores: list[float], layers: int) -> tuple[int, ...]:
     return top_in_order(scores, layers)
 
 
+# What a teacher's config says of how the teacher was stored, not of the model: a teacher loaded from a GGUF file or
+# in 4-bit carries transformers' quantization_config, which on a student of plain weights made every later load
+# quantised (a resume, init_from: "The model is quantized with gguf and is not serializable").
+_STORAGE_ONLY = ("quantization_config", "kdflow_source")
+
+
 def pruned_config(config: object, kept: tuple[int, ...]) -> object:
-    """The teacher's config with only the kept blocks; per-layer lists follow them."""
+    """The teacher's config with only the kept blocks; per-layer lists follow them. What says how the teacher's own
+    files were stored (its quantisation, its source, its path) is not carried over."""
     pruned = copy.deepcopy(config)
+    for name in _STORAGE_ONLY:
+        if name in vars(pruned):
+            delattr(pruned, name)
+    pruned._name_or_path = ""
     teacher_layers = config.num_hidden_layers
     pruned.num_hidden_layers = len(kept)
     layer_types = getattr(config, "layer_types", None)
