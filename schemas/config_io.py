@@ -6,6 +6,7 @@ The models themselves live in `kdflow.schemas.config`, which knows nothing of te
 from __future__ import annotations
 
 import argparse
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,13 @@ if TYPE_CHECKING:
     from kdflow.schemas.storage import RunRoot
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The config section a field holds: its model, also where it is optional (`PruneConfig | None`)."""
+    members = typing.get_args(annotation) or (annotation,)
+    models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
 def _config_key(loc: tuple[int | str, ...]) -> str:
     """The dotted config key of an error location, without pydantic's union-member tags ('str', 'list[str]')."""
     parts: list[str] = []
@@ -28,8 +36,7 @@ def _config_key(loc: tuple[int | str, ...]) -> str:
         if model is not None and isinstance(item, str):
             parts.append(item)  # a field of this section, or the unknown key itself
             field = model.model_fields.get(item)
-            annotation = field.annotation if field is not None else None
-            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+            model = _section(field.annotation) if field is not None else None
         elif isinstance(item, int):
             parts.append(str(item))  # an index into a list or tuple value
         else:
@@ -40,8 +47,13 @@ def _config_key(loc: tuple[int | str, ...]) -> str:
 def _format_validation_error(error: ValidationError, source: str, overrides: dict[str, Any] | None = None) -> str:
     first = error.errors()[0]
     where = _config_key(first["loc"]) or "<root>"
-    if where in (overrides or {}):  # the value came from the command line, not from the file
-        source = f"--set {where}={overrides[where]}"
+    overrides = overrides or {}
+    parts = where.split(".")
+    given = next((key for key in (".".join(parts[:n]) for n in range(len(parts), 0, -1)) if key in overrides), None)
+    if given is not None:  # the value (or the list or section holding it) came from the command line
+        source = f"--set {given}={overrides[given]}"
+    elif where != "<root>" and (inside := [key for key in overrides if key.startswith(f"{where}.")]):
+        source += " with " + ", ".join(f"--set {key}={overrides[key]}" for key in inside)  # a section's own check
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown config key '{where}'"
     if first["type"] == "missing" and first["loc"] and isinstance(first["loc"][-1], int):  # a tuple's item
@@ -50,6 +62,9 @@ def _format_validation_error(error: ValidationError, source: str, overrides: dic
     if first["type"] == "missing":
         return f"{source}: missing required config key '{where}'"
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    if where == "<root>":  # a check of the whole config, whose message names its keys
+        named = [key for key in overrides if key in message]
+        return f"{f'--set {named[0]}={overrides[named[0]]}' if len(named) == 1 else source}: {message}"
     return f"{source}: invalid value for '{where}': {message}"
 
 
@@ -140,4 +155,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"--set expects KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
+    if not all(part.strip() for part in key.split(".")):
+        raise argparse.ArgumentTypeError(f"--set {text}: the key {key.strip()!r} has an empty part (KEY=VALUE, "
+                                         "KEY dotted: student.steps=50)")
     return key.strip(), yaml.safe_load(value)

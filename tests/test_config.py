@@ -170,6 +170,40 @@ def test_overrides_with_dotted_keys(tmp_path: Path) -> None:
     assert pruned.student.prune.importance == "cosine"  # the rest of an empty section takes its defaults
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    # inside an optional section (`student.prune: PruneConfig | None`): the key was cut at 'student.prune'
+    ({"student.prune.layers": 2, "student.prune.colour": "red"},
+     "--set student.prune.colour=red: unknown config key 'student.prune.colour'"),
+    ({"student.prune.layers": 0}, "--set student.prune.layers=0: invalid value for 'student.prune.layers': Input "
+                                  "should be greater than 0"),
+    ({"student.prune.importance": "magnitude"}, "c.yaml: missing required config key 'student.prune.layers'"),
+    # a list set whole, short of items: named by the --set that gave it
+    ({"student.betas": [0.9]}, "--set student.betas=[0.9]: invalid value for 'student.betas': too few items (item 2 "
+                               "is missing)"),
+    # a section's own check, with a key from each side
+    ({"student.prune.layers": 2, "student.init_from": "/models/x"},
+     "c.yaml with --set student.prune.layers=2, --set student.init_from=/models/x: invalid value for 'student': "
+     "student.prune and student.init_from both say where the student starts: set one"),
+    # a check of the whole config whose message names the key given
+    ({"student.kd.temperature": 2}, "--set student.kd.temperature=2: student.kd.temperature=2.0 is refused: "),
+])
+def test_an_error_names_the_set_it_came_from(tmp_path: Path, overrides: dict, message: str) -> None:
+    path = write_yaml(tmp_path / "c.yaml", EXAMPLE)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, overrides)
+    assert str(caught.value).removeprefix(str(tmp_path) + "/").startswith(message), str(caught.value)
+
+
+@pytest.mark.parametrize("text", ["student..steps=3", "=3", "student.=3"])
+def test_a_set_key_with_an_empty_part_is_refused(text: str) -> None:
+    import argparse
+
+    from kdflow.schemas.config_io import parse_override
+
+    with pytest.raises(argparse.ArgumentTypeError, match="has an empty part"):
+        parse_override(text)
+
+
 def test_config_is_frozen() -> None:
     config = config_from_dict(with_changes())
     with pytest.raises(pydantic.ValidationError):
