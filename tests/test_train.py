@@ -118,6 +118,23 @@ def test_interrupted_and_resumed_runs_end_with_the_same_weights(fresh_run) -> No
         assert [r["loss"] for r in run_metrics] == [r["loss"] for r in whole_metrics]
 
 
+def test_more_steps_on_a_resume_follow_the_longer_schedule_from_the_first_step_resumed(fresh_run) -> None:
+    """`student.steps` is not part of the checkpoint's fingerprint: a finished student trains on when it is raised.
+    The first step resumed ran at the rate the old schedule last applied (its minimum), then jumped to the new one."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.steps import lr_factor
+    from kdflow.tasks.student.train import train
+
+    common = {"student__name": "longer", "student__save_every": 3, "student__warmup_steps": 1, "student__lr": 1e-3}
+    train(open_run_root(short := fresh_run(student__steps=3, **common)), training_settings(short))
+    longer = fresh_run(student__steps=6, **common)
+    assert train(open_run_root(longer), training_settings(longer))["start_step"] == 3
+    rates = [record["lr"] for record in read_lines(student_path(longer, "metrics.jsonl"))]
+    want = [1e-3 * lr_factor(step, short.student) for step in range(3)]
+    want += [1e-3 * lr_factor(step, longer.student) for step in range(3, 6)]
+    assert rates == pytest.approx(want, rel=1e-6)
+
+
 def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.train import train

@@ -266,6 +266,12 @@ def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: to
         raise StoreError(f"{run_root.display(path)}: unreadable training state: {str(error).splitlines()[0]}") from None
     (load_optimizer or optimizer.load_state_dict)(training["optimizer"])
     scheduler.load_state_dict(training["scheduler"])
+    # student.steps may change between runs, and the schedule with it: the step resumed takes the rate of today's
+    # schedule, not the last one the checkpoint's run applied (the same value where the steps did not change)
+    rates = [base * factor(scheduler.last_epoch) for factor, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
     restore_rng(training["rng"])
     return TrainingState(**training["state"])
 
