@@ -42,7 +42,7 @@ from kdflow.schemas.owners import owner_tag
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.scratch import local_copy, scratch_dir
-from kdflow.tasks.student.model import load_causal_lm
+from kdflow.tasks.student.model import StudentError, load_causal_lm
 
 
 @dataclass(frozen=True)
@@ -278,8 +278,30 @@ def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: to
 
 def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch.device | str) -> nn.Module:
     with local_copy(run_root, checkpoint_path) as folder:
-        model = load_causal_lm(folder, what="checkpoint", dtype=torch.float32)
+        model = load_causal_lm(folder, what="checkpoint", dtype=torch.float32, shown=run_root.display(checkpoint_path))
     return model.to(device)
+
+
+def newest_loadable(run_root: RunRoot, student_dir: str, device: torch.device | str,
+                    check: Callable[[Checkpoint], None], warn: Callable[[str], None]
+                    ) -> tuple[Checkpoint | None, nn.Module | None]:
+    """The newest complete checkpoint whose model loads, and its model (None, None: no checkpoint). `check` refuses
+    one that may not be resumed (other settings). One whose files are damaged (a disk error, a cut copy) is passed
+    over for the one before it, with `warn`: its step is trained again, the same as before; none loading is an
+    error naming the newest."""
+    checkpoints = list_checkpoints(run_root, student_dir)
+    first_problem = None
+    for checkpoint in reversed(checkpoints):
+        check(checkpoint)
+        try:
+            return checkpoint, load_checkpoint_model(run_root, checkpoint.path, device)
+        except StudentError as error:
+            first_problem = first_problem or str(error)
+            warn(f"{error}; resuming from the checkpoint before it, if one loads")
+    if first_problem is not None:
+        raise StudentError(f"{first_problem}, nor does any older checkpoint: delete "
+                           f"{run_root.display(student_dir)}'s checkpoint-* folders to start this student again")
+    return None, None
 
 
 def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any, *,

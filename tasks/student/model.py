@@ -25,24 +25,28 @@ class StudentError(KDFlowError):
 
 
 def load_causal_lm(source: str, *, what: str, dtype: torch.dtype | None = None, device: str | None = None,
-                   hub: bool = False) -> nn.Module:
+                   hub: bool = False, shown: str | None = None) -> nn.Module:
     """AutoModelForCausalLM.from_pretrained(source) with one-line errors that say what `source` was for.
 
-    `source` is a model folder; with `hub`, also a hub id (from the local Hugging Face cache, or downloaded)."""
+    `source` is a model folder; with `hub`, also a hub id (from the local Hugging Face cache, or downloaded).
+    `shown`: the name the errors give it (a checkpoint's run-root path, where `source` is its local copy)."""
     from transformers import AutoModelForCausalLM
 
     on_hub = hub and hub_id(source) is not None
     folder = source if on_hub else os.path.expanduser(source)
     problem = None if on_hub else model_folder_problem(folder)
+    name = repr(shown or source)
     if problem is not None:
-        raise StudentError(f"{what} {source!r} is not a model: {problem}")
+        raise StudentError(f"{what} {name} is not a model: {problem}")
     kwargs: dict[str, Any] = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    from safetensors import SafetensorError  # a damaged or cut-short weights file
+
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise StudentError(f"{what} {source!r} is not a loadable causal LM: {first_line(error)}") from None
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as error:
+        raise StudentError(f"{what} {name} is not a loadable causal LM: {first_line(error)}") from None
     return model.to(device) if device is not None else model
 
 

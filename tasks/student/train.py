@@ -32,8 +32,8 @@ from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.tokenizer import load_tokenizer
-from kdflow.tasks.student.checkpoint import (TrainingState, latest_checkpoint, load_checkpoint_model,
-                                             load_training_state, prune_checkpoints, save_checkpoint, save_final)
+from kdflow.tasks.student.checkpoint import (Checkpoint, TrainingState, load_training_state, newest_loadable,
+                                             prune_checkpoints, save_checkpoint, save_final)
 from kdflow.tasks.student.data import epoch_permutation, open_distill_data
 from kdflow.tasks.student.distributed import (any_rank, barrier, choose_sharding, full_model_state,
                                               full_optimizer_state, load_full_optimizer_state, rank_device,
@@ -78,13 +78,16 @@ class StudentRun:
             prune_checkpoints(self.run_root, self.student_dir, student.keep_checkpoints)
         barrier()  # nobody looks for a checkpoint while rank 0 prunes
         torch.manual_seed(student.seed)
-        self.checkpoint = latest_checkpoint(self.run_root, self.student_dir)
-        if self.checkpoint is not None and self.checkpoint.state.fingerprint != fingerprint:
-            raise StoreError(f"{self.run_root.display(self.checkpoint.path)} was trained with other data or settings "
-                             f"(fingerprint {self.checkpoint.state.fingerprint}, this config {fingerprint}); "
-                             "choose another student.name or delete that folder")
-        if self.checkpoint is not None:
-            self.model = load_checkpoint_model(self.run_root, self.checkpoint.path, self.device)
+        def same_settings(checkpoint: Checkpoint) -> None:
+            if checkpoint.state.fingerprint != fingerprint:
+                raise StoreError(f"{self.run_root.display(checkpoint.path)} was trained with other data or settings "
+                                 f"(fingerprint {checkpoint.state.fingerprint}, this config {fingerprint}); "
+                                 "choose another student.name or delete that folder")
+
+        self.checkpoint, model = newest_loadable(self.run_root, self.student_dir, self.device, same_settings,
+                                                 logger.warning if self.is_main else lambda _: None)
+        if model is not None:
+            self.model = model
             check_student(self.model, self.tokenizer)
         elif student.prune is not None:  # the teacher's own blocks: every rank measures and keeps the same ones
             self.model = self.pruned_from_teacher().to(self.device)

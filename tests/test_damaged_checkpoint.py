@@ -1,0 +1,63 @@
+"""A student checkpoint whose weights file is damaged (a disk error, a copy cut short): the resume passes over it
+for the checkpoint before it and ends with the weights of a run that was never damaged; with none loadable, one
+line names the newest and what to delete. `kdflow chat` on it says the same in one line (it raised safetensors'
+own SafetensorError)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from support.runs import final_weights, read_lines, student_path
+
+from kdflow.tasks.student.model import StudentError
+
+COMMON = {"student__steps": 6, "student__save_every": 2}
+
+
+def _damage(config: Any, checkpoint: str) -> None:
+    weights = student_path(config, checkpoint, "model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(fresh_run, caplog) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.model import load_causal_lm
+    from kdflow.tasks.student.train import train
+
+    whole = fresh_run(student__name="whole", **COMMON)
+    train(open_run_root(whole), training_settings(whole))
+    damaged = fresh_run(student__name="damaged", **COMMON)
+    assert train(open_run_root(damaged), training_settings(damaged), on_step=lambda r: r["step"] == 4)["stopped"]
+    _damage(damaged, "checkpoint-4")
+    with pytest.raises(StudentError) as caught:  # what `kdflow chat` on that folder says
+        load_causal_lm(str(student_path(damaged, "checkpoint-4")), what="student")
+    assert "checkpoint-4' is not a loadable causal LM: " in str(caught.value) and "\n" not in str(caught.value)
+
+    with caplog.at_level(logging.WARNING, logger="kdflow.train"):
+        resumed = train(open_run_root(damaged), training_settings(damaged))
+    assert resumed["start_step"] == 2 and resumed["resumed_from"].endswith("checkpoint-2")
+    assert any("checkpoint-4' is not a loadable causal LM" in r.getMessage() and "the checkpoint before it" in
+               r.getMessage() for r in caplog.records)
+    reference = final_weights(whole)
+    for name, tensor in final_weights(damaged).items():
+        assert torch.equal(tensor, reference[name]), name
+    assert [r["step"] for r in read_lines(student_path(damaged, "metrics.jsonl"))] == list(range(1, 7))
+
+
+def test_no_loadable_checkpoint_is_one_line_naming_the_newest(fresh_run) -> None:
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    config = fresh_run(student__name="broken", **COMMON)
+    assert train(open_run_root(config), training_settings(config), on_step=lambda r: r["step"] == 4)["stopped"]
+    for checkpoint in ("checkpoint-2", "checkpoint-4"):
+        _damage(config, checkpoint)
+    with pytest.raises(StudentError) as caught:
+        train(open_run_root(config), training_settings(config))
+    message = str(caught.value)
+    assert "checkpoint-4' is not a loadable causal LM: " in message and "\n" not in message
+    assert message.endswith("nor does any older checkpoint: delete " + str(student_path(config))
+                            + "'s checkpoint-* folders to start this student again")
