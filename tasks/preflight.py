@@ -22,7 +22,7 @@ from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR
 from kdflow.tasks.preflight_context import Check, Preflight, chosen_stages
-from kdflow.tasks.preflight_stores import check_imported, check_resume, check_sources
+from kdflow.tasks.preflight_stores import check_imported, check_resume, check_sources, check_train_inputs
 
 
 def run_preflight(config: KDFlowConfig, stages: list[str] | str | None = None) -> list[str]:
@@ -303,4 +303,5 @@ CHECKS: list[Check] = [
     Check("sources", check_sources, frozenset({"materialise"})),
     Check("imported", check_imported, frozenset({"materialise", "tokenise"})),
     Check("resume", check_resume, frozenset({"train"})),
+    Check("train_inputs", check_train_inputs, frozenset({"train"})),
 ]

@@ -19,9 +19,10 @@ import yaml
 
 from kdflow.schemas.config import STAGES, KDFlowConfig
 from kdflow.schemas.config_io import config_from_dict
-from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import student_resume_fields
 from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name
+from kdflow.schemas.stage_settings import held_out_problem
 from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 from kdflow.tasks.preflight_context import Preflight, chosen_stages
 
@@ -159,3 +160,35 @@ def resume_changes(saved: KDFlowConfig, config: KDFlowConfig, *, topk: bool) -> 
 
 def _changed(pairs: list[tuple[str, Any, Any]]) -> list[str]:
     return [f"{key} {old!r}, now {new!r}" for key, old, new in pairs if old != new]
+
+
+def check_train_inputs(context: Preflight) -> None:
+    """Training without the stages before it (`--stages train`): the token store leaves a shard to train on beside
+    the held-out ones, and the top-K store it would train on is there (`student.topk_tag`, or one made for this
+    config's teacher, K and store settings), said now rather than by the training inside Prefect."""
+    if context.stages & {"materialise", "tokenise", "precompute"}:
+        return  # the stores are (re)made first: the pipeline checks after tokenise, training after precompute
+    done = context.complete(TOKENS_DIR)
+    if done is None:
+        return  # no finished token store (or one of another kdflow): training names what is missing
+    config, run_root = context.config, context.run_root
+    problem = held_out_problem(config.student.eval_shards, int(done.get("shards", 0)), int(done.get("rows", 0)))
+    if problem is not None:
+        raise ConfigError(problem)
+    from kdflow.schemas.commits import read_commit, stage_dir
+    from kdflow.schemas.stage_settings import training_settings
+    from kdflow.schemas.store_info import read_store_info
+    from kdflow.tasks.student.data import find_topk_store, verify_pair
+
+    tokens = stage_dir(run_root, "tokens")
+    first = read_commit(run_root, tokens, "tokens", 0)
+    if first is None:
+        return
+    settings = training_settings(config)
+    try:  # the store training would take, and its first shard against this config (K, seq_len, token shard)
+        store = find_topk_store(run_root, settings, str(done.get("fingerprint", "")), first)
+        info = read_store_info(run_root, store)
+        verify_pair(run_root, settings.data, first, read_commit(run_root, store, "topk", 0), tokens, store,
+                    info.filled_by if info is not None else "precompute")
+    except StoreError as error:
+        raise ConfigError(str(error)) from None

@@ -335,7 +335,7 @@ def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(
     assert str(caught.value).endswith(") were trained with student.lr 0.01, now 0.02; seq_len 32, now 16, so they "
                                       f"cannot resume: choose another student.name, or delete {student}")
     fewer_ids = changed(precompute__top_k=4)
-    assert run_preflight(fewer_ids, ["train"]) == []  # it trains on the top-K store there is
+    pytest.raises(ConfigError, run_preflight, fewer_ids, ["train"]).match(r"has K=8, precompute.top_k is 4$")
     with pytest.raises(ConfigError, match="precompute.top_k 8, now 4"):
         run_preflight(fewer_ids, ["precompute", "train"])  # it would train on the one precompute makes
     # Training refuses it too, and leaves the config beside the student as it was: the next try is refused again.

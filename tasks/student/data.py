@@ -102,6 +102,10 @@ def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: st
     with dtype auto, the one this host would make); else the one store without `_store.json` whose first
     shard was made from this token store (written by other tools)."""
     if settings.student.topk_tag is not None:
+        tags = topk_tags(run_root)
+        if settings.student.topk_tag not in tags:
+            raise StoreError(f"student.topk_tag={settings.student.topk_tag!r}: no such top-K store under "
+                             f"{run_root.display(run_root.path(TOPK_DIR))} (it holds: {', '.join(tags) or 'none'})")
         return stage_dir(run_root, "topk", settings.student.topk_tag)
     made_for_config = find_topk_stores(run_root, settings.teacher, settings.precompute, to_train=True)
     if len(made_for_config) > 1:
@@ -167,7 +171,7 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
         raise StoreError(f"top-K store {run_root.display(topk_store)} mixes fingerprints {sorted(fingerprints)}")
     data = settings.data
     filled_by = info.filled_by if info is not None else "precompute"
-    pairs = tuple(_verify_pair(run_root, data, token_records[i], topk_records.get(i), tokens_store, topk_store,
+    pairs = tuple(verify_pair(run_root, data, token_records[i], topk_records.get(i), tokens_store, topk_store,
                                filled_by) for i in range(complete.shards))
     return DistillStores(tokens_store, topk_store, tokens_fp, tokens.tokenizer_fingerprint, fingerprints.pop(),
                          data.seq_len, data.top_k, pairs, info.codec if info is not None else None,
@@ -176,7 +180,7 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
                          info.normalisation if info is not None else "full")
 
 
-def _verify_pair(run_root: RunRoot, settings: StudentDataSettings, token: CommitRecord, topk: CommitRecord | None,
+def verify_pair(run_root: RunRoot, settings: StudentDataSettings, token: CommitRecord, topk: CommitRecord | None,
                  tokens_store: str, topk_store: str, filled_by: str = "precompute") -> ShardPair:
     """Top-K shard i must be made from token shard i, with this config's K and seq_len."""
     token_path = f"{tokens_store}/{token.data_file}"

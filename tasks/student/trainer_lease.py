@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -60,5 +61,11 @@ def hold_student(run_root: RunRoot, student: StudentConfig, rank: int = 0,
             logger.info("student %s: the other trainer is done after %.0f s of waiting", student.name,
                         time.monotonic() - waited_since)
     barrier()
-    with leases.holding(TRAINER_LEASE) if leases is not None else contextlib.nullcontext():
-        yield TrainerLease(leases)
+    try:
+        with leases.holding(TRAINER_LEASE) if leases is not None else contextlib.nullcontext():
+            yield TrainerLease(leases)
+    finally:
+        local = run_root.local_path(folder) if leases is not None else None
+        if local is not None and not run_root.listdir(folder):  # a run that failed before writing anything (bad
+            with contextlib.suppress(OSError):  # settings, missing store) leaves no empty student behind
+                os.rmdir(local)
