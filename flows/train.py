@@ -29,7 +29,7 @@ from kdflow.tasks.common.launch import config_file, outcome_error, run_child
 from kdflow.tasks.common.progress import format_duration
 from kdflow.tasks.student.distributed import torchrun_arguments, torchrun_command, world_size_of
 from kdflow.tasks.student.jsonl_log import read_jsonl
-from kdflow.tasks.student.monitor import percent, step_line
+from kdflow.tasks.student.monitor import percent, perplexity_text, step_line
 from kdflow.tasks.student.steps import check_layout
 from kdflow.tasks.student.train import train
 from kdflow.tasks.student.train_worker import EXEC_TORCHRUN, MODULE as TRAIN_WORKER_MODULE
@@ -71,8 +71,9 @@ def training_report(summary: dict[str, Any], metrics: list[dict[str, Any]], rows
                   "|---|---:|---:|---:|---:|"]
         for name, result in (("before", before), ("after", after)):
             if result:
-                lines.append(f"| {name} (step {result['step']}) | {result['kl']:.4f} | {result['perplexity']:.2f} | "
-                             f"{percent(result['top1_agreement'])} | {_full_kl(result)} |")
+                lines.append(f"| {name} (step {result['step']}) | {result['kl']:.4f} | "
+                             f"{perplexity_text(result['perplexity'])} | {percent(result['top1_agreement'])} | "
+                             f"{_full_kl(result)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -139,8 +140,8 @@ class TrainingArtifacts:
             lines += [f"Loss {self.losses[0]:.4g} → {self.losses[-1]:.4g}: `{sparkline(self.losses)}`", ""]
         lines += ["| held-out at step | KL to stored targets | perplexity | top-1 agreement | full KL to teacher |",
                   "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {e['step']} | {e['kl']:.4f} | {e['perplexity']:.2f} | {percent(e['top1_agreement'])} | "
-                  f"{_full_kl(e)} |" for e in self.evals]
+        lines += [f"| {e['step']} | {e['kl']:.4f} | {perplexity_text(e['perplexity'])} | "
+                  f"{percent(e['top1_agreement'])} | {_full_kl(e)} |" for e in self.evals]
         if publish_markdown(report_key(self.name), "\n".join(lines) + "\n",
                             f"training curve of student {self.name}, step {event['step']}"):
             self.curves += 1
@@ -196,8 +197,10 @@ def train_student(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
         get_run_logger().info("train-student %s: %d/%d steps already done, nothing to do", config.student.name,
                               summary["steps"], config.student.steps)
     before, after = summary["eval_before"] or {}, summary["eval_after"] or {}
-    held_out = (f"held-out KL to stored targets {_figure(before.get('kl'))} -> {_figure(after.get('kl'))}, full KL "
-                f"{_figure(before.get('kl_full'))} -> {_figure(after.get('kl_full'))}" if before or after
+    full = (f", full KL {_figure(before.get('kl_full'))} -> {_figure(after.get('kl_full'))}"
+            if before.get("kl_full") is not None or after.get("kl_full") is not None else "")  # eval_full_kl off
+    held_out = (f"held-out KL to stored targets {_figure(before.get('kl'))} -> {_figure(after.get('kl'))}{full}"
+                if before or after
                 else "no held-out evaluation" + (" (student.eval_shards: 0)" if not config.student.eval_shards else ""))
     get_run_logger().info("train-student %s: steps %d -> %d, final loss %s, %s, model in %s", config.student.name,
                           summary["start_step"], summary["steps"], _figure(summary["final_loss"]), held_out,

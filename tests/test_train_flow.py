@@ -43,6 +43,8 @@ def test_training_report_shows_the_curve_and_evaluation() -> None:
     assert "| after (step 30) | 1.0000 | 7.39 | 25.0% | - |" in report  # no full KL computed
     summary["eval_after"] = summary["eval_after"] | {"kl_full": 1.5}
     assert "| after (step 30) | 1.0000 | 7.39 | 25.0% | 1.5000 |" in training_report(summary, metrics)
+    summary["eval_before"] = summary["eval_before"] | {"perplexity": 3.6156683e28}  # an untrained student's
+    assert "| before (step 0) | 1.0000 | 3.62e+28 | 25.0% | - |" in training_report(summary, metrics)
 
 
 def test_training_on_the_real_precompute_output(tmp_path: Path, sharp_teacher_dir: Path) -> None:

@@ -29,6 +29,7 @@ from kdflow.schemas.storage import RunRoot
 from kdflow.schemas.store_info import format_label, read_store_info
 from kdflow.tasks.common.model_files import hub_id, shown_name
 from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
+from kdflow.tasks.student.monitor import perplexity_text
 from kdflow.tasks.student.prune import pruned_line, width_summary
 
 CARD_FILE = "README.md"
@@ -103,7 +104,7 @@ def _value(key: str, value: Any) -> str:
     if key == "top1_agreement":
         return f"{value:.1%}"
     if key == "perplexity":
-        return f"{value:,.2f}"
+        return perplexity_text(value)
     if isinstance(value, float) and math.isfinite(value):
         return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
     return str(value)

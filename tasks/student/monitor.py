@@ -27,6 +27,12 @@ from kdflow.tasks.common.progress import format_duration
 logger = logging.getLogger("kdflow.train")
 
 
+def perplexity_text(value: float) -> str:
+    """A perplexity as text: two decimals, or three significant digits past a million (an untrained student's is
+    ~10^28, printed in full it was 29 digits)."""
+    return f"{value:,.2f}" if value < 1e6 else f"{value:.3g}"
+
+
 def percent(share: float | None) -> str:
     """A held-out share as text; None (top-1 agreement on sampled targets, which have no teacher argmax) as n/a."""
     return "n/a" if share is None else f"{share:.1%}"
@@ -158,8 +164,8 @@ class TrainingMonitor:
         if latest["step"] == self.start_step:
             self._eta_since = self.clock()
         full = f", full KL {latest['kl_full']:.4f}" if latest.get("kl_full") is not None else ""
-        logger.info("train %s: held-out at step %d: KL to stored targets %.4f%s, perplexity %.2f, top-1 agreement %s",
-                    self.name, latest["step"], latest["kl"], full, latest["perplexity"],
+        logger.info("train %s: held-out at step %d: KL to stored targets %.4f%s, perplexity %s, top-1 agreement %s",
+                    self.name, latest["step"], latest["kl"], full, perplexity_text(latest["perplexity"]),
                     percent(latest["top1_agreement"]))
         curve = f"{self.student_dir}/{TRAINING_CURVE_FILE}"
         self.run_root.write_bytes_atomic(curve, plot_training_curve(metrics, evals, f"student {self.name}"))
