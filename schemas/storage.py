@@ -96,6 +96,7 @@ class RunRoot(ObjectStoreOps):
         probe = os.path.join(self.root, name) if self.is_local else posixpath.join(self.root, name)
         try:
             with self.store_errors(self.root):  # credentials and network first: they have their own words
+                self._check_bucket()  # s3fs's makedirs would create a mistyped bucket and run there
                 self.makedirs(self.root)
                 remove_stale_temp_files(self, self.root)  # probes of killed processes
                 with self.fs.open(probe, "wb") as handle:
@@ -105,8 +106,8 @@ class RunRoot(ObjectStoreOps):
                 raise DiskFull(self.display(self.root),
                                free=free_bytes(self.root) if self.is_local else None) from error
             raise StoreError(f"run root {self.url!r} cannot be written: {error.strerror or error}") from None
-        finally:
-            with contextlib.suppress(OSError):
+        finally:  # the probe's removal fails too where the write did (no credentials, no store): the write's error
+            with contextlib.suppress(Exception):  # is the one to show
                 self.fs.rm(probe)
 
     def makedirs(self, path: str) -> None:

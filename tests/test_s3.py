@@ -184,3 +184,26 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
     fs.invalidate_cache()
     assert run_preflight(config, "materialise") == []
     assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0
+
+
+def test_a_run_root_in_a_missing_bucket_is_refused_not_created(s3_run_root: str, s3_endpoint: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kdflow run` with a mistyped bucket ran the whole pipeline in a bucket s3fs's makedirs created; and without
+    credentials the probe's removal raised botocore's own error over the one-line StoreError."""
+    import boto3
+    import s3fs
+
+    from kdflow.schemas.errors import StoreError
+    from kdflow.schemas.storage import RunRoot
+
+    missing = f"kdflow-missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(StoreError, match=rf"^s3://{missing}/run: the bucket '{missing}' does not exist"):
+        RunRoot(f"s3://{missing}/run").ensure_writable()
+    buckets = {b["Name"] for b in boto3.client("s3", endpoint_url=s3_endpoint).list_buckets()["Buckets"]}
+    assert missing not in buckets and s3_run_root.split("/")[2] in buckets
+    s3fs.S3FileSystem.clear_instance_cache()
+    for name, value in {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE":
+                        "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(StoreError, match="no credentials"):
+        RunRoot(s3_run_root).ensure_writable()

@@ -189,7 +189,7 @@ def chat_main(args: argparse.Namespace) -> int:
 
     from kdflow.schemas.errors import KDFlowError
     from kdflow.tasks.student.conversation import Conversation
-    from kdflow.tasks.student.generate import Decoding, continue_text, load_student, max_positions
+    from kdflow.tasks.student.generate import Decoding, continue_text, encode_prompt, load_student, max_positions
 
     decoding = Decoding(args.max_new_tokens, args.greedy, args.temperature, args.top_p, args.top_k,
                         args.repetition_penalty)
@@ -198,13 +198,18 @@ def chat_main(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise KDFlowError(str(error)) from None
     student = load_student(args.student_dir, args.device)
+    positions = args.max_positions or max_positions(student)
     if args.prompt is not None:
+        needed = len(encode_prompt(student.tokenizer, args.prompt, args.system)) + args.max_new_tokens
+        if positions is not None and needed > positions:  # as a conversation refuses a message that does not fit
+            raise KDFlowError(f"--prompt does not fit: {needed - args.max_new_tokens} tokens and --max-new-tokens "
+                              f"{args.max_new_tokens} need {needed} positions, the student has {positions} "
+                              "(--max-positions): shorten it")
         print(continue_text(student, args.prompt, seed=args.seed, system=args.system,
                             max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty),
               flush=True)
         return 0
-    positions = args.max_positions or max_positions(student)
     if positions is None:
         raise KDFlowError(f"student {student.folder!r} does not say how many positions it has "
                           "(max_position_embeddings): give --max-positions")
