@@ -244,6 +244,11 @@ def _committed_already(run_root: RunRoot, settings: TeacherPassSettings,
         return None
     get_run_logger().info("precompute: %d/%d shards already committed in %s, nothing to do", len(ids), len(ids),
                           run_root.display(store))
+    from kdflow.tasks.teacher.precompute import complete_if_done
+
+    # A pass killed between its last shard's commit and _complete.json: every later run came here, found nothing
+    # to compute, and failed the check that the store is complete; the record is written now (idempotent).
+    complete_if_done(run_root, store, tags[0], tokens_done)
     return {"tag": tags[0], "written": 0, "tokens_per_s": 0.0}
 
 

@@ -124,3 +124,20 @@ def test_shard_range_flow_computes_only_its_shards_and_reports_artifacts(prefect
     assert report.type == "markdown" and "bytes / position" in report.data and "KL(teacher \u2016 store)" in report.data
     assert 0 < result["bytes_per_position"] < 6 * config.precompute.top_k
     assert 0 <= result["kl_buckets_lower_bound_mean"] < 1e-3 and result["kl_teacher_store_mean"] > 0
+
+
+def test_a_store_killed_before_its_complete_record_completes_on_the_rerun(prefect_harness, make_config) -> None:
+    """Every shard committed, `_complete.json` not yet written (a kill between the two): each rerun found nothing
+    to compute and failed 'has every shard but no _complete.json', for ever; now it writes the record."""
+    from kdflow.flows.precompute import precompute_flow
+    from kdflow.schemas.commits import read_complete
+
+    config = prepare(make_config(dataset__max_documents=12))
+    tag = precompute_flow(config)["tag"]
+    run_root = RunRoot(config.run_root)
+    store = stage_dir(run_root, "topk", tag)
+    before = read_complete(run_root, store)
+    Path(store, "_complete.json").unlink()
+    assert precompute_flow(config)["tag"] == tag
+    after = read_complete(run_root, store)
+    assert after is not None and (after.shards, after.tokens, after.fingerprint) == (before.shards, before.tokens, tag)
