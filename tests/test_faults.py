@@ -208,3 +208,17 @@ def test_student_killed_mid_run_resumes_to_the_same_weights(run_copy, prepared, 
     assert weights.keys() == reference.keys()
     for name, tensor in reference.items():
         assert torch.equal(weights[name], tensor), name
+
+
+@pytest.mark.usefixtures("children")
+def test_a_child_ignores_a_kdflow_folder_in_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    """A checkout's root holds `kdflow/` (the CLI's own folder): with kdflow installed from a wheel, `python -m`
+    put it first on the worker's sys.path and the teacher worker failed 'No module named kdflow.tasks'."""
+    from kdflow.tasks.common.launch import run_child
+
+    (tmp_path / "kdflow").mkdir()
+    (tmp_path / "kdflow" / "__init__.py").write_text("raise ImportError('the folder in the working directory')\n")
+    monkeypatch.chdir(tmp_path)
+    lines: list[str] = []
+    outcome = run_child("kdflow.schemas.protocol", [], on_log=lambda pid, line: lines.append(line))
+    assert outcome.exit_code == 0, lines

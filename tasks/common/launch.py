@@ -104,9 +104,11 @@ def run_child(module: str, args: list[str], *, env: dict[str, str] | None = None
     """`python -m MODULE ARGS` in its own process group, followed until it exits; -> its outcome."""
     command = [sys.executable, "-m", module, *args]
     # TQDM_DISABLE: third-party progress bars (the GGUF loader's) would be dozens of run-log lines; the child's
-    # own progress reaches the flow as protocol lines.
-    child_env = ({"TQDM_DISABLE": "1"} | os.environ | {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
-                 | (env or {}))
+    # own progress reaches the flow as protocol lines. PYTHONSAFEPATH: `-m` would put the working directory first on
+    # sys.path, where a checkout's root holds a `kdflow/` folder that shadows a non-editable install (and its
+    # torchrun ranks inherit it).
+    child_env = ({"TQDM_DISABLE": "1"} | os.environ | {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1",
+                                                      "PYTHONSAFEPATH": "1"} | (env or {}))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                start_new_session=True, env=child_env)
     outcome = ChildOutcome(process.pid, exit_code=0)
