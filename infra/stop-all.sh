@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stop what the infra scripts started on this machine: workers, the Prefect server, PostgreSQL.
-# Flow runs in progress are not stopped by stopping their worker (Prefect runs each in its own session):
-# cancel them first in the UI or with `prefect flow-run cancel ID`. Data stays (the cluster in
+# A flow run in progress ends with its worker (its output goes through the worker): stop workers between runs,
+# or cancel runs first in the UI or with `prefect flow-run cancel ID`; a rerun resumes. Data stays (the cluster in
 # $KDFLOW_PGDATA, logs in $KDFLOW_STATE_DIR); rerunning is safe.
 #
 #   infra/stop-all.sh             # everything
