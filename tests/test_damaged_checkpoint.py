@@ -36,11 +36,13 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(fresh_run, capl
         load_causal_lm(str(student_path(damaged, "checkpoint-4")), what="student")
     assert "checkpoint-4' is not a loadable causal LM: " in str(caught.value) and "\n" not in str(caught.value)
 
-    with caplog.at_level(logging.WARNING, logger="kdflow.train"):
+    with caplog.at_level(logging.INFO, logger="kdflow.train"):
         resumed = train(open_run_root(damaged), training_settings(damaged))
     assert resumed["start_step"] == 2 and resumed["resumed_from"].endswith("checkpoint-2")
     assert any("checkpoint-4' is not a loadable causal LM" in r.getMessage() and "the checkpoint before it" in
                r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith("train damaged: resuming from ") and r.getMessage().endswith(
+        "checkpoint-2 (step 2 of 6)") for r in caplog.records)  # said as the run starts, not only in its summary
     reference = final_weights(whole)
     for name, tensor in final_weights(damaged).items():
         assert torch.equal(tensor, reference[name]), name

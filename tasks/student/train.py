@@ -110,6 +110,9 @@ class StudentRun:
                 load_optimizer=lambda saved: load_full_optimizer_state(self.module, self.optimizer, saved,
                                                                        self.sharding))
         self.start_step = self.state.step
+        if self.checkpoint is not None and self.is_main:
+            logger.info("train %s: resuming from %s (step %d of %d)", student.name,
+                        self.run_root.display(self.checkpoint.path), self.start_step, student.steps)
         self.saved_step = self.state.step if self.checkpoint is not None else -1
         self.metrics = JsonlLog(self.run_root, f"{self.student_dir}/{METRICS_FILE}", self.state.step, self.is_main)
         self.evals = JsonlLog(self.run_root, f"{self.student_dir}/{EVAL_FILE}", self.state.step, self.is_main)
