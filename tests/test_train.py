@@ -122,6 +122,7 @@ def test_more_steps_on_a_resume_follow_the_longer_schedule_from_the_first_step_r
     """`student.steps` is not part of the checkpoint's fingerprint: a finished student trains on when it is raised.
     The first step resumed ran at the rate the old schedule last applied (its minimum), then jumped to the new one."""
     from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.schemas.config_io import dump_config
     from kdflow.tasks.student.steps import lr_factor
     from kdflow.tasks.student.train import train
 
@@ -133,6 +134,9 @@ def test_more_steps_on_a_resume_follow_the_longer_schedule_from_the_first_step_r
     want = [1e-3 * lr_factor(step, short.student) for step in range(3)]
     want += [1e-3 * lr_factor(step, longer.student) for step in range(3, 6)]
     assert rates == pytest.approx(want, rel=1e-6)
+    fewer = fresh_run(student__steps=4, **common)  # nothing to train: the config beside the student stays
+    assert train(open_run_root(fewer), training_settings(fewer))["start_step"] == 6
+    assert (student_path(longer, "config.yaml")).read_text() == dump_config(longer)
 
 
 def test_gradient_accumulation_equals_one_big_batch(fresh_run) -> None:

@@ -94,8 +94,9 @@ class StudentRun:
         else:  # seeded: every rank builds the same weights
             self.model = build_student(student, settings.seq_len, self.tokenizer).to(self.device)
         self.pruned = getattr(self.model.config, "kdflow_prune", None)  # what a pruned student kept (its card says)
-        if self.is_main:  # beside the student: a config it trains and resumes with (not one refused above)
-            self.write_config()
+        done = self.checkpoint is not None and self.checkpoint.state.step >= student.steps  # fewer steps asked
+        if self.is_main and not done:  # beside the student: a config it trains and resumes with (not one refused
+            self.write_config()  # above, nor one that trains nothing: status would say "step 10 of 4")
         apply_student_options(self.model, student, self.device)  # attention, gradient checkpointing, compile
         self.model.train()
         # self.model stays the HF student (its parameters may be shards); self.module runs it with the loss.
