@@ -230,6 +230,9 @@ class DistillData:
             raise StoreError("the training shards hold no rows")
         held_out = [(pair, row) for pair in self.eval_pairs for row in range(pair.rows)]
         self.eval_rows: list[tuple[ShardPair, int]] = held_out[:eval_sequences]
+        if eval_shards and len(held_out) < eval_sequences:
+            logger.info("held-out evaluation on the %d sequences of the last %d shard(s): student.eval_sequences=%d "
+                        "asks more than they hold", len(held_out), eval_shards, eval_sequences)
         self._epoch_order = functools.lru_cache(maxsize=2)(
             lambda epoch: epoch_permutation(self.train_rows, seed, epoch))
         self._train_ids = np.array([pair.shard_id for pair in self.train_pairs], dtype=np.int64)  # (S,)
