@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import sys
+import uuid
 
 import pytest
 from support.network import closed_port
@@ -71,3 +72,30 @@ def test_a_prefect_api_url_that_does_not_answer_is_one_line_before_any_run(monke
         with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{listening.getsockname()[1]}/api"}):
             with serverless_settings() as applied:  # a server that answers: taken as it is
                 assert isinstance(applied, dict)
+
+
+UP_THEN_WAIT = """
+import pathlib, sys, time
+from kdflow.commands.serverless import serverless_settings
+with serverless_settings():
+    from prefect.client.orchestration import get_client
+    with get_client(sync_client=True) as client:
+        client.hello()  # Prefect starts its temporary server for the first client
+    pathlib.Path(sys.argv[1]).touch()
+    time.sleep(300)
+"""
+
+
+def test_kill_9_of_kdflow_does_not_leave_its_temporary_server_running(children, tmp_path) -> None:
+    """The server was left running, re-parented to PID 1, until killed by hand: it now watches its parent."""
+    marker, up = f"KDFLOW_TEST_RUN={uuid.uuid4().hex}", tmp_path / "up"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KDFLOW_"))}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "KDFLOW_TEST_RUN": marker.partition("=")[2]}
+    with open(tmp_path / "out.log", "w") as sink, children.started(
+            [sys.executable, "-c", UP_THEN_WAIT, str(up)], env=env, stdout=sink, stderr=sink) as process:
+        children.wait_until(up.exists, what="the temporary server", timeout=300, process=process,
+                            output=(tmp_path / "out.log").read_text)
+        server = [pid for pid in children.processes_with_env(marker) if pid != process.pid]
+        assert len(server) == 1 and os.getsid(server[0]) != os.getsid(process.pid)  # out of kdflow's signals
+        os.kill(process.pid, 9)
+        children.wait_until(lambda: not children.processes_with_env(marker), what="the server's end", timeout=30)

@@ -8,11 +8,11 @@ two runs starting at once on one `PREFECT_HOME`, that start took 40-80 s, so kdf
 when there is no internet; kdflow turns server analytics off (and sets `DO_NOT_TRACK`, which Prefect's
 client-side telemetry reads). A setting the user gave (environment or Prefect profile) is never changed.
 
-The server runs as a child of kdflow's process, in the terminal's process group, so Ctrl-C reached it too:
-it stopped at once, and Prefect's report of the interrupted run then retried against it for minutes before
-kdflow could say "interrupted". kdflow starts it with SIGINT blocked (a blocked signal stays blocked in the
-child; uvicorn only sets handlers), so Ctrl-C reaches kdflow alone and the server records the run as
-crashed; `kill PID` (SIGTERM) now unwinds kdflow, so the server is stopped at exit, not left behind.
+The server is kdflow's child but not in its process group: Ctrl-C, `timeout`, systemd and `kill -TERM -- -PGID`
+signal a whole group, and the server, stopped first, took Prefect's report of the interrupted run down with it
+(minutes of retries, then "Connection refused" instead of "kdflow: interrupted"). It runs in a session of its
+own, so those signals reach kdflow alone, which unwinds and stops the server at exit (Prefect's atexit); and it
+watches its parent, so a `kill -9` of kdflow does not leave it running, re-parented to PID 1.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def serverless_settings() -> Iterator[dict[str, object]]:
     updates = {getattr(settings, name): value for name, value in _DEFAULTS.items() if name not in explicit}
     with settings.temporary_settings(updates=updates), _exit_on_sigterm():
         if not (api_url := settings.PREFECT_API_URL.value()):
-            _shield_temporary_server_from_ctrl_c()
+            _guard_temporary_server()
         elif why := endpoint_unreachable(api_url):  # Prefect said "RuntimeError: Failed to reach API at ..."
             raise KDFlowError(f"PREFECT_API_URL={api_url!r} (from the environment or the Prefect profile) cannot be "
                               f"reached ({why}): start that server (infra/start-server.sh), or unset PREFECT_API_URL "
@@ -53,25 +53,55 @@ def serverless_settings() -> Iterator[dict[str, object]]:
         yield {setting.name: value for setting, value in updates.items()}
 
 
-def _shield_temporary_server_from_ctrl_c() -> None:
-    """Start Prefect's temporary server, when Prefect starts it, with SIGINT blocked in the child."""
-    from prefect.server.api.server import SubprocessASGIServer
+# The temporary server's program: uvicorn as Prefect starts it, plus a thread that stops it once the process that
+# started it is gone (SIGTERM, uvicorn's graceful stop, then exit). Source text rather than a kdflow module, so
+# that no checkout in the working directory can shadow it.
+_SERVER_WATCH = """\
+import os, runpy, signal, sys, threading, time
+parent = int(sys.argv[1])
+def watch():
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(20)
+    os._exit(1)
+threading.Thread(target=watch, daemon=True).start()
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
 
-    server = SubprocessASGIServer()  # the instance Prefect's clients start and use (one per port, None here)
+
+def _guard_temporary_server() -> None:
+    """Start Prefect's temporary server, when Prefect starts it, in its own session and watching kdflow."""
+    import prefect.server.api.server as server_module
+
+    server = server_module.SubprocessASGIServer()  # the instance Prefect's clients start and use (one per port)
     start_process = getattr(server, "_run_uvicorn_command", None)
-    if (start_process is None or getattr(start_process, "_kdflow_shielded", False)
-            or not hasattr(signal, "pthread_sigmask")):
-        return  # another Prefect or no POSIX signal masks (Ctrl-C then reaches the server as before), or done
+    if start_process is None or getattr(start_process, "_kdflow_guarded", False):
+        return  # another Prefect (its server then shares kdflow's signals, as before), or done already
+    real = server_module.subprocess
 
-    def start_without_sigint() -> object:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    def popen(args: list[str], **options: object) -> object:
+        args = list(args)
+        if args[1:3] == ["-m", "uvicorn"]:
+            args = [args[0], "-c", _SERVER_WATCH, str(os.getpid()), *args[2:]]
+        return real.Popen(args, start_new_session=True, **options)
+
+    class Subprocess:  # Prefect's `subprocess`, but for its Popen, while it starts the server
+        Popen = staticmethod(popen)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    def start_guarded() -> object:
+        server_module.subprocess = Subprocess()
         try:
             return start_process()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            server_module.subprocess = real
 
-    start_without_sigint._kdflow_shielded = True  # type: ignore[attr-defined]
-    server._run_uvicorn_command = start_without_sigint  # type: ignore[method-assign]
+    start_guarded._kdflow_guarded = True  # type: ignore[attr-defined]
+    server._run_uvicorn_command = start_guarded  # type: ignore[method-assign]
 
 
 class Terminated(SystemExit):
