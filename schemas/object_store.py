@@ -114,11 +114,16 @@ class ObjectStoreOps:
     def list_sizes(self, path: str) -> dict[str, int]:
         """Base name -> size of the files in a folder, from one listing (empty if the folder does not exist)."""
         if self.is_local:
+            sizes = {}
             try:
                 with os.scandir(path) as entries:
-                    return {e.name: e.stat().st_size for e in entries if e.is_file()}
+                    for entry in entries:
+                        with contextlib.suppress(FileNotFoundError):  # gone since the listing: another writer's
+                            if entry.is_file():  # temporary file, renamed (it made the whole listing empty)
+                                sizes[entry.name] = entry.stat().st_size
             except FileNotFoundError:
                 return {}
+            return sizes
         with self.store_errors(path):
             try:
                 entries = self.fs.ls(path, detail=True, refresh=True)

@@ -59,6 +59,32 @@ def test_committed_shards_are_listed_and_data_without_record_is_invisible(run_ro
     assert committed_prefix({0: first, 2: first}) == 1 and committed_prefix({}) == 0
 
 
+def test_a_listing_while_another_writer_renames_its_files_still_sees_every_commit(run_root: RunRoot) -> None:
+    """Two teacher workers on one store: a file that vanished between the folder's listing and its size (the
+    other's temporary file, renamed) made the whole listing empty, so a worker that had seen every shard commit
+    ended without _complete.json (a flaky race test showed it)."""
+    import threading
+
+    store = stage_dir(run_root, "tokens")
+    commit_shard(run_root, store, 0, b"zero")
+    stop, moving = threading.Event(), os.path.join(store, ".shard-00001.arrow.tmp-1")
+
+    def rename_back_and_forth() -> None:
+        while not stop.is_set():
+            Path(moving).touch()
+            os.replace(moving, moving + "x")
+            os.remove(moving + "x")
+
+    other = threading.Thread(target=rename_back_and_forth, daemon=True)
+    other.start()
+    try:
+        listings = [sorted(list_commits(run_root, store, "tokens", FINGERPRINT)) for _ in range(5000)]
+    finally:
+        stop.set()
+        other.join()
+    assert all(listing == [0] for listing in listings), sum(listing != [0] for listing in listings)
+
+
 def test_invalid_records_are_ignored_with_a_reason(run_root: RunRoot) -> None:
     store = stage_dir(run_root, "tokens")
     for shard_id in range(4):

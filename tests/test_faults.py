@@ -141,7 +141,7 @@ def test_two_workers_racing_on_one_run_root_compute_each_shard_once(run_copy, pr
         computed.append(sum(b["tokens"] > a["tokens"] for a, b in zip([{"tokens": 0}, *progress], progress)))
     assert [r["written"] for r in results] == computed
     assert sum(computed) == prepared.shards  # no shard computed twice, none left out
-    assert all(r["complete"] and r["committed"] == prepared.shards for r in results)
+    assert all(r["complete"] and r["committed"] == prepared.shards for r in results), results
 
     run_root = RunRoot(config.run_root)
     store = topk_store(config, prepared)
