@@ -235,14 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     from kdflow.commands.serverless import Terminated, install_terminal_logging
+    from kdflow.tasks.common.worker import quiet_store_loggers
 
     for handler in logging.getLogger().handlers:  # ours: kdflow's own errors in one line each, tracebacks with -v
         if handler not in existing:
             install_terminal_logging(handler, args.verbose)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
     logging.getLogger("kdflow").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    for name in ("botocore", "aiobotocore", "s3fs"):  # "Found endpoint for s3 via: ..." on every S3 command
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_store_loggers()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The commands whose rerun goes on from where a stopped one was (the others start over).
     resumes = "; rerun the same command to resume" if args.command in ("run", "demo") else ""

@@ -71,7 +71,11 @@ class RunRoot(ObjectStoreOps):
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as error:  # fsspec: "Install s3fs to access S3"
+            extra = " (kdflow's s3 extra: pip install 'kdflow[s3]')" if url.startswith(("s3://", "s3a://")) else ""
+            raise StoreError(f"run root {url}: {error}{extra}") from None
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = os.path.abspath(self.root)

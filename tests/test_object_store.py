@@ -162,6 +162,7 @@ def test_two_processes_racing_on_the_same_shards_write_each_record_once(
     shards = results[0]["shards"]
     assert shards >= 4 and sum(r["written"] for r in results) == shards  # each shard committed by one of them
     assert all(r["complete"] and r["committed"] == shards for r in results)
+    assert not any("Found credentials" in err or "Found endpoint" in err for _, err in outputs)  # botocore's INFO
 
     requests = bucket.requests_since(mark)
     records = successful_puts(requests, r"/topk/[0-9a-f]+/shard-\d+\.commit\.json$")
@@ -258,6 +259,16 @@ def assert_one_line(result: subprocess.CompletedProcess, *phrases: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("kdflow: error: "), result.stderr
     for phrase in phrases:
         assert phrase in lines[0], lines[0]
+
+
+@pytest.mark.usefixtures("children")
+def test_an_s3_run_root_without_s3fs_installed_is_one_line_naming_the_extra() -> None:
+    """It was "kdflow: error: ImportError: Install s3fs to access S3", exit 1, for status, validate and run."""
+    without = ("import runpy, sys\nsys.modules['s3fs'] = None  # not installed\n"
+               "sys.argv = ['kdflow', *sys.argv[1:]]\nrunpy.run_module('kdflow', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", without, "status", "s3://some-bucket/run"], cwd=REPO,
+                            capture_output=True, text=True, timeout=180)
+    assert_one_line(result, "s3://some-bucket/run", "Install s3fs", "pip install 'kdflow[s3]'")
 
 
 def test_missing_credentials_a_missing_bucket_and_wrong_credentials_are_one_line(

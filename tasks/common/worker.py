@@ -44,6 +44,14 @@ def configure_logging(level: int, tag: str = "") -> None:
     stamp = "" if os.environ.get(PARENT_PID_ENV) else "%(asctime)s "
     logging.basicConfig(level=level, stream=sys.stderr, format=f"{stamp}{tag}%(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    quiet_store_loggers()
+
+
+def quiet_store_loggers() -> None:
+    """The S3 client's INFO lines ("Found credentials in environment variables", "Found endpoint for s3 via")
+    on every command and worker: warnings and errors only."""
+    for name in ("botocore", "aiobotocore", "s3fs"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_worker(body: Callable[[], dict[str, Any] | None], *, label: str, error_fields: dict[str, Any] | None = None,
