@@ -87,7 +87,7 @@ class ObjectStoreOps:
         except KDFlowError:
             raise
         except FileNotFoundError:
-            self._check_bucket()
+            self.check_bucket()
             raise
         except Exception as error:
             cause = store_cause(error)
@@ -95,7 +95,7 @@ class ObjectStoreOps:
                 raise
             raise StoreError(f"{self.display(path) if path else self.url}: {cause}") from None
 
-    def _check_bucket(self) -> None:
+    def check_bucket(self) -> None:
         """Once per run root: a missing bucket is an error, not an empty run root."""
         if getattr(self, "_bucket_ok", False) or self.is_local:
             return
@@ -128,7 +128,7 @@ class ObjectStoreOps:
             try:
                 entries = self.fs.ls(path, detail=True, refresh=True)
             except FileNotFoundError:
-                self._check_bucket()
+                self.check_bucket()
                 return {}
             finally:
                 self.fs.invalidate_cache(path)  # later size()/exists() calls ask the store, not this listing

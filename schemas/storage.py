@@ -100,7 +100,7 @@ class RunRoot(ObjectStoreOps):
         probe = os.path.join(self.root, name) if self.is_local else posixpath.join(self.root, name)
         try:
             with self.store_errors(self.root):  # credentials and network first: they have their own words
-                self._check_bucket()  # s3fs's makedirs would create a mistyped bucket and run there
+                self.check_bucket()  # s3fs's makedirs would create a mistyped bucket and run there
                 self.makedirs(self.root)
                 remove_stale_temp_files(self, self.root)  # probes of killed processes
                 with self.fs.open(probe, "wb") as handle:
@@ -128,7 +128,7 @@ class RunRoot(ObjectStoreOps):
             self.fs.invalidate_cache(path)  # ask the store, not an earlier listing
             found = self.fs.exists(path)
             if not found:
-                self._check_bucket()
+                self.check_bucket()
             return found
 
     def size(self, path: str) -> int:

@@ -5,7 +5,7 @@ imported; a flow run started from a deployment calls it first thing (`kdflow.flo
 Each check fails with one `ConfigError` line naming the setting and its value, and writes nothing; the whole list
 takes a second or two, because nothing heavy is loaded: no torch, no transformers, no Prefect, no weights
 (configs are read as JSON, GGUF headers and tokenizer.json directly).
-What cannot be told that cheaply (a hub model not cached yet, an object store's credentials) is left to
+What cannot be told that cheaply (a hub model not cached yet, an object store's write permission) is left to
 the stage, which checks it again when it loads the real thing.
 
 The checks are one list, `CHECKS` at the end of this module, run in order; each names the stages it applies to.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from kdflow.schemas.config import KDFlowConfig
-from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR
 from kdflow.tasks.preflight_context import Check, Preflight, chosen_stages
 from kdflow.tasks.preflight_stores import check_imported, check_resume, check_sources, check_train_inputs
@@ -38,10 +38,15 @@ def run_preflight(config: KDFlowConfig, stages: list[str] | str | None = None) -
 
 
 def check_run_root(context: Preflight) -> None:
-    """A local run root must be a folder (or creatable) that this process may write; nothing is written here."""
+    """A local run root must be a folder (or creatable) that this process may write; an object store's bucket
+    must exist and answer these credentials (one request). Nothing is written here."""
     run_root = context.run_root
     if not run_root.is_local:
-        return  # an object store: its credentials and bucket show with the first write
+        try:
+            run_root.check_bucket()  # a mistyped bucket or no credentials showed only once Prefect had started
+        except StoreError as error:
+            raise ConfigError(str(error)) from None
+        return  # whether these credentials may write shows with the first write
     url, path = context.config.run_root, run_root.root
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"run_root={url!r} is a file, not a folder")

@@ -187,18 +187,24 @@ def test_a_dataset_file_on_s3_is_read_offline_and_an_edit_is_named_by_its_new_ve
 
 
 def test_a_run_root_in_a_missing_bucket_is_refused_not_created(s3_run_root: str, s3_endpoint: str,
+                                                               make_config: Callable[..., Any],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """`kdflow run` with a mistyped bucket ran the whole pipeline in a bucket s3fs's makedirs created; and without
-    credentials the probe's removal raised botocore's own error over the one-line StoreError."""
+    credentials the probe's removal raised botocore's own error over the one-line StoreError. Pre-flight says
+    both before Prefect starts (they showed 10-90 s into the run)."""
     import boto3
     import s3fs
 
-    from kdflow.schemas.errors import StoreError
+    from kdflow.schemas.errors import ConfigError, StoreError
     from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.preflight import run_preflight
 
     missing = f"kdflow-missing-{uuid.uuid4().hex[:8]}"
     with pytest.raises(StoreError, match=rf"^s3://{missing}/run: the bucket '{missing}' does not exist"):
         RunRoot(f"s3://{missing}/run").ensure_writable()
+    with pytest.raises(ConfigError, match=rf"^s3://{missing}/run: the bucket '{missing}' does not exist"):
+        run_preflight(make_config(run_root=f"s3://{missing}/run"), "materialise")
+    assert run_preflight(make_config(run_root=s3_run_root), "materialise") == []
     buckets = {b["Name"] for b in boto3.client("s3", endpoint_url=s3_endpoint).list_buckets()["Buckets"]}
     assert missing not in buckets and s3_run_root.split("/")[2] in buckets
     s3fs.S3FileSystem.clear_instance_cache()
@@ -207,3 +213,5 @@ def test_a_run_root_in_a_missing_bucket_is_refused_not_created(s3_run_root: str,
         monkeypatch.setenv(name, value)
     with pytest.raises(StoreError, match="no credentials"):
         RunRoot(s3_run_root).ensure_writable()
+    with pytest.raises(ConfigError, match="no credentials"):
+        run_preflight(make_config(run_root=s3_run_root), "materialise")
