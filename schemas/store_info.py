@@ -129,6 +129,12 @@ def write_store_info(run_root: RunRoot, store: str, info: TopkStoreInfo) -> None
     run_root.write_bytes_atomic(f"{store}/{STORE_FILE}", info.model_dump_json(indent=1).encode())
 
 
+def filled_by(info: TopkStoreInfo | None) -> str:
+    """What writes a top-K store's missing shards (`TopkStoreInfo.filled_by`); the teacher pass where the store
+    has no `_store.json` yet."""
+    return info.filled_by if info is not None else "precompute"
+
+
 def read_store_info(run_root: RunRoot, store: str) -> TopkStoreInfo | None:
     """The store's `_store.json`, or None when it has none (or an unreadable one: a store of another tool)."""
     try:

@@ -177,7 +177,7 @@ def check_train_inputs(context: Preflight) -> None:
         raise ConfigError(problem)
     from kdflow.schemas.commits import read_commit, stage_dir
     from kdflow.schemas.stage_settings import training_settings
-    from kdflow.schemas.store_info import read_store_info
+    from kdflow.schemas.store_info import filled_by, read_store_info
     from kdflow.tasks.student.data import find_topk_store, verify_pair
 
     tokens = stage_dir(run_root, "tokens")
@@ -189,6 +189,6 @@ def check_train_inputs(context: Preflight) -> None:
         store = find_topk_store(run_root, settings, str(done.get("fingerprint", "")), first)
         info = read_store_info(run_root, store)
         verify_pair(run_root, settings.data, first, read_commit(run_root, store, "topk", 0), tokens, store,
-                    info.filled_by if info is not None else "precompute")
+                    filled_by(info))
     except StoreError as error:
         raise ConfigError(str(error)) from None

@@ -27,7 +27,8 @@ from kdflow.schemas.shard_rows import ShardRows, take_rows
 from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
 from kdflow.schemas.stage_settings import StudentDataSettings, TrainingSettings, held_out_problem
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.store_info import alignment_problem, find_topk_stores, format_mismatch, read_store_info, topk_tags
+from kdflow.schemas.store_info import (alignment_problem, filled_by, find_topk_stores, format_mismatch, read_store_info,
+                                      topk_tags)
 from kdflow.schemas.token_store import open_token_store
 from kdflow.schemas.topk_rows import TopkRows
 from kdflow.tasks.common.models import teacher_fingerprint
@@ -170,9 +171,8 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
     if len(fingerprints) > 1:
         raise StoreError(f"top-K store {run_root.display(topk_store)} mixes fingerprints {sorted(fingerprints)}")
     data = settings.data
-    filled_by = info.filled_by if info is not None else "precompute"
     pairs = tuple(verify_pair(run_root, data, token_records[i], topk_records.get(i), tokens_store, topk_store,
-                               filled_by) for i in range(complete.shards))
+                               filled_by(info)) for i in range(complete.shards))
     return DistillStores(tokens_store, topk_store, tokens_fp, tokens.tokenizer_fingerprint, fingerprints.pop(),
                          data.seq_len, data.top_k, pairs, info.codec if info is not None else None,
                          info.targets if info is not None else "topk",
@@ -181,13 +181,13 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
 
 
 def verify_pair(run_root: RunRoot, settings: StudentDataSettings, token: CommitRecord, topk: CommitRecord | None,
-                 tokens_store: str, topk_store: str, filled_by: str = "precompute") -> ShardPair:
+                 tokens_store: str, topk_store: str, filler: str = "precompute") -> ShardPair:
     """Top-K shard i must be made from token shard i, with this config's K and seq_len."""
     token_path = f"{tokens_store}/{token.data_file}"
     topk_path = f"{topk_store}/{data_file_name('topk', token.shard_id)}"
     shown = run_root.display(topk_path)
     if topk is None:
-        raise StoreError(f"top-K shard {shown} is not committed; run {filled_by} first")
+        raise StoreError(f"top-K shard {shown} is not committed; run {filler} first")
     problem = alignment_problem(token, topk)
     if problem is not None:
         raise StoreError(f"top-K shard {shown} {problem}")

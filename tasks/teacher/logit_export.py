@@ -37,7 +37,7 @@ from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.logit_layouts import LogitLayout, resolve_layout
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.storage import RunRoot
-from kdflow.schemas.store_info import alignment_problem, read_store_info, topk_tags
+from kdflow.schemas.store_info import alignment_problem, filled_by, read_store_info, topk_tags
 from kdflow.tasks.common.model_files import shown_name
 from kdflow.tasks.teacher.distillkit import distillkit_table
 from kdflow.tasks.teacher.distillkit_settings import (SETTINGS_FILE, lossless_settings, read_distillkit_settings,
@@ -165,7 +165,7 @@ def export_store(url: str, out_dir: str, tag: str | None = None, layout: LogitLa
     done = read_complete(run_root, store)
     if done is None:
         raise StoreError(f"top-K store {run_root.display(store)} is not complete; finish "
-                         f"{info.filled_by if info is not None else 'precompute'} first")
+                         f"{filled_by(info)} first")
     tokens_done = read_complete(run_root, tokens_store)
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_done.fingerprint if tokens_done else None)
     records = list_commits(run_root, store, "topk", done.fingerprint)
