@@ -58,7 +58,8 @@ def test_a_student_pruned_from_a_quantised_teacher_saves_and_loads_as_plain_weig
 
 
 @pytest.mark.parametrize("importance", ["cosine", "skip_loss"])
-def test_importance_finds_the_block_that_does_nothing(importance: str) -> None:
+def test_importance_finds_the_block_that_does_nothing(importance: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="kdflow.tasks.student.prune")
     teacher = tiny("llama")
     with torch.no_grad():  # block 3 adds nothing to its input: both residual branches output zeros
         teacher.model.layers[3].self_attn.o_proj.weight.zero_()
@@ -71,6 +72,8 @@ def test_importance_finds_the_block_that_does_nothing(importance: str) -> None:
     if importance == "cosine":  # (a random model's loss may fall without a block: skip_loss can be negative)
         assert 3 not in choose_blocks(scores, 4)
     assert teacher.config.num_hidden_layers == 5 and len(teacher.model.layers) == 5  # the teacher is left whole
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pruning: skip_loss scored")]
+    assert len(said) == (importance == "skip_loss") and (not said or said[0].startswith("pruning: skip_loss scored 5 of"))
 
 
 def test_choosing_blocks_keeps_the_best_in_order_and_refuses_bad_counts() -> None:

@@ -18,6 +18,8 @@ MoE's `mlp_only_layers`) follow the kept blocks. Any decoder transformers builds
 from __future__ import annotations
 
 import copy
+import logging
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +28,8 @@ from torch import Tensor, nn
 from kdflow.tasks.common.model_files import shown_name
 from kdflow.tasks.common.models import decoder_layers, layers_prefix, model_body
 from kdflow.tasks.student.prune_width import WidthPlan, check_width, top_in_order, width_pruned
+
+logger = logging.getLogger(__name__)
 
 IMPORTANCE = ("cosine", "skip_loss")
 
@@ -48,8 +52,7 @@ def block_importance(model: nn.Module, input_ids: Tensor, importance: str = "cos
         raise ValueError(f"importance must be one of {IMPORTANCE}, got {importance!r}")
     layers = decoder_layers(model)
     if importance == "skip_loss":  # the rise of the loss when the block alone is skipped
-        full = float(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
-        return [_loss_without(model, input_ids, skip) - full for skip in range(len(layers))]
+        return _skip_loss_scores(model, input_ids, len(layers))
     changes: list[Tensor] = []
 
     def measure(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
@@ -65,6 +68,21 @@ def block_importance(model: nn.Module, input_ids: Tensor, importance: str = "cos
         for hook in hooks:
             hook.remove()
     return [float(change) for change in changes]
+
+
+def _skip_loss_scores(model: nn.Module, input_ids: Tensor, blocks: int, every_s: float = 10.0) -> list[float]:
+    """One forward per block, minutes for a large teacher on a slow device: said as it goes, every `every_s`."""
+    started = last = time.monotonic()
+    full = float(model(input_ids=input_ids, labels=input_ids, use_cache=False).loss)
+    scores = []
+    for skip in range(blocks):
+        scores.append(_loss_without(model, input_ids, skip) - full)
+        now = time.monotonic()
+        if now - last >= every_s or skip == blocks - 1:
+            logger.info("pruning: skip_loss scored %d of %d blocks (%.0f s; one forward of %d rows each)", skip + 1,
+                        blocks, now - started, input_ids.shape[0])
+            last = now
+    return scores
 
 
 def _loss_without(model: nn.Module, input_ids: Tensor, skip: int) -> float:
