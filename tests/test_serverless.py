@@ -34,6 +34,21 @@ def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_ke
     assert (DropRepeatedErrors().filter(ours)
             and DropRepeatedErrors().filter(record(ValueError("y"), "Encountered exception %r")))
 
+    from kdflow.tasks.corpus.materialise import DataError  # a kdflow error defined beside its stage
+
+    assert DataError.__name__ == "DataError"
+
+    def state(text: str, logger: str = "prefect.flow_runs") -> bool:  # as Prefect logs a run's end, no exc_info
+        return DropRepeatedErrors().filter(logging.LogRecord(logger, logging.INFO, __file__, 1, "Finished in state %s",
+                                                             (text,), None))
+
+    # The task's, each subflow's and the flow's end repeated kdflow's line three times before kdflow said it.
+    assert not state("Failed('Flow run encountered an exception: DataError: line 31 is not valid JSON')")
+    assert not state("Failed('Task run encountered an exception StoreError: shard 2 is missing')", "prefect.task_runs")
+    assert state("Failed('Flow run encountered an exception: ValueError: a bug')")  # not kdflow's: kept
+    assert state("Completed()") and state("Crashed('Execution was cancelled')")
+    assert state("Failed('Flow run encountered an exception: DataError: x')", "kdflow.flows")  # only Prefect's
+
 
 def test_serverless_settings_keep_what_the_user_set(monkeypatch) -> None:
     from kdflow.commands.serverless import STARTUP_TIMEOUT_S, serverless_settings

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -151,13 +152,30 @@ class OneLineErrors(logging.Formatter):
         return super().format(record)
 
 
+_FAILED_STATE = re.compile(r"Finished in state Failed\('(?:Task|Flow) run encountered an exception:? (\w+): ")
+
+
+def _kdflow_error_names() -> set[str]:
+    names, todo = set(), [KDFlowError]
+    while todo:
+        error = todo.pop()
+        names.add(error.__name__)
+        todo.extend(error.__subclasses__())
+    return names
+
+
 class DropRepeatedErrors(logging.Filter):
-    """Drop Prefect's "Encountered exception during execution" records of a kdflow error: the same run's
-    "Finished in state Failed(...)" line right after says it again, in one line."""
+    """Drop Prefect's repeats of a kdflow error: its "Encountered exception during execution" record, and the
+    "Finished in state Failed(...)" lines of the task, each subflow and the flow, which said the same line three
+    more times before kdflow's own. The task's "Task run failed with exception" line stays (it says where)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name.startswith("prefect") and record.exc_info and _kdflow_error_in(record.exc_info)
-                    and str(record.msg).startswith("Encountered exception during execution"))
+        if not record.name.startswith("prefect"):
+            return True
+        if record.exc_info and _kdflow_error_in(record.exc_info):
+            return not str(record.msg).startswith("Encountered exception during execution")
+        failed = _FAILED_STATE.match(record.getMessage())
+        return failed is None or failed.group(1) not in _kdflow_error_names()
 
 
 class ShownByItsLibrary(logging.Filter):
