@@ -215,3 +215,19 @@ def test_a_run_root_in_a_missing_bucket_is_refused_not_created(s3_run_root: str,
         RunRoot(s3_run_root).ensure_writable()
     with pytest.raises(ConfigError, match="no credentials"):
         run_preflight(make_config(run_root=s3_run_root), "materialise")
+
+
+@pytest.mark.usefixtures("children")
+def test_an_s3_run_root_without_s3fs_installed_is_one_line_naming_the_extra() -> None:
+    """It was "kdflow: error: ImportError: Install s3fs to access S3", exit 1, for status, validate and run."""
+    import subprocess
+
+    from kdflow.schemas.protocol import EXIT_USER_ERROR
+
+    without = ("import runpy, sys\nsys.modules['s3fs'] = None  # not installed\n"
+               "sys.argv = ['kdflow', *sys.argv[1:]]\nrunpy.run_module('kdflow', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", without, "status", "s3://some-bucket/run"], capture_output=True,
+                            text=True, timeout=180, cwd=Path(__file__).resolve().parents[1])
+    assert (result.returncode, result.stderr.splitlines()) == (EXIT_USER_ERROR, [
+        "kdflow: error: run root s3://some-bucket/run: Install s3fs to access S3 (kdflow's s3 extra: pip install "
+        "'kdflow[s3]')"]), result.stderr
