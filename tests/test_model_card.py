@@ -140,3 +140,6 @@ def test_an_imported_store_s_card_credits_its_teacher_and_says_why_there_is_no_k
     assert "full-vocabulary KL" not in text
     assert [shown_name(n) for n in ("org/name", "/tmp/x/teacher/", "~/corpus.jsonl", "s3://b/k", "package:p")] == [
         "org/name", "teacher", "corpus.jsonl", "s3://b/k", "package:p"]
+    # another kdflow student (init_from): its name too, not "final" alone
+    assert [shown_name(n) for n in ("runs/a/students/tiny/final", "/r/students/tiny/checkpoint-40/")] == [
+        "tiny/final", "tiny/checkpoint-40"]

@@ -15,6 +15,7 @@ import re
 
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.layout import FINAL_DIR, checkpoint_step
 
 PACKAGE_PREFIX = "package:"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -104,4 +105,8 @@ def shown_name(name: str) -> str:
     only (a card travels; the folder it was written in means nothing where it is read)."""
     if hub_id(name) or "://" in name or name.startswith(PACKAGE_PREFIX):
         return name
-    return os.path.basename(os.path.normpath(os.path.expanduser(name))) or name
+    path = os.path.normpath(os.path.expanduser(name))
+    last = os.path.basename(path)
+    if last == FINAL_DIR or checkpoint_step(last) is not None:  # a kdflow student's: "final" alone said nothing
+        return f"{os.path.basename(os.path.dirname(path))}/{last}"
+    return last or name
