@@ -6,6 +6,7 @@ own SafetensorError)."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -22,7 +23,8 @@ def _damage(config: Any, checkpoint: str) -> None:
     weights.write_bytes(weights.read_bytes()[:1000])
 
 
-def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(fresh_run, caplog) -> None:
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(fresh_run, caplog, capsys) -> None:
+    from kdflow.commands.validate import validate_run_root
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.model import load_causal_lm
     from kdflow.tasks.student.train import train
@@ -35,6 +37,11 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(fresh_run, capl
     with pytest.raises(StudentError) as caught:  # what `kdflow chat` on that folder says
         load_causal_lm(str(student_path(damaged, "checkpoint-4")), what="student")
     assert "checkpoint-4' is not a loadable causal LM: " in str(caught.value) and "\n" not in str(caught.value)
+    capsys.readouterr()
+    assert validate_run_root(damaged.run_root) == 1  # validate looks at students/ too (checkpoints have no hashes)
+    said = capsys.readouterr().out
+    assert "  PROBLEM students/damaged/checkpoint-4/model.safetensors: cut short: 1,000 bytes" in said, said
+    assert "delete students/damaged/checkpoint-4: a resume passes over it" in said and "checkpoint-2/" not in said
 
     with caplog.at_level(logging.INFO, logger="kdflow.train"):
         resumed = train(open_run_root(damaged), training_settings(damaged))
@@ -47,6 +54,8 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(fresh_run, capl
     for name, tensor in final_weights(damaged).items():
         assert torch.equal(tensor, reference[name]), name
     assert [r["step"] for r in read_lines(student_path(damaged, "metrics.jsonl"))] == list(range(1, 7))
+    assert validate_run_root(damaged.run_root) == 0, capsys.readouterr().out  # checkpoint-4 saved again, whole
+    assert re.search(r"^students/damaged +final \+ 2 checkpoints +ok$", capsys.readouterr().out, re.MULTILINE)
 
 
 def test_no_loadable_checkpoint_is_one_line_naming_the_newest(fresh_run) -> None:

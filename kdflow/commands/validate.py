@@ -4,15 +4,19 @@ The checks are `kdflow.tasks.validate`'s (its docstring lists them); this prints
 nothing, unless `--fix`: then the commit records of the shards that fail are removed (with their data files and
 the store's _complete.json), so that the next run of their stage recomputes exactly those shards; a validate
 right after says so in notes, and exits 0.
-Output: one line per store, one line per problem; exit code 0 when nothing is wrong, 1 otherwise.
+Then each student's final model and checkpoints: every weights file as long as its header says
+(kdflow.tasks.validate_students); `--fix` leaves students alone, each problem names what to delete.
+Output: one line per store and student, one line per problem; exit code 0 when nothing is wrong, 1 otherwise.
 """
 
 from __future__ import annotations
 
 from kdflow.schemas.config_io import relative_run_root_hint
+from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, STUDENTS_DIR
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.validate import StoreReport, remove_broken, remove_complete, store_reports
+from kdflow.tasks.validate_students import StudentReport, student_reports
 
 
 def _store_line(report: StoreReport) -> str:
@@ -44,6 +48,18 @@ def _print_report(report: StoreReport, run_root: RunRoot, fix: bool) -> int:
     return removed
 
 
+def _print_student(report: StudentReport) -> None:
+    held = ([FINAL_DIR] if report.final else []) + ([count_of(len(report.checkpoints), "checkpoint")]
+                                                    if report.checkpoints else [])
+    state = "ok" if not report.problems else count_of(len(report.problems), "problem")
+    print(f"{STUDENTS_DIR + '/' + report.name:<20} {' + '.join(held) or 'no finished checkpoint':<28} {state}")
+    if report.unfinished:
+        print(f"  note: checkpoint-{', checkpoint-'.join(map(str, report.unfinished))} unfinished (no "
+              f"{CHECKPOINT_MARKER}): being written, or left by a stopped run; a resume never reads it")
+    for problem in report.problems:
+        print(f"  PROBLEM {problem}")
+
+
 def validate_run_root(url: str, fix: bool = False, given: str | None = None) -> int:
     """Check every store under the run root; print one line per store and per problem. -> exit code (0: all good).
     `given`: the config file naming the run root."""
@@ -57,14 +73,23 @@ def validate_run_root(url: str, fix: bool = False, given: str | None = None) -> 
     for report in store_reports(run_root):
         reports.append(report)
         removed += _print_report(report, run_root, fix)
-    if not reports:
+    students = student_reports(run_root)
+    for student in students:
+        _print_student(student)
+    if not reports and not students:
         print("no stores found (corpus/, tokens/, topk/TAG/): nothing to validate")
         return 1
+    student_problems = sum(len(s.problems) for s in students)
     problems = sum(len(r.problems) for r in reports)
     shards = sum(len(r.records) for r in reports)
-    if not problems:
-        print(f"validate: OK, {count_of(len(reports), 'store')}, {count_of(shards, 'shard')} re-hashed and checked")
+    if not problems and not student_problems:
+        whole = f", {count_of(len(students), 'student')} with whole weights" if students else ""
+        print(f"validate: OK, {count_of(len(reports), 'store')}, {count_of(shards, 'shard')} re-hashed and checked"
+              f"{whole}")
         return 0
+    if not problems:
+        print(f"validate: {count_of(student_problems, 'problem')} in students/; the stores are OK")
+        return 1
     action = (f"removed {count_of(removed, 'commit record')}: the next run of the stage(s) recomputes those shards"
               if fix else "delete the commit records named above (or run validate --fix), then rerun the stage(s)")
     stores = count_of(sum(bool(r.problems) for r in reports), "store")

@@ -1,0 +1,86 @@
+"""`kdflow validate`'s look at students/: every weights file of each student's final model and checkpoints whole.
+
+Checkpoints carry no hashes (training rewrites them as it goes), so a store's re-hash has nothing to compare them
+with. What a killed copy, a full disk or a cut download leaves is a safetensors file cut short: training's resume
+passes over such a checkpoint for the one before it, and `kdflow chat` cannot load it. A safetensors file says
+how long it must be: 8 bytes giving its header's length, the JSON header, then the tensors up to the largest end
+offset the header names; two small reads tell a whole file from a cut one, on disk or on an object store.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, STUDENTS_DIR, checkpoint_step
+from kdflow.schemas.storage import RunRoot
+
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+@dataclass
+class StudentReport:
+    """What validate found in one student's folder: its final model and checkpoints, and their problems."""
+
+    name: str
+    final: bool = False
+    checkpoints: list[int] = field(default_factory=list)  # finished ones (with checkpoint.json), by step
+    unfinished: list[int] = field(default_factory=list)  # without checkpoint.json: never resumed from
+    problems: list[str] = field(default_factory=list)
+
+
+def safetensors_problem(run_root: RunRoot, path: str, size: int) -> str | None:
+    """None when the file at `path` (`size` bytes) is as long as its header says, else what is wrong."""
+    if size < 8:
+        return f"{size} bytes: not even a header"
+    (head,) = run_root.read_ranges([path], [0], [8])
+    header_bytes = int.from_bytes(head, "little")
+    if 8 + header_bytes > size:
+        return f"cut short: {size:,} bytes, its header alone says {8 + header_bytes:,}"
+    (raw,) = run_root.read_ranges([path], [8], [8 + header_bytes])
+    try:
+        header = json.loads(raw)
+        end = max((int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
+                  default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return "its header is not a safetensors header"
+    if 8 + header_bytes + end != size:
+        return f"cut short: {size:,} of the {8 + header_bytes + end:,} bytes its header describes"
+    return None
+
+
+def _check_folder(run_root: RunRoot, folder: str, shown: str) -> list[str]:
+    sizes = run_root.list_sizes(folder)
+    weights = sorted(name for name in sizes if name.endswith(WEIGHTS_SUFFIX))
+    if not weights:
+        return [f"{shown}: no {WEIGHTS_SUFFIX} weights"]
+    return [f"{shown}/{name}: {problem}" for name in weights
+            if (problem := safetensors_problem(run_root, f"{folder}/{name}", sizes[name])) is not None]
+
+
+def student_reports(run_root: RunRoot) -> list[StudentReport]:
+    """One report per folder under students/ (none when there is no students/)."""
+    reports = []
+    students = run_root.path(STUDENTS_DIR)
+    for name in run_root.listdir(students):
+        student = f"{students}/{name}"
+        report = StudentReport(name)
+        for entry in run_root.listdir(student):
+            step = checkpoint_step(entry)
+            if entry != FINAL_DIR and step is None:
+                continue
+            folder, shown = f"{student}/{entry}", f"{STUDENTS_DIR}/{name}/{entry}"
+            if step is not None and not run_root.exists(f"{folder}/{CHECKPOINT_MARKER}"):
+                report.unfinished.append(step)  # being written, or left by a kill: resume never reads it
+                continue
+            found = _check_folder(run_root, folder, shown)
+            if step is None:
+                report.final = True
+                advice = f"delete {shown} and rerun train: it saves final/ again from the last checkpoint"
+            else:
+                report.checkpoints.append(step)
+                advice = f"delete {shown}: a resume passes over it for the checkpoint before it"
+            report.problems += [f"{problem}; {advice}" for problem in found]
+        if report.final or report.checkpoints or report.unfinished:
+            reports.append(report)
+    return reports
