@@ -163,11 +163,12 @@ def _changed(pairs: list[tuple[str, Any, Any]]) -> list[str]:
 
 
 def check_train_inputs(context: Preflight) -> None:
-    """Training without the stages before it (`--stages train`): the token store leaves a shard to train on beside
-    the held-out ones, and the top-K store it would train on is there (`student.topk_tag`, or one made for this
-    config's teacher, K and store settings), said now rather than by the training inside Prefect."""
-    if context.stages & {"materialise", "tokenise", "precompute"}:
-        return  # the stores are (re)made first: the pipeline checks after tokenise, training after precompute
+    """Training on a token store this run does not make again (no tokenise in `--stages`): it leaves a shard to
+    train on beside the held-out ones (else `--stages precompute,train` ran the whole teacher pass first); and with
+    no stage before training, the top-K store it would train on is there (`student.topk_tag`, or one made for this
+    config's teacher, K and store settings). Said now rather than by the training inside Prefect."""
+    if "tokenise" in context.stages:
+        return  # the token store is made again first: the pipeline checks right after tokenise
     done = context.complete(TOKENS_DIR)
     if done is None:
         return  # no finished token store (or one of another kdflow): training names what is missing
@@ -175,6 +176,8 @@ def check_train_inputs(context: Preflight) -> None:
     problem = held_out_problem(config.student.eval_shards, int(done.get("shards", 0)), int(done.get("rows", 0)))
     if problem is not None:
         raise ConfigError(problem)
+    if context.stages & {"materialise", "precompute"}:
+        return  # the top-K store is (re)made first: training checks it after precompute
     from kdflow.schemas.commits import read_commit, stage_dir
     from kdflow.schemas.stage_settings import training_settings
     from kdflow.schemas.store_info import filled_by, read_store_info

@@ -12,17 +12,22 @@ from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.tasks.preflight import run_preflight
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"student__eval_shards": 99}, "student.eval_shards=99 leaves no training shard: the token store has "),
-    ({"precompute__top_k": 3}, "shard-00000.arrow has K=8, precompute.top_k is 3"),
-    ({"student__topk_tag": "nope"}, "student.topk_tag='nope': no such top-K store under "),
+@pytest.mark.parametrize(("overrides", "message", "with_precompute"), [
+    # the token store is not made again by precompute,train: the teacher pass ran in full, then training refused
+    ({"student__eval_shards": 99}, "student.eval_shards=99 leaves no training shard: the token store has ", True),
+    ({"precompute__top_k": 3}, "shard-00000.arrow has K=8, precompute.top_k is 3", False),
+    ({"student__topk_tag": "nope"}, "student.topk_tag='nope': no such top-K store under ", False),
 ])
-def test_training_alone_is_refused_before_the_stages(fresh_run, overrides: dict, message: str) -> None:
+def test_training_alone_is_refused_before_the_stages(fresh_run, overrides: dict, message: str,
+                                                     with_precompute: bool) -> None:
     config = fresh_run(**overrides)
-    with pytest.raises(ConfigError) as caught:
-        run_preflight(config, "train")
-    assert message in str(caught.value) and "\n" not in str(caught.value)
-    run_preflight(config, "precompute,train")  # the stores are made again first: nothing to judge yet
+    for stages in ("train", "precompute,train")[:1 + with_precompute]:
+        with pytest.raises(ConfigError) as caught:
+            run_preflight(config, stages)
+        assert message in str(caught.value) and "\n" not in str(caught.value)
+    if not with_precompute:
+        run_preflight(config, "precompute,train")  # the top-K store is made again first: nothing to judge yet
+    run_preflight(config, "tokenise,precompute,train")  # every store is made again first
     assert run_preflight(fresh_run(), "train") == []
 
 
@@ -35,3 +40,23 @@ def test_a_training_that_fails_before_writing_leaves_no_student_folder(fresh_run
     with pytest.raises(StoreError, match="student.topk_tag='nope': no such top-K store"):
         train(open_run_root(config), training_settings(config))
     assert not (Path(config.run_root) / "students" / "never").exists()
+
+
+def test_a_token_store_of_no_sequence_is_named_before_the_teacher_pass(sharp_teacher_dir, tmp_path) -> None:
+    """One short document gives a token store of no sequence. `--stages precompute,train` then ran the teacher pass
+    and training said "token store ... lacks shard(s) all; run tokenise first", after tokenise had run."""
+    from support.corpus import write_jsonl
+    from support.runs import make_tokens, run_config
+
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.common.tokenizer import load_tokenizer
+    from kdflow.tasks.student.data import open_stores
+
+    config = run_config(tmp_path / "run", sharp_teacher_dir, write_jsonl(tmp_path / "docs.jsonl", ["hello there"]))
+    make_tokens(config)
+    for stages in ("precompute,train", "train"):
+        with pytest.raises(ConfigError, match="^the token store holds no sequence: the corpus gave fewer tokens"):
+            run_preflight(config, stages)
+    with pytest.raises(StoreError, match="tokens: the token store holds no sequence") as caught:
+        open_stores(open_run_root(config), training_settings(config), load_tokenizer(config.teacher, config.tokenizer))
+    assert "lacks" not in str(caught.value)

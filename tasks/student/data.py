@@ -23,6 +23,7 @@ from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stag
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, data_file_name
+from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.shard_rows import ShardRows, take_rows
 from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
 from kdflow.schemas.stage_settings import StudentDataSettings, TrainingSettings, held_out_problem
@@ -148,9 +149,11 @@ def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -
     tokens_store, complete, tokens_fp = tokens.path, tokens.complete, tokens.fingerprint
     shown = run_root.display(tokens_store)
     token_records = list_commits(run_root, tokens_store, "tokens", tokens_fp)
+    if not complete.shards:  # it said "lacks shard(s) all; run tokenise first", after tokenise had run
+        raise StoreError(f"token store {shown}: {held_out_problem(0, 0, 0)}")
     missing = [i for i in range(complete.shards) if i not in token_records]
-    if missing or not token_records:
-        raise StoreError(f"token store {shown} lacks shard(s) {missing[:5] or 'all'}; run tokenise first")
+    if missing:
+        raise StoreError(f"token store {shown} lacks shard(s) {format_shard_ids(missing)}; run tokenise first")
 
     topk_store = find_topk_store(run_root, settings, tokens_fp, token_records[0])
     info = read_store_info(run_root, topk_store)
