@@ -244,6 +244,10 @@ def _source(tmp_path: Path, change: str) -> Path:
     if change == "text":
         table = {"input_ids": input_ids, "topk_ids": ids, "topk_logprobs": logprobs,
                  "text": ["hello world"] * rows}
+    if change == "NaN tail":  # it was named "a tail log-mass above 0"
+        tails = np.log1p(-np.exp(np.array(logprobs)).sum(-1))
+        tails[1][10] = np.nan
+        table = {"input_ids": input_ids, "topk_ids": ids, "topk_logprobs": logprobs, "tail_logprob": tails.tolist()}
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.table(table), path)
     return path
@@ -255,13 +259,14 @@ def _source(tmp_path: Path, change: str) -> Path:
     ("unsorted", "row 1 field target_logprobs: log-probs not sorted by descending value at position 6"),
     ("sum above 1", "row 2 field topk_logprobs: log-probs whose probabilities sum above 1 at position 7"),
     ("text", "row 0 field text: the tokenizer's encoding differs from input_ids at position 0"),
+    ("NaN tail", "row 1 field tail_logprob: a tail log-mass that is NaN at position 10"),
 ])
 def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
         fresh_run, tmp_path: Path, change: str, where: str) -> None:
     config = _at(tmp_path / "imported", fresh_run, **V1)
     with pytest.raises(StoreError) as error:
         import_store(open_run_root(config), teacher_pass_settings(config), str(_source(tmp_path, change)),
-                     "kdflow" if change in ("text", "sum above 1") else "axolotl", "t")
+                     "kdflow" if change in ("text", "sum above 1", "NaN tail") else "axolotl", "t")
     assert "\n" not in str(error.value) and where in str(error.value), str(error.value)
     assert not (tmp_path / "imported").exists() or not any((tmp_path / "imported").rglob("*.arrow"))
 

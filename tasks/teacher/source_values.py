@@ -87,7 +87,7 @@ def log_probs(layout: LogitLayout, values: np.ndarray, real: np.ndarray, target:
             ": values above 0 look like logits, declare kind logits" if logits else "")
     if tail is not None:
         tail = tail.astype(np.float64)
-        fail_at(first_row, row_lengths, target & ((tail > MASS_TOLERANCE) | np.isnan(tail)), layout.tail,
-                "a tail log-mass above 0")
+        fail_at(first_row, row_lengths, target & np.isnan(tail), layout.tail, "a tail log-mass that is NaN")
+        fail_at(first_row, row_lengths, target & (tail > MASS_TOLERANCE), layout.tail, "a tail log-mass above 0")
         tail = np.where(target, np.minimum(tail, 0.0), -np.inf).astype(np.float32)
     return np.where(real, values, -np.inf), FULL, tail
