@@ -99,7 +99,7 @@ def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -
 
 
 def check_sources(context: Preflight) -> None:
-    """A corpus store with parts of this config's fingerprint was made from the dataset's files as they were
+    """A finished corpus store of this config's fingerprint was made from the dataset's files as they were
     (`corpus/_sources.json`): a file edited, added or removed since is named, not silently left out."""
     from kdflow.schemas.dataset_record import read_dataset_record
     from kdflow.schemas.fingerprints import corpus_fingerprint
@@ -107,10 +107,14 @@ def check_sources(context: Preflight) -> None:
 
     run_root = context.run_root
     store = run_root.path(CORPUS_DIR)
+    fingerprint = corpus_fingerprint(context.config)
     try:
-        recorded = read_dataset_record(run_root, store, corpus_fingerprint(context.config))
+        recorded = read_dataset_record(run_root, store, fingerprint)
     except Exception:  # noqa: BLE001 - a run root not reachable yet: materialise checks again
         return
+    done = context.complete(CORPUS_DIR)
+    if done is None or done.get("fingerprint") != fingerprint:
+        return  # unfinished: nothing was made from it, and materialise starts it again after a change (it says so)
     check_unchanged(recorded, context.config.dataset, run_root.display(store))
 
 

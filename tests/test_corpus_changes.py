@@ -133,3 +133,29 @@ def test_a_first_run_that_failed_before_any_part_reads_the_fixed_file(
     assert _status_line(config, capsys).endswith(" 1 file as materialise read them")
     write_jsonl(source, DOCS[:3])  # from the first part on, the record binds
     assert "docs.jsonl: " in _refused(config)
+
+
+def test_the_fix_of_a_record_that_stopped_materialise_is_read_from_the_start(
+        make_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A bad record stopped materialise after its first part; the fixed file was then refused ("a rerun would not
+    read the change"), though nothing was made from an unfinished store: the run root had to be thrown away."""
+    import json
+
+    source = tmp_path / "docs.jsonl"
+    records = [{"text": text} for text in DOCS[:12]]
+    source.write_text("".join(json.dumps({"text": 12345} if i == 8 else r) + "\n" for i, r in enumerate(records)))
+    config = make_config(dataset__path=str(source), dataset__documents_per_part=5)
+    with pytest.raises(DataError, match="holds int, not text"):
+        materialise(open_run_root(config), materialise_settings(config))
+    store = Path(config.run_root, CORPUS_DIR)
+    assert sorted(p.name for p in store.glob("*.commit.json")) == ["part-00000.commit.json"]
+
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))  # fixed
+    assert run_preflight(config, "materialise") == []
+    with caplog.at_level("WARNING", logger="kdflow.tasks.corpus.dataset_changes"):
+        summary = materialise(open_run_root(config), materialise_settings(config))
+    assert (summary.documents, summary.parts_written) == (len(records), 3)
+    assert any("and it had not finished: its 1 committed part is read again" in r.getMessage() for r in caplog.records)
+    assert run_preflight(config, "materialise") == []  # finished now: the record holds the fixed file
+    source.write_text(source.read_text() + json.dumps({"text": "one more"}) + "\n")
+    assert "changed since materialise read them" in _refused(config)  # a finished store's change is still refused

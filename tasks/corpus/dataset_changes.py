@@ -4,11 +4,14 @@
 a file added or removed, another size, other bytes (a local file whose modification time moved is hashed again,
 so a copy or a `touch` with the same bytes is no change), another version on an object store. `check_unchanged`
 turns a difference into one line, for pre-flight and for materialise itself (a run started from a deployment).
+A corpus store that materialise had not finished is another matter: nothing was made from it yet (tokenise reads
+a finished one only), so a change there (the fix of a record that stopped it) has materialise start it again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from typing import Any
 
@@ -18,6 +21,7 @@ from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.corpus.dataset_files import SAVED, file_builder
 
 SHOWN = 3  # changes named in the line; the rest are counted
+logger = logging.getLogger(__name__)
 
 
 def _listed(dataset: DatasetConfig) -> list[str] | None:
@@ -140,12 +144,35 @@ def with_current_times(recorded: DatasetRecord) -> DatasetRecord:
     return recorded.model_copy(update={"files": files})
 
 
+def shown_changes(found: list[str]) -> str:
+    return ", ".join(found[:SHOWN]) + (f" and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
+
+
+def started_again(recorded: DatasetRecord, dataset: DatasetConfig, store: str, parts: int) -> str | None:
+    """For a corpus store that materialise had not finished: what changed in its files since it started, said as
+    the reason its `parts` committed parts are read again (None: nothing changed, it resumes)."""
+    found = changes(recorded, dataset)
+    if not found:
+        return None
+    return (f"the dataset's files changed since materialise started reading them into {store} "
+            f"({shown_changes(found)}), and it had not finished: its {parts} committed "
+            f"{'part is' if parts == 1 else 'parts are'} read again from the files as they are now")
+
+
+def starts_again(recorded: DatasetRecord, dataset: DatasetConfig, store: str, parts: int) -> bool:
+    """`started_again`, logged as a warning when it holds: -> whether materialise starts the store again."""
+    why = started_again(recorded, dataset, store, parts)
+    if why is not None:
+        logger.warning("materialise: %s", why)
+    return why is not None
+
+
 def check_unchanged(recorded: DatasetRecord | None, dataset: DatasetConfig, store: str) -> None:
     """ConfigError naming what changed since materialise read the files into `store`, if anything did."""
     found = changes(recorded, dataset) if recorded is not None else []
     if not found:
         return
-    shown = ", ".join(found[:SHOWN]) + (f" and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
-    raise ConfigError(f"the dataset's files changed since materialise read them into {store} ({shown}): this run "
+    raise ConfigError(f"the dataset's files changed since materialise read them into {store} "
+                      f"({shown_changes(found)}): this run "
                       "root's stores hold the old text and a rerun would not read the change; put the files back "
                       "as they were, or give the changed corpus a new run_root")

@@ -26,7 +26,7 @@ from kdflow.tasks.common import faults
 from kdflow.tasks.common.hub_access import object_store_reads
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.common.saved_datasets import load_saved_dataset
-from kdflow.tasks.corpus.dataset_changes import check_unchanged, snapshot, with_current_times
+from kdflow.tasks.corpus.dataset_changes import check_unchanged, snapshot, starts_again, with_current_times
 from kdflow.tasks.corpus.dataset_files import (DELIMITERS, SAVED, builders_quiet, csv_header, first_malformed_row,
                                               format_of, open_file, pandas_column_names, uncompressed)
 from kdflow.tasks.corpus.dataset_files import file_builder as _file_builder
@@ -244,11 +244,16 @@ def materialise(
     totals = dict(documents=sum(committed[i].rows for i in range(prefix)),
                   tokens=sum(committed[i].tokens for i in range(prefix)),
                   skipped=sum(committed[i].extra.skipped_empty or 0 for i in range(prefix)))
+    unfinished = done is None or done.fingerprint != fingerprint
     if prefix and (recorded := read_dataset_record(run_root, store, fingerprint)) is not None:
-        check_unchanged(recorded, dataset, run_root.display(store))  # parts made from the files as they were
-        if (current := with_current_times(recorded)) != recorded:
-            write_dataset_record(run_root, store, current)
-    elif not prefix and (sources := snapshot(dataset, fingerprint)) is not None:
+        if unfinished and starts_again(recorded, dataset, run_root.display(store), prefix):
+            remove_shards_from(run_root, store, "corpus", 0)  # nothing read them: tokenise reads finished stores only
+            prefix, totals = 0, dict.fromkeys(totals, 0)
+        else:
+            check_unchanged(recorded, dataset, run_root.display(store))  # parts made from the files as they were
+            if (current := with_current_times(recorded)) != recorded:
+                write_dataset_record(run_root, store, current)
+    if not prefix and (sources := snapshot(dataset, fingerprint)) is not None:
         write_dataset_record(run_root, store, sources)
     if done is not None and done.fingerprint == fingerprint and done.shards == prefix:
         remove_shards_from(run_root, store, "corpus", prefix)  # as a finished run of an older kdflow left them
