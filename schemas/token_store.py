@@ -51,7 +51,9 @@ def open_token_store(run_root: RunRoot, tokenizer_fp: str, expected: str) -> Tok
     if done is None:
         raise StoreError(f"token store {shown} is not complete; run tokenise first")
     check_store_tokenizer(done.extra.tokenizer_fingerprint, tokenizer_fp, shown)
-    if done.fingerprint != expected:
+    # An imported store's rows come from a capture, not from `dataset:` (its fingerprint names the import's config):
+    # training on it with a config whose dataset section differs was refused, with advice that could not be taken.
+    if done.fingerprint != expected and not getattr(done.extra, "imported_from", None):
         raise StoreError(f"token store {shown} (fingerprint {done.fingerprint}) was made from another dataset, "
                          f"seq_len or shard size than this config ({expected}); run tokenise first")
     return TokenStore(store, done, tokenizer_fp)

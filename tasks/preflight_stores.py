@@ -63,6 +63,8 @@ def _output_problem(context: Preflight, before: str, folder: str) -> str | None:
     done = context.complete(folder)
     if done is None:
         return "is not complete"
+    if (done.get("extra") or {}).get("imported_from"):
+        return None  # `kdflow store import` wrote it from a capture: no dataset of any config made it
     config = context.config
     corpus = corpus_fingerprint(config)
     if before == "materialise":

@@ -180,6 +180,13 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
         open_stores(open_run_root(config), training_settings(config), tokenizer)
         open_stores(open_run_root(config), training_settings(config), tokenizer)
     assert len([r for r in caplog.records if "without tail mass" in r.getMessage()]) == 1
+    # The imported rows are no dataset's: a config naming the user's own corpus trains on them too (it was refused,
+    # "made from another dataset ...: add tokenise", and tokenise then refused the imported store).
+    from kdflow.tasks.preflight_stores import check_stage_inputs
+
+    own = config.model_copy(update={"dataset": config.dataset.model_copy(update={"path": str(jsonl)})})
+    check_stage_inputs(own, "train")
+    assert open_stores(open_run_root(own), training_settings(own), tokenizer).topk_store.endswith(summary["tag"])
 
     import datasets  # the same rows as a Hugging Face dataset folder: the same arrays, the same store
 
