@@ -208,8 +208,12 @@ def test_a_bad_row_in_the_last_file_leaves_nothing_visible_and_fails_the_rerun_a
 
 @pytest.mark.usefixtures("children")
 def test_kill_9_mid_import_resumes_to_the_uninterrupted_bytes(make_config, tmp_path: Path) -> None:
+    import shutil
+
     from support.children import run
     from support.faults import write_config
+
+    from kdflow.schemas.owners import owner_tag
 
     source = _write_parts(tmp_path / "src", _table(40, 20), [13, 27])
     reference = _import(_config(make_config, tmp_path / "reference"), source)
@@ -221,10 +225,19 @@ def test_kill_9_mid_import_resumes_to_the_uninterrupted_bytes(make_config, tmp_p
     assert killed.returncode == -9, killed.stderr
     assert (tmp_path / "run" / "_faults" / "kill.at-commit.shard-2.stage-import.fired").exists()
     assert not (tmp_path / "run" / "topk").exists()
+    # Had the source changed before the rerun, its KEY would differ and the killed import's staging stay forever
+    # (~8 KB a position): a copy under another KEY stands for it; its process is dead. A live import's is kept.
+    imports = tmp_path / "run" / "_imports"
+    (staged,) = imports.iterdir()
+    shutil.copytree(staged, imports / "abandoned")
+    (imports / "live").mkdir()
+    (imports / "live" / "_owner.txt").write_text(owner_tag())  # this test's process: alive
     done = run(command, what="import rerun", timeout=600)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.splitlines()[0])
     assert summary["tag"] == reference["tag"] and summary["staged_reused"] == 2 and summary["complete"]
+    assert sorted(p.name for p in imports.iterdir()) == ["live"]  # the finished import's own staging went too
+    assert f"removed {imports / 'abandoned'}, the staged work of a stopped import" in done.stderr
 
     def files(root: Path) -> dict[str, bytes]:
         return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("shard-*.arrow"))}

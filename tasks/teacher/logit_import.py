@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,8 @@ from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import TopkStoreInfo, read_store_info, store_format, topk_tags, write_store_info
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.logit_reader import source_files
-from kdflow.tasks.teacher.logit_staging import (Checked, Packing, read_staged, row_reader, stage_source,
-                                               staging_dir)
+from kdflow.tasks.teacher.logit_staging import (Checked, Packing, claim_staging, read_staged, remove_abandoned_staging,
+                                               row_reader, stage_source, staging_dir)
 from kdflow.tasks.teacher.source_rows import FULL
 from kdflow.tasks.teacher.store_codec import store_codec
 
@@ -76,6 +77,9 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     key = staging.rsplit("/", 1)[-1]  # the source files as they are, the layout and the packing
     if (finished := _finished_import(run_root, settings, key, teacher_name, tokens_fp)) is not None:
         return finished  # this source imported already, as this config stores it: nothing is read again
+    for folder in remove_abandoned_staging(run_root, keep=staging):
+        logger.info("import: removed %s, the staged work of a stopped import of another source", folder)
+    claim_staging(run_root, staging)
     checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
 
     if checked.masked and pre.store.format == "v1":  # v1 shards have no place for the mask: never drop it silently
@@ -133,6 +137,9 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     if complete:  # the staged shards are in the stores now
         with contextlib.suppress(FileNotFoundError):
             run_root.fs.rm(staging, recursive=True)
+        if run_root.is_local:  # an empty _imports/ left after every import (object stores have no empty folders)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(staging))
     shards = len(checked.shards)
     logger.info("import: %d rows (%d positions) of %s packed into %d rows of %d as top-K store %s (%d shards "
                 "written, %d already committed, %d positions dropped)", checked.rows, checked.positions, source,

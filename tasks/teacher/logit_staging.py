@@ -12,9 +12,12 @@ after the last staged shard are read and checked again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+import os
+import time
 from dataclasses import asdict, dataclass
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +29,7 @@ from kdflow.schemas.config_hash import section_hash
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.layout import IMPORTS_DIR
 from kdflow.schemas.logit_layouts import LogitLayout
+from kdflow.schemas.owners import is_stale, owner_tag
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.logit_dataset import check_columns, check_text, source_rows
@@ -37,6 +41,7 @@ from kdflow.tasks.teacher.source_rows import FULL, SourceRows
 
 STAGING_VERSION = 2  # of the staged files' layout: part of KEY, so an older kdflow's staging is never reused
 CHECKED_FILE = "_checked.json"  # written once every row passed: the totals the stores are written from
+OWNER_FILE = "_owner.txt"  # the owner tag (kdflow.schemas.owners) of the import filling the folder
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,33 @@ def staging_dir(run_root: RunRoot, source: SourceFiles, layout: LogitLayout, pac
     key = section_hash("import-staging", STAGING_VERSION, source_fingerprint(source), repr(layout), asdict(packing),
                        *([decoder] if decoder else []))
     return run_root.path(IMPORTS_DIR, key[:24])
+
+
+def claim_staging(run_root: RunRoot, staging: str) -> None:
+    """Write this process's owner tag into the staging folder: an import that finds another import's folder whose
+    process is gone removes it (`remove_abandoned_staging`)."""
+    run_root.write_bytes_atomic(f"{staging}/{OWNER_FILE}", owner_tag().encode())
+
+
+def remove_abandoned_staging(run_root: RunRoot, keep: str) -> list[str]:
+    """The staging folders of other imports whose process is gone: a killed import whose source then changed has
+    another KEY, so none would ever reuse them (each may hold ~8 KB a position). Another host's are judged by their
+    age on local disk only; a folder without an owner tag is left alone. -> the folders removed."""
+    imports, removed = run_root.path(IMPORTS_DIR), []
+    for name in run_root.listdir(imports):
+        folder = f"{imports}/{name}"
+        if folder == keep:
+            continue
+        try:
+            owner = run_root.read_bytes(f"{folder}/{OWNER_FILE}").decode(errors="replace")
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        mtime = os.path.getmtime(f"{folder}/{OWNER_FILE}") if run_root.is_local else time.time()
+        if is_stale(owner, mtime):
+            with contextlib.suppress(FileNotFoundError):
+                run_root.fs.rm(folder, recursive=True)
+            removed.append(folder)
+    return removed
 
 
 def _name(shard_id: int, suffix: str) -> str:
