@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_store_loggers()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The commands whose rerun goes on from where a stopped one was (the others start over).
-    resumes = "; rerun the same command to resume" if args.command in ("run", "demo") else ""
+    resumes = "; rerun the same command to resume" if args.command in ("run", "demo") or (
+        args.command == "store" and args.action in ("import", "export")) else ""
     try:
         return int(args.func(args) or 0)
     except KDFlowError as error:

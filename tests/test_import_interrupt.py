@@ -1,0 +1,34 @@
+"""`kdflow store import` stopped by Ctrl-C: one line saying that a rerun resumes, as `kdflow run` says."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_import_stream import _config, _table, _write_parts
+
+
+@pytest.mark.usefixtures("children")
+def test_ctrl_c_mid_import_says_a_rerun_resumes(make_config, tmp_path: Path) -> None:
+    """`kdflow run` said "interrupted; rerun the same command to resume"; an import, which resumes too, did not
+    (tests/test_import_stream.py has the resume itself)."""
+    import signal
+
+    from support.children import started, wait_until
+    from support.faults import write_config
+
+    source = _write_parts(tmp_path / "src", _table(40, 20), [13, 27])
+    config = write_config(_config(make_config, tmp_path / "run"), tmp_path / "run.yaml")
+    command = [sys.executable, "-m", "kdflow", "store", "import", str(source), "--config", str(config), "--layout",
+               "kdflow", "--teacher", "t"]
+    fired = tmp_path / "run" / "_faults" / "pause.at-commit.shard-1.stage-import.fired"
+    with started(command, env=os.environ | {"KDFLOW_FAULT": "pause@at=commit,stage=import,shard=1"},
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as process:
+        wait_until(fired.exists, what="the import pausing", timeout=300, process=process)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and err.strip().endswith("kdflow: interrupted; rerun the same command to resume")
