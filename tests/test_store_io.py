@@ -314,6 +314,8 @@ def test_exporting_from_a_run_root_without_a_top_k_store_says_so(tmp_path: Path)
         export_store(str(tmp_path / "run"), str(tmp_path / "out"))
     assert str(caught.value) == (f"no top-K store under {tmp_path / 'run' / 'topk'}: the precompute stage has not "
                                  "written one yet")
+    with pytest.raises(StoreError, match=f"^run root {tmp_path / 'nope'} does not exist$"):  # a typo: not "precompute"
+        export_store(str(tmp_path / "nope"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
 

@@ -133,6 +133,8 @@ def _target(decoded: Any) -> np.ndarray | None:
 
 
 def _pick_tag(run_root: RunRoot, tag: str | None) -> str:
+    if not run_root.exists(run_root.root):  # it said "the precompute stage has not written one yet"
+        raise StoreError(f"run root {run_root.display(run_root.root)} does not exist")
     tags = topk_tags(run_root)
     if tag is not None:
         if tag not in tags:
