@@ -187,6 +187,10 @@ def test_stacked_layout_without_tail_is_computed_recorded_and_warned_once(fresh_
     own = config.model_copy(update={"dataset": config.dataset.model_copy(update={"path": str(jsonl)})})
     check_stage_inputs(own, "train")
     assert open_stores(open_run_root(own), training_settings(own), tokenizer).topk_store.endswith(summary["tag"])
+    untagged = _at(tmp_path / "imported", fresh_run, **V1)  # it said "... ; run precompute first"
+    with pytest.raises(StoreError, match=f"top-K store {summary['tag']} under .* was imported for this token store "
+                                         r"\(kdflow store import\): train on one with student.topk_tag$"):
+        open_stores(open_run_root(untagged), training_settings(untagged), tokenizer)
 
     import datasets  # the same rows as a Hugging Face dataset folder: the same arrays, the same store
 

@@ -124,10 +124,11 @@ def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: st
         store = stage_dir(run_root, "topk", other_format[0])
         raise StoreError(format_mismatch(read_store_info(run_root, store), settings.precompute,
                                          run_root.display(store)))
-    ours, others = [], []
+    ours, others, imported = [], [], []
     for tag in topk_tags(run_root):
-        if read_store_info(run_root, stage_dir(run_root, "topk", tag)) is not None:
-            others.append(tag)  # made by precompute, for another teacher, K or token store
+        if (info := read_store_info(run_root, stage_dir(run_root, "topk", tag))) is not None:
+            imports_ours = (info.model_extra or {}).get("imported") and info.tokens_fingerprint == tokens_fp
+            (imported if imports_ours else others).append(tag)  # else: for another teacher, K or token store
             continue
         record = read_commit(run_root, stage_dir(run_root, "topk", tag), "topk", 0)
         if record is not None:
@@ -137,6 +138,10 @@ def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: st
     if ours:
         raise StoreError(f"several top-K stores under {topk_root} were made from token store {tokens_fp} "
                          f"({', '.join(ours)}): choose one with student.topk_tag")
+    if imported:  # `kdflow store import` names its teacher, which the config's is not: it said "run precompute"
+        raise StoreError(f"top-K store{'s' * (len(imported) > 1)} {', '.join(imported)} under {topk_root} "
+                         f"{'were' if len(imported) > 1 else 'was'} imported for this token store (kdflow store "
+                         f"import): train on one with student.topk_tag")
     found = f" (found {', '.join(others)}, made for another teacher, K or token store)" if others else ""
     raise StoreError(f"no top-K store under {topk_root} was made for this teacher, K and token store "
                      f"{tokens_fp}{found}; run precompute first")
