@@ -307,7 +307,8 @@ def test_the_commands_export_and_import(fresh_run, tmp_path: Path) -> None:
     done = kdflow("import", str(out / "data"), "--config", str(config), "--layout", "axolotl", "--teacher", "t",
                   "--set", "student.log_every=1")
     assert done.returncode == 0, done.stderr
-    tag = json.loads(done.stdout.splitlines()[0])["tag"]
+    tag, tail = (json.loads(done.stdout.splitlines()[0])[key] for key in ("tag", "tail"))
+    assert tail == "none"  # renormalised over the K: no tail stored (it said "computed")
     assert f"--stages train --set student.log_every=1 --set student.topk_tag={tag}`" in done.stdout  # its --set too
     assert (tmp_path / "imported" / "topk" / tag / "_complete.json").exists()
 

@@ -39,13 +39,14 @@ from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.teacher.logit_reader import source_files
 from kdflow.tasks.teacher.logit_staging import (Checked, Packing, claim_staging, read_staged, remove_abandoned_staging,
                                                row_reader, stage_source, staging_dir)
-from kdflow.tasks.teacher.source_rows import FULL
+from kdflow.tasks.teacher.source_rows import FULL, TOP_K
 from kdflow.tasks.teacher.store_codec import store_codec
 
 logger = logging.getLogger("kdflow.import")
 
 TAIL_COMPUTED = "computed"  # _store.json `imported.tail`: the source had no tail, 1 - sum(p) was stored
 TAIL_SOURCE = "source"
+TAIL_NONE = "none"  # renormalised over the K (normalisation top_k): no tail is stored (it said "computed")
 
 
 def _check_targets(pre: PrecomputeConfig) -> None:
@@ -97,7 +98,8 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     imported = {"source": source, "key": key, "layout": layout.name, "teacher": teacher_name, "rows": checked.rows,
                 "positions": checked.positions, "packed_rows": checked.packed_rows,
                 "dropped_positions": checked.dropped_positions, "normalisation": checked.normalisation,
-                "tail": TAIL_SOURCE if checked.has_tail else TAIL_COMPUTED}
+                "tail": TAIL_SOURCE if checked.has_tail else TAIL_NONE if checked.normalisation == TOP_K
+                else TAIL_COMPUTED}
     run_root.write_bytes_atomic(f"{store}/{CONFIG_FILE}", settings.resolved_config.encode())
     v2 = {} if codec is None else {"format": "v2", "codec": codec.settings()}
     write_store_info(run_root, store, TopkStoreInfo(
