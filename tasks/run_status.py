@@ -69,24 +69,10 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
 def _sources_line(run_root: RunRoot) -> str | None:
     """The dataset's files against what materialise read (`corpus/_sources.json`), from the record alone: a file
     since edited or removed is named, as the next run would name it; None where there is no record."""
-    from kdflow.schemas.dataset_record import read_dataset_record
-    from kdflow.tasks.corpus.dataset_changes import SHOWN, recorded_changes
+    from kdflow.tasks.corpus.dataset_changes import sources_state
 
-    try:
-        recorded = read_dataset_record(run_root, run_root.path(CORPUS_DIR))
-    except OSError:
-        return None
-    if recorded is None:
-        return None
-    found, label = recorded_changes(recorded), f"{CORPUS_DIR}/{SOURCES_FILE}"
-    files = f"{len(recorded.files)} file{'' if len(recorded.files) == 1 else 's'}"
-    if not found:
-        return f"{label:<22} {files} as materialise read them"
-    if len(found) == len(recorded.files) and all(" removed" in change for change in found):  # as pre-flight
-        return f"{label:<22} {files}, none found here (a complete corpus store does not need them)"
-    shown = ", ".join(found[:SHOWN]) + (f" and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
-    return (f"{label:<22} {files}, CHANGED since materialise read them: {shown}; the next run refuses "
-            "(put the files back, or give the changed corpus a new run_root)")
+    state = sources_state(run_root)
+    return None if state is None else f"{CORPUS_DIR + '/' + SOURCES_FILE:<22} {state}"
 
 
 def _student_line(run_root: RunRoot, name: str) -> str:

@@ -155,6 +155,10 @@ def validate_corpus(run_root: RunRoot) -> StoreReport:
         return []
 
     _check_contents(run_root, report, check_part)
+    from kdflow.tasks.corpus.dataset_changes import sources_state  # as `kdflow status` says it
+
+    if (state := sources_state(run_root)) is not None and "CHANGED" in state:
+        report.notes.append(f"_sources.json: {state}")
     return report
 
 

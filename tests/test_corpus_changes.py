@@ -70,6 +70,10 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
     assert _status_line(config, capsys) == (  # kdflow status says it too, from the record alone
         f"corpus/_sources.json 2 files, CHANGED since materialise read them: {first}: other bytes, same size; "
         "the next run refuses (put the files back, or give the changed corpus a new run_root)")
+    from kdflow.commands.validate import validate_run_root
+
+    assert validate_run_root(config.run_root) == 0  # the stores are whole; it says what status says, as a note
+    assert f"  note: _sources.json: 2 files, CHANGED since materialise read them: {first}" in capsys.readouterr().out
     first.write_bytes(original)
     assert materialise(open_run_root(config), materialise_settings(config)).parts_written == 0  # put back as it was
     assert _status_line(config, capsys) == "corpus/_sources.json 2 files as materialise read them"
@@ -136,7 +140,8 @@ def test_a_first_run_that_failed_before_any_part_reads_the_fixed_file(
 
 
 def test_the_fix_of_a_record_that_stopped_materialise_is_read_from_the_start(
-        make_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        make_config: Callable[..., Any], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """A bad record stopped materialise after its first part; the fixed file was then refused ("a rerun would not
     read the change"), though nothing was made from an unfinished store: the run root had to be thrown away."""
     import json
@@ -152,6 +157,7 @@ def test_the_fix_of_a_record_that_stopped_materialise_is_read_from_the_start(
 
     source.write_text("".join(json.dumps(r) + "\n" for r in records))  # fixed
     assert run_preflight(config, "materialise") == []
+    assert _status_line(config, capsys).endswith("it had not finished, so the next run reads them again from the start")
     with caplog.at_level("WARNING", logger="kdflow.tasks.corpus.dataset_changes"):
         summary = materialise(open_run_root(config), materialise_settings(config))
     assert (summary.documents, summary.parts_written) == (len(records), 3)

@@ -176,3 +176,31 @@ def check_unchanged(recorded: DatasetRecord | None, dataset: DatasetConfig, stor
                       f"({shown_changes(found)}): this run "
                       "root's stores hold the old text and a rerun would not read the change; put the files back "
                       "as they were, or give the changed corpus a new run_root")
+
+
+def sources_state(run_root: Any) -> str | None:
+    """What `kdflow status` and `kdflow validate` say of `corpus/_sources.json`: its files as materialise read them,
+    none of them here, or what changed since and what the next run does about it; None where there is no record."""
+    from kdflow.schemas.commits import read_complete
+    from kdflow.schemas.dataset_record import read_dataset_record
+    from kdflow.schemas.layout import CORPUS_DIR
+
+    store = run_root.path(CORPUS_DIR)
+    try:
+        recorded = read_dataset_record(run_root, store)
+    except OSError:
+        return None
+    if recorded is None:
+        return None
+    found = recorded_changes(recorded)
+    files = f"{len(recorded.files)} file{'' if len(recorded.files) == 1 else 's'}"
+    if not found:
+        return f"{files} as materialise read them"
+    if len(found) == len(recorded.files) and all(" removed" in change for change in found):  # as pre-flight
+        return f"{files}, none found here (a complete corpus store does not need them)"
+    done = read_complete(run_root, store)
+    if done is None or done.fingerprint != recorded.fingerprint:
+        return (f"{files}, CHANGED since materialise started reading them: {shown_changes(found)}; it had not "
+                "finished, so the next run reads them again from the start")
+    return (f"{files}, CHANGED since materialise read them: {shown_changes(found)}; the next run refuses "
+            "(put the files back, or give the changed corpus a new run_root)")
