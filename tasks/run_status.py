@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import yaml
 
 from kdflow.schemas.commits import CommitRecord, StageComplete, list_commits, read_complete
-from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, SOURCES_FILE, STUDENTS_DIR,
-                                   TOKENS_DIR, TOPK_DIR, checkpoint_name, is_store_name)
+from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, IMPORTS_DIR, SOURCES_FILE,
+                                   STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name, is_store_name)
 from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
+from kdflow.tasks.common.progress import count_of
 from kdflow.schemas.store_info import tokens_made_from, topk_tags
 from kdflow.tasks.teacher.micro_batch import stepped_down_lines
 
@@ -62,8 +63,20 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
         it = "it" if stale == 1 else "them"
         yield (f"  stale: computed from token shards since replaced by tokenise; training skips {it} (delete to free "
                "space)")
+    yield from _staged_import_lines(run_root)
     for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
         yield _student_line(run_root, name)
+
+
+def _staged_import_lines(run_root: RunRoot) -> Iterator[str]:
+    """The work a stopped `kdflow store import` staged (`_imports/KEY/`), which `tokens 0/?` did not show."""
+    imports = run_root.path(IMPORTS_DIR)
+    for key in run_root.listdir(imports):
+        sizes = run_root.list_sizes(f"{imports}/{key}")
+        staged = sum(name.endswith(".npz") for name in sizes)
+        mib = sum(sizes.values()) / 2**20
+        yield (f"{IMPORTS_DIR + '/' + key:<22} {count_of(staged, 'staged shard')} ({mib:,.1f} MiB) of an import not "
+               "finished: rerunning it resumes there (an import of another source removes them)")
 
 
 def _sources_line(run_root: RunRoot) -> str | None:

@@ -32,3 +32,8 @@ def test_ctrl_c_mid_import_says_a_rerun_resumes(make_config, tmp_path: Path) -> 
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=60)
     assert process.returncode == 130 and err.strip().endswith("kdflow: interrupted; rerun the same command to resume")
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.run_status import status_lines
+
+    (staged,) = [line for line in status_lines(RunRoot(str(tmp_path / "run"))) if line.startswith("_imports/")]
+    assert " 2 staged shards (" in staged and "of an import not finished: rerunning it resumes there" in staged
