@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_import_stream import _config, _table, _write_parts
+from support.import_sources import capture_table, import_config, write_parts
 
 
 @pytest.mark.usefixtures("children")
@@ -20,8 +20,8 @@ def test_ctrl_c_mid_import_says_a_rerun_resumes(make_config, tmp_path: Path) -> 
     from support.children import started, wait_until
     from support.faults import write_config
 
-    source = _write_parts(tmp_path / "src", _table(40, 20), [13, 27])
-    config = write_config(_config(make_config, tmp_path / "run"), tmp_path / "run.yaml")
+    source = write_parts(tmp_path / "src", capture_table(40, 20), [13, 27])
+    config = write_config(import_config(make_config, tmp_path / "run"), tmp_path / "run.yaml")
     command = [sys.executable, "-m", "kdflow", "store", "import", str(source), "--config", str(config), "--layout",
                "kdflow", "--teacher", "t"]
     fired = tmp_path / "run" / "_faults" / "pause.at-commit.shard-1.stage-import.fired"

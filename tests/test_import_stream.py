@@ -15,6 +15,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.import_sources import capture_table as _table
+from support.import_sources import import_config as _config
+from support.import_sources import write_parts as _write_parts
 
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.shards import read_token_shard, read_topk_shard
@@ -83,24 +86,6 @@ def test_packing_is_concatenation_cut_every_seq_len_and_resumes_from_its_positio
                 np.testing.assert_array_equal(getattr(mine, name), getattr(theirs, name))
 
 
-def _table(rows: int, length: int | list[int], seed: int = 0, vocab: int = 200, k: int = 8) -> pa.Table:
-    """Rows of kdflow's own layout with valid top-K targets: distinct ids, log-probs sorted, mass below 1.
-    `length`: every row's, or a list cycled over the rows."""
-    rng = np.random.default_rng(seed)
-    lengths = [length] * rows if isinstance(length, int) else [length[i % len(length)] for i in range(rows)]
-    n = sum(lengths)
-    ids = np.argsort(rng.random((n, vocab)), axis=1)[:, :k]
-    logprobs = np.sort(np.log(rng.dirichlet(np.ones(k + 1), n)[:, :k]), axis=-1)[:, ::-1]
-    tokens = rng.integers(0, vocab, n)
-    starts = np.cumsum([0, *lengths])
-
-    def per_row(array: np.ndarray) -> list:
-        return [array[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
-
-    return pa.table({"input_ids": per_row(tokens), "topk_ids": per_row(ids),
-                     "topk_logprobs": per_row(logprobs)})
-
-
 def _read_all(path: Path, **options) -> tuple[list[int], pa.Table]:
     firsts, batches = [], []
     for first_row, batch in iter_source(source_files(str(path)), **options):
@@ -138,20 +123,8 @@ def test_the_reader_streams_all_three_formats_in_order_in_small_batches(tmp_path
         assert rest.column("input_ids").to_pylist() == table.column("input_ids").to_pylist()[11:]
 
 
-def _config(make_config, root: Path, **overrides):
-    return make_config(precompute__store__format="v1", precompute__logprobs_dtype="float32",
-                       **overrides).model_copy(update={"run_root": str(root)})
-
-
 def _import(config, source: Path, teacher: str = "t") -> dict:
     return import_store(open_run_root(config), teacher_pass_settings(config), str(source), "kdflow", teacher)
-
-
-def _write_parts(folder: Path, table: pa.Table, cuts: list[int]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for index, (start, stop) in enumerate(zip([0, *cuts], [*cuts, table.num_rows])):
-        pq.write_table(table.slice(start, stop - start), folder / f"part-{index}.parquet", row_group_size=5)
-    return folder
 
 
 def test_a_multi_file_parquet_source_is_imported_in_one_pass_as_its_packed_rows(make_config, tmp_path: Path) -> None:
