@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, STUDENTS_DIR, checkpoint_step
+from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, STUDENTS_DIR, checkpoint_step, is_store_name
 from kdflow.schemas.storage import RunRoot
 
 WEIGHTS_SUFFIX = ".safetensors"
@@ -62,7 +62,7 @@ def student_reports(run_root: RunRoot) -> list[StudentReport]:
     """One report per folder under students/ (none when there is no students/)."""
     reports = []
     students = run_root.path(STUDENTS_DIR)
-    for name in run_root.listdir(students):
+    for name in filter(is_store_name, run_root.listdir(students)):
         student = f"{students}/{name}"
         report = StudentReport(name)
         for entry in run_root.listdir(student):
