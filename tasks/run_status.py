@@ -15,8 +15,8 @@ from kdflow.schemas.commits import CommitRecord, StageComplete, list_commits, re
 from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR, IMPORTS_DIR, SOURCES_FILE,
                                    STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name, is_store_name)
 from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
-from kdflow.tasks.common.progress import count_of
 from kdflow.schemas.store_info import tokens_made_from, topk_tags
+from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.teacher.micro_batch import stepped_down_lines
 
 

@@ -148,23 +148,15 @@ def shown_changes(found: list[str]) -> str:
     return ", ".join(found[:SHOWN]) + (f" and {len(found) - SHOWN} more" if len(found) > SHOWN else "")
 
 
-def started_again(recorded: DatasetRecord, dataset: DatasetConfig, store: str, parts: int) -> str | None:
-    """For a corpus store that materialise had not finished: what changed in its files since it started, said as
-    the reason its `parts` committed parts are read again (None: nothing changed, it resumes)."""
-    found = changes(recorded, dataset)
-    if not found:
-        return None
-    return (f"the dataset's files changed since materialise started reading them into {store} "
-            f"({shown_changes(found)}), and it had not finished: its {parts} committed "
-            f"{'part is' if parts == 1 else 'parts are'} read again from the files as they are now")
-
-
 def starts_again(recorded: DatasetRecord, dataset: DatasetConfig, store: str, parts: int) -> bool:
-    """`started_again`, logged as a warning when it holds: -> whether materialise starts the store again."""
-    why = started_again(recorded, dataset, store, parts)
-    if why is not None:
-        logger.warning("materialise: %s", why)
-    return why is not None
+    """For a corpus store that materialise had not finished: whether its files changed since it started, in which
+    case its `parts` committed parts are read again (said in a warning); False: nothing changed, it resumes."""
+    found = changes(recorded, dataset)
+    if found:
+        logger.warning("materialise: the dataset's files changed since materialise started reading them into %s "
+                       "(%s), and it had not finished: its %d committed %s read again from the files as they are "
+                       "now", store, shown_changes(found), parts, "part is" if parts == 1 else "parts are")
+    return bool(found)
 
 
 def check_unchanged(recorded: DatasetRecord | None, dataset: DatasetConfig, store: str) -> None:
