@@ -133,7 +133,7 @@ def claim_staging(run_root: RunRoot, staging: str) -> None:
 def remove_abandoned_staging(run_root: RunRoot, keep: str) -> list[str]:
     """The staging folders of other imports whose process is gone: a killed import whose source then changed has
     another KEY, so none would ever reuse them (each may hold ~8 KB a position). Another host's are judged by their
-    age on local disk only; a folder without an owner tag is left alone. -> the folders removed."""
+    newest file's age, on local disk only; a folder without an owner tag is left alone. -> the folders removed."""
     imports, removed = run_root.path(IMPORTS_DIR), []
     for name in run_root.listdir(imports):
         folder = f"{imports}/{name}"
@@ -143,12 +143,18 @@ def remove_abandoned_staging(run_root: RunRoot, keep: str) -> list[str]:
             owner = run_root.read_bytes(f"{folder}/{OWNER_FILE}").decode(errors="replace")
         except (FileNotFoundError, NotADirectoryError):
             continue
-        mtime = os.path.getmtime(f"{folder}/{OWNER_FILE}") if run_root.is_local else time.time()
-        if is_stale(owner, mtime):
+        if is_stale(owner, _newest_mtime(folder) if run_root.is_local else time.time()):
             with contextlib.suppress(FileNotFoundError):
                 run_root.fs.rm(folder, recursive=True)
             removed.append(folder)
     return removed
+
+
+def _newest_mtime(folder: str) -> float:
+    """The latest modification time in a staging folder: a live import on another host keeps staging shards (the
+    owner file is written once, at its start), so its folder stays fresh however long the import runs."""
+    with os.scandir(folder) as entries:
+        return max((entry.stat().st_mtime for entry in entries), default=0.0)
 
 
 def _name(shard_id: int, suffix: str) -> str:
