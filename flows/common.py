@@ -4,23 +4,29 @@ deployment. Importing it (as every flow module does) forwards the `kdflow` logge
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kdflow.flows.logs import forward_kdflow_logs
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.config_io import config_from_dict, load_config
+from kdflow.tasks.dataset_spelling import with_stored_spelling
 
 
 forward_kdflow_logs()
 
 
 def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:
-    """Flows take the typed config, a plain dict (deployment parameters) or a YAML path."""
-    if isinstance(config, KDFlowConfig):
-        return config
+    """Flows take the typed config, a plain dict (deployment parameters) or a YAML path. A dataset spelt otherwise
+    than the run root's corpus store spells the same files takes the store's spelling (tasks.dataset_spelling)."""
     if isinstance(config, str):
-        return load_config(config)
-    return config_from_dict(config, source="flow parameter 'config'")
+        config = load_config(config)
+    elif not isinstance(config, KDFlowConfig):
+        config = config_from_dict(config, source="flow parameter 'config'")
+    config, note = with_stored_spelling(config)
+    if note is not None:
+        logging.getLogger("kdflow").info("%s", note)
+    return config
 
 
 def preflight_when_deployed(config: KDFlowConfig, stages: list[str]) -> None:

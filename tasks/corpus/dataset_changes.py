@@ -24,7 +24,7 @@ SHOWN = 3  # changes named in the line; the rest are counted
 logger = logging.getLogger(__name__)
 
 
-def _listed(dataset: DatasetConfig) -> list[str] | None:
+def listed_files(dataset: DatasetConfig) -> list[str] | None:
     """Every file the dataset reads (a saved dataset's folder: each file in it); None for a hub dataset."""
     found = file_builder(dataset)
     if found is None:
@@ -71,7 +71,7 @@ def snapshot(dataset: DatasetConfig, fingerprint: str) -> DatasetRecord | None:
     """The record of the dataset's files (local ones hashed); None for a hub dataset or files that cannot be
     listed (the read that follows names the problem)."""
     try:
-        names = _listed(dataset)
+        names = listed_files(dataset)
         if names is None:
             return None
         return DatasetRecord(fingerprint=fingerprint, files=[_describe(name, hashed=True) for name in names])
@@ -83,7 +83,7 @@ def changes(recorded: DatasetRecord, dataset: DatasetConfig) -> list[str]:
     """What differs between the record and the files now, one phrase each; [] when nothing does, or when none of
     the files can be found (a corpus store that is complete does not need its source)."""
     try:
-        return _compare(recorded, _listed(dataset))
+        return _compare(recorded, listed_files(dataset))
     except (ConfigError, OSError, ImportError, ValueError):
         return []
 
