@@ -88,7 +88,7 @@ def test_packing_is_concatenation_cut_every_seq_len_and_resumes_from_its_positio
 
 def _read_all(path: Path, **options) -> tuple[list[int], pa.Table]:
     firsts, batches = [], []
-    for first_row, batch in iter_source(source_files(str(path)), **options):
+    for first_row, batch, *_ in iter_source(source_files(str(path)), **options):
         assert batch.num_rows <= options.get("batch_rows", 256)
         firsts.append(first_row)
         batches.append(batch)
@@ -173,10 +173,42 @@ def test_a_bad_row_in_the_last_file_leaves_nothing_visible_and_fails_the_rerun_a
         messages.append(str(error.value))
         assert not (tmp_path / "run" / "tokens").exists() and not (tmp_path / "run" / "topk").exists()
     assert messages[0] == messages[1]
-    assert messages[0].startswith("row 37 field topk_ids: id 1000000 at position 3 is outside")
+    # the source's row 37 is row 10 of its third file (the files hold 13, 14 and 13 rows)
+    assert messages[0].startswith("row 37 (counting from 0; row 10 of part-2.parquet) field topk_ids: id 1000000 at "
+                                  "position 3 is outside")
     assert "\n" not in messages[0]
     staged = [p.name for p in (tmp_path / "run" / "_imports").rglob("packed-*.npz")]
     assert len(staged) == 2, staged  # what passed is kept for the rerun after the source is fixed
+
+
+def test_a_bad_row_or_line_of_json_lines_or_a_saved_dataset_is_found_where_a_person_looks(make_config,
+                                                                                         tmp_path: Path) -> None:
+    """JSON lines: the line of its file (from 1, as editors count); a saved dataset: its index (`dataset[N]`); a
+    line that is no JSON: the file and how far it was read."""
+    import datasets
+
+    table = _table(40, 20)
+    rows = table.column("topk_ids").to_pylist()
+    rows[37][3][2] = 10**6
+    bad = table.set_column(1, "topk_ids", pa.array(rows))
+    lines = [json.dumps(row) + "\n" for row in bad.to_pylist()]
+    (tmp_path / "js").mkdir()
+    (tmp_path / "js" / "a.jsonl").write_text("".join(lines[:13]))
+    (tmp_path / "js" / "b.jsonl").write_text("".join(lines[13:]))
+    datasets.Dataset.from_list(bad.to_pylist()).save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    found = {}
+    for name in ("js", "saved"):
+        with pytest.raises(StoreError) as error:
+            _import(_config(make_config, tmp_path / f"run-{name}"), tmp_path / name)
+        found[name] = str(error.value).split(" field ")[0]
+    assert found == {"js": "row 37 (counting from 0; line 25 of b.jsonl)",
+                     "saved": "row 37 (counting from 0; the dataset's index)"}
+
+    (tmp_path / "js" / "b.jsonl").write_text("".join(lines[13:20]) + lines[20][:-40] + "\n")  # a line cut short
+    with pytest.raises(StoreError) as error:
+        _import(_config(make_config, tmp_path / "run-cut"), tmp_path / "js")
+    assert str(error.value).startswith(f"cannot read import source file {str(tmp_path / 'js' / 'b.jsonl')!r} past "
+                                       "its first "), str(error.value)
 
 
 @pytest.mark.usefixtures("children")

@@ -265,12 +265,12 @@ def _source(tmp_path: Path, change: str) -> Path:
 
 
 @pytest.mark.parametrize("change, where", [
-    ("ragged K", "row 1 field target_token_ids: ragged K: position 4 has 7"),
-    ("id outside", "row 2 field target_token_ids: id 1000000 at position 5 is outside the vocabulary"),
-    ("unsorted", "row 1 field target_logprobs: log-probs not sorted by descending value at position 6"),
-    ("sum above 1", "row 2 field topk_logprobs: log-probs whose probabilities sum above 1 at position 7"),
-    ("text", "row 0 field text: the tokenizer's encoding differs from input_ids at position 0"),
-    ("NaN tail", "row 1 field tail_logprob: a tail log-mass that is NaN at position 10"),
+    ("ragged K", "row 1 (counting from 0; in bad.parquet) field target_token_ids: ragged K: position 4 has 7"),
+    ("id outside", "row 2 (counting from 0; in bad.parquet) field target_token_ids: id 1000000 at position 5 is outside the vocabulary"),
+    ("unsorted", "row 1 (counting from 0; in bad.parquet) field target_logprobs: log-probs not sorted by descending value at position 6"),
+    ("sum above 1", "row 2 (counting from 0; in bad.parquet) field topk_logprobs: log-probs whose probabilities sum above 1 at position 7"),
+    ("text", "row 0 (counting from 0; in bad.parquet) field text: the tokenizer's encoding differs from input_ids at position 0"),
+    ("NaN tail", "row 1 (counting from 0; in bad.parquet) field tail_logprob: a tail log-mass that is NaN at position 10"),
 ])
 def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
         fresh_run, tmp_path: Path, change: str, where: str) -> None:
@@ -303,7 +303,8 @@ def test_the_commands_export_and_import(fresh_run, tmp_path: Path) -> None:
     bad = kdflow("import", str(_source(tmp_path, "unsorted")), "--config", str(config), "--layout", "axolotl",
                  "--teacher", "t")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "kdflow: error: row 1 field target_logprobs: log-probs not sorted by descending value at position 6"]
+        "kdflow: error: row 1 (counting from 0; in bad.parquet) field target_logprobs: log-probs not sorted by "
+        "descending value at position 6"]
     done = kdflow("import", str(out / "data"), "--config", str(config), "--layout", "axolotl", "--teacher", "t",
                   "--set", "student.log_every=1")
     assert done.returncode == 0, done.stderr

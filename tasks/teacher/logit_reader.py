@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pyarrow as pa
 
@@ -159,17 +160,24 @@ def source_columns(source: SourceFiles, json_block_bytes: int = JSON_BLOCK_BYTES
         return pa.ipc.open_stream(handle).schema.names
 
 
+class SourceBatch(NamedTuple):
+    first_row: int  # of the whole source, counted from 0
+    batch: pa.RecordBatch
+    file: str  # the file it was read from
+    file_first_row: int  # the source's row at which that file starts
+
+
 def iter_source(source: SourceFiles, columns: list[str] | None = None, start_row: int = 0,
-                batch_rows: int = BATCH_ROWS, json_block_bytes: int = JSON_BLOCK_BYTES
-                ) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """(first_row, batch) over every row from `start_row` on, in order, in batches of at most `batch_rows` rows
-    and about BATCH_BYTES.
+                batch_rows: int = BATCH_ROWS, json_block_bytes: int = JSON_BLOCK_BYTES) -> Iterator[SourceBatch]:
+    """Every row from `start_row` on, in order, in batches of at most `batch_rows` rows and about BATCH_BYTES, each
+    with the file it came from.
 
     `columns`: read only these (those a file lacks are left out; the caller checks which it needs). Rows before
     `start_row` are read past without being handed on (a resumed import). `json_block_bytes` must hold the longest
     line of a JSON lines source."""
     row = 0
     for name in source.files:
+        file_first_row = row
         try:
             for batch in _file_batches(source.kind, name, columns, json_block_bytes):
                 per_row = batch.nbytes / max(batch.num_rows, 1)
@@ -178,8 +186,33 @@ def iter_source(source: SourceFiles, columns: list[str] | None = None, start_row
                     piece = batch.slice(offset, step)
                     if row + piece.num_rows > start_row:
                         skip = max(0, start_row - row)
-                        yield row + skip, piece.slice(skip)
+                        yield SourceBatch(row + skip, piece.slice(skip), name, file_first_row)
                     row += piece.num_rows
         except (OSError, ValueError, pa.ArrowInvalid) as error:
-            raise StoreError(f"cannot read import source file {name!r} (after row {row}): "
+            read = row - file_first_row
+            raise StoreError(f"cannot read import source file {name!r} past its first {read:,} "
+                             f"{'line' if source.kind == 'jsonl' else 'row'}{'' if read == 1 else 's'}: "
                              f"{str(error).splitlines()[0]}") from None
+
+
+_ROW = re.compile(r"^row (\d+)")
+
+
+def located(error: StoreError, source: SourceFiles, batch: SourceBatch) -> StoreError:
+    """A row check's message ('row N ...', N the source's row counted from 0) with where a person finds that row:
+    the line of a JSON lines file, the file and its row among several Parquet files. A saved dataset's Arrow files
+    are its own business: its row number is the dataset's index (`dataset[N]`)."""
+    found = _ROW.match(str(error))
+    if found is None:
+        return error
+    row = int(found.group(1))
+    local, name = row - batch.file_first_row, os.path.basename(batch.file)
+    if source.kind == "jsonl":
+        where = f"line {local + 1:,} of {name}"
+    elif source.kind == "parquet" and len(source.files) > 1:
+        where = f"row {local:,} of {name}"
+    elif source.kind == "parquet":
+        where = f"in {name}"
+    else:
+        where = "the dataset's index"
+    return StoreError(f"row {row:,} (counting from 0; {where}){str(error)[found.end():]}")

@@ -34,7 +34,7 @@ from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.logit_dataset import check_columns, check_text, source_rows
 from kdflow.tasks.teacher.logit_packing import PackedRows, RowPacker
-from kdflow.tasks.teacher.logit_reader import SourceFiles, iter_source, source_columns, source_fingerprint
+from kdflow.tasks.teacher.logit_reader import SourceFiles, iter_source, located, source_columns, source_fingerprint
 from kdflow.tasks.teacher.distillkit import distillkit_rows
 from kdflow.tasks.teacher.distillkit_settings import settings_for_source
 from kdflow.tasks.teacher.source_rows import FULL, SourceRows
@@ -220,12 +220,16 @@ def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: L
     wanted = [c for c in (layout.tokens, *layout.target_fields(), layout.tail, layout.target_mask,
                           layout.attention_mask, layout.text) if c]
     wanted += ["labels"] if layout.kind == "distillkit" else []  # DistillKit's rows mask targets by their labels
-    for first_row, batch in iter_source(source, wanted, start_row=packer.start[0]):
-        check_columns(batch, layout, source.path, lambda: source_columns(source))
-        rows = read_rows(batch, first_row, packing.top_k, packing.vocab_size)
-        check_text(rows, tokenizer, first_row, layout)
-        if normalisation is not None and rows.normalisation != normalisation:
-            raise StoreError(f"row {first_row}: normalisation {rows.normalisation}, earlier rows {normalisation}")
+    for read in iter_source(source, wanted, start_row=packer.start[0]):
+        try:
+            check_columns(read.batch, layout, source.path, lambda: source_columns(source))
+            rows = read_rows(read.batch, read.first_row, packing.top_k, packing.vocab_size)
+            check_text(rows, tokenizer, read.first_row, layout)
+            if normalisation is not None and rows.normalisation != normalisation:
+                raise StoreError(f"row {read.first_row}: normalisation {rows.normalisation}, earlier rows "
+                                 f"{normalisation}")
+        except StoreError as error:
+            raise located(error, source, read) from None
         normalisation = rows.normalisation
         packer.add(rows)
         while packer.rows_ready() >= packing.sequences_per_shard:
