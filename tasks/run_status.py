@@ -63,12 +63,12 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
         it = "it" if stale == 1 else "them"
         yield (f"  stale: computed from token shards since replaced by tokenise; training skips {it} (delete to free "
                "space)")
-    yield from _staged_import_lines(run_root)
+    yield from staged_import_lines(run_root)
     for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
         yield _student_line(run_root, name)
 
 
-def _staged_import_lines(run_root: RunRoot) -> Iterator[str]:
+def staged_import_lines(run_root: RunRoot) -> Iterator[str]:
     """The work a stopped `kdflow store import` staged (`_imports/KEY/`), which `tokens 0/?` did not show."""
     imports = run_root.path(IMPORTS_DIR)
     for key in run_root.listdir(imports):

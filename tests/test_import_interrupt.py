@@ -12,7 +12,8 @@ from support.import_sources import capture_table, import_config, write_parts
 
 
 @pytest.mark.usefixtures("children")
-def test_ctrl_c_mid_import_says_a_rerun_resumes(make_config, tmp_path: Path) -> None:
+def test_ctrl_c_mid_import_says_a_rerun_resumes(make_config, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                ) -> None:
     """`kdflow run` said "interrupted; rerun the same command to resume"; an import, which resumes too, did not
     (tests/test_import_stream.py has the resume itself)."""
     import signal
@@ -37,3 +38,9 @@ def test_ctrl_c_mid_import_says_a_rerun_resumes(make_config, tmp_path: Path) -> 
 
     (staged,) = [line for line in status_lines(RunRoot(str(tmp_path / "run"))) if line.startswith("_imports/")]
     assert " 2 staged shards (" in staged and "of an import not finished: rerunning it resumes there" in staged
+    from kdflow.commands.validate import validate_run_root
+
+    capsys.readouterr()
+    assert validate_run_root(str(tmp_path / "run")) == 1  # no store yet, and it says what is there
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        staged, "no stores found (corpus/, tokens/, topk/TAG/): only the staged work of an unfinished import"]

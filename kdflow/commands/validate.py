@@ -15,6 +15,7 @@ from kdflow.schemas.config_io import relative_run_root_hint
 from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, STUDENTS_DIR
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import count_of
+from kdflow.tasks.run_status import staged_import_lines
 from kdflow.tasks.validate import StoreReport, remove_broken, remove_complete, store_reports
 from kdflow.tasks.validate_students import StudentReport, student_reports
 
@@ -76,8 +77,12 @@ def validate_run_root(url: str, fix: bool = False, given: str | None = None) -> 
     students = student_reports(run_root)
     for student in students:
         _print_student(student)
+    staged = list(staged_import_lines(run_root))  # not stores yet: said, not checked
+    for line in staged:
+        print(line)
     if not reports and not students:
-        print("no stores found (corpus/, tokens/, topk/TAG/): nothing to validate")
+        print("no stores found (corpus/, tokens/, topk/TAG/)" + (": only the staged work of an unfinished import"
+                                                                  if staged else ": nothing to validate"))
         return 1
     student_problems = sum(len(s.problems) for s in students)
     problems = sum(len(r.problems) for r in reports)
