@@ -18,6 +18,8 @@ Why the teacher is dequantised once, and how a rerun keeps what it has: see `kdf
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -26,6 +28,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +127,34 @@ def _remove_stale_temporaries(folder: Path) -> None:
             shutil.rmtree(candidate, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file's header three times (for the tokenizer, the config and the weights: ~5 s each
+    for SmolLM2's 49,152-token vocabulary on this machine's cores) and builds gguf's tensor-name map once per module
+    (397 times, ~7 s), where the dequantisation itself takes ~2 s. Inside this block the `gguf` package hands out one
+    reader per file and one map per (architecture, depth): the same objects, read only, so the same weights; outside
+    it nothing is changed. Without these names in `gguf` (another version), nothing is patched."""
+    import gguf
+
+    reader_class, name_map = getattr(gguf, "GGUFReader", None), getattr(gguf, "get_tensor_name_map", None)
+    if reader_class is None or name_map is None:
+        yield
+        return
+    readers: dict[Any, Any] = {}
+
+    def reader(path: Any, *args: Any, **options: Any) -> Any:
+        key = (os.path.realpath(path), args, tuple(sorted(options.items())))
+        if key not in readers:
+            readers[key] = reader_class(path, *args, **options)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def prepare_teacher(gguf: Path, folder: Path) -> dict[str, Any]:
     """Dequantise the GGUF once into `folder` (safetensors, float32); kept while it matches the GGUF's sha256.
 
@@ -142,8 +173,9 @@ def prepare_teacher(gguf: Path, folder: Path) -> dict[str, Any]:
 
     print(f"teacher: dequantising {gguf.name} once into {folder} (later stages and reruns load that in ~1 s)",
           file=sys.stderr, flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; a plain model of the same config takes its weights.
     settings = quantised.config.to_dict()
     settings.pop("quantization_config", None)

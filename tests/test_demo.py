@@ -78,3 +78,30 @@ def test_write_corpus_keeps_every_paragraph_in_order_and_is_idempotent(tmp_path:
         assert all(len(d) <= demo_assets.DOCUMENT_CHARS or "\n\n" not in d for d in documents)
     mtime = path.stat().st_mtime_ns
     assert demo_assets.write_corpus(path)["written"] is False and path.stat().st_mtime_ns == mtime
+
+
+def test_a_gguf_is_parsed_once_inside_the_conversion_and_nothing_changes_outside(tmp_path: Path) -> None:
+    """The teacher's conversion reads the GGUF through one reader and one tensor-name map (transformers would parse
+    the header three times and build the map per module: 29 s of the demo's first run, now ~14 s); the readers read
+    the same values, and outside the block the `gguf` package is as it was."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with demo_assets._gguf_parsed_once():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is again and gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(
+            gguf.MODEL_ARCH.LLAMA, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    plain = gguf.GGUFReader(path)
+    assert plain is not first and [t.name for t in plain.tensors] == [t.name for t in first.tensors]
+    np.testing.assert_array_equal(np.asarray(plain.tensors[0].data), np.asarray(first.tensors[0].data))
+    assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
