@@ -13,6 +13,11 @@ class StoreError(KDFlowError):
     """A store in the run root is missing, incomplete, corrupt, or made from different inputs."""
 
 
+class StoreUnreachable(StoreError):
+    """The object store could not be reached (network, timeouts): no fault of the config and often brief, so a
+    teacher worker that meets it is retried like one whose GPU failed; a rerun resumes."""
+
+
 class FingerprintMismatch(StoreError):
     """Two stages were made from different inputs (tokenizer, token store, teacher)."""
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kdflow.schemas.disk_space import DiskFull, free_bytes, is_no_space
-from kdflow.schemas.errors import KDFlowError, StoreError
+from kdflow.schemas.errors import KDFlowError, StoreError, StoreUnreachable
 from kdflow.schemas.layout import temp_name
 from kdflow.schemas.owners import owner_tag
 
@@ -44,6 +44,19 @@ def _scrub(text: str) -> str:
     return text
 
 
+def _unreachable(error: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return bool(names & _UNREACHABLE) or isinstance(error, (ConnectionError, TimeoutError))
+
+
+def store_error(where: str, error: BaseException) -> StoreError | None:
+    """The one-line error for an object-store call that failed because of the store itself, else None."""
+    cause = store_cause(error)
+    if cause is None:
+        return None
+    return (StoreUnreachable if _unreachable(error) else StoreError)(f"{where}: {cause}")
+
+
 def store_cause(error: BaseException) -> str | None:
     """Why an object-store call failed, when the store itself is the cause (credentials, access, network)."""
     names = {cls.__name__ for cls in type(error).__mro__}
@@ -53,7 +66,7 @@ def store_cause(error: BaseException) -> str | None:
                 "in the environment of every process")
     if isinstance(error, PermissionError):
         return f"access denied ({message}): check the credentials and the bucket's permissions"
-    if names & _UNREACHABLE or isinstance(error, (ConnectionError, TimeoutError)):
+    if _unreachable(error):
         return f"the store is unreachable ({message}); rerun once it is back: committed shards are kept"
     return None
 
@@ -90,10 +103,10 @@ class ObjectStoreOps:
             self.check_bucket()
             raise
         except Exception as error:
-            cause = store_cause(error)
-            if cause is None:
+            failure = store_error(self.display(path) if path else self.url, error)
+            if failure is None:
                 raise
-            raise StoreError(f"{self.display(path) if path else self.url}: {cause}") from None
+            raise failure from None
 
     def check_bucket(self) -> None:
         """Once per run root: a missing bucket is an error, not an empty run root."""
@@ -105,10 +118,10 @@ class ObjectStoreOps:
         except FileNotFoundError:
             raise StoreError(f"{self.url}: the bucket {bucket!r} does not exist (create it, or fix run_root)") from None
         except Exception as error:
-            cause = store_cause(error)
-            if cause is None:
+            failure = store_error(self.url, error)
+            if failure is None:
                 raise
-            raise StoreError(f"{self.url}: {cause}") from None
+            raise failure from None
         self._bucket_ok = True
 
     def list_sizes(self, path: str) -> dict[str, int]:

@@ -4,7 +4,7 @@ Both sides import this module, and nothing else defines these names (stdlib only
 without loading torch).
 
 Exit codes: 0 done, 1 unexpected (a bug), 2 user error (bad config or input, never retried), 3 no space
-left, 70-75 CUDA driver failures, 128+N killed by signal N. The flow retries exactly RETRYABLE_EXIT_CODES,
+left, 4 the object store unreachable, 70-75 CUDA driver failures, 128+N killed by signal N. The flow retries exactly RETRYABLE_EXIT_CODES,
 each time in a new process, since a CUDA context broken by a driver reset dies only with its process.
 
 Lines on the child's stdout that start with a prefix are for the parent; every other line is free text
@@ -31,6 +31,7 @@ EXIT_OK = 0
 EXIT_UNEXPECTED = 1  # a bug or an unknown failure: retrying would hide it
 EXIT_USER_ERROR = 2  # KDFlowError: bad config or input, never retried
 EXIT_NO_SPACE = 3  # disk or object store full: retrying cannot help until someone frees space
+EXIT_STORE_UNREACHABLE = 4  # the run root's object store could not be reached: often brief, retried with backoff
 EXIT_CUDA_ERROR = 70  # any other CUDA / driver / cuBLAS / NCCL error
 EXIT_CUDA_NOT_READY = 71
 EXIT_CUDA_LAUNCH_FAILURE = 72
@@ -42,7 +43,7 @@ EXIT_CUDA_OOM = 75
 RETRYABLE_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
 
 RETRYABLE_EXIT_CODES: frozenset[int] = frozenset(
-    {EXIT_CUDA_ERROR, EXIT_CUDA_NOT_READY, EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_ECC,
+    {EXIT_STORE_UNREACHABLE, EXIT_CUDA_ERROR, EXIT_CUDA_NOT_READY, EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_ECC,
      EXIT_CUDA_OOM}
     | {128 + int(s) for s in RETRYABLE_SIGNALS}
 )
@@ -52,6 +53,7 @@ EXIT_CODE_NAMES = {
     EXIT_UNEXPECTED: "unexpected error",
     EXIT_USER_ERROR: "user error",
     EXIT_NO_SPACE: "no space left on device",
+    EXIT_STORE_UNREACHABLE: "object store unreachable",
     EXIT_CUDA_ERROR: "CUDA error",
     EXIT_CUDA_NOT_READY: "CUDA device not ready",
     EXIT_CUDA_LAUNCH_FAILURE: "CUDA launch failure",

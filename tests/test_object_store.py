@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_
 from kdflow.schemas.config import KDFlowConfig  # noqa: E402
 from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.layout import commit_file_name, data_file_name  # noqa: E402
-from kdflow.schemas.protocol import EXIT_USER_ERROR, RESULT_PREFIX  # noqa: E402
+from kdflow.schemas.protocol import EXIT_STORE_UNREACHABLE, EXIT_USER_ERROR, RESULT_PREFIX  # noqa: E402
 from kdflow.schemas.storage import RunRoot  # noqa: E402
+from kdflow.tasks.common.failures import exit_code_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -318,6 +320,35 @@ def test_a_lease_released_on_the_way_out_of_an_error_never_replaces_it(bucket: B
         proxy.cut()
 
 
+def test_the_flow_retries_a_teacher_worker_that_lost_the_store_and_finishes_the_pass(
+        prefect_harness: None, bucket: Bucket, make_config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store goes away after two shards' commits and comes back a second later: the worker exits 4 (object
+    store unreachable), the flow starts another after `precompute.retry_delay_s`, and that one finishes the pass
+    without computing the committed shards again (it was a user error, exit 2, never retried)."""
+    import threading
+
+    from kdflow.flows.precompute import precompute_flow
+
+    config = make_config(run_root=bucket.run_root, dataset__max_documents=20, precompute__retry_delay_s=1)
+    prepare(config)
+    proxy = TcpProxy(bucket.moto.port)
+    proxy.cut_after = (re.compile(rb"PUT /\S+/topk/\S+\.commit\.json"), 2)
+
+    def back_after_a_second() -> None:
+        if proxy.was_cut.wait(300):
+            time.sleep(1)
+            proxy.restore()
+
+    threading.Thread(target=back_after_a_second, daemon=True).start()
+    try:
+        use_endpoint(monkeypatch, proxy.endpoint, AWS_MAX_ATTEMPTS="2")  # botocore: one retry, not four
+        result = precompute_flow(config)
+    finally:
+        proxy.cut()
+    assert result["attempt"] == 2, result  # the flow verified every shard and the store's _complete.json
+    assert 0 < result["written"] <= result["shards"] - 2, result  # the second worker did not redo the first's
+
+
 def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: Bucket, make_config,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from kdflow.schemas.errors import StoreError
@@ -335,6 +366,7 @@ def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: 
             precompute_shards(open_run_root(config), teacher_pass_settings(config))
         message = str(failed.value)
         assert "\n" not in message and f"s3://{bucket.name}/run/topk/" in message and "unreachable" in message, message
+        assert exit_code_for(failed.value) == EXIT_STORE_UNREACHABLE  # a worker meeting it is retried by the flow
         use_endpoint(monkeypatch, bucket.moto.endpoint)
         run_root = RunRoot(bucket.run_root)
         (tag,) = run_root.listdir(run_root.path("topk"))

@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.errors import ConfigError, StoreError, StoreUnreachable
 from kdflow.schemas.protocol import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_ILLEGAL_ADDRESS,
                                      EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY, EXIT_CUDA_OOM, EXIT_NO_SPACE,
-                                     EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES, format_shard_ids,
-                                     parse_shard_ids)
+                                     EXIT_STORE_UNREACHABLE, EXIT_UNEXPECTED, EXIT_USER_ERROR, RETRYABLE_EXIT_CODES,
+                                     format_shard_ids, parse_shard_ids)
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
 from kdflow.tasks.common.failures import exit_code_for
@@ -35,11 +35,13 @@ from kdflow.tasks.common.failures import exit_code_for
     (RuntimeError("DefaultCPUAllocator: can't allocate memory"), EXIT_UNEXPECTED),
     (ConfigError("precompute.top_k=500 is too large"), EXIT_USER_ERROR),
     (OSError(errno.ENOSPC, "No space left on device"), EXIT_NO_SPACE),
+    (StoreUnreachable("s3://b/run/topk/x: the store is unreachable (Connection refused)"), EXIT_STORE_UNREACHABLE),
+    (StoreError("s3://b/run: access denied (Forbidden)"), EXIT_USER_ERROR),
     (ValueError("a bug"), EXIT_UNEXPECTED),
 ])
 def test_exit_code_classification(error: BaseException, code: int) -> None:
     assert exit_code_for(error) == code
-    assert (code in RETRYABLE_EXIT_CODES) == (code >= 70)
+    assert (code in RETRYABLE_EXIT_CODES) == (code >= 70 or code == EXIT_STORE_UNREACHABLE)
 
 
 def test_a_wrapped_driver_error_is_still_retryable() -> None:

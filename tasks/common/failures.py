@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import errno
 
-from kdflow.schemas.errors import KDFlowError
+from kdflow.schemas.errors import KDFlowError, StoreUnreachable
 from kdflow.schemas.protocol import (EXIT_CUDA_ECC, EXIT_CUDA_ERROR, EXIT_CUDA_ILLEGAL_ADDRESS,
                                      EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_NOT_READY, EXIT_CUDA_OOM, EXIT_NO_SPACE,
-                                     EXIT_UNEXPECTED, EXIT_USER_ERROR)
+                                     EXIT_STORE_UNREACHABLE, EXIT_UNEXPECTED, EXIT_USER_ERROR)
 
 # Most specific first: a message is matched against these in order (lower-cased).
 _CUDA_PATTERNS: tuple[tuple[tuple[str, ...], int], ...] = (
@@ -66,6 +66,8 @@ def exit_code_for(error: BaseException) -> int:
     # its context, and it is no fault of the config: freeing space and rerunning works.
     if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
         return EXIT_NO_SPACE
+    if any(isinstance(e, StoreUnreachable) for e in chain):  # before KDFlowError: not the config's fault
+        return EXIT_STORE_UNREACHABLE
     if any(isinstance(e, KDFlowError) for e in chain):
         return EXIT_USER_ERROR
     for item in chain:

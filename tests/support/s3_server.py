@@ -118,6 +118,7 @@ class TcpProxy:
         self._sockets: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self.was_cut = threading.Event()  # set by every cut()
         self.restore()
 
     @property
@@ -134,6 +135,7 @@ class TcpProxy:
         self._thread.start()
 
     def cut(self) -> None:
+        self.was_cut.set()
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
