@@ -4,8 +4,9 @@ Both sides import this module, and nothing else defines these names (stdlib only
 without loading torch).
 
 Exit codes: 0 done, 1 unexpected (a bug), 2 user error (bad config or input, never retried), 3 no space
-left, 4 the object store unreachable, 70-75 CUDA driver failures, 128+N killed by signal N. The flow retries exactly RETRYABLE_EXIT_CODES,
-each time in a new process, since a CUDA context broken by a driver reset dies only with its process.
+left, 4 the object store unreachable, 70-75 CUDA driver failures, 128+N killed by signal N. The flow retries
+exactly RETRYABLE_EXIT_CODES, each time in a new process, since a CUDA context broken by a driver reset dies only
+with its process (and a store that went away is often back by the retry).
 
 Lines on the child's stdout that start with a prefix are for the parent; every other line is free text
 for the run log:
@@ -43,8 +44,8 @@ EXIT_CUDA_OOM = 75
 RETRYABLE_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
 
 RETRYABLE_EXIT_CODES: frozenset[int] = frozenset(
-    {EXIT_STORE_UNREACHABLE, EXIT_CUDA_ERROR, EXIT_CUDA_NOT_READY, EXIT_CUDA_LAUNCH_FAILURE, EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_ECC,
-     EXIT_CUDA_OOM}
+    {EXIT_STORE_UNREACHABLE, EXIT_CUDA_ERROR, EXIT_CUDA_NOT_READY, EXIT_CUDA_LAUNCH_FAILURE,
+     EXIT_CUDA_ILLEGAL_ADDRESS, EXIT_CUDA_ECC, EXIT_CUDA_OOM}
     | {128 + int(s) for s in RETRYABLE_SIGNALS}
 )
 

@@ -207,3 +207,33 @@ def prefect_api_url(prefect_harness: None) -> str:
     from prefect.settings import PREFECT_API_URL
 
     return PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """moto's S3 server in a process of its own, one per test module (requests logged: `MotoProcess.requests`)."""
+    from support.s3_server import MotoProcess
+
+    server = MotoProcess(tmp_path_factory.mktemp("moto") / "requests.log", threaded=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def bucket(moto: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh bucket on the module's moto server, this process's S3 clients pointed at it (`support.s3_buckets`)."""
+    import uuid
+
+    import boto3
+    import s3fs
+    from support.s3_buckets import Bucket
+    from support.s3_server import CREDENTIALS, use_endpoint
+
+    use_endpoint(monkeypatch, moto.endpoint)
+    name = f"kdflow-{uuid.uuid4().hex[:12]}"
+    keys = {k.lower(): CREDENTIALS[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    boto3.client("s3", endpoint_url=moto.endpoint, **keys).create_bucket(Bucket=name)
+    yield Bucket(moto, name, f"s3://{name}/run")
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -1,16 +1,20 @@
 """Which files `kdflow store import` reads from a folder: a hub-style folder's train split, all of its numbered files
-or none (`kdflow.tasks.teacher.logit_reader.source_files`)."""
+or none (`kdflow.tasks.teacher.logit_reader.source_files`); and where its messages say a bad row is."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.import_sources import capture_table, import_config
 
-from kdflow.schemas.errors import ConfigError
+from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
+from kdflow.tasks.teacher.logit_import import import_store
 from kdflow.tasks.teacher.logit_reader import source_files
 
 
@@ -44,3 +48,37 @@ def test_numbered_files_must_all_be_there_hashed_names_too(tmp_path: Path) -> No
         source_files(str(tmp_path / "partial"))
     _write(tmp_path / "plain", "part-0.parquet", "part-7.parquet")  # not numbered that way: read as they are
     assert len(source_files(str(tmp_path / "plain")).files) == 2
+
+
+def _import(config, source: Path) -> dict:
+    return import_store(open_run_root(config), teacher_pass_settings(config), str(source), "kdflow", "t")
+
+
+def test_a_bad_row_or_line_of_json_lines_or_a_saved_dataset_is_found_where_a_person_looks(make_config,
+                                                                                         tmp_path: Path) -> None:
+    """JSON lines: the line of its file (from 1, as editors count); a saved dataset: its index (`dataset[N]`); a
+    line that is no JSON: the file and how far it was read."""
+    import datasets
+
+    table = capture_table(40, 20)
+    rows = table.column("topk_ids").to_pylist()
+    rows[37][3][2] = 10**6
+    bad = table.set_column(1, "topk_ids", pa.array(rows))
+    lines = [json.dumps(row) + "\n" for row in bad.to_pylist()]
+    (tmp_path / "js").mkdir()
+    (tmp_path / "js" / "a.jsonl").write_text("".join(lines[:13]))
+    (tmp_path / "js" / "b.jsonl").write_text("".join(lines[13:]))
+    datasets.Dataset.from_list(bad.to_pylist()).save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    found = {}
+    for name in ("js", "saved"):
+        with pytest.raises(StoreError) as error:
+            _import(import_config(make_config, tmp_path / f"run-{name}"), tmp_path / name)
+        found[name] = str(error.value).split(" field ")[0]
+    assert found == {"js": "row 37 (counting from 0; line 25 of b.jsonl)",
+                     "saved": "row 37 (counting from 0; the dataset's index)"}
+
+    (tmp_path / "js" / "b.jsonl").write_text("".join(lines[13:20]) + lines[20][:-40] + "\n")  # a line cut short
+    with pytest.raises(StoreError) as error:
+        _import(import_config(make_config, tmp_path / "run-cut"), tmp_path / "js")
+    assert str(error.value).startswith(f"cannot read import source file {str(tmp_path / 'js' / 'b.jsonl')!r} past "
+                                       "its first "), str(error.value)

@@ -181,36 +181,6 @@ def test_a_bad_row_in_the_last_file_leaves_nothing_visible_and_fails_the_rerun_a
     assert len(staged) == 2, staged  # what passed is kept for the rerun after the source is fixed
 
 
-def test_a_bad_row_or_line_of_json_lines_or_a_saved_dataset_is_found_where_a_person_looks(make_config,
-                                                                                         tmp_path: Path) -> None:
-    """JSON lines: the line of its file (from 1, as editors count); a saved dataset: its index (`dataset[N]`); a
-    line that is no JSON: the file and how far it was read."""
-    import datasets
-
-    table = _table(40, 20)
-    rows = table.column("topk_ids").to_pylist()
-    rows[37][3][2] = 10**6
-    bad = table.set_column(1, "topk_ids", pa.array(rows))
-    lines = [json.dumps(row) + "\n" for row in bad.to_pylist()]
-    (tmp_path / "js").mkdir()
-    (tmp_path / "js" / "a.jsonl").write_text("".join(lines[:13]))
-    (tmp_path / "js" / "b.jsonl").write_text("".join(lines[13:]))
-    datasets.Dataset.from_list(bad.to_pylist()).save_to_disk(str(tmp_path / "saved"), num_shards=3)
-    found = {}
-    for name in ("js", "saved"):
-        with pytest.raises(StoreError) as error:
-            _import(_config(make_config, tmp_path / f"run-{name}"), tmp_path / name)
-        found[name] = str(error.value).split(" field ")[0]
-    assert found == {"js": "row 37 (counting from 0; line 25 of b.jsonl)",
-                     "saved": "row 37 (counting from 0; the dataset's index)"}
-
-    (tmp_path / "js" / "b.jsonl").write_text("".join(lines[13:20]) + lines[20][:-40] + "\n")  # a line cut short
-    with pytest.raises(StoreError) as error:
-        _import(_config(make_config, tmp_path / "run-cut"), tmp_path / "js")
-    assert str(error.value).startswith(f"cannot read import source file {str(tmp_path / 'js' / 'b.jsonl')!r} past "
-                                       "its first "), str(error.value)
-
-
 @pytest.mark.usefixtures("children")
 def test_kill_9_mid_import_resumes_to_the_uninterrupted_bytes(make_config, tmp_path: Path) -> None:
     import shutil

@@ -11,10 +11,7 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,60 +20,17 @@ import pytest
 pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (the [test] extra)")
 
-from support.s3_server import CREDENTIALS, MotoProcess, TcpProxy, kinds, use_endpoint  # noqa: E402
+from support.s3_buckets import Bucket, prepare  # noqa: E402
+from support.s3_server import MotoProcess, TcpProxy, kinds, use_endpoint  # noqa: E402
 
 from kdflow.commands.validate import validate_run_root  # noqa: E402
-from kdflow.schemas.commits import CommitRecord, list_commits, stage_dir, write_commit  # noqa: E402
-from kdflow.schemas.config import KDFlowConfig  # noqa: E402
+from kdflow.schemas.commits import CommitRecord, list_commits, write_commit  # noqa: E402
 from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.layout import commit_file_name, data_file_name  # noqa: E402
-from kdflow.schemas.protocol import EXIT_STORE_UNREACHABLE, EXIT_USER_ERROR, RESULT_PREFIX  # noqa: E402
+from kdflow.schemas.protocol import EXIT_USER_ERROR, RESULT_PREFIX  # noqa: E402
 from kdflow.schemas.storage import RunRoot  # noqa: E402
-from kdflow.tasks.common.failures import exit_code_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Bucket:
-    moto: MotoProcess
-    name: str
-    run_root: str  # s3://NAME/run
-
-    def requests_since(self, mark: int) -> list[tuple[str, str, int]]:
-        return [r for r in self.moto.requests()[mark:] if f"/{self.name}" in r[1]]
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoProcess]:
-    server = MotoProcess(tmp_path_factory.mktemp("moto") / "requests.log", threaded=False)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def bucket(moto: MotoProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
-    import boto3
-    import s3fs
-
-    use_endpoint(monkeypatch, moto.endpoint)
-    name = f"kdflow-{uuid.uuid4().hex[:12]}"
-    keys = {k.lower(): CREDENTIALS[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    boto3.client("s3", endpoint_url=moto.endpoint, **keys).create_bucket(Bucket=name)
-    yield Bucket(moto, name, f"s3://{name}/run")
-    s3fs.S3FileSystem.clear_instance_cache()
-
-
-def prepare(config: KDFlowConfig) -> None:
-    from kdflow.schemas.stage_settings import materialise_settings, open_run_root, tokenise_settings
-    from kdflow.tasks.common.tokenizer import load_tokenizer
-    from kdflow.tasks.corpus.materialise import materialise
-    from kdflow.tasks.corpus.tokenise import tokenise
-
-    materialise(open_run_root(config), materialise_settings(config))
-    tokenise(open_run_root(config), tokenise_settings(config), load_tokenizer(config.teacher, config.tokenizer))
 
 
 def worker(config_path: Path, **env: str) -> subprocess.Popen:
@@ -320,63 +274,3 @@ def test_a_lease_released_on_the_way_out_of_an_error_never_replaces_it(bucket: B
         proxy.cut()
 
 
-def test_the_flow_retries_a_teacher_worker_that_lost_the_store_and_finishes_the_pass(
-        prefect_harness: None, bucket: Bucket, make_config, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store goes away after two shards' commits and comes back a second later: the worker exits 4 (object
-    store unreachable), the flow starts another after `precompute.retry_delay_s`, and that one finishes the pass
-    without computing the committed shards again (it was a user error, exit 2, never retried)."""
-    import threading
-
-    from kdflow.flows.precompute import precompute_flow
-
-    config = make_config(run_root=bucket.run_root, dataset__max_documents=20, precompute__retry_delay_s=1)
-    prepare(config)
-    proxy = TcpProxy(bucket.moto.port)
-    proxy.cut_after = (re.compile(rb"PUT /\S+/topk/\S+\.commit\.json"), 2)
-
-    def back_after_a_second() -> None:
-        if proxy.was_cut.wait(300):
-            time.sleep(1)
-            proxy.restore()
-
-    threading.Thread(target=back_after_a_second, daemon=True).start()
-    try:
-        use_endpoint(monkeypatch, proxy.endpoint, AWS_MAX_ATTEMPTS="2")  # botocore: one retry, not four
-        result = precompute_flow(config)
-    finally:
-        proxy.cut()
-    assert result["attempt"] == 2, result  # the flow verified every shard and the store's _complete.json
-    assert 0 < result["written"] <= result["shards"] - 2, result  # the second worker did not redo the first's
-
-
-def test_the_store_unreachable_mid_pass_is_one_line_and_a_rerun_resumes(bucket: Bucket, make_config,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdflow.schemas.errors import StoreError
-    from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
-    from kdflow.tasks.teacher.precompute import precompute_shards
-
-    # In one process the lease the failed pass could not release belongs to a live pid: it lapses after its ttl.
-    config = make_config(run_root=bucket.run_root, dataset__max_documents=20, precompute__lease_ttl_s=3)
-    prepare(config)
-    proxy = TcpProxy(bucket.moto.port)
-    proxy.cut_after = (re.compile(rb"PUT /\S+/topk/\S+\.commit\.json"), 2)  # cut once two shards are committed
-    try:
-        use_endpoint(monkeypatch, proxy.endpoint, AWS_MAX_ATTEMPTS="2")  # botocore: one retry, not four
-        with pytest.raises(StoreError) as failed:
-            precompute_shards(open_run_root(config), teacher_pass_settings(config))
-        message = str(failed.value)
-        assert "\n" not in message and f"s3://{bucket.name}/run/topk/" in message and "unreachable" in message, message
-        assert exit_code_for(failed.value) == EXIT_STORE_UNREACHABLE  # a worker meeting it is retried by the flow
-        use_endpoint(monkeypatch, bucket.moto.endpoint)
-        run_root = RunRoot(bucket.run_root)
-        (tag,) = run_root.listdir(run_root.path("topk"))
-        committed = sorted(list_commits(run_root, stage_dir(run_root, "topk", tag), "topk", tag))
-        assert len(committed) >= 2
-
-        proxy.restore()
-        use_endpoint(monkeypatch, proxy.endpoint)
-        result = precompute_shards(open_run_root(config), teacher_pass_settings(config))
-        assert result["complete"] and result["skipped"] == len(committed)  # nothing committed was computed again
-        assert result["written"] == result["shards"] - len(committed) > 0
-    finally:
-        proxy.cut()

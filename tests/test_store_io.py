@@ -264,13 +264,16 @@ def _source(tmp_path: Path, change: str) -> Path:
     return path
 
 
+IN_BAD = "(counting from 0; in bad.parquet)"
+
+
 @pytest.mark.parametrize("change, where", [
-    ("ragged K", "row 1 (counting from 0; in bad.parquet) field target_token_ids: ragged K: position 4 has 7"),
-    ("id outside", "row 2 (counting from 0; in bad.parquet) field target_token_ids: id 1000000 at position 5 is outside the vocabulary"),
-    ("unsorted", "row 1 (counting from 0; in bad.parquet) field target_logprobs: log-probs not sorted by descending value at position 6"),
-    ("sum above 1", "row 2 (counting from 0; in bad.parquet) field topk_logprobs: log-probs whose probabilities sum above 1 at position 7"),
-    ("text", "row 0 (counting from 0; in bad.parquet) field text: the tokenizer's encoding differs from input_ids at position 0"),
-    ("NaN tail", "row 1 (counting from 0; in bad.parquet) field tail_logprob: a tail log-mass that is NaN at position 10"),
+    ("ragged K", f"row 1 {IN_BAD} field target_token_ids: ragged K: position 4 has 7"),
+    ("id outside", f"row 2 {IN_BAD} field target_token_ids: id 1000000 at position 5 is outside the vocabulary"),
+    ("unsorted", f"row 1 {IN_BAD} field target_logprobs: log-probs not sorted by descending value at position 6"),
+    ("sum above 1", f"row 2 {IN_BAD} field topk_logprobs: log-probs whose probabilities sum above 1 at position 7"),
+    ("text", f"row 0 {IN_BAD} field text: the tokenizer's encoding differs from input_ids at position 0"),
+    ("NaN tail", f"row 1 {IN_BAD} field tail_logprob: a tail log-mass that is NaN at position 10"),
 ])
 def test_bad_input_is_one_line_naming_row_and_field_before_anything_is_written(
         fresh_run, tmp_path: Path, change: str, where: str) -> None:
