@@ -23,10 +23,12 @@ from kdflow.tasks.corpus.materialise import materialise
 def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
     count_tokens = None
     if config.dataset.max_tokens is not None:
-        tokenizer = load_tokenizer(config.teacher, config.tokenizer)
+        loaded: list[Any] = []  # the tokenizer, loaded at the first count: a finished store never needs it (~4 s)
 
         def count_tokens(texts: list[str]) -> list[int]:
-            encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            if not loaded:
+                loaded.append(load_tokenizer(config.teacher, config.tokenizer))
+            encoded = loaded[0](texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
             return [len(ids) + 1 for ids in encoded]  # + the EOS that joins documents
 
     run_root.ensure_writable()

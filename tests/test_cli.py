@@ -104,7 +104,9 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
     assert (closed.returncode, closed.stderr) == (141, "")
 
 
-def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., Any]) -> None:
+def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., Any], tmp_path: Path,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from kdflow.flows import materialise as materialise_module
     from kdflow.flows.materialise import materialise_flow
     from kdflow.flows.tokenise import tokenise_flow
 
@@ -116,6 +118,15 @@ def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., A
     assert materialise_flow(config)["parts_written"] == 0
     assert tokenise_flow(config)["shards_written"] == 0
     assert (Path(config.run_root) / "tokens" / CONFIG_FILE).read_text(encoding="utf-8") == dump_config(config)
+
+    budget = make_config(run_root=str(tmp_path / "budget"), dataset__max_tokens=2_000)  # counts with the tokenizer
+    assert 0 < materialise_flow(budget)["documents"] < 60
+
+    def refused(*args: Any) -> None:
+        raise AssertionError("a finished corpus store loaded the tokenizer")
+
+    monkeypatch.setattr(materialise_module, "load_tokenizer", refused)  # a rerun finds the store finished first
+    assert materialise_flow(budget)["parts_written"] == 0
 
 
 def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
