@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support.import_sources import capture_table, import_config
+from support.import_sources import capture_table, import_config, write_parts
 
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
@@ -50,6 +50,20 @@ def test_numbered_files_must_all_be_there_hashed_names_too(tmp_path: Path) -> No
     assert len(source_files(str(tmp_path / "plain")).files) == 2
 
 
+def test_a_glob_reads_its_matches_in_order_and_one_that_matches_nothing_is_one_line(tmp_path: Path) -> None:
+    from kdflow.tasks.teacher.logit_reader import source_fingerprint
+
+    _write(tmp_path / "caps", "b-1.parquet", "a-2.parquet", "a-1.parquet", "notes.parquet")
+    _write(tmp_path / "caps" / "more", "a-3.parquet")
+    source = source_files(str(tmp_path / "caps" / "a-*.parquet"))
+    assert (source.kind, [Path(f).name for f in source.files]) == ("parquet", ["a-1.parquet", "a-2.parquet"])
+    assert [Path(f).name for f in source_files(str(tmp_path / "caps" / "**" / "a-*.parquet")).files] == [
+        "a-1.parquet", "a-2.parquet", "a-3.parquet"]
+    assert source_fingerprint(source) == source_fingerprint(source_files(str(tmp_path / "caps" / "a-[12].parquet")))
+    with pytest.raises(ConfigError, match=r"^import source '.*/caps/c-\*\.parquet' matches no file$"):
+        source_files(str(tmp_path / "caps" / "c-*.parquet"))
+
+
 def _import(config, source: Path) -> dict:
     return import_store(open_run_root(config), teacher_pass_settings(config), str(source), "kdflow", "t")
 
@@ -82,3 +96,14 @@ def test_a_bad_row_or_line_of_json_lines_or_a_saved_dataset_is_found_where_a_per
         _import(import_config(make_config, tmp_path / "run-cut"), tmp_path / "js")
     assert str(error.value).startswith(f"cannot read import source file {str(tmp_path / 'js' / 'b.jsonl')!r} past "
                                        "its first "), str(error.value)
+
+
+def test_a_glob_of_a_folders_files_imports_what_the_folder_imports(make_config, tmp_path: Path) -> None:
+    folder = write_parts(tmp_path / "src", capture_table(30, 20), [13])
+    by_folder = _import(import_config(make_config, tmp_path / "folder"), folder)
+    by_glob = _import(import_config(make_config, tmp_path / "glob"), folder / "part-*.parquet")
+    assert by_glob["tag"] == by_folder["tag"] and by_glob["shards"] == by_folder["shards"] > 0
+    for store in ("tokens", f"topk/{by_folder['tag']}"):
+        shards = sorted(p for p in (tmp_path / "folder" / store).glob("shard-*") if p.suffix != ".json")  # data
+        assert shards and [p.read_bytes() for p in shards] == [
+            (tmp_path / "glob" / store / p.name).read_bytes() for p in shards]

@@ -27,7 +27,8 @@ def import_parser() -> argparse.ArgumentParser:
         "Build a token store and a top-K store (the config's format) from a local Hugging Face dataset folder, "
         "Parquet or JSON lines holding token ids and per-position top-K ids and values, rows of any length. "
         f"Built-in layouts: {_LAYOUTS}. Or declare one: a YAML file of the layout's fields, or --column options."))
-    parser.add_argument("source", help="dataset folder (datasets.save_to_disk), Parquet file/folder or .jsonl")
+    parser.add_argument("source", help="dataset folder (datasets.save_to_disk), Parquet file/folder, .jsonl, or a "
+                        "quoted glob of such files")
     parser.add_argument("--config", required=True, help="the run's YAML config (run_root, seq_len, top_k, store)")
     parser.add_argument("--set", action="append", type=parse_override, metavar="KEY=VALUE",
                         help="override a config key (repeatable)")

@@ -12,6 +12,7 @@ by, so a rerun on an unchanged source picks up where a killed import stopped and
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -69,13 +70,19 @@ def _saved_dataset_files(path: str) -> SourceFiles:
 
 
 def source_files(path: str) -> SourceFiles:
-    """The source's files in reading order; a one-line error for a path that is none of the three formats."""
-    if not os.path.exists(path):
+    """The source's files in reading order (a glob's matches sorted, as a folder's); a one-line error for a path
+    that is none of the three formats."""
+    if not os.path.exists(path) and any(c in path for c in "*?["):
+        files = sorted(name for name in glob.glob(path, recursive=True) if os.path.isfile(name))
+        if not files:
+            raise ConfigError(f"import source {path!r} matches no file")
+    elif not os.path.exists(path):
         raise ConfigError(f"import source {path!r} does not exist")
-    if is_saved_dataset(path):
+    elif is_saved_dataset(path):
         return _saved_dataset_files(path)
-    files = ([os.path.join(root, name) for root, dirs, names in sorted(os.walk(path)) for name in sorted(names)]
-             if os.path.isdir(path) else [path])
+    else:
+        files = ([os.path.join(root, name) for root, dirs, names in sorted(os.walk(path)) for name in sorted(names)]
+                 if os.path.isdir(path) else [path])
     parquet = tuple(f for f in files if f.endswith(".parquet"))
     jsonl = tuple(f for f in files if f.endswith((".jsonl", ".json")))
     _check_numbered(path, parquet or jsonl)
