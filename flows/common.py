@@ -10,21 +10,21 @@ from typing import Any
 from kdflow.flows.logs import forward_kdflow_logs
 from kdflow.schemas.config import KDFlowConfig
 from kdflow.schemas.config_io import config_from_dict, load_config
-from kdflow.tasks.dataset_spelling import with_stored_spelling
+from kdflow.tasks.path_spellings import with_stored_spellings
 
 
 forward_kdflow_logs()
 
 
 def as_config(config: KDFlowConfig | dict[str, Any] | str) -> KDFlowConfig:
-    """Flows take the typed config, a plain dict (deployment parameters) or a YAML path. A dataset spelt otherwise
-    than the run root's corpus store spells the same files takes the store's spelling (tasks.dataset_spelling)."""
+    """Flows take the typed config, a plain dict (deployment parameters) or a YAML path. A dataset or init_from spelt
+    otherwise than the run root's stores spell the same files takes their spelling (tasks.path_spellings)."""
     if isinstance(config, str):
         config = load_config(config)
     elif not isinstance(config, KDFlowConfig):
         config = config_from_dict(config, source="flow parameter 'config'")
-    config, note = with_stored_spelling(config)
-    if note is not None:
+    config, notes = with_stored_spellings(config)
+    for note in notes:
         logging.getLogger("kdflow").info("%s", note)
     return config
 

@@ -17,13 +17,13 @@ def _warn(warnings: list[str]) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from kdflow.schemas.config_io import load_config
-    from kdflow.tasks.dataset_spelling import with_stored_spelling
+    from kdflow.tasks.path_spellings import with_stored_spellings
     from kdflow.tasks.preflight import run_preflight
     from kdflow.tasks.preflight_stores import check_stage_inputs
 
     # The config and every check of it before Prefect is imported (a second or two): bad input fails at once.
-    config, note = with_stored_spelling(load_config(args.config, dict(args.set or [])))
-    if note is not None:
+    config, notes = with_stored_spellings(load_config(args.config, dict(args.set or [])))
+    for note in notes:
         print(f"kdflow: {note}", file=sys.stderr, flush=True)
     stages = [s.strip() for s in args.stages.split(",")] if args.stages is not None else None  # "": refused
     _warn(run_preflight(config, stages))

@@ -6,6 +6,7 @@ The models themselves live in `kdflow.schemas.config`, which knows nothing of te
 from __future__ import annotations
 
 import argparse
+import os
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,13 @@ def relative_run_root_hint(url: str, given: str) -> str:
     hint = f"; a relative run_root is read from the working directory ({Path.cwd()})"
     found = next((base for base in Path(given).resolve().parents if (base / url).is_dir()), None)
     return hint + (f": run from {found}, which holds {found / url}" if found is not None else "")
+
+
+def same_local_folder(first: str, second: str) -> bool:
+    """Two spellings of one existing local folder (`./teacher/`, `teacher`, its absolute path, `~/...`, a link)."""
+    folders = [os.path.expanduser(name) for name in (first, second)]
+    return all("://" not in f and os.path.isdir(f) for f in folders) and (
+        os.path.realpath(folders[0]) == os.path.realpath(folders[1]))
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kdflow.schemas.commits import CommitRecord, read_complete, stage_dir
 from kdflow.schemas.config import PrecomputeConfig, TeacherConfig
+from kdflow.schemas.config_io import same_local_folder
 from kdflow.schemas.layout import STORE_FILE, TOPK_DIR, is_store_name
 from kdflow.schemas.sampled_settings import sampled_format, sampled_label
 from kdflow.schemas.storage import RunRoot
@@ -125,6 +126,15 @@ def teacher_section(teacher: TeacherConfig) -> dict[str, Any]:
     return teacher.model_dump(mode="json", exclude={"device"})
 
 
+def same_teacher_settings(recorded: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Two teacher sections alike, a local folder however it is spelt (`./teacher/`, `teacher`, its absolute path,
+    a link to it) being one teacher: the store's tag already names the weights, not the path."""
+    if {k: v for k, v in recorded.items() if k != "model"} != {k: v for k, v in now.items() if k != "model"}:
+        return False
+    before, after = str(recorded.get("model")), str(now.get("model"))
+    return before == after or same_local_folder(before, after)
+
+
 def write_store_info(run_root: RunRoot, store: str, info: TopkStoreInfo) -> None:
     run_root.write_bytes_atomic(f"{store}/{STORE_FILE}", info.model_dump_json(indent=1).encode())
 
@@ -161,7 +171,8 @@ def find_topk_stores(run_root: RunRoot, teacher: TeacherConfig, precompute: Prec
     tags = []
     for tag in topk_tags(run_root):
         info = read_store_info(run_root, stage_dir(run_root, "topk", tag))
-        if (info is not None and info.tokens_fingerprint == tokens_done.fingerprint and info.teacher == made_by
+        if (info is not None and info.tokens_fingerprint == tokens_done.fingerprint
+                and same_teacher_settings(info.teacher, made_by)
                 and info.top_k == precompute.top_k
                 and (any_format or info.store_format() == wanted
                      or (to_train and trained_alike(info.store_format(), wanted)))):

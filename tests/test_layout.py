@@ -169,11 +169,11 @@ def test_every_name_is_imported_from_the_module_that_defines_it() -> None:
 
 # Where the whole KDFlowConfig may be a parameter: flows, commands and benches, the views built from it, fingerprints,
 # the config's own text, pre-flight (it checks every section), the worker launch (it writes the config file) and the
-# dataset's spelling (the run root's corpus store against the dataset).
+# paths' spellings (the run root's stores against the dataset and init_from).
 WHOLE_CONFIG = ("kdflow.flows", "kdflow.commands", "kdflow.bench", "kdflow.cli", "kdflow.demo_assets",
                 "kdflow.schemas.stage_settings", "kdflow.schemas.fingerprints", "kdflow.schemas.config_io",
                 "kdflow.tasks.preflight", "kdflow.tasks.preflight_stores", "kdflow.tasks.common.launch",
-                "kdflow.tasks.dataset_spelling")
+                "kdflow.tasks.path_spellings")
 
 
 def test_stages_take_their_own_settings_not_the_whole_config() -> None:

@@ -17,7 +17,7 @@ from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.schemas.layout import CORPUS_DIR
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.tasks.corpus.materialise import materialise
-from kdflow.tasks.dataset_spelling import with_stored_spelling
+from kdflow.tasks.path_spellings import with_stored_spellings
 
 
 @pytest.fixture
@@ -50,12 +50,12 @@ def test_the_same_files_spelt_otherwise_take_the_stores_spelling(made: Callable[
     config = made(dataset__path=path.format(tmp=tmp_path), dataset__data_files=data_files)
     stored = made(dataset__path="src")
     assert corpus_fingerprint(config) != corpus_fingerprint(stored)  # the fingerprint hashes the path as written
-    taken, note = with_stored_spelling(config)
+    taken, (note,) = with_stored_spellings(config)
     assert (taken.dataset.path, taken.dataset.data_files) == ("src", None)
     assert corpus_fingerprint(taken) == corpus_fingerprint(stored) and taken.run_root == config.run_root
-    assert note is not None and repr(config.dataset.path) in note and "'src'" in note and "reused" in note
+    assert repr(config.dataset.path) in note and "'src'" in note and "reused" in note
     assert materialise(open_run_root(taken), materialise_settings(taken)).parts_written == 0
-    assert with_stored_spelling(taken) == (taken, None)  # the store's own spelling: nothing to say
+    assert with_stored_spellings(taken) == (taken, [])  # the store's own spelling: nothing to say
 
 
 def test_other_files_order_setting_or_a_copy_stay_another_dataset(made: Callable[..., Any], tmp_path: Path) -> None:
@@ -69,13 +69,43 @@ def test_other_files_order_setting_or_a_copy_stay_another_dataset(made: Callable
               made(dataset__path=str(tmp_path / "src"), dataset__max_documents=3),  # another setting too
               made(dataset__path="no/such/folder")]
     for config in others:
-        assert with_stored_spelling(config) == (config, None), config.dataset
+        assert with_stored_spellings(config) == (config, []), config.dataset
 
 
 def test_nothing_to_compare_leaves_the_config(make_config: Callable[..., Any], tmp_path: Path) -> None:
     config = make_config()  # no corpus store yet
-    assert with_stored_spelling(config) == (config, None)
+    assert with_stored_spellings(config) == (config, [])
     assert materialise(open_run_root(config), materialise_settings(config)).parts_written > 0
     assert not (Path(config.run_root) / CORPUS_DIR / "config.yaml").exists()  # no saved spelling: as before
     other = make_config(dataset__path=os.path.relpath(config.dataset.path))
-    assert with_stored_spelling(other) == (other, None)
+    assert with_stored_spellings(other) == (other, [])
+
+
+def test_a_students_init_from_and_the_teachers_folder_spelt_otherwise_are_the_same_folders(
+        make_config: Callable[..., Any], tmp_path: Path, tiny_teacher_dir: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """`student.init_from` of a student with a saved config, and the teacher folder a top-K store records: any
+    spelling of the same folder is that folder (a trailing slash, relative, a link); another folder is not."""
+    from kdflow.schemas.store_info import same_teacher_settings, teacher_section
+
+    monkeypatch.chdir(tiny_teacher_dir.parent)
+    (tmp_path / "linked").symlink_to(tiny_teacher_dir)
+    spellings = [f"{tiny_teacher_dir}/", f"./{tiny_teacher_dir.name}", str(tmp_path / "linked")]
+    config = make_config(student__init_from=str(tiny_teacher_dir), student__name="s")
+    run_root = open_run_root(config)
+    folder = run_root.path("students", "s")
+    write_stage_config(run_root, config, folder)  # as training writes it beside the checkpoints
+    for spelling in spellings:
+        given = make_config(student__init_from=spelling, student__name="s")
+        taken, (note,) = with_stored_spellings(given)
+        assert taken.student.init_from == str(tiny_teacher_dir) and "so the student resumes" in note, note
+        assert same_teacher_settings(teacher_section(config.teacher),
+                                     teacher_section(given.teacher.model_copy(update={"model": spelling})))
+    other = tmp_path / "other-teacher"
+    other.mkdir()
+    elsewhere = make_config(student__init_from=str(other), student__name="s")
+    assert with_stored_spellings(elsewhere) == (elsewhere, [])  # another folder: refused later, as before
+    assert not same_teacher_settings(teacher_section(config.teacher),
+                                     teacher_section(config.teacher.model_copy(update={"model": str(other)})))
+    assert not same_teacher_settings(teacher_section(config.teacher), teacher_section(
+        config.teacher.model_copy(update={"dtype": "bfloat16"})))  # the same folder, another setting
