@@ -95,7 +95,7 @@ def test_the_card_names_hub_models_and_datasets_and_shows_every_held_out_value(t
 
     path = tmp_path / "README.md"
     path.write_text(render_card(facts(init_from="HuggingFaceTB/SmolLM2-135M-Instruct", dataset="uonlp/CulturaX",
-                                      dataset_name="ja")))
+                                      dataset_name="ja", init_from_on_hub=True, dataset_on_hub=True)))
     card = ModelCard.load(path)
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.datasets == ["uonlp/CulturaX"]
     assert "| full-vocabulary KL to the teacher | 0.7500 |" in card.text  # kl_full, when eval.jsonl has it
@@ -117,7 +117,7 @@ def test_the_stored_kl_is_one_row_named_for_the_store_s_targets(targets: str, na
     assert "kl_stored" not in text and "| kl |" not in text
 
 
-def test_an_imported_store_s_card_credits_its_teacher_and_says_why_there_is_no_kl_full() -> None:
+def test_an_imported_store_s_card_credits_its_teacher_and_says_why_there_is_no_kl_full(tmp_path: Path) -> None:
     from kdflow.schemas.store_info import TopkStoreInfo
     from kdflow.tasks.student.heldout_teacher import full_kl_off_reason, imported_teacher
     from kdflow.tasks.common.model_files import shown_name
@@ -140,6 +140,12 @@ def test_an_imported_store_s_card_credits_its_teacher_and_says_why_there_is_no_k
     assert "full-vocabulary KL" not in text
     assert [shown_name(n) for n in ("org/name", "/tmp/x/teacher/", "~/corpus.jsonl", "s3://b/k", "package:p")] == [
         "org/name", "teacher", "corpus.jsonl", "s3://b/k", "package:p"]
-    # another kdflow student (init_from): its name too, not "final" alone
+    # another kdflow student (init_from): its name too, not "final" alone, and no hub model for all it looks like one
     assert [shown_name(n) for n in ("runs/a/students/tiny/final", "/r/students/tiny/checkpoint-40/")] == [
         "tiny/final", "tiny/checkpoint-40"]
+    from huggingface_hub import ModelCard
+
+    path = tmp_path / "local.md"
+    path.write_text(render_card(facts(init_from="tiny/final", dataset="corpus/a.jsonl", init_from_on_hub=False,
+                                      dataset_on_hub=False)))
+    assert ModelCard.load(path).data.base_model is None and ModelCard.load(path).data.datasets is None

@@ -75,6 +75,8 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
         "teacher_gguf": None if imported else teacher.gguf_file, "teacher_4bit": not imported and teacher.load_in_4bit,
         "dataset": shown_name(dataset.path), "dataset_name": dataset.name, "dataset_split": dataset.split,
         "init_from": shown_name(student.init_from) if student.init_from else None, "seq_len": stores.seq_len,
+        # on the hub: decided from the settings as given (a shown local `name/final` looks like a hub id)
+        "init_from_on_hub": hub_id(student.init_from) is not None, "dataset_on_hub": hub_id(dataset.path) is not None,
         "pruned": pruned_line(pruned),
         "store": f"topk/{info.tag if info is not None else posixpath.basename(stores.topk_store.rstrip('/'))}",
         "targets": stores.targets, "kept": kept,
@@ -90,9 +92,9 @@ def card_facts(settings: TrainingSettings, run_root: RunRoot, stores: Any, *, st
 
 def _front_matter(facts: dict[str, Any]) -> str:
     data: dict[str, Any] = {"library_name": "transformers"}
-    if hub_id(facts.get("init_from")):
+    if facts.get("init_from_on_hub"):
         data["base_model"] = facts["init_from"]
-    if hub_id(facts.get("dataset")):
+    if facts.get("dataset_on_hub"):
         data["datasets"] = [facts["dataset"]]
     data |= {"tags": ["distillation", "kdflow"], "pipeline_tag": "text-generation"}
     return "---\n" + yaml.safe_dump(data, sort_keys=False) + "---\n"
