@@ -167,6 +167,12 @@ def test_a_hub_id_that_is_not_in_the_cache_offline_is_one_line_in_pre_flight_and
     message = str(caught.value)
     assert message.startswith("student.init_from 'kdflow-test/not-downloaded' is not a loadable causal LM: ")
     assert "\n" not in message
+    # One word that is no folder here (a mistyped one, or an owner-less hub id such as gpt2): the same line, at once
+    for setting, word in (("teacher.model", "my-teacher"), ("student.init_from", "final")):
+        key = setting.replace(".", "__")
+        with pytest.raises(ConfigError, match=rf"^{setting}='{word}' is a hub model that is not in the local .*"
+                                              rf"there is no folder '{word}' in the working directory"):
+            run_preflight(fresh_run(**{key: word}), ["precompute", "train"])
 
 
 def test_a_hub_that_cannot_be_reached_refuses_what_is_not_cached_and_nothing_else(

@@ -113,9 +113,9 @@ def check_hub_model(setting: str, repo: str, revision: str | None = None,
     """ConfigError (one line) when `repo`, a hub id, is neither cached nor reachable; a local folder or
     `package:` source is not asked about."""
     from kdflow.schemas.errors import ConfigError
-    from kdflow.tasks.common.model_files import hub_id
+    from kdflow.tasks.common.model_files import hub_model_id
 
-    problem = hub_model_problem(setting, repo, revision, filenames) if hub_id(repo) else None
+    problem = hub_model_problem(setting, repo, revision, filenames) if hub_model_id(repo) else None
     if problem:
         raise ConfigError(problem)
 

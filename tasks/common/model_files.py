@@ -25,6 +25,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_OWNERLESS_ID = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 
 
 def from_cwd(path: str) -> str:
@@ -38,6 +39,16 @@ def hub_id(name: str | None) -> str | None:
     if not name or "://" in name or name.startswith((PACKAGE_PREFIX, ".", "/", "~")) or os.path.exists(name):
         return None
     return name if _HUB_ID.match(name) else None
+
+
+def hub_model_id(name: str | None) -> str | None:
+    """`name` when transformers would look for it on the hub: a hub id, or one word that names nothing here (the
+    hub's oldest models have no owner: `gpt2`); else None. A mistyped local folder is such a word too."""
+    if hub_id(name):
+        return name
+    if not name or "://" in name or name.startswith(PACKAGE_PREFIX) or os.path.exists(os.path.expanduser(name)):
+        return None
+    return name if _OWNERLESS_ID.match(name) else None
 
 
 def resolve_model_files(model: str, gguf_file: str | None = None) -> str:
