@@ -128,6 +128,8 @@ def _latest_checkpoint(student_dir: str) -> str | None:
     from kdflow.schemas.layout import checkpoint_name
     from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 
+    if "://" not in student_dir and not os.path.isdir(student_dir):
+        return None  # a file, or nothing: the caller says what is wrong with it
     run_root = RunRoot(student_dir)
     steps = complete_checkpoint_steps(run_root, run_root.root)
     return os.path.join(student_dir, checkpoint_name(steps[-1])) if steps else None

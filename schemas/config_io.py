@@ -109,6 +109,8 @@ def run_root_of(given: str) -> str:
     config = config_named(given)
     if config is None and "://" not in given and Path(given).is_file():  # a data file, a typo'd config name
         raise ConfigError(f"{given} is a file, neither a run root (a folder or URL) nor a config (.yaml)")
+    if config is not None and "://" not in config.run_root and os.path.isfile(config.run_root):
+        raise ConfigError(f"run_root {config.run_root!r} (in {given}) is a file, not a run root (a folder or URL)")
     return config.run_root if config is not None else given
 
 

@@ -121,6 +121,10 @@ def test_a_folder_that_is_not_a_model_is_a_one_line_error(tmp_path: Path, capsys
     assert captured.out == ""
     assert captured.err.strip().splitlines() == [
         f"kdflow: error: student '{tmp_path}' is not a model: no config.json in it"]
+    (tmp_path / "config.json").write_text("{}")  # a model's file given for its folder (it was NotADirectoryError)
+    assert main(["chat", str(tmp_path / "config.json"), "--prompt", PROMPT]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"kdflow: error: student '{tmp_path / 'config.json'}' is not a model: a file, not a model folder"]
 
 
 def test_a_device_that_is_not_here_and_bad_sampling_settings_are_one_line(

@@ -315,3 +315,6 @@ def test_a_command_s_run_root_is_a_folder_a_url_or_a_config_never_a_data_file(tm
     config.write_text(yaml.safe_dump({"run_root": str(tmp_path / "r"), "dataset": {"path": "x.jsonl"},
                                       "teacher": {"model": "t"}}))
     assert run_root_of(str(config)) == str(tmp_path / "r")
+    (tmp_path / "r").write_text("")  # a config whose run_root is a file: one line, not NotADirectoryError
+    with pytest.raises(ConfigError, match=rf"^run_root '{tmp_path / 'r'}' \(in {config}\) is a file, not a run root"):
+        run_root_of(str(config))

@@ -276,8 +276,9 @@ def test_init_from_that_is_not_a_model_is_an_error(fresh_run, tmp_path: Path) ->
     (tmp_path / "empty").mkdir()
     (tmp_path / "config-only").mkdir()
     (tmp_path / "config-only" / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text("{}")
     for folder, phrase in (("empty", "no config.json"), ("config-only", "no model weights"),
-                           ("missing", "no such folder")):
+                           ("missing", "no such folder"), ("config.json", "a file, not a model folder")):
         config = fresh_run(student__init_from=str(tmp_path / folder))
         with pytest.raises(KDFlowError) as caught:
             train(open_run_root(config), training_settings(config))

@@ -99,7 +99,7 @@ def check_teacher_files(teacher: TeacherConfig, weights: bool = True) -> str | N
 def model_folder_problem(folder: str) -> str | None:
     """Why `folder` is not a Hugging Face model folder, or None when it looks like one."""
     if not os.path.isdir(folder):
-        return "no such folder"
+        return "a file, not a model folder" if os.path.isfile(folder) else "no such folder"
     if not os.path.isfile(os.path.join(folder, "config.json")):
         students = os.path.join(folder, "students")  # a run root: its students' final folders are the models
         finals = sorted(os.path.join(students, n, "final") for n in (os.listdir(students) if os.path.isdir(
