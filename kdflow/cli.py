@@ -135,6 +135,19 @@ def _latest_checkpoint(student_dir: str) -> str | None:
     return os.path.join(student_dir, checkpoint_name(steps[-1])) if steps else None
 
 
+def _interrupted_inside(error: BaseException) -> bool:
+    """A Ctrl-C that a library caught and wrapped: pydantic's serializer reports it as a PydanticSerializationError
+    whose message names it (seen when Ctrl-C lands while Prefect serialises a flow run's parameters)."""
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        if isinstance(error, KeyboardInterrupt) or (
+                type(error).__name__ == "PydanticSerializationError" and "KeyboardInterrupt" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kdflow.bench import run_bench
 
@@ -270,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 13  # SIGPIPE's status
     # A failed stage after its retries, or a bug: one line here, the traceback in the run log.
     except Exception as error:
+        if _interrupted_inside(error) and not args.verbose:
+            print(f"kdflow: interrupted{resumes}", file=sys.stderr)
+            return 130
         if args.verbose:
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]

@@ -200,3 +200,25 @@ def test_a_warning_of_a_library_with_its_own_terminal_handler_is_printed_once(ch
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert done.stderr.splitlines() == ["from huggingface_hub.utils._http", "from datasets.load",
                                         "WARNING from kdflow.x"]
+
+
+def test_ctrl_c_that_a_library_wrapped_is_still_an_interruption(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while Prefect serialised a flow run's parameters came out as "kdflow: error:
+    PydanticSerializationError: Error calling function `_ser_model`: KeyboardInterrupt" (exit 1)."""
+    from pydantic_core import PydanticSerializationError
+
+    from kdflow import cli
+
+    def interrupted(args: Any) -> int:
+        raise PydanticSerializationError("Error calling function `_ser_model`: KeyboardInterrupt: ")
+
+    monkeypatch.setattr(cli, "_cmd_run", interrupted)
+    assert cli.main(["run", "any.yaml"]) == 130
+    assert capsys.readouterr().err.strip() == "kdflow: interrupted; rerun the same command to resume"
+
+    def failed(args: Any) -> int:
+        raise PydanticSerializationError("Error calling function `_ser_model`: ValueError: no")
+
+    monkeypatch.setattr(cli, "_cmd_run", failed)
+    assert cli.main(["run", "any.yaml"]) == 1 and "PydanticSerializationError" in capsys.readouterr().err
