@@ -72,3 +72,19 @@ def test_no_loadable_checkpoint_is_one_line_naming_the_newest(fresh_run) -> None
     assert "checkpoint-4' is not a loadable causal LM: " in message and "\n" not in message
     assert message.endswith("nor does any older checkpoint: delete " + str(student_path(config))
                             + "'s checkpoint-* folders to start this student again")
+
+
+def test_a_damaged_checkpoint_that_no_save_replaces_goes_once_a_newer_one_is_written(fresh_run) -> None:
+    """Resumed past a damaged checkpoint-4 with saves at 3 and 6: checkpoint-4 counted among the two kept would
+    have outlived the good checkpoint-3 (the rotation deleted the good ones and kept the damaged one)."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    damaged = fresh_run(student__name="rotated", **COMMON)
+    assert train(open_run_root(damaged), training_settings(damaged), on_step=lambda r: r["step"] == 4)["stopped"]
+    _damage(damaged, "checkpoint-4")
+    every_third = fresh_run(student__name="rotated", **COMMON | {"student__save_every": 3})
+    resumed = train(open_run_root(every_third), training_settings(every_third))
+    assert resumed["start_step"] == 2
+    kept = sorted(p.name for p in student_path(damaged, "").iterdir() if p.name.startswith("checkpoint-"))
+    assert kept == ["checkpoint-3", "checkpoint-6"], kept

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -239,11 +239,16 @@ def latest_checkpoint(run_root: RunRoot, student_dir: str) -> Checkpoint | None:
     return complete[-1] if complete else None
 
 
-def prune_checkpoints(run_root: RunRoot, student_dir: str, keep: int) -> list[str]:
-    """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted writes."""
-    checkpoints = list_checkpoints(run_root, student_dir)
-    removed = [checkpoint.path for checkpoint in checkpoints[:-keep]]
-    complete = {checkpoint.path for checkpoint in checkpoints}
+def prune_checkpoints(run_root: RunRoot, student_dir: str, keep: int, damaged: Sequence[str] = ()) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted writes. `damaged`: those
+    a resume passed over as not loading; each goes once a newer checkpoint is written, and counts for none of the
+    `keep` (else it would outlive the good one before it)."""
+    every = list_checkpoints(run_root, student_dir)
+    checkpoints = [checkpoint for checkpoint in every if checkpoint.path not in set(damaged)]
+    newest = checkpoints[-1].state.step if checkpoints else -1
+    gone = {c.path for c in every if c.path in set(damaged) and c.state.step < newest}
+    removed = [checkpoint.path for checkpoint in checkpoints[:-keep]] + sorted(gone)
+    complete = {checkpoint.path for checkpoint in every}
     for name in run_root.listdir(student_dir):
         path = f"{student_dir}/{name}"
         interrupted_local = name.startswith(".") and (".tmp-" in name or ".old-" in name)
@@ -284,24 +289,26 @@ def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch
 
 def newest_loadable(run_root: RunRoot, student_dir: str, device: torch.device | str,
                     check: Callable[[Checkpoint], None], warn: Callable[[str], None]
-                    ) -> tuple[Checkpoint | None, nn.Module | None]:
-    """The newest complete checkpoint whose model loads, and its model (None, None: no checkpoint). `check` refuses
-    one that may not be resumed (other settings). One whose files are damaged (a disk error, a cut copy) is passed
-    over for the one before it, with `warn`: its step is trained again, the same as before; none loading is an
-    error naming the newest."""
+                    ) -> tuple[Checkpoint | None, nn.Module | None, list[str]]:
+    """The newest complete checkpoint whose model loads, its model (None, None: no checkpoint), and the newer ones
+    passed over. `check` refuses one that may not be resumed (other settings). One whose files are damaged (a disk
+    error, a cut copy) is passed over for the one before it, with `warn`: its step is trained again, the same as
+    before (prune_checkpoints removes it once a newer one is written); none loading is an error naming the newest."""
     checkpoints = list_checkpoints(run_root, student_dir)
-    first_problem = None
+    first_problem, passed_over = None, []
     for checkpoint in reversed(checkpoints):
         check(checkpoint)
         try:
-            return checkpoint, load_checkpoint_model(run_root, checkpoint.path, device)
+            return checkpoint, load_checkpoint_model(run_root, checkpoint.path, device), passed_over
         except StudentError as error:
             first_problem = first_problem or str(error)
-            warn(f"{error}; resuming from the checkpoint before it, if one loads")
+            passed_over.append(checkpoint.path)
+            warn(f"{error}; resuming from the checkpoint before it, if one loads (this one is removed once a newer "
+                 "one is written)")
     if first_problem is not None:
         raise StudentError(f"{first_problem}, nor does any older checkpoint: delete "
                            f"{run_root.display(student_dir)}'s checkpoint-* folders to start this student again")
-    return None, None
+    return None, None, []
 
 
 def save_final(run_root: RunRoot, student_dir: str, model: nn.Module, tokenizer: Any, *,

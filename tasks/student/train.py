@@ -84,8 +84,9 @@ class StudentRun:
                                  f"(fingerprint {checkpoint.state.fingerprint}, this config {fingerprint}); "
                                  "choose another student.name or delete that folder")
 
-        self.checkpoint, model = newest_loadable(self.run_root, self.student_dir, self.device, same_settings,
-                                                 logger.warning if self.is_main else lambda _: None)
+        self.checkpoint, model, self.damaged = newest_loadable(self.run_root, self.student_dir, self.device,
+                                                               same_settings,
+                                                               logger.warning if self.is_main else lambda _: None)
         if model is not None:
             self.model = model
             check_student(self.model, self.tokenizer)
@@ -224,11 +225,13 @@ class StudentRun:
         optimizer_state = full_optimizer_state(self.module, self.optimizer, self.sharding)
         if self.is_main:
             keep = self.student.keep_checkpoints
-            save_checkpoint(self.run_root, self.student_dir, self.model, self.tokenizer, self.optimizer, self.scheduler,
-                            self.state, model_state=model_state, optimizer_state=optimizer_state,
-                            keep_hint=f"; student.keep_checkpoints={keep} needs room for {keep + 1} checkpoints while "
-                                      "the next one is written (free space, or lower it)")
-            prune_checkpoints(self.run_root, self.student_dir, keep)
+            written = save_checkpoint(
+                self.run_root, self.student_dir, self.model, self.tokenizer, self.optimizer, self.scheduler, self.state,
+                model_state=model_state, optimizer_state=optimizer_state,
+                keep_hint=f"; student.keep_checkpoints={keep} needs room for {keep + 1} checkpoints while the next one "
+                          "is written (free space, or lower it)")
+            self.damaged = [path for path in self.damaged if path != written]  # written in a damaged one's place
+            prune_checkpoints(self.run_root, self.student_dir, keep, self.damaged)
             self.flush_logs()
         self.saved_step = self.state.step
 
