@@ -16,6 +16,7 @@ from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common.progress import Progress, count_of
 from kdflow.tasks.common.tokenizer import load_tokenizer
+from kdflow.tasks.corpus.dataset_changes import replaced_store_warning
 from kdflow.tasks.corpus.materialise import materialise
 
 
@@ -32,10 +33,14 @@ def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any
             return [len(ids) + 1 for ids in encoded]  # + the EOS that joins documents
 
     run_root.ensure_writable()
+    settings = materialise_settings(config)
+    replacing = replaced_store_warning(run_root, stage_dir(run_root, "corpus"), settings.corpus_fingerprint)
+    if replacing is not None:
+        get_run_logger().warning("%s", replacing)
     write_stage_config(run_root, config, stage_dir(run_root, "corpus"))
     progress = Progress("materialise", None, unit="part")
     try:
-        summary = materialise(run_root, materialise_settings(config), count_tokens,
+        summary = materialise(run_root, settings, count_tokens,
                               on_part=lambda r: progress.update(1, r.tokens))
     finally:
         progress.close()

@@ -105,7 +105,7 @@ def test_run_twice_then_status_and_validate(make_config: Callable[..., Any], tin
 
 
 def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., Any], tmp_path: Path,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+                             monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from kdflow.flows import materialise as materialise_module
     from kdflow.flows.materialise import materialise_flow
     from kdflow.flows.tokenise import tokenise_flow
@@ -127,6 +127,14 @@ def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., A
 
     monkeypatch.setattr(materialise_module, "load_tokenizer", refused)  # a rerun finds the store finished first
     assert materialise_flow(budget)["parts_written"] == 0
+    assert "holds a finished corpus of another dataset" not in caplog.text
+
+    other = tmp_path / "other.jsonl"  # another dataset into the same run root: done, and said
+    other.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(8)))
+    replacing = make_config(run_root=budget.run_root, dataset__path=str(other))
+    assert materialise_flow(replacing)["documents"] == 8
+    assert (f"corpus holds a finished corpus of another dataset or other dataset settings (dataset.path "
+            f"{budget.dataset.path!r}); this run replaces it, and the token store") in caplog.text
 
 
 def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
