@@ -21,12 +21,13 @@ from kdflow.tasks.teacher.micro_batch import stepped_down_lines
 
 
 def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected: int | None,
-                token_store: StageComplete | None = None) -> tuple[str, int | None, dict[int, CommitRecord]]:
+                token_store: StageComplete | None = None, stale: bool = False
+                ) -> tuple[str, int | None, dict[int, CommitRecord]]:
     done = read_complete(run_root, store)
     fingerprint = done.fingerprint if done else None
     records = list_commits(run_root, store, stage, fingerprint)
     made_from = tokens_made_from(records.values()) if stage == "topk" else set()
-    stale = token_store is not None and bool(made_from) and token_store.fingerprint not in made_from  # as validate
+    stale = stale or (token_store is not None and bool(made_from) and token_store.fingerprint not in made_from)
     if (expected is None or stale) and done is not None:
         expected = done.shards  # a stale store is measured against its own token store, not today's
     tokens = sum(r.tokens for r in records.values())
@@ -41,6 +42,22 @@ def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected:
     return line, done.shards if done else None, records
 
 
+def _tokens_of_another_corpus(run_root: RunRoot) -> bool:
+    """Whether the token store's own config names a dataset whose fingerprint is not the finished corpus store's (a
+    run of another dataset replaced the corpus after it); False where either cannot be told (an imported store)."""
+    from kdflow.schemas.config_io import config_from_dict
+    from kdflow.schemas.fingerprints import corpus_fingerprint
+
+    corpus = read_complete(run_root, run_root.path(CORPUS_DIR))
+    saved = yaml.safe_load(_read(run_root, f"{run_root.path(TOKENS_DIR)}/{CONFIG_FILE}") or b"{}") or {}
+    if corpus is None or not saved:
+        return False
+    try:
+        return corpus_fingerprint(config_from_dict(saved)) != corpus.fingerprint
+    except Exception:  # noqa: BLE001 - a config of another kdflow: nothing to say
+        return False
+
+
 def status_lines(run_root: RunRoot) -> Iterator[str]:
     """The status of an existing run root, line by line (each as soon as its store is read)."""
     yield f"run root: {run_root.display(run_root.root)}"
@@ -49,8 +66,12 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
     sources = _sources_line(run_root)
     if sources:
         yield sources
-    line, token_shards, _ = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None)
+    another_corpus = _tokens_of_another_corpus(run_root)
+    line, token_shards, _ = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None,
+                                        stale=another_corpus)
     yield line
+    if another_corpus:
+        yield "  stale: tokenised from another corpus than corpus/ holds now; the next run's tokenise makes it again"
     token_store = read_complete(run_root, run_root.path(TOKENS_DIR))
     stale = 0
     for tag in topk_tags(run_root):

@@ -136,6 +136,20 @@ def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., A
     assert (f"corpus holds a finished corpus of another dataset or other dataset settings (dataset.path "
             f"{budget.dataset.path!r}); this run replaces it, and the token store") in caplog.text
 
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.run_status import status_lines
+
+    def tokens_lines() -> list[str]:
+        lines = list(status_lines(RunRoot(config.run_root)))
+        at = next(i for i, line in enumerate(lines) if line.startswith("tokens "))
+        return lines[at:at + 2]
+
+    assert "complete" in tokens_lines()[0] and "stale" not in " ".join(tokens_lines())
+    materialise_flow(make_config(dataset__path=str(other)))  # the tokenised run root's corpus replaced
+    line, note = tokens_lines()
+    assert "stale (complete)" in line and note == (
+        "  stale: tokenised from another corpus than corpus/ holds now; the next run's tokenise makes it again")
+
 
 def test_bench_tokenise_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     import json
