@@ -9,14 +9,11 @@ offset the header names; two small reads tell a whole file from a cut one, on di
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, STUDENTS_DIR, checkpoint_step, is_store_name
 from kdflow.schemas.storage import RunRoot
-
-WEIGHTS_SUFFIX = ".safetensors"
-
+from kdflow.tasks.common.model_files import weights_problems
 
 @dataclass
 class StudentReport:
@@ -27,35 +24,6 @@ class StudentReport:
     checkpoints: list[int] = field(default_factory=list)  # finished ones (with checkpoint.json), by step
     unfinished: list[int] = field(default_factory=list)  # without checkpoint.json: never resumed from
     problems: list[str] = field(default_factory=list)
-
-
-def safetensors_problem(run_root: RunRoot, path: str, size: int) -> str | None:
-    """None when the file at `path` (`size` bytes) is as long as its header says, else what is wrong."""
-    if size < 8:
-        return f"{size} bytes: not even a header"
-    (head,) = run_root.read_ranges([path], [0], [8])
-    header_bytes = int.from_bytes(head, "little")
-    if 8 + header_bytes > size:
-        return f"cut short: {size:,} bytes, its header alone says {8 + header_bytes:,}"
-    (raw,) = run_root.read_ranges([path], [8], [8 + header_bytes])
-    try:
-        header = json.loads(raw)
-        end = max((int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
-                  default=0)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return "its header is not a safetensors header"
-    if 8 + header_bytes + end != size:
-        return f"cut short: {size:,} of the {8 + header_bytes + end:,} bytes its header describes"
-    return None
-
-
-def _check_folder(run_root: RunRoot, folder: str, shown: str) -> list[str]:
-    sizes = run_root.list_sizes(folder)
-    weights = sorted(name for name in sizes if name.endswith(WEIGHTS_SUFFIX))
-    if not weights:
-        return [f"{shown}: no {WEIGHTS_SUFFIX} weights"]
-    return [f"{shown}/{name}: {problem}" for name in weights
-            if (problem := safetensors_problem(run_root, f"{folder}/{name}", sizes[name])) is not None]
 
 
 def student_reports(run_root: RunRoot) -> list[StudentReport]:
@@ -73,7 +41,7 @@ def student_reports(run_root: RunRoot) -> list[StudentReport]:
             if step is not None and not run_root.exists(f"{folder}/{CHECKPOINT_MARKER}"):
                 report.unfinished.append(step)  # being written, or left by a kill: resume never reads it
                 continue
-            found = _check_folder(run_root, folder, shown)
+            found = weights_problems(run_root, folder, shown)
             if step is None:
                 report.final = True
                 advice = f"delete {shown} and rerun train: it saves final/ again from the last checkpoint"

@@ -88,3 +88,22 @@ def test_a_damaged_checkpoint_that_no_save_replaces_goes_once_a_newer_one_is_wri
     assert resumed["start_step"] == 2
     kept = sorted(p.name for p in student_path(damaged, "").iterdir() if p.name.startswith("checkpoint-"))
     assert kept == ["checkpoint-3", "checkpoint-6"], kept
+
+
+def test_a_rerun_writes_a_final_model_cut_short_again(fresh_run, caplog) -> None:
+    """A finished student whose final/model.safetensors was cut (a full disk, a killed copy): the rerun said "steps
+    already done, nothing to do" and left it; now it writes final/ again from the last checkpoint, the same weights."""
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    config = fresh_run(student__name="cut-final", **COMMON)
+    train(open_run_root(config), training_settings(config))
+    whole = {name: tensor.clone() for name, tensor in final_weights(config).items()}  # not mapped: cut below
+    _damage(config, "final")
+    with caplog.at_level(logging.WARNING, logger="kdflow.train"):
+        again = train(open_run_root(config), training_settings(config))
+    assert again["start_step"] == 6
+    assert any("final/model.safetensors: cut short" in r.getMessage() and "writing it again from step 6" in
+               r.getMessage() for r in caplog.records), caplog.text
+    for name, tensor in final_weights(config).items():
+        assert torch.equal(tensor, whole[name]), name

@@ -10,12 +10,14 @@ Pre-flight checks (`kdflow.tasks.preflight`) and `kdflow chat` use these before 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import FINAL_DIR, checkpoint_step
+from kdflow.schemas.storage import RunRoot
 
 PACKAGE_PREFIX = "package:"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -121,3 +123,39 @@ def shown_name(name: str) -> str:
     if last == FINAL_DIR or checkpoint_step(last) is not None:  # a kdflow student's: "final" alone said nothing
         return f"{os.path.basename(os.path.dirname(path))}/{last}"
     return last or name
+
+
+# A safetensors file says how long it must be: 8 bytes giving its header's length, the JSON header, then the tensors
+# up to the largest end offset the header names; two small reads tell a whole file from a cut one (a killed copy, a
+# full disk), on disk or on an object store. `kdflow validate` and training's final/ check use them.
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+def safetensors_problem(run_root: RunRoot, path: str, size: int) -> str | None:
+    """None when the file at `path` (`size` bytes) is as long as its header says, else what is wrong."""
+    if size < 8:
+        return f"{size} bytes: not even a header"
+    (head,) = run_root.read_ranges([path], [0], [8])
+    header_bytes = int.from_bytes(head, "little")
+    if 8 + header_bytes > size:
+        return f"cut short: {size:,} bytes, its header alone says {8 + header_bytes:,}"
+    (raw,) = run_root.read_ranges([path], [8], [8 + header_bytes])
+    try:
+        header = json.loads(raw)
+        end = max((int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
+                  default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return "its header is not a safetensors header"
+    if 8 + header_bytes + end != size:
+        return f"cut short: {size:,} of the {8 + header_bytes + end:,} bytes its header describes"
+    return None
+
+
+def weights_problems(run_root: RunRoot, folder: str, shown: str) -> list[str]:
+    """What is wrong with a model folder's safetensors files, one line each (`shown`: how the folder is named)."""
+    sizes = run_root.list_sizes(folder)
+    weights = sorted(name for name in sizes if name.endswith(WEIGHTS_SUFFIX))
+    if not weights:
+        return [f"{shown}: no {WEIGHTS_SUFFIX} weights"]
+    return [f"{shown}/{name}: {problem}" for name in weights
+            if (problem := safetensors_problem(run_root, f"{folder}/{name}", sizes[name])) is not None]

@@ -31,6 +31,7 @@ from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common import faults
+from kdflow.tasks.common.model_files import weights_problems
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (Checkpoint, TrainingState, load_training_state, newest_loadable,
                                              prune_checkpoints, save_checkpoint, save_final)
@@ -239,7 +240,11 @@ class StudentRun:
         """The closing evaluation, checkpoint and final/ model; each skipped when already there."""
         if not self.evals.records or self.evals.records[-1]["step"] != self.state.step:
             self.evaluate()
-        final_missing = not self.run_root.exists(f"{self.student_dir}/{FINAL_DIR}/config.json")
+        final = f"{self.student_dir}/{FINAL_DIR}"
+        final_missing = not self.run_root.exists(f"{final}/config.json")
+        if self.is_main and not final_missing and (cut := weights_problems(self.run_root, final, FINAL_DIR)):
+            logger.warning("train %s: %s: writing it again from step %d", self.student.name, cut[0], self.state.step)
+            final_missing = True  # a copy cut short (a full disk, a killed copy): the same weights again
         final_missing = any_rank(final_missing, self.device)  # the gather below is a collective: all agree
         self.save()
         if self.state.step > self.start_step or final_missing:
