@@ -113,6 +113,13 @@ def test_a_data_file_without_its_commit_record_is_never_read_and_is_recomputed(r
     assert "\n" not in str(caught.value)
     assert validate_run_root(config.run_root) == 1
     assert f"topk/{prepared.tag} shard 2: no commit record" in capsys.readouterr().out
+    # The other way round (a data file deleted by hand, its commit record left): said so, not "not committed"
+    other = run_copy("reference", run_root=config.run_root + "-other")
+    (topk_store(other, prepared) / data_file_name("topk", 3)).unlink()
+    with pytest.raises(StoreError) as caught:
+        open_stores(open_run_root(other), training_settings(other), load_tokenizer(other.teacher, other.tokenizer))
+    assert "shard-00003.arrow is missing though its commit record is there (deleted or lost); run precompute " \
+           "again" in str(caught.value), str(caught.value)
 
     summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert (summary["written"], summary["skipped"]) == (1, prepared.shards - 1)

@@ -22,7 +22,7 @@ import torch
 from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
-from kdflow.schemas.layout import TOPK_DIR, data_file_name
+from kdflow.schemas.layout import TOPK_DIR, commit_file_name, data_file_name
 from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.shard_rows import ShardRows, take_rows
 from kdflow.schemas.shards import decode_token_rows, stream_schema_ints
@@ -195,7 +195,10 @@ def verify_pair(run_root: RunRoot, settings: StudentDataSettings, token: CommitR
     topk_path = f"{topk_store}/{data_file_name('topk', token.shard_id)}"
     shown = run_root.display(topk_path)
     if topk is None:
-        raise StoreError(f"top-K shard {shown} is not committed; run {filler} first")
+        recorded = run_root.exists(f"{topk_store}/{commit_file_name('topk', token.shard_id)}")
+        raise StoreError(f"top-K shard {shown} " + ("is missing though its commit record is there (deleted or "
+                                                     f"lost); run {filler} again, which computes it again" if recorded
+                                                     else f"is not committed; run {filler} first"))
     problem = alignment_problem(token, topk)
     if problem is not None:
         raise StoreError(f"top-K shard {shown} {problem}")
