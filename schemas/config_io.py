@@ -81,15 +81,42 @@ def config_from_dict(data: dict[str, Any], source: str = "config", overrides: di
         raise ConfigError(_format_validation_error(error, source, overrides)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
+                continue
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _where(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> KDFlowConfig:
     """Load a YAML config; `overrides` are dotted keys (`student.steps`) applied before validation."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder, not a config file (kdflow status and validate take a run root)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]  # "found character '\t' ..."
+        raise ConfigError(f"{path}: not valid YAML{_where(error)}: {problem}") from None
+    if data is None:
+        raise ConfigError(f"{path} is empty: a config sets at least run_root, dataset.path and teacher.model "
+                          "(kdflow configs --write DIR copies examples)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     for dotted, value in (overrides or {}).items():

@@ -140,6 +140,24 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid YAML") as caught:
         load_config(bad)
     assert "\n" not in str(caught.value)
+    for text, said in (("run_root: /r\n\tseq_len: 32\n", "at line 2, column 1: found character '\\t' that cannot "
+                                                           "start any token"),
+                       ("run_root: /r\nseq_len: 32\nseq_len: -1\n", "at line 3, column 1: the key 'seq_len' is given "
+                                                                    "twice")):  # YAML itself keeps the last one
+        bad.write_text(text, encoding="utf-8")
+        with pytest.raises(ConfigError) as caught:
+            load_config(bad)
+        assert str(caught.value) == f"{bad}: not valid YAML {said}"
+    anchored = tmp_path / "anchored.yaml"  # a merge key's values may be overridden: that is no key given twice
+    anchored.write_text(yaml.safe_dump(with_changes()).replace("seq_len:", "base: &b {seq_len: 8}\nx:\n  <<: *b\n  "
+                                                                         "seq_len: 16\nseq_len:", 1))
+    with pytest.raises(ConfigError, match=r"unknown config key 'base'"):  # parsed, then refused by the schema
+        load_config(anchored)
+    (tmp_path / "empty.yaml").write_text("\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml is empty: a config sets at least run_root"):
+        load_config(tmp_path / "empty.yaml")
+    with pytest.raises(ConfigError, match=r"is a folder, not a config file"):
+        load_config(tmp_path)
     listed = write_yaml(tmp_path / "list.yaml", [1, 2])
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(listed, {"seq_len": 8})
