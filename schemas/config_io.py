@@ -66,6 +66,11 @@ def _format_validation_error(error: ValidationError, source: str, overrides: dic
     if where == "<root>":  # a check of the whole config, whose message names its keys
         named = [key for key in overrides if key in message]
         return f"{f'--set {named[0]}={overrides[named[0]]}' if len(named) == 1 else source}: {message}"
+    if given is not None and first["type"] in ("string_type", "int_type", "float_type", "bool_type") and not isinstance(
+            overrides[given], str):  # YAML read `007` as 7, `on` as True, nothing as null
+        message += (f" (--set reads its value as YAML, which made it {overrides[given]!r}; quote text: "
+                    f"--set '{given}=\"...\"')" if overrides[given] is not None else
+                    " (--set gave no value: YAML's null)")
     return f"{source}: invalid value for '{where}': {message}"
 
 
