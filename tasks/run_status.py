@@ -123,8 +123,9 @@ def _student_line(run_root: RunRoot, name: str) -> str:
             f"{f'{target:,}' if isinstance(target, int) else '?'}: {saved}, {final}")
     evaluations = (_read(run_root, f"{folder}/{EVAL_FILE}") or b"").splitlines()
     last = json.loads(evaluations[-1]) if evaluations else {}
-    if last.get("kl") is not None:
-        line += f"; held-out KL {last['kl']:.4f} at step {last['step']:,}"
+    if last.get("kl") is not None:  # `kl`: to the stored top-K targets; `kl_full`: to the teacher's full vocabulary
+        full = f", full-vocabulary {last['kl_full']:.4f}" if last.get("kl_full") is not None else ""
+        line += f"; held-out KL to the stored targets {last['kl']:.4f}{full} at step {last['step']:,}"
     return line
 
 

@@ -207,8 +207,9 @@ def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.
     print_status(config.run_root)
     line = capsys.readouterr().out.splitlines()[-1]
     evaluation = json.loads((student / "eval.jsonl").read_text().splitlines()[-1])
+    full = f", full-vocabulary {evaluation['kl_full']:.4f}" if evaluation.get("kl_full") is not None else ""
     assert line == (f"students/{config.student.name:<13} step 2 of 6: 1 checkpoint (latest checkpoint-2), final "
-                    f"model saved; held-out KL {evaluation['kl']:.4f} at step 2")
+                    f"model saved; held-out KL to the stored targets {evaluation['kl']:.4f}{full} at step 2")
 
 
 def test_a_warning_of_a_library_with_its_own_terminal_handler_is_printed_once(children) -> None:

@@ -69,7 +69,7 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
     assert f"({first}: other bytes, same size)" in _refused(config)
     assert _status_line(config, capsys) == (  # kdflow status says it too, from the record alone
         f"corpus/_sources.json 2 files, CHANGED since materialise read them: {first}: other bytes, same size; "
-        "the next run refuses (put the files back, or give the changed corpus a new run_root)")
+        "the next run with materialise refuses (put the files back, or give the changed corpus a new run_root)")
     from kdflow.commands.validate import validate_run_root
 
     assert validate_run_root(config.run_root) == 0  # the stores are whole; it says what status says, as a note

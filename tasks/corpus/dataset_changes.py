@@ -194,8 +194,8 @@ def sources_state(run_root: Any) -> str | None:
     if done is None or done.fingerprint != recorded.fingerprint:
         return (f"{files}, CHANGED since materialise started reading them: {shown_changes(found)}; it had not "
                 "finished, so the next run reads them again from the start")
-    return (f"{files}, CHANGED since materialise read them: {shown_changes(found)}; the next run refuses "
-            "(put the files back, or give the changed corpus a new run_root)")
+    return (f"{files}, CHANGED since materialise read them: {shown_changes(found)}; the next run with materialise "
+            "refuses (put the files back, or give the changed corpus a new run_root)")
 
 
 def replaced_store_warning(run_root: Any, store: str, fingerprint: str) -> str | None:
