@@ -54,7 +54,8 @@ def _format_validation_error(error: ValidationError, source: str, overrides: dic
     if given is not None:  # the value (or the list or section holding it) came from the command line
         source = f"--set {given}={overrides[given]}"
     elif where != "<root>" and (inside := [key for key in overrides if key.startswith(f"{where}.")]):
-        source += " with " + ", ".join(f"--set {key}={overrides[key]}" for key in inside)  # a section's own check
+        named = [key for key in inside if key[len(where) + 1:].split(".")[0] in first["msg"]]  # those it names
+        source += " with " + ", ".join(f"--set {key}={overrides[key]}" for key in named or inside)  # a section's check
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown config key '{where}'"
     if first["type"] == "missing" and first["loc"] and isinstance(first["loc"][-1], int):  # a tuple's item

@@ -165,7 +165,15 @@ def resume_changes(saved: KDFlowConfig, config: KDFlowConfig, *, topk: bool) -> 
 
 
 def _changed(pairs: list[tuple[str, Any, Any]]) -> list[str]:
-    return [f"{key} {old!r}, now {new!r}" for key, old, new in pairs if old != new]
+    """`KEY OLD, now NEW` for each pair that differs; of two sections, the keys that differ (`student.architecture.
+    hidden_size 256, now 128`), not both whole."""
+    found: list[str] = []
+    for key, old, new in pairs:
+        if isinstance(old, dict) and isinstance(new, dict) and old != new:
+            found += _changed([(f"{key}.{name}", old.get(name), new.get(name)) for name in {**old, **new}])
+        elif old != new:
+            found.append(f"{key} {old!r}, now {new!r}")
+    return found
 
 
 def check_train_inputs(context: Preflight) -> None:

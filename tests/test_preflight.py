@@ -334,6 +334,8 @@ def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(
     assert str(caught.value).startswith(f"student.name='{config.student.name}': its checkpoints (up to checkpoint-")
     assert str(caught.value).endswith(") were trained with student.lr 0.01, now 0.02; seq_len 32, now 16, so they "
                                       f"cannot resume: choose another student.name, or delete {student}")
+    with pytest.raises(ConfigError, match=r"trained with student\.architecture\.hidden_size 32, now 16, so they "):
+        run_preflight(changed(student__architecture__hidden_size=16), ["train"])  # the key, not both sections
     fewer_ids = changed(precompute__top_k=4)
     pytest.raises(ConfigError, run_preflight, fewer_ids, ["train"]).match(r"has K=8, precompute.top_k is 4$")
     with pytest.raises(ConfigError, match="precompute.top_k 8, now 4"):
