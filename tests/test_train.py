@@ -238,6 +238,11 @@ def test_topk_made_from_another_token_store_is_an_error(fresh_run, tmp_path: Pat
     with pytest.raises(StoreError) as caught:
         open_stores(open_run_root(other), training_settings(other), load_tokenizer(other.teacher, other.tokenizer))
     assert_one_line(caught.value, "no top-K store", "made for another teacher, K or token store", "run precompute")
+    assert ": K=" not in str(caught.value)  # the same K: nothing said of it
+    fewer = fresh_run(dataset__path=str(reordered), precompute__top_k=4)  # another K too: the store's is named
+    with pytest.raises(StoreError) as caught:
+        open_stores(open_run_root(fewer), training_settings(fewer), load_tokenizer(fewer.teacher, fewer.tokenizer))
+    assert_one_line(caught.value, "made for this teacher, K=4 and token store", ": K=8, made for another teacher")
 
 
 @pytest.mark.parametrize("what", ["top_k", "seq_len"])

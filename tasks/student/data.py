@@ -128,11 +128,16 @@ def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: st
     for tag in topk_tags(run_root):
         if (info := read_store_info(run_root, stage_dir(run_root, "topk", tag))) is not None:
             imports_ours = (info.model_extra or {}).get("imported") and info.tokens_fingerprint == tokens_fp
-            (imported if imports_ours else others).append(tag)  # else: for another teacher, K or token store
+            differs = "" if info.top_k == settings.data.top_k else f": K={info.top_k}"  # the likeliest one, said
+            (imported if imports_ours else others).append(tag if imports_ours else tag + differs)
             continue
         record = read_commit(run_root, stage_dir(run_root, "topk", tag), "topk", 0)
-        if record is not None:
-            (ours if record.input_sha256 == first_token.sha256 else others).append(tag)
+        if record is not None and record.input_sha256 == first_token.sha256:
+            ours.append(tag)
+        elif record is not None:  # its K, from the record or the shard's header (one small read)
+            store = stage_dir(run_root, "topk", tag)
+            k = record.extra.top_k or stream_schema_ints(run_root, f"{store}/{record.data_file}").get("top_k")
+            others.append(tag + (f": K={k}" if k is not None and k != settings.data.top_k else ""))
     if len(ours) == 1:
         return stage_dir(run_root, "topk", ours[0])
     if ours:
@@ -143,8 +148,8 @@ def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: st
                          f"{'were' if len(imported) > 1 else 'was'} imported for this token store (kdflow store "
                          f"import): train on one with student.topk_tag")
     found = f" (found {', '.join(others)}, made for another teacher, K or token store)" if others else ""
-    raise StoreError(f"no top-K store under {topk_root} was made for this teacher, K and token store "
-                     f"{tokens_fp}{found}; run precompute first")
+    raise StoreError(f"no top-K store under {topk_root} was made for this teacher, K={settings.data.top_k} and token "
+                     f"store {tokens_fp}{found}; run precompute first")
 
 
 def open_stores(run_root: RunRoot, settings: TrainingSettings, tokenizer: Any) -> DistillStores:
