@@ -245,3 +245,22 @@ def test_ctrl_c_that_a_library_wrapped_is_still_an_interruption(monkeypatch: pyt
 
     monkeypatch.setattr(cli, "_cmd_run", failed)
     assert cli.main(["run", "any.yaml"]) == 1 and "PydanticSerializationError" in capsys.readouterr().err
+
+
+def test_a_set_value_that_yaml_read_as_another_type_says_how_to_quote_it(make_config: Callable[..., Any],
+                                                                        tmp_path: Path) -> None:
+    """`--set student.name=007` reached the config as 7 ("should be a valid string"), `--set student.steps=` as null."""
+    from kdflow.schemas.config_io import load_config
+    from kdflow.schemas.errors import ConfigError
+
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(make_config()), encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, {"student.name": 7})
+    assert str(caught.value) == ("--set student.name=7: invalid value for 'student.name': Input should be a valid "
+                                 "string (--set reads its value as YAML, which made it 7; quote text: --set "
+                                 "'student.name=\"...\"')")
+    with pytest.raises(ConfigError, match=r"valid integer \(--set gave no value: YAML's null\)$"):
+        load_config(path, {"student.steps": None})
+    with pytest.raises(ConfigError, match=r"unable to parse string as an integer$"):  # text already: no hint
+        load_config(path, {"student.steps": "abc"})

@@ -336,17 +336,3 @@ def test_a_command_s_run_root_is_a_folder_a_url_or_a_config_never_a_data_file(tm
     (tmp_path / "r").write_text("")  # a config whose run_root is a file: one line, not NotADirectoryError
     with pytest.raises(ConfigError, match=rf"^run_root '{tmp_path / 'r'}' \(in {config}\) is a file, not a run root"):
         run_root_of(str(config))
-
-
-def test_a_set_value_that_yaml_read_as_another_type_says_how_to_quote_it(tmp_path: Path) -> None:
-    """`--set student.name=007` reached the config as 7 ("should be a valid string"), `--set student.steps=` as null."""
-    path = write_yaml(tmp_path / "c.yaml", with_changes())
-    with pytest.raises(ConfigError) as caught:
-        load_config(path, {"student.name": 7})
-    assert str(caught.value) == ("--set student.name=7: invalid value for 'student.name': Input should be a valid "
-                                 "string (--set reads its value as YAML, which made it 7; quote text: --set "
-                                 "'student.name=\"...\"')")
-    with pytest.raises(ConfigError, match=r"valid integer \(--set gave no value: YAML's null\)$"):
-        load_config(path, {"student.steps": None})
-    with pytest.raises(ConfigError, match=r"unable to parse string as an integer$"):  # text already: no hint
-        load_config(path, {"student.steps": "abc"})

@@ -5,9 +5,11 @@ that fails before writing anything leaves no empty student folder behind."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kdflow.schemas.config_io import dump_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.tasks.preflight import run_preflight
 
@@ -60,3 +62,46 @@ def test_a_token_store_of_no_sequence_is_named_before_the_teacher_pass(sharp_tea
     with pytest.raises(StoreError, match="tokens: the token store holds no sequence") as caught:
         open_stores(open_run_root(config), training_settings(config), load_tokenizer(config.teacher, config.tokenizer))
     assert "lacks" not in str(caught.value)
+
+
+def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(tmp_path, tiny_teacher_dir) -> None:
+    """The config beside the student (written once a run's checkpoints resume with it) against this one: each
+    setting of a checkpoint's fingerprint that differs, in one line, not after the stages before training."""
+    from support.runs import trained_tiny_run
+
+    from kdflow.schemas.config_io import config_from_dict, set_dotted
+    from kdflow.schemas.errors import StoreError
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    config = trained_tiny_run(tmp_path, tiny_teacher_dir)
+    student = Path(config.run_root) / "students" / config.student.name
+
+    def changed(**overrides: Any) -> Any:
+        data = config.model_dump(mode="json")
+        for key, value in overrides.items():
+            set_dotted(data, key.replace("__", "."), value)
+        return config_from_dict(data)
+
+    assert run_preflight(changed(student__steps=5, student__save_every=1, student__eval_every=1), ["train"]) == []
+    with pytest.raises(ConfigError) as caught:
+        run_preflight(changed(seq_len=16, student__lr=0.02), ["train"])
+    assert str(caught.value).startswith(f"student.name='{config.student.name}': its checkpoints (up to checkpoint-")
+    assert str(caught.value).endswith(") were trained with student.lr 0.01, now 0.02; seq_len 32, now 16, so they "
+                                      f"cannot resume: choose another student.name, or delete {student}")
+    with pytest.raises(ConfigError, match=r"trained with student\.architecture\.hidden_size 32, now 16, so they "):
+        run_preflight(changed(student__architecture__hidden_size=16), ["train"])  # the key, not both sections
+    fewer_ids = changed(precompute__top_k=4)
+    pytest.raises(ConfigError, run_preflight, fewer_ids, ["train"]).match(r"has K=8, precompute.top_k is 4$")
+    with pytest.raises(ConfigError, match="precompute.top_k 8, now 4"):
+        run_preflight(fewer_ids, ["precompute", "train"])  # it would train on the one precompute makes
+    # Training refuses it too, and leaves the config beside the student as it was: the next try is refused again.
+    faster = changed(student__lr=0.02)
+    with pytest.raises(StoreError, match="was trained with other data or settings"):
+        train(open_run_root(faster), training_settings(faster))
+    assert (student / "config.yaml").read_text() == dump_config(config)
+    with pytest.raises(ConfigError, match="student.lr 0.01, now 0.02"):
+        run_preflight(changed(student__lr=0.02), ["train"])
+    longer = changed(student__steps=4)
+    train(open_run_root(longer), training_settings(longer))
+    assert (student / "config.yaml").read_text() == dump_config(longer)
