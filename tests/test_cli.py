@@ -264,3 +264,19 @@ def test_a_set_value_that_yaml_read_as_another_type_says_how_to_quote_it(make_co
         load_config(path, {"student.steps": None})
     with pytest.raises(ConfigError, match=r"unable to parse string as an integer$"):  # text already: no hint
         load_config(path, {"student.steps": "abc"})
+
+
+def test_status_of_a_folder_with_no_stores_says_what_it_is(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """It printed two `empty` rows and nothing else, for a new run root and for a student's folder alike."""
+    from kdflow.commands.status import print_status
+
+    student = tmp_path / "run" / "students" / "s"
+    (student / "checkpoint-4").mkdir(parents=True)
+    (tmp_path / "new").mkdir()
+    for folder, said in ((tmp_path / "new", "nothing has run in this run root yet"),
+                         (student, f"a student's folder (final/, checkpoint-N/), whose run root is {tmp_path / 'run'}")):
+        assert print_status(str(folder)) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == (
+            f"no stores here (corpus/, tokens/, topk/, students/): {said}")
+    assert print_status(str(tmp_path / "run")) == 0 and "no stores here" not in capsys.readouterr().out
