@@ -274,8 +274,9 @@ def test_status_of_a_folder_with_no_stores_says_what_it_is(tmp_path: Path,
     student = tmp_path / "run" / "students" / "s"
     (student / "checkpoint-4").mkdir(parents=True)
     (tmp_path / "new").mkdir()
+    run_root = tmp_path / "run"
     for folder, said in ((tmp_path / "new", "nothing has run in this run root yet"),
-                         (student, f"a student's folder (final/, checkpoint-N/), whose run root is {tmp_path / 'run'}")):
+                         (student, f"a student's folder (final/, checkpoint-N/), whose run root is {run_root}")):
         assert print_status(str(folder)) == 0
         assert capsys.readouterr().out.splitlines()[-1] == (
             f"no stores here (corpus/, tokens/, topk/, students/): {said}")
