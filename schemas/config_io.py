@@ -180,6 +180,13 @@ def dump_config(config: KDFlowConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
 
 
+def saved_config(run_root: RunRoot, folder: str) -> KDFlowConfig:
+    """The config written beside a store or a student (`folder/config.yaml`), read back: FileNotFoundError where
+    there is none, ConfigError where it no longer validates (one of another kdflow)."""
+    return config_from_dict(yaml.safe_load(run_root.read_bytes(f"{folder}/{CONFIG_FILE}")) or {},
+                            source=f"{folder}/{CONFIG_FILE}")
+
+
 def write_stage_config(run_root: RunRoot, config: KDFlowConfig, folder: str) -> None:
     """The resolved config, beside a stage's output: what made these files, readable by people."""
     write_resolved_config(run_root, folder, dump_config(config))

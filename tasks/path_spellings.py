@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import os
 
-import yaml
-
 from kdflow.schemas.commits import read_complete
 from kdflow.schemas.config import KDFlowConfig
-from kdflow.schemas.config_io import same_local_folder
+from kdflow.schemas.config_io import same_local_folder, saved_config
 from kdflow.schemas.fingerprints import corpus_fingerprint
-from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR
+from kdflow.schemas.layout import CORPUS_DIR, STUDENTS_DIR
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.corpus.dataset_changes import listed_files
 
@@ -52,8 +50,8 @@ def _init_from_spelling(config: KDFlowConfig) -> tuple[KDFlowConfig, str | None]
     try:
         run_root = RunRoot(config.run_root)
         folder = run_root.path(STUDENTS_DIR, config.student.name)
-        saved = (yaml.safe_load(run_root.read_bytes(f"{folder}/{CONFIG_FILE}"))["student"] or {}).get("init_from")
-        if not isinstance(saved, str) or saved == given or not same_local_folder(saved, given):
+        saved = saved_config(run_root, folder).student.init_from
+        if saved is None or saved == given or not same_local_folder(saved, given):
             return config, None
     except Exception:  # noqa: BLE001 - no student yet or an unreadable config: training says what it finds
         return config, None
@@ -71,9 +69,9 @@ def _dataset_spelling(config: KDFlowConfig) -> tuple[KDFlowConfig, str | None]:
         done = read_complete(run_root, store)
         if done is None or done.fingerprint == corpus_fingerprint(config):
             return config, None
-        saved = yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}"))["dataset"]
+        saved = saved_config(run_root, store).dataset
         spelt = config.model_copy(update={"dataset": config.dataset.model_copy(
-            update={key: saved.get(key) for key in SPELLING_KEYS})})
+            update={key: getattr(saved, key) for key in SPELLING_KEYS})})
         if corpus_fingerprint(spelt) != done.fingerprint or not _same_files(config, spelt):
             return config, None
     except Exception:  # noqa: BLE001 - unreadable or absent: no reuse, and the stage names the problem if it matters

@@ -15,15 +15,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import yaml
-
 from kdflow.schemas.config import STAGES, KDFlowConfig
-from kdflow.schemas.config_io import config_from_dict
+from kdflow.schemas.config_io import saved_config
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import student_resume_fields
-from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name
+from kdflow.schemas.layout import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name
 from kdflow.schemas.stage_settings import held_out_problem
-from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
+from kdflow.schemas.storage import complete_checkpoint_steps
 from kdflow.tasks.preflight_context import Preflight, chosen_stages
 
 # The stores each stage reads, by the stage that writes them.
@@ -77,16 +75,11 @@ def _output_problem(context: Preflight, before: str, folder: str) -> str | None:
     if done.get("fingerprint") == expected:
         return None
     try:
-        saved = _saved_config(context.run_root, context.run_root.path(folder))
+        saved = saved_config(context.run_root, context.run_root.path(folder))
         changes = _input_changes(saved, config, tokens=before == "tokenise")
     except Exception:  # noqa: BLE001 - no config beside it (an older store): the fingerprints alone
         changes = []
     return "was made with " + "; ".join(changes) if changes else "was made from another dataset, seq_len or shard size"
-
-
-def _saved_config(run_root: RunRoot, folder: str) -> KDFlowConfig:
-    """The config written beside a store or a student (`config.yaml`), read back."""
-    return config_from_dict(yaml.safe_load(run_root.read_bytes(f"{folder}/{CONFIG_FILE}")))
 
 
 def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -> list[str]:
@@ -140,7 +133,7 @@ def check_resume(context: Preflight) -> None:
     folder = run_root.path(STUDENTS_DIR, name)
     try:
         steps = complete_checkpoint_steps(run_root, folder)
-        saved = _saved_config(run_root, folder)
+        saved = saved_config(run_root, folder)
     except Exception:  # noqa: BLE001 - no student yet, no config beside it, one of another kdflow: training tells
         return
     changes = resume_changes(saved, context.config, topk="precompute" in context.stages) if steps else []

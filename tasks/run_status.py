@@ -45,16 +45,15 @@ def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected:
 def _tokens_of_another_corpus(run_root: RunRoot) -> bool:
     """Whether the token store's own config names a dataset whose fingerprint is not the finished corpus store's (a
     run of another dataset replaced the corpus after it); False where either cannot be told (an imported store)."""
-    from kdflow.schemas.config_io import config_from_dict
+    from kdflow.schemas.config_io import saved_config
     from kdflow.schemas.fingerprints import corpus_fingerprint
 
     corpus = read_complete(run_root, run_root.path(CORPUS_DIR))
-    saved = yaml.safe_load(_read(run_root, f"{run_root.path(TOKENS_DIR)}/{CONFIG_FILE}") or b"{}") or {}
-    if corpus is None or not saved:
+    if corpus is None:
         return False
     try:
-        return corpus_fingerprint(config_from_dict(saved)) != corpus.fingerprint
-    except Exception:  # noqa: BLE001 - a config of another kdflow: nothing to say
+        return corpus_fingerprint(saved_config(run_root, run_root.path(TOKENS_DIR))) != corpus.fingerprint
+    except Exception:  # noqa: BLE001 - no config beside it (an imported store), or one of another kdflow
         return False
 
 

@@ -17,12 +17,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import yaml
 
 from kdflow.schemas.codec_sampled import sampled_problems
 from kdflow.schemas.commits import CommitRecord, StageComplete, check_commits, load_manifest, read_complete
 from kdflow.schemas.errors import KDFlowError, StoreError
-from kdflow.schemas.layout import (COMPLETE_FILE, CONFIG_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage,
+from kdflow.schemas.layout import (COMPLETE_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage,
                                    commit_file_name, data_file_name)
 from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard
@@ -169,11 +168,11 @@ def _token_vocab(run_root: RunRoot, store: str, done: StageComplete | None,
         if extra.vocab_size:
             return int(extra.vocab_size), "recorded by tokenise"
     try:  # older stores: load the tokenizer named by the config written beside the store
-        from kdflow.schemas.config_io import config_from_dict
+        from kdflow.schemas.config_io import saved_config
         from kdflow.schemas.fingerprints import tokenizer_fingerprint
         from kdflow.tasks.common.tokenizer import load_tokenizer
 
-        config = config_from_dict(yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")))
+        config = saved_config(run_root, store)
         tokenizer = load_tokenizer(config.teacher, config.tokenizer)
     except Exception as error:  # noqa: BLE001 - any failure only means the upper bound is not checked
         return None, f"the tokenizer could not be loaded ({type(error).__name__})"

@@ -202,19 +202,19 @@ def replaced_store_warning(run_root: Any, store: str, fingerprint: str) -> str |
     """The warning for a run about to replace a finished corpus store of another dataset (or other dataset settings):
     the token and top-K stores and students made from it stop matching. Read before the run's own config is written
     beside the store, whose old one names the dataset; None when there is nothing to replace."""
-    import yaml
-
     from kdflow.schemas.commits import read_complete
-    from kdflow.schemas.layout import CONFIG_FILE
+    from kdflow.schemas.config_io import saved_config
 
     try:
         done = read_complete(run_root, store)
-        if done is None or done.fingerprint == fingerprint:
-            return None
-        saved = (yaml.safe_load(run_root.read_bytes(f"{store}/{CONFIG_FILE}")) or {}).get("dataset") or {}
-        was = f" (dataset.path {saved['path']!r})" if saved.get("path") else ""
     except Exception:  # noqa: BLE001 - an unreadable record: the stage itself says what it finds
         return None
+    if done is None or done.fingerprint == fingerprint:
+        return None
+    try:
+        was = f" (dataset.path {saved_config(run_root, store).dataset.path!r})"
+    except Exception:  # noqa: BLE001 - no config beside it, or one of another kdflow: said without the path
+        was = ""
     return (f"materialise: {run_root.display(store)} holds a finished corpus of another dataset or other dataset "
             f"settings{was}; this run replaces it, and the token store, top-K stores and students made from it stop "
             "matching this run root's corpus (a new run_root keeps both)")
