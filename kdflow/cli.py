@@ -138,14 +138,11 @@ def _latest_checkpoint(student_dir: str) -> str | None:
 def _interrupted_inside(error: BaseException) -> bool:
     """A Ctrl-C that a library caught and wrapped: pydantic's serializer reports it as a PydanticSerializationError
     whose message names it (seen when Ctrl-C lands while Prefect serialises a flow run's parameters)."""
-    seen: list[BaseException] = []
-    while error is not None and error not in seen:
-        seen.append(error)
-        if isinstance(error, KeyboardInterrupt) or (
-                type(error).__name__ == "PydanticSerializationError" and "KeyboardInterrupt" in str(error)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    from kdflow.tasks.common.failures import exception_chain
+
+    return any(isinstance(item, KeyboardInterrupt) or (type(item).__name__ == "PydanticSerializationError"
+                                                       and "KeyboardInterrupt" in str(item))
+               for item in exception_chain(error))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ _GENERIC_CUDA_MARKERS = ("cuda error", "cuda driver error", "cuda runtime error"
 _NOT_RETRYABLE_CUDA = ("device-side assert",)
 
 
-def _chain(error: BaseException) -> list[BaseException]:
+def exception_chain(error: BaseException) -> list[BaseException]:
     """The exception and its causes/contexts, outermost first (a driver error is often wrapped)."""
     seen: list[BaseException] = []
     current: BaseException | None = error
@@ -61,7 +61,7 @@ def classify_message(message: str, type_name: str = "") -> int | None:
 
 def exit_code_for(error: BaseException) -> int:
     """The worker's exit code for an exception that ended it."""
-    chain = _chain(error)
+    chain = exception_chain(error)
     # First: a full disk is often reported as a user error ("run root cannot be written") with the OSError as
     # its context, and it is no fault of the config: freeing space and rerunning works.
     if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
