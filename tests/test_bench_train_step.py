@@ -27,7 +27,7 @@ def bench(*args: str) -> list[dict[str, Any]]:
 
 @pytest.mark.usefixtures("children")
 def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_path: Path) -> None:  # noqa: F811
-    config = fresh_run()
+    config = fresh_run(student__prune={"layers": 1})  # every variant times the student pruned from the teacher
     path = tmp_path / "bench.yaml"
     path.write_text(dump_config(config))
 
@@ -38,6 +38,7 @@ def test_bench_measures_plain_fused_and_stage_and_prints_ratios(fresh_run, tmp_p
         assert record["batch"] == 2 and record["seq_len"] == 32 and record["tokens_per_step"] == 64, record
         assert record["tok_s"] > 0 and record["peak_total_bytes"] > record["peak_bytes"] > 0, record
         assert len(record["load_avg"]) == 2 and record["topk"] == "stores", record
+    assert len({record["params"] for record in records.values()}) == 1, records  # one model in every variant
     assert records["fused+gradient_checkpointing"]["options"]["gradient_checkpointing"] is True
     assert records["fused"]["options"]["gradient_checkpointing"] is False
     ratios = {line["ratio"]: line for line in lines if "ratio" in line}

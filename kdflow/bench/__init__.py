@@ -1,10 +1,11 @@
 """kdflow's benchmarks, each printing one JSON object per line: `kdflow bench NAME [options]`.
 
 Every benchmark ships in the wheel. Users run precompute, loss, tokenise, store, teacher-pass, train-step,
-logits-precision, import and gpu (the GPU check): what their own machine, teacher and settings cost. fidelity
-and scale are developer benchmarks, marked "(developers)" in `kdflow bench --help`: they answer questions about
-kdflow's own design (which kind of stored target a student learns from best, over many stored runs; how memory,
-start-up and requests grow with a run's size, on S3 through moto, a test extra).
+logits-precision, body, import and gpu (the GPU check): what their own machine, teacher and settings cost. head,
+kernels, fidelity and scale are developer benchmarks, marked "(developers)" in `kdflow bench --help`: they answer
+questions about kdflow's own design (what the pass's head costs each way it can run, whether every Triton kernel
+compiles for the GPUs it targets, which kind of stored target a student learns from best, over many stored runs;
+how memory, start-up and requests grow with a run's size, on S3 through moto, a test extra).
 
 One module per benchmark (`BENCHES` names them), with helpers beside them: `harness` (a measurement in a fresh
 process, peak memory, JSON-line output, the exit rule), `args` (the command line every bench shares), and the
@@ -51,9 +52,10 @@ SUMMARIES = {
     "teacher-pass": "the whole teacher pass against the bare forward of the same model and batch",
     "train-step": "the student's training step against its limit",
     "logits-precision": "how far a 16-bit teacher's rounded logits move what the pass stores",
-    "head": "the teacher's head (lm_head, log-sum-exp, top-K) each way the pass can take it, against its matmul",
+    "head": DEVELOPERS + "the teacher's head (lm_head, log-sum-exp, top-K) each way the pass can take it, "
+            "against its matmul",
     "body": "a MoE teacher's body under each experts implementation and torch.compile, against eager",
-    "kernels": "every Triton kernel of the pass compiled for sm_90, sm_86 and sm_80, no GPU needed",
+    "kernels": DEVELOPERS + "every Triton kernel of the pass compiled for sm_90, sm_86 and sm_80, no GPU needed",
     "import": "positions/s, MB/s and peak memory of `kdflow store import` against the source's size",
     "gpu": "the GPU check: every CUDA path at the reference teacher's shapes (infra/gpu-check.sh)",
     "fidelity": DEVELOPERS + "how well a student learns the teacher from each kind of stored target",

@@ -58,8 +58,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _first_batch(config: Any, tokenizer: Any) -> tuple[Any, str]:
-    """The first training batch of the config's stores, else a synthetic one; -> (DistillBatch, source)."""
+def _first_batch(config: Any, tokenizer: Any) -> tuple[Any, str, Any]:
+    """The first training batch of the config's stores, else a synthetic one; -> (DistillBatch, source,
+    DistillData or None)."""
     from kdflow.schemas.errors import KDFlowError
     from kdflow.schemas.stage_settings import open_run_root, training_settings
     from kdflow.tasks.student.data import open_distill_data
@@ -67,10 +68,27 @@ def _first_batch(config: Any, tokenizer: Any) -> tuple[Any, str]:
     batch_size = config.student.batch_size
     try:
         data = open_distill_data(open_run_root(config), training_settings(config), tokenizer)
-        return data.train_batch(data.rank_rows(0, batch_size, 0, 1)), "stores"
+        return data.train_batch(data.rank_rows(0, batch_size, 0, 1)), "stores", data
     except KDFlowError as error:
         return _synthetic_batch(batch_size, config.seq_len, config.precompute.top_k, len(tokenizer)), \
-            f"synthetic ({error})"
+            f"synthetic ({error})", None
+
+
+def _new_student(config: Any, tokenizer: Any, data: Any) -> Any:
+    """The student the stage would start from: pruned from the teacher as training prunes it (`student.prune`, on
+    the stores' rows), else `init_from` or a seeded new one."""
+    from kdflow.schemas.errors import ConfigError
+    from kdflow.tasks.student.model import build_student, check_student
+    from kdflow.tasks.student.prune import pruned_as_configured
+
+    if config.student.prune is None:
+        return build_student(config.student, config.seq_len, tokenizer)
+    if data is None:
+        raise ConfigError("student.prune measures the teacher's blocks on the stores' training rows, and this "
+                          f"config has no stores at seq_len {config.seq_len}")
+    model = pruned_as_configured(config.teacher, config.student.prune, data, tokenizer)[0]
+    check_student(model, tokenizer)
+    return model
 
 
 def _synthetic_batch(rows: int, seq_len: int, top_k: int, vocab: int) -> Any:
@@ -99,15 +117,14 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
 
     from kdflow.tasks.common.tokenizer import load_tokenizer
     from kdflow.tasks.student.distributed import clip_grad_norm
-    from kdflow.tasks.student.model import build_student
     from kdflow.tasks.student.options import apply_student_options
     from kdflow.tasks.student.steps import DistillLoss, autocast_for, build_optimizer, distill_loss, next_token_labels
 
     student = config.student
     tokenizer = load_tokenizer(config.teacher, config.tokenizer)
-    batch, source = _first_batch(config, tokenizer)
+    batch, source, data = _first_batch(config, tokenizer)
     batch = batch.to(device)
-    model = apply_student_options(build_student(config.student, config.seq_len, tokenizer).to(device), student, device)
+    model = apply_student_options(_new_student(config, tokenizer, data).to(device), student, device)
     model.train()
     module = DistillLoss(model)
     optimizer, scheduler = build_optimizer(model, student)
@@ -150,7 +167,8 @@ def _measure_step(config: Any, variant: str, warmup: int, steps: int, device: An
     watch = _TensorPeak(device)
     watch.start()
     one_step()  # one more, for the tensor peak (the profiler slows it: not timed)
-    return {"topk": source, "seconds": round(sum(seconds), 3), "step_s": sorted(round(s, 3) for s in seconds),
+    return {"topk": source, "params": sum(p.numel() for p in model.parameters()), "seconds": round(sum(seconds), 3),
+            "step_s": sorted(round(s, 3) for s in seconds),
             "warmup_s": warmup_s, "loss": round(loss, 5), "peak_bytes": watch.stop(),
             "peak_total_bytes": int(peak_total), "options": _options_of(student)} | (
                 {"float32_check": checked} if checked is not None else {})
@@ -224,7 +242,7 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
         return record["step"] >= total  # stop: no closing evaluation or final model
 
     try:
-        train(open_run_root(config), training_settings(config), on_step=on_step)
+        summary = train(open_run_root(config), training_settings(config), on_step=on_step)
         metrics = read_jsonl(run_root, f"{student_dir}/metrics.jsonl")
     finally:
         if run_root.is_local:
@@ -234,9 +252,9 @@ def _measure_stage(config: Any, warmup: int, steps: int, device: Any) -> dict[st
     (start, _), (end, peak_total), (_, peak) = marks[warmup], marks[timed_end], marks[total]
     timed = [r for r in metrics if warmup < r["step"] <= timed_end]
     step_only = sum(r["tokens"] / r["tokens_per_s"] for r in timed)  # seconds inside StudentRun.step()
-    return {"topk": "stores", "seconds": round(end - start, 3), "step_only_s": round(step_only, 3),
-            "loss": round(timed[-1]["loss"], 5), "peak_bytes": peak, "peak_total_bytes": int(peak_total),
-            "options": _options_of(config.student)}
+    return {"topk": "stores", "params": summary["params"], "seconds": round(end - start, 3),
+            "step_only_s": round(step_only, 3), "loss": round(timed[-1]["loss"], 5), "peak_bytes": peak,
+            "peak_total_bytes": int(peak_total), "options": _options_of(config.student)}
 
 
 class _TensorPeak:

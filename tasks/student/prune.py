@@ -190,6 +190,21 @@ def pruned_student(teacher_section: object, layers: int, importance: str, calibr
     return student, plan
 
 
+def pruned_as_configured(teacher_section: object, prune: object, data: object,
+                         tokenizer: object) -> tuple[nn.Module, PrunePlan, int]:
+    """`student.prune` (a PruneConfig) as training applies it, on `data` (DistillData): blocks measured on the first
+    `prune.calibration_rows` training rows in the order of seed 0, not of the student's seed (which blocks are
+    kept, and so the initial weights, do not change with `student.seed`; the same on every rank); -> (student,
+    plan, rows used). The training step's benchmark builds its student here too, so it times the trained model."""
+    from kdflow.tasks.student.data import epoch_permutation
+
+    rows = epoch_permutation(data.train_rows, 0, 0)[:prune.calibration_rows]
+    model, plan = pruned_student(teacher_section, prune.layers, prune.importance, data.train_batch(rows).input_ids,
+                                 tokenizer, intermediate_size=prune.intermediate_size,
+                                 key_value_heads=prune.key_value_heads)
+    return model, plan, len(rows)
+
+
 def width_entry(width: WidthPlan) -> dict[str, object]:
     """The widths a narrowed student kept and its teacher had, for `kdflow_prune`."""
     entry: dict[str, object] = {}

@@ -35,7 +35,7 @@ from kdflow.tasks.common.model_files import weights_problems
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (Checkpoint, TrainingState, load_training_state, newest_loadable,
                                              prune_checkpoints, save_checkpoint, save_final)
-from kdflow.tasks.student.data import epoch_permutation, open_distill_data
+from kdflow.tasks.student.data import open_distill_data
 from kdflow.tasks.student.distributed import (any_rank, barrier, choose_sharding, full_model_state,
                                               full_optimizer_state, load_full_optimizer_state, rank_device,
                                               torchrun_rank, wrap_for_training)
@@ -46,7 +46,7 @@ from kdflow.tasks.student.model_card import card_facts, card_files, matplotlib_i
 from kdflow.tasks.student.monitor import OnEvent, TrainingMonitor
 from kdflow.tasks.student.options import apply_student_options
 from kdflow.tasks.student.prefetch import Prefetcher
-from kdflow.tasks.student.prune import pruned_student, width_summary
+from kdflow.tasks.student.prune import pruned_as_configured, width_summary
 from kdflow.tasks.student.steps import (DistillLoss, StepOutOfMemory, autocast_for, build_optimizer, check_layout,
                                         evaluate, optimiser_step, training_fingerprint)
 from kdflow.tasks.student.trainer_lease import hold_student
@@ -263,17 +263,10 @@ class StudentRun:
         return card_files(facts, self.metrics.records, self.evals.records)
 
     def pruned_from_teacher(self) -> torch.nn.Module:
-        prune = self.student.prune
-        # Training rows in an order of their own (that of seed 0), not in this student's: which blocks are kept, and
-        # so the initial weights, do not change with student.seed; the same on every rank.
-        rows = epoch_permutation(self.data.train_rows, 0, 0)[:prune.calibration_rows]
-        calibration = self.data.train_batch(rows).input_ids
-        model, plan = pruned_student(self.settings.teacher, prune.layers, prune.importance, calibration,
-                                     self.tokenizer, intermediate_size=prune.intermediate_size,
-                                     key_value_heads=prune.key_value_heads)
+        model, plan, rows = pruned_as_configured(self.settings.teacher, self.student.prune, self.data, self.tokenizer)
         check_student(model, self.tokenizer)
         logger.info("student pruned from the teacher: blocks %s of %d kept (importance %s on %d rows)",
-                    list(plan.kept), plan.teacher_layers, plan.importance, len(rows))
+                    list(plan.kept), plan.teacher_layers, plan.importance, rows)
         if plan.width is not None:
             logger.info("and narrowed: each block keeps %s", width_summary(model.config.kdflow_prune))
         return model
@@ -303,6 +296,7 @@ class StudentRun:
             "seconds": self.state.elapsed_s,
             "topk_store": display(self.data.stores.topk_store),
             "train_rows": self.data.train_rows,
+            "params": sum(p.numel() for p in self.model.parameters()),  # the student's (whole, if sharded)
             "micro_batch_parts": self.parts,  # more than 1: the GPU ran out of memory at whole micro-batches
         }
 
