@@ -21,10 +21,10 @@ from prefect.tasks import exponential_backoff
 
 from kdflow.flows.common import as_config, preflight_when_deployed
 from kdflow.flows.precompute_progress import FanOutBoard, TeacherProgress
-from kdflow.schemas.commits import (check_commit, list_commits, manifest_frame, read_complete, stage_dir,
-                                    validate_manifest)
+from kdflow.schemas.commits import check_commit, list_commits, read_complete, stage_dir
 from kdflow.schemas.config import KDFlowConfig, PrecomputeConfig, TeacherConfig
 from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.manifests import manifest_frame, validate_manifest
 from kdflow.schemas.protocol import (EXIT_CUDA_OOM, LEASE_OWNER_ENV, describe_exit_code, format_shard_ids, is_retryable,
                                      parse_shard_ids)
 from kdflow.schemas.stage_settings import TeacherPassSettings, open_run_root, teacher_pass_settings

@@ -3,19 +3,16 @@
 A stage writes a shard's data under its final name, then its commit record, last. Readers trust committed
 shards only; a stage recomputes a shard iff its record is missing or invalid (unparseable, another
 fingerprint, data file missing or of another size). `kdflow validate` also re-hashes the data.
-The manifest of a store is the table of its commit records, validated with pandera.
+The manifest of a store, the table of its commit records, is in kdflow.schemas.manifests.
 """
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import pandas as pd
-import pandera.pandas as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from kdflow.schemas.errors import StoreError
@@ -158,16 +155,19 @@ def stage_dir(run_root: RunRoot, stage: Stage, tag: str | None = None) -> str:
     return run_root.path(CORPUS_DIR if stage == "corpus" else TOKENS_DIR)
 
 
-def write_commit(run_root: RunRoot, store: str, record: CommitRecord, *, exclusive: bool = False) -> bool:
+def write_commit(run_root: RunRoot, store: str, record: CommitRecord, *, exclusive: bool = False,
+                 replaces: bytes | None = None) -> bool:
     """Write the shard's record; -> whether this call wrote it.
 
     `exclusive` (stages whose writers may race, like precompute's fan-out): created only if absent, atomically
     on local disk and S3, so of two writers racing on one shard one writes the record and the other finds it
-    and moves on; an invalid record in the way (the reason the shard was computed again) is replaced.
-    Otherwise the record is simply written (replacing any)."""
+    and moves on; an invalid record in the way (the reason the shard was computed again) is replaced. So is the
+    record `replaces` (its bytes, read before computing), which the new data file may have made valid again (a
+    data file deleted by hand, computed again: the same bytes). Otherwise the record is simply written."""
     path = f"{store}/{commit_file_name(record.stage, record.shard_id)}"
     data = record.model_dump_json(indent=1).encode()
-    if not exclusive:
+    if not exclusive or (replaces is not None and stored_record(run_root, store, record.stage, record.shard_id)
+                         == replaces):
         run_root.write_bytes_atomic(path, data)
         return True
     if run_root.create_if_absent(path, data):
@@ -180,15 +180,24 @@ def write_commit(run_root: RunRoot, store: str, record: CommitRecord, *, exclusi
     return True
 
 
-def commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord, *, exclusive: bool = False) -> bool:
-    """Write the shard's commit record (`exclusive`: see write_commit; -> False if another process's valid record
-    was there first); if that fails (a full disk), remove its data file too: an uncommitted file is never read,
-    and the disk wants its space back."""
+def commit_or_remove(run_root: RunRoot, store: str, record: CommitRecord, *, exclusive: bool = False,
+                     replaces: bytes | None = None) -> bool:
+    """Write the shard's commit record (`exclusive`, `replaces`: see write_commit; -> False if another process's
+    valid record was there first); if that fails (a full disk), remove its data file too: an uncommitted file is
+    never read, and the disk wants its space back."""
     try:
-        return write_commit(run_root, store, record, exclusive=exclusive)
+        return write_commit(run_root, store, record, exclusive=exclusive, replaces=replaces)
     except BaseException:
         run_root.remove(f"{store}/{record.data_file}")
         raise
+
+
+def stored_record(run_root: RunRoot, store: str, stage: Stage, shard_id: int) -> bytes | None:
+    """The shard's commit record's bytes as stored, valid or not (None: there is none)."""
+    try:
+        return run_root.read_bytes(f"{store}/{commit_file_name(stage, shard_id)}")
+    except FileNotFoundError:
+        return None
 
 
 def read_commit(run_root: RunRoot, store: str, stage: Stage, shard_id: int,
@@ -202,9 +211,8 @@ def check_commit(
     run_root: RunRoot, store: str, stage: Stage, shard_id: int, fingerprint: str | None = None
 ) -> tuple[CommitRecord | None, str]:
     """-> (record, "") when valid, or (None, reason) when missing or invalid."""
-    try:
-        raw = run_root.read_bytes(f"{store}/{commit_file_name(stage, shard_id)}")
-    except FileNotFoundError:
+    raw = stored_record(run_root, store, stage, shard_id)
+    if raw is None:
         return None, "no commit record"
 
     def data_size(record: CommitRecord) -> int | None:
@@ -285,66 +293,3 @@ def read_complete(run_root: RunRoot, store: str) -> StageComplete | None:
         return None
     except (ValidationError, ValueError) as error:
         raise StoreError(f"{store}/{COMPLETE_FILE}: unreadable: {str(error).splitlines()[0]}") from None
-
-
-# --- manifests --------------------------------------------------------------------------------------------
-
-
-class ManifestModel(pa.DataFrameModel):
-    """The table of a store's commit records."""
-
-    shard_id: int = pa.Field(ge=0, unique=True)
-    data_file: str = pa.Field(unique=True)
-    rows: int = pa.Field(ge=0)
-    tokens: int = pa.Field(ge=0)
-    bytes: int = pa.Field(gt=0)
-    sha256: str = pa.Field(str_matches=SHA256_PATTERN)
-    input_sha256: str = pa.Field(nullable=True)
-    fingerprint: str
-
-    class Config:
-        strict = "filter"
-        coerce = True
-
-    @pa.dataframe_check(error="a store holds shards of exactly one fingerprint")
-    def one_fingerprint(cls, frame: pd.DataFrame) -> bool:
-        return frame["fingerprint"].nunique() <= 1
-
-
-def manifest_frame(records: dict[int, CommitRecord] | list[CommitRecord]) -> pd.DataFrame:
-    rows = [r.model_dump(exclude={"extra"}) for r in (records.values() if isinstance(records, dict) else records)]
-    columns = list(CommitRecord.model_fields)
-    columns.remove("extra")
-    return pd.DataFrame(rows, columns=columns).sort_values("shard_id", ignore_index=True)
-
-
-def validate_manifest(frame: pd.DataFrame, stage: Stage, seq_len: int | None = None, name: str = "") -> pd.DataFrame:
-    """Validate a manifest; token and top-K stores also need tokens == rows * seq_len on every shard."""
-    label = name or stage
-    try:
-        validated = ManifestModel.validate(frame, lazy=True)
-    except pa.errors.SchemaErrors as error:
-        cases = error.failure_cases
-        first = cases.iloc[0]
-        # Frame-wide checks report the model's name as their column: name a column only when there is one.
-        where = f" on column {first['column']}" if first["column"] in frame.columns else ""
-        raise StoreError(f"manifest of {label} is invalid: {first['check']} failed{where} "
-                         f"({len(cases)} failure(s))") from None
-    if stage in ("tokens", "topk") and seq_len is not None and len(validated):
-        bad = validated[validated["tokens"] != validated["rows"] * seq_len]
-        if len(bad):
-            raise StoreError(f"manifest of {label} is invalid: shard {int(bad['shard_id'].iloc[0])} "
-                             "has tokens != rows x seq_len")
-    if stage == "topk" and validated["input_sha256"].isna().any():
-        raise StoreError(f"manifest of {label} is invalid: a top-K shard does not name its token shard")
-    return validated
-
-
-def load_manifest(run_root: RunRoot, store: str, stage: Stage, fingerprint: str | None = None,
-                  seq_len: int | None = None) -> pd.DataFrame:
-    return validate_manifest(manifest_frame(list_commits(run_root, store, stage, fingerprint)), stage, seq_len,
-                             name=store)
-
-
-def dump_json(data: Any) -> bytes:
-    return json.dumps(data, indent=1, sort_keys=True).encode()

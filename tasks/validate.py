@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kdflow.schemas.codec_sampled import sampled_problems
-from kdflow.schemas.commits import CommitRecord, StageComplete, check_commits, load_manifest, read_complete
+from kdflow.schemas.commits import CommitRecord, StageComplete, check_commits, read_complete
 from kdflow.schemas.errors import KDFlowError, StoreError
 from kdflow.schemas.layout import (COMPLETE_FILE, CORPUS_DIR, TOKENS_DIR, TOPK_DIR, Stage,
                                    commit_file_name, data_file_name)
+from kdflow.schemas.manifests import load_manifest
 from kdflow.schemas.protocol import format_shard_ids
 from kdflow.schemas.shards import DOC_ID, read_corpus_part, read_token_shard
 from kdflow.schemas.storage import RunRoot, sha256_of

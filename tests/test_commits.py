@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 
 from kdflow.schemas.commits import (CommitRecord, StageComplete, check_commit, committed_prefix, list_commits,
-                                    load_manifest, manifest_frame, read_complete, stage_dir, validate_manifest,
-                                    write_commit, write_complete)
+                                    read_complete, stage_dir, write_commit, write_complete)
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import commit_file_name, data_file_name
+from kdflow.schemas.manifests import load_manifest, manifest_frame, validate_manifest
 from kdflow.schemas.storage import RunRoot, sha256_of
 
 SEQ_LEN = 4

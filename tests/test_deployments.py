@@ -163,7 +163,8 @@ def _workers_that_ran(stack: PrefectStack, flow_run_ids: set[str], timeout: floa
 
 def _assert_store_complete(config: Any, tag: str, shards: int) -> None:
     """Top-K shards 0..shards-1 committed, the store marked complete, its manifest valid with unique ids."""
-    from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+    from kdflow.schemas.commits import list_commits, read_complete, stage_dir
+    from kdflow.schemas.manifests import load_manifest
     from kdflow.schemas.storage import RunRoot
 
     run_root = RunRoot(config.run_root)

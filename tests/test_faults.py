@@ -27,9 +27,10 @@ from support.faults import (REPO, assert_clean_and_identical, fault_config, line
                             topk_store, worker_env, write_config)
 
 from kdflow.commands.validate import validate_run_root
-from kdflow.schemas.commits import list_commits, load_manifest
+from kdflow.schemas.commits import list_commits
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.layout import commit_file_name, data_file_name
+from kdflow.schemas.manifests import load_manifest
 from kdflow.schemas.protocol import PROGRESS_PREFIX, RESULT_PREFIX
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings
 from kdflow.schemas.storage import RunRoot
@@ -124,6 +125,11 @@ def test_a_data_file_without_its_commit_record_is_never_read_and_is_recomputed(r
     summary = precompute_shards(open_run_root(config), teacher_pass_settings(config))
     assert (summary["written"], summary["skipped"]) == (1, prepared.shards - 1)
     assert_clean_and_identical(config, prepared)
+    # The pass computes the deleted file again (the same bytes, so its old record turns valid again) and says it
+    # wrote it (it said 0 shards and 0 tokens written), its own record replacing the old one.
+    summary = precompute_shards(open_run_root(other), teacher_pass_settings(other))
+    assert (summary["written"], summary["skipped"], summary["tokens_per_s"] > 0) == (1, prepared.shards - 1, True)
+    assert_clean_and_identical(other, prepared)
 
 
 # --- two workers on one run root --------------------------------------------------------------------------

@@ -263,7 +263,12 @@ def test_ctrl_c_and_kill_with_no_server_given_stop_at_once_and_the_rerun_complet
     """Ctrl-C reaches the whole foreground process group: Prefect's temporary server too, which stopped at once,
     and Prefect's report of the interrupted run retried against it for minutes before kdflow could exit. Then
     SIGTERM to the whole group, as `timeout` and systemd send it (it took 3 min 45 s and ended "Connection
-    refused"): the temporary server must not outlive kdflow either. Each time one line, nothing left."""
+    refused"): the temporary server must not outlive kdflow either. Each time one line, nothing left. The run
+    root starts with the uninterrupted run's stores (the stops are in training: the stages before it find their
+    work done, and no teacher worker starts)."""
+    import shutil
+
+    shutil.copytree(Path(reference["run_root"]), tmp_path / "run", ignore=shutil.ignore_patterns("students"))
     config = kill_config(tmp_path / "run", tiny_teacher_dir, reference["corpus"])
     config_path = tmp_path / "config.yaml"
     config_path.write_text(dump_config(config))

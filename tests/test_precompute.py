@@ -18,9 +18,10 @@ import torch
 from support.children import run
 from support.runs import prepare
 
-from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+from kdflow.schemas.commits import list_commits, read_complete, stage_dir
 from kdflow.schemas.errors import ConfigError, FingerprintMismatch, KDFlowError
 from kdflow.schemas.layout import commit_file_name
+from kdflow.schemas.manifests import load_manifest
 from kdflow.schemas.protocol import EXIT_NO_SPACE, RETRYABLE_EXIT_CODES, normalise_returncode
 from kdflow.schemas.shards import TopkShard, read_token_shard
 from kdflow.schemas.stage_settings import open_run_root, teacher_pass_settings

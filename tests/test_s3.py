@@ -59,7 +59,8 @@ def _s3_keys(endpoint: str, run_root: str, under: str) -> list[str]:
 
 
 def test_every_stage_on_an_s3_run_root(s3_run_root: str, s3_endpoint: str, make_config: Callable[..., Any]) -> None:
-    from kdflow.schemas.commits import list_commits, load_manifest, read_complete, stage_dir
+    from kdflow.schemas.commits import list_commits, read_complete, stage_dir
+    from kdflow.schemas.manifests import load_manifest
     from kdflow.schemas.stage_settings import (materialise_settings, open_run_root, teacher_pass_settings,
                                                tokenise_settings)
     from kdflow.schemas.storage import RunRoot

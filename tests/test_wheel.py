@@ -139,7 +139,8 @@ def _user_env(tmp_path: Path, prefect_api_url: str) -> dict[str, str]:
 def test_quick_demo_from_the_installed_wheel_learns_validates_and_resumes(installed: Path, tmp_path: Path,
                                                                          prefect_api_url: str) -> None:
     """`kdflow demo --quick` as a user who installed the wheel runs it: from another folder, no checkout."""
-    from kdflow.schemas.commits import list_commits, load_manifest, read_complete
+    from kdflow.schemas.commits import list_commits, read_complete
+    from kdflow.schemas.manifests import load_manifest
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.common.models import teacher_fingerprint
     from kdflow.tasks.student.generate import generate

@@ -23,7 +23,7 @@ import torch
 from kdflow.schemas.codec import TopkCodec
 from kdflow.schemas.commits import (CommitRecord, StageComplete, TopkCompleteInfo, TopkShardInfo, check_commit,
                                     check_commits, commit_or_remove, list_commits, read_complete, stage_dir,
-                                    write_complete)
+                                    stored_record, write_complete)
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, data_file_name, temp_prefix
@@ -279,11 +279,12 @@ def _run(computer: ShardComputer, leases: ShardLeases, todo: list[int], token_re
             with leases.holding(shard_id):
                 # it may have landed before our lease
                 if check_commit(run_root, store, "topk", shard_id, tag)[0] is None:
+                    stale = stored_record(run_root, store, "topk", shard_id)  # invalid (its data file deleted?)
                     _stale_temp_files(run_root, store, shard_id)
                     record = computer.compute(shard_id, token_records[shard_id], leases,
                                               on_rows=lambda done, rows, i=shard_id: progress.partial(
                                                   done, rows, i, tokens=done * computer.settings.seq_len))
-                    if not commit_or_remove(run_root, store, record, exclusive=True):
+                    if not commit_or_remove(run_root, store, record, exclusive=True, replaces=stale):
                         progress.update(1, 0)  # another process committed it first: its record stands
                         continue
                     written, tokens, seconds = written + 1, tokens + record.tokens, seconds + record.extra.seconds
