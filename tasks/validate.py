@@ -47,6 +47,7 @@ class StoreReport:
     broken: dict[int, str] = field(default_factory=dict)
     records: dict[int, CommitRecord] = field(default_factory=dict)
     expected: int | None = None  # shards of the finished store (_complete.json), None while unfinished
+    planned: int | None = None  # an unfinished top-K store's shards once complete: its token store's
     fingerprint: str | None = None
     pending: list[int] = field(default_factory=list)  # top-K shards whose token shard is to be recomputed
 
@@ -227,6 +228,8 @@ def validate_topk(run_root: RunRoot, tag: str, tokens: StoreReport, seq_len: int
                             f"not {tokens.fingerprint}): alignment not checked")
     if done is not None and aligned and tokens.expected is not None and done.shards != tokens.expected:
         report.store_problem(f"{done.shards} shards, the token store has {tokens.expected}")
+    if done is None and aligned:
+        report.planned = tokens.expected
     info = read_store_info(run_root, report.store)
     store_codec = info.codec if info is not None else None
     recorded = [r.extra.vocab_size for r in report.records.values()]

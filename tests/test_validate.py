@@ -89,6 +89,15 @@ def test_clean_run_root_passes(tokenised_run: tuple[Any, Any], capsys: pytest.Ca
     assert lines[-1].startswith("validate: OK, 3 stores")
     assert [line.split()[0] for line in lines[1:4]] == ["corpus", "tokens", f"topk/{TAG}"]
     assert all(line.rstrip().endswith("ok") for line in lines[1:4]) and "PROBLEM" not in out
+    # A pass stopped before its end: what it holds checks out, against the token store's shard count.
+    run_root = RunRoot(config.run_root)
+    shards = len(list_commits(run_root, stage_dir(run_root, "tokens"), "tokens"))
+    store = stage_dir(run_root, "topk", TAG)
+    for name in ("_complete.json", commit_file_name("topk", shards - 1)):
+        run_root.remove(f"{store}/{name}")
+    code, out = run_validate(capsys, config.run_root)
+    [line] = [line for line in out.splitlines() if line.startswith(f"topk/{TAG}")]
+    assert code == 0 and f" {shards - 1}/{shards} " in line and line.rstrip().endswith("unfinished"), out
 
 
 def test_changed_token_shard_is_found_fixed_and_recomputed(tokenised_run: tuple[Any, Any],

@@ -21,9 +21,13 @@ from kdflow.tasks.validate_students import StudentReport, student_reports
 
 
 def _store_line(report: StoreReport) -> str:
-    expected = report.expected if report.expected is not None else "?"
+    """`LABEL  valid/expected shards valid  rows  state`: expected is `?` while a corpus or token store is
+    unfinished (how many shards it will have is known only at its end); an unfinished store is `unfinished`, not
+    `ok`, though what it holds checked out."""
+    expected = next((n for n in (report.expected, report.planned) if n is not None), "?")
     rows = sum(r.rows for r in report.records.values())
-    state = "ok" if not report.problems else count_of(len(report.problems), "problem")
+    state = (count_of(len(report.problems), "problem") if report.problems
+             else "ok" if report.expected is not None else "unfinished")
     return f"{report.label:<20} {len(report.records):>6}/{expected:<6} shards valid  {rows:>10,} rows  {state}"
 
 
