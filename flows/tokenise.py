@@ -29,6 +29,10 @@ def tokenise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any]:
                            on_shard=lambda r: progress.update(1, r.tokens))
     finally:
         progress.close()
+    if not summary.sequences:  # training refuses such a store; said here, where it is made
+        get_run_logger().warning(
+            "tokenise: the corpus's %s tokens make no sequence of seq_len %d: nothing to train on (a longer corpus, "
+            "or a smaller seq_len)", f"{summary.dropped_tokens:,}", config.seq_len)
     if summary.shards and not summary.shards_written:
         get_run_logger().info("tokenise: %d/%d shards already committed, nothing to do", summary.shards, summary.shards)
     rate = summary.tokens_written / max(summary.seconds, 1e-9)

@@ -16,7 +16,8 @@ from kdflow.schemas.dataset_record import DatasetRecord
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
-from kdflow.tasks.corpus.materialise import DataError, materialise
+from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.records import DataError
 from kdflow.tasks.preflight import run_preflight
 
 

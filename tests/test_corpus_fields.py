@@ -16,8 +16,9 @@ from support.corpus import DOCS, committed_documents
 from kdflow.schemas.errors import ConfigError
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.tasks.corpus.fields import field_names, field_value
-from kdflow.tasks.corpus.materialise import DataError, materialise
+from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.probe import probe_dataset
+from kdflow.tasks.corpus.records import DataError
 
 NESTED = [{"id": i, "meta": {"body": doc, "source": {"site": "example.org"}}} for i, doc in enumerate(DOCS)]
 

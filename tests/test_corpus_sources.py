@@ -17,8 +17,9 @@ from kdflow.schemas.errors import ConfigError, KDFlowError
 from kdflow.schemas.fingerprints import corpus_fingerprint
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.tasks.corpus.dataset_files import file_builder
-from kdflow.tasks.corpus.materialise import DataError, materialise
+from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.probe import probe_dataset
+from kdflow.tasks.corpus.records import DataError
 
 
 def _compress(path: Path, suffix: str) -> Path:

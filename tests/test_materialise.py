@@ -16,7 +16,8 @@ from kdflow.schemas.errors import KDFlowError
 from kdflow.schemas.layout import CORPUS_DIR
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.schemas.storage import RunRoot, sha256_of
-from kdflow.tasks.corpus.materialise import DataError, materialise
+from kdflow.tasks.corpus.materialise import materialise
+from kdflow.tasks.corpus.records import DataError
 
 
 def store_files(config: Any) -> dict[str, tuple[int, str]]:
@@ -88,7 +89,7 @@ def test_missing_text_field_is_one_line_error(make_config: Callable[..., Any], t
     config = make_config(dataset__path=str(path))
     with pytest.raises(DataError) as caught:
         materialise(open_run_root(config), materialise_settings(config))
-    assert str(caught.value) == "dataset has no text field 'text' (fields: body, id)"
+    assert str(caught.value) == "dataset has no text field 'text' (the fields of record 1 of the dataset: body, id)"
     assert list_commits(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR), "corpus") == {}
 
 

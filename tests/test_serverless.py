@@ -34,7 +34,7 @@ def test_terminal_lines_of_kdflow_errors_have_no_traceback_and_other_handlers_ke
     assert (DropRepeatedErrors().filter(ours)
             and DropRepeatedErrors().filter(record(ValueError("y"), "Encountered exception %r")))
 
-    from kdflow.tasks.corpus.materialise import DataError  # a kdflow error defined beside its stage
+    from kdflow.tasks.corpus.records import DataError  # a kdflow error defined beside its stage's reader
 
     assert DataError.__name__ == "DataError"
 
