@@ -34,7 +34,8 @@ def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any
 
     run_root.ensure_writable()
     settings = materialise_settings(config)
-    replacing = replaced_store_warning(run_root, stage_dir(run_root, "corpus"), settings.corpus_fingerprint)
+    replacing = replaced_store_warning(run_root, stage_dir(run_root, "corpus"), settings.corpus_fingerprint,
+                                       config.dataset)
     if replacing is not None:
         get_run_logger().warning("%s", replacing)
     write_stage_config(run_root, config, stage_dir(run_root, "corpus"))

@@ -209,3 +209,15 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"--set {text}: the key {key.strip()!r} has an empty part (KEY=VALUE, "
                                          "KEY dotted: student.steps=50)")
     return key.strip(), yaml.safe_load(value)
+
+
+def setting_changes(pairs: list[tuple[str, Any, Any]]) -> list[str]:
+    """`KEY OLD, now NEW` for each (key, old, new) that differs; of two sections, the keys that differ
+    (`student.architecture.hidden_size 256, now 128`), not both whole."""
+    found: list[str] = []
+    for key, old, new in pairs:
+        if isinstance(old, dict) and isinstance(new, dict) and old != new:
+            found += setting_changes([(f"{key}.{name}", old.get(name), new.get(name)) for name in {**old, **new}])
+        elif old != new:
+            found.append(f"{key} {old!r}, now {new!r}")
+    return found

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from kdflow.schemas.config import STAGES, KDFlowConfig
-from kdflow.schemas.config_io import saved_config
+from kdflow.schemas.config_io import saved_config, setting_changes
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import student_resume_fields
 from kdflow.schemas.layout import CORPUS_DIR, STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name
@@ -90,7 +90,7 @@ def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -
         pairs += [("seq_len", saved.seq_len, config.seq_len),
                   ("precompute.sequences_per_shard", saved.precompute.sequences_per_shard,
                    config.precompute.sequences_per_shard)]
-    return _changed(pairs)
+    return setting_changes(pairs)
 
 
 def check_sources(context: Preflight) -> None:
@@ -154,19 +154,7 @@ def resume_changes(saved: KDFlowConfig, config: KDFlowConfig, *, topk: bool) -> 
         store = [("precompute.top_k", saved.precompute.top_k, config.precompute.top_k),
                  ("precompute.store", saved.precompute.store.model_dump(mode="json"),
                   config.precompute.store.model_dump(mode="json"))]
-    return _changed(student) + _input_changes(saved, config, tokens=True) + _changed(store)
-
-
-def _changed(pairs: list[tuple[str, Any, Any]]) -> list[str]:
-    """`KEY OLD, now NEW` for each pair that differs; of two sections, the keys that differ (`student.architecture.
-    hidden_size 256, now 128`), not both whole."""
-    found: list[str] = []
-    for key, old, new in pairs:
-        if isinstance(old, dict) and isinstance(new, dict) and old != new:
-            found += _changed([(f"{key}.{name}", old.get(name), new.get(name)) for name in {**old, **new}])
-        elif old != new:
-            found.append(f"{key} {old!r}, now {new!r}")
-    return found
+    return setting_changes(student) + _input_changes(saved, config, tokens=True) + setting_changes(store)
 
 
 def check_train_inputs(context: Preflight) -> None:

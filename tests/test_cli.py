@@ -134,7 +134,8 @@ def test_flows_under_prefect(prefect_harness: None, make_config: Callable[..., A
     replacing = make_config(run_root=budget.run_root, dataset__path=str(other))
     assert materialise_flow(replacing)["documents"] == 8
     assert (f"corpus holds a finished corpus of another dataset or other dataset settings (dataset.path "
-            f"{budget.dataset.path!r}); this run replaces it, and the token store") in caplog.text
+            f"{budget.dataset.path!r}, now {str(other)!r}; dataset.max_tokens 2000, now None); this run replaces it, "
+            "and the token store") in caplog.text
 
     from kdflow.schemas.storage import RunRoot
     from kdflow.tasks.run_status import status_lines

@@ -198,12 +198,13 @@ def sources_state(run_root: Any) -> str | None:
             "refuses (put the files back, or give the changed corpus a new run_root)")
 
 
-def replaced_store_warning(run_root: Any, store: str, fingerprint: str) -> str | None:
+def replaced_store_warning(run_root: Any, store: str, fingerprint: str, dataset: DatasetConfig) -> str | None:
     """The warning for a run about to replace a finished corpus store of another dataset (or other dataset settings):
     the token and top-K stores and students made from it stop matching. Read before the run's own config is written
-    beside the store, whose old one names the dataset; None when there is nothing to replace."""
+    beside the store, whose old one names the settings that changed (`dataset` is this run's); None when there is
+    nothing to replace."""
     from kdflow.schemas.commits import read_complete
-    from kdflow.schemas.config_io import saved_config
+    from kdflow.schemas.config_io import saved_config, setting_changes
 
     try:
         done = read_complete(run_root, store)
@@ -212,9 +213,12 @@ def replaced_store_warning(run_root: Any, store: str, fingerprint: str) -> str |
     if done is None or done.fingerprint == fingerprint:
         return None
     try:
-        was = f" (dataset.path {saved_config(run_root, store).dataset.path!r})"
-    except Exception:  # noqa: BLE001 - no config beside it, or one of another kdflow: said without the path
-        was = ""
+        was = saved_config(run_root, store).dataset.model_dump(mode="json")
+        changes = setting_changes([(f"dataset.{key}", value, dataset.model_dump(mode="json").get(key))
+                                   for key, value in was.items()])
+        what = f" ({'; '.join(changes)})" if changes else f" (dataset.path {was['path']!r})"
+    except Exception:  # noqa: BLE001 - no config beside it, or one of another kdflow: said without the settings
+        what = ""
     return (f"materialise: {run_root.display(store)} holds a finished corpus of another dataset or other dataset "
-            f"settings{was}; this run replaces it, and the token store, top-K stores and students made from it stop "
+            f"settings{what}; this run replaces it, and the token store, top-K stores and students made from it stop "
             "matching this run root's corpus (a new run_root keeps both)")
