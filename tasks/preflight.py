@@ -305,7 +305,7 @@ CHECKS: list[Check] = [
     Check("schedule", check_schedule, frozenset({"train"})),
     Check("disk", check_disk),
     Check("devices", check_devices, frozenset({"precompute", "train"})),
-    Check("sources", check_sources, frozenset({"materialise"})),
+    Check("sources", check_sources, frozenset({"materialise", "tokenise", "precompute", "train"})),
     Check("imported", check_imported, frozenset({"materialise", "tokenise"})),
     Check("resume", check_resume, frozenset({"train"})),
     Check("train_inputs", check_train_inputs, frozenset({"train"})),

@@ -95,10 +95,11 @@ def _input_changes(saved: KDFlowConfig, config: KDFlowConfig, *, tokens: bool) -
 
 def check_sources(context: Preflight) -> None:
     """A finished corpus store of this config's fingerprint was made from the dataset's files as they were
-    (`corpus/_sources.json`): a file edited, added or removed since is named, not silently left out."""
+    (`corpus/_sources.json`): a file edited, added or removed since is named, not silently left out (refused where
+    the run materialises; a warning where its stages only read the store)."""
     from kdflow.schemas.dataset_record import read_dataset_record
     from kdflow.schemas.fingerprints import corpus_fingerprint
-    from kdflow.tasks.corpus.dataset_changes import check_unchanged
+    from kdflow.tasks.corpus.dataset_changes import changes, check_unchanged, shown_changes
 
     run_root = context.run_root
     store = run_root.path(CORPUS_DIR)
@@ -110,7 +111,13 @@ def check_sources(context: Preflight) -> None:
     done = context.complete(CORPUS_DIR)
     if done is None or done.get("fingerprint") != fingerprint:
         return  # unfinished: nothing was made from it, and materialise starts it again after a change (it says so)
-    check_unchanged(recorded, context.config.dataset, run_root.display(store))
+    found = changes(recorded, context.config.dataset) if recorded is not None else []
+    if found and "materialise" not in context.stages:  # the stages after it read the store as it was made
+        context.warn(f"the dataset's files changed since materialise read them into {run_root.display(store)} "
+                     f"({shown_changes(found)}); this run's stages use the corpus store as it was made, and a run "
+                     "with materialise will refuse the change")
+    elif found:
+        check_unchanged(recorded, context.config.dataset, run_root.display(store))
 
 
 def check_imported(context: Preflight) -> None:

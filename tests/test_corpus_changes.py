@@ -68,6 +68,9 @@ def test_an_edited_added_or_removed_file_is_named_and_the_same_bytes_are_no_chan
         "the files back as they were, or give the changed corpus a new run_root")
     first.write_bytes(original.replace(b"word", b"ward", 1))  # same size, other bytes
     assert f"({first}: other bytes, same size)" in _refused(config)
+    assert (f"the dataset's files changed since materialise read them into {store} ({first}: other bytes, same "
+            "size); this run's stages use the corpus store as it was made, and a run with materialise will refuse the "
+            "change") in run_preflight(config, "tokenise")  # a stage that reads the store: warned, not refused
     assert _status_line(config, capsys) == (  # kdflow status says it too, from the record alone
         f"corpus/_sources.json 2 files, CHANGED since materialise read them: {first}: other bytes, same size; "
         "the next run with materialise refuses (put the files back, or give the changed corpus a new run_root)")

@@ -107,6 +107,7 @@ def test_invalid_utf8_names_file_and_line(make_config: Callable[..., Any], tmp_p
         materialise(open_run_root(config), materialise_settings(config))
     message = str(caught.value)
     assert message.startswith(f"{path}: invalid UTF-8 at line {line}") and "\n" not in message
+    assert message.endswith("; kdflow reads UTF-8: convert it first (iconv -f ENCODING -t UTF-8)")
     run_root = RunRoot(config.run_root)
     assert list_commits(run_root, run_root.path(CORPUS_DIR), "corpus") == {}
     assert read_complete(run_root, run_root.path(CORPUS_DIR)) is None

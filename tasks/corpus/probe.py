@@ -108,8 +108,8 @@ def _check_encoding(name: str, sample: int = 1 << 16) -> None:
                               "UTF-8: convert it first (iconv -f ENCODING -t UTF-8)") from None
 
 
-def _check_fields(shape: dict[str, Any], dataset: DatasetConfig, name: str) -> None:
-    """`shape`: the first record, or the fields a schema declares (kdflow.tasks.corpus.fields)."""
+def _check_fields(shape: dict[str, Any], dataset: DatasetConfig, name: str, *, record: bool = False) -> None:
+    """`shape`: the first record (`record`), or the fields a schema declares (kdflow.tasks.corpus.fields)."""
     if not has_field(shape, dataset.text_field):
         raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a field of {name} "
                           f"(its first record has: {', '.join(field_names(shape)) or 'no fields'})")
@@ -120,8 +120,10 @@ def _check_fields(shape: dict[str, Any], dataset: DatasetConfig, name: str) -> N
                           f"(its fields: {inside or 'none'})")
     kind = not_text(nested)
     if kind is not None:
-        raise ConfigError(f"dataset.text_field={dataset.text_field!r} holds {kind} in {name}, not text: name a "
-                          f"text field (its fields: {', '.join(field_names(shape))})")
+        fix = "name a text field, or fix that record" if record else "name a text field"
+        raise ConfigError(f"dataset.text_field={dataset.text_field!r} holds {kind} in {name}"
+                          f"{' (its first record)' if record else ''}, not text: {fix} (its fields: "
+                          f"{', '.join(field_names(shape))})")
 
 
 def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: bool = False) -> None:
@@ -150,7 +152,7 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: 
                                   f"(its header row has: {', '.join(header)})")
         elif builder == "json" and dataset.json_field is not None:
             with open_file(name) as handle:
-                _check_fields(_first_record_under(handle, name, dataset.json_field), dataset, name)
+                _check_fields(_first_record_under(handle, name, dataset.json_field), dataset, name, record=True)
         elif builder == "json":
             with open_file(name) as handle:
                 record = _first_json_record(handle, name)
@@ -161,7 +163,7 @@ def probe_file(name: str, builder: str, dataset: DatasetConfig, *, fields_only: 
                 raise ConfigError(f"dataset.text_field={dataset.text_field!r} is not a field of {name}, whose records "
                                   f"sit under {under!r}: set dataset.json_field: {under}")
             if record is not None:
-                _check_fields(record, dataset, name)
+                _check_fields(record, dataset, name, record=True)
         elif builder == "text" and dataset.text_field != "text":
             raise ConfigError(f"dataset.text_field={dataset.text_field!r}: a .txt file {name} has one field, 'text'")
         elif builder == "text" and not fields_only:
@@ -200,7 +202,7 @@ def probe_hub(dataset: DatasetConfig, timeout_s: float = HUB_PROBE_TIMEOUT_S) ->
     record = outcome.get("record")
     if record is None:
         raise ConfigError(f"dataset.path={dataset.path!r} split {dataset.split!r} holds no records")
-    _check_fields(record, dataset, f"dataset {dataset.path!r}")
+    _check_fields(record, dataset, f"dataset {dataset.path!r}", record=True)
     return None
 
 

@@ -172,7 +172,8 @@ def _records(dataset: DatasetConfig, start: int) -> Iterator[tuple[int, str]]:
         raise
     except Exception as error:
         if _caused_by_invalid_utf8(error):
-            raise DataError(_first_invalid_utf8(local_files) or "dataset: invalid UTF-8 in the source") from None
+            raise DataError(f"{_first_invalid_utf8(local_files) or 'dataset: invalid UTF-8 in the source'}; kdflow "
+                            "reads UTF-8: convert it first (iconv -f ENCODING -t UTF-8)") from None
         if _caused_by_bad_json(error):
             where = _first_malformed_json(local_files)
             raise DataError(f"dataset file {where}" if where else
