@@ -140,6 +140,8 @@ def config_named(given: str) -> KDFlowConfig | None:
 def run_root_of(given: str) -> str:
     """A run root as given on a command line, or the one the config file `given` names."""
     config = config_named(given)
+    if config is None and "://" not in given and given.endswith((".yaml", ".yml")) and not Path(given).exists():
+        raise ConfigError(f"config file {given} does not exist")
     if config is None and "://" not in given and Path(given).is_file():  # a data file, a typo'd config name
         raise ConfigError(f"{given} is a file, neither a run root (a folder or URL) nor a config (.yaml)")
     if config is not None and "://" not in config.run_root and os.path.isfile(config.run_root):
