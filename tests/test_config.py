@@ -329,7 +329,7 @@ def test_a_command_s_run_root_is_a_folder_a_url_or_a_config_never_a_data_file(tm
         run_root_of(str(data))
     assert run_root_of(str(tmp_path / "runs" / "new")) == str(tmp_path / "runs" / "new")  # not made yet: as given
     assert run_root_of("s3://bucket/kd") == "s3://bucket/kd"
-    with pytest.raises(ConfigError, match=r"^config file \S+/missing.yaml does not exist$"):  # a config, not a new run root
+    with pytest.raises(ConfigError, match=r"^config file \S+/missing.yaml does not exist$"):
         run_root_of(str(tmp_path / "missing.yaml"))
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"run_root": str(tmp_path / "r"), "dataset": {"path": "x.jsonl"},
