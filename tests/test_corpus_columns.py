@@ -62,3 +62,17 @@ def test_a_record_that_is_no_text_names_its_file_and_its_record_there(make_confi
         materialise(open_run_root(config), materialise_settings(config))
     assert str(caught.value) == (f"dataset field 'text' holds int, not text (record 2 of {tmp_path}/mixed/b.jsonl, "
                                  "counting from 1)")
+
+
+def test_a_folder_of_two_formats_names_a_file_of_each(tmp_path: Path) -> None:
+    from kdflow.schemas.config import DatasetConfig
+    from kdflow.schemas.errors import ConfigError
+    from kdflow.tasks.corpus.dataset_files import file_builder
+
+    write_jsonl(tmp_path / "mixed" / "a.jsonl", DOCS[:2])
+    (tmp_path / "mixed" / "b.txt").write_text("a line\n")
+    with pytest.raises(ConfigError) as caught:
+        file_builder(DatasetConfig(path=str(tmp_path / "mixed")))
+    assert str(caught.value) == (f"dataset.path: files must share one format, found json ({tmp_path}/mixed/a.jsonl), "
+                                 f"text ({tmp_path}/mixed/b.txt): keep one kind in the folder, or pick one with a glob "
+                                 "(FOLDER/*.jsonl)")

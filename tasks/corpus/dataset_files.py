@@ -174,7 +174,12 @@ def file_builder(dataset: DatasetConfig) -> tuple[str, list[str]] | None:
     if not builders:
         raise ConfigError(f"{key}: {dataset.path!r} holds no file kdflow reads ({FORMATS})")
     if len(builders) != 1:
-        raise ConfigError(f"{key}: files must share one format, found {sorted(builders)}")
+        examples = {}  # a file of each format, to point at
+        for name in expanded:
+            examples.setdefault(format_of(name), name)
+        found = ", ".join(f"{kind} ({examples[kind]})" if kind in examples else kind for kind in sorted(builders))
+        raise ConfigError(f"{key}: files must share one format, found {found}: keep one kind in the folder, or pick "
+                          "one with a glob (FOLDER/*.jsonl)")
     return builders.pop(), expanded
 
 
