@@ -14,7 +14,7 @@ from support.corpus import DOCS, write_jsonl
 
 from kdflow.schemas.dataset_record import DatasetRecord
 from kdflow.schemas.errors import ConfigError
-from kdflow.schemas.layout import CORPUS_DIR, SOURCES_FILE
+from kdflow.schemas.layout import CONFIG_FILE, CORPUS_DIR, SOURCES_FILE
 from kdflow.schemas.stage_settings import materialise_settings, open_run_root
 from kdflow.tasks.corpus.materialise import materialise
 from kdflow.tasks.corpus.records import DataError
@@ -169,3 +169,22 @@ def test_the_fix_of_a_record_that_stopped_materialise_is_read_from_the_start(
     assert run_preflight(config, "materialise") == []  # finished now: the record holds the fixed file
     source.write_text(source.read_text() + json.dumps({"text": "one more"}) + "\n")
     assert "changed since materialise read them" in _refused(config)  # a finished store's change is still refused
+
+
+def test_status_notes_a_student_trained_on_a_corpus_since_replaced(make_config: Callable[..., Any],
+                                                                   tmp_path: Path) -> None:
+    from kdflow.schemas.config_io import dump_config
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.run_status import status_lines
+
+    first = make_config(dataset__path=str(write_jsonl(tmp_path / "one.jsonl", DOCS)))
+    materialise(open_run_root(first), materialise_settings(first))
+    student = Path(first.run_root) / "students" / first.student.name
+    student.mkdir(parents=True)
+    (student / CONFIG_FILE).write_text(dump_config(first))  # what training writes beside the student
+    note = "  trained on another corpus than corpus/ holds now: a rerun of it is refused (another student.name)"
+    assert note not in list(status_lines(RunRoot(first.run_root)))
+    other = make_config(dataset__path=str(write_jsonl(tmp_path / "two.jsonl", DOCS[:4])))
+    materialise(open_run_root(other), materialise_settings(other))  # the same run root, another dataset
+    lines = list(status_lines(RunRoot(first.run_root)))
+    assert lines[lines.index(note) - 1].startswith(f"students/{first.student.name}"), lines
