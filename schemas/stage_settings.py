@@ -129,6 +129,8 @@ def held_out_problem(eval_shards: int, shards: int, sequences: int) -> str | Non
     if eval_shards < shards:
         return None
     shard_s, sequence_s = "" if shards == 1 else "s", "" if sequences == 1 else "s"
+    smaller = (" or precompute.sequences_per_shard (more, smaller shards; tokenise again)" if sequences > 1
+               else "; with one sequence, a held-out one leaves none to train on")
     return (f"student.eval_shards={eval_shards} leaves no training shard: the token store has {shards} "
             f"shard{shard_s} ({sequences:,} sequence{sequence_s}); lower student.eval_shards (0: no held-out "
-            "evaluation) or precompute.sequences_per_shard (more, smaller shards; tokenise again)")
+            f"evaluation){smaller}")
