@@ -207,7 +207,8 @@ def test_a_corpus_shorter_than_one_sequence_is_named_as_such_before_the_teacher_
         "the token store holds no sequence: the corpus gave fewer tokens than one sequence of seq_len")
     assert held_out_problem(1, 1, 8).startswith("student.eval_shards=1 leaves no training shard: the token store")
     assert held_out_problem(1, 2, 8) is None
-    assert held_out_problem(1, 1, 8).endswith("or precompute.sequences_per_shard (more, smaller shards; tokenise again)")
+    assert held_out_problem(1, 1, 8).endswith(
+        "or precompute.sequences_per_shard (more, smaller shards; tokenise again)")
     assert held_out_problem(1, 1, 1).endswith("; with one sequence, a held-out one leaves none to train on")
 
 
