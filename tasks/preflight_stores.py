@@ -99,7 +99,7 @@ def check_sources(context: Preflight) -> None:
     the run materialises; a warning where its stages only read the store)."""
     from kdflow.schemas.dataset_record import read_dataset_record
     from kdflow.schemas.fingerprints import corpus_fingerprint
-    from kdflow.tasks.corpus.dataset_changes import changes, check_unchanged, shown_changes
+    from kdflow.tasks.corpus.dataset_changes import changed_files_refusal, changes, shown_changes
 
     run_root = context.run_root
     store = run_root.path(CORPUS_DIR)
@@ -117,7 +117,7 @@ def check_sources(context: Preflight) -> None:
                      f"({shown_changes(found)}); this run's stages use the corpus store as it was made, and a run "
                      "with materialise will refuse the change")
     elif found:
-        check_unchanged(recorded, context.config.dataset, run_root.display(store))
+        raise ConfigError(changed_files_refusal(found, run_root.display(store)))
 
 
 def check_imported(context: Preflight) -> None:

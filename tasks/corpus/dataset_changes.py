@@ -162,12 +162,15 @@ def starts_again(recorded: DatasetRecord, dataset: DatasetConfig, store: str, pa
 def check_unchanged(recorded: DatasetRecord | None, dataset: DatasetConfig, store: str) -> None:
     """ConfigError naming what changed since materialise read the files into `store`, if anything did."""
     found = changes(recorded, dataset) if recorded is not None else []
-    if not found:
-        return
-    raise ConfigError(f"the dataset's files changed since materialise read them into {store} "
-                      f"({shown_changes(found)}): this run "
-                      "root's stores hold the old text and a rerun would not read the change; put the files back "
-                      "as they were, or give the changed corpus a new run_root")
+    if found:
+        raise ConfigError(changed_files_refusal(found, store))
+
+
+def changed_files_refusal(found: list[str], store: str) -> str:
+    """Why a run with materialise refuses the files' changes `found` (`changes`) since they were read into `store`."""
+    return (f"the dataset's files changed since materialise read them into {store} ({shown_changes(found)}): this run "
+            "root's stores hold the old text and a rerun would not read the change; put the files back as they were, "
+            "or give the changed corpus a new run_root")
 
 
 def sources_state(run_root: Any) -> str | None:
@@ -213,9 +216,8 @@ def replaced_store_warning(run_root: Any, store: str, fingerprint: str, dataset:
     if done is None or done.fingerprint == fingerprint:
         return None
     try:
-        was = saved_config(run_root, store).dataset.model_dump(mode="json")
-        changes = setting_changes([(f"dataset.{key}", value, dataset.model_dump(mode="json").get(key))
-                                   for key, value in was.items()])
+        was, now = saved_config(run_root, store).dataset.model_dump(mode="json"), dataset.model_dump(mode="json")
+        changes = setting_changes([(f"dataset.{key}", value, now.get(key)) for key, value in was.items()])
         what = f" ({'; '.join(changes)})" if changes else f" (dataset.path {was['path']!r})"
     except Exception:  # noqa: BLE001 - no config beside it, or one of another kdflow: said without the settings
         what = ""
