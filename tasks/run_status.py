@@ -42,14 +42,13 @@ def _store_line(run_root: RunRoot, label: str, store: str, stage: str, expected:
     return line, done.shards if done else None, records
 
 
-def _of_another_corpus(run_root: RunRoot, folder: str) -> bool:
-    """Whether the config beside `folder` (the token store, a student) names a dataset whose fingerprint is not the
-    finished corpus store's (a run of another dataset replaced the corpus after it); False where either cannot be
-    told (an imported store)."""
+def _of_another_corpus(run_root: RunRoot, folder: str, corpus: StageComplete | None) -> bool:
+    """Whether the config beside `folder` (the token store, a student) names a dataset whose fingerprint is not that
+    of the finished corpus store `corpus` (a run of another dataset replaced the corpus after it); False where
+    either cannot be told (an imported store)."""
     from kdflow.schemas.config_io import saved_config
     from kdflow.schemas.fingerprints import corpus_fingerprint
 
-    corpus = read_complete(run_root, run_root.path(CORPUS_DIR))
     if corpus is None:
         return False
     try:
@@ -66,7 +65,8 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
     sources = _sources_line(run_root)
     if sources:
         yield sources
-    another_corpus = _of_another_corpus(run_root, run_root.path(TOKENS_DIR))
+    corpus = read_complete(run_root, run_root.path(CORPUS_DIR))  # read once: the token store and each student
+    another_corpus = _of_another_corpus(run_root, run_root.path(TOKENS_DIR), corpus)
     line, token_shards, _ = _store_line(run_root, "tokens", run_root.path(TOKENS_DIR), "tokens", None,
                                         stale=another_corpus)
     yield line
@@ -87,7 +87,7 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
     yield from staged_import_lines(run_root)
     for name in [n for n in run_root.listdir(run_root.path(STUDENTS_DIR)) if is_store_name(n)]:
         yield _student_line(run_root, name)
-        if _of_another_corpus(run_root, run_root.path(STUDENTS_DIR, name)):
+        if _of_another_corpus(run_root, run_root.path(STUDENTS_DIR, name), corpus):
             yield "  trained on another corpus than corpus/ holds now: a rerun of it is refused (another student.name)"
 
 

@@ -78,7 +78,7 @@ def _new_student(config: Any, tokenizer: Any, data: Any) -> Any:
     """The student the stage would start from: pruned from the teacher as training prunes it (`student.prune`, on
     the stores' rows), else `init_from` or a seeded new one."""
     from kdflow.schemas.errors import ConfigError
-    from kdflow.tasks.student.model import build_student, check_student
+    from kdflow.tasks.student.model import build_student
     from kdflow.tasks.student.prune import pruned_as_configured
 
     if config.student.prune is None:
@@ -86,9 +86,7 @@ def _new_student(config: Any, tokenizer: Any, data: Any) -> Any:
     if data is None:
         raise ConfigError("student.prune measures the teacher's blocks on the stores' training rows, and this "
                           f"config has no stores at seq_len {config.seq_len}")
-    model = pruned_as_configured(config.teacher, config.student.prune, data, tokenizer)[0]
-    check_student(model, tokenizer)
-    return model
+    return pruned_as_configured(config.teacher, config.student.prune, data, tokenizer)[0]
 
 
 def _synthetic_batch(rows: int, seq_len: int, top_k: int, vocab: int) -> Any:

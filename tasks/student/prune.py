@@ -195,13 +195,16 @@ def pruned_as_configured(teacher_section: object, prune: object, data: object,
     """`student.prune` (a PruneConfig) as training applies it, on `data` (DistillData): blocks measured on the first
     `prune.calibration_rows` training rows in the order of seed 0, not of the student's seed (which blocks are
     kept, and so the initial weights, do not change with `student.seed`; the same on every rank); -> (student,
-    plan, rows used). The training step's benchmark builds its student here too, so it times the trained model."""
+    plan, rows used), checked against the run's tokenizer. The training step's benchmark builds its student here
+    too, so it times the trained model."""
     from kdflow.tasks.student.data import epoch_permutation
+    from kdflow.tasks.student.model import check_student
 
     rows = epoch_permutation(data.train_rows, 0, 0)[:prune.calibration_rows]
     model, plan = pruned_student(teacher_section, prune.layers, prune.importance, data.train_batch(rows).input_ids,
                                  tokenizer, intermediate_size=prune.intermediate_size,
                                  key_value_heads=prune.key_value_heads)
+    check_student(model, tokenizer)
     return model, plan, len(rows)
 
 

@@ -264,7 +264,6 @@ class StudentRun:
 
     def pruned_from_teacher(self) -> torch.nn.Module:
         model, plan, rows = pruned_as_configured(self.settings.teacher, self.student.prune, self.data, self.tokenizer)
-        check_student(model, self.tokenizer)
         logger.info("student pruned from the teacher: blocks %s of %d kept (importance %s on %d rows)",
                     list(plan.kept), plan.teacher_layers, plan.importance, rows)
         if plan.width is not None:
