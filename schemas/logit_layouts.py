@@ -18,7 +18,9 @@ import yaml
 
 from kdflow.schemas.errors import ConfigError
 
-KINDS = ("logprobs", "renormalised", "logits", "distillkit")  # distillkit: its packed bytes (distillkit.py)
+# distillkit: its packed bytes (distillkit.py); probabilities: p over the full vocabulary, read as log p
+KINDS = ("logprobs", "probabilities", "renormalised", "logits", "distillkit")
+TAIL_KINDS = ("logprobs", "probabilities")  # over the full vocabulary: the mass outside the K is known
 STACKED_ORDERS = ("ids_first", "values_first")
 # The roles a column can play; the other fields say what the values are, or name and document the layout.
 ROLES = ("tokens", "ids", "values", "stacked", "tail", "target_mask", "attention_mask", "text")
@@ -35,8 +37,10 @@ class LogitLayout:
     values: str | None = None  # [T][K] their values, of kind `kind`
     stacked: str | None = None  # [T][2][K]: ids and values in one column (instead of ids + values)
     stacked_order: str = "ids_first"  # or "values_first": which of the pair comes first
-    kind: str = "logprobs"  # logprobs (over the full vocabulary) | renormalised (log-probs over the K) | logits
-    tail: str | None = None  # [T] log of the teacher's mass outside the K ids; absent: 1 - sum(p) is used
+    # logprobs (over the full vocabulary) | probabilities (over it too) | renormalised (log-probs over the K) | logits
+    kind: str = "logprobs"
+    tail: str | None = None  # [T] the teacher's mass outside the K ids (its log; kind probabilities: itself);
+    # absent: 1 - sum(p) is used
     target_mask: str | None = None  # [T] or [T][K]: nonzero where the position has a teacher target
     attention_mask: str | None = None  # [T] 0 marks padding positions, dropped on import
     text: str | None = None  # the text the token ids encode, checked with the tokenizer when present
@@ -56,14 +60,19 @@ class LogitLayout:
                               f"not {self.stacked_order!r}")
         if self.kind not in KINDS:
             raise ConfigError(f"{where}: kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
-        if self.tail is not None and self.kind != "logprobs":
+        if self.tail is not None and not self.has_tail_kind:
             # A tail is the mass outside the K of a full-vocabulary distribution; renormalised values and raw
             # logits have no such distribution, so a tail column beside them cannot mean what the store says.
-            raise ConfigError(f"{where}: a tail column needs kind logprobs (kind {self.kind} has no known tail)")
+            raise ConfigError(f"{where}: a tail column needs kind logprobs or probabilities (kind {self.kind} has "
+                              "no known tail)")
         named = [getattr(self, role) for role in ROLES if getattr(self, role) is not None]
         repeated = sorted({column for column in named if named.count(column) > 1})
         if repeated:
             raise ConfigError(f"{where}: column {repeated[0]!r} is named for two roles")
+
+    @property
+    def has_tail_kind(self) -> bool:
+        return self.kind in TAIL_KINDS
 
     def target_fields(self) -> tuple[str, ...]:
         return (self.stacked,) if self.stacked is not None else (self.ids, self.values)

@@ -205,7 +205,7 @@ def test_a_command_line_declared_layout_reads_its_capture(options: list[str]) ->
     (lambda p: declare_layout("llamakd", {}),
      "unknown logit layout 'llamakd'; known: axolotl, distillkit, kdflow, logits"),
     (lambda p: declare_layout(p("tokens: a\nids: b\nvalues: c\ntail: d\nkind: logits\n"), {}),
-     "layout bad: a tail column needs kind logprobs (kind logits has no known tail)"),
+     "layout bad: a tail column needs kind logprobs or probabilities (kind logits has no known tail)"),
     (lambda p: declare_layout("kdflow", {"tail": "t"}, kind="renormalised"),
      "layout kdflow+options: a tail column needs kind logprobs"),
     (lambda p: declare_layout(None, {"token": "x"}), "--column token=...: unknown role; roles: tokens, ids"),

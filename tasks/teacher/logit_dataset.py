@@ -19,7 +19,11 @@ from kdflow.schemas.logit_layouts import LAYOUTS, LogitLayout
 from kdflow.tasks.teacher.source_columns import (any_per_position, entries_per_position, fail_at, list_depth, nested,
                                                  same_rows)
 from kdflow.tasks.teacher.source_rows import SourceRows
-from kdflow.tasks.teacher.source_values import log_probs, outside_vocabulary, pair_order_hint, whole_ids
+from kdflow.tasks.teacher.source_values import (log_probs, outside_vocabulary, pair_order_hint, probabilities_to_log,
+                                                whole_ids)
+
+
+_VALUES = {"logits": "logits", "probabilities": "probabilities"}  # what the values are, in messages
 
 
 def _missing(table: pa.Table | pa.RecordBatch, layout: LogitLayout) -> str | None:
@@ -68,12 +72,22 @@ def _targets(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row: i
 def _position_column(batch: pa.RecordBatch | pa.Table, field: str | None, layout: LogitLayout, first_row: int,
                      row_lengths: np.ndarray) -> np.ndarray | None:
     """A per-position column (`[T]`, or `[T][K]` for a mask) as (N,) values, or None where absent."""
+    return _mask_column(batch, field, layout, first_row, row_lengths, 0)[0]
+
+
+def _mask_column(batch: pa.RecordBatch | pa.Table, field: str | None, layout: LogitLayout, first_row: int,
+                 row_lengths: np.ndarray, k: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(per-position values (N,), per-entry mask (N, K) bool or None): a `[T][K]` target mask of K entries at every
+    position masks entries one by one (as axolotl's loss reads it), any other shape whole positions."""
     if field is None or field not in batch.schema.names:
-        return None
+        return None, None
     depth = 2 if field == layout.target_mask and list_depth(batch.schema.field(field).type) == 2 else 1
     values, lengths = nested(batch.column(field), field, first_row, ("position", "entry")[:depth])
     same_rows(first_row, field, lengths[0], layout.tokens, row_lengths)
-    return any_per_position(values, lengths) if depth == 2 else values
+    if depth == 1:
+        return values, None
+    entries = values.reshape(-1, k) != 0 if k and len(lengths[1]) and bool((lengths[1] == k).all()) else None
+    return any_per_position(values, lengths), entries
 
 
 def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row: int, top_k: int,
@@ -82,8 +96,9 @@ def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row
 
     Positions with attention mask 0 are dropped; positions with target mask 0, or whose values are all -inf (how
     axolotl pads prompts), keep their token but get no target. Values become log-probs by `layout.kind`: logprobs
-    stay (normalisation full), renormalised must sum to 1 over the K, logits get a log-softmax over the K (both
-    normalisation top_k). Each problem is one StoreError line naming the source row, the field and the position."""
+    stay (normalisation full), probabilities become their log (full too), renormalised must sum to 1 over the K,
+    logits get a log-softmax over the K (both normalisation top_k). A `[T][K]` target mask drops entries one by
+    one. Each problem is one StoreError line naming the source row, the field and the position."""
     missing = _missing(batch, layout)
     if missing is not None:
         raise StoreError(f"row {first_row}: no column {missing!r} of layout {layout.name} "
@@ -92,13 +107,19 @@ def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row
     ids_field, values_field, ids_raw, values = _targets(batch, layout, first_row, row_lengths, top_k)
     attention = _position_column(batch, layout.attention_mask, layout, first_row, row_lengths)
     keep = np.ones(len(tokens_raw), bool) if attention is None else attention != 0
-    mask = _position_column(batch, layout.target_mask, layout, first_row, row_lengths)
+    mask, entries = _mask_column(batch, layout.target_mask, layout, first_row, row_lengths, values.shape[1])
     target = keep.copy() if mask is None else keep & (mask != 0)
+    if entries is not None and not entries[target].all():  # masked entries: padding, after the kept ones
+        order = np.argsort(~entries, axis=1, kind="stable")
+        values = np.where(np.take_along_axis(entries, order, 1), np.take_along_axis(values, order, 1), -np.inf)
+        ids_raw = np.take_along_axis(ids_raw, order, 1)
 
     def fail(hits: np.ndarray, field: str, problem: str) -> None:
         fail_at(first_row, row_lengths, hits, field, problem)
 
     fail(target & np.isnan(values).any(1), values_field, "a value that is not a number")
+    if layout.kind == "probabilities":  # their log from here on: 0 pads as -inf does
+        values = probabilities_to_log(values, first_row, row_lengths, values_field, target[:, None])
     padding = values == -np.inf
     target &= ~padding.all(1)
     fail(target & (values == np.inf).any(1), values_field, "a value of +inf")
@@ -116,8 +137,10 @@ def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row
     fail(target & (distinct[:, 1:] == distinct[:, :-1]).any(1), ids_field, "a repeated id")
     with np.errstate(invalid="ignore"):
         fail(target & ((np.diff(values, axis=1) > 0) & real[:, 1:]).any(1), values_field,
-             f"{'logits' if layout.kind == 'logits' else 'log-probs'} not sorted by descending value")
-    tail = _position_column(batch, layout.tail, layout, first_row, row_lengths) if layout.kind == "logprobs" else None
+             f"{_VALUES.get(layout.kind, 'log-probs')} not sorted by descending value")
+    tail = _position_column(batch, layout.tail, layout, first_row, row_lengths) if layout.has_tail_kind else None
+    if tail is not None and layout.kind == "probabilities":  # the mass outside the K, as a probability
+        tail = probabilities_to_log(tail.astype(np.float64), first_row, row_lengths, layout.tail, target)
     logprobs, normalisation, tail = log_probs(layout, values, real, target, tail, first_row, row_lengths)
     rows = np.repeat(np.arange(len(row_lengths)), row_lengths)
     offsets = np.concatenate(([0], np.cumsum(np.bincount(rows[keep], minlength=len(row_lengths))))).astype(np.int64)

@@ -5,6 +5,7 @@ What each column holds follows the layout's fields, not its name, so that the tr
 the rows as its own:
 - `kind` logprobs: the store's log-probs over the full vocabulary as they decode (a v2 sqrt store exports its
   levels' values), and the tail column where the layout has one;
+- `kind` probabilities: their exponentials (0 where a log-prob is -inf), the tail as a probability mass too;
 - `kind` renormalised: log-probs renormalised over the K ids (their probabilities sum to 1), as axolotl's prepared
   rows hold them;
 - `kind` logits: values whose log-softmax over the K is that renormalised distribution (the log-probs themselves:
@@ -70,7 +71,8 @@ def renormalised(logprobs: np.ndarray) -> np.ndarray:
 def export_problem(layout: LogitLayout, normalisation: str, masked: bool) -> str | None:
     """Why a store of `normalisation` (with positions lacking targets when `masked`) cannot be written in
     `layout` without presenting its values as what they are not; None when it can."""
-    if normalisation == TOP_K and (layout.kind in ("logprobs", "distillkit") or layout.tail is not None):
+    if normalisation == TOP_K and (layout.kind in ("logprobs", "probabilities", "distillkit")
+                                   or layout.tail is not None):
         return (f"its log-probs are renormalised over the K ids (no tail), layout {layout.name} declares log-probs "
                 "over the full vocabulary" + (" and a tail" if layout.tail is not None else "")
                 + "; export to a renormalised or logits layout")
@@ -91,6 +93,9 @@ def layout_table(layout: LogitLayout, input_ids: np.ndarray, ids: np.ndarray, lo
     values = np.where(present, logprobs.astype(np.float32), -np.inf).astype(np.float32)
     if layout.kind == "renormalised":
         values = renormalised(values)
+    elif layout.kind == "probabilities":  # -inf padding becomes 0
+        values = np.exp(values)
+        tail = None if tail is None else np.exp(np.asarray(tail, dtype=np.float32))
     if layout.target_mask is not None:  # placeholders a trainer can gather at; the mask hides them
         placeholder = np.broadcast_to(np.arange(ids.shape[-1], dtype=np.int32), ids.shape)
         has_target = present.any(axis=-1, keepdims=True)

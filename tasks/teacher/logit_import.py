@@ -81,11 +81,17 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     for folder in remove_abandoned_staging(run_root, keep=staging):
         logger.info("import: removed %s, the staged work of a stopped import of another source", folder)
     claim_staging(run_root, staging)
-    checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
-
-    if checked.masked and pre.store.format == "v1":  # v1 shards have no place for the mask: never drop it silently
-        raise ConfigError(f"import source {source!r} has positions without a teacher target, which only the v2 store "
-                          "format records; set precompute.store.format: v2")
+    try:
+        checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
+        _check_staged(checked, source, pre.store.format)
+    except (StoreError, ConfigError):  # the source's rows: a rerun would read them again and fail alike
+        _drop_staging(run_root, staging)
+        raise
+    if checked.normalisation == FULL and not checked.has_tail and checked.whole_mass == checked.targets \
+            and top_k < vocab_size:
+        logger.warning("import: the kept probabilities sum to 1 at every one of the %d positions with a target; if "
+                       "the source renormalised them over the K, import it with --kind renormalised (as imported, "
+                       "the store says the teacher put no mass outside the K ids)", checked.targets)
     teacher_fp = section_hash("imported-teacher", teacher_name, checked.digest)
     tag = settings.topk_fingerprint(teacher_fp, tokens_fp)
     tokens_done = _write_tokens(run_root, settings, staging, checked, tokens_fp, tok_fp, vocab_size, source)
@@ -96,7 +102,7 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
              **({"normalisation": checked.normalisation} if checked.normalisation != FULL else {})}
     codec = store_codec(settings, run_root, store, tokens_done, vocab_size, **extra)
     imported = {"source": source, "key": key, "layout": layout.name, "teacher": teacher_name, "rows": checked.rows,
-                "positions": checked.positions, "packed_rows": checked.packed_rows,
+                "positions": checked.positions, "targets": checked.targets, "packed_rows": checked.packed_rows,
                 "dropped_positions": checked.dropped_positions, "normalisation": checked.normalisation,
                 "tail": TAIL_SOURCE if checked.has_tail else TAIL_NONE if checked.normalisation == TOP_K
                 else TAIL_COMPUTED}
@@ -137,20 +143,35 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     complete_if_done(run_root, store, tag, tokens_done)
     complete = read_complete(run_root, store) is not None
     if complete:  # the staged shards are in the stores now
-        with contextlib.suppress(FileNotFoundError):
-            run_root.fs.rm(staging, recursive=True)
-        if run_root.is_local:  # an empty _imports/ left after every import (object stores have no empty folders)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(staging))
+        _drop_staging(run_root, staging)
     shards = len(checked.shards)
-    logger.info("import: %d rows (%d positions) of %s packed into %d rows of %d as top-K store %s (%d shards "
-                "written, %d already committed, %d positions dropped)", checked.rows, checked.positions, source,
-                checked.packed_rows, seq_len, tag, written, shards - written, checked.dropped_positions)
+    logger.info("import: %d rows (%d positions, %d with a target) of %s packed into %d rows of %d as top-K store %s "
+                "(%d shards written, %d already committed, %d positions dropped)", checked.rows, checked.positions,
+                checked.targets, source, checked.packed_rows, seq_len, tag, written, shards - written,
+                checked.dropped_positions)
     return {"tag": tag, "store": run_root.display(store), "rows": checked.rows, "shards": shards,
             "written": written, "skipped": shards - written, "teacher_fingerprint": teacher_fp,
             "tail": imported["tail"], "complete": complete, "positions": checked.positions,
-            "packed_rows": checked.packed_rows, "dropped_positions": checked.dropped_positions,
-            "staged_reused": checked.reused, "masked": checked.masked, "normalisation": checked.normalisation}
+            "targets": checked.targets, "packed_rows": checked.packed_rows,
+            "dropped_positions": checked.dropped_positions, "staged_reused": checked.reused, "masked": checked.masked,
+            "normalisation": checked.normalisation}
+
+
+def _drop_staging(run_root: RunRoot, staging: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        run_root.fs.rm(staging, recursive=True)
+    if run_root.is_local:  # an empty _imports/ left after every import (object stores have no empty folders)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(staging))
+
+
+def _check_staged(checked: Checked, source: str, store_format: str) -> None:
+    if checked.targets == 0:
+        raise StoreError(f"import source {source!r} has no position with a teacher target (each is masked, or its "
+                         "values are all -inf): nothing to train on")
+    if checked.masked and store_format == "v1":  # v1 shards have no place for the mask: never drop it silently
+        raise ConfigError(f"import source {source!r} has positions without a teacher target, which only the v2 store "
+                          "format records; set precompute.store.format: v2")
 
 
 def _finished_import(run_root: RunRoot, settings: TeacherPassSettings, key: str, teacher_name: str,
@@ -174,6 +195,7 @@ def _finished_import(run_root: RunRoot, settings: TeacherPassSettings, key: str,
         return {"tag": tag, "store": run_root.display(store), "rows": imported.get("rows"), "shards": done.shards,
                 "written": 0, "skipped": done.shards, "teacher_fingerprint": info.teacher_fingerprint,
                 "tail": imported.get("tail"), "complete": True, "positions": imported.get("positions"),
+                "targets": imported.get("targets"),
                 "packed_rows": imported.get("packed_rows"), "dropped_positions": imported.get("dropped_positions"),
                 "staged_reused": 0, "masked": bool((info.codec or {}).get("masked")),
                 "normalisation": imported.get("normalisation")}

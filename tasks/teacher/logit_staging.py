@@ -38,8 +38,9 @@ from kdflow.tasks.teacher.logit_reader import SourceFiles, iter_source, located,
 from kdflow.tasks.teacher.distillkit import distillkit_rows
 from kdflow.tasks.teacher.distillkit_settings import settings_for_source
 from kdflow.tasks.teacher.source_rows import FULL, SourceRows
+from kdflow.tasks.teacher.source_values import MASS_TOLERANCE
 
-STAGING_VERSION = 2  # of the staged files' layout: part of KEY, so an older kdflow's staging is never reused
+STAGING_VERSION = 3  # of the staged files' layout: part of KEY, so an older kdflow's staging is never reused
 CHECKED_FILE = "_checked.json"  # written once every row passed: the totals the stores are written from
 OWNER_FILE = "_owner.txt"  # the owner tag (kdflow.schemas.owners) of the import filling the folder
 
@@ -65,6 +66,8 @@ class StagedShard:
     normalisation: str
     has_tail: bool
     short: bool  # some position with a target holds fewer than top_k entries (id -1, log-prob -inf after them)
+    targets: int = 0  # positions with a teacher target
+    whole_mass: int = 0  # of those, the ones whose kept probabilities sum to 1 (normalisation full)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,14 @@ class Checked:
     @property
     def short(self) -> bool:
         return any(shard.short for shard in self.shards)
+
+    @property
+    def targets(self) -> int:
+        return sum(shard.targets for shard in self.shards)
+
+    @property
+    def whole_mass(self) -> int:
+        return sum(shard.whole_mass for shard in self.shards)
 
 
 RowReader = Callable[[pa.RecordBatch, int, int, int], SourceRows]  # (batch, first_row, top_k, vocab_size)
@@ -187,8 +198,11 @@ def _stage(run_root: RunRoot, staging: str, shard_id: int, packed: PackedRows, p
     run_root.write_bytes_atomic(f"{staging}/{_name(shard_id, '.npz')}", buffer.getvalue())
     faults.maybe_fire("commit", run_root, stage="import", shard=shard_id)
     row, offset = packer.position()
+    kept = np.exp(packed.logprobs[packed.target].astype(np.float64)).sum(-1)
+    whole = int((np.abs(kept - 1.0) <= MASS_TOLERANCE).sum()) if normalisation == FULL else 0
     shard = StagedShard(shard_id, packed.rows, row, offset, arrays_digest(packed), bool(not packed.target.all()),
-                        normalisation, packed.tail is not None, bool((packed.ids[packed.target] < 0).any()))
+                        normalisation, packed.tail is not None, bool((packed.ids[packed.target] < 0).any()),
+                        int(packed.target.sum()), whole)
     run_root.write_bytes_atomic(f"{staging}/{_name(shard_id, '.json')}", json.dumps(asdict(shard)).encode())
     return shard
 

@@ -62,12 +62,40 @@ def pair_order_hint(layout: LogitLayout, values: np.ndarray, real: np.ndarray) -
             f"stacked_order: {flipped})" if whole else "")
 
 
+def _all_like_probabilities(values: np.ndarray, real: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """(N,) bool: positions with a target whose kept values (two or more) all lie in [0, 1] and sum to at most 1,
+    where every position with a target of the batch does (one such position of logits is chance; a batch of them
+    is not)."""
+    with np.errstate(invalid="ignore"):
+        inside = ~real | ((values >= 0) & (values <= 1))
+    like = target & inside.all(1) & (np.where(real, values, 0.0).sum(1) <= 1 + MASS_TOLERANCE) & (real.sum(1) > 1)
+    return like if target.any() and bool(like[target].all()) else np.zeros_like(target)
+
+
+def _like_probabilities(values: np.ndarray, real: np.ndarray, target: np.ndarray) -> bool:
+    return bool(_all_like_probabilities(values, real, target).any())
+
+
+def probabilities_to_log(values: np.ndarray, first_row: int, row_lengths: np.ndarray, field: str,
+                         counted: np.ndarray) -> np.ndarray:
+    """Values of kind probabilities -> their log (0 becomes -inf, padding); one outside [0, 1] where it counts
+    (`counted`, (N,) or (N, K)) is a StoreError."""
+    with np.errstate(invalid="ignore"):
+        bad = counted & ~((values >= 0) & (values <= 1))
+    fail_at(first_row, row_lengths, _per_position(bad), field, "a probability outside [0, 1]")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(values)
+
+
 def log_probs(layout: LogitLayout, values: np.ndarray, real: np.ndarray, target: np.ndarray, tail: np.ndarray | None,
               first_row: int, row_lengths: np.ndarray) -> tuple[np.ndarray, str, np.ndarray | None]:
     """(N, K) values of `layout.kind` -> (log-probs float64, -inf outside `real`; normalisation; tail float32
     (N,) or None). `tail`: the source's tail column, read only for kind logprobs."""
     field = layout.stacked or layout.values
     if layout.kind == "logits":  # log-softmax over the K kept, in float64 (several captures store float64 logits)
+        fail_at(first_row, row_lengths, _all_like_probabilities(values, real, target), field,
+                "probabilities declared as logits (every value in [0, 1], summing to at most 1)",
+                ": declare kind probabilities")
         top = np.where(target, values[:, 0], 0.0)[:, None]  # sorted descending: the first entry is the largest
         with np.errstate(invalid="ignore", divide="ignore"):  # positions without a target: log(0), set to -inf
             shifted = np.where(real, values - top, -np.inf)
@@ -78,13 +106,16 @@ def log_probs(layout: LogitLayout, values: np.ndarray, real: np.ndarray, target:
         off = target & (np.abs(mass - 1.0) > MASS_TOLERANCE)
         hit = first_position(first_row, row_lengths, off)
         if hit is not None:
+            kind = "probabilities" if _like_probabilities(values, real, target) else "logprobs"
             raise StoreError(f"row {hit[0]} field {field}: values sum to {mass[np.flatnonzero(off)[0]]:.3g}, not 1, "
-                             f"at position {hit[1]}: declare kind logprobs")
+                             f"at position {hit[1]}: declare kind {kind}")
         return np.where(real, values, -np.inf), TOP_K, None
     above = target & (mass > 1 + MASS_TOLERANCE)
     logits = bool((above[:, None] & real & (values > 0)).any())
-    fail_at(first_row, row_lengths, above, field, "log-probs whose probabilities sum above 1",
+    hint = (": values in [0, 1] that sum to at most 1 look like probabilities, declare kind probabilities"
+            if _like_probabilities(values, real, target) else
             ": values above 0 look like logits, declare kind logits" if logits else "")
+    fail_at(first_row, row_lengths, above, field, "log-probs whose probabilities sum above 1", hint)
     if tail is not None:
         tail = tail.astype(np.float64)
         fail_at(first_row, row_lengths, target & np.isnan(tail), layout.tail, "a tail log-mass that is NaN")
