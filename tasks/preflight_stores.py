@@ -180,7 +180,7 @@ def check_train_inputs(context: Preflight) -> None:
         raise ConfigError(problem)
     if context.stages & {"materialise", "precompute"}:
         return  # the top-K store is (re)made first: training checks it after precompute
-    from kdflow.schemas.commits import read_commit, stage_dir
+    from kdflow.schemas.commits import list_commits, read_commit, read_complete, stage_dir
     from kdflow.schemas.stage_settings import training_settings
     from kdflow.schemas.store_info import filled_by, read_store_info
     from kdflow.tasks.student.data import find_topk_store, verify_pair
@@ -197,3 +197,9 @@ def check_train_inputs(context: Preflight) -> None:
                     filled_by(info))
     except StoreError as error:
         raise ConfigError(str(error)) from None
+    if read_complete(run_root, store) is None:  # nothing in these stages finishes it
+        made = len(list_commits(run_root, store, "topk", store.rsplit("/", 1)[-1]))
+        again = ("run the `kdflow store import` that made it again" if (info is not None and (
+            info.model_extra or {}).get("imported")) else "add precompute to --stages")
+        raise ConfigError(f"top-K store {run_root.display(store)} is unfinished ({made}/{done.get('shards', '?')} "
+                          f"shards): {again} to finish it before training on it")

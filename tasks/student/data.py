@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, stage_dir
+from kdflow.schemas.commits import CommitRecord, list_commits, read_commit, read_complete, stage_dir
 from kdflow.schemas.errors import ConfigError, StoreError
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import TOPK_DIR, commit_file_name, data_file_name
@@ -128,6 +128,8 @@ def find_topk_store(run_root: RunRoot, settings: TrainingSettings, tokens_fp: st
     for tag in topk_tags(run_root):
         if (info := read_store_info(run_root, stage_dir(run_root, "topk", tag))) is not None:
             imports_ours = (info.model_extra or {}).get("imported") and info.tokens_fingerprint == tokens_fp
+            if imports_ours and read_complete(run_root, stage_dir(run_root, "topk", tag)) is None:
+                tag += " (unfinished: run its import again)"
             differs = "" if info.top_k == settings.data.top_k else f": K={info.top_k}"  # the likeliest one, said
             (imported if imports_ours else others).append(tag if imports_ours else tag + differs)
             continue

@@ -80,6 +80,7 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
         return finished  # this source imported already, as this config stores it: nothing is read again
     for folder in remove_abandoned_staging(run_root, keep=staging):
         logger.info("import: removed %s, the staged work of a stopped import of another source", folder)
+        _remove_unfinished_store(run_root, folder.rsplit("/", 1)[-1])
     claim_staging(run_root, staging)
     try:
         checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
@@ -155,6 +156,20 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
             "targets": checked.targets, "packed_rows": checked.packed_rows,
             "dropped_positions": checked.dropped_positions, "staged_reused": checked.reused, "masked": checked.masked,
             "normalisation": checked.normalisation}
+
+
+def _remove_unfinished_store(run_root: RunRoot, key: str) -> None:
+    """The top-K store a stopped import had begun to write from staging folder `key`, now removed: nothing can
+    finish it any more (its TAG hashes the staged arrays), so it goes rather than stay `in progress` for good."""
+    for tag in topk_tags(run_root) if run_root.exists(run_root.path(TOPK_DIR)) else []:
+        store = stage_dir(run_root, "topk", tag)
+        info = read_store_info(run_root, store)
+        imported = (info.model_extra or {}).get("imported") if info is not None else None
+        if isinstance(imported, dict) and imported.get("key") == key and read_complete(run_root, store) is None:
+            with contextlib.suppress(FileNotFoundError):
+                run_root.fs.rm(store, recursive=True)
+            logger.warning("import: removed top-K store %s, which that stopped import had begun and no import can "
+                           "finish now", run_root.display(store))
 
 
 def _drop_staging(run_root: RunRoot, staging: str) -> None:
