@@ -76,17 +76,20 @@ def check_dataset(context: Preflight) -> None:
 
 
 def check_teacher(context: Preflight) -> None:
-    """The teacher's files are there (its weights only by name), and top_k and seq_len fit its config."""
+    """The teacher's files are there (its weights only by name), and top_k and seq_len fit its config. Where these
+    stages read only its tokenizer (training on an imported store, say), the folder may hold just that."""
     from kdflow.tasks.common.hub_access import check_hub_teacher
     from kdflow.tasks.common.model_configs import teacher_limits_problem
     from kdflow.tasks.common.model_files import check_teacher_files
 
     stages, config = context.stages, context.config
-    needs_teacher = "precompute" in stages or (context.tokenizer_from_teacher and (
+    model = "precompute" in stages or ("train" in stages and (config.student.prune is not None
+                                                              or config.student.eval_full_kl is True))
+    needs_teacher = model or (context.tokenizer_from_teacher and (
         stages & {"tokenise", "train"} or ("materialise" in stages and config.dataset.max_tokens)))
     if not needs_teacher:
         return
-    if check_teacher_files(config.teacher) is None:  # a hub id
+    if check_teacher_files(config.teacher, model=model) is None:  # a hub id
         check_hub_teacher(config.teacher)
     if "precompute" in stages:
         shape = context.teacher_shape

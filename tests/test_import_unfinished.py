@@ -62,3 +62,21 @@ def test_an_unfinished_import_is_refused_by_pre_flight_and_removed_once_nothing_
     assert summary["complete"] and summary["tag"] != tag
     assert sorted(p.name for p in (run / "topk").iterdir()) == [summary["tag"]]
     assert f"removed top-K store {run / 'topk' / tag}, which that stopped import had begun" in caplog.text
+
+
+def test_training_on_an_import_needs_only_the_teachers_tokenizer(make_config, tmp_path: Path,
+                                                                 tiny_tokenizer_dir: Path) -> None:
+    """Whoever imports a large teacher's capture rarely has its weights: training on it reads only the tokenizer,
+    so `teacher.model` may name a folder of tokenizer files alone; what reads the teacher itself still needs it."""
+    run = tmp_path / "run"
+    config = import_config(make_config, run, student__eval_shards=1)
+    tag = _import(config, write_parts(tmp_path / "src", capture_table(40, 20), [20]))["tag"]
+    tokenizer_only = config.model_copy(update={"teacher": config.teacher.model_copy(
+        update={"model": str(tiny_tokenizer_dir)}), "student": config.student.model_copy(update={"topk_tag": tag})})
+    assert not (tiny_tokenizer_dir / "config.json").exists()
+    run_preflight(tokenizer_only, "train")
+    for stages, change in (("precompute", {}), ("train", {"prune": make_config(
+            student__prune={"layers": 1}).student.prune})):
+        changed = tokenizer_only.model_copy(update={"student": tokenizer_only.student.model_copy(update=change)})
+        with pytest.raises(ConfigError, match=r"^teacher.model='.*' is not a model folder \(no config.json\)$"):
+            run_preflight(changed, stages)

@@ -75,10 +75,10 @@ def resolve_model_files(model: str, gguf_file: str | None = None) -> str:
     return str(dist.locate_file(model_files[0]).parent)
 
 
-def check_teacher_files(teacher: TeacherConfig, weights: bool = True) -> str | None:
+def check_teacher_files(teacher: TeacherConfig, weights: bool = True, model: bool = True) -> str | None:
     """The teacher's local folder (None for a hub id); one-line errors, naming the setting, when it is not a usable
     model folder: no config.json, no weight file (unless `weights` is False: random weights, from the config
-    alone), no GGUF file of that name."""
+    alone), no GGUF file of that name. `model` False: only its tokenizer is read, so neither need be there."""
     setting = f"teacher.model={teacher.model!r}"
     try:
         path = resolve_model_files(teacher.model, teacher.gguf_file)  # also `package:DIST` sources
@@ -91,6 +91,8 @@ def check_teacher_files(teacher: TeacherConfig, weights: bool = True) -> str | N
     if teacher.gguf_file:
         if not os.path.isfile(os.path.join(path, teacher.gguf_file)):
             raise ConfigError(f"teacher.gguf_file={teacher.gguf_file!r} not found in {path}")
+    elif not model:
+        pass
     elif not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{setting} is not a model folder (no config.json)")
     elif weights and not any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path)):
