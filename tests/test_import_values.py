@@ -156,3 +156,16 @@ def test_log_probs_that_sum_to_one_everywhere_import_with_a_warning_to_declare_t
         _import(make_config, tmp_path / "full", _table(rows.column(0).to_pylist(), _rows_of(ids, [20, 20]),
                                                        _rows_of(np.log(p), [20, 20])))
     assert "renormalised" not in caplog.text
+
+
+def test_an_import_says_how_far_it_read_and_what_it_could_not_check(make_config, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    rng = np.random.default_rng()
+    ids, p = _distribution(rng, 40)
+    rows = _table(_rows_of(rng.integers(0, VOCAB, 40), [20, 20]), _rows_of(ids, [20, 20]), _rows_of(np.log(p),
+                                                                                                    [20, 20]))
+    with caplog.at_level(logging.INFO, logger="kdflow"):
+        _import(make_config, tmp_path, rows)
+    assert "import: 2/2 rows, 40 tokens, " in caplog.text  # Parquet's footers give the total: a rate and an ETA
+    assert "import: the source has no text column (text): its token ids are checked against the tokenizer's vocabulary " \
+           "size only" in caplog.text

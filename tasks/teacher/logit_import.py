@@ -70,7 +70,7 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     vocab_size, seq_len, top_k = len(tokenizer), settings.seq_len, pre.top_k
     packing = Packing(seq_len, top_k, vocab_size, pre.sequences_per_shard)
     run_root.ensure_writable()
-    read_rows, decoder = row_reader(layout, files, distillkit_settings)  # settings problems: before anything
+    read_rows, decoder = row_reader(layout, files, distillkit_settings, top_k)  # settings problems: before anything
     tok_fp = tokenizer_fingerprint(tokenizer)
     tokens_fp = settings.tokens_fingerprint(tok_fp)
     _check_token_store(run_root, tokens_fp)  # before a pass over the source, which may be large

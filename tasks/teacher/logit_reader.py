@@ -120,6 +120,15 @@ def _one_split(path: str, files: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(name for name in files if (m := _NUMBERED.match(os.path.basename(name))) and m.group(1) == "train")
 
 
+def source_rows_total(source: SourceFiles) -> int | None:
+    """How many rows the source holds, where its files say so without being read (Parquet's footers); else None."""
+    if source.kind != "parquet":
+        return None
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(name).metadata.num_rows for name in source.files)
+
+
 def source_fingerprint(source: SourceFiles) -> str:
     """sha256 over the files' paths relative to the source, sizes and modification times (not their bytes:
     hashing a 100 GB source twice would cost more than the import)."""

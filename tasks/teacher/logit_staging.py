@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -34,12 +35,15 @@ from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.tasks.common import faults
 from kdflow.tasks.teacher.logit_dataset import check_columns, check_text, source_rows
 from kdflow.tasks.teacher.logit_packing import PackedRows, RowPacker
-from kdflow.tasks.teacher.logit_reader import SourceFiles, iter_source, located, source_columns, source_fingerprint
+from kdflow.tasks.common.progress import Progress
+from kdflow.tasks.teacher.logit_reader import (SourceFiles, iter_source, located, source_columns, source_fingerprint,
+                                              source_rows_total)
 from kdflow.tasks.teacher.distillkit import distillkit_rows
 from kdflow.tasks.teacher.distillkit_settings import settings_for_source
 from kdflow.tasks.teacher.source_rows import FULL, SourceRows
 from kdflow.tasks.teacher.source_values import MASS_TOLERANCE
 
+logger = logging.getLogger("kdflow.import")
 STAGING_VERSION = 3  # of the staged files' layout: part of KEY, so an older kdflow's staging is never reused
 CHECKED_FILE = "_checked.json"  # written once every row passed: the totals the stores are written from
 OWNER_FILE = "_owner.txt"  # the owner tag (kdflow.schemas.owners) of the import filling the folder
@@ -113,8 +117,8 @@ class Checked:
 RowReader = Callable[[pa.RecordBatch, int, int, int], SourceRows]  # (batch, first_row, top_k, vocab_size)
 
 
-def row_reader(layout: LogitLayout, source: SourceFiles, distillkit_settings: str | None = None
-               ) -> tuple[RowReader, str]:
+def row_reader(layout: LogitLayout, source: SourceFiles, distillkit_settings: str | None = None,
+               top_k: int | None = None) -> tuple[RowReader, str]:
     """How a batch of the source becomes SourceRows, and what besides the layout decides it (for KEY): the layout's
     own mapping, or for DistillKit's packed captures their decoder with the capture's compressor settings (the file
     the user gave, else the one the capture ships)."""
@@ -124,6 +128,10 @@ def row_reader(layout: LogitLayout, source: SourceFiles, distillkit_settings: st
     if layout.kind != "distillkit":
         return (lambda batch, first_row, top_k, vocab: source_rows(batch, layout, first_row, top_k, vocab)), ""
     settings = settings_for_source(source.path, distillkit_settings)
+    if top_k is not None and settings.k != top_k:  # its format allows it (formats.md); other layouts refuse
+        logger.warning("import: the DistillKit capture keeps k=%d ids a position and precompute.top_k is %d: %s",
+                       settings.k, top_k, f"the {settings.k - top_k} least likely join the tail" if settings.k > top_k
+                       else f"the last {top_k - settings.k} entries of each position are padding")
     return (lambda batch, first_row, top_k, vocab: distillkit_rows(batch, settings, first_row, top_k, vocab)), \
         repr(settings)
 
@@ -234,11 +242,17 @@ def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: L
     wanted = [c for c in (layout.tokens, *layout.target_fields(), layout.tail, layout.target_mask,
                           layout.attention_mask, layout.text) if c]
     wanted += ["labels"] if layout.kind == "distillkit" else []  # DistillKit's rows mask targets by their labels
+    total = source_rows_total(source)
+    progress = Progress("import", None if total is None else total - packer.start[0], unit="row")
     for read in iter_source(source, wanted, start_row=packer.start[0]):
         try:
             check_columns(read.batch, layout, source.path, lambda: source_columns(source))
             rows = read_rows(read.batch, read.first_row, packing.top_k, packing.vocab_size)
             check_text(rows, tokenizer, read.first_row, layout)
+            if positions is None and rows.text is None:  # said once, at the first batch
+                logger.info("import: the source has no text column%s: its token ids are checked against the "
+                            "tokenizer's vocabulary size only, not its encoding", f" ({layout.text})" * bool(
+                                layout.text))
             if normalisation is not None and rows.normalisation != normalisation:
                 raise StoreError(f"row {read.first_row}: normalisation {rows.normalisation}, earlier rows "
                                  f"{normalisation}")
@@ -250,6 +264,8 @@ def stage_source(run_root: RunRoot, staging: str, source: SourceFiles, layout: L
             shards.append(_stage(run_root, staging, len(shards), packer.take(packing.sequences_per_shard), packer,
                                  normalisation))
         positions = (positions or 0) + rows.positions
+        progress.update(rows.rows, tokens=rows.positions)
+    progress.close()
     if packer.rows_ready():
         shards.append(_stage(run_root, staging, len(shards), packer.take(packer.rows_ready()), packer,
                              normalisation or FULL))
