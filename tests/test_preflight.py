@@ -89,6 +89,9 @@ def bad_cases(tmp_path: Path, teacher: Path, tokenizer: Path, other: Path) -> di
                                  "student__distributed__rdzv_endpoint": "nohost"},
                                 "rdzv_endpoint='nohost' must be HOST:PORT"),
         "init_from not a model": ({"student__init_from": str(tokenizer)}, "student.init_from="),
+        "init_from a missing relative path": ({"student__init_from": "runs/a/students/nope/final"},
+                                              "student.init_from='runs/a/students/nope/final': model path does not "
+                                              "exist"),
     }
 
 

@@ -79,7 +79,10 @@ def _cached_hub_file(repo: str, name: str, revision: str | None) -> str | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
-    found = try_to_load_from_cache(repo, name, revision=revision)
+    try:
+        found = try_to_load_from_cache(repo, name, revision=revision)
+    except ValueError:  # not a hub id at all (HFValidationError): nothing of it can be cached
+        return None
     return found if isinstance(found, str) else None
 
 

@@ -56,8 +56,9 @@ def hub_model_id(name: str | None) -> str | None:
 def resolve_model_files(model: str, gguf_file: str | None = None) -> str:
     """-> a local folder or a hub id that transformers' `from_pretrained` accepts."""
     if not model.startswith(PACKAGE_PREFIX):
-        looks_local = model.startswith((".", "/", "~")) or os.path.sep in model and os.path.exists(
-            os.path.dirname(model) or ".")
+        # a hub id is OWNER/NAME: a path of more parts (`runs/a/students/x/final`) is a folder, however mistyped
+        looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1 or os.path.sep in model and (
+            os.path.exists(os.path.dirname(model) or "."))
         if looks_local and not os.path.exists(os.path.expanduser(model)):
             raise ConfigError(f"model path does not exist: {model}{from_cwd(model)}")
         return os.path.expanduser(model)
