@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kdflow.schemas.layout import CHECKPOINT_MARKER, FINAL_DIR, STUDENTS_DIR, checkpoint_step, is_store_name
 from kdflow.schemas.storage import RunRoot
-from kdflow.tasks.common.model_files import weights_problems
+from kdflow.tasks.common.model_files import final_config_problem, weights_problems
 
 @dataclass
 class StudentReport:
@@ -49,6 +49,10 @@ def student_reports(run_root: RunRoot) -> list[StudentReport]:
                 report.checkpoints.append(step)
                 advice = f"delete {shown}: a resume passes over it for the checkpoint before it"
             report.problems += [f"{problem}; {advice}" for problem in found]
+        if report.final and report.checkpoints:  # final/ against the checkpoint it was written from
+            edited = final_config_problem(run_root, student, max(report.checkpoints))
+            report.problems += [f"{edited}; delete {STUDENTS_DIR}/{name}/{FINAL_DIR} and rerun train: it saves "
+                                "final/ again from the last checkpoint"] if edited else []
         if report.final or report.checkpoints or report.unfinished:
             reports.append(report)
     return reports

@@ -107,3 +107,45 @@ def test_a_rerun_writes_a_final_model_cut_short_again(fresh_run, caplog) -> None
                r.getMessage() for r in caplog.records), caplog.text
     for name, tensor in final_weights(config).items():
         assert torch.equal(tensor, whole[name]), name
+
+
+def _edit_config(config: Any, folder: str, **changes: Any) -> None:
+    import json
+
+    path = student_path(config, folder, "config.json")
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes, indent=2))
+
+
+@pytest.mark.parametrize("changes", [{"hidden_act": "relu"}, {"num_hidden_layers": 1}])
+def test_a_checkpoint_or_final_model_whose_config_was_edited_is_passed_over_and_written_again(
+        fresh_run, caplog, capsys, changes) -> None:
+    """A hand-edited config.json builds another model around the same weights: one activation silently trained
+    another model, fewer layers failed every rerun inside the optimizer's state. The checkpoint's marker records
+    its config.json; final/'s must equal the checkpoint's it was written from."""
+    from kdflow.commands.validate import validate_run_root
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    whole = fresh_run(student__name="whole", **COMMON)
+    train(open_run_root(whole), training_settings(whole))
+    edited = fresh_run(student__name="edited", **COMMON)
+    assert train(open_run_root(edited), training_settings(edited), on_step=lambda r: r["step"] == 4)["stopped"]
+    _edit_config(edited, "checkpoint-4", **changes)
+    with caplog.at_level(logging.WARNING, logger="kdflow.train"):
+        resumed = train(open_run_root(edited), training_settings(edited))
+    assert resumed["start_step"] == 2, caplog.text
+    assert "checkpoint-4/config.json is not the one written with the checkpoint (edited?); resuming from the " \
+           "checkpoint before it" in caplog.text
+    for name, tensor in final_weights(edited).items():
+        assert torch.equal(tensor, final_weights(whole)[name]), name
+
+    _edit_config(edited, "final", **changes)
+    capsys.readouterr()
+    assert validate_run_root(edited.run_root) == 1
+    assert "final/config.json differs from checkpoint-6's, which final/ was written from (edited?); delete " \
+           "students/edited/final and rerun train" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kdflow.train"):
+        again = train(open_run_root(edited), training_settings(edited))
+    assert again["start_step"] == 6 and "writing it again from step 6" in caplog.text
+    assert validate_run_root(edited.run_root) == 0, capsys.readouterr().out

@@ -167,5 +167,5 @@ def test_an_import_says_how_far_it_read_and_what_it_could_not_check(make_config,
     with caplog.at_level(logging.INFO, logger="kdflow"):
         _import(make_config, tmp_path, rows)
     assert "import: 2/2 rows, 40 tokens, " in caplog.text  # Parquet's footers give the total: a rate and an ETA
-    assert "import: the source has no text column (text): its token ids are checked against the tokenizer's vocabulary " \
-           "size only" in caplog.text
+    assert "import: the source has no text column (text): its token ids are checked against the tokenizer's " \
+           "vocabulary size only" in caplog.text

@@ -16,7 +16,7 @@ import re
 
 from kdflow.schemas.config import TeacherConfig
 from kdflow.schemas.errors import ConfigError
-from kdflow.schemas.layout import FINAL_DIR, checkpoint_step
+from kdflow.schemas.layout import FINAL_DIR, checkpoint_name, checkpoint_step
 from kdflow.schemas.storage import RunRoot
 
 PACKAGE_PREFIX = "package:"
@@ -162,3 +162,18 @@ def weights_problems(run_root: RunRoot, folder: str, shown: str) -> list[str]:
         return [f"{shown}: no {WEIGHTS_SUFFIX} weights"]
     return [f"{shown}/{name}: {problem}" for name in weights
             if (problem := safetensors_problem(run_root, f"{folder}/{name}", sizes[name])) is not None]
+
+
+MODEL_CONFIG = "config.json"  # save_pretrained's model config, in every checkpoint and in final/
+
+
+def final_config_problem(run_root: RunRoot, student_dir: str, step: int) -> str | None:
+    """final/ is written from the same model as the checkpoint of its step, so their config.json agree; where
+    they do not, final/'s was changed since (its weights would load into another model, or not load)."""
+    final, source = f"{student_dir}/{FINAL_DIR}/{MODEL_CONFIG}", f"{student_dir}/{checkpoint_name(step)}/{MODEL_CONFIG}"
+    try:
+        same = run_root.read_bytes(final) == run_root.read_bytes(source)
+    except FileNotFoundError:
+        return None
+    return None if same else (f"{run_root.display(final)} differs from {checkpoint_name(step)}'s, which final/ was "
+                              "written from (edited?)")

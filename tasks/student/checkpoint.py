@@ -17,6 +17,7 @@ position), so nothing else in a checkpoint depends on the number of ranks.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -41,6 +42,7 @@ from kdflow.schemas.layout import (CHECKPOINT_MARKER, FINAL_DIR, TRAINING_STATE_
 from kdflow.schemas.owners import owner_tag
 from kdflow.schemas.storage import RunRoot
 from kdflow.tasks.common import faults
+from kdflow.tasks.common.model_files import MODEL_CONFIG
 from kdflow.tasks.common.scratch import local_copy, scratch_dir
 from kdflow.tasks.student.model import StudentError, load_causal_lm
 
@@ -59,6 +61,7 @@ class TrainingState:
 class Checkpoint:
     path: str
     state: TrainingState
+    model_config_sha256: str | None = None  # its config.json as written (checkpoints of older kdflow: None)
 
 
 # --- RNG states -------------------------------------------------------------------------------------------
@@ -206,19 +209,22 @@ def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, token
         model.save_pretrained(folder, state_dict=_copy(model_state))
         tokenizer.save_pretrained(folder)
         torch.save(training, os.path.join(folder, TRAINING_STATE_FILE))
+        with open(os.path.join(folder, MODEL_CONFIG), "rb") as handle:
+            written = hashlib.sha256(handle.read()).hexdigest()
         with open(os.path.join(folder, CHECKPOINT_MARKER), "w", encoding="utf-8") as handle:
-            json.dump(asdict(state) | {"created_at": time.time()}, handle, indent=1)
+            json.dump(asdict(state) | {"created_at": time.time(), "model_config_sha256": written}, handle, indent=1)
     return path
 
 
-def _read_marker(run_root: RunRoot, path: str, step: int) -> TrainingState | None:
+def _read_marker(run_root: RunRoot, path: str, step: int) -> Checkpoint | None:
     try:
         data = json.loads(run_root.read_bytes(f"{path}/{CHECKPOINT_MARKER}"))
         state = TrainingState(step=int(data["step"]), position=int(data["position"]),
                               elapsed_s=float(data["elapsed_s"]), fingerprint=str(data["fingerprint"]))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        recorded = data.get("model_config_sha256")
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return state if state.step == step else None
+    return Checkpoint(path, state, recorded if isinstance(recorded, str) else None) if state.step == step else None
 
 
 def list_checkpoints(run_root: RunRoot, student_dir: str) -> list[Checkpoint]:
@@ -227,10 +233,9 @@ def list_checkpoints(run_root: RunRoot, student_dir: str) -> list[Checkpoint]:
     for name in run_root.listdir(student_dir):
         step = checkpoint_step(name)
         if step is not None:
-            path = f"{student_dir}/{name}"
-            state = _read_marker(run_root, path, step)
-            if state is not None:
-                found.append(Checkpoint(path, state))
+            checkpoint = _read_marker(run_root, f"{student_dir}/{name}", step)
+            if checkpoint is not None:
+                found.append(checkpoint)
     return sorted(found, key=lambda checkpoint: checkpoint.state.step)
 
 
@@ -281,10 +286,24 @@ def load_training_state(run_root: RunRoot, checkpoint: Checkpoint, optimizer: to
     return TrainingState(**training["state"])
 
 
-def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch.device | str) -> nn.Module:
+def load_checkpoint_model(run_root: RunRoot, checkpoint_path: str, device: torch.device | str,
+                          model_config_sha256: str | None = None) -> nn.Module:
+    """The checkpoint's model; a config.json other than the one written with it (`model_config_sha256`, from its
+    marker) is a StudentError: edited by hand, it would build another model around the same weights."""
+    shown = run_root.display(checkpoint_path)
     with local_copy(run_root, checkpoint_path) as folder:
-        model = load_causal_lm(folder, what="checkpoint", dtype=torch.float32, shown=run_root.display(checkpoint_path))
+        if model_config_sha256 is not None and _sha256(os.path.join(folder, MODEL_CONFIG)) != model_config_sha256:
+            raise StudentError(f"{shown}/{MODEL_CONFIG} is not the one written with the checkpoint (edited?)")
+        model = load_causal_lm(folder, what="checkpoint", dtype=torch.float32, shown=shown)
     return model.to(device)
+
+
+def _sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest()
+    except FileNotFoundError:
+        return None
 
 
 def newest_loadable(run_root: RunRoot, student_dir: str, device: torch.device | str,
@@ -299,7 +318,8 @@ def newest_loadable(run_root: RunRoot, student_dir: str, device: torch.device | 
     for checkpoint in reversed(checkpoints):
         check(checkpoint)
         try:
-            return checkpoint, load_checkpoint_model(run_root, checkpoint.path, device), passed_over
+            model = load_checkpoint_model(run_root, checkpoint.path, device, checkpoint.model_config_sha256)
+            return checkpoint, model, passed_over
         except StudentError as error:
             first_problem = first_problem or str(error)
             passed_over.append(checkpoint.path)
