@@ -105,3 +105,24 @@ def test_a_student_whose_checkpoints_cannot_resume_is_refused_before_the_stages(
     longer = changed(student__steps=4)
     train(open_run_root(longer), training_settings(longer))
     assert (student / "config.yaml").read_text() == dump_config(longer)
+
+
+def test_settings_that_change_nothing_are_said_not_ignored_in_silence(fresh_run, caplog) -> None:
+    """Fewer steps than a student has trained leave it as it is; more calibration rows than the store has measure
+    on those it has. (A pruned student ignores student.architecture without a word: the demo's config holds both,
+    the architecture for `--quick`.)"""
+    import logging
+
+    from kdflow.schemas.stage_settings import open_run_root, training_settings
+    from kdflow.tasks.student.train import train
+
+    pruned = fresh_run(student__prune={"layers": 1, "calibration_rows": 10_000})
+    with caplog.at_level(logging.WARNING, logger="kdflow"):
+        train(open_run_root(pruned), training_settings(pruned), on_step=lambda record: record["step"] == 2)
+    assert "student.prune.calibration_rows=10000, but the token store has " in caplog.text
+    caplog.clear()
+    fewer = fresh_run(student__prune={"layers": 1, "calibration_rows": 10_000}, student__steps=1)
+    with caplog.at_level(logging.WARNING, logger="kdflow"):
+        summary = train(open_run_root(fewer), training_settings(fewer))
+    assert summary["start_step"] == 2 and summary["steps"] == 2
+    assert "student.steps=1, but 2 steps are trained already: it stays the step-2 model" in caplog.text

@@ -201,6 +201,9 @@ def pruned_as_configured(teacher_section: object, prune: object, data: object,
     from kdflow.tasks.student.model import check_student
 
     rows = epoch_permutation(data.train_rows, 0, 0)[:prune.calibration_rows]
+    if len(rows) < prune.calibration_rows:
+        logger.warning("student.prune.calibration_rows=%d, but the token store has %d training rows: the blocks are "
+                       "measured on those", prune.calibration_rows, len(rows))
     model, plan = pruned_student(teacher_section, prune.layers, prune.importance, data.train_batch(rows).input_ids,
                                  tokenizer, intermediate_size=prune.intermediate_size,
                                  key_value_heads=prune.key_value_heads)

@@ -116,6 +116,10 @@ class StudentRun:
         if self.checkpoint is not None and self.is_main:
             logger.info("train %s: resuming from %s (step %d of %d)", student.name,
                         self.run_root.display(self.checkpoint.path), self.start_step, student.steps)
+            if self.start_step > student.steps:  # fewer steps than trained: nothing is undone
+                logger.warning("train %s: student.steps=%d, but %d steps are trained already: it stays the step-%d "
+                               "model (another student.name trains a shorter run)", student.name, student.steps,
+                               self.start_step, self.start_step)
         self.saved_step = self.state.step if self.checkpoint is not None else -1
         self.metrics = JsonlLog(self.run_root, f"{self.student_dir}/{METRICS_FILE}", self.state.step, self.is_main)
         self.evals = JsonlLog(self.run_root, f"{self.student_dir}/{EVAL_FILE}", self.state.step, self.is_main)
