@@ -211,6 +211,11 @@ def test_status_says_where_a_students_training_stands(fresh_run, capsys: pytest.
     full = f", full-vocabulary {evaluation['kl_full']:.4f}" if evaluation.get("kl_full") is not None else ""
     assert line == (f"students/{config.student.name:<13} step 2 of 6: 1 checkpoint (latest checkpoint-2), final "
                     f"model saved; held-out KL to the stored targets {evaluation['kl']:.4f}{full} at step 2")
+    weights = student / "final" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a copy cut short: status no longer calls it saved
+    print_status(config.run_root)
+    assert "2), final model damaged (kdflow validate names it; a rerun of train writes it again); held-out" in \
+        capsys.readouterr().out.splitlines()[-1]
 
 
 def test_a_warning_of_a_library_with_its_own_terminal_handler_is_printed_once(children) -> None:
