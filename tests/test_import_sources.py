@@ -94,8 +94,14 @@ def test_a_bad_row_or_line_of_json_lines_or_a_saved_dataset_is_found_where_a_per
     (tmp_path / "js" / "b.jsonl").write_text("".join(lines[13:20]) + lines[20][:-40] + "\n")  # a line cut short
     with pytest.raises(StoreError) as error:
         _import(import_config(make_config, tmp_path / "run-cut"), tmp_path / "js")
-    assert str(error.value).startswith(f"cannot read import source file {str(tmp_path / 'js' / 'b.jsonl')!r} past "
-                                       "its first "), str(error.value)
+    assert str(error.value).startswith(f"cannot read import source file {str(tmp_path / 'js' / 'b.jsonl')!r}: line "
+                                       "8 is not valid JSON: JSON parse error: "), str(error.value)
+    # Deep in a file that is parsed block by block: the line counts every block before the one that failed.
+    from kdflow.tasks.teacher.logit_reader import iter_source, source_files
+
+    (tmp_path / "deep.jsonl").write_text("".join(lines[:30]) + lines[30][:-40] + "\n" + "".join(lines[31:]))
+    with pytest.raises(StoreError, match=r": line 31 is not valid JSON: JSON parse error: "):
+        list(iter_source(source_files(str(tmp_path / "deep.jsonl")), json_block_bytes=len(lines[0]) * 3))
 
 
 def test_a_glob_of_a_folders_files_imports_what_the_folder_imports(make_config, tmp_path: Path) -> None:

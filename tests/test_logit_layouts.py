@@ -113,7 +113,8 @@ def test_stacked_layout_reads_llamakd_pairs_log_probs_first_and_names_a_reversed
         source_rows(batch, ids_first, 7, K, VOCAB)
     assert str(error.value) == (
         "row 7 field targets: ids that are not whole numbers at position 0: the pair order is probably reversed "
-        "(layout stacked+options reads ids_first; declare stacked_order: values_first)")
+        "(layout stacked+options reads ids_first; declare stacked_order: values_first, or --stacked-order "
+        "values_first)")
 
 
 def test_axolotl_layout_reads_renormalised_rows_with_prompt_padding_and_target_mask() -> None:
@@ -329,7 +330,7 @@ def test_an_ids_first_source_read_as_stacked_names_the_order_and_a_bad_pair_is_o
         source_rows(pa.table({"inputs": tokens, "targets": _nested(pairs, pa.float64(), 3)}), LAYOUTS["stacked"], 0,
                     K, VOCAB)
     assert str(error.value).endswith("the pair order is probably reversed (layout stacked reads values_first; "
-                                     "declare stacked_order: ids_first)")
+                                     "declare stacked_order: ids_first, or --stacked-order ids_first)")
     pairs[1][1].append(pairs[1][1][0])
     with pytest.raises(StoreError) as error:
         source_rows(pa.table({"inputs": tokens, "targets": _nested(pairs, pa.float64(), 3)}), LAYOUTS["stacked"], 0,

@@ -263,3 +263,5 @@ def test_the_store_report_counts_positions_with_a_target_and_shows_no_tail_it_do
     else:
         assert after["mean_tail_mass"] is None and after["tail_mass_histogram"] is None and after["invalid_tails"] == 0
         assert "unknown: log-probs renormalised over the K" in report_markdown(after)
+        assert ", no tail (log-probs renormalised over the K), " in after["format_label"] and "tail float" not in \
+            after["format_label"]

@@ -205,10 +205,15 @@ def iter_source(source: SourceFiles, columns: list[str] | None = None, start_row
                         yield SourceBatch(row + skip, piece.slice(skip), name, file_first_row)
                     row += piece.num_rows
         except (OSError, ValueError, pa.ArrowInvalid) as error:
-            read = row - file_first_row
+            read, problem = row - file_first_row, str(error).splitlines()[0]
+            # pyarrow counts the rows of the block it parses, which begins where the rows handed on end
+            in_block = re.search(r" in row (\d+)$", problem) if source.kind == "jsonl" else None
+            if in_block is not None:
+                raise StoreError(f"cannot read import source file {name!r}: line {read + int(in_block.group(1)) + 1:,}"
+                                 f" is not valid JSON: {problem[:in_block.start()]}") from None
             raise StoreError(f"cannot read import source file {name!r} past its first {read:,} "
                              f"{'line' if source.kind == 'jsonl' else 'row'}{'' if read == 1 else 's'}: "
-                             f"{str(error).splitlines()[0]}") from None
+                             f"{problem}") from None
 
 
 _ROW = re.compile(r"^row (\d+)")

@@ -59,7 +59,7 @@ def pair_order_hint(layout: LogitLayout, values: np.ndarray, real: np.ndarray) -
         whole = bool(np.all((values == np.round(values)) | ~real))
     flipped = "values_first" if layout.stacked_order == "ids_first" else "ids_first"
     return (f": the pair order is probably reversed (layout {layout.name} reads {layout.stacked_order}; declare "
-            f"stacked_order: {flipped})" if whole else "")
+            f"stacked_order: {flipped}, or --stacked-order {flipped})" if whole else "")
 
 
 def _all_like_probabilities(values: np.ndarray, real: np.ndarray, target: np.ndarray) -> np.ndarray:

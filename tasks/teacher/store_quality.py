@@ -97,6 +97,9 @@ def store_summary(run_root: RunRoot, tag: str, rows: int = 256) -> dict[str, Any
     first = next(iter(shards.values()))
     top_k = first.top_k
     known = getattr(first.codec, "normalisation", "full") == "full"  # renormalised over K: no tail to show
+    if not known:  # the store settings' tail kind is not stored at all
+        summary["format_label"] = summary["format_label"].replace(
+            f"tail {first.codec.tail}", "no tail (log-probs renormalised over the K)")
     summary |= {
         "v1_bytes_per_position": 8 * top_k if first.format == 1 and first.logprobs.dtype == np.float32 else 6 * top_k,
         "schema_bytes_per_shard": len(first.table.schema.serialize()),
