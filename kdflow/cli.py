@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if handler not in existing:
             install_terminal_logging(handler, args.verbose)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # else every Prefect API request is an INFO line
+    if not args.verbose:  # torch's own INFO lines (FakeTensor cache stats at exit, when torch's import was cut)
+        logging.getLogger("torch").setLevel(logging.WARNING)
     logging.getLogger("kdflow").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     quiet_store_loggers()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
