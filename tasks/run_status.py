@@ -74,6 +74,9 @@ def status_lines(run_root: RunRoot) -> Iterator[str]:
     if another_corpus:
         yield "  stale: tokenised from another corpus than corpus/ holds now; the next run's tokenise makes it again"
     token_store = read_complete(run_root, run_root.path(TOKENS_DIR))
+    imported = getattr(token_store.extra, "imported_from", None) if token_store is not None else None
+    if imported:  # no corpus/ to have come from: say where it did
+        yield f"  imported by kdflow store import from {imported}"
     stale = 0
     for tag in topk_tags(run_root):
         line, _, records = _store_line(run_root, f"topk/{tag}", run_root.path(TOPK_DIR, tag), "topk", token_shards,

@@ -71,6 +71,10 @@ def test_training_on_an_import_needs_only_the_teachers_tokenizer(make_config, tm
     run = tmp_path / "run"
     config = import_config(make_config, run, student__eval_shards=1)
     tag = _import(config, write_parts(tmp_path / "src", capture_table(40, 20), [20]))["tag"]
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.run_status import status_lines
+
+    assert f"  imported by kdflow store import from {tmp_path / 'src'}" in status_lines(RunRoot(str(run)))
     tokenizer_only = config.model_copy(update={"teacher": config.teacher.model_copy(
         update={"model": str(tiny_tokenizer_dir)}), "student": config.student.model_copy(update={"topk_tag": tag})})
     assert not (tiny_tokenizer_dir / "config.json").exists()
