@@ -96,16 +96,18 @@ def test_probabilities_declared_as_another_kind_are_refused_naming_kind_probabil
     np.testing.assert_allclose(rows.logprobs, shifted - np.log(np.exp(shifted).sum(1, keepdims=True)), rtol=1e-5)
 
 
-def test_a_target_mask_of_k_entries_drops_the_masked_entries_and_keeps_the_others_in_order() -> None:
+@pytest.mark.parametrize("kind", ["logprobs", "probabilities"])
+def test_a_target_mask_of_k_entries_drops_the_masked_entries_and_keeps_the_others_in_order(kind: str) -> None:
     rng = np.random.default_rng()
     ids, p = _distribution(rng, 5)
     logprobs = np.log(p)
-    logprobs[2, 1] = np.nan  # what a masked entry holds does not matter
+    values = logprobs.copy() if kind == "logprobs" else p.copy()
+    values[2, 1] = np.nan  # what a masked entry holds does not matter
     entry_mask = np.ones((5, K), np.int8)
     entry_mask[0, 1] = entry_mask[2, 1] = entry_mask[2, 3] = 0  # single entries
     entry_mask[4] = 0  # a whole position: no target
-    layout = declare_layout("kdflow", {"target_mask": "target_mask"})
-    batch = _table([rng.integers(0, VOCAB, 5).tolist()], [ids.tolist()], [logprobs.tolist()],
+    layout = declare_layout("kdflow", {"target_mask": "target_mask"}, kind=kind)
+    batch = _table([rng.integers(0, VOCAB, 5).tolist()], [ids.tolist()], [values.tolist()],
                    target_mask=pa.array([entry_mask.tolist()], pa.list_(pa.list_(pa.int8()))))
     rows = source_rows(batch, layout, 0, K, VOCAB)
     assert rows.target.tolist() == [True, True, True, True, False]

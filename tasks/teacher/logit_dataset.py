@@ -111,7 +111,8 @@ def source_rows(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row
     target = keep.copy() if mask is None else keep & (mask != 0)
     if entries is not None and not entries[target].all():  # masked entries: padding, after the kept ones
         order = np.argsort(~entries, axis=1, kind="stable")
-        values = np.where(np.take_along_axis(entries, order, 1), np.take_along_axis(values, order, 1), -np.inf)
+        pad = 0.0 if layout.kind == "probabilities" else -np.inf
+        values = np.where(np.take_along_axis(entries, order, 1), np.take_along_axis(values, order, 1), pad)
         ids_raw = np.take_along_axis(ids_raw, order, 1)
 
     def fail(hits: np.ndarray, field: str, problem: str) -> None:
