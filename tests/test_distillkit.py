@@ -50,6 +50,12 @@ def test_lossless_round_trip_gives_the_same_ids_and_logprobs():
     rows = read_back(distillkit_table(tokens, ids, logprobs, settings), settings, 16)
     table = distillkit_table(tokens, ids, logprobs, settings)
     assert is_distillkit(table.column_names) and not is_distillkit(["input_ids", "topk_ids", "topk_logprobs"])
+    from kdflow.schemas.logit_layouts import LAYOUTS
+    from kdflow.tasks.teacher.logit_dataset import check_columns
+
+    with pytest.raises(StoreError, match=r"has no column 'topk_ids' of layout kdflow \(columns: input_ids, "
+                                         r".*\); it looks like a DistillKit capture: --layout distillkit$"):
+        check_columns(table, LAYOUTS["kdflow"], "capture")  # imported with another layout: named
     assert rows.normalisation == FULL and rows.tail is None and rows.target.all()
     assert rows.offsets.tolist() == [0, 7, 14, 21]
     assert np.array_equal(rows.tokens.reshape(3, 7), tokens)

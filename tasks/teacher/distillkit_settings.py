@@ -166,7 +166,7 @@ def read_distillkit_settings(path: str | Path) -> DistillKitSettings:
     file = path / SETTINGS_FILE if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"no DistillKit compressor settings at {file}: give the capture's {SETTINGS_FILE} "
-                          "or the DistillKit config that names its logprob_compressor")
+                          "or the DistillKit config that names its logprob_compressor (--distillkit-settings FILE)")
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from kdflow.schemas.errors import StoreError
 from kdflow.schemas.logit_layouts import LAYOUTS, LogitLayout
+from kdflow.tasks.teacher.distillkit import is_distillkit
 from kdflow.tasks.teacher.source_columns import (any_per_position, entries_per_position, fail_at, list_depth, nested,
                                                  same_rows)
 from kdflow.tasks.teacher.source_rows import SourceRows
@@ -42,8 +43,9 @@ def check_columns(table: pa.Table | pa.RecordBatch, layout: LogitLayout, path: s
     missing = _missing(table, layout)
     if missing is not None:
         columns = all_columns() if all_columns is not None else table.schema.names
+        hint = "; it looks like a DistillKit capture: --layout distillkit" if is_distillkit(list(columns)) else ""
         raise StoreError(f"import source {path!r} has no column {missing!r} of layout {layout.name} "
-                         f"(columns: {', '.join(columns)})")
+                         f"(columns: {', '.join(columns)}){hint}")
 
 
 def _targets(batch: pa.RecordBatch | pa.Table, layout: LogitLayout, first_row: int, row_lengths: np.ndarray,
