@@ -1,8 +1,9 @@
 """`kdflow validate`'s look at students/: every weights file of each student's final model and checkpoints whole.
 
-Checkpoints carry no hashes (training rewrites them as it goes), so a store's re-hash has nothing to compare them
-with. What a killed copy, a full disk or a cut download leaves is a safetensors file cut short: training's resume
-passes over such a checkpoint for the one before it, and `kdflow chat` cannot load it. A safetensors file says
+Checkpoints carry no hashes of their weights (training rewrites them as it goes), so a store's re-hash has nothing
+to compare them with. What a killed copy, a full disk or a cut download leaves is a safetensors file cut short:
+training's resume passes over such a checkpoint for the one before it, and `kdflow chat` cannot load it. A
+`final/config.json` edited since is named too (it must equal its checkpoint's). A safetensors file says
 how long it must be: 8 bytes giving its header's length, the JSON header, then the tensors up to the largest end
 offset the header names; two small reads tell a whole file from a cut one, on disk or on an object store.
 """
@@ -53,6 +54,5 @@ def student_reports(run_root: RunRoot) -> list[StudentReport]:
             edited = final_config_problem(run_root, student, max(report.checkpoints))
             report.problems += [f"{edited}; delete {STUDENTS_DIR}/{name}/{FINAL_DIR} and rerun train: it saves "
                                 "final/ again from the last checkpoint"] if edited else []
-        if report.final or report.checkpoints or report.unfinished:
-            reports.append(report)
+        reports.append(report)  # one stopped before its first checkpoint too: "no finished checkpoint"
     return reports

@@ -331,3 +331,16 @@ def test_a_relative_run_root_missing_from_here_says_where_it_was_looked_for(
                                                f"{project / 'runs' / 'mine'}")
     assert main(["status", "runs/mine"]) == 1  # a run root given as such: no hint
     assert capsys.readouterr().out.strip() == "run root runs/mine does not exist (nothing run yet)"
+
+
+def test_a_student_stopped_before_its_first_checkpoint_is_listed(tmp_path: Path, capsys) -> None:
+    from kdflow.schemas.storage import RunRoot
+    from kdflow.tasks.validate_students import student_reports
+
+    (tmp_path / "students" / "early").mkdir(parents=True)
+    (tmp_path / "students" / "early" / "metrics.jsonl").write_text('{"step": 1}\n')
+    [report] = student_reports(RunRoot(str(tmp_path)))
+    assert (report.name, report.final, report.checkpoints, report.problems) == ("early", False, [], [])
+    validate_run_root(str(tmp_path))
+    said = capsys.readouterr().out
+    assert "students/early       no finished checkpoint       ok" in said and "with whole weights" not in said

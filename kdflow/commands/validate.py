@@ -92,7 +92,8 @@ def validate_run_root(url: str, fix: bool = False, given: str | None = None) -> 
     problems = sum(len(r.problems) for r in reports)
     shards = sum(len(r.records) for r in reports)
     if not problems and not student_problems:
-        whole = f", {count_of(len(students), 'student')} with whole weights" if students else ""
+        weighted = [s for s in students if s.final or s.checkpoints]  # not those stopped before any checkpoint
+        whole = f", {count_of(len(weighted), 'student')} with whole weights" if weighted else ""
         print(f"validate: OK, {count_of(len(reports), 'store')}, {count_of(shards, 'shard')} re-hashed and checked"
               f"{whole}")
         return 0
