@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Stop what the infra scripts started on this machine: workers, the Prefect server, PostgreSQL.
-# A flow run in progress ends with its worker (its output goes through the worker): stop workers between runs,
-# or cancel runs first in the UI or with `prefect flow-run cancel ID`; a rerun resumes. Data stays (the cluster in
-# $KDFLOW_PGDATA, logs in $KDFLOW_STATE_DIR); rerunning is safe.
+# A flow run in progress lives in its own session and outlives a worker stopped here (TERM): it goes on, and
+# finishes once a server answers again. Cancel runs first, in the UI or with `prefect flow-run cancel ID`; a rerun
+# resumes. Data stays (the cluster in $KDFLOW_PGDATA, logs in $KDFLOW_STATE_DIR); rerunning is safe.
 #
 #   infra/stop-all.sh             # everything
 #   infra/stop-all.sh workers     # only the workers (e.g. before restarting them with other settings)
