@@ -171,3 +171,33 @@ def test_an_import_says_how_far_it_read_and_what_it_could_not_check(make_config,
     assert "import: 2/2 rows, 40 tokens, " in caplog.text  # Parquet's footers give the total: a rate and an ETA
     assert "import: the source has no text column (text): its token ids are checked against the tokenizer's " \
            "vocabulary size only" in caplog.text
+
+
+@pytest.mark.parametrize("fault", ["disk full", "store unreachable"])
+def test_a_full_disk_or_a_lost_store_keeps_the_staged_work_for_the_rerun(make_config, tmp_path: Path, monkeypatch,
+                                                                         fault: str) -> None:
+    """Unlike a bad row (which a rerun meets again), these are not the source's fault: the rerun goes on from what
+    was staged."""
+    from kdflow.schemas.disk_space import DiskFull
+    from kdflow.schemas.errors import StoreUnreachable
+    from kdflow.tasks.teacher import logit_staging
+
+    rng = np.random.default_rng()
+    ids, p = _distribution(rng, 200)
+    table = _table(_rows_of(rng.integers(0, VOCAB, 200), [20] * 10), _rows_of(ids, [20] * 10),
+                   _rows_of(np.log(p), [20] * 10))
+    error = DiskFull("somewhere") if fault == "disk full" else StoreUnreachable("the store went away")
+
+    def fail_at_shard_2(site: str, run_root, **where) -> None:
+        if where.get("shard") == 2:
+            raise error
+
+    monkeypatch.setattr(logit_staging.faults, "maybe_fire", fail_at_shard_2)
+    with pytest.raises(type(error)):
+        _import(make_config, tmp_path, table)
+    assert len(list((tmp_path / "run" / "_imports").glob("*/packed-*.npz"))) == 3  # shards 0-2 written, kept
+    monkeypatch.undo()
+    config = import_config(make_config, tmp_path / "run", precompute__top_k=K, seq_len=8)
+    again = import_store(open_run_root(config), teacher_pass_settings(config), str(tmp_path / "capture.parquet"),
+                         LAYOUTS["kdflow"], "t")  # the same file: the same staging key
+    assert again["staged_reused"] == 2 and again["complete"]  # the two with their progress record

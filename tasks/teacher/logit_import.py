@@ -26,7 +26,8 @@ from kdflow.schemas.commits import (CommitRecord, StageComplete, TokensCompleteI
                                     write_complete)
 from kdflow.schemas.config import PrecomputeConfig
 from kdflow.schemas.config_hash import section_hash
-from kdflow.schemas.errors import ConfigError, StoreError
+from kdflow.schemas.disk_space import DiskFull
+from kdflow.schemas.errors import ConfigError, StoreError, StoreUnreachable
 from kdflow.schemas.fingerprints import tokenizer_fingerprint
 from kdflow.schemas.layout import CONFIG_FILE, TOPK_DIR, data_file_name
 from kdflow.schemas.logit_layouts import LogitLayout, resolve_layout
@@ -85,6 +86,8 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
     try:
         checked = stage_source(run_root, staging, files, layout, packing, tokenizer, read_rows)  # every row passed
         _check_staged(checked, source, pre.store.format)
+    except (DiskFull, StoreUnreachable):  # not the source's fault: a rerun goes on from the staged shards
+        raise
     except (StoreError, ConfigError):  # the source's rows: a rerun would read them again and fail alike
         _drop_staging(run_root, staging)
         raise
