@@ -4,8 +4,7 @@ shards kept, and the flow's next worker (or the user's rerun) going on from them
 from __future__ import annotations
 
 import re
-import threading
-import time
+from typing import Any
 
 import pytest
 
@@ -23,28 +22,32 @@ from kdflow.tasks.common.failures import exit_code_for  # noqa: E402
 
 def test_the_flow_retries_a_teacher_worker_that_lost_the_store_and_finishes_the_pass(
         prefect_harness: None, bucket: Bucket, make_config, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store goes away after two shards' commits and comes back a second later: the worker exits 4 (object
-    store unreachable), the flow starts another after `precompute.retry_delay_s`, and that one finishes the pass
-    without computing the committed shards again (it was a user error, exit 2, never retried)."""
-    from kdflow.flows.precompute import precompute_flow
+    """The store goes away after two shards' commits and comes back once that worker has failed: the worker exits
+    4 (object store unreachable), the flow starts another after `precompute.retry_delay_s`, and that one finishes
+    the pass without computing the committed shards again (it was a user error, exit 2, never retried). The store
+    comes back as the second worker starts, not after a fixed second: a first worker still in botocore's retry then
+    got through, and the pass finished at attempt 1."""
+    from kdflow.flows import precompute as flow_module
 
     config = make_config(run_root=bucket.run_root, dataset__max_documents=20, precompute__retry_delay_s=1)
     prepare(config)
     proxy = TcpProxy(bucket.moto.port)
     proxy.cut_after = (re.compile(rb"PUT /\S+/topk/\S+\.commit\.json"), 2)
+    launched, launch = [], flow_module.run_child
 
-    def back_after_a_second() -> None:
-        if proxy.was_cut.wait(300):
-            time.sleep(1)
+    def back_for_the_next_worker(*args: Any, **kwargs: Any) -> Any:
+        launched.append(proxy.was_cut.is_set())
+        if len(launched) > 1:
             proxy.restore()
+        return launch(*args, **kwargs)
 
-    threading.Thread(target=back_after_a_second, daemon=True).start()
+    monkeypatch.setattr(flow_module, "run_child", back_for_the_next_worker)
     try:
         use_endpoint(monkeypatch, proxy.endpoint, AWS_MAX_ATTEMPTS="2")  # botocore: one retry, not four
-        result = precompute_flow(config)
+        result = flow_module.precompute_flow(config)
     finally:
         proxy.cut()
-    assert result["attempt"] == 2, result  # the flow verified every shard and the store's _complete.json
+    assert launched == [False, True] and result["attempt"] == 2, result  # it verified every shard and _complete
     assert 0 < result["written"] <= result["shards"] - 2, result  # the second worker did not redo the first's
 
 
