@@ -16,7 +16,7 @@ from kdflow.schemas.layout import (CONFIG_FILE, CORPUS_DIR, EVAL_FILE, FINAL_DIR
                                    STUDENTS_DIR, TOKENS_DIR, TOPK_DIR, checkpoint_name, is_store_name)
 from kdflow.schemas.storage import RunRoot, complete_checkpoint_steps
 from kdflow.schemas.store_info import tokens_made_from, topk_tags
-from kdflow.tasks.common.model_files import final_config_problem, weights_problems
+from kdflow.tasks.common.model_files import final_problems
 from kdflow.tasks.common.progress import count_of
 from kdflow.tasks.teacher.micro_batch import stepped_down_lines
 
@@ -125,8 +125,7 @@ def _student_line(run_root: RunRoot, name: str) -> str:
     saved = (f"{len(steps)} checkpoint{'' if len(steps) == 1 else 's'} (latest {checkpoint_name(steps[-1])})"
              if steps else "no checkpoint yet")
     final = "final model saved" if run_root.exists(f"{folder}/{FINAL_DIR}/config.json") else "no final model yet"
-    if final == "final model saved" and (weights_problems(run_root, f"{folder}/{FINAL_DIR}", FINAL_DIR) or (
-            steps and final_config_problem(run_root, folder, steps[-1]))):
+    if final == "final model saved" and final_problems(run_root, folder, steps[-1] if steps else None):
         final = "final model damaged (kdflow validate names it; a rerun of train writes it again)"
     line = (f"{'students/' + name:<22} step {steps[-1] if steps else 0:,} of "
             f"{f'{target:,}' if isinstance(target, int) else '?'}: {saved}, {final}")

@@ -177,3 +177,10 @@ def final_config_problem(run_root: RunRoot, student_dir: str, step: int) -> str 
         return None
     return None if same else (f"{run_root.display(final)} differs from {checkpoint_name(step)}'s, which final/ was "
                               "written from (edited?)")
+
+
+def final_problems(run_root: RunRoot, student_dir: str, step: int | None) -> list[str]:
+    """What is wrong with a student's final/, one line each: its weights cut short, or its config.json not that of
+    the checkpoint of `step` (None: no checkpoint to compare with). Training writes such a final/ again."""
+    edited = final_config_problem(run_root, student_dir, step) if step is not None else None
+    return weights_problems(run_root, f"{student_dir}/{FINAL_DIR}", FINAL_DIR) + ([edited] if edited else [])

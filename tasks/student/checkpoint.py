@@ -209,8 +209,7 @@ def save_checkpoint(run_root: RunRoot, student_dir: str, model: nn.Module, token
         model.save_pretrained(folder, state_dict=_copy(model_state))
         tokenizer.save_pretrained(folder)
         torch.save(training, os.path.join(folder, TRAINING_STATE_FILE))
-        with open(os.path.join(folder, MODEL_CONFIG), "rb") as handle:
-            written = hashlib.sha256(handle.read()).hexdigest()
+        written = _sha256(os.path.join(folder, MODEL_CONFIG))
         with open(os.path.join(folder, CHECKPOINT_MARKER), "w", encoding="utf-8") as handle:
             json.dump(asdict(state) | {"created_at": time.time(), "model_config_sha256": written}, handle, indent=1)
     return path

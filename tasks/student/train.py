@@ -31,7 +31,7 @@ from kdflow.schemas.stage_settings import TrainingSettings
 from kdflow.schemas.storage import RunRoot, remove_stale_temp_files
 from kdflow.schemas.store_info import read_store_info
 from kdflow.tasks.common import faults
-from kdflow.tasks.common.model_files import final_config_problem, weights_problems
+from kdflow.tasks.common.model_files import final_problems
 from kdflow.tasks.common.tokenizer import load_tokenizer
 from kdflow.tasks.student.checkpoint import (Checkpoint, TrainingState, load_training_state, newest_loadable,
                                              prune_checkpoints, save_checkpoint, save_final)
@@ -246,9 +246,8 @@ class StudentRun:
             self.evaluate()
         final = f"{self.student_dir}/{FINAL_DIR}"
         final_missing = not self.run_root.exists(f"{final}/config.json")
-        if self.is_main and not final_missing and (cut := weights_problems(self.run_root, final, FINAL_DIR) or [
-                problem for problem in [final_config_problem(self.run_root, self.student_dir, self.state.step)]
-                if problem]):
+        if self.is_main and not final_missing and (cut := final_problems(self.run_root, self.student_dir,
+                                                                         self.state.step)):
             logger.warning("train %s: %s: writing it again from step %d", self.student.name, cut[0], self.state.step)
             final_missing = True  # a copy cut short (a full disk, a killed copy), or edited: the same weights again
         final_missing = any_rank(final_missing, self.device)  # the gather below is a collective: all agree

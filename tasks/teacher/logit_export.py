@@ -71,8 +71,7 @@ def renormalised(logprobs: np.ndarray) -> np.ndarray:
 def export_problem(layout: LogitLayout, normalisation: str, masked: bool) -> str | None:
     """Why a store of `normalisation` (with positions lacking targets when `masked`) cannot be written in
     `layout` without presenting its values as what they are not; None when it can."""
-    if normalisation == TOP_K and (layout.kind in ("logprobs", "probabilities", "distillkit")
-                                   or layout.tail is not None):
+    if normalisation == TOP_K and (layout.has_tail_kind or layout.kind == "distillkit" or layout.tail is not None):
         return (f"its log-probs are renormalised over the K ids (no tail), layout {layout.name} declares log-probs "
                 "over the full vocabulary" + (" and a tail" if layout.tail is not None else "")
                 + "; export to a renormalised or logits layout")

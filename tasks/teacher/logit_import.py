@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -161,14 +162,21 @@ def import_store(run_root: RunRoot, settings: TeacherPassSettings, source: str, 
             "normalisation": checked.normalisation}
 
 
-def _remove_unfinished_store(run_root: RunRoot, key: str) -> None:
-    """The top-K store a stopped import had begun to write from staging folder `key`, now removed: nothing can
-    finish it any more (its TAG hashes the staged arrays), so it goes rather than stay `in progress` for good."""
+def _imported_stores(run_root: RunRoot) -> Iterator[tuple[str, str, TopkStoreInfo, dict[str, Any]]]:
+    """(tag, store folder, store info, its `imported` record) of every top-K store an import wrote."""
     for tag in topk_tags(run_root) if run_root.exists(run_root.path(TOPK_DIR)) else []:
         store = stage_dir(run_root, "topk", tag)
         info = read_store_info(run_root, store)
         imported = (info.model_extra or {}).get("imported") if info is not None else None
-        if isinstance(imported, dict) and imported.get("key") == key and read_complete(run_root, store) is None:
+        if isinstance(imported, dict):
+            yield tag, store, info, imported
+
+
+def _remove_unfinished_store(run_root: RunRoot, key: str) -> None:
+    """The top-K store a stopped import had begun to write from staging folder `key`, now removed: nothing can
+    finish it any more (its TAG hashes the staged arrays), so it goes rather than stay `in progress` for good."""
+    for _, store, _, imported in _imported_stores(run_root):
+        if imported.get("key") == key and read_complete(run_root, store) is None:
             with contextlib.suppress(FileNotFoundError):
                 run_root.fs.rm(store, recursive=True)
             logger.warning("import: removed top-K store %s, which that stopped import had begun and no import can "
@@ -199,11 +207,8 @@ def _finished_import(run_root: RunRoot, settings: TeacherPassSettings, key: str,
     tokens_done = read_complete(run_root, stage_dir(run_root, "tokens"))
     if tokens_done is None or tokens_done.fingerprint != tokens_fp:
         return None
-    for tag in topk_tags(run_root) if run_root.exists(run_root.path(TOPK_DIR)) else []:
-        store = stage_dir(run_root, "topk", tag)
-        info = read_store_info(run_root, store)
-        imported = (info.model_extra or {}).get("imported") if info is not None else None
-        if not isinstance(imported, dict) or imported.get("key") != key or imported.get("teacher") != teacher_name:
+    for tag, store, info, imported in _imported_stores(run_root):
+        if imported.get("key") != key or imported.get("teacher") != teacher_name:
             continue
         done = read_complete(run_root, store)
         if done is None or tag != settings.topk_fingerprint(info.teacher_fingerprint, tokens_fp):
