@@ -26,8 +26,9 @@ from torch import Tensor, nn
 
 from kdflow.schemas.errors import ConfigError
 from kdflow.tasks.common.fused_experts import expert_count
-from kdflow.tasks.common.models import body_runner, text_config
-from kdflow.tasks.teacher.fused_moe import FUSED_EXPERTS, default_tiles, moe_tiling, register_fused_experts
+from kdflow.tasks.common.models import text_config
+from kdflow.tasks.teacher.fused_moe import (FUSED_EXPERTS, default_tiles, moe_tiling, register_fused_experts,
+                                            teacher_body_runner)
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting, triton_available
 
@@ -95,7 +96,7 @@ def _runner(model: nn.Module, variant: str, compile_backend: str) -> Callable[[T
     """A function input_ids -> the body's hidden states under `variant` (the experts set as it needs)."""
     settings = pass_settings(variant)
     use_experts(model, settings["experts"])
-    return body_runner(model, compiled=settings["compile_body"], backend=compile_backend)
+    return teacher_body_runner(model, compiled=settings["compile_body"], backend=compile_backend)
 
 
 def measure_body_variants(model: nn.Module, input_ids: Tensor, variants: tuple[str, ...] = VARIANTS,

@@ -28,7 +28,8 @@ interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -37,12 +38,13 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from kdflow.tasks.common.fused_experts import BLOCK as NF4_BLOCK, Dequantised
-from kdflow.tasks.teacher.gemm_tiles import GemmTiles, interpreted, target_arch
+from kdflow.tasks.common.models import body_runner
+from kdflow.tasks.teacher.gemm_tiles import GemmTiles, constant_under_compile, interpreted, target_arch
 from kdflow.tasks.teacher.tile_stats_kernel import check_triton_device
 
 __all__ = ["FLOAT32", "FUSED_EXPERTS", "HOPPER", "LARGE", "SMALL", "block_schedule", "default_tiles",
            "fused_experts_forward", "moe_tiling", "register_fused_experts", "scale_aligned", "schedule_blocks",
-           "tiles_for"]
+           "teacher_body_runner", "tiles_for"]
 
 FUSED_EXPERTS = "kdflow_fused"
 
@@ -174,7 +176,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # every (slot, column) written
     schedule = torch.stack([block_expert, block_start, block_end], 1).contiguous()  # (programs, 3)
-    launch = _launch if x.device.type == "cuda" else _launch_interpreted
+    launch = _launch if x.device.type == "cuda" else _launch_interpreted()
     launch(x, gate_up, down, h, out, slots, top_k_weights.reshape(-1).contiguous(), schedule, tiles, top_k)
     return out.view(tokens, top_k, hidden).sum(1)  # (T, D), accumulated in float32
 
@@ -201,9 +203,12 @@ def _launch(x: Tensor, gate_up: ExpertWeight, down: ExpertWeight, h: Tensor, out
         ALIGNED=scale_aligned(inter, tiles.block_k), **shape)
 
 
-# Under Triton's interpreter (CPU tensors) the kernels are Python that torch.compile cannot trace: a compiled body
-# runs them outside its graph there. On CUDA torch.compile takes them into the graph as Triton kernels.
-_launch_interpreted = torch.compiler.disable(_launch)
+@functools.cache
+def _launch_interpreted() -> Callable[..., None]:
+    """`_launch` for Triton's interpreter (CPU tensors), where the kernels are Python that torch.compile cannot trace:
+    a compiled body runs them outside its graph there. On CUDA torch.compile takes them into the graph as Triton
+    kernels. Made on first use: `torch.compiler.disable` imports torch._dynamo (~1.8 s)."""
+    return torch.compiler.disable(_launch)
 
 
 def register_fused_experts() -> bool:
@@ -215,3 +220,11 @@ def register_fused_experts() -> bool:
         return False
     ExpertsInterface.register(FUSED_EXPERTS, fused_experts_forward)
     return True
+
+
+def teacher_body_runner(model: nn.Module, compiled: bool = False, backend: str = "inductor") -> Callable[..., Tensor]:
+    """`body_runner` (kdflow.tasks.common.models) of a teacher, whose body may hold kdflow's kernels (`kdflow_fused`
+    experts): under torch.compile their target is marked constant first (`constant_under_compile`)."""
+    if compiled:
+        constant_under_compile()
+    return body_runner(model, compiled=compiled, backend=backend)

@@ -11,7 +11,7 @@ import torch
 
 from kdflow.tasks.teacher.tile_stats_kernel import interpreting
 
-__all__ = ["GemmTiles", "interpreted", "parse_tilings", "target_arch"]
+__all__ = ["GemmTiles", "constant_under_compile", "interpreted", "parse_tilings", "target_arch"]
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,16 @@ def interpreted(device: torch.device) -> bool:
     return device.type != "cuda" and interpreting()
 
 
-@torch.compiler.assume_constant_result  # torch.compile (a compiled body's fused experts) takes it as read, once
 def target_arch() -> int:
-    """The compute capability Triton compiles for (the GPU in use; `kdflow bench kernels`' stand-in target)."""
+    """The compute capability Triton compiles for (the GPU in use; `kdflow bench kernels`' stand-in target).
+    torch.compile takes it as read, once, after `constant_under_compile` (a compiled body's fused experts call it)."""
     from triton.runtime import driver
 
     return int(driver.active.get_current_target().arch)
+
+
+def constant_under_compile() -> None:
+    """Mark `target_arch` as a constant for torch.compile (`torch.compiler.assume_constant_result`), so a compiled
+    body holding kdflow's kernels does not trace Triton's driver. Called before each compile of a teacher body, never
+    at import: the marker imports torch._dynamo, ~1.8 s of CPU that every teacher and tune worker would pay."""
+    torch.compiler.assume_constant_result(target_arch)

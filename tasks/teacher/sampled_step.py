@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kdflow.tasks.common.models import body_runner, final_logit_transform, output_layer
+from kdflow.tasks.common.models import final_logit_transform, output_layer
+from kdflow.tasks.teacher.fused_moe import teacher_body_runner
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
@@ -73,7 +74,7 @@ class TeacherSampledStep:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model, self.plan, self.chunk_tokens, self.vocab_chunk = model, plan, chunk_tokens, vocab_chunk
-        self.body = body_runner(model, compile_body)  # precompute.compile_body: torch.compile at the fixed shape
+        self.body = teacher_body_runner(model, compile_body)  # compile_body: torch.compile at the fixed shape
         self.lm_head = output_layer(model)
         self.logit_transform = final_logit_transform(model.config)
         vocab_size = getattr(self.lm_head, "out_features", None)

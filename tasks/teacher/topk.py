@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from kdflow.schemas.config import PrecomputeConfig
-from kdflow.tasks.common.models import LogitTransform, body_runner, final_logit_transform, output_layer
+from kdflow.tasks.common.models import LogitTransform, final_logit_transform, output_layer
+from kdflow.tasks.teacher.fused_moe import teacher_body_runner
 from kdflow.tasks.teacher.slab import TeacherSlabs, split_logsumexp_
 from kdflow.tasks.teacher.tiled_topk import (TILED_HEADS, float32_head, tiled_head_fits, tiled_head_topk,
                                              tiled_variant)
@@ -155,7 +156,7 @@ class TeacherTopkStep:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.model = model
-        self.body = body_runner(model, compile_body)  # precompute.compile_body: torch.compile at the fixed shape
+        self.body = teacher_body_runner(model, compile_body)  # compile_body: torch.compile at the fixed shape
         self.compiled_body = compile_body
         self.lm_head = output_layer(model)
         self.logit_transform = final_logit_transform(model.config)
