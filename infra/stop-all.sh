@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Stop what the infra scripts started on this machine: workers, the Prefect server, PostgreSQL.
-# A flow run in progress lives in its own session and outlives a worker stopped here (TERM): it goes on, and
-# finishes once a server answers again. Cancel runs first, in the UI or with `prefect flow-run cancel ID`; a rerun
-# resumes. Data stays (the cluster in $KDFLOW_PGDATA, logs in $KDFLOW_STATE_DIR); rerunning is safe.
+# First the flow runs in progress that were started on this machine are cancelled, while their workers can still
+# stop them (infra/stop_flow_runs.py; a process worker starts each run in its own session, so a run would outlive
+# its worker and go on holding its GPU). Their committed work stays: a rerun resumes. Data stays (the cluster in
+# $KDFLOW_PGDATA, logs in $KDFLOW_STATE_DIR); rerunning this script is safe.
 #
 #   infra/stop-all.sh             # everything
 #   infra/stop-all.sh workers     # only the workers (e.g. before restarting them with other settings)
@@ -13,6 +14,13 @@ WHAT=${1:-all}
 case "$WHAT" in all | workers) ;; *) die "usage: infra/stop-all.sh [all|workers], got '$WHAT'" ;; esac
 
 shopt -s nullglob
+if API=$(api_url 2>/dev/null); then
+  if http_ok "$API/health"; then
+    PREFECT_API_URL=$API "$(python_bin)" "$KDFLOW_REPO/infra/stop_flow_runs.py" || true
+  else
+    note "no Prefect server answers at $API: flow runs started here, if any, were not cancelled"
+  fi
+fi
 workers=("$STATE_DIR"/worker-*.pid)
 for pid_file in "${workers[@]}"; do term_pidfile "$pid_file" "worker start"; done
 # A worker's graceful shutdown may hang: give them all 5 s together, then KILL whatever is left.

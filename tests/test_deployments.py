@@ -246,3 +246,36 @@ def test_precompute_deployment_fans_out_over_both_gpu_workers(
     assert len(trained) == 1 and trained[0].parameters["config"] == parameters["config"]
     assert trained[0].work_queue_name == "student"
     print(json.dumps({k: round(v, 1) for k, v in timings.items()}))
+
+
+def test_stop_all_cancels_the_runs_this_machines_workers_started(
+    prefect_stack: PrefectStack, deployed: dict[str, Any], make_config: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A process worker starts each flow run in a session of its own, so a run outlived a worker stopped with TERM
+    and went on holding its GPU. infra/stop-all.sh now cancels the runs in progress first: the run ends Cancelled,
+    its process is gone, and the script says so. The workers are started again for the module's other tests."""
+    from kdflow.schemas.owners import process_alive
+
+    config = make_config(run_root=str(tmp_path / "stopped"))
+    _wait_workers_online(prefect_stack, {"test-cpu": "cpu"})
+    output = prefect_stack.run(PREFECT, "deployment", "run", "materialise/llmjp", "--params",
+                               json.dumps({"config": config.model_dump(mode="json")}), "--job-variable",
+                               'env={"KDFLOW_FAULT": "pause@at=commit,stage=materialise"}').stdout
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
+    faults = tmp_path / "stopped" / "_faults"
+    deadline = time.monotonic() + 120
+    while not (fired := sorted(faults.glob("*.fired")) if faults.is_dir() else []):
+        assert time.monotonic() < deadline, "the materialise run never reached its pause"
+        time.sleep(0.5)
+    pid = json.loads(fired[0].read_text())["pid"]
+    try:
+        stopped = prefect_stack.run("bash", str(REPO / "infra" / "stop-all.sh"), "workers", timeout=120)
+        assert "cancelled flow run" in stopped.stderr and flow_run_id in stopped.stderr, stopped.stderr
+        deadline = time.monotonic() + 10  # gone, not a zombie waiting for its parent
+        while process_alive(pid) and Path(f"/proc/{pid}").exists():
+            assert time.monotonic() < deadline, f"the run's process {pid} outlived infra/stop-all.sh"
+            time.sleep(0.2)
+        flow_run = _wait_final(prefect_stack, flow_run_id, timeout=30)
+        assert flow_run.state.is_cancelled(), flow_run.state
+    finally:
+        prefect_stack.run("bash", str(REPO / "infra" / "start-workers.sh"), "2")

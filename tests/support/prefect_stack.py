@@ -73,8 +73,9 @@ def _wait_healthy(api_url: str, server: subprocess.Popen, log: Path, timeout: fl
 
 
 def _kill_flow_run_processes(stack: PrefectStack) -> None:
-    """Flow runs still going: process workers start each in its own session and leave it running when they stop,
-    so kill their process groups by the pid the server recorded (only processes of this server, by environment)."""
+    """Flow runs still going after infra/stop-all.sh (which cancels them first: this is for a stack whose server or
+    script failed): process workers start each run in its own session and leave it running when they stop, so kill
+    their process groups by the pid the server recorded (only processes of this server, by environment)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
     from prefect.client.schemas.objects import StateType
 
@@ -85,8 +86,8 @@ def _kill_flow_run_processes(stack: PrefectStack) -> None:
         return await client.read_flow_runs(flow_run_filter=live)
 
     for flow_run in stack.client_call(read):
-        host, _, pid = (flow_run.infrastructure_pid or "").rpartition(":")
-        if host != socket.gethostname() or not pid.isdigit():
+        host, _, pid = (flow_run.infrastructure_pid or "").rpartition(":")  # Prefect 3.9 records the pid alone
+        if (host and host != socket.gethostname()) or not pid.isdigit():
             continue
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
