@@ -7,16 +7,19 @@
 #
 #   infra/stop-all.sh             # everything
 #   infra/stop-all.sh workers     # only the workers (e.g. before restarting them with other settings)
+#   KDFLOW_STOP_GRACE_S (30): how long the workers get to stop their runs; a run still going then is ended here
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 
 WHAT=${1:-all}
 case "$WHAT" in all | workers) ;; *) die "usage: infra/stop-all.sh [all|workers], got '$WHAT'" ;; esac
+GRACE_S=${KDFLOW_STOP_GRACE_S:-30}
+[[ "$GRACE_S" =~ ^[0-9]+$ ]] || die "KDFLOW_STOP_GRACE_S must be a whole number of seconds, got '$GRACE_S'"
 
 shopt -s nullglob
 if API=$(api_url 2>/dev/null); then
   if http_ok "$API/health"; then
-    PREFECT_API_URL=$API "$(python_bin)" "$KDFLOW_REPO/infra/stop_flow_runs.py" || true
+    PREFECT_API_URL=$API "$(python_bin)" "$KDFLOW_REPO/infra/stop_flow_runs.py" --grace-s "$GRACE_S" || true
   else
     note "no Prefect server answers at $API: flow runs started here, if any, were not cancelled"
   fi

@@ -6,15 +6,17 @@ run in progress (Pending, Running or Cancelling) whose process is on this host i
 while its worker is still there to stop it; a run still alive after the
 grace period has its process group ended here, and is marked Cancelled. Its committed work stays: a rerun resumes.
 
-    python infra/stop_flow_runs.py [--grace-s 30]       # PREFECT_API_URL: the server (stop-all.sh sets it)
+    python infra/stop_flow_runs.py [--grace-s 30]       # PREFECT_API_URL: the server (stop-all.sh sets it,
+                                                        # and the grace from KDFLOW_STOP_GRACE_S)
 
-Prints one line per cancelled run on stderr; exits 0 unless the server cannot be read.
+Prints one line per cancelled run on stderr; exits 1 if it could not cancel (no Prefect, the server failed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import signal
 import socket
@@ -96,7 +98,7 @@ async def stop_runs(grace_s: float) -> int:
                 _end(pid)
                 how = f"its process {pid} was ended here"
             state = (await client.read_flow_run(flow_run.id)).state
-            if state is None or not state.is_final():
+            if state is None or state.type != StateType.CANCELLED:  # an ended run's engine says Crashed, on TERM
                 await client.set_flow_run_state(flow_run.id, Cancelled(message=MESSAGE), force=True)
             note(f"cancelled flow run {flow_run.name} ({flow_run.id}): {how}; a rerun resumes")
     return len(runs)
@@ -111,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     if not api_url:
         note("PREFECT_API_URL is not set: no flow run cancelled")
         return 0
+    if importlib.util.find_spec("prefect") is None:
+        note(f"Prefect is not installed beside {sys.executable} (KDFLOW_PYTHON): no flow run cancelled")
+        return 1
     try:
         asyncio.run(stop_runs(args.grace_s))
-    except Exception as error:  # the server is down or unreachable: nothing can be read or cancelled
-        note(f"could not reach the Prefect server at {api_url} to cancel flow runs ({type(error).__name__}): "
-             "a run started here may still be going; cancel it once the server is back")
+    except Exception as error:  # the server went away or refused: what was not cancelled yet stays as it is
+        note(f"cancelling flow runs through {api_url} failed ({type(error).__name__}: {error}): a run started here "
+             "may still be going; cancel it in the UI or with `prefect flow-run cancel ID`")
         return 1
     return 0
 

@@ -12,9 +12,13 @@ is stopped at the end (process groups).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
+import signal
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -252,30 +256,48 @@ def test_stop_all_cancels_the_runs_this_machines_workers_started(
     prefect_stack: PrefectStack, deployed: dict[str, Any], make_config: Callable[..., Any], tmp_path: Path
 ) -> None:
     """A process worker starts each flow run in a session of its own, so a run outlived a worker stopped with TERM
-    and went on holding its GPU. infra/stop-all.sh now cancels the runs in progress first: the run ends Cancelled,
-    its process is gone, and the script says so. The workers are started again for the module's other tests."""
+    and went on holding its GPU. infra/stop-all.sh now cancels the runs in progress first. Two runs paused mid-stage:
+    one on `cpu`, whose worker stops it, and one on `gpu`, whose workers are frozen (SIGSTOP: a hung worker), so the
+    script ends that run's process itself after the grace period. Both end Cancelled, their processes gone, one
+    line each. The workers are started again for the module's other tests."""
     from kdflow.schemas.owners import process_alive
 
-    config = make_config(run_root=str(tmp_path / "stopped"))
-    _wait_workers_online(prefect_stack, {"test-cpu": "cpu"})
-    output = prefect_stack.run(PREFECT, "deployment", "run", "materialise/llmjp", "--params",
-                               json.dumps({"config": config.model_dump(mode="json")}), "--job-variable",
-                               'env={"KDFLOW_FAULT": "pause@at=commit,stage=materialise"}').stdout
-    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
-    faults = tmp_path / "stopped" / "_faults"
-    deadline = time.monotonic() + 120
-    while not (fired := sorted(faults.glob("*.fired")) if faults.is_dir() else []):
-        assert time.monotonic() < deadline, "the materialise run never reached its pause"
-        time.sleep(0.5)
-    pid = json.loads(fired[0].read_text())["pid"]
+    _wait_workers_online(prefect_stack, {"test-gpu-0": "gpu", "test-gpu-1": "gpu", "test-cpu": "cpu"})
+    runs = {}  # deployment -> (flow run id, run root)
+    for deployment in ("materialise/llmjp", "pipeline/example"):
+        run_root = tmp_path / deployment.split("/")[0]
+        config = make_config(run_root=str(run_root))
+        output = prefect_stack.run(PREFECT, "deployment", "run", deployment, "--params",
+                                   json.dumps({"config": config.model_dump(mode="json")}), "--job-variable",
+                                   'env={"KDFLOW_FAULT": "pause@at=commit,stage=materialise"}').stdout
+        runs[deployment] = re.search(r"UUID: ([0-9a-f-]{36})", output).group(1), run_root
+    pids, deadline = {}, time.monotonic() + 120
+    for deployment, (_, run_root) in runs.items():
+        while not (fired := sorted((run_root / "_faults").glob("*.fired"))):
+            assert time.monotonic() < deadline, f"the {deployment} run never reached its pause"
+            time.sleep(0.5)
+        pids[deployment] = json.loads(fired[0].read_text())["pid"]
+    gpu_workers = [int(p.read_text()) for p in (prefect_stack.root / "state").glob("worker-gpu-*.pid")]
     try:
-        stopped = prefect_stack.run("bash", str(REPO / "infra" / "stop-all.sh"), "workers", timeout=120)
-        assert "cancelled flow run" in stopped.stderr and flow_run_id in stopped.stderr, stopped.stderr
-        deadline = time.monotonic() + 10  # gone, not a zombie waiting for its parent
-        while process_alive(pid) and Path(f"/proc/{pid}").exists():
-            assert time.monotonic() < deadline, f"the run's process {pid} outlived infra/stop-all.sh"
-            time.sleep(0.2)
-        flow_run = _wait_final(prefect_stack, flow_run_id, timeout=30)
-        assert flow_run.state.is_cancelled(), flow_run.state
+        for pid in gpu_workers:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = subprocess.run(["bash", str(REPO / "infra" / "stop-all.sh"), "workers"], cwd=REPO, text=True,
+                                 env=prefect_stack.env | {"KDFLOW_STOP_GRACE_S": "10"}, capture_output=True,
+                                 timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+        lines = {d: [line for line in stopped.stderr.splitlines() if run_id in line] for d, (run_id, _) in runs.items()}
+        assert "its worker stopped it" in "".join(lines["materialise/llmjp"]), stopped.stderr
+        assert "was ended here" in "".join(lines["pipeline/example"]), stopped.stderr
+        deadline = time.monotonic() + 10
+        for deployment, pid in pids.items():  # gone, not a zombie waiting for its parent
+            while process_alive(pid) and Path(f"/proc/{pid}").exists():
+                assert time.monotonic() < deadline, f"the {deployment} run's process outlived infra/stop-all.sh"
+                time.sleep(0.2)
+        for run_id, _ in runs.values():
+            flow_run = _wait_final(prefect_stack, run_id, timeout=30)
+            assert flow_run.state.is_cancelled(), flow_run.state
     finally:
+        for pid in gpu_workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         prefect_stack.run("bash", str(REPO / "infra" / "start-workers.sh"), "2")
