@@ -48,11 +48,20 @@ def materialise_corpus(run_root: RunRoot, config: KDFlowConfig) -> dict[str, Any
     result = asdict(summary) | {"seconds": progress.elapsed}
     if summary.parts and not summary.parts_written:
         get_run_logger().info("materialise: %d/%d parts already committed, nothing to do", summary.parts, summary.parts)
-    get_run_logger().info("materialise: %s, %s (%s written now; %s without text (empty, or no text field) skipped) "
+    get_run_logger().info("materialise: %s, %s (%s written now; %s without text (empty, or no text field) skipped%s) "
                           "in %.1f s", count_of(summary.parts, "part"), count_of(summary.documents, "document"),
                           count_of(summary.parts_written, "part"), count_of(summary.skipped_empty, "record"),
-                          progress.elapsed)
+                          _which(summary.skipped_first, summary.skipped_empty), progress.elapsed)
     return result
+
+
+def _which(first: list[int], skipped: int) -> str:
+    """The records this run skipped, named as errors name them (counted from 1): `: records 2, 5 of the dataset`,
+    `, the first: records ...` when it skipped more than it names; "" when it named none."""
+    if not first:
+        return ""
+    named = f"record{'s' * (len(first) > 1)} {', '.join(str(index + 1) for index in first)} of the dataset"
+    return f", the first: {named}" if skipped > len(first) else f": {named}"
 
 
 @flow(name="materialise", log_prints=True)

@@ -54,6 +54,19 @@ def test_empty_documents_are_skipped_and_counted(make_config: Callable[..., Any]
     assert committed_documents(config) == [(0, "first"), (1, "second"), (2, "third")]
     done = read_complete(RunRoot(config.run_root), RunRoot(config.run_root).path(CORPUS_DIR))
     assert done.extra.skipped_empty == 4
+    assert summary.skipped_first == [0, 2, 4, 6]
+
+
+def test_the_summary_names_the_first_records_it_skipped(make_config: Callable[..., Any], tmp_path: Path) -> None:
+    """The flow's summary line names the skipped records as errors name records (counted from 1), the first five."""
+    from kdflow.flows.materialise import _which
+
+    docs = ["a", "", "b", *[""] * 6, "c"]
+    config = make_config(dataset__path=str(write_jsonl(tmp_path / "e.jsonl", docs)), dataset__documents_per_part=2)
+    summary = materialise(open_run_root(config), materialise_settings(config))
+    assert (summary.skipped_empty, summary.skipped_first) == (7, [1, 3, 4, 5, 6])
+    assert _which(summary.skipped_first, 7) == ", the first: records 2, 4, 5, 6, 7 of the dataset"
+    assert _which([3], 1) == ": record 4 of the dataset" and _which([], 0) == ""
 
 
 def test_max_documents(make_config: Callable[..., Any], tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from kdflow.tasks.corpus.dataset_changes import check_unchanged, snapshot, start
 from kdflow.tasks.corpus.records import DataError, describe_source, iter_records, local_files
 
 CountTokens = Callable[[list[str]], list[int]]
+SKIPPED_NAMED = 5  # the records without text a run names in its summary (it counts them all)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class MaterialiseSummary:
     parts_written: int
     fingerprint: str
     extra: dict[str, Any] = field(default_factory=dict)
+    skipped_first: list[int] = field(default_factory=list)  # this run's first skipped records (source index, from 0)
 
 
 @dataclass
@@ -87,6 +89,12 @@ def materialise(
     part, written = _Part(source_start=source_index), 0
     budget_docs = dataset.max_documents
     budget_tokens = dataset.max_tokens
+    skipped_first: list[int] = []
+
+    def skip(index: int) -> None:
+        part.skipped_empty += 1
+        if len(skipped_first) < SKIPPED_NAMED:
+            skipped_first.append(index)
 
     def flush(source_end: int) -> None:
         nonlocal prefix, written, part
@@ -130,7 +138,7 @@ def materialise(
             if not budget_left():
                 break
             if not text.strip():
-                part.skipped_empty += 1
+                skip(index)
                 end = index + 1
                 continue
             n_tokens = next(counts)
@@ -149,7 +157,7 @@ def materialise(
             exhausted = False
             break
         if not text.strip() and not pending:
-            part.skipped_empty += 1
+            skip(index)
             next_index = index + 1
             continue
         pending.append((index, text))  # empty ones too while others wait: take() counts them in order
@@ -169,4 +177,5 @@ def materialise(
         stage="corpus", shards=prefix, rows=totals["documents"], tokens=totals["tokens"], fingerprint=fingerprint,
         extra=CorpusCompleteInfo(skipped_empty=totals["skipped"], source_exhausted=exhausted),
     ))
-    return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], written, fingerprint)
+    return MaterialiseSummary(prefix, totals["documents"], totals["tokens"], totals["skipped"], written, fingerprint,
+                              skipped_first=skipped_first)
