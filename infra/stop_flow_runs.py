@@ -66,7 +66,10 @@ def _end(pid: int) -> None:
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.kill(pid, sig) if group == os.getpgrp() else os.killpg(group, sig)
+            if group == os.getpgrp():
+                os.kill(pid, sig)
+            else:
+                os.killpg(group, sig)
         except (ProcessLookupError, PermissionError):
             return
         for _ in range(20):
