@@ -28,7 +28,6 @@ interpreter (TRITON_INTERPRET=1, CPU tensors) against the eager experts; a GPU t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -176,7 +175,7 @@ def fused_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((tokens * top_k, hidden), dtype=x.dtype, device=x.device)  # every (slot, column) written
     schedule = torch.stack([block_expert, block_start, block_end], 1).contiguous()  # (programs, 3)
-    launch = _launch if x.device.type == "cuda" else _launch_interpreted()
+    launch = _launch if x.device.type == "cuda" else _INTERPRETED[0]
     launch(x, gate_up, down, h, out, slots, top_k_weights.reshape(-1).contiguous(), schedule, tiles, top_k)
     return out.view(tokens, top_k, hidden).sum(1)  # (T, D), accumulated in float32
 
@@ -203,12 +202,10 @@ def _launch(x: Tensor, gate_up: ExpertWeight, down: ExpertWeight, h: Tensor, out
         ALIGNED=scale_aligned(inter, tiles.block_k), **shape)
 
 
-@functools.cache
-def _launch_interpreted() -> Callable[..., None]:
-    """`_launch` for Triton's interpreter (CPU tensors), where the kernels are Python that torch.compile cannot trace:
-    a compiled body runs them outside its graph there. On CUDA torch.compile takes them into the graph as Triton
-    kernels. Made on first use: `torch.compiler.disable` imports torch._dynamo (~1.8 s)."""
-    return torch.compiler.disable(_launch)
+# `_launch` under Triton's interpreter (CPU tensors). There the kernels are Python that torch.compile cannot trace, so
+# a compiled body runs them outside its graph: `teacher_body_runner` puts `torch.compiler.disable(_launch)` here before
+# it compiles one (not at import: that imports torch._dynamo, ~1.8 s). On CUDA torch.compile takes them in as kernels.
+_INTERPRETED: list[Callable[..., None]] = [_launch]
 
 
 def register_fused_experts() -> bool:
@@ -224,7 +221,9 @@ def register_fused_experts() -> bool:
 
 def teacher_body_runner(model: nn.Module, compiled: bool = False, backend: str = "inductor") -> Callable[..., Tensor]:
     """`body_runner` (kdflow.tasks.common.models) of a teacher, whose body may hold kdflow's kernels (`kdflow_fused`
-    experts): under torch.compile their target is marked constant first (`constant_under_compile`)."""
+    experts): under torch.compile their target is marked constant first (`constant_under_compile`), and under Triton's
+    interpreter their launch is kept out of the graph."""
     if compiled:
         constant_under_compile()
+        _INTERPRETED[0] = torch.compiler.disable(_launch)
     return body_runner(model, compiled=compiled, backend=backend)
