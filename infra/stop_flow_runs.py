@@ -3,8 +3,8 @@
 A process worker starts each flow run in a session of its own, so a run outlives a worker stopped with TERM: it
 would go on holding its GPU, headless, while a restarted worker starts the next run on the same GPU. So every
 run in progress (Pending, Running or Cancelling) whose process is on this host is cancelled through the API
-while its worker is still there to stop it; a run still alive after the
-grace period has its process group ended here, and is marked Cancelled. Its committed work stays: a rerun resumes.
+while its worker is still there to stop it; a run still alive after the grace period has its process group ended
+here, and is marked Cancelled. Its committed work stays: a rerun resumes.
 
     python infra/stop_flow_runs.py [--grace-s 30]       # PREFECT_API_URL: the server (stop-all.sh sets it,
                                                         # and the grace from KDFLOW_STOP_GRACE_S)

@@ -194,8 +194,8 @@ def test_stages_take_their_own_settings_not_the_whole_config() -> None:
 @pytest.mark.usefixtures("children")
 def test_no_stage_code_imports_prefect_or_torch_compile() -> None:
     """Every module of kdflow.schemas and kdflow.tasks imports without pulling Prefect in, nor torch.compile's
-    tracer (torch._dynamo: ~1.8 s of CPU in every teacher, tune and training worker; the compiled paths import it
-    when they run)."""
+    tracer (torch._dynamo, ~1.8 s of CPU: a process that loads a transformers model pays it there anyway, one that
+    only reads stores or imports captures need not; the compiled paths import it when they run)."""
     names = [name for name in source_modules() if name.startswith(("kdflow.schemas", "kdflow.tasks"))]
     code = ("import importlib, sys\n"
             f"for name in {names!r}:\n"

@@ -63,5 +63,6 @@ def target_arch() -> int:
 def constant_under_compile() -> None:
     """Mark `target_arch` as a constant for torch.compile (`torch.compiler.assume_constant_result`), so a compiled
     body holding kdflow's kernels does not trace Triton's driver. Called before each compile of a teacher body, never
-    at import: the marker imports torch._dynamo, ~1.8 s of CPU that every teacher and tune worker would pay."""
+    at import: the marker imports torch._dynamo, ~1.8 s of CPU for every process that imports the teacher modules
+    without loading a model (loading one, transformers imports torch._dynamo itself)."""
     torch.compiler.assume_constant_result(target_arch)

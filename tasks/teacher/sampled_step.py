@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from kdflow.tasks.common.models import final_logit_transform, output_layer
-from kdflow.tasks.teacher.fused_moe import teacher_body_runner
 from kdflow.tasks.common.sampled import SampledTargets, cat_targets
+from kdflow.tasks.teacher.fused_moe import teacher_body_runner
 from kdflow.tasks.teacher.gemm_tiles import GemmTiles
 from kdflow.tasks.teacher.head_gemm import head_gemm_sample_stats
 from kdflow.tasks.teacher.sampled_tiles import TORCH_KERNELS, SampleKernels, tiled_sample
